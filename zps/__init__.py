@@ -1,0 +1,30 @@
+"""zps: a parameter server for distributed training on asyncio and ZeroMQ.
+
+Use ``zps.connect(address)`` (async) or ``zps.connect_sync(address)``
+(blocking) to reach a cluster started with ``zps-server``.
+"""
+
+from zps import errors, init, optim
+from zps.client import Client, connect
+from zps.errors import (
+    ShardUnavailableError,
+    ZpsError,
+    ZpsTimeoutError,
+)
+from zps.sync import SyncClient, connect_sync
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client",
+    "ShardUnavailableError",
+    "SyncClient",
+    "ZpsError",
+    "ZpsTimeoutError",
+    "__version__",
+    "connect",
+    "connect_sync",
+    "errors",
+    "init",
+    "optim",
+]

@@ -1,0 +1,7 @@
+"""``python -m zps ...`` is ``zps-server ...``."""
+
+import sys
+
+from zps.cli import server_main
+
+sys.exit(server_main())

@@ -1,0 +1,629 @@
+"""The worker-side client: ``zps.connect`` (async) and ``zps.connect_sync``.
+
+One DEALER socket to the broker carries every request, so many requests are
+in flight at once.  Each call is split by partition (ids by slot, dense
+tensors by chunk); the operations for one partition queued in the same loop
+turn are coalesced into one message (see :mod:`zps.batching`).  Every message
+carries ``(client_id, seq)``: a message re-sent after a map change is applied
+once.  Calls fail with a clear error rather than hang: ``ShardUnavailableError``
+when a partition has no live shard, ``ZpsTimeoutError`` past the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import zmq.asyncio
+
+from zps import transport
+from zps.batching import plan_batches
+from zps.codec import (
+    NO_COMPRESSION,
+    CompressPolicy,
+    Encoder,
+    Message,
+    MsgType,
+    Route,
+    array_from,
+    decode,
+    encode,
+)
+from zps.config import ClientConfig
+from zps.errors import (
+    BrokenError,
+    ClosedError,
+    ProtocolError,
+    RemoteError,
+    ShapeMismatchError,
+    ShardUnavailableError,
+    TableConflictError,
+    UnknownTableError,
+    ZpsTimeoutError,
+    remote_error,
+)
+from zps.hashing import name_hash
+from zps.init import Initializer, Zeros
+from zps.optim import SGD, Optimizer
+from zps.routing import (
+    ClusterMap,
+    chunk_partition,
+    dense_chunk_elems,
+    split_by_partition,
+)
+from zps.store.specs import DenseSpec, EmbeddingSpec, spec_from_wire
+
+log = logging.getLogger("zps.client")
+
+T = TypeVar("T")
+#: Retries of one message across map changes before the caller sees an error.
+MAX_ATTEMPTS = 20
+_RETRY_CODES = frozenset({"NOT_PRIMARY", "STALE_EPOCH"})
+
+
+@dataclass
+class _Op:
+    body: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    future: asyncio.Future[dict[str, Any]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+@dataclass
+class _Request:
+    req_id: int
+    partition: int
+    ops: list[_Op]
+    body: list[Any]  # header and payload frames, re-sent unchanged on retry
+    epoch: int
+    deadline: float
+    attempts: int = 1
+    parked: bool = False  # waiting for a newer map before it is re-sent
+
+    def fail(self, exc: BaseException) -> None:
+        for op in self.ops:
+            if not op.future.done():
+                op.future.set_exception(exc)
+
+
+@dataclass
+class ClientStats:
+    requests: int = 0
+    ops: int = 0
+    retries: int = 0
+    bytes_out: int = 0
+    by_partition: collections.Counter[int] = field(default_factory=collections.Counter)
+
+
+class Client:
+    """An asyncio client; use ``async with zps.connect(address) as ps``."""
+
+    def __init__(self, address: str, config: ClientConfig | None = None) -> None:
+        self.address = address
+        self.config = config or ClientConfig()
+        self.client_id = f"c-{uuid.uuid4().hex[:16]}".encode()
+        self.stats = ClientStats()
+        self._policy = CompressPolicy() if self.config.compress else NO_COMPRESSION
+        self._map: ClusterMap | None = None
+        self._map_event = asyncio.Event()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pending: dict[int, _Request] = {}
+        self._queue: dict[int, list[_Op]] = collections.defaultdict(list)
+        self._wake = asyncio.Event()
+        self._req_ids = itertools.count(1)
+        self._seqs = itertools.count(1)
+        self._specs: dict[str, DenseSpec | EmbeddingSpec] = {}
+        self._status_waiters: collections.deque[asyncio.Future[dict[str, Any]]] = (
+            collections.deque()
+        )
+        self._closed = False
+        self._started = False
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def __aenter__(self) -> Client:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._ctx = transport.new_context()
+        self._sock = transport.dealer(
+            self._ctx, self.address, self.client_id, max_message_bytes=self.config.max_message_bytes
+        )
+        tg = await self._stack.enter_async_context(asyncio.TaskGroup())
+        self._tasks = [
+            tg.create_task(self._recv_loop()),
+            tg.create_task(self._flush_loop()),
+            tg.create_task(self._heartbeat_loop()),
+        ]
+        await self._hello()
+        try:
+            await asyncio.wait_for(self._map_event.wait(), self.config.connect_timeout)
+        except TimeoutError:
+            await self.close()
+            raise ZpsTimeoutError(
+                f"no answer from the broker at {self.address} within "
+                f"{self.config.connect_timeout:g}s (is `zps-server broker` running there?)"
+            ) from None
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._sock is not None and not self._sock.closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    transport.send(self._sock, encode(Route(MsgType.BYE), {})), 1.0
+                )
+        for t in self._tasks:
+            t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._stack.aclose()
+        err = ClosedError("the client was closed")
+        for req in self._pending.values():
+            req.fail(err)
+        self._pending.clear()
+        for ops in self._queue.values():
+            for op in ops:
+                if not op.future.done():
+                    op.future.set_exception(err)
+        self._queue.clear()
+        if self._sock is not None:
+            transport.close(self._sock)
+        if self._ctx is not None:
+            transport.term(self._ctx)
+
+    @property
+    def cluster_map(self) -> ClusterMap:
+        if self._map is None:
+            raise ClosedError("the client is not connected")
+        return self._map
+
+    # -- tables --------------------------------------------------------------
+
+    async def create_dense(
+        self,
+        name: str,
+        shape: int | Sequence[int],
+        dtype: str = "float32",
+        *,
+        init: Initializer | None = None,
+        optimizer: Optimizer | None = None,
+        seed: int | None = None,
+    ) -> None:
+        """Create a dense tensor on the servers (idempotent for an identical spec)."""
+        shape_t = (
+            (int(shape),) if isinstance(shape, int | np.integer) else tuple(int(d) for d in shape)
+        )
+        size = int(np.prod(shape_t, dtype=np.int64))
+        chunk = dense_chunk_elems(size, np.dtype(dtype).itemsize, self.cluster_map.n_partitions)
+        spec = DenseSpec(
+            name=name,
+            shape=shape_t,
+            dtype=str(dtype),
+            init=init or Zeros(),
+            optimizer=optimizer or SGD(),
+            seed=_seed(name, seed),
+            chunk_elems=chunk,
+        )
+        await self._create(spec)
+
+    async def create_embedding(
+        self,
+        name: str,
+        dim: int,
+        dtype: str = "float32",
+        *,
+        init: Initializer | None = None,
+        optimizer: Optimizer | None = None,
+        seed: int | None = None,
+    ) -> None:
+        """Create an embedding table ``id -> row[dim]`` (idempotent for an identical spec)."""
+        spec = EmbeddingSpec(
+            name=name,
+            dim=int(dim),
+            dtype=str(dtype),
+            init=init or Zeros(),
+            optimizer=optimizer or SGD(),
+            seed=_seed(name, seed),
+        )
+        await self._create(spec)
+
+    async def _create(self, spec: DenseSpec | EmbeddingSpec) -> None:
+        wire = spec.to_wire()
+        # Every partition keeps every spec: embedding rows live everywhere and
+        # any partition can describe any table to a client that did not create it.
+        results = await self._gather(
+            self._submit(p, {"op": "create", "spec": wire}, {})
+            for p in range(self.cluster_map.n_partitions)
+        )
+        del results
+        self._specs[spec.name] = spec
+
+    async def _spec(self, name: str) -> DenseSpec | EmbeddingSpec:
+        spec = self._specs.get(name)
+        if spec is None:
+            partition = int(self.cluster_map.slot_map[name_hash(name) % self.cluster_map.n_slots])
+            result = await self._submit(partition, {"op": "tables"}, {})
+            for wire in result["tables"]:
+                s = spec_from_wire(wire)
+                self._specs.setdefault(s.name, s)
+            spec = self._specs.get(name)
+            if spec is None:
+                raise UnknownTableError(f"unknown table {name!r}")
+        return spec
+
+    async def _dense_spec(self, name: str) -> DenseSpec:
+        spec = await self._spec(name)
+        if not isinstance(spec, DenseSpec):
+            raise TableConflictError(f"table {name!r} is an embedding table, not a dense tensor")
+        return spec
+
+    async def _embedding_spec(self, name: str) -> EmbeddingSpec:
+        spec = await self._spec(name)
+        if not isinstance(spec, EmbeddingSpec):
+            raise TableConflictError(f"table {name!r} is a dense tensor, not an embedding table")
+        return spec
+
+    # -- dense ---------------------------------------------------------------
+
+    async def pull_dense(self, name: str) -> np.ndarray:
+        """The current value of a dense tensor (a fresh, writable array)."""
+        spec = await self._dense_spec(name)
+        by_part: dict[int, list[int]] = collections.defaultdict(list)
+        for c in range(spec.n_chunks):
+            by_part[chunk_partition(name, c, self.cluster_map)].append(c)
+        out = np.empty(spec.size, dtype=spec.dtype)
+        futures = [
+            self._submit(p, {"op": "pull_dense", "t": name, "chunks": chunks}, {})
+            for p, chunks in by_part.items()
+        ]
+        for chunks, result in zip(by_part.values(), await self._gather(futures), strict=True):
+            for c, arr in zip(chunks, result["arrays"], strict=True):
+                start, stop = spec.chunk_range(c)
+                if arr.shape != (stop - start,):
+                    raise ProtocolError(f"chunk {c} of {name!r} came back with shape {arr.shape}")
+                out[start:stop] = arr
+        return out.reshape(spec.shape)
+
+    async def push_dense(self, name: str, grad: npt.ArrayLike) -> None:
+        """Send a gradient; returns once every partition acknowledged its part."""
+        spec = await self._dense_spec(name)
+        g = _as_float(grad, spec.dtype, f"gradient for {name!r}")
+        if g.shape != spec.shape:
+            raise ShapeMismatchError(
+                f"gradient for {name!r} has shape {g.shape}; the tensor has shape {spec.shape}"
+            )
+        flat = g.reshape(-1)
+        futures = []
+        for c in range(spec.n_chunks):
+            start, stop = spec.chunk_range(c)
+            futures.append(
+                self._submit(
+                    chunk_partition(name, c, self.cluster_map),
+                    {"op": "push_dense", "t": name, "chunk": c},
+                    {"g": flat[start:stop]},
+                )
+            )
+        await self._gather(futures)
+
+    # -- embeddings ----------------------------------------------------------
+
+    async def pull_rows(self, name: str, ids: npt.ArrayLike) -> np.ndarray:
+        """Rows for ``ids`` (duplicates allowed), shape ``(len(ids), dim)``."""
+        spec = await self._embedding_spec(name)
+        id_arr = _as_ids(ids)
+        uniq, inverse = np.unique(id_arr, return_inverse=True)
+        rows = np.empty((uniq.size, spec.dim), dtype=spec.dtype)
+        parts = list(split_by_partition(uniq, self.cluster_map))
+        results = await self._gather(
+            self._submit(p, {"op": "pull_rows", "t": name}, {"ids": uniq[pos]}) for p, pos in parts
+        )
+        for (_, pos), result in zip(parts, results, strict=True):
+            arr = result["arrays"]
+            if arr.shape != (pos.size, spec.dim):
+                raise ProtocolError(f"pull_rows of {name!r} came back with shape {arr.shape}")
+            rows[pos] = arr
+        return rows[inverse.reshape(-1)]
+
+    async def push_rows(self, name: str, ids: npt.ArrayLike, grads: npt.ArrayLike) -> None:
+        """Send row gradients; duplicate ids' gradients are summed by the shard."""
+        spec = await self._embedding_spec(name)
+        id_arr = _as_ids(ids)
+        g = _as_float(grads, spec.dtype, f"gradients for {name!r}")
+        if g.shape != (id_arr.size, spec.dim):
+            raise ShapeMismatchError(
+                f"gradients for {name!r} have shape {g.shape}; expected "
+                f"({id_arr.size}, {spec.dim}) for {id_arr.size} ids of dim {spec.dim}"
+            )
+        await self._gather(
+            self._submit(p, {"op": "push_rows", "t": name}, {"ids": id_arr[pos], "g": g[pos]})
+            for p, pos in split_by_partition(id_arr, self.cluster_map)
+        )
+
+    # -- introspection -------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        """The broker's status report (as ``zps-server status --json`` prints it)."""
+        assert self._sock is not None
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._status_waiters.append(fut)
+        await transport.send(self._sock, encode(Route(MsgType.STATUS), {}))
+        try:
+            return await asyncio.wait_for(fut, self.config.timeout)
+        except TimeoutError:
+            raise ZpsTimeoutError("the broker did not answer the status request") from None
+
+    async def checksums(self) -> dict[int, dict[str, Any]]:
+        """Per partition: checksum of all its tables and its LSN."""
+        n = self.cluster_map.n_partitions
+        results = await self._gather(self._submit(p, {"op": "checksum"}, {}) for p in range(n))
+        return {p: {"checksum": r["checksum"], "lsn": r["lsn"]} for p, r in enumerate(results)}
+
+    # -- request machinery ---------------------------------------------------
+
+    def _submit(
+        self, partition: int, body: dict[str, Any], arrays: dict[str, np.ndarray]
+    ) -> asyncio.Future[dict[str, Any]]:
+        if self._closed:
+            raise ClosedError("the client was closed")
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._queue[partition].append(_Op(body, arrays, fut))
+        self._wake.set()
+        return fut
+
+    async def _gather(self, futures: Iterable[Awaitable[T]]) -> list[T]:
+        tasks = list(futures)
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:  # don't leave "exception never retrieved" behind
+                if isinstance(t, asyncio.Future) and t.done() and not t.cancelled():
+                    t.exception()
+            raise
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            queued, self._queue = self._queue, collections.defaultdict(list)
+            for partition, ops in queued.items():
+                sizes = [op.nbytes for op in ops]
+                for a, b in plan_batches(
+                    sizes, self.config.batch_max_ops, self.config.batch_max_bytes
+                ):
+                    await self._send_request(partition, ops[a:b])
+
+    async def _send_request(self, partition: int, ops: list[_Op]) -> None:
+        cmap = self.cluster_map
+        info = cmap.partitions.get(partition)
+        if info is None or info.primary is None:
+            err = ShardUnavailableError(f"partition {partition} has no live shard")
+            for op in ops:
+                if not op.future.done():
+                    op.future.set_exception(err)
+            return
+        enc = Encoder(self._policy)
+        bodies = []
+        for op in ops:
+            body = dict(op.body)
+            for key, arr in op.arrays.items():
+                body[key] = enc.array(arr)
+            bodies.append(body)
+        header = {"cid": self.client_id, "seq": next(self._seqs), "ops": bodies}
+        req_id = next(self._req_ids)
+        frames = enc.build(Route(MsgType.REQUEST, partition, info.epoch, req_id), header)
+        req = _Request(
+            req_id, partition, ops, frames[1:], info.epoch, time.monotonic() + self.config.timeout
+        )
+        self._pending[req_id] = req
+        self.stats.requests += 1
+        self.stats.ops += len(ops)
+        self.stats.by_partition[partition] += 1
+        self.stats.bytes_out += sum(len(f) for f in frames)
+        await self._transmit(req, frames)
+
+    async def _transmit(self, req: _Request, frames: list[Any]) -> None:
+        assert self._sock is not None
+        try:
+            await transport.send(self._sock, frames)
+        except (ClosedError, BrokenError) as e:
+            self._pending.pop(req.req_id, None)
+            req.fail(e if isinstance(e, ClosedError) else ClosedError(str(e)))
+
+    async def _resend(self, req: _Request) -> None:
+        info = self.cluster_map.partitions.get(req.partition)
+        if info is None or info.primary is None:
+            self._pending.pop(req.req_id, None)
+            req.fail(
+                ShardUnavailableError(
+                    f"partition {req.partition} has no live shard (its shard died)"
+                )
+            )
+            return
+        if req.attempts >= MAX_ATTEMPTS:
+            self._pending.pop(req.req_id, None)
+            req.fail(
+                ShardUnavailableError(
+                    f"partition {req.partition}: gave up after {req.attempts} attempts"
+                )
+            )
+            return
+        req.attempts += 1
+        req.parked = False
+        req.epoch = info.epoch
+        self.stats.retries += 1
+        route = Route(MsgType.REQUEST, req.partition, info.epoch, req.req_id)
+        await self._transmit(req, [route.pack(), *req.body])
+
+    async def _hello(self) -> None:
+        assert self._sock is not None
+        await transport.send(
+            self._sock,
+            encode(
+                Route(MsgType.HELLO),
+                {"host": socket.gethostname(), "pid": os.getpid(), "name": self.config.name},
+            ),
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        assert self._sock is not None
+        interval = self.config.heartbeat.interval
+        while True:
+            await asyncio.sleep(interval)
+            await transport.send(self._sock, encode(Route(MsgType.HEARTBEAT), {}))
+            now = time.monotonic()
+            expired = [r for r in self._pending.values() if r.deadline < now]
+            for req in expired:
+                del self._pending[req.req_id]
+                req.fail(
+                    ZpsTimeoutError(
+                        f"request to partition {req.partition} not answered within "
+                        f"{self.config.timeout:g}s"
+                    )
+                )
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                burst = await transport.recv_burst(self._sock)
+            except ClosedError:
+                return
+            for frames in burst:
+                try:
+                    msg = decode([transport.frame_buffer(f) for f in frames])
+                    await self._dispatch(msg)
+                except ProtocolError as e:
+                    log.warning("dropped a malformed message from the broker: %s", e)
+
+    async def _dispatch(self, msg: Message) -> None:
+        match msg.route.mtype:
+            case MsgType.REPLY:
+                await self._on_reply(msg)
+            case MsgType.MAP:
+                await self._on_map(ClusterMap.from_wire(msg.header.get("map")))
+            case MsgType.STATUS:
+                if self._status_waiters:
+                    fut = self._status_waiters.popleft()
+                    if not fut.done():
+                        fut.set_result(msg.header)
+            case MsgType.HELLO:  # the broker restarted and does not know us
+                await self._hello()
+            case MsgType.HEARTBEAT:
+                pass
+            case _:
+                raise ProtocolError(f"a client does not expect {msg.route.mtype.name}")
+
+    async def _on_map(self, new: ClusterMap) -> None:
+        old = self._map
+        if old is not None and new.version < old.version:
+            return
+        self._map = new
+        self._map_event.set()
+        for req in list(self._pending.values()):
+            info = new.partitions.get(req.partition)
+            if req.parked or info is None or info.primary is None or info.epoch != req.epoch:
+                await self._resend(req)
+
+    async def _on_reply(self, msg: Message) -> None:
+        req = self._pending.get(msg.route.req_id)
+        if req is None:
+            return  # a late answer to a request that was already answered or timed out
+        header = msg.header
+        status = header.get("st")
+        if status in _RETRY_CODES:
+            # The map we routed by is out of date; park until a newer one arrives.
+            req.parked = True
+            await self._hello()
+            return
+        del self._pending[req.req_id]
+        if status != "OK":
+            req.fail(remote_error(str(status), str(header.get("msg", ""))))
+            return
+        results = header.get("res")
+        if not isinstance(results, list) or len(results) != len(req.ops):
+            req.fail(ProtocolError("reply does not match the request's operations"))
+            return
+        for op, res in zip(req.ops, results, strict=True):
+            if op.future.done():
+                continue
+            try:
+                op.future.set_result(self._result(res, msg))
+            except (ProtocolError, RemoteError) as e:
+                op.future.set_exception(e)
+
+    def _result(self, res: object, msg: Message) -> dict[str, Any]:
+        if not isinstance(res, dict):
+            raise ProtocolError("operation result is not a map")
+        st = res.get("st")
+        if st != "OK":
+            raise remote_error(str(st), str(res.get("msg", "")))
+        desc = res.get("a")
+        if desc is not None:
+            limit = self.config.max_message_bytes
+            if isinstance(desc, list) and desc and isinstance(desc[0], list):
+                res["arrays"] = [array_from(d, msg.payloads, max_bytes=limit) for d in desc]
+            else:
+                res["arrays"] = array_from(desc, msg.payloads, max_bytes=limit)
+        return res
+
+
+def transport_errors() -> type[Exception]:
+    from zps.errors import BrokenError
+
+    return BrokenError
+
+
+def _seed(name: str, seed: int | None) -> int:
+    return name_hash(name) if seed is None else int(seed)
+
+
+def _as_ids(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise ShapeMismatchError(f"ids must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ShapeMismatchError(f"ids must be integers, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _as_float(values: npt.ArrayLike, dtype: str, what: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+        raise ShapeMismatchError(f"{what} must be numeric, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+def connect(address: str, config: ClientConfig | None = None, **options: Any) -> Client:
+    """An async client; use as ``async with zps.connect(address) as ps``.
+
+    ``options`` are :class:`~zps.config.ClientConfig` fields (``timeout=5.0``).
+    """
+    if options:
+        config = ClientConfig(**{**vars(config or ClientConfig()), **options})
+    return Client(address, config)

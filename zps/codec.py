@@ -1,0 +1,237 @@
+"""Pure encoding and decoding of zps multipart messages.
+
+A message, after any ROUTER envelope frames, is::
+
+    [route][header][payload 0][payload 1]...
+
+* ``route`` is a fixed 20-byte struct (:data:`ROUTE`): magic ``b"ZP"``, protocol
+  version, message type, partition, epoch and request id.  The broker reads
+  only this frame; it never touches the header or payloads.
+* ``header`` is a msgpack map.
+* payload frames hold raw array bytes, zstd-compressed per frame when that
+  shrinks the frame enough to pay.  Arrays are described in the header by a
+  4-item list ``[frame index, dtype, shape, codec]`` and decoded as zero-copy
+  ``np.frombuffer`` views over the received frames (read-only).
+
+Rule: :func:`decode` and :func:`array_from` either return a well-formed value
+or raise :class:`~zps.errors.ProtocolError`; never any other exception, for
+any input.  This module does no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import zstandard
+
+from zps.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAGIC = b"ZP"
+ROUTE = struct.Struct("<2sBBiIQ")
+NO_PARTITION = -1
+
+#: dtypes that may travel as arrays; anything else is a protocol error.
+WIRE_DTYPES: frozenset[str] = frozenset(
+    {"float16", "float32", "float64", "int32", "int64", "uint8", "uint32", "uint64"}
+)
+
+CODEC_RAW = 0
+CODEC_ZSTD = 1
+
+#: Default largest message a process accepts (also the zmq MAXMSGSIZE).
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+
+class MsgType(enum.IntEnum):
+    """Every message type on the wire."""
+
+    REQUEST = 1  # client -> shard (via broker): data operations
+    REPLY = 2  # shard -> client (via broker), or broker -> client on routing errors
+    HELLO = 3  # client -> broker: join, ask for the cluster map
+    MAP = 4  # broker -> client/shard: the cluster map
+    HEARTBEAT = 5  # any direction; any traffic counts as a heartbeat too
+    REGISTER = 6  # shard -> broker
+    ASSIGN = 7  # broker -> shard: partition, role, epoch
+    STATUS = 8  # client -> broker: ask for the status report; reply has the same type
+    BYE = 9  # orderly departure
+
+
+BufferLike = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    mtype: MsgType
+    partition: int = NO_PARTITION
+    epoch: int = 0
+    req_id: int = 0
+
+    def pack(self) -> bytes:
+        return ROUTE.pack(
+            MAGIC, PROTOCOL_VERSION, self.mtype, self.partition, self.epoch, self.req_id
+        )
+
+
+def unpack_route(buf: BufferLike) -> Route:
+    """Parse a route frame, raising ProtocolError on anything malformed."""
+    if len(buf) != ROUTE.size:
+        raise ProtocolError(f"route frame must be {ROUTE.size} bytes, got {len(buf)}")
+    magic, version, mtype, partition, epoch, req_id = ROUTE.unpack(buf)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r} in route frame")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this is {PROTOCOL_VERSION})")
+    try:
+        kind = MsgType(mtype)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {mtype}") from None
+    return Route(kind, partition, epoch, req_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    route: Route
+    header: dict[str, Any]
+    payloads: Sequence[BufferLike]
+
+
+@dataclass(frozen=True, slots=True)
+class CompressPolicy:
+    """When a payload frame is worth compressing.
+
+    Frames smaller than ``min_bytes`` go raw.  Larger ones are compressed only
+    if a sample of them shrinks below ``max_ratio`` (float32 gradients
+    barely compress; ids and zero-heavy data do), so the check costs little.
+    """
+
+    min_bytes: int = 16 * 1024
+    max_ratio: float = 0.75
+    level: int = 1
+    sample_bytes: int = 16 * 1024
+    enabled: bool = True
+
+
+NO_COMPRESSION = CompressPolicy(enabled=False)
+
+
+class Encoder:
+    """Collects payload frames for one message and builds it."""
+
+    __slots__ = ("_compressor", "_policy", "frames")
+
+    def __init__(self, policy: CompressPolicy = NO_COMPRESSION) -> None:
+        self._policy = policy
+        self._compressor: zstandard.ZstdCompressor | None = None
+        self.frames: list[BufferLike] = []
+
+    def array(self, arr: np.ndarray) -> list[Any]:
+        """Add ``arr`` as a payload frame; return its header descriptor."""
+        arr = np.ascontiguousarray(arr)
+        dtype = arr.dtype.name
+        if dtype not in WIRE_DTYPES:
+            raise ValueError(f"dtype {dtype} cannot be sent; use one of {sorted(WIRE_DTYPES)}")
+        raw = memoryview(arr).cast("B") if arr.size else b""
+        codec = CODEC_RAW
+        data: BufferLike = raw
+        policy = self._policy
+        if policy.enabled and len(raw) >= policy.min_bytes:
+            if self._compressor is None:
+                self._compressor = zstandard.ZstdCompressor(level=policy.level)
+            sample = raw[: policy.sample_bytes]
+            if len(self._compressor.compress(sample)) <= policy.max_ratio * len(sample):
+                packed = self._compressor.compress(raw)
+                if len(packed) <= policy.max_ratio * len(raw):
+                    data, codec = packed, CODEC_ZSTD
+        self.frames.append(data)
+        return [len(self.frames) - 1, dtype, list(arr.shape), codec]
+
+    def build(self, route: Route, header: dict[str, Any]) -> list[BufferLike]:
+        return [route.pack(), msgpack.packb(header, use_bin_type=True), *self.frames]
+
+
+def encode(route: Route, header: dict[str, Any]) -> list[BufferLike]:
+    """A message without payload frames."""
+    return [route.pack(), msgpack.packb(header, use_bin_type=True)]
+
+
+def decode(frames: Sequence[BufferLike], max_header_bytes: int = 1 << 20) -> Message:
+    """Parse ``[route, header, payloads...]``; ProtocolError on anything malformed."""
+    if len(frames) < 2:
+        raise ProtocolError(f"message has {len(frames)} frames; needs route and header")
+    route = unpack_route(frames[0])
+    raw = frames[1]
+    if len(raw) > max_header_bytes:
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds {max_header_bytes}")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises many types for garbage
+        raise ProtocolError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a map, got {type(header).__name__}")
+    return Message(route, header, frames[2:])
+
+
+def array_from(desc: object, payloads: Sequence[BufferLike], *, max_bytes: int) -> np.ndarray:
+    """Decode the array that descriptor ``desc`` names, validating everything.
+
+    Raw frames become zero-copy read-only views; zstd frames are decompressed
+    into a buffer of exactly the declared size, never more.
+    """
+    if not isinstance(desc, list) or len(desc) != 4:
+        raise ProtocolError(
+            f"array descriptor must be [frame, dtype, shape, codec], got {desc!r}"[:200]
+        )
+    index, dtype, shape, codec = desc
+    if type(index) is not int or not 0 <= index < len(payloads):
+        raise ProtocolError(
+            f"array frame index {index!r} out of range (message has {len(payloads)} payload frames)"
+        )
+    if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+        raise ProtocolError(f"array dtype {dtype!r} is not allowed")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > 8
+        or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape)
+    ):
+        raise ProtocolError(f"array shape {shape!r} is invalid"[:200])
+    itemsize = np.dtype(dtype).itemsize
+    nbytes = math.prod(shape) * itemsize
+    if nbytes > max_bytes:
+        raise ProtocolError(f"array of shape {shape} ({nbytes} bytes) exceeds limit {max_bytes}")
+    frame = payloads[index]
+    if codec == CODEC_RAW:
+        if len(frame) != nbytes:
+            raise ProtocolError(
+                f"array frame has {len(frame)} bytes; shape {shape} of {dtype} needs {nbytes}"
+            )
+        buf: BufferLike = frame
+    elif codec == CODEC_ZSTD:
+        # Check the size the frame declares before zstd allocates for it: a
+        # hostile frame could otherwise claim gigabytes.
+        try:
+            declared = zstandard.frame_content_size(frame)
+        except zstandard.ZstdError as e:
+            raise ProtocolError(f"bad zstd frame: {e}") from None
+        if declared != nbytes:
+            raise ProtocolError(
+                f"zstd frame declares {declared} bytes; shape {shape} of {dtype} needs {nbytes}"
+            )
+        try:
+            buf = zstandard.ZstdDecompressor().decompress(frame, max_output_size=nbytes)
+        except zstandard.ZstdError as e:
+            raise ProtocolError(f"bad zstd frame: {e}") from None
+        if len(buf) != nbytes:
+            raise ProtocolError(
+                f"zstd frame inflates to {len(buf)} bytes; shape {shape} of {dtype} needs {nbytes}"
+            )
+    else:
+        raise ProtocolError(f"unknown codec {codec!r}")
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)

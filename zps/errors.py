@@ -1,0 +1,113 @@
+"""The one exception hierarchy of zps.
+
+Every error a caller can see derives from :class:`ZpsError`.  Errors that a
+server reports travel as a status code plus a message (see :mod:`zps.status`)
+and are raised on the client as the matching subclass of :class:`RemoteError`.
+"""
+
+from __future__ import annotations
+
+
+class ZpsError(Exception):
+    """Base class of every zps error."""
+
+
+class ConfigError(ZpsError, ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+
+class ProtocolError(ZpsError):
+    """A message on the wire is malformed or violates the protocol."""
+
+
+class ClosedError(ZpsError):
+    """The object was closed by its owner and can no longer be used."""
+
+
+class BrokenError(ZpsError):
+    """Something outside this process broke the connection or the peer."""
+
+
+class ZpsTimeoutError(ZpsError, TimeoutError):
+    """A request was not answered within its deadline."""
+
+
+class RemoteError(ZpsError):
+    """A server answered a request with an error status."""
+
+    code: str = "ERROR"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class BadRequestError(RemoteError, ValueError):
+    code = "BAD_REQUEST"
+
+
+class UnknownTableError(RemoteError, KeyError):
+    code = "UNKNOWN_TABLE"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else self.code
+
+
+class ShapeMismatchError(RemoteError, ValueError):
+    code = "SHAPE_MISMATCH"
+
+
+class TableConflictError(RemoteError, ValueError):
+    """``create_*`` named an existing table with a different spec."""
+
+    code = "TABLE_CONFLICT"
+
+
+class ShardUnavailableError(RemoteError):
+    """No live shard serves the partition a request needs."""
+
+    code = "SHARD_UNAVAILABLE"
+
+
+class NotPrimaryError(RemoteError):
+    code = "NOT_PRIMARY"
+
+
+class StaleEpochError(RemoteError):
+    code = "STALE_EPOCH"
+
+
+class OverloadedError(RemoteError):
+    code = "OVERLOADED"
+
+
+class UnauthorizedError(RemoteError):
+    code = "UNAUTHORIZED"
+
+
+class InternalError(RemoteError):
+    code = "INTERNAL"
+
+
+_BY_CODE: dict[str, type[RemoteError]] = {
+    cls.code: cls
+    for cls in (
+        BadRequestError,
+        UnknownTableError,
+        ShapeMismatchError,
+        TableConflictError,
+        ShardUnavailableError,
+        NotPrimaryError,
+        StaleEpochError,
+        OverloadedError,
+        UnauthorizedError,
+        InternalError,
+    )
+}
+
+
+def remote_error(code: str, message: str) -> RemoteError:
+    """Build the exception matching a status code received from a server."""
+    cls = _BY_CODE.get(code, RemoteError)
+    return cls(message, code=code)

@@ -1,0 +1,43 @@
+"""Failure detection by heartbeat, with time passed in.
+
+A peer is alive while it has been heard from within ``interval * liveness``
+seconds.  Any traffic counts as a heartbeat: drivers call :meth:`seen` for
+every message.  No clock is read here; tests drive ``now`` by hand.
+"""
+
+from __future__ import annotations
+
+
+class FailureDetector:
+    __slots__ = ("_last", "interval", "liveness")
+
+    def __init__(self, interval: float, liveness: int) -> None:
+        if interval <= 0 or liveness < 1:
+            raise ValueError("heartbeat interval must be > 0 and liveness >= 1")
+        self.interval = interval
+        self.liveness = liveness
+        self._last: dict[str, float] = {}
+
+    @property
+    def timeout(self) -> float:
+        return self.interval * self.liveness
+
+    def seen(self, node: str, now: float) -> None:
+        self._last[node] = now
+
+    def forget(self, node: str) -> None:
+        self._last.pop(node, None)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._last
+
+    def last_seen(self, node: str) -> float | None:
+        return self._last.get(node)
+
+    def tick(self, now: float) -> list[str]:
+        """Remove and return the peers silent for longer than the timeout."""
+        deadline = now - self.timeout
+        dead = [node for node, last in self._last.items() if last < deadline]
+        for node in dead:
+            del self._last[node]
+        return dead

@@ -1,0 +1,149 @@
+"""Where data lives: ids and dense chunks -> slots -> partitions.
+
+``slot = mix64(id) % n_slots`` and ``partition = slot_map[slot]``.  The slot
+count is fixed for the life of a cluster, so partitions can later be added or
+moved by reassigning slots without rehashing ids.  Dense tensors are cut into
+chunks; chunk ``i`` of tensor ``name`` sits on slot ``(name_hash + i) %
+n_slots``, which spreads a big tensor over every partition.
+
+Pure functions over numpy arrays; no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from zps.errors import ProtocolError
+from zps.hashing import mix64, name_hash
+
+DEFAULT_SLOTS = 4096
+
+I64 = npt.NDArray[np.int64]
+
+
+def default_slot_map(n_slots: int, n_partitions: int) -> npt.NDArray[np.int32]:
+    """Round-robin slots over partitions: an even spread for ids and chunks."""
+    return (np.arange(n_slots, dtype=np.int64) % n_partitions).astype(np.int32)
+
+
+@dataclass(frozen=True)
+class PartitionInfo:
+    """What the cluster map says of one partition."""
+
+    epoch: int = 0
+    primary: str | None = None
+    replicas: tuple[str, ...] = ()
+    in_sync: tuple[str, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "primary": self.primary,
+            "replicas": list(self.replicas),
+            "in_sync": list(self.in_sync),
+        }
+
+
+@dataclass(frozen=True)
+class ClusterMap:
+    """A versioned, immutable picture of the cluster; a change makes a new map."""
+
+    version: int
+    n_slots: int
+    slot_map: npt.NDArray[np.int32]
+    partitions: Mapping[int, PartitionInfo] = field(default_factory=dict)
+
+    @property
+    def n_partitions(self) -> int:
+        return len(self.partitions)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "n_slots": self.n_slots,
+            "slot_map": self.slot_map.astype("<i4").tobytes(),
+            "partitions": {str(p): info.to_wire() for p, info in sorted(self.partitions.items())},
+        }
+
+    @staticmethod
+    def from_wire(obj: object) -> ClusterMap:
+        """Parse a map received from the broker (ProtocolError if malformed)."""
+
+        def need(cond: bool, what: str) -> None:
+            if not cond:
+                raise ValueError(what)
+
+        try:
+            need(isinstance(obj, dict), "not a map")
+            assert isinstance(obj, dict)  # for the type checker
+            version, n_slots, raw = obj["version"], obj["n_slots"], obj["slot_map"]
+            need(type(version) is int and type(n_slots) is int and n_slots > 0, "bad sizes")
+            need(isinstance(raw, bytes) and len(raw) == 4 * n_slots, "bad slot_map")
+            slot_map = np.frombuffer(raw, dtype="<i4").astype(np.int32)
+            parts: dict[int, PartitionInfo] = {}
+            for key, info in obj["partitions"].items():
+                primary = info["primary"]
+                need(primary is None or isinstance(primary, str), "bad primary")
+                parts[int(key)] = PartitionInfo(
+                    epoch=int(info["epoch"]),
+                    primary=primary,
+                    replicas=tuple(str(r) for r in info["replicas"]),
+                    in_sync=tuple(str(r) for r in info["in_sync"]),
+                )
+            need(
+                slot_map.size == 0
+                or (int(slot_map.min()) >= 0 and int(slot_map.max()) < len(parts)),
+                "slot_map names unknown partitions",
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ProtocolError(f"malformed cluster map: {type(e).__name__} {e}") from None
+        return ClusterMap(version, n_slots, slot_map, parts)
+
+
+def partitions_of_ids(ids: I64, cmap: ClusterMap) -> npt.NDArray[np.int32]:
+    slots = (mix64(ids) % np.uint64(cmap.n_slots)).astype(np.int64)
+    return cmap.slot_map[slots]
+
+
+def split_by_partition(ids: I64, cmap: ClusterMap) -> Iterator[tuple[int, npt.NDArray[np.intp]]]:
+    """Yield ``(partition, positions)``: the positions in ``ids`` each partition owns."""
+    parts = partitions_of_ids(ids, cmap)
+    if parts.size == 0:
+        return
+    order = np.argsort(parts, kind="stable")
+    sorted_parts = parts[order]
+    bounds = np.flatnonzero(np.diff(sorted_parts)) + 1
+    starts = np.concatenate(([0], bounds))
+    stops = np.concatenate((bounds, [sorted_parts.size]))
+    for start, stop in zip(starts.tolist(), stops.tolist(), strict=True):
+        yield int(sorted_parts[start]), order[start:stop]
+
+
+def chunk_partition(name: str, chunk: int, cmap: ClusterMap) -> int:
+    return int(cmap.slot_map[(name_hash(name) + chunk) % cmap.n_slots])
+
+
+def dense_chunk_elems(
+    size: int,
+    itemsize: int,
+    n_partitions: int,
+    target_bytes: int = 2 << 20,
+    min_bytes: int = 256 << 10,
+) -> int:
+    """Elements per chunk for a dense tensor.
+
+    Small tensors stay whole (one chunk on one partition).  Large ones are cut
+    into chunks of about ``target_bytes`` and at least one chunk per partition,
+    so one big tensor keeps every shard busy.
+    """
+    nbytes = size * itemsize
+    if nbytes <= min_bytes or (n_partitions <= 1 and nbytes <= target_bytes):
+        return max(size, 1)
+    per_part = -(-nbytes // max(n_partitions, 1))
+    chunk_bytes = max(min_bytes, min(target_bytes, per_part))
+    return max(1, chunk_bytes // itemsize)

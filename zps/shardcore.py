@@ -1,0 +1,305 @@
+"""A shard's request handling, without I/O.
+
+``ShardCore.handle(route, header, payloads)`` runs the batched operations of
+one REQUEST against the partition's store and returns the reply frames.
+
+Rules:
+
+1. A request for another partition or epoch than the one this shard serves
+   is refused whole (``NOT_PRIMARY`` / ``STALE_EPOCH``) and changes nothing.
+2. Each operation gets its own status: one bad operation in a batch does not
+   fail its neighbours (they may come from different callers).
+3. A message is identified by ``(client_id, seq)``.  A retried message is not
+   applied twice: its mutations answer with the recorded status; its reads run
+   again (they are idempotent).
+4. Anything malformed becomes an error status naming what is wrong; no input
+   raises out of :meth:`ShardCore.handle`.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from zps.codec import BufferLike, CompressPolicy, Encoder, MsgType, Route, array_from
+from zps.errors import BadRequestError, ProtocolError, RemoteError
+from zps.store import PartitionStore, spec_from_wire
+
+MUTATIONS = frozenset({"create", "push_dense", "push_rows"})
+OK: dict[str, Any] = {"st": "OK"}
+
+
+@dataclass
+class Limits:
+    """Per-request limits; larger requests get BAD_REQUEST, not a crash."""
+
+    max_ops: int = 4096
+    max_array_bytes: int = 512 << 20
+    max_ids: int = 8 << 20
+
+
+@dataclass
+class ShardStats:
+    requests: int = 0
+    ops: int = 0
+    errors: int = 0
+    duplicates: int = 0
+    malformed: int = 0
+    bytes_in: int = 0
+    by_op: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+
+
+class DedupCache:
+    """Statuses of recently applied messages, keyed by ``(client_id, seq)``.
+
+    Bounded (oldest entries go first): a client retries within seconds, so a
+    window of the last ``capacity`` messages is ample.
+    """
+
+    def __init__(self, capacity: int = 200_000) -> None:
+        self.capacity = capacity
+        self._seen: collections.OrderedDict[tuple[bytes, int], list[dict[str, Any]]] = (
+            collections.OrderedDict()
+        )
+
+    def get(self, key: tuple[bytes, int]) -> list[dict[str, Any]] | None:
+        return self._seen.get(key)
+
+    def put(self, key: tuple[bytes, int], statuses: list[dict[str, Any]]) -> None:
+        self._seen[key] = statuses
+        while len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+def error_status(e: Exception) -> dict[str, Any]:
+    if isinstance(e, RemoteError):
+        return {"st": e.code, "msg": str(e)}
+    if isinstance(e, ProtocolError):
+        return {"st": "BAD_REQUEST", "msg": str(e)}
+    return {"st": "INTERNAL", "msg": f"{type(e).__name__}: {e}"}
+
+
+class ShardCore:
+    """Serves one partition; see the module rules."""
+
+    def __init__(
+        self,
+        *,
+        limits: Limits | None = None,
+        compress: CompressPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limits = limits or Limits()
+        self.compress = compress or CompressPolicy()
+        self.partition: int | None = None
+        self.epoch = 0
+        self.store = PartitionStore()
+        self.dedup = DedupCache()
+        self.lsn = 0
+        self.stats = ShardStats()
+        self._clock = clock
+
+    def assign(self, partition: int | None, epoch: int) -> None:
+        """Serve ``partition`` at ``epoch`` (None: serve nothing).
+
+        Data is kept when the partition stays the same (a re-registration
+        after a broker restart); a different partition starts empty.
+        """
+        if partition != self.partition:
+            self.store = PartitionStore()
+            self.dedup = DedupCache()
+            self.lsn = 0
+        self.partition, self.epoch = partition, epoch
+
+    # -- requests ------------------------------------------------------------
+
+    def handle(
+        self, route: Route, header: dict[str, Any], payloads: Sequence[BufferLike]
+    ) -> list[BufferLike]:
+        self.stats.requests += 1
+        self.stats.bytes_in += sum(len(p) for p in payloads)
+        reply_route = Route(MsgType.REPLY, route.partition, self.epoch, route.req_id)
+        enc = Encoder(self.compress)
+        refusal = self._refusal(route)
+        if refusal is not None:
+            self.stats.errors += 1
+            return enc.build(reply_route, refusal)
+        try:
+            ops, key = self._parse_header(header)
+        except ProtocolError as e:
+            self.stats.malformed += 1
+            return enc.build(reply_route, {"st": "BAD_REQUEST", "msg": str(e)})
+        cached = self.dedup.get(key) if key is not None else None
+        if cached is not None:
+            self.stats.duplicates += 1
+        results: list[dict[str, Any]] = []
+        recorded: list[dict[str, Any]] = []
+        for i, op in enumerate(ops):
+            name = op.get("op") if isinstance(op, dict) else None
+            if cached is not None and name in MUTATIONS:
+                results.append(cached[i] if i < len(cached) else OK)
+                recorded.append(results[-1])
+                continue
+            results.append(self._run(op, payloads, enc))
+            recorded.append(results[-1] if name in MUTATIONS else OK)
+        if (
+            key is not None
+            and cached is None
+            and any(isinstance(op, dict) and op.get("op") in MUTATIONS for op in ops)
+        ):
+            self.dedup.put(key, recorded)
+        return enc.build(reply_route, {"st": "OK", "res": results})
+
+    def _refusal(self, route: Route) -> dict[str, Any] | None:
+        if self.partition is None or route.partition != self.partition:
+            return {
+                "st": "NOT_PRIMARY",
+                "msg": f"this shard does not serve partition {route.partition}",
+            }
+        if route.epoch != self.epoch:
+            return {
+                "st": "STALE_EPOCH",
+                "msg": f"request for epoch {route.epoch}; partition {self.partition} "
+                f"is at epoch {self.epoch}",
+            }
+        return None
+
+    def _parse_header(self, header: dict[str, Any]) -> tuple[list[Any], tuple[bytes, int] | None]:
+        ops = header.get("ops")
+        if not isinstance(ops, list) or not ops:
+            raise ProtocolError("request header needs a non-empty list 'ops'")
+        if len(ops) > self.limits.max_ops:
+            raise ProtocolError(
+                f"{len(ops)} operations in one request exceed the limit of {self.limits.max_ops}"
+            )
+        cid, seq = header.get("cid"), header.get("seq")
+        if cid is None and seq is None:
+            return ops, None
+        if not isinstance(cid, bytes) or not 0 < len(cid) <= 64 or type(seq) is not int:
+            raise ProtocolError("'cid' must be 1-64 bytes and 'seq' an integer")
+        return ops, (cid, seq)
+
+    def _run(self, op: object, payloads: Sequence[BufferLike], enc: Encoder) -> dict[str, Any]:
+        self.stats.ops += 1
+        try:
+            if not isinstance(op, dict):
+                raise BadRequestError(f"operation must be a map, got {type(op).__name__}")
+            name = op.get("op")
+            if not isinstance(name, str):
+                raise BadRequestError("operation lacks a string 'op'")
+            self.stats.by_op[name] += 1
+            handler = _HANDLERS.get(name)
+            if handler is None:
+                raise BadRequestError(f"unknown operation {name!r}"[:120])
+            result = handler(self, op, payloads, enc)
+            if name in MUTATIONS:
+                self.lsn += 1
+            return result
+        except Exception as e:  # rule 4: every failure becomes a status
+            self.stats.errors += 1
+            return error_status(e)
+
+    # -- operations ----------------------------------------------------------
+
+    def _array(self, op: dict[str, Any], key: str, payloads: Sequence[BufferLike]) -> np.ndarray:
+        if key not in op:
+            raise BadRequestError(f"operation {op.get('op')!r} lacks array {key!r}")
+        return array_from(op[key], payloads, max_bytes=self.limits.max_array_bytes)
+
+    def _table_name(self, op: dict[str, Any]) -> str:
+        name = op.get("t")
+        if not isinstance(name, str):
+            raise BadRequestError(f"operation {op.get('op')!r} needs a table name 't'")
+        return name
+
+    def _ids(self, op: dict[str, Any], payloads: Sequence[BufferLike]) -> np.ndarray:
+        ids = self._array(op, "ids", payloads)
+        if ids.dtype != np.int64 or ids.ndim != 1:
+            raise BadRequestError(f"ids must be a 1-D int64 array, got {ids.dtype} {ids.shape}")
+        if ids.size > self.limits.max_ids:
+            raise BadRequestError(
+                f"{ids.size} ids exceed the per-request limit {self.limits.max_ids}"
+            )
+        return ids
+
+    def op_create(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        created = self.store.create(spec_from_wire(op.get("spec")))
+        return {"st": "OK", "created": created}
+
+    def op_pull_dense(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        table = self.store.dense(self._table_name(op))
+        chunks = op.get("chunks")
+        if not isinstance(chunks, list) or not all(type(c) is int for c in chunks):
+            raise BadRequestError("pull_dense needs 'chunks', a list of integers")
+        return {"st": "OK", "a": [enc.array(table.pull(c)) for c in chunks]}
+
+    def op_push_dense(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        table = self.store.dense(self._table_name(op))
+        chunk = op.get("chunk")
+        if type(chunk) is not int:
+            raise BadRequestError("push_dense needs an integer 'chunk'")
+        table.push(chunk, self._array(op, "g", payloads))
+        return OK
+
+    def op_pull_rows(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        table = self.store.embedding(self._table_name(op))
+        return {"st": "OK", "a": enc.array(table.pull(self._ids(op, payloads)))}
+
+    def op_push_rows(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        table = self.store.embedding(self._table_name(op))
+        table.push(self._ids(op, payloads), self._array(op, "g", payloads))
+        return OK
+
+    def op_checksum(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        return {"st": "OK", "checksum": self.store.checksum(), "lsn": self.lsn}
+
+    def op_tables(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        return {"st": "OK", "tables": [s.to_wire() for s in self.store.specs()]}
+
+    def report(self) -> dict[str, Any]:
+        """Counters sent to the broker with each heartbeat."""
+        s = self.stats
+        return {
+            "requests": s.requests,
+            "ops": s.ops,
+            "errors": s.errors,
+            "duplicates": s.duplicates,
+            "malformed": s.malformed,
+            "bytes_in": s.bytes_in,
+            "tables": len(self.store.specs()),
+            "nbytes": self.store.nbytes,
+        }
+
+
+_Handler = Callable[[ShardCore, dict[str, Any], Sequence[BufferLike], Encoder], dict[str, Any]]
+_HANDLERS: dict[str, _Handler] = {
+    "create": ShardCore.op_create,
+    "pull_dense": ShardCore.op_pull_dense,
+    "push_dense": ShardCore.op_push_dense,
+    "pull_rows": ShardCore.op_pull_rows,
+    "push_rows": ShardCore.op_push_rows,
+    "checksum": ShardCore.op_checksum,
+    "tables": ShardCore.op_tables,
+}
