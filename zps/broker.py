@@ -216,7 +216,7 @@ class Broker:
         before = self.state.map_version
         match route.mtype:
             case MsgType.REGISTER:
-                claim = h.get("claim")
+                claim: Any = h.get("claim")
                 ok_claim = (
                     isinstance(claim, list)
                     and len(claim) == 2

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, cast
 
 from zps.config import (
     DEFAULT_BIND,
@@ -238,7 +238,7 @@ def load_function(spec: str) -> Callable[..., Any]:
     func = getattr(module, func_name, None)
     if not callable(func):
         raise ConfigError(f"module {module_name!r} has no function {func_name!r}")
-    return func
+    return cast(Callable[..., Any], func)
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:

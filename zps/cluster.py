@@ -187,7 +187,7 @@ class ClusterState:
             seen = last_seen.get(node_id)
             return None if seen is None else round(now - seen, 3)
 
-        partitions = []
+        partitions: list[dict[str, Any]] = []
         for p, part in enumerate(self._parts):
             primary = self.shards.get(part.primary) if part.primary else None
             partitions.append(

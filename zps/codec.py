@@ -138,7 +138,7 @@ class Encoder:
         dtype = arr.dtype.name
         if dtype not in WIRE_DTYPES:
             raise ValueError(f"dtype {dtype} cannot be sent; use one of {sorted(WIRE_DTYPES)}")
-        raw = memoryview(arr).cast("B") if arr.size else b""
+        raw = arr.data.cast("B") if arr.size else b""
         codec = CODEC_RAW
         data: BufferLike = raw
         policy = self._policy

@@ -1,0 +1,64 @@
+"""A dead shard makes clients fail fast with ShardUnavailableError, never hang."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import zps
+from zps.optim import SGD
+from zps.testing import LocalCluster
+
+
+async def test_sigkilled_shard_fails_requests_fast(fresh_cluster: LocalCluster) -> None:
+    c = fresh_cluster
+    async with zps.connect(c.address, timeout=60.0) as ps:
+        await ps.create_embedding("t", dim=4, optimizer=SGD(lr=1.0))
+        ids = np.arange(1000, dtype=np.int64)
+        await ps.push_rows("t", ids, np.ones((1000, 4)))
+        c.kill(c.shard_pid(0), signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(zps.ShardUnavailableError, match="partition 0"):
+            # keep pushing: the first call after death must fail, not hang
+            for _ in range(10_000):
+                await ps.push_rows("t", ids, np.ones((1000, 4)))
+        elapsed = time.monotonic() - t0
+        # well under the 60 s request timeout: detection is by heartbeat (0.5 s here)
+        assert elapsed < 5.0, elapsed
+        # the surviving partition keeps serving
+        p1_ids = ids[[p == 1 for p in zps.routing.partitions_of_ids(ids, ps.cluster_map)]]
+        rows = await ps.pull_rows("t", p1_ids)
+        assert rows.shape == (p1_ids.size, 4)
+        # and new requests for the dead partition fail at once
+        t1 = time.monotonic()
+        with pytest.raises(zps.ShardUnavailableError):
+            await ps.pull_rows("t", ids)
+        assert time.monotonic() - t1 < 1.0
+    # the heartbeat detector declares it dead and the map says so
+    c.wait_for(
+        lambda s: [p["state"] for p in s["partitions"]] == ["lost", "ok"],
+        10,
+        "partition 0 to be reported lost",
+    )
+
+
+async def test_in_flight_request_to_a_stopped_shard_fails_when_it_is_declared_dead(
+    fresh_cluster: LocalCluster,
+) -> None:
+    c = fresh_cluster
+    async with zps.connect(c.address, timeout=60.0) as ps:
+        await ps.create_dense("d", shape=(10,), optimizer=SGD(lr=1.0))
+        owner = zps.routing.chunk_partition("d", 0, ps.cluster_map)
+        pid = c.shard_pid(owner)
+        c.kill(pid, signal.SIGSTOP)  # frozen: connected, but never answers
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(zps.ShardUnavailableError):
+                await asyncio.wait_for(ps.pull_dense("d"), 30)
+            assert time.monotonic() - t0 < 5.0
+        finally:
+            c.kill(pid, signal.SIGKILL)

@@ -1,0 +1,176 @@
+"""Vectorised map from int64 ids to row positions of an embedding table.
+
+An open-addressing hash table with linear probing, held in two numpy arrays
+(``_keys`` with :data:`EMPTY` in free slots, ``_vals`` with the row position,
+-1 in free slots).  Invariants:
+
+- capacity is a power of two and the load factor stays <= 1/2, so probe
+  sequences stay short and every probe loop terminates;
+- positions are dense and in insertion order: the i-th id ever inserted has
+  position i, and ``_ids[i]`` is that id;
+- nothing is ever deleted, so a probe may stop at the first empty slot.
+
+Work is done a whole batch at a time: a Python loop runs once per *probe
+round*, never once per id.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from zps.errors import BadRequestError
+from zps.hashing import mix64
+
+__all__ = ["EMPTY", "IdIndex"]
+
+I64 = npt.NDArray[np.int64]
+
+#: The key marking a free slot; it can therefore never be an id.
+EMPTY = int(np.iinfo(np.int64).min)
+_MIN_CAPACITY = 16
+_WINDOW = 16
+
+
+def as_ids(ids: npt.ArrayLike, what: str = "ids") -> I64:
+    """``ids`` as a 1-D int64 array, or BadRequestError."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise BadRequestError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.dtype != np.int64:
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise BadRequestError(f"{what} must be int64, got {arr.dtype}")
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise BadRequestError(f"{what} must be int64, got uint64 values above 2**63-1")
+        arr = arr.astype(np.int64)
+    return arr
+
+
+class IdIndex:
+    """id (int64) -> position (0, 1, 2, ... in insertion order)."""
+
+    def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
+        cap = _MIN_CAPACITY
+        while cap < capacity:
+            cap *= 2
+        self._keys: I64 = np.full(cap, EMPTY, dtype=np.int64)
+        self._vals: I64 = np.full(cap, -1, dtype=np.int64)
+        self._ids: I64 = np.empty(cap // 2, dtype=np.int64)
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def capacity(self) -> int:
+        return int(self._keys.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._keys.nbytes + self._vals.nbytes + self._ids.nbytes)
+
+    def ids(self, start: int = 0) -> I64:
+        """A copy of the ids with positions ``start, start+1, ...``, in position order."""
+        return self._ids[start : self._n].copy()
+
+    def _home(self, ids: I64) -> npt.NDArray[np.intp]:
+        mask = np.uint64(self.capacity - 1)
+        return (mix64(ids) & mask).astype(np.intp)
+
+    def lookup(self, ids: npt.ArrayLike) -> I64:
+        """Position of each id, or -1 where absent."""
+        keys = as_ids(ids)
+        out = np.full(keys.shape[0], -1, dtype=np.int64)
+        mask = self.capacity - 1
+        slot = self._home(keys)
+        # Round one probes each id's home slot, which settles most of them.
+        found = self._keys[slot]
+        hit = found == keys
+        out[hit] = self._vals[slot[hit]]
+        active = np.flatnonzero(~hit & (found != EMPTY))
+        slot, want = (slot[active] + 1) & mask, keys[active]
+        # Later rounds probe a window of slots with one 2-D gather, so the few long
+        # probe sequences cost a handful of numpy calls instead of one per step.
+        window = np.arange(_WINDOW, dtype=np.intp)
+        while active.size:
+            slots = (slot[:, None] + window) & mask
+            found2 = self._keys[slots]
+            stop = (found2 == want[:, None]) | (found2 == EMPTY)
+            col = stop.argmax(axis=1)
+            done = stop[np.arange(active.size), col]
+            # A stop at a free slot reads -1 there, i.e. "absent" (also for EMPTY ids).
+            out[active[done]] = self._vals[slots[done, col[done]]]
+            more = ~done
+            active, slot, want = active[more], (slot[more] + _WINDOW) & mask, want[more]
+        return out
+
+    def insert(self, new_ids: npt.ArrayLike) -> I64:
+        """Insert ids that are unique and absent; returns their (new, consecutive) positions."""
+        keys = as_ids(new_ids, "new ids")
+        if keys.size and bool((keys == EMPTY).any()):
+            raise BadRequestError(f"id {EMPTY} (the empty-slot sentinel) is not a valid id")
+        m = keys.shape[0]
+        start = self._n
+        positions = np.arange(start, start + m, dtype=np.int64)
+        if m == 0:
+            return positions
+        need = start + m
+        if 2 * need > self.capacity:
+            cap = self.capacity
+            while 2 * need > cap:
+                cap *= 2
+            self._rehash(cap)
+        if need > self._ids.shape[0]:
+            grown = np.empty(max(need, self.capacity // 2), dtype=np.int64)
+            grown[:start] = self._ids[:start]
+            self._ids = grown
+        self._place(keys, positions)
+        self._ids[start:need] = keys
+        self._n = need
+        return positions
+
+    def get_or_insert(self, ids: npt.ArrayLike) -> tuple[I64, int]:
+        """Positions of ``ids``, inserting absent ones once each, in first-occurrence order."""
+        keys = as_ids(ids)
+        pos = self.lookup(keys)
+        missing = np.flatnonzero(pos < 0)
+        if missing.size == 0:
+            return pos, 0
+        uniq, first, inverse = np.unique(keys[missing], return_index=True, return_inverse=True)
+        order = np.argsort(first, kind="stable")
+        uniq_pos = np.empty(uniq.shape[0], dtype=np.int64)
+        uniq_pos[order] = self.insert(uniq[order])
+        pos[missing] = uniq_pos[inverse.reshape(-1)]
+        return pos, int(uniq.shape[0])
+
+    def _rehash(self, capacity: int) -> None:
+        self._keys = np.full(capacity, EMPTY, dtype=np.int64)
+        self._vals = np.full(capacity, -1, dtype=np.int64)
+        self._place(self._ids[: self._n], np.arange(self._n, dtype=np.int64))
+
+    def _place(self, keys: I64, positions: I64) -> None:
+        """Write absent ``keys`` into free slots, one vectorised probe round at a time."""
+        mask = self.capacity - 1
+        pending = np.arange(keys.shape[0], dtype=np.intp)
+        slot = self._home(keys)
+        while pending.size:
+            free = np.flatnonzero(self._keys[slot] == EMPTY)
+            won = np.zeros(pending.shape[0], dtype=bool)
+            if free.size:
+                # Several candidates may want the same free slot this round: the
+                # first takes it and the others move on.  Free slots hold -1, so a
+                # ufunc.at minimum over codes below -1 elects the first claimant
+                # of each slot without sorting.
+                want = slot[free]
+                code = np.arange(-free.shape[0] - 2, -2, dtype=np.int64)
+                np.minimum.at(self._vals, want, code)
+                first = self._vals[want] == code
+                winners = pending[free[first]]
+                claimed = want[first]
+                self._keys[claimed] = keys[winners]
+                self._vals[claimed] = positions[winners]
+                won[free[first]] = True
+            # Every loser's slot is now taken (it was full, or a winner just took
+            # it), so all of them advance.
+            lost = ~won
+            pending, slot = pending[lost], (slot[lost] + 1) & mask

@@ -1,0 +1,176 @@
+"""Table specs: what ``create_dense`` / ``create_embedding`` send and shards keep.
+
+A spec is a frozen dataclass; two specs are the same table exactly when they
+compare equal, which is what makes ``create_*`` idempotent.  Both the Python
+constructor and :func:`spec_from_wire` validate every field (in
+``__post_init__``) and raise :class:`~zps.errors.BadRequestError` naming the
+field, so a spec object that exists is always a valid one.  Numbers are
+normalised (a tuple shape, float hyperparameters) so that a spec survives the
+wire round trip ``spec_from_wire(s.to_wire()) == s``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from zps.errors import BadRequestError
+from zps.init import Constant, Initializer, Normal, Uniform, Zeros, init_from_spec
+from zps.optim import FTRL, SGD, Adagrad, Adam, Momentum, Optimizer, optimizer_from_spec
+
+__all__ = ["DTYPES", "DenseSpec", "EmbeddingSpec", "TableSpec", "spec_from_wire"]
+
+#: Supported value dtypes.  float16 is refused: Adam's and Adagrad's small
+#: epsilons underflow and accumulators overflow in half precision.
+DTYPES = ("float32", "float64")
+MAX_NAME_LEN = 200
+MAX_DENSE_SIZE = 2**40
+MAX_DIM = 65536
+MAX_SEED = 2**63
+
+_INIT_TYPES = (Zeros, Constant, Uniform, Normal)
+_OPT_TYPES = (SGD, Momentum, Adagrad, Adam, FTRL)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _check_common(
+    kind: str, name: object, dtype: object, init: object, opt: object, seed: object
+) -> None:
+    if not isinstance(name, str) or not name:
+        raise BadRequestError(f"{kind} spec: name must be a non-empty string, got {name!r}")
+    if len(name) > MAX_NAME_LEN:
+        raise BadRequestError(f"{kind} spec: name is longer than {MAX_NAME_LEN} characters")
+    if dtype not in DTYPES:
+        raise BadRequestError(f"{kind} spec {name!r}: dtype must be one of {DTYPES}, got {dtype!r}")
+    if not isinstance(init, _INIT_TYPES):
+        raise BadRequestError(f"{kind} spec {name!r}: init must be a zps.init initializer")
+    if not isinstance(opt, _OPT_TYPES):
+        raise BadRequestError(f"{kind} spec {name!r}: optimizer must be a zps.optim optimizer")
+    if not _is_int(seed) or not 0 <= int(seed) < MAX_SEED:  # type: ignore[call-overload]
+        raise BadRequestError(f"{kind} spec {name!r}: seed must be an integer in [0, 2**63)")
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    """A dense tensor, stored as flat chunks of ``chunk_elems`` elements."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    init: Initializer
+    optimizer: Optimizer
+    seed: int
+    chunk_elems: int
+
+    def __post_init__(self) -> None:
+        _check_common("dense", self.name, self.dtype, self.init, self.optimizer, self.seed)
+        shape = self.shape
+        if not isinstance(shape, tuple | list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise BadRequestError(
+                f"dense spec {self.name!r}: shape must be a sequence of non-negative ints, "
+                f"got {shape!r}"
+            )
+        shape = tuple(int(d) for d in shape)
+        if math.prod(shape) > MAX_DENSE_SIZE:
+            raise BadRequestError(f"dense spec {self.name!r}: shape {shape} exceeds 2**40 elements")
+        if not _is_int(self.chunk_elems) or self.chunk_elems < 1:
+            raise BadRequestError(f"dense spec {self.name!r}: chunk_elems must be an integer >= 1")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "seed", int(self.seed))
+        object.__setattr__(self, "chunk_elems", int(self.chunk_elems))
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.size // self.chunk_elems)
+
+    def chunk_range(self, i: int) -> tuple[int, int]:
+        """Flat element range ``[start, stop)`` of chunk ``i``."""
+        if not _is_int(i) or not 0 <= i < self.n_chunks:
+            raise BadRequestError(
+                f"dense tensor {self.name!r}: chunk {i!r} out of range [0, {self.n_chunks})"
+            )
+        start = int(i) * self.chunk_elems
+        return start, min(start + self.chunk_elems, self.size)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "kind": "dense",
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "init": self.init.spec(),
+            "optimizer": self.optimizer.spec(),
+            "seed": self.seed,
+            "chunk_elems": self.chunk_elems,
+        }
+
+
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    """An embedding table: int64 id -> row of ``dim`` values, created on first touch."""
+
+    name: str
+    dim: int
+    dtype: str
+    init: Initializer
+    optimizer: Optimizer
+    seed: int
+
+    def __post_init__(self) -> None:
+        _check_common("embedding", self.name, self.dtype, self.init, self.optimizer, self.seed)
+        if not _is_int(self.dim) or not 1 <= self.dim <= MAX_DIM:
+            raise BadRequestError(
+                f"embedding spec {self.name!r}: dim must be an integer in [1, {MAX_DIM}], "
+                f"got {self.dim!r}"
+            )
+        object.__setattr__(self, "dim", int(self.dim))
+        object.__setattr__(self, "seed", int(self.seed))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "kind": "embedding",
+            "name": self.name,
+            "dim": self.dim,
+            "dtype": self.dtype,
+            "init": self.init.spec(),
+            "optimizer": self.optimizer.spec(),
+            "seed": self.seed,
+        }
+
+
+TableSpec = DenseSpec | EmbeddingSpec
+_KINDS: dict[str, type[TableSpec]] = {"dense": DenseSpec, "embedding": EmbeddingSpec}
+
+
+def spec_from_wire(obj: object) -> TableSpec:
+    """Parse the dict produced by ``to_wire()``: every field present, nothing else."""
+    if not isinstance(obj, Mapping):
+        raise BadRequestError(f"table spec must be a map, got {type(obj).__name__}")
+    kind = obj.get("kind")
+    if not isinstance(kind, str) or kind not in _KINDS:
+        raise BadRequestError(f"table spec: kind must be 'dense' or 'embedding', got {kind!r}")
+    cls = _KINDS[kind]
+    names = [f.name for f in fields(cls)]
+    for key in obj:
+        if key != "kind" and key not in names:
+            raise BadRequestError(f"{kind} spec: unknown field {key!r}")
+    for key in names:
+        if key not in obj:
+            raise BadRequestError(f"{kind} spec: field {key!r} is missing")
+    kwargs = {key: obj[key] for key in names}
+    if kind == "dense" and not isinstance(kwargs["shape"], list | tuple):
+        raise BadRequestError(f"dense spec: shape must be a list of ints, got {kwargs['shape']!r}")
+    kwargs["init"] = init_from_spec(kwargs["init"])
+    kwargs["optimizer"] = optimizer_from_spec(kwargs["optimizer"])
+    return cls(**kwargs)

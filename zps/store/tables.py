@@ -1,0 +1,291 @@
+"""The two kinds of table one partition holds: embedding tables and dense chunks.
+
+Invariants:
+
+- A row or chunk that was never touched has no storage; on first touch it is
+  filled by :func:`zps.init.generate` from ``(spec.seed, id)`` (embeddings) or
+  ``(spec.seed, flat element index)`` (dense), so every replica and every
+  restart materialises identical values.
+- Optimizer state sits beside the values, row for row, in the table's dtype,
+  and a push updates only the rows (chunks) it names: sparse updates are lazy.
+- ``export()`` is canonical: ids (chunks) in ascending order, so two tables
+  with the same contents export, and checksum, identically whatever order the
+  rows were created in.  ``load(export())`` restores the table exactly.
+
+Pushes take ``(ids, grads)`` as received; duplicates are summed before the
+optimizer runs, so an id appearing twice in one push is updated once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from zps.errors import BadRequestError, ShapeMismatchError
+from zps.init import generate
+from zps.store.index import IdIndex, as_ids
+from zps.store.specs import DenseSpec, EmbeddingSpec
+
+__all__ = ["DenseTensor", "EmbeddingTable", "checksum_arrays"]
+
+Array = npt.NDArray[Any]
+_GROWTH = 1.5
+_MIN_ROWS = 64
+
+
+def checksum_arrays(arrays: dict[str, Array], h: Any = None) -> str:
+    """sha256 over names, dtypes, shapes and bytes, in the dict's order."""
+    h = hashlib.sha256() if h is None else h
+    for name, arr in arrays.items():
+        a = np.ascontiguousarray(arr)
+        h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(a.tobytes())
+    return str(h.hexdigest())
+
+
+def _float_grads(table: str, grads: object, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Array:
+    """Check a gradient's shape and values; return it in the table's dtype."""
+    g = np.asarray(grads)
+    if g.shape != shape:
+        raise ShapeMismatchError(
+            f"table {table!r}: expected gradient of shape {shape}, got {g.shape}"
+        )
+    if g.size and not (np.issubdtype(g.dtype, np.floating) or np.issubdtype(g.dtype, np.integer)):
+        raise BadRequestError(f"table {table!r}: gradient dtype must be numeric, got {g.dtype}")
+    g = g.astype(dtype, copy=False)
+    # One NaN or inf would poison the rows (and their optimizer state) for every worker.
+    if g.size and not bool(np.isfinite(g).all()):
+        raise BadRequestError(f"table {table!r}: gradient contains NaN or infinity")
+    return g
+
+
+def _load_array(
+    table: str, data: dict[str, Array], key: str, shape: tuple[int, ...], dtype: np.dtype[Any]
+) -> Array:
+    if key not in data:
+        raise BadRequestError(f"table {table!r}: export lacks {key!r}")
+    a = np.asarray(data[key])
+    if a.shape != shape or a.dtype != dtype:
+        raise BadRequestError(
+            f"table {table!r}: export {key!r} has shape {a.shape} dtype {a.dtype}, "
+            f"expected {shape} {dtype}"
+        )
+    return np.array(a, copy=True)
+
+
+class EmbeddingTable:
+    """id -> row of ``spec.dim`` values plus optimizer state; rows made on first touch."""
+
+    def __init__(self, spec: EmbeddingSpec) -> None:
+        self.spec = spec
+        self.dtype: np.dtype[Any] = np.dtype(spec.dtype)
+        self._widths = spec.optimizer.state_widths(spec.dim)
+        self._reset(0)
+
+    def _reset(self, capacity: int) -> None:
+        cap = max(capacity, _MIN_ROWS)
+        self._index = IdIndex()
+        self._rows: Array = np.empty((cap, self.spec.dim), dtype=self.dtype)
+        self._state: dict[str, Array] = {
+            k: np.empty((cap, w), dtype=self.dtype) for k, w in self._widths.items()
+        }
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def nbytes(self) -> int:
+        state = sum(a.nbytes for a in self._state.values())
+        return int(self._rows.nbytes + state + self._index.nbytes)
+
+    def _grow(self, n: int, need: int) -> None:
+        """Make room for ``need`` rows, keeping the first ``n``."""
+        cap = self._rows.shape[0]
+        if need <= cap:
+            return
+        while cap < need:
+            cap = int(cap * _GROWTH) + 1
+        rows = np.empty((cap, self.spec.dim), dtype=self.dtype)
+        rows[:n] = self._rows[:n]
+        self._rows = rows
+        for k, old in self._state.items():
+            new = np.empty((cap, old.shape[1]), dtype=self.dtype)
+            new[:n] = old[:n]
+            self._state[k] = new
+
+    def _positions(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Row positions of ``ids``, creating (and initialising) absent rows."""
+        before = len(self._index)
+        pos, n_new = self._index.get_or_insert(ids)
+        if n_new:
+            after = before + n_new
+            self._grow(before, after)
+            new_ids = self._index.ids(before)
+            s = self.spec
+            self._rows[before:after] = generate(s.init, s.seed, new_ids, s.dim, self.dtype)
+            for k, arr in s.optimizer.init_state(n_new, s.dim, self.dtype).items():
+                self._state[k][before:after] = arr
+        return pos
+
+    def pull(self, ids: npt.ArrayLike) -> Array:
+        """A fresh ``(len(ids), dim)`` array, one row per id (duplicates allowed)."""
+        pos = self._positions(as_ids(ids))
+        return self._rows[pos]
+
+    def push(self, ids: npt.ArrayLike, grads: npt.ArrayLike) -> None:
+        """Apply the optimizer to the rows of ``ids``, summing duplicate ids' gradients."""
+        keys = as_ids(ids)
+        g = _float_grads(self.spec.name, grads, (keys.shape[0], self.spec.dim), self.dtype)
+        if keys.size == 0:
+            return
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = keys[order]
+        starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
+        uniq = sorted_keys[starts]
+        summed = g[order] if uniq.size == keys.size else np.add.reduceat(g[order], starts, axis=0)
+        pos = self._positions(uniq)
+        param = self._rows[pos]
+        state = {k: a[pos] for k, a in self._state.items()}
+        self.spec.optimizer.apply(param, summed, state)
+        self._rows[pos] = param
+        for k, a in state.items():
+            self._state[k][pos] = a
+
+    def export(self) -> dict[str, Array]:
+        """Rows and state in ascending id order: ``ids``, ``rows``, then each state array."""
+        n = len(self._index)
+        ids = self._index.ids()
+        order = np.argsort(ids)
+        out: dict[str, Array] = {"ids": ids[order], "rows": self._rows[:n][order]}
+        for k in self._widths:
+            out[k] = self._state[k][:n][order]
+        return out
+
+    def load(self, data: dict[str, Array]) -> None:
+        """Replace the contents with an :meth:`export` (validated; all or nothing)."""
+        name = self.spec.name
+        expected = {"ids", "rows", *self._widths}
+        if set(data) != expected:
+            raise BadRequestError(
+                f"table {name!r}: export keys {sorted(data)} != {sorted(expected)}"
+            )
+        ids = np.asarray(data["ids"])
+        if ids.ndim != 1 or ids.dtype != np.int64:
+            raise BadRequestError(f"table {name!r}: export 'ids' must be 1-D int64")
+        n = ids.shape[0]
+        if np.unique(ids).shape[0] != n:
+            raise BadRequestError(f"table {name!r}: export 'ids' has duplicates")
+        rows = _load_array(name, data, "rows", (n, self.spec.dim), self.dtype)
+        state = {k: _load_array(name, data, k, (n, w), self.dtype) for k, w in self._widths.items()}
+        index = IdIndex(2 * n)
+        index.insert(ids)
+        self._reset(n)
+        self._index = index
+        self._rows[:n] = rows
+        for k, a in state.items():
+            self._state[k][:n] = a
+
+    def checksum(self) -> str:
+        return checksum_arrays(self.export())
+
+
+class DenseTensor:
+    """The chunks of one dense tensor held by this partition (chunk index -> values)."""
+
+    def __init__(self, spec: DenseSpec) -> None:
+        self.spec = spec
+        self.dtype: np.dtype[Any] = np.dtype(spec.dtype)
+        # Each chunk is one optimizer row of shape (1, len): Adam then counts one
+        # step per chunk update, as a dense tensor's optimizer should.
+        self._values: dict[int, Array] = {}
+        self._state: dict[int, dict[str, Array]] = {}
+
+    def __len__(self) -> int:
+        """Number of chunks materialised here."""
+        return len(self._values)
+
+    @property
+    def nbytes(self) -> int:
+        state = sum(a.nbytes for st in self._state.values() for a in st.values())
+        return int(sum(v.nbytes for v in self._values.values()) + state)
+
+    def chunks(self) -> list[int]:
+        return sorted(self._values)
+
+    def _chunk(self, chunk: int) -> Array:
+        start, stop = self.spec.chunk_range(chunk)
+        values = self._values.get(chunk)
+        if values is None:
+            s = self.spec
+            values = generate(s.init, s.seed, np.arange(start, stop), 1, self.dtype).reshape(1, -1)
+            self._values[chunk] = values
+            self._state[chunk] = s.optimizer.init_state(1, stop - start, self.dtype)
+        return values
+
+    def pull(self, chunk: int) -> Array:
+        """A fresh 1-D copy of the chunk's values."""
+        return self._chunk(chunk).ravel().copy()
+
+    def push(self, chunk: int, grad: npt.ArrayLike) -> None:
+        start, stop = self.spec.chunk_range(chunk)
+        g = np.asarray(grad)
+        if g.ndim != 1 or g.shape[0] != stop - start:
+            raise ShapeMismatchError(
+                f"dense tensor {self.spec.name!r} chunk {chunk}: expected a 1-D gradient of "
+                f"{stop - start} elements, got shape {g.shape}"
+            )
+        g = _float_grads(self.spec.name, g, (stop - start,), self.dtype)
+        values = self._chunk(chunk)
+        self.spec.optimizer.apply(values, g.reshape(1, -1), self._state[chunk])
+
+    def export(self) -> dict[str, Array]:
+        """``chunks`` (ascending), ``values`` and each state, concatenated in chunk order."""
+        idx = self.chunks()
+        out: dict[str, Array] = {"chunks": np.asarray(idx, dtype=np.int64)}
+        out["values"] = _concat([self._values[i] for i in idx], self.dtype)
+        for k in self.spec.optimizer.state_widths(1):
+            out[k] = _concat([self._state[i][k] for i in idx], self.dtype)
+        return out
+
+    def load(self, data: dict[str, Array]) -> None:
+        """Replace the contents with an :meth:`export` (validated; all or nothing)."""
+        name = self.spec.name
+        opt = self.spec.optimizer
+        expected = {"chunks", "values", *opt.state_widths(1)}
+        if set(data) != expected:
+            raise BadRequestError(
+                f"table {name!r}: export keys {sorted(data)} != {sorted(expected)}"
+            )
+        chunks = np.asarray(data["chunks"])
+        if chunks.ndim != 1 or chunks.dtype != np.int64:
+            raise BadRequestError(f"table {name!r}: export 'chunks' must be 1-D int64")
+        idx = [int(c) for c in chunks]  # one entry per chunk, not per element
+        if idx != sorted(set(idx)):
+            raise BadRequestError(f"table {name!r}: export 'chunks' must be strictly ascending")
+        ranges = [self.spec.chunk_range(i) for i in idx]
+        lengths = [stop - start for start, stop in ranges]
+        bounds = np.cumsum([0, *lengths])
+        values = _load_array(name, data, "values", (int(bounds[-1]),), self.dtype)
+        new_values = {
+            c: values[bounds[j] : bounds[j + 1]].reshape(1, -1) for j, c in enumerate(idx)
+        }
+        new_state: dict[int, dict[str, Array]] = {c: {} for c in idx}
+        for k in opt.state_widths(1):
+            widths = [opt.state_widths(n)[k] for n in lengths]
+            sb = np.cumsum([0, *widths])
+            arr = _load_array(name, data, k, (int(sb[-1]),), self.dtype)
+            for j, c in enumerate(idx):
+                new_state[c][k] = arr[sb[j] : sb[j + 1]].reshape(1, -1)
+        self._values, self._state = new_values, new_state
+
+    def checksum(self) -> str:
+        return checksum_arrays(self.export())
+
+
+def _concat(parts: list[Array], dtype: np.dtype[Any]) -> Array:
+    if not parts:
+        return np.empty(0, dtype=dtype)
+    return np.concatenate([p.ravel() for p in parts])

@@ -1,0 +1,221 @@
+"""Helpers to run a real local cluster: broker and shards as processes on loopback.
+
+Used by the integration tests and by ``zps-server demo``.  Every process is
+started with its output in a log file under ``workdir`` and is stopped (TERM,
+then KILL) by :meth:`LocalCluster.stop`, also when start-up fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zps.errors import ZpsError, ZpsTimeoutError
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalCluster:
+    partitions: int = 2
+    shards: int = 2
+    heartbeat_interval: float = 0.1
+    liveness: int = 5
+    workdir: Path | None = None
+    log_level: str = "info"
+    python: str = sys.executable
+    procs: list[Proc] = field(default_factory=list)
+    port: int = 0
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # Make `python -m zps` find this very package, installed or not.
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def spawn(self, name: str, args: list[str]) -> Proc:
+        assert self.workdir is not None
+        log_path = self.workdir / f"{name}.log"
+        with open(log_path, "wb") as out:
+            popen = subprocess.Popen(
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env(),
+                cwd=self.workdir,
+            )
+        proc = Proc(name, popen, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def _hb(self) -> list[str]:
+        return [
+            "--heartbeat-interval",
+            str(self.heartbeat_interval),
+            "--liveness",
+            str(self.liveness),
+            "--log-level",
+            self.log_level,
+        ]
+
+    def start_broker(self) -> Proc:
+        return self.spawn(
+            "broker",
+            [
+                self.python,
+                "-m",
+                "zps",
+                "broker",
+                "--bind",
+                self.address,
+                "--partitions",
+                str(self.partitions),
+                *self._hb(),
+            ],
+        )
+
+    def start_shard(self) -> Proc:
+        n = sum(p.name.startswith("shard") for p in self.procs)
+        return self.spawn(
+            f"shard{n}", [self.python, "-m", "zps", "shard", "--broker", self.address, *self._hb()]
+        )
+
+    def start(self, timeout: float = 30.0) -> LocalCluster:
+        if self.workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="zps-cluster-")
+            self.workdir = Path(self._tmp.name)
+        self.port = self.port or free_port()
+        try:
+            self.start_broker()
+            for _ in range(self.shards):
+                self.start_shard()
+            self.wait_for(
+                lambda s: all(p["state"] == "ok" for p in s["partitions"]),
+                timeout,
+                "every partition to have a primary",
+            )
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def status(self, timeout: float = 5.0) -> dict[str, Any]:
+        from zps.sync import connect_sync
+
+        with connect_sync(
+            self.address, connect_timeout=timeout, timeout=timeout, name="zps.testing"
+        ) as ps:
+            return ps.status()
+
+    def wait_for(
+        self, condition: Callable[[dict[str, Any]], bool], timeout: float, what: str
+    ) -> dict[str, Any]:
+        """Poll the broker's status until ``condition`` holds."""
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] | None = None
+        while time.monotonic() < deadline:
+            for proc in self.procs:
+                if proc.name == "broker" and not proc.alive():
+                    raise ZpsError(f"the broker exited early:\n{proc.log()[-3000:]}")
+            try:
+                last = self.status(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+            except ZpsTimeoutError:
+                continue
+            if condition(last):
+                return last
+            time.sleep(0.05)
+        raise ZpsTimeoutError(
+            f"timed out after {timeout:g}s waiting for {what}; last status: {last}\n{self.logs()}"
+        )
+
+    def shard_pid(self, partition: int) -> int:
+        for s in self.status()["shards"]:
+            if s["partition"] == partition and s["role"] == "primary":
+                return int(s["pid"])
+        raise ZpsError(f"no primary for partition {partition}")
+
+    def proc_by_pid(self, pid: int) -> Proc:
+        for p in self.procs:
+            if p.pid == pid:
+                return p
+        raise ZpsError(f"no process {pid} in this cluster")
+
+    def kill(self, pid: int, sig: int = signal.SIGKILL) -> None:
+        os.kill(pid, sig)
+        if sig == signal.SIGKILL:
+            self.proc_by_pid(pid).popen.wait(10)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name} (pid {p.pid}) ---\n{p.log()[-2000:]}" for p in self.procs)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for p in self.procs:
+            if p.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    p.popen.send_signal(signal.SIGCONT)
+                    p.popen.terminate()
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait(5)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def local_cluster(**kwargs: Any) -> Iterator[LocalCluster]:
+    with LocalCluster(**kwargs) as cluster:
+        yield cluster

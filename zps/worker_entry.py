@@ -1,0 +1,7 @@
+"""``python -m zps.worker_entry ...`` is ``zps-worker ...``."""
+
+import sys
+
+from zps.cli import worker_main
+
+sys.exit(worker_main())
