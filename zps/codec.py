@@ -234,4 +234,6 @@ def array_from(desc: object, payloads: Sequence[BufferLike], *, max_bytes: int) 
             )
     else:
         raise ProtocolError(f"unknown codec {codec!r}")
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+    arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    arr.flags.writeable = False  # a bytearray or writable frame must not make it writable
+    return arr

@@ -87,14 +87,16 @@ class ClusterMap:
             slot_map = np.frombuffer(raw, dtype="<i4").astype(np.int32)
             parts: dict[int, PartitionInfo] = {}
             for key, info in obj["partitions"].items():
-                primary = info["primary"]
+                primary, epoch = info["primary"], info["epoch"]
                 need(primary is None or isinstance(primary, str), "bad primary")
+                need(type(epoch) is int and epoch >= 0, "bad epoch")
                 parts[int(key)] = PartitionInfo(
-                    epoch=int(info["epoch"]),
+                    epoch=epoch,
                     primary=primary,
                     replicas=tuple(str(r) for r in info["replicas"]),
                     in_sync=tuple(str(r) for r in info["in_sync"]),
                 )
+            need(sorted(parts) == list(range(len(parts))), "partitions must be 0..n-1")
             need(
                 slot_map.size == 0
                 or (int(slot_map.min()) >= 0 and int(slot_map.max()) < len(parts)),

@@ -79,6 +79,12 @@ class DedupCache:
         return len(self._seen)
 
 
+def _is_mutation(op: object) -> bool:
+    # ``op["op"]`` may be any msgpack value, including an unhashable list or map.
+    name = op.get("op") if isinstance(op, dict) else None
+    return isinstance(name, str) and name in MUTATIONS
+
+
 def error_status(e: Exception) -> dict[str, Any]:
     if isinstance(e, RemoteError):
         return {"st": e.code, "msg": str(e)}
@@ -142,19 +148,17 @@ class ShardCore:
             self.stats.duplicates += 1
         results: list[dict[str, Any]] = []
         recorded: list[dict[str, Any]] = []
+        any_mutation = False
         for i, op in enumerate(ops):
-            name = op.get("op") if isinstance(op, dict) else None
-            if cached is not None and name in MUTATIONS:
+            is_mutation = _is_mutation(op)
+            any_mutation = any_mutation or is_mutation
+            if cached is not None and is_mutation:
                 results.append(cached[i] if i < len(cached) else OK)
                 recorded.append(results[-1])
                 continue
             results.append(self._run(op, payloads, enc))
-            recorded.append(results[-1] if name in MUTATIONS else OK)
-        if (
-            key is not None
-            and cached is None
-            and any(isinstance(op, dict) and op.get("op") in MUTATIONS for op in ops)
-        ):
+            recorded.append(results[-1] if is_mutation else OK)
+        if key is not None and cached is None and any_mutation:
             self.dedup.put(key, recorded)
         return enc.build(reply_route, {"st": "OK", "res": results})
 
@@ -195,10 +199,10 @@ class ShardCore:
             name = op.get("op")
             if not isinstance(name, str):
                 raise BadRequestError("operation lacks a string 'op'")
-            self.stats.by_op[name] += 1
             handler = _HANDLERS.get(name)
             if handler is None:
                 raise BadRequestError(f"unknown operation {name!r}"[:120])
+            self.stats.by_op[name] += 1  # known names only: a peer can't grow this map
             result = handler(self, op, payloads, enc)
             if name in MUTATIONS:
                 self.lsn += 1

@@ -62,3 +62,20 @@ async def test_in_flight_request_to_a_stopped_shard_fails_when_it_is_declared_de
             assert time.monotonic() - t0 < 5.0
         finally:
             c.kill(pid, signal.SIGKILL)
+
+
+async def test_unanswered_request_times_out_with_a_clear_error(fresh_cluster: LocalCluster) -> None:
+    c = fresh_cluster
+    broker = next(p for p in c.procs if p.name == "broker")
+    async with zps.connect(c.address, timeout=1.0) as ps:
+        await ps.create_dense("d", shape=(10,), optimizer=SGD(lr=1.0))
+        c.kill(broker.pid, signal.SIGSTOP)  # nothing gets routed any more
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(zps.ZpsTimeoutError, match="not answered within 1s"):
+                await ps.pull_dense("d")
+            assert time.monotonic() - t0 < 3.0
+        finally:
+            c.kill(broker.pid, signal.SIGCONT)
+        # the broker is back: the same client works again
+        assert (await ps.pull_dense("d")).shape == (10,)
