@@ -134,7 +134,9 @@ class Encoder:
 
     def array(self, arr: np.ndarray) -> list[Any]:
         """Add ``arr`` as a payload frame; return its header descriptor."""
-        arr = np.ascontiguousarray(arr)
+        arr = np.asarray(arr)
+        if not arr.flags.c_contiguous:  # not ascontiguousarray always: it makes 0-d arrays 1-d
+            arr = np.ascontiguousarray(arr)
         dtype = arr.dtype.name
         if dtype not in WIRE_DTYPES:
             raise ValueError(f"dtype {dtype} cannot be sent; use one of {sorted(WIRE_DTYPES)}")

@@ -3,13 +3,18 @@
 A peer is alive while it has been heard from within ``interval * liveness``
 seconds.  Any traffic counts as a heartbeat: drivers call :meth:`seen` for
 every message.  No clock is read here; tests drive ``now`` by hand.
+
+The detector never blames peers for its own stall: when ticks stop for longer
+than half the timeout (the process was paused, or its loop blocked), the
+peers' messages are still queued unread, so every peer gets a fresh grace
+period instead of being declared dead.
 """
 
 from __future__ import annotations
 
 
 class FailureDetector:
-    __slots__ = ("_last", "interval", "liveness")
+    __slots__ = ("_last", "_last_tick", "interval", "liveness")
 
     def __init__(self, interval: float, liveness: int) -> None:
         if interval <= 0 or liveness < 1:
@@ -17,6 +22,7 @@ class FailureDetector:
         self.interval = interval
         self.liveness = liveness
         self._last: dict[str, float] = {}
+        self._last_tick: float | None = None
 
     @property
     def timeout(self) -> float:
@@ -36,6 +42,12 @@ class FailureDetector:
 
     def tick(self, now: float) -> list[str]:
         """Remove and return the peers silent for longer than the timeout."""
+        stalled = self._last_tick is not None and now - self._last_tick > self.timeout / 2
+        self._last_tick = now
+        if stalled:
+            for node in self._last:
+                self._last[node] = max(self._last[node], now)
+            return []
         deadline = now - self.timeout
         dead = [node for node, last in self._last.items() if last < deadline]
         for node in dead:

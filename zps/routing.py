@@ -102,7 +102,7 @@ class ClusterMap:
                 or (int(slot_map.min()) >= 0 and int(slot_map.max()) < len(parts)),
                 "slot_map names unknown partitions",
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise ProtocolError(f"malformed cluster map: {type(e).__name__} {e}") from None
         return ClusterMap(version, n_slots, slot_map, parts)
 

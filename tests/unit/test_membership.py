@@ -1,16 +1,37 @@
 from zps.membership import FailureDetector
 
 
+def ticks(fd: FailureDetector, start: float, stop: float, step: float = 0.1) -> list[str]:
+    dead: list[str] = []
+    t = start
+    while t <= stop + 1e-9:
+        dead += fd.tick(t)
+        t += step
+    return dead
+
+
 def test_peer_dies_only_after_timeout_and_traffic_keeps_it_alive() -> None:
     fd = FailureDetector(interval=0.2, liveness=5)
     fd.seen("a", 0.0)
     fd.seen("b", 0.0)
-    assert fd.tick(0.9) == []
+    assert ticks(fd, 0.0, 0.9) == []
     fd.seen("a", 0.9)
     assert fd.tick(1.05) == ["b"]
     assert "b" not in fd and "a" in fd
-    assert fd.tick(1.85) == []
+    assert ticks(fd, 1.1, 1.85) == []
     assert fd.tick(1.95) == ["a"]
+
+
+def test_own_stall_does_not_kill_peers() -> None:
+    fd = FailureDetector(interval=0.2, liveness=5)
+    fd.seen("a", 0.0)
+    assert fd.tick(0.1) == []
+    # the process was paused for 30 s: peers' heartbeats are queued, unread
+    assert fd.tick(30.0) == []
+    assert "a" in fd
+    # but a peer that stays silent after the stall still dies on time
+    assert ticks(fd, 30.1, 30.9) == []
+    assert fd.tick(31.05) == ["a"]
 
 
 def test_forget_and_invalid_settings() -> None:
