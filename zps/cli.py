@@ -254,8 +254,12 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         default=ClientConfig.timeout,
         help="seconds before an unanswered request fails",
     )
-    parser.add_argument("--connect-timeout", type=float, default=ClientConfig.connect_timeout,
-                        help="seconds to wait for the broker at start-up")
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=ClientConfig.connect_timeout,
+        help="seconds to wait for the broker at start-up",
+    )
     parser.add_argument("--name", default="", help="a name shown by `zps-server status`")
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
@@ -266,8 +270,11 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.log_level)
     try:
         func = load_function(args.function)
-        config = ClientConfig(timeout=args.timeout, connect_timeout=args.connect_timeout,
-                              name=args.name or args.function)
+        config = ClientConfig(
+            timeout=args.timeout,
+            connect_timeout=args.connect_timeout,
+            name=args.name or args.function,
+        )
         if inspect.iscoroutinefunction(func):
             return run_async(_run_async_worker(func, args.broker, config, args.args))
         from zps.sync import connect_sync

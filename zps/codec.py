@@ -209,6 +209,8 @@ def array_from(desc: object, payloads: Sequence[BufferLike], *, max_bytes: int) 
     if nbytes > max_bytes:
         raise ProtocolError(f"array of shape {shape} ({nbytes} bytes) exceeds limit {max_bytes}")
     frame = payloads[index]
+    if type(codec) is not int:
+        raise ProtocolError(f"array codec must be an integer, got {codec!r}"[:120])
     if codec == CODEC_RAW:
         if len(frame) != nbytes:
             raise ProtocolError(

@@ -1,7 +1,7 @@
 """The one exception hierarchy of zps.
 
 Every error a caller can see derives from :class:`ZpsError`.  Errors that a
-server reports travel as a status code plus a message (see :mod:`zps.status`)
+server reports travel as a status code plus a message (the reply's ``st`` and ``msg``)
 and are raised on the client as the matching subclass of :class:`RemoteError`.
 """
 

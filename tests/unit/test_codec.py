@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from typing import Any
 
@@ -33,7 +34,7 @@ from zps.codec import (
 from zps.errors import ProtocolError
 
 MAX = 1 << 30
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # ---- strategies -------------------------------------------------------------
 
@@ -52,7 +53,9 @@ msgpack_values = st.recursive(
     | st.floats(allow_nan=False)
     | st.text(max_size=20)
     | st.binary(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 headers = st.dictionaries(st.text(max_size=10), msgpack_values, max_size=6)
@@ -273,6 +276,7 @@ def test_array_limit_and_header_limit() -> None:
         [0, "float32", [2.0], 0],
         [0, "float32", [True, 2], 0],
         [0, "float32", [-2], 0],
+        [0, "float32", [-1, -2], 0],  # the product matches the frame's 8 bytes
         [0, "float32", [1] * 9, 0],
         [0, "float32", [2**40], 0],
         [0, "float32", [2**39, 2**39], 0],
@@ -331,10 +335,8 @@ def decode_all(frames: list[BufferLike]) -> list[np.ndarray]:
 
 
 def must_not_crash(frames: list[BufferLike]) -> None:
-    try:
+    with contextlib.suppress(ProtocolError):
         decode_all(frames)
-    except ProtocolError:
-        pass
 
 
 @FAST
@@ -407,7 +409,7 @@ mutations = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(mutations)
 def test_mutated_valid_messages_only_raise_protocol_error(
     muts: list[tuple[str, int, int, int]],
