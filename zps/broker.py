@@ -10,8 +10,16 @@ kinds of peer apart: shards use ``s-...``, clients anything else.
   client to forward the reply to, an empty one is a control message.
 
 Any message counts as a heartbeat.  A shard silent past the liveness timeout
-leaves the map, every client gets the new map, and requests for its
-partition are answered ``SHARD_UNAVAILABLE`` at once.
+leaves the map: its in-sync replica with the highest LSN is promoted at a new
+epoch, every client and shard gets the new map, and clients re-send what the
+dead primary had not answered.  A partition with no copy left is answered
+``SHARD_UNAVAILABLE`` at once.
+
+Leases: the broker answers each shard heartbeat with the role it holds for
+that shard, echoing the shard's send time; a primary accepts writes only
+while such an answer is younger than its lease, which is shorter than the
+liveness timeout.  So a primary cut off from the broker (or paused) stops
+writing before the broker can promote anyone else.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from typing import Any
 import zmq.asyncio
 
 from zps import transport
-from zps.cluster import Assignment, ClusterState
+from zps.cluster import Assignment, Claim, ClusterState, Role
 from zps.codec import MsgType, Route, decode, encode, unpack_route
 from zps.config import BrokerConfig
 from zps.errors import ClosedError, ProtocolError
@@ -42,12 +50,18 @@ class BrokerStats:
     unavailable: int = 0
     malformed: int = 0
     undeliverable: int = 0
+    stale_replies: int = 0
 
 
 class Broker:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
-        self.state = ClusterState(config.partitions, config.slots)
+        self.state = ClusterState(
+            config.partitions,
+            config.slots,
+            replication=config.replication,
+            hold_until=time.monotonic() + config.grace,
+        )
         self.detector = FailureDetector(config.heartbeat.interval, config.heartbeat.liveness)
         self.stats = BrokerStats()
         self.endpoint: str | None = None
@@ -55,7 +69,6 @@ class Broker:
         self._stop = asyncio.Event()
         self._sock: zmq.asyncio.Socket | None = None
         self._routes: list[bytes | None] = [None] * config.partitions
-        self._epochs: list[int] = [0] * config.partitions
         self._started = time.monotonic()
         self._last_beat = 0.0
 
@@ -68,10 +81,13 @@ class Broker:
             ctx, self.config.bind, max_message_bytes=self.config.max_message_bytes
         )
         log.info(
-            "broker (pid %d) listening on %s: %d partitions",
+            "broker (pid %d) listening on %s: %d partitions x %d copies; only claims "
+            "are granted for the first %.1fs",
             os.getpid(),
             self.endpoint,
             self.config.partitions,
+            self.config.replication,
+            self.config.grace,
         )
         self.bound.set()
         try:
@@ -92,6 +108,15 @@ class Broker:
         ok = await transport.send(self._sock, frames)
         if not ok:
             self.stats.undeliverable += 1
+            ident = frames[0]
+            if isinstance(ident, bytes) and ident.startswith(b"s-"):
+                # zmq dropped the route: the shard's connection is gone (a killed
+                # process); don't wait the whole liveness timeout to fail over.
+                self.detector.suspect(
+                    ident.decode("utf-8", "replace"),
+                    time.monotonic(),
+                    grace=2 * self.config.heartbeat.interval,
+                )
         return ok
 
     async def _control(self, node: bytes, mtype: MsgType, header: dict[str, Any]) -> None:
@@ -105,6 +130,14 @@ class Broker:
 
     async def _apply(self, assignments: list[Assignment]) -> None:
         for a in assignments:
+            log.info(
+                "assign %s: %s of partition %s at epoch %d%s",
+                a.node_id,
+                a.role.value,
+                a.partition,
+                a.epoch,
+                f", following {a.primary}" if a.primary else "",
+            )
             await self._control(
                 a.node_id.encode(),
                 MsgType.ASSIGN,
@@ -112,6 +145,8 @@ class Broker:
                     "role": a.role.value,
                     "partition": a.partition,
                     "epoch": a.epoch,
+                    "primary": a.primary,
+                    "primary_address": a.primary_address,
                     "n_partitions": self.state.n_partitions,
                 },
             )
@@ -122,10 +157,9 @@ class Broker:
         for p in range(self.state.n_partitions):
             primary = self.state.primary_of(p)
             self._routes[p] = primary.encode() if primary else None
-            self._epochs[p] = self.state.map.partitions[p].epoch
-        wire = self.state.map.to_wire()
-        for client in list(self.state.clients):
-            await self._control(client.encode(), MsgType.MAP, {"map": wire})
+        wire = {"map": self.state.map.to_wire()}
+        for node in [*self.state.clients, *self.state.shards]:
+            await self._control(node.encode(), MsgType.MAP, wire)
 
     # -- receiving -----------------------------------------------------------
 
@@ -144,6 +178,7 @@ class Broker:
                 ident = transport.frame_bytes(frames[0])
                 node = ident.decode("utf-8", "replace")
                 self.detector.seen(node, now)
+                before = self.state.map_version
                 try:
                     if ident.startswith(b"s-"):
                         await self._from_shard(ident, node, frames, now)
@@ -152,111 +187,140 @@ class Broker:
                 except ProtocolError as e:
                     self.stats.malformed += 1
                     log.debug("dropped a malformed message from %s: %s", node, e)
+                await self._publish_if_changed(before)
 
     async def _from_client(self, ident: bytes, node: str, frames: list[Any], now: float) -> None:
         route = unpack_route(transport.frame_buffer(frames[1]))
         if route.mtype is MsgType.REQUEST:
-            p = route.partition
-            target = self._routes[p] if 0 <= p < len(self._routes) else None
-            if target is None:
-                self.stats.unavailable += 1
-                why = (
-                    "no such partition"
-                    if not 0 <= p < len(self._routes)
-                    else "lost with its last shard"
-                    if self.state.is_lost(p)
-                    else "not yet assigned to a shard"
-                )
-                await self._reply_error(
-                    ident, route, "SHARD_UNAVAILABLE", f"partition {p} has no live shard ({why})"
-                )
-                return
-            self.stats.routed += 1
-            if not await self._send([target, ident, *frames[1:]]):
-                await self._reply_error(
-                    ident, route, "SHARD_UNAVAILABLE", f"the shard of partition {p} is unreachable"
-                )
+            await self._route_request(ident, route, frames, now)
             return
         msg = decode([transport.frame_buffer(f) for f in frames[1:]])
-        known = node in self.state.clients
         match route.mtype:
             case MsgType.HELLO:
                 h = msg.header
                 self.state.register_client(
                     node,
                     host=str(h.get("host", "?")),
-                    pid=int(h.get("pid", 0) or 0),
+                    pid=_int(h.get("pid")),
                     name=str(h.get("name", "")),
                     now=now,
                 )
                 log.info("client %s joined (%s pid %s)", node, h.get("host"), h.get("pid"))
                 await self._control(ident, MsgType.MAP, {"map": self.state.map.to_wire()})
             case MsgType.HEARTBEAT:
-                if not known:  # the broker restarted: let the client re-introduce itself
+                if node not in self.state.clients:  # the broker restarted: re-introduce
                     await self._control(ident, MsgType.HELLO, {})
             case MsgType.STATUS:
                 await self._control(ident, MsgType.STATUS, self.status(now))
             case MsgType.BYE:
                 self.detector.forget(node)
-                self.state.node_gone(node)
+                self.state.node_gone(node, now)
             case _:
                 raise ProtocolError(f"a client may not send {route.mtype.name}")
+
+    async def _route_request(
+        self, ident: bytes, route: Route, frames: list[Any], now: float
+    ) -> None:
+        p = route.partition
+        target = self._routes[p] if 0 <= p < len(self._routes) else None
+        if target is None:
+            if 0 <= p < len(self._routes) and self.state.holding(now):
+                await self._reply_error(
+                    ident,
+                    route,
+                    "NOT_PRIMARY",
+                    f"partition {p}: the broker is collecting the shards' claims",
+                )
+                return
+            self.stats.unavailable += 1
+            why = (
+                "no such partition"
+                if not 0 <= p < len(self._routes)
+                else "lost with its last copy"
+                if self.state.is_lost(p)
+                else "not yet assigned to a shard"
+            )
+            await self._reply_error(
+                ident, route, "SHARD_UNAVAILABLE", f"partition {p} has no live shard ({why})"
+            )
+            return
+        self.stats.routed += 1
+        if not await self._send([target, ident, *frames[1:]]):
+            # Its connection is gone; the heartbeat detector will promote a
+            # replica (or declare the partition lost) and the client retries then.
+            await self._reply_error(
+                ident, route, "NOT_PRIMARY", f"the primary of partition {p} is unreachable"
+            )
 
     async def _from_shard(self, ident: bytes, node: str, frames: list[Any], now: float) -> None:
         if len(frames) < 3:
             raise ProtocolError("shard message without target and route frames")
         target = transport.frame_bytes(frames[1])
         if target:
+            if node not in self.state.shards:
+                # A shard declared dead (e.g. it was paused) answering late: its
+                # word no longer counts; the client re-sent the request elsewhere.
+                self.stats.stale_replies += 1
+                return
             self.stats.replies += 1
             await self._send([target, *frames[2:]])
             return
         route = unpack_route(transport.frame_buffer(frames[2]))
-        msg = decode([transport.frame_buffer(f) for f in frames[2:]])
-        h = msg.header
-        before = self.state.map_version
+        h = decode([transport.frame_buffer(f) for f in frames[2:]]).header
         match route.mtype:
             case MsgType.REGISTER:
-                claim: Any = h.get("claim")
-                ok_claim = (
-                    isinstance(claim, list)
-                    and len(claim) == 2
-                    and all(type(x) is int for x in claim)
-                )
-                assignments = self.state.register_shard(
-                    node,
-                    host=str(h.get("host", "?")),
-                    pid=int(h.get("pid", 0) or 0),
-                    address=str(h.get("address", "")),
-                    now=now,
-                    claim=(claim[0], claim[1]) if ok_claim else None,
-                )
+                claim = parse_claim(h.get("claim"))
                 log.info(
-                    "shard %s registered (%s pid %s): %s",
+                    "shard %s registered (%s pid %s, replication at %s)%s",
                     node,
                     h.get("host"),
                     h.get("pid"),
-                    ", ".join(
-                        f"{a.role.value} of {a.partition} epoch {a.epoch}" for a in assignments
-                    ),
+                    h.get("address"),
+                    f", claiming {claim.role.value} of partition {claim.partition} at "
+                    f"epoch {claim.epoch}, LSN {claim.lsn}"
+                    if claim
+                    else "",
                 )
-                await self._apply(assignments)
-            case MsgType.HEARTBEAT:
-                if node not in self.state.shards:
-                    await self._control(ident, MsgType.REGISTER, {})
-                else:
-                    stats = h.get("stats")
-                    self.state.report(
+                await self._apply(
+                    self.state.register_shard(
                         node,
-                        lsn=int(h.get("lsn", 0)),
-                        stats=stats if isinstance(stats, dict) else {},
+                        host=str(h.get("host", "?")),
+                        pid=_int(h.get("pid")),
+                        address=str(h.get("address", "")),
+                        now=now,
+                        claim=claim,
                     )
+                )
+            case MsgType.HEARTBEAT:
+                shard = self.state.shards.get(node)
+                if shard is None:
+                    await self._control(ident, MsgType.REGISTER, {})
+                    return
+                stats, in_sync, epoch = h.get("stats"), h.get("in_sync"), h.get("epoch")
+                self.state.report(
+                    node,
+                    lsn=_int(h.get("lsn")),
+                    stats=stats if isinstance(stats, dict) else None,
+                    epoch=epoch if type(epoch) is int else None,
+                    in_sync=[str(r) for r in in_sync] if isinstance(in_sync, list) else None,
+                )
+                # The echo renews the shard's lease, for exactly this role.
+                await self._control(
+                    ident,
+                    MsgType.HEARTBEAT,
+                    {
+                        "t": h.get("t"),
+                        "role": shard.role.value,
+                        "partition": shard.partition,
+                        "epoch": shard.epoch,
+                    },
+                )
             case MsgType.BYE:
                 log.info("shard %s left", node)
                 self.detector.forget(node)
-                await self._apply(self.state.node_gone(node))
+                await self._apply(self.state.node_gone(node, now))
             case _:
                 raise ProtocolError(f"a shard may not send {route.mtype.name} to the broker")
-        await self._publish_if_changed(before)
 
     # -- time ----------------------------------------------------------------
 
@@ -269,17 +333,18 @@ class Broker:
             for node in self.detector.tick(now):
                 kind = "shard" if node in self.state.shards else "client"
                 log.warning("%s %s missed its heartbeats; declared dead", kind, node)
-                await self._apply(self.state.node_gone(node))
+                await self._apply(self.state.node_gone(node, now))
+            await self._apply(self.state.tick(now))
             await self._publish_if_changed(before)
             if now - self._last_beat >= interval:
                 self._last_beat = now
-                for node in [*self.state.shards, *self.state.clients]:
+                # Shards get probes too: a failed send is the fastest sign of death.
+                for node in [*self.state.clients, *self.state.shards]:
                     await self._control(node.encode(), MsgType.HEARTBEAT, {})
 
     def status(self, now: float) -> dict[str, Any]:
-        report = self.state.status(
-            now, {n: self.detector.last_seen(n) for n in [*self.state.shards, *self.state.clients]}
-        )
+        nodes = [*self.state.shards, *self.state.clients]
+        report = self.state.status(now, {n: self.detector.last_seen(n) for n in nodes})
         report["broker"] = {
             "pid": os.getpid(),
             "endpoint": self.endpoint,
@@ -289,3 +354,20 @@ class Broker:
             **vars(self.stats),
         }
         return report
+
+
+def _int(value: object) -> int:
+    return value if type(value) is int else 0
+
+
+def parse_claim(obj: object) -> Claim | None:
+    """A shard's claim from its REGISTER header (None if absent or malformed)."""
+    if not isinstance(obj, dict):
+        return None
+    try:
+        partition, epoch, lsn = obj["partition"], obj["epoch"], obj.get("lsn", 0)
+        if not all(type(v) is int and v >= 0 for v in (partition, epoch, lsn)):
+            return None
+        return Claim(partition, epoch, Role(obj["role"]), lsn, bool(obj.get("in_sync", False)))
+    except (KeyError, ValueError, TypeError):
+        return None

@@ -87,7 +87,12 @@ async def _serve_broker(args: argparse.Namespace) -> int:
 
     broker = Broker(
         BrokerConfig(
-            bind=args.bind, partitions=args.partitions, slots=args.slots, heartbeat=_heartbeat(args)
+            bind=args.bind,
+            partitions=args.partitions,
+            replication=args.replication,
+            slots=args.slots,
+            heartbeat=_heartbeat(args),
+            startup_grace=args.startup_grace,
         )
     )
     _on_signals(broker.stop)
@@ -99,7 +104,13 @@ async def _serve_shard(args: argparse.Namespace) -> int:
     from zps.server import ShardServer
 
     server = ShardServer(
-        ShardConfig(broker=args.broker, heartbeat=_heartbeat(args), data_dir=args.data_dir)
+        ShardConfig(
+            broker=args.broker,
+            heartbeat=_heartbeat(args),
+            data_dir=args.data_dir,
+            replication_bind=args.replication_bind,
+            advertise_host=args.advertise_host,
+        )
     )
     _on_signals(server.stop)
     await server.run()
@@ -124,29 +135,36 @@ def format_status(report: dict[str, Any]) -> str:
     b = report.get("broker", {})
     lines = [
         f"broker {b.get('endpoint')}  pid {b.get('pid')}  up {b.get('uptime_s')}s  "
-        f"map v{report.get('map_version')}  routed {b.get('routed')}  "
-        f"unavailable {b.get('unavailable')}  malformed {b.get('malformed')}",
+        f"map v{report.get('map_version')}  {report.get('n_partitions')} partitions x "
+        f"{report.get('replication')} copies  failovers {report.get('failovers')}",
+        f"  routed {b.get('routed')}  unavailable {b.get('unavailable')}  "
+        f"malformed {b.get('malformed')}  stale replies {b.get('stale_replies')}",
         "",
-        f"{'PART':>4}  {'EPOCH':>5}  {'STATE':<10}  {'PRIMARY':<16}  {'LSN':>10}  REPLICAS",
+        f"{'PART':>4}  {'EPOCH':>5}  {'STATE':<10}  {'PRIMARY':<16}  {'LSN':>9}  "
+        "REPLICAS (in sync / lag)",
     ]
     for p in report.get("partitions", []):
         lsn = "-" if p.get("lsn") is None else str(p["lsn"])
+        reps = ", ".join(
+            f"{r['node']} ({'in sync' if r['in_sync'] else 'catching up'}"
+            f"{'' if r.get('lag') is None else ' / ' + str(r['lag'])})"
+            for r in p.get("replicas", [])
+        )
         lines.append(
             f"{p['partition']:>4}  {p['epoch']:>5}  {p['state']:<10}  "
-            f"{p.get('primary') or '-':<16}  {lsn:>10}  "
-            f"{', '.join(p.get('replicas', [])) or '-'}"
+            f"{p.get('primary') or '-':<16}  {lsn:>9}  {reps or '-'}"
         )
     lines += [
         "",
         f"{'SHARD':<16}  {'ROLE':<8}  {'PART':>4}  {'HOST':<16}  {'PID':>7}  "
-        f"{'LSN':>10}  {'SEEN':>6}",
+        f"{'LSN':>9}  {'SEEN':>6}",
     ]
     for s in report.get("shards", []):
         part = "-" if s.get("partition") is None else str(s["partition"])
         seen = "-" if s.get("last_seen_s") is None else f"{s['last_seen_s']:.1f}s"
         lines.append(
             f"{s['node']:<16}  {s['role']:<8}  {part:>4}  {s['host'][:16]:<16}  "
-            f"{s['pid']:>7}  {s['lsn']:>10}  {seen:>6}"
+            f"{s['pid']:>7}  {s['lsn']:>9}  {seen:>6}"
         )
     clients = report.get("clients", [])
     lines += ["", f"{len(clients)} client(s) connected"]
@@ -175,11 +193,36 @@ def server_parser() -> argparse.ArgumentParser:
         default=BrokerConfig.slots,
         help="hash slots (fixed for the cluster's life; default %(default)s)",
     )
+    b.add_argument(
+        "--replication",
+        type=int,
+        default=BrokerConfig.replication,
+        help="copies of each partition: a primary and N-1 hot replicas (default %(default)s)",
+    )
+    b.add_argument(
+        "--startup-grace",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="after start, grant only claims of shards that already serve a "
+        "partition for this long (default: two liveness timeouts)",
+    )
     _add_common(b)
 
     s = sub.add_parser("shard", help="run a shard (serves one partition)")
     s.add_argument("--broker", default=DEFAULT_BROKER, help="broker endpoint (default %(default)s)")
     s.add_argument("--data-dir", default=None, help="directory for checkpoints")
+    s.add_argument(
+        "--replication-bind",
+        default=ShardConfig.replication_bind,
+        help="endpoint replicas connect to (default %(default)s: any free port)",
+    )
+    s.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host replicas use to reach this shard (default: the local address "
+        "on the route to the broker)",
+    )
     _add_common(s)
 
     st = sub.add_parser("status", help="show partitions, shards and clients")

@@ -69,7 +69,7 @@ log = logging.getLogger("zps.client")
 
 T = TypeVar("T")
 #: Retries of one message across map changes before the caller sees an error.
-MAX_ATTEMPTS = 20
+MAX_ATTEMPTS = 1000
 _RETRY_CODES = frozenset({"NOT_PRIMARY", "STALE_EPOCH"})
 
 
@@ -93,7 +93,7 @@ class _Request:
     epoch: int
     deadline: float
     attempts: int = 1
-    parked: bool = False  # waiting for a newer map before it is re-sent
+    parked: bool = False  # waiting to be re-sent (a newer map, or a short backoff)
 
     def fail(self, exc: BaseException) -> None:
         for op in self.ops:
@@ -127,6 +127,7 @@ class Client:
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: dict[int, _Request] = {}
         self._queue: dict[int, list[_Op]] = collections.defaultdict(list)
+        self._due: list[int] = []  # parked requests whose backoff ran out
         self._wake = asyncio.Event()
         self._req_ids = itertools.count(1)
         self._seqs = itertools.count(1)
@@ -410,6 +411,11 @@ class Client:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            due, self._due = self._due, []
+            for req_id in due:
+                req = self._pending.get(req_id)
+                if req is not None and req.parked:
+                    await self._resend(req)
             queued, self._queue = self._queue, collections.defaultdict(list)
             for partition, ops in queued.items():
                 sizes = [op.nbytes for op in ops]
@@ -421,8 +427,8 @@ class Client:
     async def _send_request(self, partition: int, ops: list[_Op]) -> None:
         cmap = self.cluster_map
         info = cmap.partitions.get(partition)
-        if info is None or info.primary is None:
-            err = ShardUnavailableError(f"partition {partition} has no live shard")
+        if info is None or info.lost:
+            err = ShardUnavailableError(f"partition {partition} has no live copy")
             for op in ops:
                 if not op.future.done():
                     op.future.set_exception(err)
@@ -434,7 +440,9 @@ class Client:
             for key, arr in op.arrays.items():
                 body[key] = enc.array(arr)
             bodies.append(body)
-        header = {"cid": self.client_id, "seq": next(self._seqs), "ops": bodies}
+        header: dict[str, Any] = {"cid": self.client_id, "seq": next(self._seqs), "ops": bodies}
+        if self.config.acks == 1:
+            header["acks"] = 1
         req_id = next(self._req_ids)
         frames = enc.build(Route(MsgType.REQUEST, partition, info.epoch, req_id), header)
         req = _Request(
@@ -445,6 +453,9 @@ class Client:
         self.stats.ops += len(ops)
         self.stats.by_partition[partition] += 1
         self.stats.bytes_out += sum(len(f) for f in frames)
+        if info.primary is None:  # failing over: wait for the new primary
+            self._park(req)
+            return
         await self._transmit(req, frames)
 
     async def _transmit(self, req: _Request, frames: list[Any]) -> None:
@@ -455,15 +466,29 @@ class Client:
             self._pending.pop(req.req_id, None)
             req.fail(e if isinstance(e, ClosedError) else ClosedError(str(e)))
 
+    def _park(self, req: _Request) -> None:
+        """Re-send after a short, growing backoff (or at once on a newer map)."""
+        req.parked = True
+        delay = min(0.01 * 2 ** min(req.attempts - 1, 8), self.config.heartbeat.interval)
+        asyncio.get_running_loop().call_later(delay, self._make_due, req.req_id)
+
+    def _make_due(self, req_id: int) -> None:
+        self._due.append(req_id)
+        self._wake.set()
+
     async def _resend(self, req: _Request) -> None:
         info = self.cluster_map.partitions.get(req.partition)
-        if info is None or info.primary is None:
+        if info is None or info.lost:
             self._pending.pop(req.req_id, None)
             req.fail(
                 ShardUnavailableError(
-                    f"partition {req.partition} has no live shard (its shard died)"
+                    f"partition {req.partition} has no live copy (its last shard died)"
                 )
             )
+            return
+        if info.primary is None:
+            req.attempts += 1
+            self._park(req)
             return
         if req.attempts >= MAX_ATTEMPTS:
             self._pending.pop(req.req_id, None)
@@ -541,13 +566,25 @@ class Client:
 
     async def _on_map(self, new: ClusterMap) -> None:
         old = self._map
-        if old is not None and new.version < old.version:
+        restarted = old is not None and new.incarnation != old.incarnation
+        if old is not None and not restarted and new.version < old.version:
             return
         self._map = new
         self._map_event.set()
+        if restarted:
+            log.info("the broker restarted; re-sending %d unanswered requests", len(self._pending))
         for req in list(self._pending.values()):
             info = new.partitions.get(req.partition)
-            if req.parked or info is None or info.primary is None or info.epoch != req.epoch:
+            # A restarted broker may have dropped anything in flight; a new epoch
+            # means a new primary.  Dedup makes re-sending safe.
+            if (
+                restarted
+                or req.parked
+                or info is None
+                or info.epoch != req.epoch
+                or info.primary is None
+                or info.lost
+            ):
                 await self._resend(req)
 
     async def _on_reply(self, msg: Message) -> None:
@@ -557,9 +594,10 @@ class Client:
         header = msg.header
         status = header.get("st")
         if status in _RETRY_CODES:
-            # The map we routed by is out of date; park until a newer one arrives.
-            req.parked = True
-            await self._hello()
+            # Failing over, or our map is out of date: try again shortly.
+            self._park(req)
+            if status == "STALE_EPOCH":
+                await self._hello()
             return
         del self._pending[req.req_id]
         if status != "OK":

@@ -61,7 +61,11 @@ class MsgType(enum.IntEnum):
     REGISTER = 6  # shard -> broker
     ASSIGN = 7  # broker -> shard: partition, role, epoch
     STATUS = 8  # client -> broker: ask for the status report; reply has the same type
-    BYE = 9  # orderly departure
+    BYE = 9  # orderly departure; from a primary to a replica: subscription refused
+    SUBSCRIBE = 10  # replica -> primary: send me a snapshot, then the stream
+    SNAPSHOT = 11  # primary -> replica: the whole partition at one LSN
+    REPLICATE = 12  # primary -> replica: one message that changed state
+    ACK = 13  # replica -> primary: applied up to this LSN
 
 
 BufferLike = bytes | bytearray | memoryview

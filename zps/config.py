@@ -50,16 +50,41 @@ class Heartbeat:
 class BrokerConfig:
     bind: str = DEFAULT_BIND
     partitions: int = 2
+    #: Copies of each partition: a primary and ``replication - 1`` hot replicas.
+    replication: int = 2
     slots: int = DEFAULT_SLOTS
     heartbeat: Heartbeat = Heartbeat()
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    #: After start, only claims of shards that already serve a partition are
+    #: granted for this long (None: two liveness timeouts), so a restarted
+    #: broker rebuilds its map from the shards before it assigns anything new.
+    startup_grace: float | None = None
+
+    @property
+    def grace(self) -> float:
+        if self.startup_grace is not None:
+            return self.startup_grace
+        return 2 * self.heartbeat.interval * self.heartbeat.liveness
 
     def __post_init__(self) -> None:
         _check_endpoint("broker", "bind", self.bind)
         _check_positive(self, "partitions", "slots", "max_message_bytes")
         for f in fields(self):
-            if f.name in ("partitions", "slots") and not isinstance(getattr(self, f.name), int):
+            if f.name in ("partitions", "slots", "replication") and not isinstance(
+                getattr(self, f.name), int
+            ):
                 raise ConfigError(f"broker.{f.name} must be an integer")
+        if not isinstance(self.replication, int) or self.replication < 1:
+            raise ConfigError(
+                f"broker.replication must be an integer >= 1 (1 = no replicas), "
+                f"got {self.replication!r}"
+            )
+        if self.startup_grace is not None and not (
+            isinstance(self.startup_grace, int | float) and 0 <= self.startup_grace < 3600
+        ):
+            raise ConfigError(
+                f"broker.startup_grace must be seconds in [0, 3600), got {self.startup_grace!r}"
+            )
         if self.slots < self.partitions:
             raise ConfigError(
                 f"broker.slots ({self.slots}) must be >= broker.partitions ({self.partitions})"
@@ -72,9 +97,15 @@ class ShardConfig:
     heartbeat: Heartbeat = Heartbeat()
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     data_dir: str | None = None
+    #: Where replicas of this shard's partition connect (port 0: any free port).
+    replication_bind: str = "tcp://*:0"
+    #: The host replicas use to reach this shard (None: the local address on
+    #: the route to the broker).
+    advertise_host: str | None = None
 
     def __post_init__(self) -> None:
         _check_endpoint("shard", "broker", self.broker)
+        _check_endpoint("shard", "replication_bind", self.replication_bind)
         _check_positive(self, "max_message_bytes")
 
 
@@ -91,8 +122,14 @@ class ClientConfig:
     batch_max_bytes: int = 4 << 20
     compress: bool = True
     name: str = ""
+    #: "all": a write returns once every in-sync replica applied it; 1: once the
+    #: primary did (faster; a write acknowledged just before the primary dies
+    #: can be lost).
+    acks: str | int = "all"
 
     def __post_init__(self) -> None:
+        if self.acks not in ("all", 1):
+            raise ConfigError(f'client.acks must be "all" or 1, got {self.acks!r}')
         _check_positive(
             self,
             "timeout",

@@ -31,6 +31,16 @@ class FailureDetector:
     def seen(self, node: str, now: float) -> None:
         self._last[node] = now
 
+    def suspect(self, node: str, now: float, grace: float) -> None:
+        """Its connection is gone: dead unless heard from within ``grace`` seconds.
+
+        A live peer that merely reconnects says something well within that; a
+        killed one is declared dead long before the full timeout.
+        """
+        last = self._last.get(node)
+        if last is not None:
+            self._last[node] = min(last, now + grace - self.timeout)
+
     def forget(self, node: str) -> None:
         self._last.pop(node, None)
 

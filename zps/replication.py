@@ -15,7 +15,9 @@ Rules:
    still promote.
 3. Acknowledgements release waiting writes strictly in LSN order.
 4. A replica accepts the stream only from its primary's epoch and only the
-   next LSN (:func:`check_stream`); anything else means it must resynchronise.
+   message that follows its LSN (:func:`check_stream`: a message carries the
+   primary's LSN before and after it); anything else means it must
+   resynchronise from a snapshot.
 """
 
 from __future__ import annotations
@@ -89,10 +91,10 @@ class StreamCheck(enum.Enum):
     RESYNC = "resync"  # a gap or another epoch: take a fresh snapshot
 
 
-def check_stream(*, my_epoch: int, my_lsn: int, epoch: int, lsn: int) -> StreamCheck:
+def check_stream(*, my_epoch: int, my_lsn: int, epoch: int, prev_lsn: int, lsn: int) -> StreamCheck:
     if epoch != my_epoch:
         return StreamCheck.RESYNC
-    if lsn == my_lsn + 1:
+    if prev_lsn == my_lsn:
         return StreamCheck.APPLY
     if lsn <= my_lsn:
         return StreamCheck.DUPLICATE

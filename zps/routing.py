@@ -39,6 +39,8 @@ class PartitionInfo:
     primary: str | None = None
     replicas: tuple[str, ...] = ()
     in_sync: tuple[str, ...] = ()
+    #: No copy of the partition is left: requests fail instead of waiting.
+    lost: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -46,6 +48,7 @@ class PartitionInfo:
             "primary": self.primary,
             "replicas": list(self.replicas),
             "in_sync": list(self.in_sync),
+            "lost": self.lost,
         }
 
 
@@ -57,6 +60,8 @@ class ClusterMap:
     n_slots: int
     slot_map: npt.NDArray[np.int32]
     partitions: Mapping[int, PartitionInfo] = field(default_factory=dict)
+    #: Which life of the broker made this map: versions restart at a new one.
+    incarnation: str = ""
 
     @property
     def n_partitions(self) -> int:
@@ -68,6 +73,7 @@ class ClusterMap:
             "n_slots": self.n_slots,
             "slot_map": self.slot_map.astype("<i4").tobytes(),
             "partitions": {str(p): info.to_wire() for p, info in sorted(self.partitions.items())},
+            "incarnation": self.incarnation,
         }
 
     @staticmethod
@@ -85,6 +91,8 @@ class ClusterMap:
             need(type(version) is int and type(n_slots) is int and n_slots > 0, "bad sizes")
             need(isinstance(raw, bytes) and len(raw) == 4 * n_slots, "bad slot_map")
             slot_map = np.frombuffer(raw, dtype="<i4").astype(np.int32)
+            incarnation = obj.get("incarnation", "")
+            need(isinstance(incarnation, str), "bad incarnation")
             parts: dict[int, PartitionInfo] = {}
             for key, info in obj["partitions"].items():
                 primary, epoch = info["primary"], info["epoch"]
@@ -93,8 +101,9 @@ class ClusterMap:
                 parts[int(key)] = PartitionInfo(
                     epoch=epoch,
                     primary=primary,
-                    replicas=tuple(str(r) for r in info["replicas"]),
-                    in_sync=tuple(str(r) for r in info["in_sync"]),
+                    replicas=_names(info["replicas"]),
+                    in_sync=_names(info["in_sync"]),
+                    lost=info.get("lost", False) is True,
                 )
             need(sorted(parts) == list(range(len(parts))), "partitions must be 0..n-1")
             need(
@@ -104,7 +113,13 @@ class ClusterMap:
             )
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise ProtocolError(f"malformed cluster map: {type(e).__name__} {e}") from None
-        return ClusterMap(version, n_slots, slot_map, parts)
+        return ClusterMap(version, n_slots, slot_map, parts, incarnation)
+
+
+def _names(obj: object) -> tuple[str, ...]:
+    if not isinstance(obj, list) or not all(isinstance(x, str) for x in obj):
+        raise ValueError("node lists must be lists of strings")
+    return tuple(obj)
 
 
 def partitions_of_ids(ids: I64, cmap: ClusterMap) -> npt.NDArray[np.int32]:

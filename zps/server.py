@@ -1,33 +1,72 @@
-"""The shard process: serves one partition for the broker.
+"""The shard process: serves one partition as primary or replica.
 
-It connects a DEALER to the broker, registers (claiming the partition it
-already serves, so a restarted broker rebuilds its map from the shards),
-answers requests through :class:`~zps.shardcore.ShardCore`, and heartbeats.
+Links:
 
-Frames from the broker are ``[source, route, header, payloads...]``: an empty
-``source`` is the broker itself, anything else is the client to answer.
+* a DEALER to the broker: registration (claiming what it already serves, so
+  a restarted broker rebuilds its map), heartbeats, requests and replies.
+  Frames from the broker are ``[source, route, header, payloads...]``: an
+  empty ``source`` is the broker itself, anything else a client to answer.
+* a ROUTER of its own (``replication_bind``): when primary, its replicas
+  subscribe here; it sends each a snapshot, then every message that changed
+  state, and collects their acknowledgements.
+* a DEALER to its primary, when replica.
+
+A primary answers a write once every replica it requires has applied it
+(``acks=all``; see :mod:`zps.replication`), and accepts requests only while
+its lease from the broker runs (see :mod:`zps.broker`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
+import msgpack
 import zmq.asyncio
 
 from zps import transport
 from zps.cluster import Role
-from zps.codec import MsgType, Route, decode, encode, unpack_route
+from zps.codec import Encoder, MsgType, Route, decode, encode, unpack_route
 from zps.config import ShardConfig
-from zps.errors import ClosedError, ProtocolError
+from zps.errors import BrokenError, ClosedError, ProtocolError, ZpsError
+from zps.replication import AckTracker, StreamCheck, check_stream
+from zps.routing import ClusterMap
 from zps.shardcore import ShardCore
+from zps.snapshot import decode_snapshot, encode_snapshot
 
 log = logging.getLogger("zps.shard")
+
+Reply = tuple[bytes, list[Any]]  # (client identity, reply frames)
+
+
+@dataclass
+class Follower:
+    """A replica streaming from this primary."""
+
+    snapshot_lsn: int
+    acked: int = 0
+    last_heard: float = 0.0
+
+
+def advertise_host(broker: str) -> str:
+    """The local address on the route to the broker (no packet is sent)."""
+    host = urlsplit(broker).hostname or "127.0.0.1"
+    if host in ("*", "0.0.0.0", "localhost"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
 
 
 class ShardServer:
@@ -36,38 +75,72 @@ class ShardServer:
         self.node_id = node_id or f"s-{uuid.uuid4().hex[:12]}"
         self.core = ShardCore()
         self.role = Role.SPARE
+        self.address = ""
         self.assigned = asyncio.Event()
+        hb = config.heartbeat
+        self.lease = hb.interval * max(1, hb.liveness - 1)
         self._stop = asyncio.Event()
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
+        self._repl: zmq.asyncio.Socket | None = None
+        self._tg: asyncio.TaskGroup | None = None
         self._last_broker = 0.0
         self._broker_lost = False
+        self._lease_start = -1e9
+        # primary side
+        self._tracker: AckTracker[Reply] = AckTracker()
+        self._followers: dict[str, Follower] = {}
+        self._local_in_sync: set[str] = set()
+        self._published_in_sync: set[str] = set()
+        # replica side
+        self._upstream: zmq.asyncio.Socket | None = None
+        self._upstream_task: asyncio.Task[None] | None = None
+        self._following: tuple[str, int] | None = None  # (primary address, epoch)
+        self._in_sync_published = False
+        self._resync = False
 
     def stop(self) -> None:
         self._stop.set()
 
+    # -- lifecycle -----------------------------------------------------------
+
     async def run(self) -> None:
         """Serve until :meth:`stop`; sockets are closed on the way out."""
+        cfg = self.config
         self._ctx = transport.new_context()
+        self._repl, bound = transport.router(
+            self._ctx, cfg.replication_bind, max_message_bytes=cfg.max_message_bytes
+        )
+        port = urlsplit(bound).port
+        self.address = f"tcp://{cfg.advertise_host or advertise_host(cfg.broker)}:{port}"
         self._sock = transport.dealer(
-            self._ctx,
-            self.config.broker,
-            self.node_id.encode(),
-            max_message_bytes=self.config.max_message_bytes,
+            self._ctx, cfg.broker, self.node_id.encode(), max_message_bytes=cfg.max_message_bytes
         )
         log.info(
-            "shard %s (pid %d) connecting to %s", self.node_id, os.getpid(), self.config.broker
+            "shard %s (pid %d) connecting to %s; replication at %s",
+            self.node_id,
+            os.getpid(),
+            cfg.broker,
+            self.address,
         )
         try:
             await self._register()
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._recv_loop()), tg.create_task(self._heartbeat_loop())]
+                self._tg = tg
+                tasks = [
+                    tg.create_task(self._broker_loop()),
+                    tg.create_task(self._repl_loop()),
+                    tg.create_task(self._heartbeat_loop()),
+                ]
                 await self._stop.wait()
                 await self._to_broker(MsgType.BYE, {})
+                self._stop_following()
                 for t in tasks:
                     t.cancel()
         finally:
-            transport.close(self._sock)
+            for sock in (self._sock, self._repl, self._upstream):
+                if sock is not None:
+                    transport.close(sock)
             transport.term(self._ctx)
             log.info("shard %s stopped", self.node_id)
 
@@ -79,68 +152,163 @@ class ShardServer:
 
     async def _register(self) -> None:
         claim = None
-        if self.role is Role.PRIMARY and self.core.partition is not None:
-            claim = [self.core.partition, self.core.epoch]
+        if self.role is not Role.SPARE and self.core.partition is not None:
+            claim = {
+                "partition": self.core.partition,
+                "epoch": self.core.epoch,
+                "role": self.role.value,
+                "lsn": self.core.lsn,
+                "in_sync": self._in_sync_published,
+            }
         await self._to_broker(
             MsgType.REGISTER,
             {
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
-                "address": "",
+                "address": self.address,
                 "claim": claim,
                 "lsn": self.core.lsn,
             },
         )
 
+    async def _heartbeat(self) -> None:
+        header: dict[str, Any] = {
+            "t": time.monotonic(),
+            "lsn": self.core.lsn,
+            "epoch": self.core.epoch,
+            "stats": self.core.report(),
+        }
+        if self.role is Role.PRIMARY:
+            header["in_sync"] = sorted(self._local_in_sync)
+        await self._to_broker(MsgType.HEARTBEAT, header)
+
+    def _lease_valid(self, now: float) -> bool:
+        return now - self._lease_start < self.lease
+
     async def _heartbeat_loop(self) -> None:
         hb = self.config.heartbeat
         while True:
             await asyncio.sleep(hb.interval)
-            await self._to_broker(
-                MsgType.HEARTBEAT, {"lsn": self.core.lsn, "stats": self.core.report()}
-            )
-            silent = time.monotonic() - self._last_broker
+            await self._heartbeat()
+            now = time.monotonic()
+            silent = now - self._last_broker
             if silent > hb.interval * hb.liveness and not self._broker_lost:
                 self._broker_lost = True
                 log.warning(
-                    "no word from the broker for %.1fs; still serving, "
-                    "re-registering when it answers",
+                    "no word from the broker for %.1fs; %s",
                     silent,
+                    "refusing writes until it answers"
+                    if self.role is Role.PRIMARY
+                    else "waiting for it",
                 )
+            if self.role is Role.PRIMARY:
+                await self._drop_lagging(now)
+            elif self.role is Role.REPLICA and self._upstream is not None:
+                await self._ack_upstream()
 
-    def _on_broker(self, route: Route, header: dict[str, Any]) -> bool:
-        """Handle a control message; returns True when a re-registration is due."""
+    async def _on_broker(self, route: Route, header: dict[str, Any]) -> None:
         match route.mtype:
             case MsgType.ASSIGN:
-                role = Role(header["role"])
-                partition = header.get("partition")
-                epoch = int(header.get("epoch", 0))
-                self.role = role
-                self.core.assign(partition if role is Role.PRIMARY else None, epoch)
-                log.info("assigned: %s of partition %s at epoch %d", role.value, partition, epoch)
-                self.assigned.set()
+                await self._assign(header)
+            case MsgType.MAP:
+                self._on_map(ClusterMap.from_wire(header.get("map")))
+            case MsgType.HEARTBEAT:
+                t = header.get("t")
+                if (
+                    isinstance(t, float)
+                    and header.get("role") == self.role.value
+                    and header.get("partition") == self.core.partition
+                    and header.get("epoch") == self.core.epoch
+                ):
+                    self._lease_start = max(self._lease_start, t)
             case MsgType.REGISTER:  # the broker does not know us (it restarted)
-                return True
-            case MsgType.HEARTBEAT | MsgType.MAP:
-                pass
+                await self._register()
             case _:
                 log.warning("unexpected %s from the broker", route.mtype.name)
-        return False
+
+    async def _assign(self, h: dict[str, Any]) -> None:
+        role = Role(h["role"])
+        partition, epoch = h.get("partition"), int(h.get("epoch", 0))
+        if partition is not None and type(partition) is not int:
+            raise ProtocolError("ASSIGN partition must be an integer")
+        was = (self.role, self.core.partition, self.core.epoch)
+        if was == (role, partition, epoch) and role is not Role.REPLICA:
+            return
+        log.info(
+            "assigned: %s of partition %s at epoch %d (was %s of %s at %d)",
+            role.value,
+            partition,
+            epoch,
+            was[0].value,
+            was[1],
+            was[2],
+        )
+        if self.role is Role.PRIMARY and (role, partition, epoch) != was:
+            self._step_down()
+        self.role = role
+        match role:
+            case Role.PRIMARY:
+                self._stop_following()
+                self.core.assign(partition, epoch, primary=True)
+                # A lease comes only from the broker's answer to a heartbeat
+                # sent from now on; ask for one at once.
+                await self._heartbeat()
+            case Role.REPLICA:
+                self.core.assign(partition, epoch, primary=False)
+                address = str(h.get("primary_address") or "")
+                if address and self._following != (address, epoch):
+                    await self._follow(address, epoch)
+            case Role.SPARE:
+                self._stop_following()
+                self.core.assign(None, 0)
+        self.assigned.set()
+
+    def _step_down(self) -> None:
+        """Stop being primary: writes still waiting for replicas get NOT_PRIMARY."""
+        waiting = self._tracker.take_all()
+        self._tracker = AckTracker()
+        self._followers.clear()
+        self._local_in_sync.clear()
+        self._published_in_sync.clear()
+        self._lease_start = -1e9
+        for client, frames in waiting:
+            route = unpack_route(frames[0])
+            refusal = encode(
+                Route(MsgType.REPLY, route.partition, route.epoch, route.req_id),
+                {"st": "NOT_PRIMARY", "msg": "the primary stepped down"},
+            )
+            self._spawn_send([client, *refusal])
+        if waiting:
+            log.warning(
+                "stepped down with %d writes unacknowledged; clients will retry", len(waiting)
+            )
+
+    def _on_map(self, cmap: ClusterMap) -> None:
+        p = self.core.partition
+        info = cmap.partitions.get(p) if p is not None else None
+        if info is None:
+            return
+        published = set(info.in_sync)
+        self._in_sync_published = self.node_id in published
+        if self.role is Role.PRIMARY and info.epoch == self.core.epoch:
+            # The broker dropped these (dead, or reported lagging): stop waiting.
+            self._local_in_sync -= self._published_in_sync - published
+            self._published_in_sync = published
+            self._release(self._tracker.set_required(published | self._local_in_sync))
 
     # -- requests ------------------------------------------------------------
 
-    async def _recv_loop(self) -> None:
+    async def _broker_loop(self) -> None:
         assert self._sock is not None
-        sock = self._sock
         while True:
             try:
-                burst = await transport.recv_burst(sock)
+                burst = await transport.recv_burst(self._sock)
             except ClosedError:
                 return
             self._last_broker = time.monotonic()
             if self._broker_lost:
                 self._broker_lost = False
-                log.info("broker is back")
+                log.info("the broker answers again")
             for frames in burst:
                 if len(frames) < 3:
                     self.core.stats.malformed += 1
@@ -148,34 +316,303 @@ class ShardServer:
                 source = transport.frame_bytes(frames[0])
                 try:
                     route = unpack_route(transport.frame_buffer(frames[1]))
-                except ProtocolError as e:
-                    self.core.stats.malformed += 1
-                    log.debug("dropped a message with a bad route frame: %s", e)
-                    continue
-                if not source:
-                    try:
+                    if not source:
                         msg = decode([transport.frame_buffer(f) for f in frames[1:]])
-                        if self._on_broker(route, msg.header):
-                            await self._register()
-                    except (ProtocolError, KeyError, ValueError, TypeError) as e:
-                        self.core.stats.malformed += 1
-                        log.warning("bad control message from the broker: %s", e)
+                        await self._on_broker(route, msg.header)
+                        continue
+                except (ProtocolError, KeyError, ValueError, TypeError) as e:
+                    self.core.stats.malformed += 1
+                    log.warning(
+                        "dropped a bad message (%s): %s", "control" if not source else "request", e
+                    )
                     continue
-                await transport.send(sock, [source, *self._answer(route, frames[1:])])
+                await self._request(source, route, frames[1:])
 
-    def _answer(self, route: Route, frames: list[Any]) -> list[Any]:
+    async def _request(self, source: bytes, route: Route, frames: list[Any]) -> None:
+        assert self._sock is not None
         bufs = [transport.frame_buffer(f) for f in frames]
+        reply_route = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
         try:
             msg = decode(bufs)
         except ProtocolError as e:
             self.core.stats.malformed += 1
-            reply = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
-            return encode(reply, {"st": "BAD_REQUEST", "msg": str(e)})
+            await transport.send(
+                self._sock, [source, *encode(reply_route, {"st": "BAD_REQUEST", "msg": str(e)})]
+            )
+            return
         if route.mtype is not MsgType.REQUEST:
             self.core.stats.malformed += 1
-            reply = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
-            return encode(
-                reply,
-                {"st": "BAD_REQUEST", "msg": f"a shard serves REQUEST, not {route.mtype.name}"},
+            await transport.send(
+                self._sock,
+                [
+                    source,
+                    *encode(
+                        reply_route,
+                        {
+                            "st": "BAD_REQUEST",
+                            "msg": f"a shard serves REQUEST, not {route.mtype.name}",
+                        },
+                    ),
+                ],
             )
-        return self.core.handle(route, msg.header, msg.payloads)
+            return
+        if self.role is Role.PRIMARY and not self._lease_valid(time.monotonic()):
+            await transport.send(
+                self._sock,
+                [
+                    source,
+                    *encode(
+                        reply_route,
+                        {
+                            "st": "NOT_PRIMARY",
+                            "msg": "the primary's lease from the broker has run out",
+                        },
+                    ),
+                ],
+            )
+            return
+        prev = self.core.lsn
+        reply, changed = self.core.handle_request(route, msg.header, msg.payloads)
+        if not changed:
+            await transport.send(self._sock, [source, *reply])
+            return
+        await self._replicate(prev, frames)
+        if msg.header.get("acks") == 1:
+            await transport.send(self._sock, [source, *reply])
+        else:
+            self._release(self._tracker.add(self.core.lsn, (source, reply)))
+
+    def _release(self, replies: list[Reply]) -> None:
+        for client, frames in replies:
+            self._spawn_send([client, *frames])
+
+    def _spawn_send(self, frames: list[Any]) -> None:
+        assert self._sock is not None and self._tg is not None
+        sock = self._sock
+        if not sock.closed:
+            # zmq.asyncio sends complete at once unless the queue is full; the
+            # task only exists for that case and is owned by the server's group.
+            self._tg.create_task(_send_quietly(sock, frames))
+
+    # -- primary side of replication -----------------------------------------
+
+    async def _replicate(self, prev: int, frames: list[Any]) -> None:
+        """Stream the request (header and payload frames as received) to replicas."""
+        if not self._followers:
+            return
+        assert self._repl is not None
+        route = Route(MsgType.REPLICATE, self.core.partition or 0, self.core.epoch, 0)
+        head = msgpack.packb({"prev": prev, "lsn": self.core.lsn})
+        for node in list(self._followers):
+            ok = await transport.send(self._repl, [node.encode(), route.pack(), head, *frames])
+            if not ok:
+                self._drop_follower(node, "its connection is gone")
+
+    def _drop_follower(self, node: str, why: str) -> None:
+        if self._followers.pop(node, None) is not None:
+            log.warning("stopped streaming to replica %s: %s", node, why)
+        self._local_in_sync.discard(node)
+
+    async def _repl_loop(self) -> None:
+        assert self._repl is not None
+        while True:
+            try:
+                burst = await transport.recv_burst(self._repl)
+            except ClosedError:
+                return
+            now = time.monotonic()
+            for frames in burst:
+                try:
+                    node = transport.frame_bytes(frames[0]).decode()
+                    msg = decode([transport.frame_buffer(f) for f in frames[1:]])
+                    match msg.route.mtype:
+                        case MsgType.SUBSCRIBE:
+                            await self._subscribe(node, msg.header, now)
+                        case MsgType.ACK:
+                            await self._on_ack(node, msg.header, now)
+                        case _:
+                            raise ProtocolError(f"unexpected {msg.route.mtype.name}")
+                except (ProtocolError, UnicodeDecodeError, ValueError, TypeError) as e:
+                    self.core.stats.malformed += 1
+                    log.warning("dropped a bad replication message: %s", e)
+
+    async def _subscribe(self, node: str, h: dict[str, Any], now: float) -> None:
+        assert self._repl is not None
+        if (
+            self.role is not Role.PRIMARY
+            or h.get("partition") != self.core.partition
+            or h.get("epoch") != self.core.epoch
+        ):
+            await transport.send(
+                self._repl,
+                [
+                    node.encode(),
+                    *encode(
+                        Route(MsgType.BYE),
+                        {
+                            "msg": f"not the primary of partition {h.get('partition')} at epoch "
+                            f"{h.get('epoch')}"
+                        },
+                    ),
+                ],
+            )
+            return
+        snap = self.core.snapshot()
+        enc = Encoder()
+        header = encode_snapshot(enc, snap)
+        route = Route(MsgType.SNAPSHOT, snap.partition, snap.epoch, snap.lsn)
+        self._local_in_sync.discard(node)
+        self._followers[node] = Follower(snapshot_lsn=snap.lsn, last_heard=now)
+        await transport.send(self._repl, [node.encode(), *enc.build(route, header)])
+        log.info(
+            "replica %s subscribed: snapshot at LSN %d (%d tables)",
+            node,
+            snap.lsn,
+            len(snap.export["specs"]),
+        )
+
+    async def _on_ack(self, node: str, h: dict[str, Any], now: float) -> None:
+        follower = self._followers.get(node)
+        lsn = h.get("lsn")
+        if follower is None or type(lsn) is not int or h.get("epoch") != self.core.epoch:
+            return
+        follower.acked = max(follower.acked, lsn)
+        follower.last_heard = now
+        if node not in self._local_in_sync and follower.acked >= follower.snapshot_lsn:
+            # Caught up: it holds the snapshot and receives every message since.
+            self._local_in_sync.add(node)
+            self._tracker.require(node, follower.acked)
+            log.info("replica %s is in sync at LSN %d", node, follower.acked)
+            await self._heartbeat()  # tell the broker now, not at the next beat
+        self._release(self._tracker.ack(node, lsn))
+
+    async def _drop_lagging(self, now: float) -> None:
+        """A required replica silent for the liveness timeout stops holding writes back."""
+        if not len(self._tracker):
+            return
+        hb = self.config.heartbeat
+        for node in list(self._local_in_sync):
+            follower = self._followers.get(node)
+            if follower is None or now - follower.last_heard > hb.interval * hb.liveness:
+                log.warning("replica %s stopped acknowledging; reporting it out of sync", node)
+                self._local_in_sync.discard(node)
+        # The broker publishes the smaller set; _on_map then releases the writes.
+
+    # -- replica side --------------------------------------------------------
+
+    async def _follow(self, address: str, epoch: int) -> None:
+        self._stop_following()
+        assert self._ctx is not None and self._tg is not None
+        self._upstream = transport.dealer(
+            self._ctx,
+            address,
+            self.node_id.encode(),
+            max_message_bytes=self.config.max_message_bytes,
+        )
+        self._following = (address, epoch)
+        self._upstream_task = self._tg.create_task(self._upstream_loop(self._upstream))
+        log.info("following the primary at %s (epoch %d)", address, epoch)
+
+    def _stop_following(self) -> None:
+        if self._upstream_task is not None:
+            self._upstream_task.cancel()
+            self._upstream_task = None
+        if self._upstream is not None:
+            transport.close(self._upstream)
+            self._upstream = None
+        self._following = None
+
+    async def _ack_upstream(self) -> None:
+        if self._upstream is not None:
+            await transport.send(
+                self._upstream,
+                encode(Route(MsgType.ACK), {"lsn": self.core.lsn, "epoch": self.core.epoch}),
+            )
+
+    async def _upstream_loop(self, sock: zmq.asyncio.Socket) -> None:
+        """Subscribe to the primary, load its snapshot, then apply its stream."""
+        hb = self.config.heartbeat
+        synced = False
+        asked = 0.0
+        while True:
+            if not synced and time.monotonic() - asked > hb.interval * 2:
+                # (Again) ask: the primary may not have known its role yet.
+                await transport.send(
+                    sock,
+                    encode(
+                        Route(MsgType.SUBSCRIBE),
+                        {"partition": self.core.partition, "epoch": self.core.epoch},
+                    ),
+                )
+                asked = time.monotonic()
+            try:
+                burst = await transport.recv_burst(sock, timeout=hb.interval)
+            except (ClosedError, BrokenError):
+                return
+            for frames in burst:
+                try:
+                    msg = decode([transport.frame_buffer(f) for f in frames])
+                    match msg.route.mtype:
+                        case MsgType.SNAPSHOT:
+                            synced = self._load_snapshot(msg.header, msg.payloads)
+                        case MsgType.REPLICATE if synced:
+                            self._apply_stream(msg.route, msg.header, msg.payloads)
+                        case MsgType.BYE:
+                            synced = False
+                            log.info(
+                                "the primary refused the subscription: %s", msg.header.get("msg")
+                            )
+                except (ProtocolError, ZpsError) as e:
+                    log.warning("bad message from the primary: %s; resync", e)
+                    self._resync = True
+                if self._resync:
+                    self._resync, synced, asked = False, False, 0.0
+            if synced and burst:
+                await self._ack_upstream()
+
+    def _load_snapshot(self, header: dict[str, Any], payloads: Any) -> bool:
+        snap = decode_snapshot(header, payloads, max_bytes=self.config.max_message_bytes)
+        if snap.epoch != self.core.epoch or snap.partition != self.core.partition:
+            return False
+        self.core.load_snapshot(snap)
+        log.info("loaded a snapshot of partition %d at LSN %d", snap.partition, snap.lsn)
+        return True
+
+    def _apply_stream(self, route: Route, head: dict[str, Any], payloads: Any) -> None:
+        prev, lsn = head.get("prev"), head.get("lsn")
+        if type(prev) is not int or type(lsn) is not int or not payloads:
+            raise ProtocolError("replication header needs integer prev and lsn")
+        verdict = check_stream(
+            my_epoch=self.core.epoch,
+            my_lsn=self.core.lsn,
+            epoch=route.epoch,
+            prev_lsn=prev,
+            lsn=lsn,
+        )
+        if verdict is StreamCheck.DUPLICATE:
+            return
+        if verdict is StreamCheck.RESYNC:
+            log.warning(
+                "replication stream gap (at LSN %d, got %d..%d, epoch %d): resync",
+                self.core.lsn,
+                prev,
+                lsn,
+                route.epoch,
+            )
+            self._resync = True
+            return
+        try:
+            header = decode([Route(MsgType.REQUEST).pack(), payloads[0]]).header
+            got = self.core.apply_replicated(header, payloads[1:])
+        except (ZpsError, KeyError, ValueError) as e:
+            log.error("could not apply LSN %d from the primary: %s; resync", lsn, e)
+            self._resync = True
+            return
+        if got != lsn:
+            log.error("replica diverged: LSN %d after applying, primary had %d; resync", got, lsn)
+            self._resync = True
+
+
+async def _send_quietly(sock: zmq.asyncio.Socket, frames: list[Any]) -> None:
+    with contextlib.suppress(ClosedError, BrokenError):
+        await transport.send(sock, frames)

@@ -14,6 +14,12 @@ Rules:
    again (they are idempotent).
 4. Anything malformed becomes an error status naming what is wrong; no input
    raises out of :meth:`ShardCore.handle`.
+5. ``lsn`` counts applied mutations.  A message that advanced it is replicated
+   as it arrived; a replica re-runs its mutations (:meth:`apply_replicated`) and
+   must arrive at the same LSN, and so at the same state: the operations are
+   deterministic.
+6. Only a primary answers client requests; a replica or a spare refuses them
+   with ``NOT_PRIMARY`` and changes nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 
 from zps.codec import BufferLike, CompressPolicy, Encoder, MsgType, Route, array_from
 from zps.errors import BadRequestError, ProtocolError, RemoteError
+from zps.snapshot import Snapshot
 from zps.store import PartitionStore, spec_from_wire
 
 MUTATIONS = frozenset({"create", "push_dense", "push_rows"})
@@ -78,6 +85,14 @@ class DedupCache:
     def __len__(self) -> int:
         return len(self._seen)
 
+    def entries(self) -> list[tuple[bytes, int, list[dict[str, Any]]]]:
+        return [(cid, seq, st) for (cid, seq), st in self._seen.items()]
+
+    def load(self, entries: list[tuple[bytes, int, list[dict[str, Any]]]]) -> None:
+        self._seen.clear()
+        for cid, seq, statuses in entries:
+            self.put((cid, seq), statuses)
+
 
 def _is_mutation(op: object) -> bool:
     # ``op["op"]`` may be any msgpack value, including an unhashable list or map.
@@ -107,29 +122,68 @@ class ShardCore:
         self.compress = compress or CompressPolicy()
         self.partition: int | None = None
         self.epoch = 0
+        self.primary = False
         self.store = PartitionStore()
         self.dedup = DedupCache()
         self.lsn = 0
         self.stats = ShardStats()
         self._clock = clock
 
-    def assign(self, partition: int | None, epoch: int) -> None:
-        """Serve ``partition`` at ``epoch`` (None: serve nothing).
+    def assign(self, partition: int | None, epoch: int, *, primary: bool = True) -> None:
+        """Hold ``partition`` at ``epoch`` (None: nothing), as primary or replica.
 
-        Data is kept when the partition stays the same (a re-registration
-        after a broker restart); a different partition starts empty.
+        Data is kept when the partition stays the same (a promotion, or a
+        re-registration after a broker restart); another partition starts empty.
         """
         if partition != self.partition:
             self.store = PartitionStore()
             self.dedup = DedupCache()
             self.lsn = 0
         self.partition, self.epoch = partition, epoch
+        self.primary = primary and partition is not None
+
+    # -- replication ---------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        if self.partition is None:
+            raise BadRequestError("no partition to snapshot")
+        return Snapshot(
+            self.partition, self.epoch, self.lsn, self.store.export(), self.dedup.entries()
+        )
+
+    def load_snapshot(self, snap: Snapshot) -> None:
+        """Replace everything with ``snap`` (all or nothing: a bad one changes nothing)."""
+        store = PartitionStore()
+        store.load(snap.export)
+        self.store = store
+        self.dedup.load(snap.dedup)
+        self.partition, self.epoch, self.lsn = snap.partition, snap.epoch, snap.lsn
+
+    def apply_replicated(self, header: dict[str, Any], payloads: Sequence[BufferLike]) -> int:
+        """Re-run the mutations of a message the primary applied; returns the new LSN."""
+        ops, key = self._parse_header(header)
+        recorded: list[dict[str, Any]] = []
+        scratch = Encoder()
+        for op in ops:
+            if _is_mutation(op):
+                recorded.append(self._run(op, payloads, scratch))
+            else:
+                recorded.append(OK)
+        if key is not None:
+            self.dedup.put(key, recorded)
+        return self.lsn
 
     # -- requests ------------------------------------------------------------
 
     def handle(
         self, route: Route, header: dict[str, Any], payloads: Sequence[BufferLike]
     ) -> list[BufferLike]:
+        return self.handle_request(route, header, payloads)[0]
+
+    def handle_request(
+        self, route: Route, header: dict[str, Any], payloads: Sequence[BufferLike]
+    ) -> tuple[list[BufferLike], bool]:
+        """Reply frames, and whether the message changed state (so must be replicated)."""
         self.stats.requests += 1
         self.stats.bytes_in += sum(len(p) for p in payloads)
         reply_route = Route(MsgType.REPLY, route.partition, self.epoch, route.req_id)
@@ -137,12 +191,13 @@ class ShardCore:
         refusal = self._refusal(route)
         if refusal is not None:
             self.stats.errors += 1
-            return enc.build(reply_route, refusal)
+            return enc.build(reply_route, refusal), False
         try:
             ops, key = self._parse_header(header)
         except ProtocolError as e:
             self.stats.malformed += 1
-            return enc.build(reply_route, {"st": "BAD_REQUEST", "msg": str(e)})
+            return enc.build(reply_route, {"st": "BAD_REQUEST", "msg": str(e)}), False
+        lsn_before = self.lsn
         cached = self.dedup.get(key) if key is not None else None
         if cached is not None:
             self.stats.duplicates += 1
@@ -160,10 +215,10 @@ class ShardCore:
             recorded.append(results[-1] if is_mutation else OK)
         if key is not None and cached is None and any_mutation:
             self.dedup.put(key, recorded)
-        return enc.build(reply_route, {"st": "OK", "res": results})
+        return enc.build(reply_route, {"st": "OK", "res": results}), self.lsn != lsn_before
 
     def _refusal(self, route: Route) -> dict[str, Any] | None:
-        if self.partition is None or route.partition != self.partition:
+        if self.partition is None or route.partition != self.partition or not self.primary:
             return {
                 "st": "NOT_PRIMARY",
                 "msg": f"this shard does not serve partition {route.partition}",
@@ -204,8 +259,8 @@ class ShardCore:
                 raise BadRequestError(f"unknown operation {name!r}"[:120])
             self.stats.by_op[name] += 1  # known names only: a peer can't grow this map
             result = handler(self, op, payloads, enc)
-            if name in MUTATIONS:
-                self.lsn += 1
+            if name in MUTATIONS and result.get("created", True):
+                self.lsn += 1  # an idempotent create that changed nothing is no mutation
             return result
         except Exception as e:  # rule 4: every failure becomes a status
             self.stats.errors += 1

@@ -54,6 +54,10 @@ class Proc:
 class LocalCluster:
     partitions: int = 2
     shards: int = 2
+    replication: int = 1
+    #: Start-up hold of the broker (see BrokerConfig.startup_grace); 0 for a
+    #: fresh cluster, where no shard has anything to claim.
+    startup_grace: float = 0.0
     heartbeat_interval: float = 0.1
     liveness: int = 5
     workdir: Path | None = None
@@ -101,9 +105,12 @@ class LocalCluster:
             self.log_level,
         ]
 
-    def start_broker(self) -> Proc:
+    def start_broker(self, grace: float | None = None) -> Proc:
+        """Start a broker (again: after a restart, name it broker1, broker2, ...)."""
+        n = sum(p.name.startswith("broker") for p in self.procs)
+        grace = self.startup_grace if grace is None else grace
         return self.spawn(
-            "broker",
+            f"broker{n or ''}",
             [
                 self.python,
                 "-m",
@@ -113,6 +120,10 @@ class LocalCluster:
                 self.address,
                 "--partitions",
                 str(self.partitions),
+                "--replication",
+                str(self.replication),
+                "--startup-grace",
+                str(grace),
                 *self._hb(),
             ],
         )
@@ -120,7 +131,20 @@ class LocalCluster:
     def start_shard(self) -> Proc:
         n = sum(p.name.startswith("shard") for p in self.procs)
         return self.spawn(
-            f"shard{n}", [self.python, "-m", "zps", "shard", "--broker", self.address, *self._hb()]
+            f"shard{n}",
+            [
+                self.python,
+                "-m",
+                "zps",
+                "shard",
+                "--broker",
+                self.address,
+                "--replication-bind",
+                "tcp://127.0.0.1:0",
+                "--advertise-host",
+                "127.0.0.1",
+                *self._hb(),
+            ],
         )
 
     def start(self, timeout: float = 30.0) -> LocalCluster:
@@ -132,11 +156,7 @@ class LocalCluster:
             self.start_broker()
             for _ in range(self.shards):
                 self.start_shard()
-            self.wait_for(
-                lambda s: all(p["state"] == "ok" for p in s["partitions"]),
-                timeout,
-                "every partition to have a primary",
-            )
+            self.wait_healthy(timeout)
         except BaseException:
             self.stop()
             raise
@@ -158,7 +178,7 @@ class LocalCluster:
         last: dict[str, Any] | None = None
         while time.monotonic() < deadline:
             for proc in self.procs:
-                if proc.name == "broker" and not proc.alive():
+                if proc.name == self.broker_name() and not proc.alive():
                     raise ZpsError(f"the broker exited early:\n{proc.log()[-3000:]}")
             try:
                 last = self.status(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
@@ -170,6 +190,18 @@ class LocalCluster:
         raise ZpsTimeoutError(
             f"timed out after {timeout:g}s waiting for {what}; last status: {last}\n{self.logs()}"
         )
+
+    def healthy(self, status: dict[str, Any]) -> bool:
+        """Every partition has a primary and all its replicas in sync."""
+        return all(
+            p["state"] == "ok"
+            and len(p["replicas"]) == self.replication - 1
+            and all(r["in_sync"] for r in p["replicas"])
+            for p in status["partitions"]
+        )
+
+    def wait_healthy(self, timeout: float = 30.0) -> dict[str, Any]:
+        return self.wait_for(self.healthy, timeout, "every partition to be fully replicated")
 
     def shard_pid(self, partition: int) -> int:
         for s in self.status()["shards"]:
@@ -187,6 +219,12 @@ class LocalCluster:
         os.kill(pid, sig)
         if sig == signal.SIGKILL:
             self.proc_by_pid(pid).popen.wait(10)
+
+    def broker_name(self) -> str:
+        return [p.name for p in self.procs if p.name.startswith("broker")][-1]
+
+    def broker(self) -> Proc:
+        return next(p for p in reversed(self.procs) if p.name.startswith("broker"))
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name} (pid {p.pid}) ---\n{p.log()[-2000:]}" for p in self.procs)

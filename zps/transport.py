@@ -80,8 +80,17 @@ def dealer(
     return sock
 
 
-async def recv_burst(sock: zmq.asyncio.Socket) -> list[Frames]:
-    """Wait for one message, then take whatever else is already queued."""
+async def recv_burst(sock: zmq.asyncio.Socket, timeout: float | None = None) -> list[Frames]:
+    """Wait for one message, then take whatever else is already queued.
+
+    With ``timeout`` (seconds), returns an empty list if nothing came by then.
+    """
+    if timeout is not None:
+        try:
+            if not await sock.poll(timeout=int(timeout * 1000)):
+                return []
+        except zmq.ZMQError as e:
+            raise ClosedError("socket closed") from e
     try:
         first = await sock.recv_multipart(copy=False)
     except zmq.ZMQError as e:

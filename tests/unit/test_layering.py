@@ -22,6 +22,8 @@ CORE_FILES = [
     "errors.py",
     "init.py",
     "optim.py",
+    "replication.py",
+    "snapshot.py",
     *sorted(f"store/{p.name}" for p in (PKG / "store").glob("*.py")),
 ]
 DRIVERS = {"zps.transport", "zps.broker", "zps.server", "zps.client", "zps.sync", "zps.cli"}

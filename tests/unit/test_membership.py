@@ -45,3 +45,18 @@ def test_forget_and_invalid_settings() -> None:
         except ValueError:
             continue
         raise AssertionError(f"accepted {bad}")
+
+
+def test_a_suspect_dies_after_the_grace_unless_heard_from() -> None:
+    fd = FailureDetector(interval=0.2, liveness=5)
+    fd.seen("a", 0.0)
+    fd.seen("b", 0.0)
+    fd.tick(0.1)
+    fd.suspect("a", 0.1, grace=0.4)
+    fd.suspect("b", 0.1, grace=0.4)
+    fd.seen("b", 0.3)  # b reconnected and spoke
+    assert ticks(fd, 0.2, 0.45) == []
+    assert fd.tick(0.55) == ["a"]
+    assert "b" in fd
+    fd.suspect("nobody", 0.6, grace=0.4)  # unknown peers are ignored
+    assert "nobody" not in fd

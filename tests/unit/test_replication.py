@@ -48,8 +48,12 @@ def test_take_all_and_order_violations() -> None:
 
 
 def test_stream_check() -> None:
-    assert check_stream(my_epoch=3, my_lsn=10, epoch=3, lsn=11) is StreamCheck.APPLY
-    assert check_stream(my_epoch=3, my_lsn=10, epoch=3, lsn=10) is StreamCheck.DUPLICATE
-    assert check_stream(my_epoch=3, my_lsn=10, epoch=3, lsn=12) is StreamCheck.RESYNC
-    assert check_stream(my_epoch=3, my_lsn=10, epoch=2, lsn=11) is StreamCheck.RESYNC
-    assert check_stream(my_epoch=3, my_lsn=10, epoch=4, lsn=11) is StreamCheck.RESYNC
+    def check(epoch: int, prev: int, lsn: int) -> StreamCheck:
+        return check_stream(my_epoch=3, my_lsn=10, epoch=epoch, prev_lsn=prev, lsn=lsn)
+
+    assert check(3, 10, 11) is StreamCheck.APPLY
+    assert check(3, 10, 13) is StreamCheck.APPLY  # a message with three mutations
+    assert check(3, 9, 10) is StreamCheck.DUPLICATE
+    assert check(3, 11, 12) is StreamCheck.RESYNC  # a gap
+    assert check(2, 10, 11) is StreamCheck.RESYNC
+    assert check(4, 10, 11) is StreamCheck.RESYNC
