@@ -84,7 +84,7 @@ class ShardServer:
         self._sock: zmq.asyncio.Socket | None = None
         self._repl: zmq.asyncio.Socket | None = None
         self._tg: asyncio.TaskGroup | None = None
-        self._last_broker = 0.0
+        self._last_broker = time.monotonic()
         self._broker_lost = False
         self._lease_start = -1e9
         # primary side
@@ -404,7 +404,7 @@ class ShardServer:
         route = Route(MsgType.REPLICATE, self.core.partition or 0, self.core.epoch, 0)
         head = msgpack.packb({"prev": prev, "lsn": self.core.lsn})
         for node in list(self._followers):
-            ok = await transport.send(self._repl, [node.encode(), route.pack(), head, *frames])
+            ok = await transport.send(self._repl, [node.encode(), route.pack(), head, *frames[1:]])
             if not ok:
                 self._drop_follower(node, "its connection is gone")
 

@@ -7,6 +7,7 @@ then KILL) by :meth:`LocalCluster.stop`, also when start-up fails.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -20,7 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from zps.client import connect
 from zps.errors import ZpsError, ZpsTimeoutError
+from zps.optim import SGD
+from zps.routing import partitions_of_ids
 
 
 def free_port() -> int:
@@ -226,6 +232,14 @@ class LocalCluster:
     def broker(self) -> Proc:
         return next(p for p in reversed(self.procs) if p.name.startswith("broker"))
 
+    def wait_gone(self, pid: int, timeout: float = 20.0) -> dict[str, Any]:
+        """Until the broker has dropped the shard with ``pid`` from its map."""
+        return self.wait_for(
+            lambda s: all(x["pid"] != pid for x in s["shards"]),
+            timeout,
+            f"the broker to notice that pid {pid} is gone",
+        )
+
     def logs(self) -> str:
         return "\n".join(f"--- {p.name} (pid {p.pid}) ---\n{p.log()[-2000:]}" for p in self.procs)
 
@@ -257,3 +271,116 @@ class LocalCluster:
 def local_cluster(**kwargs: Any) -> Iterator[LocalCluster]:
     with LocalCluster(**kwargs) as cluster:
         yield cluster
+
+
+@dataclass
+class _Writer:
+    partition: int
+    ids: Any  # int64 ids that all live on ``partition``
+    acked: float = 0.0  # sum of acknowledged gradient values
+    pushes: int = 0
+    errors: list[BaseException] = field(default_factory=list)
+    acks: list[tuple[float, float]] = field(default_factory=list)  # (sent, acknowledged)
+
+
+class ExactSumLoad:
+    """Pushes integer-valued float64 gradients with SGD(lr=1), remembering each ack.
+
+    One writer per (client, partition) pushes the value ``k`` to a fixed set of
+    rows of that partition (and the same to a dense tensor).  Every value is
+    exact in float64, so at the end each row must equal exactly minus the sum
+    of the acknowledged pushes: a lost write or a doubled one shows.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        clients: int = 2,
+        rows_per_partition: int = 64,
+        dim: int = 4,
+        table: str = "chaos",
+        timeout: float = 60.0,
+    ) -> None:
+        self.address = address
+        self.n_clients = clients
+        self.rows = rows_per_partition
+        self.dim = dim
+        self.table = table
+        self.timeout = timeout
+        self.writers: list[list[_Writer]] = []
+
+    async def setup(self) -> None:
+        async with connect(self.address, timeout=self.timeout) as ps:
+            await ps.create_embedding(
+                self.table, dim=self.dim, dtype="float64", optimizer=SGD(lr=1.0)
+            )
+            candidates = np.arange(1, 200_000, dtype=np.int64)
+            owner = partitions_of_ids(candidates, ps.cluster_map)
+            n_parts = ps.cluster_map.n_partitions
+        self.writers = []
+        for c in range(self.n_clients):
+            row: list[_Writer] = []
+            for p in range(n_parts):
+                mine = candidates[owner == p][c * self.rows : (c + 1) * self.rows]
+                row.append(_Writer(p, mine))
+            self.writers.append(row)
+
+    async def run(self, stop: Any) -> None:
+        """Push until ``stop`` (an asyncio.Event) is set; then return."""
+        await asyncio.gather(*(self._client(c, stop) for c in range(self.n_clients)))
+
+    async def _client(self, c: int, stop: Any) -> None:
+        async with connect(self.address, timeout=self.timeout, name=f"exact-sum-{c}") as ps:
+
+            async def write(w: _Writer) -> None:
+                while not stop.is_set():
+                    value = float(w.pushes % 7 + 1)
+                    grads = np.full((w.ids.size, self.dim), value)
+                    sent = time.monotonic()
+                    try:
+                        await ps.push_rows(self.table, w.ids, grads)
+                    except Exception as e:  # recorded: the verdict fails on any error
+                        w.errors.append(e)
+                        return
+                    w.acked += value
+                    w.pushes += 1
+                    w.acks.append((sent, time.monotonic()))
+
+            await asyncio.gather(*(write(w) for w in self.writers[c]))
+
+    async def verify(self) -> list[str]:
+        """Differences between the servers' values and the acknowledged sums."""
+        problems = [
+            f"client {c} partition {w.partition}: {e!r}"
+            for c, row in enumerate(self.writers)
+            for w in row
+            for e in w.errors
+        ]
+        async with connect(self.address, timeout=self.timeout) as ps:
+            for c, row in enumerate(self.writers):
+                for w in row:
+                    got = await ps.pull_rows(self.table, w.ids)
+                    if not np.array_equal(got, np.full_like(got, -w.acked)):
+                        vals = np.unique(got)
+                        problems.append(
+                            f"client {c} partition {w.partition}: expected "
+                            f"{-w.acked} after {w.pushes} acks, found {vals[:5]}"
+                        )
+        return problems
+
+    def failover_time(self, partition: int, killed_at: float) -> float | None:
+        """Seconds from ``killed_at`` to the first ack of a push sent after it."""
+        firsts = [
+            ack
+            for row in self.writers
+            for w in row
+            if w.partition == partition
+            for sent, ack in w.acks
+            if sent >= killed_at
+        ]
+        return min(firsts) - killed_at if firsts else None
+
+    @property
+    def total_pushes(self) -> int:
+        return sum(w.pushes for row in self.writers for w in row)
