@@ -236,7 +236,10 @@ def server_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="train a model on a whole local cluster (no arguments needed)")
     d.add_argument("--epochs", type=int, default=None, help="training epochs (default: model's)")
     d.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    d.add_argument("--shards", type=int, default=2, help="shard processes (default 2)")
+    d.add_argument("--partitions", type=int, default=2, help="partitions (default 2)")
+    d.add_argument(
+        "--replication", type=int, default=2, help="copies of each partition (default 2)"
+    )
     d.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -255,7 +258,12 @@ def server_main(argv: Sequence[str] | None = None) -> int:
             case "demo":
                 from zps.demo import run_demo
 
-                return run_demo(epochs=args.epochs, n_workers=args.workers, n_shards=args.shards)
+                return run_demo(
+                    epochs=args.epochs,
+                    n_workers=args.workers,
+                    n_partitions=args.partitions,
+                    replication=args.replication,
+                )
     except ConfigError as e:
         print(f"zps-server: invalid configuration: {e}", file=sys.stderr)
         return 2

@@ -92,7 +92,12 @@ class _Progress:
 
 
 def run_demo(
-    *, epochs: int | None = None, n_workers: int = 2, n_shards: int = 2, out: TextIO = sys.stdout
+    *,
+    epochs: int | None = None,
+    n_workers: int = 2,
+    n_partitions: int = 2,
+    replication: int = 2,
+    out: TextIO = sys.stdout,
 ) -> int:
     from zps import adult
     from zps.sync import connect_sync
@@ -103,12 +108,17 @@ def run_demo(
         "zps demo: UCI Adult census income (48,842 rows; Becker & Kohavi 1996, CC BY 4.0)", file=out
     )
     print(
-        f"  factorization machine, async mode: 1 broker, {n_shards} shards, "
+        f"  factorization machine, async mode: 1 broker, {n_partitions} partitions x "
+        f"{replication} copies ({n_partitions * replication} shards), "
         f"{n_workers} workers, {epochs} epochs",
         file=out,
     )
     cluster = LocalCluster(
-        partitions=n_shards, shards=n_shards, heartbeat_interval=0.2, log_level="warning"
+        partitions=n_partitions,
+        shards=n_partitions * replication,
+        replication=replication,
+        heartbeat_interval=0.2,
+        log_level="warning",
     )
     workers: list[subprocess.Popen[str]] = []
     try:
