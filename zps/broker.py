@@ -39,6 +39,8 @@ from zps.codec import MsgType, Route, decode, encode, unpack_route
 from zps.config import BrokerConfig
 from zps.errors import ClosedError, ProtocolError
 from zps.membership import FailureDetector
+from zps.security import CurveKeys
+from zps.systemd import Notifier
 
 log = logging.getLogger("zps.broker")
 
@@ -54,8 +56,9 @@ class BrokerStats:
 
 
 class Broker:
-    def __init__(self, config: BrokerConfig) -> None:
+    def __init__(self, config: BrokerConfig, *, notifier: Notifier | None = None) -> None:
         self.config = config
+        self.notifier = notifier or Notifier()
         self.state = ClusterState(
             config.partitions,
             config.slots,
@@ -71,14 +74,17 @@ class Broker:
         self._routes: list[bytes | None] = [None] * config.partitions
         self._started = time.monotonic()
         self._last_beat = 0.0
+        self._keys: dict[str, str] = {}  # shard -> CURVE public key (for its replicas)
 
     def stop(self) -> None:
         self._stop.set()
 
     async def run(self) -> None:
         ctx = transport.new_context()
+        keys = CurveKeys.load(self.config.security)
+        auth = transport.start_authenticator(ctx, keys.allowed_dir) if keys else None
         self._sock, self.endpoint = transport.router(
-            ctx, self.config.bind, max_message_bytes=self.config.max_message_bytes
+            ctx, self.config.bind, max_message_bytes=self.config.max_message_bytes, curve=keys
         )
         log.info(
             "broker (pid %d) listening on %s: %d partitions x %d copies; only claims "
@@ -90,13 +96,21 @@ class Broker:
             self.config.grace,
         )
         self.bound.set()
+        self.notifier.ready(f"listening on {self.endpoint}")
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._recv_loop()), tg.create_task(self._tick_loop())]
+                tasks = [
+                    tg.create_task(self._recv_loop()),
+                    tg.create_task(self._tick_loop()),
+                    tg.create_task(self.notifier.watchdog_loop()),
+                ]
                 await self._stop.wait()
+                self.notifier.stopping()
                 for t in tasks:
                     t.cancel()
         finally:
+            if auth is not None:
+                auth.stop()
             transport.close(self._sock)
             transport.term(ctx)
             log.info("broker stopped")
@@ -147,6 +161,7 @@ class Broker:
                     "epoch": a.epoch,
                     "primary": a.primary,
                     "primary_address": a.primary_address,
+                    "primary_key": self._keys.get(a.primary or "", ""),
                     "n_partitions": self.state.n_partitions,
                 },
             )
@@ -270,6 +285,8 @@ class Broker:
         match route.mtype:
             case MsgType.REGISTER:
                 claim = parse_claim(h.get("claim"))
+                if isinstance(h.get("public_key"), str):
+                    self._keys[node] = h["public_key"]
                 log.info(
                     "shard %s registered (%s pid %s, replication at %s)%s",
                     node,

@@ -1,8 +1,10 @@
-"""Command lines: ``zps-server {broker,shard,status,demo}`` and ``zps-worker``.
+"""Command lines: ``zps-server {broker,shard,status,keygen,demo}`` and ``zps-worker``.
 
-``main`` functions take ``argv`` and return an exit code; they build the
-config from flags, set up logging, and run the driver on (uv)loop until
-SIGTERM or SIGINT asks it to stop gracefully.
+``main`` functions take ``argv`` and return an exit code: 0 on success, 1 on
+a runtime error, 2 on invalid arguments or configuration.  Settings come from
+flags, then the TOML file (``--config``, else ``$ZPS_CONFIG``, else
+``/etc/zps/zps.toml`` if it exists), then defaults; the drivers run on
+uvloop until SIGTERM or SIGINT asks them to stop gracefully.
 """
 
 from __future__ import annotations
@@ -16,25 +18,33 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+import threading
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, cast
 
 from zps.config import (
-    DEFAULT_BIND,
-    DEFAULT_BROKER,
+    DEFAULT_CONFIG_PATH,
     BrokerConfig,
+    Checkpoint,
     ClientConfig,
     Heartbeat,
+    Settings,
     ShardConfig,
+    load_settings,
+    override,
 )
 from zps.errors import ConfigError, ZpsError
+from zps.systemd import Notifier
 
 log = logging.getLogger("zps")
+LEVELS = ["debug", "info", "warning", "error"]
 
 
-def setup_logging(level: str) -> None:
+def setup_logging(level: str, environ: Mapping[str, str] = os.environ) -> None:
     # journald stamps every line itself; elsewhere, add the time.
-    stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
+    stamp = "" if environ.get("JOURNAL_STREAM") else "%(asctime)s "
     logging.basicConfig(
         level=level.upper(), stream=sys.stderr, format=f"{stamp}%(levelname)s %(name)s: %(message)s"
     )
@@ -55,79 +65,109 @@ def _on_signals(stop: Callable[[], None]) -> None:
         loop.add_signal_handler(sig, stop)
 
 
-def _heartbeat(args: argparse.Namespace) -> Heartbeat:
-    return Heartbeat(interval=args.heartbeat_interval, liveness=args.liveness)
+def _settings(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Settings:
+    path = args.config or environ.get("ZPS_CONFIG")
+    if path:
+        return load_settings(path, required=True)
+    return load_settings(DEFAULT_CONFIG_PATH, required=False)
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _heartbeat(args: argparse.Namespace, base: Heartbeat) -> Heartbeat:
+    return override(base, interval=args.heartbeat_interval, liveness=args.liveness)
+
+
+def _add_common(p: argparse.ArgumentParser, *, heartbeat: bool = True) -> None:
     p.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log verbosity",
+        "--config",
+        metavar="FILE",
+        help=f"TOML settings file (default: $ZPS_CONFIG, else {DEFAULT_CONFIG_PATH} "
+        "if it exists); flags override it",
     )
-    p.add_argument(
-        "--heartbeat-interval",
-        type=float,
-        default=Heartbeat.interval,
-        metavar="SECONDS",
-        help="heartbeat period (default %(default)s)",
-    )
-    p.add_argument(
-        "--liveness",
-        type=int,
-        default=Heartbeat.liveness,
-        metavar="N",
-        help="missed heartbeats before a peer is dead (default %(default)s)",
+    p.add_argument("--log-level", default=None, choices=LEVELS, help="log verbosity (info)")
+    if heartbeat:
+        p.add_argument(
+            "--heartbeat-interval",
+            type=float,
+            metavar="SECONDS",
+            help=f"heartbeat period (default {Heartbeat.interval})",
+        )
+        p.add_argument(
+            "--liveness",
+            type=int,
+            metavar="N",
+            help=f"silent heartbeats before a peer is dead (default {Heartbeat.liveness})",
+        )
+
+
+def broker_config(args: argparse.Namespace, settings: Settings) -> BrokerConfig:
+    base = settings.broker
+    return override(
+        base,
+        bind=args.bind,
+        partitions=args.partitions,
+        replication=args.replication,
+        slots=args.slots,
+        startup_grace=args.startup_grace,
+        heartbeat=_heartbeat(args, base.heartbeat),
+        metrics=override(base.metrics, port=args.metrics_port),
     )
 
 
-async def _serve_broker(args: argparse.Namespace) -> int:
+def shard_config(args: argparse.Namespace, settings: Settings) -> ShardConfig:
+    base = settings.shard
+    return override(
+        base,
+        broker=args.broker,
+        data_dir=args.data_dir,
+        replication_bind=args.replication_bind,
+        advertise_host=args.advertise_host,
+        heartbeat=_heartbeat(args, base.heartbeat),
+        metrics=override(base.metrics, port=args.metrics_port),
+        checkpoint=override(
+            base.checkpoint,
+            interval_s=args.checkpoint_interval,
+            every_updates=args.checkpoint_every,
+            keep=args.checkpoint_keep,
+        ),
+    )
+
+
+async def _serve_broker(config: BrokerConfig) -> int:
     from zps.broker import Broker
 
-    broker = Broker(
-        BrokerConfig(
-            bind=args.bind,
-            partitions=args.partitions,
-            replication=args.replication,
-            slots=args.slots,
-            heartbeat=_heartbeat(args),
-            startup_grace=args.startup_grace,
-        )
-    )
+    broker = Broker(config, notifier=Notifier.from_env(os.environ))
     _on_signals(broker.stop)
     await broker.run()
     return 0
 
 
-async def _serve_shard(args: argparse.Namespace) -> int:
+async def _serve_shard(config: ShardConfig) -> int:
     from zps.server import ShardServer
 
-    server = ShardServer(
-        ShardConfig(
-            broker=args.broker,
-            heartbeat=_heartbeat(args),
-            data_dir=args.data_dir,
-            replication_bind=args.replication_bind,
-            advertise_host=args.advertise_host,
-        )
-    )
+    server = ShardServer(config, notifier=Notifier.from_env(os.environ))
     _on_signals(server.stop)
     await server.run()
     return 0
 
 
-async def _status(args: argparse.Namespace) -> int:
+async def _status(broker: str, client: ClientConfig, as_json: bool) -> int:
     from zps.client import connect
 
-    async with connect(
-        args.broker, connect_timeout=args.timeout, timeout=args.timeout, name="zps-server status"
-    ) as ps:
+    async with connect(broker, client) as ps:
         report = await ps.status()
-    if args.json:
+    if as_json:
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
     else:
         print(format_status(report))
+    return 0
+
+
+def _keygen(out_dir: str, name: str) -> int:
+    from zps.security import write_keypair
+
+    public, secret = write_keypair(out_dir, name)
+    print(f"wrote {public} (public: give it to peers / the allow-list directory)")
+    print(f"wrote {secret} (secret: keep it on this host, mode 0600)")
     return 0
 
 
@@ -175,87 +215,122 @@ def format_status(report: dict[str, Any]) -> str:
 
 def server_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="zps-server", description="zps parameter server processes"
+        prog="zps-server",
+        description="zps parameter server processes",
+        epilog="Every setting can also come from the TOML file; see deploy/zps.toml.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("broker", help="run the broker (routing, cluster map, heartbeats)")
-    b.add_argument("--bind", default=DEFAULT_BIND, help="endpoint to bind (default %(default)s)")
+    b.add_argument("--bind", help=f"endpoint to bind (default {BrokerConfig.bind})")
     b.add_argument(
-        "--partitions",
-        type=int,
-        default=BrokerConfig.partitions,
-        help="number of partitions (default %(default)s)",
-    )
-    b.add_argument(
-        "--slots",
-        type=int,
-        default=BrokerConfig.slots,
-        help="hash slots (fixed for the cluster's life; default %(default)s)",
+        "--partitions", type=int, help=f"number of partitions (default {BrokerConfig.partitions})"
     )
     b.add_argument(
         "--replication",
         type=int,
-        default=BrokerConfig.replication,
-        help="copies of each partition: a primary and N-1 hot replicas (default %(default)s)",
+        help="copies of each partition: a primary and N-1 hot replicas "
+        f"(default {BrokerConfig.replication})",
+    )
+    b.add_argument(
+        "--slots",
+        type=int,
+        help=f"hash slots, fixed for the cluster's life (default {BrokerConfig.slots})",
     )
     b.add_argument(
         "--startup-grace",
         type=float,
-        default=None,
         metavar="SECONDS",
         help="after start, grant only claims of shards that already serve a "
         "partition for this long (default: two liveness timeouts)",
     )
+    b.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (default: none)")
     _add_common(b)
 
     s = sub.add_parser("shard", help="run a shard (serves one partition)")
-    s.add_argument("--broker", default=DEFAULT_BROKER, help="broker endpoint (default %(default)s)")
-    s.add_argument("--data-dir", default=None, help="directory for checkpoints")
+    s.add_argument("--broker", help=f"broker endpoint (default {ShardConfig.broker})")
+    s.add_argument("--data-dir", help="directory for checkpoints (default: none)")
     s.add_argument(
         "--replication-bind",
-        default=ShardConfig.replication_bind,
-        help="endpoint replicas connect to (default %(default)s: any free port)",
+        help=f"endpoint replicas connect to (default {ShardConfig.replication_bind}: "
+        "any free port)",
     )
     s.add_argument(
         "--advertise-host",
-        default=None,
         help="host replicas use to reach this shard (default: the local address "
         "on the route to the broker)",
     )
+    s.add_argument(
+        "--checkpoint-interval",
+        type=float,
+        metavar="SECONDS",
+        help=f"seconds between checkpoints, 0 = only on shutdown "
+        f"(default {Checkpoint.interval_s:g})",
+    )
+    s.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="UPDATES",
+        help="also checkpoint after this many updates (default 0: off)",
+    )
+    s.add_argument(
+        "--checkpoint-keep",
+        type=int,
+        metavar="N",
+        help=f"checkpoints kept per partition (default {Checkpoint.keep})",
+    )
+    s.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (default: none)")
     _add_common(s)
 
     st = sub.add_parser("status", help="show partitions, shards and clients")
-    st.add_argument(
-        "--broker", default=DEFAULT_BROKER, help="broker endpoint (default %(default)s)"
-    )
+    st.add_argument("--broker", help="broker endpoint (default: [worker] broker of the config)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
-    st.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    _add_common(st, heartbeat=False)
+
+    k = sub.add_parser("keygen", help="write a CURVE key pair (NAME.key and NAME.key_secret)")
+    k.add_argument("--out", default=".", help="directory to write to (default: .)")
+    k.add_argument("--name", default="zps", help="file name stem (default: zps)")
+    k.add_argument("--log-level", default=None, choices=LEVELS)
 
     d = sub.add_parser("demo", help="train a model on a whole local cluster (no arguments needed)")
-    d.add_argument("--epochs", type=int, default=None, help="training epochs (default: model's)")
+    d.add_argument("--epochs", type=int, default=None, help="training epochs (default 3)")
     d.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     d.add_argument("--partitions", type=int, default=2, help="partitions (default 2)")
     d.add_argument(
         "--replication", type=int, default=2, help="copies of each partition (default 2)"
     )
-    d.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    d.add_argument("--log-level", default=None, choices=LEVELS)
     return parser
 
 
 def server_main(argv: Sequence[str] | None = None) -> int:
     args = server_parser().parse_args(argv)
-    setup_logging(args.log_level)
     try:
         match args.command:
             case "broker":
-                return run_async(_serve_broker(args))
+                settings = _settings(args)
+                setup_logging(args.log_level or "info")
+                return run_async(_serve_broker(broker_config(args, settings)))
             case "shard":
-                return run_async(_serve_shard(args))
+                settings = _settings(args)
+                setup_logging(args.log_level or "info")
+                return run_async(_serve_shard(shard_config(args, settings)))
             case "status":
-                return run_async(_status(args))
+                settings = _settings(args)
+                setup_logging(args.log_level or "warning")
+                client = replace(
+                    settings.client,
+                    connect_timeout=args.timeout,
+                    timeout=args.timeout,
+                    name="zps-server status",
+                )
+                return run_async(_status(args.broker or settings.worker.broker, client, args.json))
+            case "keygen":
+                setup_logging(args.log_level or "warning")
+                return _keygen(args.out, args.name)
             case "demo":
+                setup_logging(args.log_level or "warning")
                 from zps.demo import run_demo
 
                 return run_demo(
@@ -265,7 +340,7 @@ def server_main(argv: Sequence[str] | None = None) -> int:
                     replication=args.replication,
                 )
     except ConfigError as e:
-        print(f"zps-server: invalid configuration: {e}", file=sys.stderr)
+        print(f"zps-server {args.command}: invalid configuration: {e}", file=sys.stderr)
         return 2
     except ZpsError as e:
         print(f"zps-server {args.command}: {e}", file=sys.stderr)
@@ -292,46 +367,69 @@ def load_function(spec: str) -> Callable[..., Any]:
     return cast(Callable[..., Any], func)
 
 
-def worker_main(argv: Sequence[str] | None = None) -> int:
+def worker_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zps-worker",
         description="Run FUNCTION(ps, *ARGS) with a connected client: an async function gets "
         "zps.Client, a plain one the blocking zps.SyncClient.",
     )
-    parser.add_argument("--broker", default=DEFAULT_BROKER, help="broker endpoint")
+    parser.add_argument("--broker", help="broker endpoint (default: [worker] broker)")
     parser.add_argument(
         "--timeout",
         type=float,
-        default=ClientConfig.timeout,
-        help="seconds before an unanswered request fails",
+        help=f"seconds before an unanswered request fails (default {ClientConfig.timeout:g})",
     )
     parser.add_argument(
         "--connect-timeout",
         type=float,
-        default=ClientConfig.connect_timeout,
-        help="seconds to wait for the broker at start-up",
+        help=f"seconds to wait for the broker at start-up "
+        f"(default {ClientConfig.connect_timeout:g})",
     )
-    parser.add_argument("--name", default="", help="a name shown by `zps-server status`")
     parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+        "--acks",
+        choices=["all", "1"],
+        help='wait for every in-sync replica ("all", default) or the primary (1)',
     )
-    parser.add_argument("function", metavar="MODULE:FUNCTION")
+    parser.add_argument("--name", help="a name shown by `zps-server status`")
+    _add_common(parser, heartbeat=False)
+    parser.add_argument(
+        "function",
+        metavar="MODULE:FUNCTION",
+        nargs="?",
+        help="what to run (default: [worker] function)",
+    )
     parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
-    args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+    return parser
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    args = worker_parser().parse_args(argv)
+    setup_logging(args.log_level or "info")
     try:
-        func = load_function(args.function)
-        config = ClientConfig(
+        settings = _settings(args)
+        target = args.function or settings.worker.function
+        if not target:
+            raise ConfigError("no MODULE:FUNCTION given (as an argument or [worker] function)")
+        func_args = list(args.args) if args.function else list(settings.worker.args)
+        func = load_function(target)
+        config = override(
+            settings.client,
             timeout=args.timeout,
             connect_timeout=args.connect_timeout,
-            name=args.name or args.function,
+            acks=None if args.acks is None else (1 if args.acks == "1" else "all"),
+            name=args.name or target,
         )
+        broker = args.broker or settings.worker.broker
+        notifier = Notifier.from_env(os.environ)
         if inspect.iscoroutinefunction(func):
-            return run_async(_run_async_worker(func, args.broker, config, args.args))
+            return run_async(_run_async_worker(func, broker, config, func_args, notifier))
         from zps.sync import connect_sync
 
-        with connect_sync(args.broker, config) as ps:
-            result = func(ps, *args.args)
+        with connect_sync(broker, config) as ps:
+            notifier.ready(f"running {target}")
+            _watchdog_thread(notifier)
+            result = func(ps, *func_args)
+            notifier.stopping()
         return int(result) if isinstance(result, int) else 0
     except ConfigError as e:
         print(f"zps-worker: {e}", file=sys.stderr)
@@ -343,11 +441,29 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _watchdog_thread(notifier: Notifier) -> None:
+    """Watchdog pings for a blocking worker, from a daemon thread."""
+    period = notifier.watchdog_period
+    if period is None:
+        return
+
+    def ping() -> None:
+        while True:
+            notifier.watchdog()
+            time.sleep(period)
+
+    threading.Thread(target=ping, name="zps-watchdog", daemon=True).start()
+
+
 async def _run_async_worker(
-    func: Callable[..., Any], broker: str, config: ClientConfig, args: list[str]
+    func: Callable[..., Any], broker: str, config: ClientConfig, args: list[str], notifier: Notifier
 ) -> int:
     from zps.client import Client
 
-    async with Client(broker, config) as ps:
+    async with Client(broker, config) as ps, asyncio.TaskGroup() as tg:
+        notifier.ready("running")
+        pinger = tg.create_task(notifier.watchdog_loop())
         result = await func(ps, *args)
+        notifier.stopping()
+        pinger.cancel()
     return int(result) if isinstance(result, int) else 0

@@ -63,6 +63,7 @@ from zps.routing import (
     dense_chunk_elems,
     split_by_partition,
 )
+from zps.security import CurveKeys
 from zps.store.specs import DenseSpec, EmbeddingSpec, spec_from_wire
 
 log = logging.getLogger("zps.client")
@@ -152,8 +153,14 @@ class Client:
             return
         self._started = True
         self._ctx = transport.new_context()
+        keys = CurveKeys.load(self.config.security)
         self._sock = transport.dealer(
-            self._ctx, self.address, self.client_id, max_message_bytes=self.config.max_message_bytes
+            self._ctx,
+            self.address,
+            self.client_id,
+            max_message_bytes=self.config.max_message_bytes,
+            curve=keys,
+            server_public=keys.server_public if keys else None,
         )
         tg = await self._stack.enter_async_context(asyncio.TaskGroup())
         self._tasks = [

@@ -1,13 +1,25 @@
 """Settings of each process, as frozen dataclasses parsed once and passed down.
 
-Nothing else in zps reads the environment or files for settings; the CLI
-builds these from flags and hands them to the drivers.
+Sources, strongest first: command-line flags, then the TOML file
+(``/etc/zps/zps.toml`` unless ``--config`` names another), then the defaults
+below.  Nothing else in zps reads the environment or files for settings; the
+CLI builds these and hands them to the drivers.
+
+Every value is checked when its dataclass is built, and the TOML loader
+refuses unknown sections and keys, so a typo is an error naming the key
+(``zps.toml: unknown key 'broker.partitons'``), never a silently ignored
+setting.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
-from dataclasses import dataclass, fields
+import tomllib
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, TypeVar
 
 from zps.codec import DEFAULT_MAX_MESSAGE_BYTES
 from zps.errors import ConfigError
@@ -15,18 +27,29 @@ from zps.routing import DEFAULT_SLOTS
 
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
 DEFAULT_BIND = "tcp://*:5555"
+DEFAULT_CONFIG_PATH = "/etc/zps/zps.toml"
+
+T = TypeVar("T")
 
 
-def _check_positive(obj: object, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-            raise ConfigError(
-                f"{type(obj).__name__}.{name} must be a positive number, got {value!r}"
-            )
+def _positive(owner: str, **values: object) -> None:
+    for key, value in values.items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise ConfigError(f"{owner}.{key} must be a positive number, got {value!r}")
 
 
-def _check_endpoint(owner: str, key: str, value: str) -> None:
+def _integer(owner: str, minimum: int, **values: object) -> None:
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"{owner}.{key} must be an integer >= {minimum}, got {value!r}")
+
+
+def _endpoint(owner: str, key: str, value: object) -> None:
     if not isinstance(value, str) or "://" not in value:
         raise ConfigError(
             f"{owner}.{key} must be a ZeroMQ endpoint like tcp://HOST:PORT, got {value!r}"
@@ -41,9 +64,91 @@ class Heartbeat:
     liveness: int = 5
 
     def __post_init__(self) -> None:
-        _check_positive(self, "interval", "liveness")
-        if not isinstance(self.liveness, int):
-            raise ConfigError(f"Heartbeat.liveness must be an integer, got {self.liveness!r}")
+        _positive("heartbeat", interval=self.interval)
+        _integer("heartbeat", 1, liveness=self.liveness)
+
+
+@dataclass(frozen=True)
+class Security:
+    """CURVE keys.  With none configured, traffic is plain (fine on loopback)."""
+
+    #: This process's key pair (``zps-server keygen`` writes them).
+    curve_secret_key_file: str | None = None
+    curve_public_key_file: str | None = None
+    #: For shards and clients: the broker's public key.
+    broker_public_key_file: str | None = None
+    #: For the broker (and shards' replication endpoints): a directory of
+    #: ``*.key`` public keys allowed to connect.
+    allowed_clients_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"security.{f.name} must be a path, got {value!r}")
+        if (self.curve_secret_key_file is None) != (self.curve_public_key_file is None):
+            raise ConfigError(
+                "security.curve_secret_key_file and security.curve_public_key_file go together"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.curve_secret_key_file is not None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """When a shard writes its partition to ``data_dir`` (it also does on SIGTERM)."""
+
+    #: Seconds between checkpoints (0: only on shutdown) ...
+    interval_s: float = 60.0
+    #: ... or after this many updates, whichever comes first (0: off).
+    every_updates: int = 0
+    #: Checkpoints kept per partition; older ones are deleted.
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.interval_s, bool)
+            or not isinstance(self.interval_s, int | float)
+            or not 0 <= self.interval_s < math.inf
+        ):
+            raise ConfigError(
+                f"checkpoint.interval_s must be seconds >= 0, got {self.interval_s!r}"
+            )
+        _integer("checkpoint", 0, every_updates=self.every_updates)
+        _integer("checkpoint", 1, keep=self.keep)
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """The Prometheus endpoint (port 0: none)."""
+
+    port: int = 0
+    host: str = "0.0.0.0"
+
+    def __post_init__(self) -> None:
+        _integer("metrics", 0, port=self.port)
+        if self.port > 65535:
+            raise ConfigError(f"metrics.port must be <= 65535, got {self.port}")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request limits a shard enforces (larger requests get BAD_REQUEST)."""
+
+    max_ops: int = 4096
+    max_ids: int = 8 << 20
+    max_array_bytes: int = 512 << 20
+
+    def __post_init__(self) -> None:
+        _integer(
+            "limits",
+            1,
+            max_ops=self.max_ops,
+            max_ids=self.max_ids,
+            max_array_bytes=self.max_array_bytes,
+        )
 
 
 @dataclass(frozen=True)
@@ -53,34 +158,29 @@ class BrokerConfig:
     #: Copies of each partition: a primary and ``replication - 1`` hot replicas.
     replication: int = 2
     slots: int = DEFAULT_SLOTS
-    heartbeat: Heartbeat = Heartbeat()
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     #: After start, only claims of shards that already serve a partition are
     #: granted for this long (None: two liveness timeouts), so a restarted
     #: broker rebuilds its map from the shards before it assigns anything new.
     startup_grace: float | None = None
-
-    @property
-    def grace(self) -> float:
-        if self.startup_grace is not None:
-            return self.startup_grace
-        return 2 * self.heartbeat.interval * self.heartbeat.liveness
+    heartbeat: Heartbeat = field(default_factory=Heartbeat)
+    security: Security = field(default_factory=Security)
+    metrics: Metrics = field(default_factory=Metrics)
 
     def __post_init__(self) -> None:
-        _check_endpoint("broker", "bind", self.bind)
-        _check_positive(self, "partitions", "slots", "max_message_bytes")
-        for f in fields(self):
-            if f.name in ("partitions", "slots", "replication") and not isinstance(
-                getattr(self, f.name), int
-            ):
-                raise ConfigError(f"broker.{f.name} must be an integer")
-        if not isinstance(self.replication, int) or self.replication < 1:
-            raise ConfigError(
-                f"broker.replication must be an integer >= 1 (1 = no replicas), "
-                f"got {self.replication!r}"
-            )
-        if self.startup_grace is not None and not (
-            isinstance(self.startup_grace, int | float) and 0 <= self.startup_grace < 3600
+        _endpoint("broker", "bind", self.bind)
+        _integer(
+            "broker",
+            1,
+            partitions=self.partitions,
+            replication=self.replication,
+            slots=self.slots,
+            max_message_bytes=self.max_message_bytes,
+        )
+        if self.startup_grace is not None and (
+            isinstance(self.startup_grace, bool)
+            or not isinstance(self.startup_grace, int | float)
+            or not 0 <= self.startup_grace < 3600
         ):
             raise ConfigError(
                 f"broker.startup_grace must be seconds in [0, 3600), got {self.startup_grace!r}"
@@ -90,30 +190,42 @@ class BrokerConfig:
                 f"broker.slots ({self.slots}) must be >= broker.partitions ({self.partitions})"
             )
 
+    @property
+    def grace(self) -> float:
+        if self.startup_grace is not None:
+            return float(self.startup_grace)
+        return 2 * self.heartbeat.interval * self.heartbeat.liveness
+
 
 @dataclass(frozen=True)
 class ShardConfig:
     broker: str = DEFAULT_BROKER
-    heartbeat: Heartbeat = Heartbeat()
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    #: Checkpoints go here (None: no checkpoints, nothing restored).
     data_dir: str | None = None
     #: Where replicas of this shard's partition connect (port 0: any free port).
     replication_bind: str = "tcp://*:0"
     #: The host replicas use to reach this shard (None: the local address on
     #: the route to the broker).
     advertise_host: str | None = None
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    heartbeat: Heartbeat = field(default_factory=Heartbeat)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    security: Security = field(default_factory=Security)
+    metrics: Metrics = field(default_factory=Metrics)
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
-        _check_endpoint("shard", "broker", self.broker)
-        _check_endpoint("shard", "replication_bind", self.replication_bind)
-        _check_positive(self, "max_message_bytes")
+        _endpoint("shard", "broker", self.broker)
+        _endpoint("shard", "replication_bind", self.replication_bind)
+        _integer("shard", 1, max_message_bytes=self.max_message_bytes)
+        if self.data_dir is not None and (not isinstance(self.data_dir, str) or not self.data_dir):
+            raise ConfigError(f"shard.data_dir must be a directory path, got {self.data_dir!r}")
 
 
 @dataclass(frozen=True)
 class ClientConfig:
     timeout: float = 30.0
     connect_timeout: float = 10.0
-    heartbeat: Heartbeat = Heartbeat()
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     #: Small operations to one partition issued together travel in one message,
     #: up to this many operations ...
@@ -126,15 +238,148 @@ class ClientConfig:
     #: primary did (faster; a write acknowledged just before the primary dies
     #: can be lost).
     acks: str | int = "all"
+    heartbeat: Heartbeat = field(default_factory=Heartbeat)
+    security: Security = field(default_factory=Security)
 
     def __post_init__(self) -> None:
-        if self.acks not in ("all", 1):
+        if self.acks not in ("all", 1) or isinstance(self.acks, bool):
             raise ConfigError(f'client.acks must be "all" or 1, got {self.acks!r}')
-        _check_positive(
-            self,
-            "timeout",
-            "connect_timeout",
-            "max_message_bytes",
-            "batch_max_ops",
-            "batch_max_bytes",
+        _positive("client", timeout=self.timeout, connect_timeout=self.connect_timeout)
+        _integer(
+            "client",
+            1,
+            max_message_bytes=self.max_message_bytes,
+            batch_max_ops=self.batch_max_ops,
+            batch_max_bytes=self.batch_max_bytes,
         )
+        if not isinstance(self.compress, bool):
+            raise ConfigError(f"client.compress must be true or false, got {self.compress!r}")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    broker: str = DEFAULT_BROKER
+    #: MODULE:FUNCTION that zps-worker runs (a flag overrides it).
+    function: str | None = None
+    args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _endpoint("worker", "broker", self.broker)
+        if not all(isinstance(a, str) for a in self.args):
+            raise ConfigError("worker.args must be a list of strings")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything one TOML file can say."""
+
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    source: str | None = None  # the file they came from, if any
+
+
+# Sections shared by several processes, and which configs they feed.
+_SHARED = {
+    "heartbeat": (Heartbeat, ("broker", "shard", "client")),
+    "security": (Security, ("broker", "shard", "client")),
+    "metrics": (Metrics, ("broker", "shard")),
+    "checkpoint": (Checkpoint, ("shard",)),
+    "limits": (Limits, ("shard",)),
+}
+_OWN = {
+    "broker": BrokerConfig,
+    "shard": ShardConfig,
+    "client": ClientConfig,
+    "worker": WorkerConfig,
+}
+_NESTED = set(_SHARED)
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "str": (str,),
+    "bool": (bool,),
+    "str | None": (str,),
+    "float | None": (int, float),
+    "str | int": (str, int),
+    "tuple[str, ...]": (list,),
+}
+
+
+def _fields_of(cls: type, table: Mapping[str, Any], section: str, path: str) -> dict[str, Any]:
+    known = {f.name: f for f in fields(cls) if f.name not in _NESTED}
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        f = known.get(key)
+        if f is None:
+            hint = difflib.get_close_matches(key, known, n=1)
+            raise ConfigError(
+                f"{path}: unknown key '{section}.{key}'"
+                + (f" (did you mean '{section}.{hint[0]}'?)" if hint else "")
+            )
+        allowed = _TYPES.get(str(f.type))
+        if allowed is not None and (
+            not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)
+        ):
+            raise ConfigError(f"{path}: '{section}.{key}' must be {f.type}, got {value!r}")
+        out[key] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def load_settings(path: str | None, *, required: bool = True) -> Settings:
+    """Parse a TOML file into :class:`Settings` (defaults if ``path`` is None)."""
+    if path is None:
+        return Settings()
+    p = Path(path)
+    if not p.exists():
+        if required:
+            raise ConfigError(f"config file {path} does not exist")
+        return Settings()
+    try:
+        data = tomllib.loads(p.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return settings_from_mapping(data, str(p))
+
+
+def settings_from_mapping(data: Mapping[str, Any], path: str = "config") -> Settings:
+    for section, table in data.items():
+        if section not in _OWN and section not in _SHARED:
+            hint = difflib.get_close_matches(section, [*_OWN, *_SHARED], n=1)
+            raise ConfigError(
+                f"{path}: unknown section [{section}]"
+                + (f" (did you mean [{hint[0]}]?)" if hint else "")
+            )
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{path}: '{section}' must be a table ([{section}])")
+    shared = {
+        name: cls(**_fields_of(cls, data.get(name, {}), name, path))
+        for name, (cls, _) in _SHARED.items()
+    }
+    built: dict[str, Any] = {}
+    for name, cls in _OWN.items():
+        kwargs = _fields_of(cls, data.get(name, {}), name, path)
+        for shared_name, (_, users) in _SHARED.items():
+            if name in users:
+                kwargs[shared_name] = shared[shared_name]
+        built[name] = cls(**kwargs)
+    return Settings(**built, source=path)
+
+
+def override(config: T, **flags: Any) -> T:
+    """``config`` with the flags that were given (not None) replacing its values."""
+    given = {k: v for k, v in flags.items() if v is not None}
+    return replace(config, **given) if given else config  # type: ignore[type-var]
+
+
+def defaults_of(cls: type) -> dict[str, Any]:
+    """Field defaults, for --help texts."""
+    out = {}
+    for f in fields(cls):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+    return out

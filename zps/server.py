@@ -33,14 +33,17 @@ import msgpack
 import zmq.asyncio
 
 from zps import transport
+from zps.checkpoint import CheckpointStore
 from zps.cluster import Role
 from zps.codec import Encoder, MsgType, Route, decode, encode, unpack_route
 from zps.config import ShardConfig
 from zps.errors import BrokenError, ClosedError, ProtocolError, ZpsError
 from zps.replication import AckTracker, StreamCheck, check_stream
 from zps.routing import ClusterMap
+from zps.security import CurveKeys
 from zps.shardcore import ShardCore
 from zps.snapshot import decode_snapshot, encode_snapshot
+from zps.systemd import Notifier
 
 log = logging.getLogger("zps.shard")
 
@@ -70,8 +73,11 @@ def advertise_host(broker: str) -> str:
 
 
 class ShardServer:
-    def __init__(self, config: ShardConfig, *, node_id: str | None = None) -> None:
+    def __init__(
+        self, config: ShardConfig, *, node_id: str | None = None, notifier: Notifier | None = None
+    ) -> None:
         self.config = config
+        self.notifier = notifier or Notifier()
         self.node_id = node_id or f"s-{uuid.uuid4().hex[:12]}"
         self.core = ShardCore()
         self.role = Role.SPARE
@@ -98,6 +104,13 @@ class ShardServer:
         self._following: tuple[str, int] | None = None  # (primary address, epoch)
         self._in_sync_published = False
         self._resync = False
+        self._synced = False
+        self._restored = False
+        self._keys: CurveKeys | None = None
+        self._checkpoints = (
+            CheckpointStore(config.data_dir, config.checkpoint.keep) if config.data_dir else None
+        )
+        self._last_checkpoint = (time.monotonic(), 0)
 
     def stop(self) -> None:
         self._stop.set()
@@ -107,14 +120,22 @@ class ShardServer:
     async def run(self) -> None:
         """Serve until :meth:`stop`; sockets are closed on the way out."""
         cfg = self.config
+        self._restore()
         self._ctx = transport.new_context()
+        keys = self._keys = CurveKeys.load(cfg.security)
+        auth = transport.start_authenticator(self._ctx, keys.allowed_dir) if keys else None
         self._repl, bound = transport.router(
-            self._ctx, cfg.replication_bind, max_message_bytes=cfg.max_message_bytes
+            self._ctx, cfg.replication_bind, max_message_bytes=cfg.max_message_bytes, curve=keys
         )
         port = urlsplit(bound).port
         self.address = f"tcp://{cfg.advertise_host or advertise_host(cfg.broker)}:{port}"
         self._sock = transport.dealer(
-            self._ctx, cfg.broker, self.node_id.encode(), max_message_bytes=cfg.max_message_bytes
+            self._ctx,
+            cfg.broker,
+            self.node_id.encode(),
+            max_message_bytes=cfg.max_message_bytes,
+            curve=keys,
+            server_public=keys.server_public if keys else None,
         )
         log.info(
             "shard %s (pid %d) connecting to %s; replication at %s",
@@ -125,24 +146,93 @@ class ShardServer:
         )
         try:
             await self._register()
+            self.notifier.ready(f"registering with {cfg.broker}")
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 tasks = [
                     tg.create_task(self._broker_loop()),
                     tg.create_task(self._repl_loop()),
                     tg.create_task(self._heartbeat_loop()),
+                    tg.create_task(self.notifier.watchdog_loop()),
                 ]
                 await self._stop.wait()
-                await self._to_broker(MsgType.BYE, {})
-                self._stop_following()
+                self.notifier.stopping("handing over and writing a checkpoint")
+                self.notifier.extend_timeout(60)
+                await self._leave()
                 for t in tasks:
                     t.cancel()
         finally:
+            if auth is not None:
+                auth.stop()
             for sock in (self._sock, self._repl, self._upstream):
                 if sock is not None:
                     transport.close(sock)
             transport.term(self._ctx)
             log.info("shard %s stopped", self.node_id)
+
+    async def _leave(self) -> None:
+        """Graceful stop: hand over, refuse further work, write a last checkpoint."""
+        await self._to_broker(MsgType.BYE, {})  # the broker promotes a replica now
+        if self.role is Role.PRIMARY:
+            self._step_down()
+        self._stop_following()
+        self.role = Role.SPARE
+        self.core.primary = False
+        await self._checkpoint(final=True)
+
+    def _restore(self) -> None:
+        """Load the newest usable checkpoint, to claim its partition when registering."""
+        if self._checkpoints is None:
+            return
+        found = self._checkpoints.latest()
+        if found is None:
+            log.info("no checkpoint in %s: starting empty", self.config.data_dir)
+            return
+        snap = found.snapshot
+        self.core.load_snapshot(snap)
+        self.core.primary = False  # until the broker says so
+        self._restored = True
+        self._last_checkpoint = (time.monotonic(), snap.lsn)
+        log.info(
+            "restored partition %d at epoch %d, LSN %d from %s",
+            snap.partition,
+            snap.epoch,
+            snap.lsn,
+            found.path,
+        )
+
+    async def _checkpoint(self, *, final: bool = False) -> None:
+        store, core = self._checkpoints, self.core
+        if store is None or core.partition is None or core.lsn == 0:
+            return
+        if core.lsn == self._last_checkpoint[1] and not (final and self._restored):
+            return
+        if self.role is Role.REPLICA and not self._synced and not final:
+            return
+        snap = core.snapshot()
+        self._last_checkpoint = (time.monotonic(), snap.lsn)
+        t0 = time.monotonic()
+        try:
+            path = await asyncio.to_thread(store.write, snap)
+        except OSError as e:
+            log.error(
+                "checkpoint of partition %d at LSN %d failed: %s", snap.partition, snap.lsn, e
+            )
+            return
+        log.info(
+            "checkpoint of partition %d at LSN %d written to %s in %.2fs",
+            snap.partition,
+            snap.lsn,
+            path,
+            time.monotonic() - t0,
+        )
+
+    def _checkpoint_due(self, now: float) -> bool:
+        c = self.config.checkpoint
+        at, lsn = self._last_checkpoint
+        return (c.interval_s > 0 and now - at >= c.interval_s) or (
+            c.every_updates > 0 and self.core.lsn - lsn >= c.every_updates
+        )
 
     # -- broker link ---------------------------------------------------------
 
@@ -152,7 +242,15 @@ class ShardServer:
 
     async def _register(self) -> None:
         claim = None
-        if self.role is not Role.SPARE and self.core.partition is not None:
+        if self._restored and self.role is Role.SPARE and self.core.partition is not None:
+            claim = {
+                "partition": self.core.partition,
+                "epoch": self.core.epoch,
+                "role": Role.PRIMARY.value,
+                "lsn": self.core.lsn,
+                "in_sync": False,
+            }
+        elif self.role is not Role.SPARE and self.core.partition is not None:
             claim = {
                 "partition": self.core.partition,
                 "epoch": self.core.epoch,
@@ -168,6 +266,7 @@ class ShardServer:
                 "address": self.address,
                 "claim": claim,
                 "lsn": self.core.lsn,
+                "public_key": self._keys.public.decode() if self._keys else None,
             },
         )
 
@@ -203,6 +302,8 @@ class ShardServer:
                 )
             if self.role is Role.PRIMARY:
                 await self._drop_lagging(now)
+            if self._checkpoints is not None and self._checkpoint_due(now):
+                await self._checkpoint()
             elif self.role is Role.REPLICA and self._upstream is not None:
                 await self._ack_upstream()
 
@@ -256,8 +357,9 @@ class ShardServer:
             case Role.REPLICA:
                 self.core.assign(partition, epoch, primary=False)
                 address = str(h.get("primary_address") or "")
+                key = h.get("primary_key")
                 if address and self._following != (address, epoch):
-                    await self._follow(address, epoch)
+                    await self._follow(address, epoch, key.encode() if key else None)
             case Role.SPARE:
                 self._stop_following()
                 self.core.assign(None, 0)
@@ -500,7 +602,7 @@ class ShardServer:
 
     # -- replica side --------------------------------------------------------
 
-    async def _follow(self, address: str, epoch: int) -> None:
+    async def _follow(self, address: str, epoch: int, primary_key: bytes | None) -> None:
         self._stop_following()
         assert self._ctx is not None and self._tg is not None
         self._upstream = transport.dealer(
@@ -508,12 +610,15 @@ class ShardServer:
             address,
             self.node_id.encode(),
             max_message_bytes=self.config.max_message_bytes,
+            curve=self._keys,
+            server_public=primary_key,
         )
         self._following = (address, epoch)
         self._upstream_task = self._tg.create_task(self._upstream_loop(self._upstream))
         log.info("following the primary at %s (epoch %d)", address, epoch)
 
     def _stop_following(self) -> None:
+        self._synced = False
         if self._upstream_task is not None:
             self._upstream_task.cancel()
             self._upstream_task = None
@@ -532,10 +637,10 @@ class ShardServer:
     async def _upstream_loop(self, sock: zmq.asyncio.Socket) -> None:
         """Subscribe to the primary, load its snapshot, then apply its stream."""
         hb = self.config.heartbeat
-        synced = False
+        self._synced = False
         asked = 0.0
         while True:
-            if not synced and time.monotonic() - asked > hb.interval * 2:
+            if not self._synced and time.monotonic() - asked > hb.interval * 2:
                 # (Again) ask: the primary may not have known its role yet.
                 await transport.send(
                     sock,
@@ -554,11 +659,11 @@ class ShardServer:
                     msg = decode([transport.frame_buffer(f) for f in frames])
                     match msg.route.mtype:
                         case MsgType.SNAPSHOT:
-                            synced = self._load_snapshot(msg.header, msg.payloads)
-                        case MsgType.REPLICATE if synced:
+                            self._synced = self._load_snapshot(msg.header, msg.payloads)
+                        case MsgType.REPLICATE if self._synced:
                             self._apply_stream(msg.route, msg.header, msg.payloads)
                         case MsgType.BYE:
-                            synced = False
+                            self._synced = False
                             log.info(
                                 "the primary refused the subscription: %s", msg.header.get("msg")
                             )
@@ -566,8 +671,8 @@ class ShardServer:
                     log.warning("bad message from the primary: %s; resync", e)
                     self._resync = True
                 if self._resync:
-                    self._resync, synced, asked = False, False, 0.0
-            if synced and burst:
+                    self._resync, self._synced, asked = False, False, 0.0
+            if self._synced and burst:
                 await self._ack_upstream()
 
     def _load_snapshot(self, header: dict[str, Any], payloads: Any) -> bool:

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
 
 from zps.errors import BrokenError, ClosedError
+
+if TYPE_CHECKING:
+    from zps.security import CurveKeys
 
 #: Frames at or above this size are sent without copying.
 ZERO_COPY_BYTES = 64 * 1024
@@ -42,12 +47,69 @@ def _common(sock: zmq.asyncio.Socket, max_message_bytes: int, hwm: int) -> None:
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
 
 
+def write_keypair(out_dir: str, name: str) -> tuple[Path, Path]:
+    """Write ``NAME.key`` (public) and ``NAME.key_secret`` (mode 0600) in zmq's format."""
+    import zmq.auth
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(out_dir, name)
+    os.chmod(secret, 0o600)
+    return Path(public), Path(secret)
+
+
+def load_keys(path: str) -> tuple[bytes | None, bytes | None]:
+    """(public, secret) from a key file (secret is None for a public-only file)."""
+    import zmq.auth
+
+    public, secret = zmq.auth.load_certificate(path)
+    return public, secret
+
+
+def start_authenticator(ctx: zmq.asyncio.Context, allowed_dir: str | None) -> Any:
+    """ZAP for every CURVE server socket of ``ctx``: only keys in ``allowed_dir``
+    (any valid key when None: encryption without an allow-list).  Stop it with
+    ``.stop()``."""
+    from zmq.auth.asyncio import AsyncioAuthenticator
+
+    auth = AsyncioAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=allowed_dir or zmq.auth.CURVE_ALLOW_ANY)
+    return auth
+
+
+def _curve_server(sock: zmq.asyncio.Socket, keys: CurveKeys | None) -> None:
+    if keys is not None:
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+
+
+def _curve_client(
+    sock: zmq.asyncio.Socket, keys: CurveKeys | None, server_public: bytes | None
+) -> None:
+    if keys is not None:
+        if server_public is None:
+            raise BrokenError(
+                "CURVE is configured but the server's public key is unknown "
+                "(security.broker_public_key_file)"
+            )
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+
+
 def router(
-    ctx: zmq.asyncio.Context, bind: str, *, max_message_bytes: int, hwm: int = 100_000
+    ctx: zmq.asyncio.Context,
+    bind: str,
+    *,
+    max_message_bytes: int,
+    hwm: int = 100_000,
+    curve: CurveKeys | None = None,
 ) -> tuple[zmq.asyncio.Socket, str]:
     """A bound ROUTER socket and the endpoint it actually bound (port resolved)."""
     sock = ctx.socket(zmq.ROUTER)
     _common(sock, max_message_bytes, hwm)
+    _curve_server(sock, curve)
     # Unroutable sends raise instead of vanishing, so the broker can answer
     # "shard unavailable" rather than lose the request.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -68,9 +130,12 @@ def dealer(
     *,
     max_message_bytes: int,
     hwm: int = 100_000,
+    curve: CurveKeys | None = None,
+    server_public: bytes | None = None,
 ) -> zmq.asyncio.Socket:
     sock = ctx.socket(zmq.DEALER)
     _common(sock, max_message_bytes, hwm)
+    _curve_client(sock, curve, server_public)
     sock.setsockopt(zmq.IDENTITY, identity)
     try:
         sock.connect(connect)
