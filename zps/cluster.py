@@ -179,30 +179,43 @@ class ClusterState:
         part = self._parts[claim.partition]
         node.lsn = claim.lsn
         if claim.role is Role.PRIMARY:
-            if claim.epoch > part.epoch and part.primary is not None:
-                # A newer primary than the one we granted during the hold: it wins.
+            out: list[Assignment] = []
+            if claim.epoch > part.epoch and part.primary is not None and self.holding(now):
+                # A newer primary than the one granted earlier in the hold: it wins.
                 out = self._demote(part.primary, claim.partition)
                 part.primary = None
-            else:
-                out = []
             if part.primary is None and claim.epoch >= part.epoch:
                 return out + self._make_primary(node, claim.partition, claim.epoch)
             return out
         if (
             claim.role is Role.REPLICA
+            and not part.lost
             and claim.epoch >= part.epoch
             and (part.primary is None or claim.epoch == part.epoch)
             and (len(part.replicas) < self.replication - 1)
         ):
-            part.epoch = claim.epoch
+            raised = self._raise_epoch(claim.partition, claim.epoch)
             node.role, node.partition, node.epoch = Role.REPLICA, claim.partition, claim.epoch
             part.replicas.append(node.node_id)
             if claim.in_sync and self.holding(now):
                 # After a restart only the replica itself can say it was in sync.
                 part.in_sync.add(node.node_id)
             self._publish()
-            return [self._assignment(node.node_id)] if part.primary else []
+            return [*raised, self._assignment(node.node_id)]
         return []
+
+    def _raise_epoch(self, partition: int, epoch: int) -> list[Assignment]:
+        """The partition moves to ``epoch``: replicas of older epochs must resync."""
+        part = self._parts[partition]
+        part.epoch = max(part.epoch, epoch)
+        out = []
+        for r in part.replicas:
+            node = self.shards[r]
+            if node.epoch < part.epoch:
+                node.epoch = part.epoch
+                part.in_sync.discard(r)
+                out.append(self._assignment(r))
+        return out
 
     def _demote(self, node_id: str, partition: int) -> list[Assignment]:
         node = self.shards[node_id]
@@ -254,7 +267,11 @@ class ClusterState:
             return self._fill(now) if node is not None else []
         part = self._parts[node.partition]
         out: list[Assignment] = []
-        if part.primary == node_id:
+        if part.primary == node_id and self.holding(now):
+            part.primary = None  # decided when the hold ends: a replica may still claim
+            self._publish()
+            out += [self._assignment(r) for r in part.replicas]
+        elif part.primary == node_id:
             out += self._failover(node.partition)
         elif node_id in part.replicas:
             part.replicas.remove(node_id)
@@ -266,7 +283,7 @@ class ClusterState:
         """Time passes: ends the start-up hold (then fills what is still empty)."""
         if self._holding and not self.holding(now):
             self._holding = False
-            return self._fill(now)
+            return _merge(self._fill(now))
         return []
 
     # -- internals -----------------------------------------------------------
@@ -296,10 +313,12 @@ class ClusterState:
 
     def _make_primary(self, node: ShardNode, partition: int, epoch: int) -> list[Assignment]:
         part = self._parts[partition]
-        part.primary, part.epoch, part.lost = node.node_id, epoch, False
         if node.node_id in part.replicas:
             part.replicas.remove(node.node_id)
         part.in_sync.discard(node.node_id)
+        part.primary, part.lost = node.node_id, False
+        self._raise_epoch(partition, epoch)
+        part.epoch = epoch
         node.role, node.partition, node.epoch = Role.PRIMARY, partition, epoch
         self._publish()
         out = [Assignment(node.node_id, Role.PRIMARY, partition, epoch)]
@@ -318,13 +337,16 @@ class ClusterState:
         if self.holding(now):
             return []
         out: list[Assignment] = []
-        spares = self._spares()
         for p, part in enumerate(self._parts):
             if part.primary is None and not part.lost:
-                if part.replicas:  # only after a restart: replicas that claimed it
+                if part.replicas:  # after a restart or a death in the hold: promote
                     out += self._failover(p)
-                elif spares and part.epoch == 0:
-                    out += self._make_primary(spares.pop(0), p, 1)
+                elif part.epoch > 0:  # it held data and no copy is left
+                    part.lost = True
+                    self._publish()
+                elif spares := self._spares():
+                    out += self._make_primary(spares[0], p, 1)
+        spares = self._spares()
         for p, part in enumerate(self._parts):
             while part.primary is not None and len(part.replicas) < self.replication - 1 and spares:
                 node = spares.pop(0)

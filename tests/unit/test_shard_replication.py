@@ -702,14 +702,6 @@ def test_the_snapshot_header_is_plain_msgpack_data() -> None:
 # ---- known bugs (see the reasons) -------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shardcore.py op_pull_rows/op_pull_dense (lines 298-321) materialise rows and "
-    "chunks (store/tables.py EmbeddingTable.pull -> _positions, DenseTensor.pull -> _chunk) "
-    "but reads advance no LSN and apply_replicated (lines 162-174) skips them: at the same LSN "
-    "the primary's store checksum differs from its replica's, so the 'checksum' op changes "
-    "after a failover although no value was lost",
-)
 def test_reads_leave_primary_and_replica_with_the_same_state() -> None:
     primary, replica = primary_core(), replica_core()
     emb = EmbeddingSpec("emb", 2, "float32", Normal(0.0, 0.1), SGD(), 3)

@@ -30,12 +30,12 @@ def ids(*xs: int) -> np.ndarray:
 # ---- embedding tables -------------------------------------------------------
 
 
-def test_pull_creates_deterministic_rows_one_per_id() -> None:
+def test_pull_returns_deterministic_rows_one_per_id_without_storing_them() -> None:
     spec = emb_spec()
     table = EmbeddingTable(spec)
     rows = table.pull(ids(9, -4, 9, 2**40))
     assert rows.shape == (4, 4) and rows.dtype == np.float32
-    assert len(table) == 3
+    assert len(table) == 0  # reads never change the table
     want = generate(spec.init, spec.seed, ids(9, -4, 9, 2**40), 4, "float32")
     assert np.array_equal(rows, want)
     rows[:] = 0  # a fresh array: writing to it leaves the table alone
@@ -46,11 +46,12 @@ def test_growth_keeps_rows_and_state() -> None:
     table = EmbeddingTable(emb_spec(Adam(lr=0.01)))
     table.push(ids(1, 2), np.ones((2, 4), dtype=np.float32))
     before = table.pull(ids(1, 2))
-    table.pull(np.arange(10, 5000, dtype=np.int64))
+    table.push(np.arange(10, 5000, dtype=np.int64), np.zeros((4990, 4), dtype=np.float32))
     assert len(table) == 4992
     assert np.array_equal(table.pull(ids(1, 2)), before)
     exported = table.export()
     assert exported["step"][:2, 0].tolist() == [1.0, 1.0]
+    assert table.pull(ids(7)).shape == (1, 4) and len(table) == 4992
     assert table.nbytes >= 4992 * 4 * 4 * 3
 
 
@@ -85,7 +86,7 @@ def test_push_matches_optimizer_on_the_rows(opt: Optimizer) -> None:
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=repr)
 def test_lazy_updates_touch_only_pushed_rows(opt: Optimizer) -> None:
     table = EmbeddingTable(emb_spec(opt))
-    table.pull(np.arange(20, dtype=np.int64))
+    table.push(np.arange(20, dtype=np.int64), np.ones((20, 4), dtype=np.float32))
     before = table.export()
     table.push(ids(3, 11), np.ones((2, 4), dtype=np.float32))
     after = table.export()
@@ -126,10 +127,10 @@ def test_push_validation() -> None:
 def test_checksum_is_independent_of_insertion_order(xs: list[int], rnd: object) -> None:
     spec = emb_spec(Adam(lr=0.01))
     a, b = EmbeddingTable(spec), EmbeddingTable(spec)
-    a.pull(np.array(xs, dtype=np.int64))
+    a.push(np.array(xs, dtype=np.int64), np.ones((len(xs), 4), dtype=np.float32))
     shuffled = list(xs)
     rnd.shuffle(shuffled)  # type: ignore[attr-defined]
-    b.pull(np.array(shuffled, dtype=np.int64))
+    b.push(np.array(shuffled, dtype=np.int64), np.ones((len(xs), 4), dtype=np.float32))
     assert a.checksum() == b.checksum()
     assert np.array_equal(a.export()["ids"], np.unique(np.array(xs, dtype=np.int64)))
 
@@ -178,7 +179,7 @@ def test_dense_values_match_the_unchunked_tensor() -> None:
     whole = generate(spec.init, spec.seed, np.arange(10), 1, "float64").ravel()
     touched = {i: t.pull(i) for i in (2, 0, 1)}  # creation order must not matter
     assert np.array_equal(np.concatenate([touched[0], touched[1], touched[2]]), whole)
-    assert t.chunks() == [0, 1, 2] and len(t) == 3
+    assert t.chunks() == [] and len(t) == 0  # untouched chunks are not stored
 
 
 def test_dense_push_and_errors() -> None:
@@ -215,7 +216,7 @@ def test_dense_export_load_round_trip(opt: Optimizer) -> None:
     t = DenseTensor(dense_spec(opt, size=11, chunk=3))
     t.push(3, np.ones(2))
     t.push(0, np.ones(3))
-    t.pull(2)
+    t.push(2, np.zeros(3))
     copy = DenseTensor(dense_spec(opt, size=11, chunk=3))
     copy.pull(1)
     copy.load(t.export())

@@ -131,9 +131,24 @@ class EmbeddingTable:
         return pos
 
     def pull(self, ids: npt.ArrayLike) -> Array:
-        """A fresh ``(len(ids), dim)`` array, one row per id (duplicates allowed)."""
-        pos = self._positions(as_ids(ids))
-        return self._rows[pos]
+        """A fresh ``(len(ids), dim)`` array, one row per id (duplicates allowed).
+
+        Absent ids get their initial values without being stored: reads never
+        change the table (so a primary and its replicas stay identical at the
+        same LSN, and evaluating on unseen ids costs no memory).
+        """
+        keys = as_ids(ids)
+        pos = self._index.lookup(keys)
+        out = (
+            self._rows[np.maximum(pos, 0)]
+            if len(self._index)
+            else np.empty((keys.shape[0], self.spec.dim), dtype=self.dtype)
+        )
+        missing = pos < 0
+        if missing.any():
+            s = self.spec
+            out[missing] = generate(s.init, s.seed, keys[missing], s.dim, self.dtype)
+        return out
 
     def push(self, ids: npt.ArrayLike, grads: npt.ArrayLike) -> None:
         """Apply the optimizer to the rows of ``ids``, summing duplicate ids' gradients."""
@@ -226,8 +241,14 @@ class DenseTensor:
         return values
 
     def pull(self, chunk: int) -> Array:
-        """A fresh 1-D copy of the chunk's values."""
-        return self._chunk(chunk).ravel().copy()
+        """A fresh 1-D copy of the chunk's values (an untouched chunk is not stored)."""
+        values = self._values.get(chunk)
+        if values is not None:
+            return values.ravel().copy()
+        start, stop = self.spec.chunk_range(chunk)
+        return generate(
+            self.spec.init, self.spec.seed, np.arange(start, stop), 1, self.dtype
+        ).ravel()
 
     def push(self, chunk: int, grad: npt.ArrayLike) -> None:
         start, stop = self.spec.chunk_range(chunk)
