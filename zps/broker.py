@@ -28,6 +28,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,15 @@ from zps.codec import MsgType, Route, decode, encode, unpack_route
 from zps.config import BrokerConfig
 from zps.errors import ClosedError, ProtocolError
 from zps.membership import FailureDetector
+from zps.metrics import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    MetricsServer,
+    counter,
+    gauge,
+    labelled,
+)
 from zps.security import CurveKeys
 from zps.systemd import Notifier
 
@@ -75,6 +85,7 @@ class Broker:
         self._started = time.monotonic()
         self._last_beat = 0.0
         self._keys: dict[str, str] = {}  # shard -> CURVE public key (for its replicas)
+        self.metrics = MetricsServer(config.metrics, self._collect)
 
     def stop(self) -> None:
         self._stop.set()
@@ -96,6 +107,7 @@ class Broker:
             self.config.grace,
         )
         self.bound.set()
+        self.metrics.start()
         self.notifier.ready(f"listening on {self.endpoint}")
         try:
             async with asyncio.TaskGroup() as tg:
@@ -109,6 +121,7 @@ class Broker:
                 for t in tasks:
                     t.cancel()
         finally:
+            self.metrics.stop()
             if auth is not None:
                 auth.stop()
             transport.close(self._sock)
@@ -359,6 +372,16 @@ class Broker:
                 for node in [*self.state.clients, *self.state.shards]:
                     await self._control(node.encode(), MsgType.HEARTBEAT, {})
 
+    def _collect(self) -> Iterable[Metric]:
+        yield labelled(
+            CounterMetricFamily,
+            "zps_broker_messages",
+            "Messages by outcome",
+            "outcome",
+            {k: float(v) for k, v in vars(self.stats).items()},
+        )
+        yield from _collect_status(self.state.status(time.monotonic(), {}))
+
     def status(self, now: float) -> dict[str, Any]:
         nodes = [*self.state.shards, *self.state.clients]
         report = self.state.status(now, {n: self.detector.last_seen(n) for n in nodes})
@@ -371,6 +394,30 @@ class Broker:
             **vars(self.stats),
         }
         return report
+
+
+def _collect_status(report: dict[str, Any]) -> Iterable[Metric]:
+    roles: dict[str, float] = {"primary": 0, "replica": 0, "spare": 0}
+    for s in report["shards"]:
+        roles[s["role"]] = roles.get(s["role"], 0) + 1
+    yield labelled(GaugeMetricFamily, "zps_shards", "Registered shards by role", "role", roles)
+    states: dict[str, float] = {"ok": 0, "degraded": 0, "lost": 0, "holding": 0, "unassigned": 0}
+    for p in report["partitions"]:
+        states[p["state"]] = states.get(p["state"], 0) + 1
+    yield labelled(GaugeMetricFamily, "zps_partitions", "Partitions by state", "state", states)
+    yield gauge("zps_clients", "Connected clients", len(report["clients"]))
+    yield counter(
+        "zps_failovers", "Promotions of a replica after a primary died", report["failovers"]
+    )
+    yield gauge("zps_map_version", "Version of the cluster map", report["map_version"])
+    lag = GaugeMetricFamily(
+        "zps_replication_lag", "Primary LSN minus the replica's", labels=["partition", "replica"]
+    )
+    for p in report["partitions"]:
+        for r in p["replicas"]:
+            if r["lag"] is not None:
+                lag.add_metric([str(p["partition"]), r["node"]], r["lag"])
+    yield lag
 
 
 def _int(value: object) -> int:

@@ -25,6 +25,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -38,6 +39,15 @@ from zps.cluster import Role
 from zps.codec import Encoder, MsgType, Route, decode, encode, unpack_route
 from zps.config import ShardConfig
 from zps.errors import BrokenError, ClosedError, ProtocolError, ZpsError
+from zps.metrics import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    MetricsServer,
+    counter,
+    gauge,
+    labelled,
+)
 from zps.replication import AckTracker, StreamCheck, check_stream
 from zps.routing import ClusterMap
 from zps.security import CurveKeys
@@ -78,6 +88,9 @@ class ShardServer:
     ) -> None:
         self.config = config
         self.notifier = notifier or Notifier()
+        self.metrics = MetricsServer(config.metrics, self._collect)
+        self._latency = {k: self.metrics.request_seconds.labels(kind=k) for k in ("read", "write")}
+        self.checkpoints_written = 0
         self.node_id = node_id or f"s-{uuid.uuid4().hex[:12]}"
         self.core = ShardCore()
         self.role = Role.SPARE
@@ -145,6 +158,7 @@ class ShardServer:
             self.address,
         )
         try:
+            self.metrics.start()
             await self._register()
             self.notifier.ready(f"registering with {cfg.broker}")
             async with asyncio.TaskGroup() as tg:
@@ -162,6 +176,7 @@ class ShardServer:
                 for t in tasks:
                     t.cancel()
         finally:
+            self.metrics.stop()
             if auth is not None:
                 auth.stop()
             for sock in (self._sock, self._repl, self._upstream):
@@ -219,6 +234,7 @@ class ShardServer:
                 "checkpoint of partition %d at LSN %d failed: %s", snap.partition, snap.lsn, e
             )
             return
+        self.checkpoints_written += 1
         log.info(
             "checkpoint of partition %d at LSN %d written to %s in %.2fs",
             snap.partition,
@@ -226,6 +242,39 @@ class ShardServer:
             path,
             time.monotonic() - t0,
         )
+
+    def _collect(self) -> Iterable[Metric]:
+        s, core = self.core.stats, self.core
+        yield counter("zps_shard_requests", "Request messages handled", s.requests)
+        yield labelled(
+            CounterMetricFamily,
+            "zps_shard_ops",
+            "Operations by kind",
+            "op",
+            {k: float(v) for k, v in s.by_op.items()},
+        )
+        yield counter("zps_shard_errors", "Operations answered with an error", s.errors)
+        yield counter(
+            "zps_shard_duplicates", "Re-sent messages answered from the dedup record", s.duplicates
+        )
+        yield counter("zps_shard_malformed", "Malformed messages dropped or refused", s.malformed)
+        yield counter("zps_shard_bytes_in", "Payload bytes received", s.bytes_in)
+        yield gauge("zps_shard_lsn", "Log sequence number of the partition", core.lsn)
+        yield gauge("zps_shard_bytes", "Memory held by the partition's tables", core.store.nbytes)
+        yield labelled(
+            GaugeMetricFamily,
+            "zps_shard_role",
+            "1 for the current role",
+            "role",
+            {r.value: float(r is self.role) for r in Role},
+        )
+        yield counter("zps_shard_checkpoints", "Checkpoints written", self.checkpoints_written)
+        lag = GaugeMetricFamily(
+            "zps_replication_lag", "This primary's LSN minus the replica's", labels=["replica"]
+        )
+        for node, follower in self._followers.items():
+            lag.add_metric([node], max(0, core.lsn - follower.acked))
+        yield lag
 
     def _checkpoint_due(self, now: float) -> bool:
         c = self.config.checkpoint
@@ -474,7 +523,9 @@ class ShardServer:
             )
             return
         prev = self.core.lsn
+        t0 = time.perf_counter()
         reply, changed = self.core.handle_request(route, msg.header, msg.payloads)
+        self._latency["write" if changed else "read"].observe(time.perf_counter() - t0)
         if not changed:
             await transport.send(self._sock, [source, *reply])
             return

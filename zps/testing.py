@@ -64,6 +64,9 @@ class LocalCluster:
     #: Start-up hold of the broker (see BrokerConfig.startup_grace); 0 for a
     #: fresh cluster, where no shard has anything to claim.
     startup_grace: float = 0.0
+    #: Extra command-line arguments for every broker / shard started.
+    broker_args: list[str] = field(default_factory=list)
+    shard_args: list[str] = field(default_factory=list)
     heartbeat_interval: float = 0.1
     liveness: int = 5
     workdir: Path | None = None
@@ -131,6 +134,7 @@ class LocalCluster:
                 "--startup-grace",
                 str(grace),
                 *self._hb(),
+                *self.broker_args,
             ],
         )
 
@@ -150,6 +154,7 @@ class LocalCluster:
                 "--advertise-host",
                 "127.0.0.1",
                 *self._hb(),
+                *self.shard_args,
             ],
         )
 
