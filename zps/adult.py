@@ -479,6 +479,126 @@ def train_worker(
     }
 
 
+class TrainingClient(ParamServer, Protocol):
+    """What :func:`train_tasks` needs beyond pulls and pushes (``zps.SyncClient``)."""
+
+    @property
+    def stop_requested(self) -> bool: ...
+
+    def clock(self) -> int: ...
+
+    def report(self, *, rows: float = 0, loss: float | None = None, **extra: float) -> None: ...
+
+    def create_job(
+        self,
+        job: str,
+        n_records: int,
+        per_task: int,
+        *,
+        epochs: int = ...,
+        max_retries: int = ...,
+        seed: int = ...,
+    ) -> dict[str, Any]: ...
+
+    def next_task(self, job: str) -> Any: ...
+
+    def task_done(self, task: Any) -> None: ...
+
+    def release_task(self, task: Any) -> None: ...
+
+
+def train_step(
+    ps: ParamServer,
+    split: Split,
+    idx: npt.NDArray[np.int64],
+    prefix: str = "adult",
+    l2: float = DEFAULT_L2,
+) -> float:
+    """One step on the rows ``idx``: pull, forward, backward, push; returns the batch loss."""
+    emb, dense_name = _names(prefix)
+    uniq, inverse = np.unique(split.cat_ids[idx], return_inverse=True)
+    inverse = inverse.reshape(idx.size, -1).astype(np.int64)
+    rows = np.asarray(ps.pull_rows(emb, uniq), dtype=np.float32)
+    dense = np.asarray(ps.pull_dense(dense_name), dtype=np.float32)
+    loss, grows, gdense = _batch_grads(
+        rows, inverse, split.numeric[idx], split.label[idx], dense, l2
+    )
+    ps.push_rows(emb, uniq, grows)
+    ps.push_dense(dense_name, gdense)
+    return loss
+
+
+def train_tasks(
+    ps: TrainingClient,
+    data: AdultData,
+    *,
+    job: str = "adult-train",
+    epochs: int = DEFAULT_EPOCHS,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    per_task: int = 4096,
+    prefix: str = "adult",
+    seed: int = 0,
+    lr: float = DEFAULT_LR,
+    on_step: Callable[[dict[str, float]], None] | None = None,
+) -> dict[str, float]:
+    """Train on data tasks handed out by the broker, in the client's training mode.
+
+    Every worker runs this; together they train every record of every epoch
+    once, whichever workers come, go or die.  Each batch is one step (pull,
+    compute, push, ``clock()``), so the same loop serves async, sync and ssp.
+    On ``stop_requested`` the current step finishes and the task goes back.
+    """
+    create_tables(ps, prefix, n_numeric=data.n_numeric, lr=lr)
+    train = data.train
+    ps.create_job(job, len(train), per_task, epochs=epochs, seed=seed)
+    perms: dict[int, npt.NDArray[np.int64]] = {}
+    steps = rows_done = tasks = 0
+    started = time.perf_counter()
+    loss = float("nan")
+    while not ps.stop_requested:
+        task = ps.next_task(job)
+        if task is None:
+            break
+        perm = perms.get(task.epoch)
+        if perm is None:
+            perm = perms[task.epoch] = np.random.default_rng([seed, task.epoch]).permutation(
+                len(train)
+            )
+        order = perm[task.start : task.stop]
+        finished = True
+        for start in range(0, order.size, batch_size):
+            idx = order[start : start + batch_size]
+            loss = train_step(ps, train, idx, prefix)
+            ps.clock()
+            steps += 1
+            rows_done += int(idx.size)
+            ps.report(rows=idx.size, loss=loss, epoch=task.epoch)
+            if on_step is not None:
+                on_step(
+                    {
+                        "rows": float(rows_done),
+                        "loss": loss,
+                        "epoch": float(task.epoch),
+                        "step": float(steps),
+                    }
+                )
+            if ps.stop_requested and start + batch_size < order.size:
+                finished = False
+                break
+        if finished:
+            ps.task_done(task)
+            tasks += 1
+        else:
+            ps.release_task(task)
+    return {
+        "steps": float(steps),
+        "rows": float(rows_done),
+        "tasks": float(tasks),
+        "loss": loss,
+        "seconds": time.perf_counter() - started,
+    }
+
+
 def predict_logits(
     ps: ParamServer, split: Split, prefix: str = "adult", batch_size: int = 8192
 ) -> F64:

@@ -51,6 +51,7 @@ from zps.metrics import (
 )
 from zps.security import CurveKeys
 from zps.systemd import Notifier
+from zps.training import COMMIT_TARGET, Training
 
 log = logging.getLogger("zps.broker")
 
@@ -86,6 +87,7 @@ class Broker:
         self._last_beat = 0.0
         self._keys: dict[str, str] = {}  # shard -> CURVE public key (for its replicas)
         self.metrics = MetricsServer(config.metrics, self._collect)
+        self.training = Training(self.state, self._send)
 
     def stop(self) -> None:
         self._stop.set()
@@ -188,6 +190,7 @@ class Broker:
         wire = {"map": self.state.map.to_wire()}
         for node in [*self.state.clients, *self.state.shards]:
             await self._control(node.encode(), MsgType.MAP, wire)
+        await self.training.on_map_change()
 
     # -- receiving -----------------------------------------------------------
 
@@ -240,9 +243,14 @@ class Broker:
                     await self._control(ident, MsgType.HELLO, {})
             case MsgType.STATUS:
                 await self._control(ident, MsgType.STATUS, self.status(now))
+            case MsgType.CLOCK:
+                await self.training.on_clock(ident, node, route, msg.header)
+            case MsgType.TASK:
+                await self.training.on_task(ident, node, route, msg.header)
             case MsgType.BYE:
                 self.detector.forget(node)
                 self.state.node_gone(node, now)
+                await self.training.worker_gone(node)
             case _:
                 raise ProtocolError(f"a client may not send {route.mtype.name}")
 
@@ -284,6 +292,11 @@ class Broker:
         if len(frames) < 3:
             raise ProtocolError("shard message without target and route frames")
         target = transport.frame_bytes(frames[1])
+        if target == COMMIT_TARGET:
+            reply = decode([transport.frame_buffer(f) for f in frames[2:]])
+            if self.state.primary_of(reply.route.partition) == node:  # not a deposed one
+                await self.training.on_commit_reply(reply.route, reply.header)
+            return
         if target:
             if node not in self.state.shards:
                 # A shard declared dead (e.g. it was paused) answering late: its
@@ -364,6 +377,8 @@ class Broker:
                 kind = "shard" if node in self.state.shards else "client"
                 log.warning("%s %s missed its heartbeats; declared dead", kind, node)
                 await self._apply(self.state.node_gone(node, now))
+                if kind == "client":
+                    await self.training.worker_gone(node)
             await self._apply(self.state.tick(now))
             await self._publish_if_changed(before)
             if now - self._last_beat >= interval:
@@ -385,6 +400,7 @@ class Broker:
     def status(self, now: float) -> dict[str, Any]:
         nodes = [*self.state.shards, *self.state.clients]
         report = self.state.status(now, {n: self.detector.last_seen(n) for n in nodes})
+        report["training"] = self.training.status()
         report["broker"] = {
             "pid": os.getpid(),
             "endpoint": self.endpoint,

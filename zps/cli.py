@@ -300,6 +300,13 @@ def server_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--replication", type=int, default=2, help="copies of each partition (default 2)"
     )
+    d.add_argument(
+        "--mode",
+        choices=["async", "sync", "ssp"],
+        default="async",
+        help="training mode (default async)",
+    )
+    d.add_argument("--staleness", type=int, default=2, help="ssp: staleness bound (default 2)")
     d.add_argument("--log-level", default=None, choices=LEVELS)
     return parser
 
@@ -338,6 +345,8 @@ def server_main(argv: Sequence[str] | None = None) -> int:
                     n_workers=args.workers,
                     n_partitions=args.partitions,
                     replication=args.replication,
+                    mode=args.mode,
+                    staleness=args.staleness,
                 )
     except ConfigError as e:
         print(f"zps-server {args.command}: invalid configuration: {e}", file=sys.stderr)
@@ -391,6 +400,16 @@ def worker_parser() -> argparse.ArgumentParser:
         help='wait for every in-sync replica ("all", default) or the primary (1)',
     )
     parser.add_argument("--name", help="a name shown by `zps-server status`")
+    parser.add_argument(
+        "--mode", choices=["async", "sync", "ssp"], help="training mode of the job (default async)"
+    )
+    parser.add_argument(
+        "--staleness",
+        type=int,
+        metavar="TAU",
+        help="ssp: how many steps a worker may run ahead of the slowest",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
     _add_common(parser, heartbeat=False)
     parser.add_argument(
         "function",
@@ -418,18 +437,26 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
             connect_timeout=args.connect_timeout,
             acks=None if args.acks is None else (1 if args.acks == "1" else "all"),
             name=args.name or target,
+            mode=args.mode,
+            staleness=args.staleness,
         )
         broker = args.broker or settings.worker.broker
         notifier = Notifier.from_env(os.environ)
         if inspect.iscoroutinefunction(func):
-            return run_async(_run_async_worker(func, broker, config, func_args, notifier))
+            return run_async(
+                _run_async_worker(func, broker, config, func_args, notifier, not args.quiet)
+            )
         from zps.sync import connect_sync
 
         with connect_sync(broker, config) as ps:
+            ps.client.progress.enabled = not args.quiet
+            _stop_on_signals(ps.client)
             notifier.ready(f"running {target}")
             _watchdog_thread(notifier)
             result = func(ps, *func_args)
             notifier.stopping()
+            ps.flush()
+            ps.client.progress.close()
         return int(result) if isinstance(result, int) else 0
     except ConfigError as e:
         print(f"zps-worker: {e}", file=sys.stderr)
@@ -439,6 +466,20 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _stop_on_signals(client: Any) -> None:
+    """First SIGTERM/SIGINT: ask the training function to stop after its step
+    (it sees ``ps.stop_requested``); a second one interrupts at once."""
+
+    def handler(signum: int, frame: object) -> None:
+        if client.stop_requested:
+            raise KeyboardInterrupt
+        client.stop_requested = True
+        log.warning("signal %d: finishing the current step, then stopping", signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 def _watchdog_thread(notifier: Notifier) -> None:
@@ -456,14 +497,25 @@ def _watchdog_thread(notifier: Notifier) -> None:
 
 
 async def _run_async_worker(
-    func: Callable[..., Any], broker: str, config: ClientConfig, args: list[str], notifier: Notifier
+    func: Callable[..., Any],
+    broker: str,
+    config: ClientConfig,
+    args: list[str],
+    notifier: Notifier,
+    progress: bool,
 ) -> int:
     from zps.client import Client
 
     async with Client(broker, config) as ps, asyncio.TaskGroup() as tg:
+        ps.progress.enabled = progress
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, setattr, ps, "stop_requested", True)
         notifier.ready("running")
         pinger = tg.create_task(notifier.watchdog_loop())
         result = await func(ps, *args)
         notifier.stopping()
+        await ps.flush()
+        ps.progress.close()
         pinger.cancel()
     return int(result) if isinstance(result, int) else 0

@@ -42,9 +42,11 @@ from zps.codec import (
     encode,
 )
 from zps.config import ClientConfig
+from zps.coord import Task
 from zps.errors import (
     BrokenError,
     ClosedError,
+    JobFailedError,
     ProtocolError,
     RemoteError,
     ShapeMismatchError,
@@ -57,6 +59,7 @@ from zps.errors import (
 from zps.hashing import name_hash
 from zps.init import Initializer, Zeros
 from zps.optim import SGD, Optimizer
+from zps.progress import Progress
 from zps.routing import (
     ClusterMap,
     chunk_partition,
@@ -138,6 +141,16 @@ class Client:
         )
         self._closed = False
         self._started = False
+        self._step = 0
+        #: Set when the worker is asked to stop (zps-worker's SIGTERM): finish
+        #: the step, flush, release the task, return.
+        self.stop_requested = False
+        self.progress = Progress(name=self.config.name, enabled=False)
+        self._background: set[asyncio.Task[Any]] = set()
+        self._bg_error: BaseException | None = None
+        self._broker_calls: dict[
+            int, tuple[asyncio.Future[dict[str, Any]], MsgType, dict[str, Any]]
+        ] = {}
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -177,6 +190,9 @@ class Client:
                 f"no answer from the broker at {self.address} within "
                 f"{self.config.connect_timeout:g}s (is `zps-server broker` running there?)"
             ) from None
+        if self.config.mode != "async":
+            reply = await self._broker_call(MsgType.CLOCK, self._clock_header("join"))
+            self._step = int(reply["step"])
 
     async def close(self) -> None:
         if self._closed:
@@ -318,8 +334,13 @@ class Client:
                 out[start:stop] = arr
         return out.reshape(spec.shape)
 
-    async def push_dense(self, name: str, grad: npt.ArrayLike) -> None:
-        """Send a gradient; returns once every partition acknowledged its part."""
+    async def push_dense(self, name: str, grad: npt.ArrayLike, *, wait: bool = True) -> None:
+        """Send a gradient; returns once every partition acknowledged its part.
+
+        With ``wait=False`` it returns once the push is on its way (at most
+        ``max_background`` are in flight); an error surfaces at a later call.
+        """
+        self._raise_background()
         spec = await self._dense_spec(name)
         g = _as_float(grad, spec.dtype, f"gradient for {name!r}")
         if g.shape != spec.shape:
@@ -333,16 +354,17 @@ class Client:
             futures.append(
                 self._submit(
                     chunk_partition(name, c, self.cluster_map),
-                    {"op": "push_dense", "t": name, "chunk": c},
+                    self._tagged({"op": "push_dense", "t": name, "chunk": c}),
                     {"g": flat[start:stop]},
                 )
             )
-        await self._gather(futures)
+        await self._finish(futures, wait)
 
     # -- embeddings ----------------------------------------------------------
 
     async def pull_rows(self, name: str, ids: npt.ArrayLike) -> np.ndarray:
         """Rows for ``ids`` (duplicates allowed), shape ``(len(ids), dim)``."""
+        self._raise_background()
         spec = await self._embedding_spec(name)
         id_arr = _as_ids(ids)
         uniq, inverse = np.unique(id_arr, return_inverse=True)
@@ -358,8 +380,14 @@ class Client:
             rows[pos] = arr
         return rows[inverse.reshape(-1)]
 
-    async def push_rows(self, name: str, ids: npt.ArrayLike, grads: npt.ArrayLike) -> None:
-        """Send row gradients; duplicate ids' gradients are summed by the shard."""
+    async def push_rows(
+        self, name: str, ids: npt.ArrayLike, grads: npt.ArrayLike, *, wait: bool = True
+    ) -> None:
+        """Send row gradients; duplicate ids' gradients are summed by the shard.
+
+        ``wait=False``: as for :meth:`push_dense`.
+        """
+        self._raise_background()
         spec = await self._embedding_spec(name)
         id_arr = _as_ids(ids)
         g = _as_float(grads, spec.dtype, f"gradients for {name!r}")
@@ -368,10 +396,168 @@ class Client:
                 f"gradients for {name!r} have shape {g.shape}; expected "
                 f"({id_arr.size}, {spec.dim}) for {id_arr.size} ids of dim {spec.dim}"
             )
-        await self._gather(
-            self._submit(p, {"op": "push_rows", "t": name}, {"ids": id_arr[pos], "g": g[pos]})
+        futures = [
+            self._submit(
+                p, self._tagged({"op": "push_rows", "t": name}), {"ids": id_arr[pos], "g": g[pos]}
+            )
             for p, pos in split_by_partition(id_arr, self.cluster_map)
+        ]
+        await self._finish(futures, wait)
+
+    # -- overlap ---------------------------------------------------------------
+
+    def prefetch_rows(self, name: str, ids: npt.ArrayLike) -> asyncio.Task[np.ndarray]:
+        """Start pulling rows now; await the task when they are needed."""
+        return asyncio.get_running_loop().create_task(self.pull_rows(name, ids))
+
+    def prefetch_dense(self, name: str) -> asyncio.Task[np.ndarray]:
+        """Start pulling a dense tensor now; await the task when it is needed."""
+        return asyncio.get_running_loop().create_task(self.pull_dense(name))
+
+    async def _finish(self, futures: list[asyncio.Future[dict[str, Any]]], wait: bool) -> None:
+        if wait:
+            await self._gather(futures)
+            return
+        while len(self._background) >= self.config.max_background:
+            await asyncio.wait(self._background, return_when=asyncio.FIRST_COMPLETED)
+        task = asyncio.get_running_loop().create_task(self._gather(futures))
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._bg_error is None:
+            self._bg_error = task.exception()
+
+    def _raise_background(self) -> None:
+        """An error of a background push is raised by the next call, once."""
+        err, self._bg_error = self._bg_error, None
+        if err is not None:
+            raise err
+
+    async def flush(self) -> None:
+        """Wait for every background push; raise the first error among them."""
+        while self._background:
+            await asyncio.wait(set(self._background))
+        self._raise_background()
+
+    # -- training modes ----------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """The step this worker is in (sync and ssp: as the broker counts)."""
+        return self._step
+
+    def report(self, *, rows: float = 0, loss: float | None = None, **extra: float) -> None:
+        """Per-step metrics for the progress display (zps-worker shows them)."""
+        self.progress.report(rows=rows, loss=loss, **extra)
+
+    def _tagged(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.config.mode == "sync":
+            body["step"] = self._step  # buffered by the shards until the step commits
+        return body
+
+    def _clock_header(self, op: str) -> dict[str, Any]:
+        return {"op": op, "mode": self.config.mode, "tau": self.config.staleness}
+
+    async def clock(self) -> int:
+        """Finish the current step and wait until the mode lets the next one start.
+
+        sync: returns once every live worker finished the step and its averaged
+        gradients were applied; ssp: once no worker is more than ``staleness``
+        steps behind; async: at once.  Background pushes are flushed first.
+        """
+        await self.flush()
+        if self.config.mode == "async":
+            self._step += 1
+            return self._step
+        header = self._clock_header("tick")
+        header["finished"] = self._step + 1
+        reply = await self._broker_call(MsgType.CLOCK, header, forever=True)
+        self._step = int(reply["step"])
+        return self._step
+
+    # -- data tasks --------------------------------------------------------------
+
+    async def create_job(
+        self,
+        job: str,
+        n_records: int,
+        per_task: int,
+        *,
+        epochs: int = 1,
+        max_retries: int = 3,
+        seed: int = 0,
+    ) -> dict[str, Any]:
+        """Declare a data set of ``n_records`` cut into tasks (idempotent for the same
+        settings); returns its progress."""
+        reply = await self._broker_call(
+            MsgType.TASK,
+            {
+                "op": "create",
+                "job": job,
+                "n_records": n_records,
+                "per_task": per_task,
+                "epochs": epochs,
+                "max_retries": max_retries,
+                "seed": seed,
+            },
         )
+        return dict(reply["progress"])
+
+    async def next_task(self, job: str) -> Task | None:
+        """The next task of ``job``; None when every task of every epoch is done.
+
+        When none is free but others still hold some (one may come back if its
+        worker dies), this waits; in sync and ssp mode the worker leaves the
+        step clock meanwhile, so the others are not held up, and joins again
+        with its next task.
+        """
+        reply = await self._broker_call(MsgType.TASK, {"op": "next", "job": job, "wait": False})
+        if reply.get("pending"):
+            if self.config.mode != "async":
+                await self._broker_call(MsgType.CLOCK, self._clock_header("leave"))
+            reply = await self._broker_call(MsgType.TASK, {"op": "next", "job": job}, forever=True)
+            if self.config.mode != "async" and reply.get("task") is not None:
+                joined = await self._broker_call(MsgType.CLOCK, self._clock_header("join"))
+                self._step = int(joined["step"])
+        t = reply.get("task")
+        if t is None:
+            return None
+        return Task(t["job"], t["task"], t["epoch"], t["start"], t["stop"])
+
+    async def task_done(self, task: Task) -> None:
+        await self._broker_call(MsgType.TASK, {"op": "done", "job": task.job, "task": task.task_id})
+
+    async def release_task(self, task: Task) -> None:
+        """Give a task back unfinished (e.g. on shutdown): another worker takes it."""
+        await self._broker_call(
+            MsgType.TASK, {"op": "release", "job": task.job, "task": task.task_id}
+        )
+
+    async def _broker_call(
+        self, mtype: MsgType, header: dict[str, Any], forever: bool = False
+    ) -> dict[str, Any]:
+        """A request the broker itself answers (matched by request id)."""
+        assert self._sock is not None
+        req_id = next(self._req_ids)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._broker_calls[req_id] = (fut, mtype, header)
+        await transport.send(self._sock, encode(Route(mtype, req_id=req_id), header))
+        limit = None if forever else self.config.timeout
+        try:
+            reply = await asyncio.wait_for(fut, limit)
+        except TimeoutError:
+            raise ZpsTimeoutError(
+                f"the broker did not answer {mtype.name} within {limit:g}s"
+            ) from None
+        finally:
+            self._broker_calls.pop(req_id, None)
+        if reply.get("st") == "JOB_FAILED":
+            raise JobFailedError(str(reply.get("msg", "")))
+        if reply.get("st") != "OK":
+            raise remote_error(str(reply.get("st")), str(reply.get("msg", "")))
+        return reply
 
     # -- introspection -------------------------------------------------------
 
@@ -564,6 +750,10 @@ class Client:
                     fut = self._status_waiters.popleft()
                     if not fut.done():
                         fut.set_result(msg.header)
+            case MsgType.CLOCK | MsgType.TASK:
+                call = self._broker_calls.get(msg.route.req_id)
+                if call is not None and not call[0].done():
+                    call[0].set_result(msg.header)
             case MsgType.HELLO:  # the broker restarted and does not know us
                 await self._hello()
             case MsgType.HEARTBEAT:
@@ -580,6 +770,9 @@ class Client:
         self._map_event.set()
         if restarted:
             log.info("the broker restarted; re-sending %d unanswered requests", len(self._pending))
+            assert self._sock is not None
+            for req_id, (_, mtype, header) in list(self._broker_calls.items()):
+                await transport.send(self._sock, encode(Route(mtype, req_id=req_id), header))
         for req in list(self._pending.values()):
             info = new.partitions.get(req.partition)
             # A restarted broker may have dropped anything in flight; a new epoch

@@ -66,6 +66,8 @@ class MsgType(enum.IntEnum):
     SNAPSHOT = 11  # primary -> replica: the whole partition at one LSN
     REPLICATE = 12  # primary -> replica: one message that changed state
     ACK = 13  # replica -> primary: applied up to this LSN
+    CLOCK = 14  # client <-> broker: join / tick / leave of sync and ssp training
+    TASK = 15  # client <-> broker: data tasks (create, next, done, release)
 
 
 BufferLike = bytes | bytearray | memoryview

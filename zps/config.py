@@ -238,10 +238,21 @@ class ClientConfig:
     #: primary did (faster; a write acknowledged just before the primary dies
     #: can be lost).
     acks: str | int = "all"
+    #: Training mode of the job: "async" (apply each push on arrival), "sync"
+    #: (average all workers' gradients per step, apply once), or "ssp" (a
+    #: worker may be at most ``staleness`` steps ahead of the slowest).
+    mode: str = "async"
+    staleness: int = 0
+    #: Pushes sent with ``wait=False`` that may be unacknowledged at once.
+    max_background: int = 8
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     security: Security = field(default_factory=Security)
 
     def __post_init__(self) -> None:
+        if self.mode not in ("async", "sync", "ssp"):
+            raise ConfigError(f'client.mode must be "async", "sync" or "ssp", got {self.mode!r}')
+        _integer("client", 0, staleness=self.staleness)
+        _integer("client", 1, max_background=self.max_background)
         if self.acks not in ("all", 1) or isinstance(self.acks, bool):
             raise ConfigError(f'client.acks must be "all" or 1, got {self.acks!r}')
         _positive("client", timeout=self.timeout, connect_timeout=self.connect_timeout)

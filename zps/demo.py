@@ -10,6 +10,7 @@ on the way out, also on Ctrl-C or failure.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -23,21 +24,34 @@ PROGRESS_PREFIX = "ZPS-PROGRESS "
 REFERENCE_AUC = 0.9027  # one-hot logistic regression, same split (zps/data/README.md)
 
 
-def worker(ps: Any, index: str = "0", n_workers: str = "1", epochs: str = "3") -> int:
-    """The ``zps-worker`` entry point of the demo: ``zps.demo:worker INDEX N EPOCHS``."""
+def worker(ps: Any, epochs: str = "3") -> int:
+    """The ``zps-worker`` entry point of the demo: ``zps.demo:worker EPOCHS``.
+
+    Trains on data tasks from the broker in the client's mode; prints progress
+    lines the demo parent reads.
+    """
     from zps import adult
 
-    i, n, e = int(index), int(n_workers), int(epochs)
     data = adult.load_adult()
-    share = -(-len(data.train) // n)
-    total = share * e
+    total = len(data.train) * int(epochs)
+    recent: list[float] = []
 
-    def progress(p: dict[str, float]) -> None:
-        print(PROGRESS_PREFIX + json.dumps({"worker": i, "total": total, **p}), flush=True)
+    def on_step(p: dict[str, float]) -> None:
+        recent.append(p["loss"])
+        if int(p["step"]) % 20 == 0:
+            loss = sum(recent[-20:]) / len(recent[-20:])
+            print(
+                PROGRESS_PREFIX
+                + json.dumps(
+                    {"worker": os.getpid(), "total": total, "rows": p["rows"], "loss": loss}
+                ),
+                flush=True,
+            )
 
-    result = adult.train_worker(ps, data, worker_index=i, n_workers=n, epochs=e, progress=progress)
+    result = adult.train_tasks(ps, data, epochs=int(epochs), on_step=on_step)
     print(
-        PROGRESS_PREFIX + json.dumps({"worker": i, "total": total, "done": True, **result}),
+        PROGRESS_PREFIX
+        + json.dumps({"worker": os.getpid(), "total": total, "done": True, **result}),
         flush=True,
     )
     return 0
@@ -66,16 +80,16 @@ class _Progress:
                 self.total[w] = float(p["total"])
                 if p.get("done"):
                     self.done[w] = p
-                    self.rows[w] = self.total[w]
+                    self.rows[w] = float(p["rows"])
                 else:
                     self.rows[w] = float(p["rows"])
                     self.loss[w] = float(p["loss"])
 
     def fraction(self) -> float:
         with self.lock:
-            if len(self.total) < self.n_workers:
+            if not self.total:
                 return 0.0
-            return min(1.0, sum(self.rows.values()) / max(1.0, sum(self.total.values())))
+            return min(1.0, sum(self.rows.values()) / max(1.0, max(self.total.values())))
 
     def line(self, elapsed: float) -> str:
         frac = self.fraction()
@@ -97,6 +111,8 @@ def run_demo(
     n_workers: int = 2,
     n_partitions: int = 2,
     replication: int = 2,
+    mode: str = "async",
+    staleness: int = 2,
     out: TextIO = sys.stdout,
 ) -> int:
     from zps import adult
@@ -108,9 +124,10 @@ def run_demo(
         "zps demo: UCI Adult census income (48,842 rows; Becker & Kohavi 1996, CC BY 4.0)", file=out
     )
     print(
-        f"  factorization machine, async mode: 1 broker, {n_partitions} partitions x "
+        f"  factorization machine: 1 broker, {n_partitions} partitions x "
         f"{replication} copies ({n_partitions * replication} shards), "
-        f"{n_workers} workers, {epochs} epochs",
+        f"{n_workers} workers, {epochs} epochs, {mode} mode"
+        + (f" (staleness {staleness})" if mode == "ssp" else ""),
         file=out,
     )
     cluster = LocalCluster(
@@ -145,9 +162,12 @@ def run_demo(
                     "warning",
                     "--name",
                     f"demo-worker-{i}",
+                    "--mode",
+                    mode,
+                    "--staleness",
+                    str(staleness),
+                    "--quiet",
                     "zps.demo:worker",
-                    str(i),
-                    str(n_workers),
                     str(epochs),
                 ],
                 stdout=subprocess.PIPE,

@@ -32,6 +32,10 @@ class ZpsTimeoutError(ZpsError, TimeoutError):
     """A request was not answered within its deadline."""
 
 
+class JobFailedError(ZpsError):
+    """A data-task job failed: one of its tasks failed more often than allowed."""
+
+
 class RemoteError(ZpsError):
     """A server answered a request with an error status."""
 

@@ -33,11 +33,12 @@ from typing import Any
 import numpy as np
 
 from zps.codec import BufferLike, CompressPolicy, Encoder, MsgType, Route, array_from
-from zps.errors import BadRequestError, ProtocolError, RemoteError
+from zps.errors import BadRequestError, ProtocolError, RemoteError, ShapeMismatchError
 from zps.snapshot import Snapshot
+from zps.stepbuf import Pending, StepBuffer
 from zps.store import PartitionStore, spec_from_wire
 
-MUTATIONS = frozenset({"create", "push_dense", "push_rows"})
+MUTATIONS = frozenset({"create", "push_dense", "push_rows", "commit"})
 OK: dict[str, Any] = {"st": "OK"}
 
 
@@ -125,9 +126,11 @@ class ShardCore:
         self.primary = False
         self.store = PartitionStore()
         self.dedup = DedupCache()
+        self.steps = StepBuffer()
         self.lsn = 0
         self.stats = ShardStats()
         self._clock = clock
+        self._cid = b""  # the client of the message being handled
 
     def assign(self, partition: int | None, epoch: int, *, primary: bool = True) -> None:
         """Hold ``partition`` at ``epoch`` (None: nothing), as primary or replica.
@@ -138,6 +141,7 @@ class ShardCore:
         if partition != self.partition:
             self.store = PartitionStore()
             self.dedup = DedupCache()
+            self.steps = StepBuffer()
             self.lsn = 0
         self.partition, self.epoch = partition, epoch
         self.primary = primary and partition is not None
@@ -148,20 +152,28 @@ class ShardCore:
         if self.partition is None:
             raise BadRequestError("no partition to snapshot")
         return Snapshot(
-            self.partition, self.epoch, self.lsn, self.store.export(), self.dedup.entries()
+            self.partition,
+            self.epoch,
+            self.lsn,
+            self.store.export(),
+            self.dedup.entries(),
+            self.steps.export(),
         )
 
     def load_snapshot(self, snap: Snapshot) -> None:
         """Replace everything with ``snap`` (all or nothing: a bad one changes nothing)."""
         store = PartitionStore()
         store.load(snap.export)
-        self.store = store
+        steps = StepBuffer()
+        steps.load(snap.steps)
+        self.store, self.steps = store, steps
         self.dedup.load(snap.dedup)
         self.partition, self.epoch, self.lsn = snap.partition, snap.epoch, snap.lsn
 
     def apply_replicated(self, header: dict[str, Any], payloads: Sequence[BufferLike]) -> int:
         """Re-run the mutations of a message the primary applied; returns the new LSN."""
         ops, key = self._parse_header(header)
+        self._cid = key[0] if key else b""
         recorded: list[dict[str, Any]] = []
         scratch = Encoder()
         for op in ops:
@@ -198,6 +210,7 @@ class ShardCore:
             self.stats.malformed += 1
             return enc.build(reply_route, {"st": "BAD_REQUEST", "msg": str(e)}), False
         lsn_before = self.lsn
+        self._cid = key[0] if key else b""
         cached = self.dedup.get(key) if key is not None else None
         if cached is not None:
             self.stats.duplicates += 1
@@ -259,7 +272,7 @@ class ShardCore:
                 raise BadRequestError(f"unknown operation {name!r}"[:120])
             self.stats.by_op[name] += 1  # known names only: a peer can't grow this map
             result = handler(self, op, payloads, enc)
-            if name in MUTATIONS and result.get("created", True):
+            if name in MUTATIONS and result.get("created", result.get("changed", True)):
                 self.lsn += 1  # an idempotent create that changed nothing is no mutation
             return result
         except Exception as e:  # rule 4: every failure becomes a status
@@ -311,7 +324,27 @@ class ShardCore:
         chunk = op.get("chunk")
         if type(chunk) is not int:
             raise BadRequestError("push_dense needs an integer 'chunk'")
-        table.push(chunk, self._array(op, "g", payloads))
+        grad = self._array(op, "g", payloads)
+        step = self._step(op)
+        if step is None:
+            table.push(chunk, grad)
+            return OK
+        start, stop = table.spec.chunk_range(chunk)
+        if grad.shape != (stop - start,):
+            raise ShapeMismatchError(
+                f"dense tensor {table.spec.name!r} chunk {chunk}: expected "
+                f"{stop - start} elements, got shape {grad.shape}"
+            )
+        self.steps.add(
+            Pending(
+                step,
+                self._cid,
+                table.spec.name,
+                chunk,
+                None,
+                np.array(grad, dtype=table.spec.dtype),
+            )
+        )
         return OK
 
     def op_pull_rows(
@@ -324,8 +357,51 @@ class ShardCore:
         self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
     ) -> dict[str, Any]:
         table = self.store.embedding(self._table_name(op))
-        table.push(self._ids(op, payloads), self._array(op, "g", payloads))
+        ids, grad = self._ids(op, payloads), self._array(op, "g", payloads)
+        step = self._step(op)
+        if step is None:
+            table.push(ids, grad)
+            return OK
+        if grad.shape != (ids.size, table.spec.dim):
+            raise ShapeMismatchError(
+                f"table {table.spec.name!r}: gradients of shape "
+                f"{grad.shape} for {ids.size} ids of dim {table.spec.dim}"
+            )
+        self.steps.add(
+            Pending(
+                step,
+                self._cid,
+                table.spec.name,
+                -1,
+                np.array(ids),
+                np.array(grad, dtype=table.spec.dtype),
+            )
+        )
         return OK
+
+    def _step(self, op: dict[str, Any]) -> int | None:
+        """The sync-mode step a push belongs to (None: apply at once)."""
+        step = op.get("step")
+        if step is None:
+            return None
+        if type(step) is not int or step < 0:
+            raise BadRequestError(f"'step' must be a non-negative integer, got {step!r}")
+        if not self._cid:
+            raise BadRequestError("a sync-mode push needs the message's 'cid'")
+        return step
+
+    def op_commit(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        step, workers = op.get("step"), op.get("workers")
+        if (
+            type(step) is not int
+            or not isinstance(workers, list)
+            or not all(isinstance(w, bytes) for w in workers)
+        ):
+            raise BadRequestError("commit needs an integer 'step' and 'workers', a list of ids")
+        changed = self.steps.commit(self.store, step, workers)
+        return {"st": "OK", "changed": changed, "committed": self.steps.committed}
 
     def op_checksum(
         self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
@@ -360,5 +436,6 @@ _HANDLERS: dict[str, _Handler] = {
     "pull_rows": ShardCore.op_pull_rows,
     "push_rows": ShardCore.op_push_rows,
     "checksum": ShardCore.op_checksum,
+    "commit": ShardCore.op_commit,
     "tables": ShardCore.op_tables,
 }

@@ -11,7 +11,7 @@ Rule: :func:`decode_snapshot` returns a complete, validated snapshot or raises
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,8 @@ class Snapshot:
     lsn: int
     export: dict[str, Any]  # as PartitionStore.export() returns it
     dedup: list[DedupEntry]
+    #: Sync-mode gradients waiting for their step's commit (StepBuffer.export()).
+    steps: dict[str, Any] = field(default_factory=lambda: {"committed": -1, "entries": []})
 
 
 def encode_snapshot(enc: Encoder, snap: Snapshot) -> dict[str, Any]:
@@ -44,6 +46,13 @@ def encode_snapshot(enc: Encoder, snap: Snapshot) -> dict[str, Any]:
         "specs": snap.export["specs"],
         "tables": tables,
         "dedup": [[cid, seq, statuses] for cid, seq, statuses in snap.dedup],
+        "steps": {
+            "committed": snap.steps["committed"],
+            "entries": [
+                [step, cid, table, chunk, None if ids is None else enc.array(ids), enc.array(g)]
+                for step, cid, table, chunk, ids, g in snap.steps["entries"]
+            ],
+        },
     }
 
 
@@ -78,4 +87,20 @@ def decode_snapshot(
         ):
             raise ProtocolError("snapshot dedup entries must be [cid, seq, statuses]")
         entries.append((entry[0], entry[1], entry[2]))
-    return Snapshot(partition, epoch, lsn, {"specs": specs, "tables": arrays}, entries)
+    steps = header.get("steps", {"committed": -1, "entries": []})
+    try:
+        pending = [
+            [
+                s,
+                cid,
+                t,
+                c,
+                None if ids is None else np.array(array_from(ids, payloads, max_bytes=max_bytes)),
+                np.array(array_from(g, payloads, max_bytes=max_bytes)),
+            ]
+            for s, cid, t, c, ids, g in steps["entries"]
+        ]
+        step_state = {"committed": steps["committed"], "entries": pending}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(f"snapshot step buffer is malformed: {e}") from None
+    return Snapshot(partition, epoch, lsn, {"specs": specs, "tables": arrays}, entries, step_state)

@@ -8,6 +8,7 @@ exactly as the async client raises them.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -17,6 +18,7 @@ import numpy.typing as npt
 
 from zps.client import Client, connect
 from zps.config import ClientConfig
+from zps.coord import Task
 from zps.init import Initializer
 from zps.optim import Optimizer
 from zps.routing import ClusterMap
@@ -115,14 +117,69 @@ class SyncClient:
     def pull_dense(self, name: str) -> np.ndarray:
         return self._call(self._client.pull_dense(name))
 
-    def push_dense(self, name: str, grad: npt.ArrayLike) -> None:
-        self._call(self._client.push_dense(name, grad))
+    def push_dense(self, name: str, grad: npt.ArrayLike, *, wait: bool = True) -> None:
+        self._call(self._client.push_dense(name, grad, wait=wait))
 
     def pull_rows(self, name: str, ids: npt.ArrayLike) -> np.ndarray:
         return self._call(self._client.pull_rows(name, ids))
 
-    def push_rows(self, name: str, ids: npt.ArrayLike, grads: npt.ArrayLike) -> None:
-        self._call(self._client.push_rows(name, ids, grads))
+    def push_rows(
+        self, name: str, ids: npt.ArrayLike, grads: npt.ArrayLike, *, wait: bool = True
+    ) -> None:
+        self._call(self._client.push_rows(name, ids, grads, wait=wait))
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run a coroutine of the async client on its loop; ``.result()`` waits."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def prefetch_rows(self, name: str, ids: npt.ArrayLike) -> concurrent.futures.Future[np.ndarray]:
+        """Start pulling rows now (while you compute); ``.result()`` gives them."""
+        return self.run(self._client.pull_rows(name, ids))
+
+    def prefetch_dense(self, name: str) -> concurrent.futures.Future[np.ndarray]:
+        return self.run(self._client.pull_dense(name))
+
+    def flush(self) -> None:
+        self._call(self._client.flush())
+
+    @property
+    def step(self) -> int:
+        return self._client.step
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._client.stop_requested
+
+    def report(self, *, rows: float = 0, loss: float | None = None, **extra: float) -> None:
+        self._client.report(rows=rows, loss=loss, **extra)
+
+    def clock(self) -> int:
+        return self._call(self._client.clock())
+
+    def create_job(
+        self,
+        job: str,
+        n_records: int,
+        per_task: int,
+        *,
+        epochs: int = 1,
+        max_retries: int = 3,
+        seed: int = 0,
+    ) -> dict[str, Any]:
+        return self._call(
+            self._client.create_job(
+                job, n_records, per_task, epochs=epochs, max_retries=max_retries, seed=seed
+            )
+        )
+
+    def next_task(self, job: str) -> Task | None:
+        return self._call(self._client.next_task(job))
+
+    def task_done(self, task: Task) -> None:
+        self._call(self._client.task_done(task))
+
+    def release_task(self, task: Task) -> None:
+        self._call(self._client.release_task(task))
 
     def status(self) -> dict[str, Any]:
         return self._call(self._client.status())

@@ -24,6 +24,8 @@ CORE_FILES = [
     "optim.py",
     "replication.py",
     "snapshot.py",
+    "stepbuf.py",
+    "coord.py",
     *sorted(f"store/{p.name}" for p in (PKG / "store").glob("*.py")),
 ]
 DRIVERS = {"zps.transport", "zps.broker", "zps.server", "zps.client", "zps.sync", "zps.cli"}

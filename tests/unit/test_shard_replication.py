@@ -690,7 +690,7 @@ def test_the_snapshot_header_is_plain_msgpack_data() -> None:
     snap = primary.snapshot()
     enc = Encoder()
     header = encode_snapshot(enc, snap)
-    assert set(header) == {"partition", "epoch", "lsn", "specs", "tables", "dedup"}
+    assert set(header) == {"partition", "epoch", "lsn", "specs", "tables", "dedup", "steps"}
     assert header["specs"] == [s.to_wire() for s in primary.store.specs()]
     assert header["dedup"] == [list(e) for e in primary.dedup.entries()]
     n_arrays = sum(len(a) for a in header["tables"].values())

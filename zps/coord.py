@@ -1,0 +1,250 @@
+"""Training coordination kept by the broker: worker clocks and data tasks.
+
+No I/O and no clock reads; the broker driver feeds events in and sends what
+comes out.
+
+Clocks (``sync`` and ``ssp`` modes).  A worker's clock is the number of steps
+it has finished.  Participants are the live workers that have ticked at
+least once; a worker that dies or leaves stops being one at once, so a step
+never waits for the dead.
+
+* ``ssp(tau)``: a worker that finished step ``c`` may start step ``c + 1``
+  once the slowest participant has finished at least ``c + 1 - tau`` steps.
+* ``sync``: every participant pushes its step-``c`` gradients tagged with
+  ``c`` (the shards buffer them per worker), then ticks.  When all
+  participants have ticked ``c``, the broker commits step ``c`` on every
+  primary (aggregating exactly those workers' gradients, applied once) and
+  only then releases the workers into step ``c + 1``.  A step is committed
+  exactly once, in order.
+
+Tasks.  A job is a data set of ``n_records`` cut into tasks of ``per_task``
+records, for ``epochs`` epochs, handed out in a shuffled order per epoch.  A
+task held by a worker that dies goes back to the front of the queue; after
+``max_retries`` such returns the job fails with a clear error.  A worker
+asking for a task while none is free but some are still held elsewhere
+waits; when every task is done the job is complete.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Mode(enum.StrEnum):
+    ASYNC = "async"
+    SYNC = "sync"
+    SSP = "ssp"
+
+
+@dataclass
+class _Clock:
+    step: int = 0  # steps finished
+    waiting: bool = False  # has asked to start step ``step`` and was not yet released
+
+
+class Clocks:
+    """Worker clocks for one job; returns which workers may proceed."""
+
+    def __init__(self) -> None:
+        self.mode: Mode | None = None
+        self.tau = 0
+        self.workers: dict[str, _Clock] = {}
+        self.committed = -1  # sync: the last committed step
+        self.committing: int | None = None  # sync: a commit in progress
+        self.commit_workers: tuple[str, ...] = ()
+
+    def tick(self, worker: str, mode: Mode, tau: int, finished: int) -> None:
+        """``worker`` finished step ``finished - 1`` (so its clock is ``finished``)."""
+        if self.mode is None or not self.workers:
+            self.mode, self.tau = mode, tau
+        elif (mode, tau) != (self.mode, self.tau):
+            raise ValueError(
+                f"this job runs {self.mode.value} (tau {self.tau}); a worker "
+                f"asked for {mode.value} (tau {tau})"
+            )
+        c = self.workers.setdefault(worker, _Clock(step=finished))
+        c.step, c.waiting = max(c.step, finished), True
+
+    def join(self, worker: str, mode: Mode, tau: int) -> int:
+        """A worker joins; returns the step it starts at (sync: the open step)."""
+        if self.mode is None or not self.workers:
+            self.mode, self.tau = mode, tau
+        elif (mode, tau) != (self.mode, self.tau):
+            raise ValueError(
+                f"this job runs {self.mode.value} (tau {self.tau}); a worker "
+                f"asked for {mode.value} (tau {tau})"
+            )
+        if self.mode is Mode.SYNC:
+            start = self.committed + 1 if self.committing is None else self.committing + 1
+        else:
+            start = min((c.step for c in self.workers.values()), default=0)
+        self.workers[worker] = _Clock(step=start)
+        return start
+
+    def leave(self, worker: str) -> None:
+        self.workers.pop(worker, None)
+
+    def slowest(self) -> int:
+        return min((c.step for c in self.workers.values()), default=0)
+
+    def ssp_released(self) -> list[str]:
+        """Workers allowed to start their next step now (ssp and async)."""
+        floor = self.slowest()
+        out = []
+        for name, c in self.workers.items():
+            if c.waiting and (self.mode is not Mode.SSP or floor >= c.step - self.tau):
+                c.waiting = False
+                out.append(name)
+        return out
+
+    def sync_ready(self) -> int | None:
+        """The step to commit now, if every participant finished it."""
+        if self.committing is not None or not self.workers:
+            return None
+        step = self.committed + 1
+        if all(c.waiting and c.step >= step + 1 for c in self.workers.values()):
+            self.committing = step
+            self.commit_workers = tuple(sorted(self.workers))
+            return step
+        return None
+
+    def sync_committed(self, step: int) -> list[str]:
+        """The commit of ``step`` finished everywhere: release its workers."""
+        if self.committing != step:
+            return []
+        self.committing, self.committed = None, step
+        out = []
+        for name, c in self.workers.items():
+            if c.waiting and c.step >= step + 1:
+                c.waiting = False
+                out.append(name)
+        return out
+
+
+@dataclass(frozen=True)
+class Task:
+    job: str
+    task_id: int
+    epoch: int
+    start: int
+    stop: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "task": self.task_id,
+            "epoch": self.epoch,
+            "start": self.start,
+            "stop": self.stop,
+        }
+
+
+class JobFailed(Exception):
+    """A task came back more often than the job allows."""
+
+
+@dataclass
+class Job:
+    name: str
+    n_records: int
+    per_task: int
+    epochs: int
+    max_retries: int = 3
+    seed: int = 0
+    queue: deque[Task] = field(default_factory=deque)
+    held: dict[int, tuple[str, Task]] = field(default_factory=dict)
+    retries: dict[int, int] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)
+    failed: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.n_records < 1 or self.per_task < 1 or self.epochs < 1 or self.max_retries < 0:
+            raise ValueError("a job needs n_records, per_task, epochs >= 1 and max_retries >= 0")
+        per_epoch = -(-self.n_records // self.per_task)
+        for epoch in range(self.epochs):
+            order = list(range(per_epoch))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            for k in order:
+                start = k * self.per_task
+                self.queue.append(
+                    Task(
+                        self.name,
+                        epoch * per_epoch + k,
+                        epoch,
+                        start,
+                        min(start + self.per_task, self.n_records),
+                    )
+                )
+        self.total = len(self.queue)
+        self.per_epoch = per_epoch
+
+    def spec(self) -> tuple[int, int, int, int, int]:
+        return (self.n_records, self.per_task, self.epochs, self.max_retries, self.seed)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == self.total
+
+    def next(self, worker: str) -> Task | None:
+        """A task for ``worker``; None if none is free right now (see :attr:`complete`)."""
+        if self.failed:
+            raise JobFailed(self.failed)
+        if not self.queue:
+            return None
+        task = self.queue.popleft()
+        self.held[task.task_id] = (worker, task)
+        return task
+
+    def finish(self, worker: str, task_id: int) -> bool:
+        held = self.held.get(task_id)
+        if held is None or held[0] != worker:
+            return task_id in self.done  # a repeated report is fine; a stranger's is not
+        del self.held[task_id]
+        self.done.add(task_id)
+        return True
+
+    def release(self, worker: str, task_id: int, *, failed: bool) -> None:
+        """Put a held task back (first in line); ``failed`` counts a retry."""
+        held = self.held.get(task_id)
+        if held is None or held[0] != worker:
+            return
+        del self.held[task_id]
+        if failed:
+            n = self.retries[task_id] = self.retries.get(task_id, 0) + 1
+            if n > self.max_retries:
+                t = held[1]
+                self.failed = (
+                    f"job {self.name!r}: task {task_id} (epoch {t.epoch}, records "
+                    f"{t.start}-{t.stop}) failed {n} times (max_retries "
+                    f"{self.max_retries})"
+                )
+        self.queue.appendleft(held[1])
+
+    def worker_gone(self, worker: str) -> list[int]:
+        lost = [tid for tid, (w, _) in self.held.items() if w == worker]
+        for tid in lost:
+            self.release(worker, tid, failed=True)
+        return lost
+
+    def progress(self) -> dict[str, Any]:
+        epochs = []
+        for e in range(self.epochs):
+            ids = range(e * self.per_epoch, (e + 1) * self.per_epoch)
+            done = sum(1 for i in ids if i in self.done)
+            held = sum(1 for i in ids if i in self.held)
+            epochs.append({"epoch": e, "done": done, "running": held, "total": self.per_epoch})
+        return {
+            "job": self.name,
+            "records": self.n_records,
+            "per_task": self.per_task,
+            "done": len(self.done),
+            "total": self.total,
+            "running": len(self.held),
+            "retried": sum(self.retries.values()),
+            "failed": self.failed,
+            "epochs": epochs,
+        }
