@@ -577,6 +577,7 @@ class FloodResult:
     replies: collections.Counter[str] = field(default_factory=collections.Counter)
     send_s: float = 0.0
     waits: int = 0
+    barriers: int = 0
 
 
 class Flood:
@@ -697,7 +698,10 @@ class Flood:
     def markers_seen(self) -> int:
         return sum(self.markers.values())
 
-    def send_all(self, msgs: list[Msg]) -> FloodResult:
+    def send_all(
+        self, msgs: list[Msg], epochs: dict[int, int] | None = None, window: int = 0
+    ) -> FloodResult:
+        """Send every message; with ``window``, wait at a barrier after each ``window``."""
         t0 = time.monotonic()
         deadline = t0 + FLOOD_DEADLINE_S
         rr: collections.Counter[str] = collections.Counter()
@@ -721,6 +725,9 @@ class Flood:
             self.result.sent_by[m.category] += 1
             if i % 128 == 0:
                 self.drain()
+            if window and epochs is not None and (i + 1) % window == 0:
+                self.result.barriers += 1
+                self.barrier(epochs)
         self.result.send_s = time.monotonic() - t0
         return self.result
 
