@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -29,7 +30,7 @@ import numpy.typing as npt
 import zmq.asyncio
 
 from zps import transport
-from zps.batching import plan_batches
+from zps.batching import merge_row_ops, plan_batches
 from zps.codec import (
     NO_COMPRESSION,
     CompressPolicy,
@@ -610,12 +611,29 @@ class Client:
                 if req is not None and req.parked:
                     await self._resend(req)
             queued, self._queue = self._queue, collections.defaultdict(list)
-            for partition, ops in queued.items():
+            for partition, queued_ops in queued.items():
+                ops = self._merge(queued_ops)
                 sizes = [op.nbytes for op in ops]
                 for a, b in plan_batches(
                     sizes, self.config.batch_max_ops, self.config.batch_max_bytes
                 ):
                     await self._send_request(partition, ops[a:b])
+
+    def _merge(self, ops: list[_Op]) -> list[_Op]:
+        """Row operations on one table become one operation (see batching.merge_row_ops)."""
+        if len(ops) < 2:
+            return ops
+        out = []
+        loop = asyncio.get_running_loop()
+        for m in merge_row_ops([(op.body, op.arrays) for op in ops]):
+            if len(m.parts) == 1:
+                out.append(ops[m.parts[0][0]])
+                continue
+            fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+            members = [(ops[i].future, a, b) for i, a, b in m.parts]
+            fut.add_done_callback(functools.partial(_split_result, members=members))
+            out.append(_Op(m.body, m.arrays, fut))
+        return out
 
     async def _send_request(self, partition: int, ops: list[_Op]) -> None:
         cmap = self.cluster_map
@@ -835,6 +853,28 @@ def transport_errors() -> type[Exception]:
     from zps.errors import BrokenError
 
     return BrokenError
+
+
+def _split_result(
+    merged: asyncio.Future[dict[str, Any]],
+    *,
+    members: list[tuple[asyncio.Future[dict[str, Any]], int, int]],
+) -> None:
+    """Hand each original operation its part of a merged operation's result."""
+    if merged.cancelled():
+        for fut, _, _ in members:
+            fut.cancel()
+        return
+    exc = merged.exception()
+    for fut, start, stop in members:
+        if fut.done():
+            continue
+        if exc is not None:
+            fut.set_exception(exc)
+            continue
+        res = merged.result()
+        arrays = res.get("arrays")
+        fut.set_result({**res, "arrays": arrays[start:stop]} if arrays is not None else res)
 
 
 def _seed(name: str, seed: int | None) -> int:

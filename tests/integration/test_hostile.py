@@ -54,6 +54,10 @@ SEED = 20_250_611
 RSS_BOUND_MB = 50.0
 FLOOD_DEADLINE_S = 90.0
 SEND_HWM = 1000
+#: The flood waits at a barrier after this many messages, so the broker's backlog
+#: (what zmq buffers before it is read) stays bounded and RSS growth measures
+#: leaks, not backlog; an unpaced flood is test_an_unpaced_flood_...
+WINDOW = 5000
 MARKER = 0xB0BB1E5 << 32  # request ids of the barrier requests
 
 DENSE = "hostile-dense"
@@ -886,7 +890,7 @@ async def test_hostile_messages_leave_every_process_serving_exact_results() -> N
                 s.recv_multipart()
             task = asyncio.create_task(witness())
             try:
-                result = await asyncio.to_thread(flood.send_all, msgs)
+                result = await asyncio.to_thread(flood.send_all, msgs, epochs, WINDOW)
                 barrier_s = await asyncio.to_thread(flood.barrier, epochs)
             finally:
                 flood_done.set()
@@ -958,6 +962,7 @@ async def test_hostile_messages_leave_every_process_serving_exact_results() -> N
             "barrier_s": round(barrier_s, 2),
             "flood_incl_barrier_s": round(flood_s, 2),
             "hwm_waits": result.waits,
+            "barriers": result.barriers,
             "replies": dict(sorted(result.replies.items())),
             "broker_malformed": malformed,
             "broker_malformed_predicted": {str(k): v for k, v in verdicts.items()},
@@ -984,3 +989,231 @@ async def test_hostile_messages_leave_every_process_serving_exact_results() -> N
         print("\nHOSTILE REPORT " + json.dumps(report, indent=1))
         for name, mb in growth.items():
             assert mb < RSS_BOUND_MB, (name, growth)
+
+
+# -- protocol-valid messages from peers that should not be trusted ----------------
+
+
+def raw_dealer(ctx: zmq.Context, address: str, identity: bytes) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IDENTITY, identity)
+    s.connect(address)
+    return s
+
+
+def recv_until(sock: zmq.Socket, want: Callable[[Route, dict[str, Any]], bool], timeout: float):
+    """The first message (``[.., route, header, ..]``) that ``want`` accepts, or None."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        if not sock.poll(int(left * 1000) + 1):
+            return None
+        frames = sock.recv_multipart()
+        for i, f in enumerate(frames[:2]):
+            if len(f) == ROUTE.size and f[:2] == b"ZP" and i + 1 < len(frames):
+                route, header = unpack_route(f), msgpack.unpackb(frames[i + 1])
+                if want(route, header):
+                    return route, header
+    return None
+
+
+async def seeded(c: LocalCluster) -> tuple[np.ndarray, np.ndarray]:
+    """An embedding table on both partitions with known values (ids, values)."""
+    ids = np.arange(64, dtype=np.int64)
+    async with zps.connect(c.address, timeout=10) as ps:
+        await ps.create_embedding(EMB, dim=4, dtype="float64", optimizer=SGD(lr=1.0))
+        await ps.push_rows(EMB, ids, np.ones((64, 4)))
+        return ids, await ps.pull_rows(EMB, ids)
+
+
+@pytest.mark.timeout(60)
+async def test_a_fake_shard_claiming_a_partition_at_a_huge_epoch_gets_nothing() -> None:
+    """Outside the broker's start-up hold a claim never displaces a live primary.
+
+    (Within the hold, after a broker restart, a claim of primary at a higher epoch
+    than the one granted first wins by design (``ClusterState._grant``): a fake
+    shard registering then would take the partition over and serve it empty.
+    That is the trust model without CURVE, not a parsing bug; not tested here.)
+    """
+    with LocalCluster(partitions=2, shards=4, replication=2, log_level="error") as c:
+        ids, values = await seeded(c)
+        before = await asyncio.to_thread(c.status)
+        ctx = zmq.Context()
+        try:
+            for role, epoch in [("primary", 2**40), ("replica", 2**40), ("replica", 1)]:
+                fake = raw_dealer(ctx, c.address, f"s-fake-{role}-{epoch}".encode())
+                claim = {"partition": 0, "epoch": epoch, "role": role, "lsn": 10**9}
+                fake.send_multipart(
+                    [b"", *encode(Route(MsgType.REGISTER), {"address": "", "claim": claim})]
+                )
+                got = recv_until(fake, lambda r, h: r.mtype is MsgType.ASSIGN, 5)
+                assert got is not None and got[1]["role"] == "spare", (role, epoch, got)
+                fake.close(0)
+        finally:
+            ctx.term()
+        after = await asyncio.to_thread(c.wait_healthy, 10)
+        assert [(p["epoch"], p["primary"]) for p in after["partitions"]] == [
+            (p["epoch"], p["primary"]) for p in before["partitions"]
+        ]
+        async with zps.connect(c.address, timeout=10) as ps:
+            assert np.array_equal(await ps.pull_rows(EMB, ids), values)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Broker._from_shard relays a 'reply' from any registered shard to any "
+    "target, including another shard's identity: frames [s-real, b'', ASSIGN, ...] "
+    "arrive at the real shard as a control message from the broker. A fake shard "
+    "that REGISTERed (it becomes a spare) makes the primary of partition 0 a spare: "
+    "it drops its data (ShardCore.assign with another partition) while the broker "
+    "still routes to it and reports the partition 'ok'; requests time out forever.",
+)
+@pytest.mark.timeout(60)
+async def test_a_registered_fake_shard_cannot_forge_broker_control_messages() -> None:
+    with LocalCluster(partitions=2, shards=4, replication=2, log_level="error") as c:
+        ids, values = await seeded(c)
+        status = await asyncio.to_thread(c.status)
+        primary = next(s for s in status["shards"] if s["role"] == "primary")
+        ctx = zmq.Context()
+        try:
+            fake = raw_dealer(ctx, c.address, b"s-fake-forger")
+            fake.send_multipart([b"", *encode(Route(MsgType.REGISTER), {"address": ""})])
+            assert recv_until(fake, lambda r, h: r.mtype is MsgType.ASSIGN, 5)
+            forged = encode(Route(MsgType.ASSIGN), {"role": "spare", "partition": None})
+            fake.send_multipart([primary["node"].encode(), b"", *forged])
+            time.sleep(0.5)
+            fake.close(0)
+        finally:
+            ctx.term()
+        async with zps.connect(c.address, timeout=5) as ps:
+            assert np.array_equal(await ps.pull_rows(EMB, ids), values)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ShardServer._on_ack adds any peer of the replication endpoint that "
+    "SUBSCRIBEd with the right partition and epoch and ACKed the snapshot LSN to "
+    "the primary's required set (AckTracker.require). It never is a replica in the "
+    "broker's map, so when it goes silent _drop_lagging removes it from "
+    "_local_in_sync but the broker's in-sync set does not change, no MAP comes, "
+    "_on_map never calls set_required, and every acks=all write waits forever "
+    "(applied, replicated, never acknowledged).",
+)
+@pytest.mark.timeout(60)
+async def test_a_fake_replica_that_stops_acknowledging_does_not_stall_writes() -> None:
+    with LocalCluster(partitions=2, shards=4, replication=2, log_level="error") as c:
+        ids, values = await seeded(c)
+        status = await asyncio.to_thread(c.status)
+        primary = next(s for s in status["shards"] if s["role"] == "primary")
+        p, epoch = primary["partition"], status["partitions"][primary["partition"]]["epoch"]
+        ctx = zmq.Context()
+        try:
+            fake = raw_dealer(ctx, primary["address"], b"s-fake-replica")
+            fake.send_multipart(encode(Route(MsgType.SUBSCRIBE), {"partition": p, "epoch": epoch}))
+            snap = recv_until(fake, lambda r, h: r.mtype is MsgType.SNAPSHOT, 5)
+            assert snap is not None
+            fake.send_multipart(encode(Route(MsgType.ACK), {"lsn": snap[0].req_id, "epoch": epoch}))
+            time.sleep(0.3)
+            fake.close(0)  # and silent from now on
+        finally:
+            ctx.term()
+        async with zps.connect(c.address, timeout=5) as ps:
+            mine = ids[partitions_of_ids(ids, ps.cluster_map) == p]
+            await ps.push_rows(EMB, mine, np.ones((mine.size, 4)))  # ZpsTimeoutError
+            assert np.array_equal(await ps.pull_rows(EMB, mine), values[: mine.size] - 1)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DedupCache bounds the number of entries (200,000), not their size: "
+    "ShardCore.handle_request records every status of a message with cid/seq and a "
+    "mutation op, and array_from's error messages embed the hostile value "
+    "un-truncated (f'array dtype {dtype!r} is not allowed', 'array frame index "
+    "{index!r} ...'). 150 small failing pushes with a 0.9 MB dtype string grow the "
+    "primary's RSS by ~150 MB, and it stays.",
+)
+@pytest.mark.timeout(60)
+async def test_the_dedup_record_of_failed_pushes_is_bounded_in_bytes() -> None:
+    with LocalCluster(partitions=2, shards=2, replication=1, log_level="error") as c:
+        await seeded(c)
+        status = await asyncio.to_thread(c.status)
+        primary = next(s for s in status["shards"] if s["partition"] == 0)
+        epoch = status["partitions"][0]["epoch"]
+        before = rss_mb(primary["pid"])
+        ctx = zmq.Context()
+        try:
+            sock = raw_dealer(ctx, c.address, b"c-dedup")
+            big = "x" * 900_000
+            for seq in range(150):
+                op = {"op": "push_rows", "t": EMB, "ids": [0, big, [1], 0]}
+                header = {"cid": b"c-dedup", "seq": seq, "ops": [op]}
+                route = Route(MsgType.REQUEST, 0, epoch, seq)
+                sock.send_multipart([route.pack(), msgpack.packb(header), bytes(8)])
+                assert recv_until(sock, lambda r, h, seq=seq: r.req_id == seq, 5), "no reply"
+            sock.close(0)
+        finally:
+            ctx.term()
+        await asyncio.sleep(0.5)
+        grew = rss_mb(primary["pid"]) - before
+        assert grew < RSS_BOUND_MB, f"the primary grew by {grew:.0f} MB"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Broker._keys (shard -> public key, from any REGISTER header with a "
+    "string 'public_key', up to the 1 MiB header limit) is never pruned when a "
+    "shard leaves (node_gone, BYE or missed heartbeats): 150 fake shards with "
+    "distinct identities and 0.9 MB keys grow the broker by ~140 MB for good.",
+)
+@pytest.mark.timeout(60)
+async def test_the_broker_forgets_departed_fake_shards() -> None:
+    with LocalCluster(partitions=2, shards=2, replication=1, log_level="error") as c:
+        broker = c.broker().pid
+        before = rss_mb(broker)
+        ctx = zmq.Context()
+        try:
+            key = "k" * 900_000
+            for i in range(150):
+                fake = raw_dealer(ctx, c.address, f"s-fake-{i}".encode())
+                head = {"address": "", "public_key": key}
+                fake.send_multipart([b"", *encode(Route(MsgType.REGISTER), head)])
+                assert recv_until(fake, lambda r, h: r.mtype is MsgType.ASSIGN, 5)
+                fake.send_multipart([b"", *encode(Route(MsgType.BYE), {})])
+                fake.close(0)
+        finally:
+            ctx.term()
+        status = await asyncio.to_thread(
+            c.wait_for, lambda s: len(s["shards"]) == 2, 10, "the fakes to leave"
+        )
+        assert len(status["shards"]) == 2
+        grew = rss_mb(broker) - before
+        assert grew < RSS_BOUND_MB, f"the broker grew by {grew:.0f} MB"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Every zps socket has RCVHWM 100,000 messages (transport._common) and "
+    "MAXMSGSIZE 1 GiB, so what the broker buffers from a peer faster than it reads "
+    "is bounded by message count, not bytes: one DEALER sending 20,000 x 10 KB "
+    "garbage grows the broker by ~100 MB, and glibc keeps it (RSS stays up after "
+    "the backlog is drained). The unpaced 100k-message flood grows it by ~200 MB.",
+)
+@pytest.mark.timeout(60)
+async def test_an_unpaced_flood_leaves_broker_memory_bounded() -> None:
+    with LocalCluster(partitions=2, shards=2, replication=1, log_level="error") as c:
+        broker = c.broker().pid
+        before = rss_mb(broker)
+        ctx = zmq.Context()
+        try:
+            sock = raw_dealer(ctx, c.address, b"c-flood")
+            junk = [b"junk", bytes(10_000)]
+            for _ in range(20_000):
+                sock.send_multipart(junk)
+            sock.send_multipart(encode(Route(MsgType.STATUS), {}))
+            assert recv_until(sock, lambda r, h: r.mtype is MsgType.STATUS, 30)
+            sock.close(0)
+        finally:
+            ctx.term()
+        await asyncio.sleep(0.5)
+        grew = rss_mb(broker) - before
+        assert grew < RSS_BOUND_MB, f"the broker grew by {grew:.0f} MB"
