@@ -32,8 +32,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import zmq.asyncio
-
 from zps import transport
 from zps.cluster import Assignment, Claim, ClusterState, Role
 from zps.codec import MsgType, Route, decode, encode, unpack_route
@@ -81,7 +79,7 @@ class Broker:
         self.endpoint: str | None = None
         self.bound = asyncio.Event()
         self._stop = asyncio.Event()
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: transport.Channel | None = None
         self._routes: list[bytes | None] = [None] * config.partitions
         self._started = time.monotonic()
         self._last_beat = 0.0
@@ -298,6 +296,11 @@ class Broker:
                 await self.training.on_commit_reply(reply.route, reply.header)
             return
         if target:
+            if target.startswith(b"s-") or target == COMMIT_TARGET:
+                # Replies go to clients only: forwarding to a shard would let any
+                # registered peer forge the broker's control messages.
+                self.stats.malformed += 1
+                return
             if node not in self.state.shards:
                 # A shard declared dead (e.g. it was paused) answering late: its
                 # word no longer counts; the client re-sent the request elsewhere.
@@ -311,8 +314,9 @@ class Broker:
         match route.mtype:
             case MsgType.REGISTER:
                 claim = parse_claim(h.get("claim"))
-                if isinstance(h.get("public_key"), str):
-                    self._keys[node] = h["public_key"]
+                key = h.get("public_key")
+                if isinstance(key, str) and len(key) == 40:  # a Z85 CURVE public key
+                    self._keys[node] = key
                 log.info(
                     "shard %s registered (%s pid %s, replication at %s)%s",
                     node,
@@ -361,6 +365,7 @@ class Broker:
             case MsgType.BYE:
                 log.info("shard %s left", node)
                 self.detector.forget(node)
+                self._keys.pop(node, None)
                 await self._apply(self.state.node_gone(node, now))
             case _:
                 raise ProtocolError(f"a shard may not send {route.mtype.name} to the broker")
@@ -376,6 +381,7 @@ class Broker:
             for node in self.detector.tick(now):
                 kind = "shard" if node in self.state.shards else "client"
                 log.warning("%s %s missed its heartbeats; declared dead", kind, node)
+                self._keys.pop(node, None)
                 await self._apply(self.state.node_gone(node, now))
                 if kind == "client":
                     await self.training.worker_gone(node)

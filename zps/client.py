@@ -127,7 +127,7 @@ class Client:
         self._map: ClusterMap | None = None
         self._map_event = asyncio.Event()
         self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: transport.Channel | None = None
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: dict[int, _Request] = {}

@@ -19,7 +19,6 @@ its lease from the broker runs (see :mod:`zps.broker`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -100,8 +99,8 @@ class ShardServer:
         self.lease = hb.interval * max(1, hb.liveness - 1)
         self._stop = asyncio.Event()
         self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
-        self._repl: zmq.asyncio.Socket | None = None
+        self._sock: transport.Channel | None = None
+        self._repl: transport.Channel | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._last_broker = time.monotonic()
         self._broker_lost = False
@@ -112,12 +111,13 @@ class ShardServer:
         self._local_in_sync: set[str] = set()
         self._published_in_sync: set[str] = set()
         # replica side
-        self._upstream: zmq.asyncio.Socket | None = None
+        self._upstream: transport.Channel | None = None
         self._upstream_task: asyncio.Task[None] | None = None
         self._following: tuple[str, int] | None = None  # (primary address, epoch)
         self._in_sync_published = False
         self._resync = False
         self._synced = False
+        self._replicas: set[str] = set()  # this partition's replicas, as the map says
         self._restored = False
         self._keys: CurveKeys | None = None
         self._checkpoints = (
@@ -428,7 +428,7 @@ class ShardServer:
                 Route(MsgType.REPLY, route.partition, route.epoch, route.req_id),
                 {"st": "NOT_PRIMARY", "msg": "the primary stepped down"},
             )
-            self._spawn_send([client, *refusal])
+            self._post([client, *refusal])
         if waiting:
             log.warning(
                 "stepped down with %d writes unacknowledged; clients will retry", len(waiting)
@@ -441,6 +441,9 @@ class ShardServer:
             return
         published = set(info.in_sync)
         self._in_sync_published = self.node_id in published
+        self._replicas = set(info.replicas)
+        for gone in set(self._followers) - self._replicas:
+            self._drop_follower(gone, "no longer a replica of this partition")
         if self.role is Role.PRIMARY and info.epoch == self.core.epoch:
             # The broker dropped these (dead, or reported lagging): stop waiting.
             self._local_in_sync -= self._published_in_sync - published
@@ -471,7 +474,7 @@ class ShardServer:
                         msg = decode([transport.frame_buffer(f) for f in frames[1:]])
                         await self._on_broker(route, msg.header)
                         continue
-                except (ProtocolError, KeyError, ValueError, TypeError) as e:
+                except (ProtocolError, KeyError, ValueError, TypeError, OverflowError) as e:
                     self.core.stats.malformed += 1
                     log.warning(
                         "dropped a bad message (%s): %s", "control" if not source else "request", e
@@ -537,15 +540,12 @@ class ShardServer:
 
     def _release(self, replies: list[Reply]) -> None:
         for client, frames in replies:
-            self._spawn_send([client, *frames])
+            self._post([client, *frames])
 
-    def _spawn_send(self, frames: list[Any]) -> None:
-        assert self._sock is not None and self._tg is not None
-        sock = self._sock
-        if not sock.closed:
-            # zmq.asyncio sends complete at once unless the queue is full; the
-            # task only exists for that case and is owned by the server's group.
-            self._tg.create_task(_send_quietly(sock, frames))
+    def _post(self, frames: list[Any]) -> None:
+        assert self._sock is not None
+        if not self._sock.closed:
+            self._sock.post(frames)
 
     # -- primary side of replication -----------------------------------------
 
@@ -595,6 +595,7 @@ class ShardServer:
             self.role is not Role.PRIMARY
             or h.get("partition") != self.core.partition
             or h.get("epoch") != self.core.epoch
+            or node not in self._replicas  # only whom the broker made a replica here
         ):
             await transport.send(
                 self._repl,
@@ -685,7 +686,7 @@ class ShardServer:
                 encode(Route(MsgType.ACK), {"lsn": self.core.lsn, "epoch": self.core.epoch}),
             )
 
-    async def _upstream_loop(self, sock: zmq.asyncio.Socket) -> None:
+    async def _upstream_loop(self, sock: transport.Channel) -> None:
         """Subscribe to the primary, load its snapshot, then apply its stream."""
         hb = self.config.heartbeat
         self._synced = False
@@ -767,8 +768,3 @@ class ShardServer:
         if got != lsn:
             log.error("replica diverged: LSN %d after applying, primary had %d; resync", got, lsn)
             self._resync = True
-
-
-async def _send_quietly(sock: zmq.asyncio.Socket, frames: list[Any]) -> None:
-    with contextlib.suppress(ClosedError, BrokenError):
-        await transport.send(sock, frames)

@@ -101,12 +101,21 @@ def _is_mutation(op: object) -> bool:
     return isinstance(name, str) and name in MUTATIONS
 
 
+#: Error messages are cut to this length: they may quote hostile input, and
+#: they are kept in the dedup record.
+MAX_MESSAGE_CHARS = 300
+
+
 def error_status(e: Exception) -> dict[str, Any]:
     if isinstance(e, RemoteError):
-        return {"st": e.code, "msg": str(e)}
-    if isinstance(e, ProtocolError):
-        return {"st": "BAD_REQUEST", "msg": str(e)}
-    return {"st": "INTERNAL", "msg": f"{type(e).__name__}: {e}"}
+        st, msg = e.code, str(e)
+    elif isinstance(e, ProtocolError):
+        st, msg = "BAD_REQUEST", str(e)
+    else:
+        st, msg = "INTERNAL", f"{type(e).__name__}: {e}"
+    if len(msg) > MAX_MESSAGE_CHARS:
+        msg = msg[: MAX_MESSAGE_CHARS - 3] + "..."
+    return {"st": st, "msg": msg}
 
 
 class ShardCore:
@@ -315,6 +324,21 @@ class ShardCore:
         chunks = op.get("chunks")
         if not isinstance(chunks, list) or not all(type(c) is int for c in chunks):
             raise BadRequestError("pull_dense needs 'chunks', a list of integers")
+        if len(set(chunks)) != len(chunks):
+            raise BadRequestError("pull_dense names a chunk twice")
+        spec = table.spec
+        reply_bytes = (
+            sum(
+                (spec.chunk_range(c)[1] - spec.chunk_range(c)[0]) if 0 <= c < spec.n_chunks else 0
+                for c in chunks
+            )
+            * np.dtype(spec.dtype).itemsize
+        )
+        if reply_bytes > self.limits.max_array_bytes:
+            raise BadRequestError(
+                f"pull_dense of {reply_bytes} bytes exceeds the per-request "
+                f"limit {self.limits.max_array_bytes}"
+            )
         return {"st": "OK", "a": [enc.array(table.pull(c)) for c in chunks]}
 
     def op_push_dense(

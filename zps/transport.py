@@ -1,9 +1,17 @@
 """The only module that talks to ZeroMQ sockets.
 
-It makes sockets with the options every zps socket needs, receives in
-batches (one awaited receive, then a non-blocking drain, so a busy socket
-costs one Future per burst rather than per message), sends without copying
-large frames, and turns ``zmq.ZMQError`` into zps errors at this boundary.
+It makes sockets with the options every zps socket needs, drives them from
+the event loop, sends without copying large frames, and turns
+``zmq.ZMQError`` into zps errors at this boundary.
+
+A :class:`Channel` wraps a plain (blocking-API) zmq socket: the loop watches
+the socket's notification descriptor, and messages are received and sent
+with non-blocking calls, a whole burst per wake-up.  That costs no Future
+per message (``zmq.asyncio`` creates one per send and receive).  The zmq
+descriptor is edge-like: it only says "events may have changed", and any
+socket operation can consume that notice; so after every send the channel
+checks ``ZMQ_EVENTS`` itself, and a burst cut short by ``DRAIN_BATCH``
+re-arms the reader, so no queued message is ever left unnoticed.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +36,10 @@ if TYPE_CHECKING:
 ZERO_COPY_BYTES = 64 * 1024
 #: Messages taken from a socket per wake-up, at most.
 DRAIN_BATCH = 256
+#: Messages queued per peer and direction before senders wait: bounds the
+#: memory a flood (or a stalled peer) can pin, while leaving ample room for
+#: requests in flight.
+DEFAULT_HWM = 1000
 
 Frames = list[Any]
 
@@ -36,7 +49,128 @@ def new_context() -> zmq.asyncio.Context:
     return zmq.asyncio.Context()
 
 
-def _common(sock: zmq.asyncio.Socket, max_message_bytes: int, hwm: int) -> None:
+class Channel:
+    """A zmq socket driven by the running event loop (see the module notes)."""
+
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
+        self.sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._fd = int(sock.FD)
+        self._outbox: deque[Sequence[Any]] = deque()
+        self._loop.add_reader(self._fd, self._check)
+        self._loop.call_soon(self._check)  # messages may be queued already
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.sock.closed)
+
+    def _check(self) -> None:
+        if self.sock.closed:
+            self._readable.set()  # wake a reader so it sees the close
+            return
+        try:
+            events = int(self.sock.EVENTS)
+        except zmq.ZMQError:
+            self._readable.set()
+            return
+        if events & zmq.POLLIN:
+            self._readable.set()
+        if events & zmq.POLLOUT:
+            self._writable.set()
+            if self._outbox:
+                self._loop.call_soon(self._flush_outbox)
+
+    async def recv_burst(self, timeout: float | None = None) -> list[Frames]:
+        """Every queued message (at most DRAIN_BATCH), waiting for the first."""
+        while True:
+            if self.sock.closed:
+                raise ClosedError("socket closed")
+            burst: list[Frames] = []
+            try:
+                while len(burst) < DRAIN_BATCH:
+                    burst.append(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as e:
+                if e.errno == zmq.ENOTSOCK or self.sock.closed:
+                    raise ClosedError("socket closed") from e
+                raise BrokenError(f"receive failed: {e.strerror}") from e
+            if burst:
+                if len(burst) == DRAIN_BATCH:
+                    self._readable.set()  # more may be queued: don't wait next time
+                return burst
+            self._readable.clear()
+            self._check()
+            if self._readable.is_set():
+                continue
+            if timeout is None:
+                await self._readable.wait()
+            else:
+                try:
+                    await asyncio.wait_for(self._readable.wait(), timeout)
+                except TimeoutError:
+                    return []
+                timeout = None  # woken: drain, without waiting again
+
+    def send_nowait(self, frames: Sequence[Any]) -> bool:
+        """Send at once; False if a ROUTER has no route to the peer; raises zmq.Again
+        when the queue to that peer is full."""
+        copy = not _needs_zero_copy(frames) and not any(isinstance(f, zmq.Frame) for f in frames)
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            raise
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                return False
+            if e.errno == zmq.ENOTSOCK or self.sock.closed:
+                raise ClosedError("socket closed") from e
+            raise BrokenError(f"send failed: {e.strerror}") from e
+        finally:
+            if not self.sock.closed:
+                self._check()  # the send may have consumed the descriptor's notice
+        return True
+
+    async def send(self, frames: Sequence[Any]) -> bool:
+        while True:
+            try:
+                return self.send_nowait(frames)
+            except zmq.Again:
+                # Backpressure: the peer's queue is full; wait until it drains.
+                self._writable.clear()
+                self._check()
+                if not self._writable.is_set():
+                    await asyncio.wait_for(self._writable.wait(), None)
+
+    def post(self, frames: Sequence[Any]) -> None:
+        """Send without waiting, in order: held in the channel while the peer's queue
+        is full.  Delivery failures are not reported (for replies whose peer may go)."""
+        self._outbox.append(frames)
+        if len(self._outbox) == 1:
+            self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        while self._outbox and not self.sock.closed:
+            try:
+                self.send_nowait(self._outbox[0])
+            except zmq.Again:
+                return  # _check() flushes again once writable
+            except (ClosedError, BrokenError):
+                pass
+            self._outbox.popleft()
+
+    def close(self) -> None:
+        self._outbox.clear()
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._fd)
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.close(0)
+        self._readable.set()
+
+
+def _common(sock: zmq.Socket[Any], max_message_bytes: int, hwm: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.SNDHWM, hwm)
@@ -77,7 +211,7 @@ def start_authenticator(ctx: zmq.asyncio.Context, allowed_dir: str | None) -> An
     return auth
 
 
-def _curve_server(sock: zmq.asyncio.Socket, keys: CurveKeys | None) -> None:
+def _curve_server(sock: zmq.Socket[Any], keys: CurveKeys | None) -> None:
     if keys is not None:
         sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
@@ -85,7 +219,7 @@ def _curve_server(sock: zmq.asyncio.Socket, keys: CurveKeys | None) -> None:
 
 
 def _curve_client(
-    sock: zmq.asyncio.Socket, keys: CurveKeys | None, server_public: bytes | None
+    sock: zmq.Socket[Any], keys: CurveKeys | None, server_public: bytes | None
 ) -> None:
     if keys is not None:
         if server_public is None:
@@ -103,11 +237,11 @@ def router(
     bind: str,
     *,
     max_message_bytes: int,
-    hwm: int = 100_000,
+    hwm: int = DEFAULT_HWM,
     curve: CurveKeys | None = None,
-) -> tuple[zmq.asyncio.Socket, str]:
+) -> tuple[Channel, str]:
     """A bound ROUTER socket and the endpoint it actually bound (port resolved)."""
-    sock = ctx.socket(zmq.ROUTER)
+    sock: zmq.Socket[Any] = zmq.Socket(ctx, zmq.ROUTER)
     _common(sock, max_message_bytes, hwm)
     _curve_server(sock, curve)
     # Unroutable sends raise instead of vanishing, so the broker can answer
@@ -120,7 +254,7 @@ def router(
         sock.close(0)
         raise BrokenError(f"cannot bind {bind}: {e.strerror}") from e
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
-    return sock, endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+    return Channel(sock), endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
 
 
 def dealer(
@@ -129,11 +263,11 @@ def dealer(
     identity: bytes,
     *,
     max_message_bytes: int,
-    hwm: int = 100_000,
+    hwm: int = DEFAULT_HWM,
     curve: CurveKeys | None = None,
     server_public: bytes | None = None,
-) -> zmq.asyncio.Socket:
-    sock = ctx.socket(zmq.DEALER)
+) -> Channel:
+    sock: zmq.Socket[Any] = zmq.Socket(ctx, zmq.DEALER)
     _common(sock, max_message_bytes, hwm)
     _curve_client(sock, curve, server_public)
     sock.setsockopt(zmq.IDENTITY, identity)
@@ -142,62 +276,32 @@ def dealer(
     except zmq.ZMQError as e:
         sock.close(0)
         raise BrokenError(f"cannot connect to {connect}: {e.strerror}") from e
-    return sock
+    return Channel(sock)
 
 
-async def recv_burst(sock: zmq.asyncio.Socket, timeout: float | None = None) -> list[Frames]:
+async def recv_burst(ch: Channel, timeout: float | None = None) -> list[Frames]:
     """Wait for one message, then take whatever else is already queued.
 
     With ``timeout`` (seconds), returns an empty list if nothing came by then.
     """
-    if timeout is not None:
-        try:
-            if not await sock.poll(timeout=int(timeout * 1000)):
-                return []
-        except zmq.ZMQError as e:
-            raise ClosedError("socket closed") from e
-    try:
-        first = await sock.recv_multipart(copy=False)
-    except zmq.ZMQError as e:
-        if e.errno == zmq.ENOTSOCK or sock.closed:
-            raise ClosedError("socket closed") from e
-        raise BrokenError(f"receive failed: {e.strerror}") from e
-    burst = [first]
-    while len(burst) < DRAIN_BATCH:
-        try:
-            burst.append(await sock.recv_multipart(zmq.NOBLOCK, copy=False))
-        except zmq.Again:
-            break
-        except zmq.ZMQError as e:
-            raise BrokenError(f"receive failed: {e.strerror}") from e
-    return burst
+    return await ch.recv_burst(timeout)
 
 
 def _needs_zero_copy(frames: Sequence[Any]) -> bool:
     return any(not isinstance(f, zmq.Frame) and len(f) >= ZERO_COPY_BYTES for f in frames)
 
 
-async def send(sock: zmq.asyncio.Socket, frames: Sequence[Any]) -> bool:
-    """Send a multipart message.
+async def send(ch: Channel, frames: Sequence[Any]) -> bool:
+    """Send a multipart message (waiting only while the peer's queue is full).
 
     Returns False when a ROUTER has no route to the first frame's peer (it
     disconnected); raises BrokenError for other failures.
     """
-    try:
-        copy = not _needs_zero_copy(frames) and not any(isinstance(f, zmq.Frame) for f in frames)
-        await sock.send_multipart(frames, copy=copy)
-    except zmq.ZMQError as e:
-        if e.errno == zmq.EHOSTUNREACH:
-            return False
-        if e.errno == zmq.ENOTSOCK or sock.closed:
-            raise ClosedError("socket closed") from e
-        raise BrokenError(f"send failed: {e.strerror}") from e
-    return True
+    return await ch.send(frames)
 
 
-def close(sock: zmq.asyncio.Socket) -> None:
-    with contextlib.suppress(zmq.ZMQError):
-        sock.close(0)
+def close(ch: Channel) -> None:
+    ch.close()
 
 
 def term(ctx: zmq.asyncio.Context) -> None:
@@ -213,13 +317,3 @@ def frame_bytes(frame: Any) -> bytes:
 def frame_buffer(frame: Any) -> memoryview:
     """A zero-copy view of a received frame."""
     return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
-
-
-def install_uvloop() -> bool:
-    """Use uvloop where available (Linux); returns whether it is in use."""
-    try:
-        import uvloop
-    except ImportError:
-        return False
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    return True

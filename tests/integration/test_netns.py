@@ -31,7 +31,8 @@ import pytest
 
 from zps.testing import LocalCluster
 
-HB = ["--heartbeat-interval", "0.1", "--liveness", "5"]
+# 1 s to declare a silent peer dead (a SIGKILLed one is noticed sooner: zmq drops its route)
+HB = ["--heartbeat-interval", "0.1", "--liveness", "10"]
 PORT = 5555  # each namespace has its own port space
 
 
