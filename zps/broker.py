@@ -257,6 +257,10 @@ class Broker:
     ) -> None:
         p = route.partition
         target = self._routes[p] if 0 <= p < len(self._routes) else None
+        if self.state.holding(now) and 0 <= p < len(self._routes):
+            # A claim granted now may still be displaced by a newer copy: no
+            # write may land on it until the hold ends.
+            target = None
         if target is None:
             if 0 <= p < len(self._routes) and self.state.holding(now):
                 await self._reply_error(

@@ -180,9 +180,15 @@ class ClusterState:
         node.lsn = claim.lsn
         if claim.role is Role.PRIMARY:
             out: list[Assignment] = []
-            if claim.epoch > part.epoch and part.primary is not None and self.holding(now):
-                # A newer primary than the one granted earlier in the hold: it wins.
-                out = self._demote(part.primary, claim.partition)
+            current = self.shards.get(part.primary) if part.primary else None
+            if (
+                current is not None
+                and self.holding(now)
+                and (claim.epoch, claim.lsn) > (current.epoch, current.lsn)
+            ):
+                # A newer copy than the one granted earlier in the hold (a later
+                # epoch, or the same epoch and more updates): it wins.
+                out = self._demote(current.node_id, claim.partition)
                 part.primary = None
             if part.primary is None and claim.epoch >= part.epoch:
                 return out + self._make_primary(node, claim.partition, claim.epoch)

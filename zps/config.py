@@ -367,17 +367,22 @@ def settings_from_mapping(data: Mapping[str, Any], path: str = "config") -> Sett
             )
         if not isinstance(table, Mapping):
             raise ConfigError(f"{path}: '{section}' must be a table ([{section}])")
-    shared = {
-        name: cls(**_fields_of(cls, data.get(name, {}), name, path))
-        for name, (cls, _) in _SHARED.items()
-    }
-    built: dict[str, Any] = {}
-    for name, cls in _OWN.items():
-        kwargs = _fields_of(cls, data.get(name, {}), name, path)
-        for shared_name, (_, users) in _SHARED.items():
-            if name in users:
-                kwargs[shared_name] = shared[shared_name]
-        built[name] = cls(**kwargs)
+    try:
+        shared = {
+            name: cls(**_fields_of(cls, data.get(name, {}), name, path))
+            for name, (cls, _) in _SHARED.items()
+        }
+        built: dict[str, Any] = {}
+        for name, cls in _OWN.items():
+            kwargs = _fields_of(cls, data.get(name, {}), name, path)
+            for shared_name, (_, users) in _SHARED.items():
+                if name in users:
+                    kwargs[shared_name] = shared[shared_name]
+            built[name] = cls(**kwargs)
+    except ConfigError as e:
+        if str(e).startswith(path):
+            raise
+        raise ConfigError(f"{path}: {e}") from None
     return Settings(**built, source=path)
 
 

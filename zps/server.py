@@ -118,6 +118,7 @@ class ShardServer:
         self._resync = False
         self._synced = False
         self._replicas: set[str] = set()  # this partition's replicas, as the map says
+        self._leaving = False
         self._restored = False
         self._keys: CurveKeys | None = None
         self._checkpoints = (
@@ -172,6 +173,7 @@ class ShardServer:
                 await self._stop.wait()
                 self.notifier.stopping("handing over and writing a checkpoint")
                 self.notifier.extend_timeout(60)
+                tasks[2].cancel()  # no more heartbeats: the broker must not re-admit us
                 await self._leave()
                 for t in tasks:
                     t.cancel()
@@ -187,13 +189,20 @@ class ShardServer:
 
     async def _leave(self) -> None:
         """Graceful stop: hand over, refuse further work, write a last checkpoint."""
+        self._leaving = True  # from now on, assignments from the broker are ignored
+        whole = self._whole()
         await self._to_broker(MsgType.BYE, {})  # the broker promotes a replica now
         if self.role is Role.PRIMARY:
             self._step_down()
         self._stop_following()
         self.role = Role.SPARE
         self.core.primary = False
-        await self._checkpoint(final=True)
+        if whole:
+            await self._checkpoint(final=True)
+
+    def _whole(self) -> bool:
+        """Whether this shard's state is a whole partition (worth a checkpoint)."""
+        return self.role is Role.PRIMARY or (self.role is Role.REPLICA and self._synced)
 
     def _restore(self) -> None:
         """Load the newest usable checkpoint, to claim its partition when registering."""
@@ -222,8 +231,8 @@ class ShardServer:
             return
         if core.lsn == self._last_checkpoint[1] and not (final and self._restored):
             return
-        if self.role is Role.REPLICA and not self._synced and not final:
-            return
+        if not final and not self._whole():
+            return  # only a primary's state, or a replica's that follows it, is whole
         snap = core.snapshot()
         self._last_checkpoint = (time.monotonic(), snap.lsn)
         t0 = time.monotonic()
@@ -286,8 +295,12 @@ class ShardServer:
     # -- broker link ---------------------------------------------------------
 
     async def _to_broker(self, mtype: MsgType, header: dict[str, Any]) -> None:
+        """Best effort, never blocking: control messages are repeated or asked for
+        again, and a broker link that is down (or refused us) must not hang the
+        shard, not even its shutdown."""
         assert self._sock is not None
-        await transport.send(self._sock, [b"", *encode(Route(mtype), header)])
+        if not transport.try_send(self._sock, [b"", *encode(Route(mtype), header)]):
+            log.debug("dropped a %s to the broker: its queue is full", mtype.name)
 
     async def _register(self) -> None:
         claim = None
@@ -358,7 +371,7 @@ class ShardServer:
 
     async def _on_broker(self, route: Route, header: dict[str, Any]) -> None:
         match route.mtype:
-            case MsgType.ASSIGN:
+            case MsgType.ASSIGN if not self._leaving:
                 await self._assign(header)
             case MsgType.MAP:
                 self._on_map(ClusterMap.from_wire(header.get("map")))
@@ -371,7 +384,7 @@ class ShardServer:
                     and header.get("epoch") == self.core.epoch
                 ):
                     self._lease_start = max(self._lease_start, t)
-            case MsgType.REGISTER:  # the broker does not know us (it restarted)
+            case MsgType.REGISTER if not self._leaving:  # the broker restarted
                 await self._register()
             case _:
                 log.warning("unexpected %s from the broker", route.mtype.name)

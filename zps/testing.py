@@ -68,7 +68,7 @@ class LocalCluster:
     broker_args: list[str] = field(default_factory=list)
     shard_args: list[str] = field(default_factory=list)
     heartbeat_interval: float = 0.1
-    liveness: int = 5
+    liveness: int = 10
     workdir: Path | None = None
     log_level: str = "info"
     python: str = sys.executable

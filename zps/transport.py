@@ -300,6 +300,17 @@ async def send(ch: Channel, frames: Sequence[Any]) -> bool:
     return await ch.send(frames)
 
 
+def try_send(ch: Channel, frames: Sequence[Any]) -> bool:
+    """Send only if it can go at once; False if the peer's queue is full, the peer
+    is unknown, or the socket is closed."""
+    try:
+        return ch.send_nowait(frames)
+    except zmq.Again:
+        return False
+    except (ClosedError, BrokenError):
+        return False
+
+
 def close(ch: Channel) -> None:
     ch.close()
 

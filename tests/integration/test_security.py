@@ -206,14 +206,6 @@ def test_a_shard_whose_key_is_not_allowed_never_joins(secure: SecureCluster) -> 
         intruder.popen.wait(10)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a shard the broker's ZAP handler refused hangs: libzmq drops the DEALER's "
-    "pipe after the failed CURVE handshake, so `await transport.send` to the broker blocks "
-    "forever (ShardServer._heartbeat_loop never logs 'no word from the broker', and on "
-    "SIGTERM ShardServer._leave blocks on the BYE send: the process never exits nor writes "
-    "its final checkpoint; Client.close bounds the same send with a 1 s timeout)",
-)
 def test_a_refused_shard_still_stops_on_sigterm(secure: SecureCluster) -> None:
     intruder = secure.start_with_config("intruder2", "shard", secure.shard_toml("stranger"))
     try:
