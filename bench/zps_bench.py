@@ -480,7 +480,8 @@ async def zps_client(args: dict[str, Any]) -> None:
                 name, dim=SMALL_DIM, optimizer=zps.optim.SGD(lr=0.01), init=zps.init.Zeros()
             )
             for start in range(0, SMALL_ROWS, 50_000):  # create the rows up front
-                await ps.pull_rows(name, np.arange(start, min(start + 50_000, SMALL_ROWS)))
+                ids0 = np.arange(start, min(start + 50_000, SMALL_ROWS))
+                await ps.push_rows(name, ids0, np.zeros((ids0.size, SMALL_DIM), np.float32))
             n = args["n"]
             ids = rng.integers(0, SMALL_ROWS, n, dtype=np.int64)
             grads = rng.standard_normal((n, SMALL_DIM), dtype=np.float32) * np.float32(1e-3)
@@ -924,13 +925,16 @@ class Bench:
                     init=zps.init.Uniform(-0.01, 0.01),
                     optimizer=zps.optim.Adagrad(lr=0.05),
                 )
-                ps.pull_rows("mem", np.arange(1000, dtype=np.int64) + 10 * n_rows)
+                warm = np.arange(1000, dtype=np.int64) + 10 * n_rows
+                ps.push_rows("mem", warm, np.zeros((warm.size, SPARSE_DIM), np.float32))
                 time.sleep(0.3)
                 before = {k: proc_status_kib(pid, "VmRSS") for k, pid in shards.items()}
                 t0 = time.perf_counter()
                 step = 50_000
                 for start in range(0, n_rows, step):
-                    ps.pull_rows("mem", np.arange(start, min(start + step, n_rows)))
+                    ids = np.arange(start, min(start + step, n_rows))
+                    # a push creates rows and their Adagrad state (a pull stores nothing)
+                    ps.push_rows("mem", ids, np.zeros((ids.size, SPARSE_DIM), np.float32))
                 insert_s = time.perf_counter() - t0
                 time.sleep(0.5)
                 after = {k: proc_status_kib(pid, "VmRSS") for k, pid in shards.items()}

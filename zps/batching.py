@@ -44,7 +44,9 @@ class Merged:
     parts: tuple[tuple[int, int, int], ...]
 
 
-def merge_row_ops(ops: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]]) -> list[Merged]:
+def merge_row_ops(
+    ops: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]], max_members: int = 1 << 30
+) -> list[Merged]:
     """Fold row operations on the same table into one operation each.
 
     Pulls of one table merge freely.  Pushes merge only while their ids do not
@@ -66,6 +68,8 @@ def merge_row_ops(ops: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]]) -
             continue
         key = (name, table, body.get("step"))
         g = open_groups.get(key)
+        if g is not None and len(groups[g][1]) >= max_members:
+            g = None
         if g is not None and name == "push_rows":
             new = ids.tolist()
             if seen_ids[g].isdisjoint(new):

@@ -593,6 +593,8 @@ class Client:
 
     async def _gather(self, futures: Iterable[Awaitable[T]]) -> list[T]:
         tasks = list(futures)
+        if len(tasks) == 1:  # the common small call: no gather machinery
+            return [await tasks[0]]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -625,7 +627,7 @@ class Client:
             return ops
         out = []
         loop = asyncio.get_running_loop()
-        for m in merge_row_ops([(op.body, op.arrays) for op in ops]):
+        for m in merge_row_ops([(op.body, op.arrays) for op in ops], self.config.batch_max_ops):
             if len(m.parts) == 1:
                 out.append(ops[m.parts[0][0]])
                 continue
@@ -885,14 +887,14 @@ def _as_ids(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
     arr = np.asarray(ids)
     if arr.ndim != 1:
         raise ShapeMismatchError(f"ids must be 1-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.size and arr.dtype.kind not in "iu":
         raise ShapeMismatchError(f"ids must be integers, got dtype {arr.dtype}")
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 def _as_float(values: npt.ArrayLike, dtype: str, what: str) -> np.ndarray:
     arr = np.asarray(values)
-    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+    if arr.dtype.kind not in "fiu":
         raise ShapeMismatchError(f"{what} must be numeric, got dtype {arr.dtype}")
     return np.ascontiguousarray(arr, dtype=dtype)
 

@@ -118,7 +118,7 @@ class CompressPolicy:
     barely compress; ids and zero-heavy data do), so the check costs little.
     """
 
-    min_bytes: int = 16 * 1024
+    min_bytes: int = 64 * 1024
     max_ratio: float = 0.75
     level: int = 1
     sample_bytes: int = 16 * 1024

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from zps.errors import ProtocolError
-from zps.hashing import mix64, name_hash
+from zps.hashing import mix64, mix64_int, name_hash
 
 DEFAULT_SLOTS = 4096
 
@@ -127,8 +127,22 @@ def partitions_of_ids(ids: I64, cmap: ClusterMap) -> npt.NDArray[np.int32]:
     return cmap.slot_map[slots]
 
 
+#: Below this many ids, routing in plain Python beats numpy's per-call overhead.
+SMALL_IDS = 16
+
+
 def split_by_partition(ids: I64, cmap: ClusterMap) -> Iterator[tuple[int, npt.NDArray[np.intp]]]:
     """Yield ``(partition, positions)``: the positions in ``ids`` each partition owns."""
+    if ids.size <= SMALL_IDS:
+        owners: dict[int, list[int]] = {}
+        n_slots, slot_map = cmap.n_slots, cmap.slot_map
+        for pos, x in enumerate(ids.tolist()):
+            owners.setdefault(int(slot_map[mix64_int(x & ((1 << 64) - 1)) % n_slots]), []).append(
+                pos
+            )
+        for p in sorted(owners):
+            yield p, np.array(owners[p], dtype=np.intp)
+        return
     parts = partitions_of_ids(ids, cmap)
     if parts.size == 0:
         return

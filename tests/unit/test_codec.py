@@ -145,8 +145,8 @@ def test_round_trip_random_arrays(
 @pytest.mark.parametrize("policy", [CompressPolicy(), NO_COMPRESSION], ids=["zstd", "raw"])
 def test_large_frames_compress_only_where_it_pays(dtype: str, policy: CompressPolicy) -> None:
     rng = np.random.default_rng(1)
-    zeros = np.zeros((64, 1024), dtype=dtype)
-    ids = (np.arange(40_000) % 7).astype(dtype)
+    zeros = np.zeros((128, 1024), dtype=dtype)
+    ids = (np.arange(100_000) % 7).astype(dtype)
     noise = rng.normal(size=(64, 1024)).astype(np.float32)
     small = np.zeros(100, dtype=dtype)  # under min_bytes: never worth a zstd call
     out, descs, frames = roundtrip(Route(MsgType.REPLY), {}, [zeros, ids, noise, small], policy)
@@ -379,7 +379,7 @@ def test_mangled_descriptor_fields(parts: tuple[Any, Any, Any, Any]) -> None:
 def valid_message() -> list[BufferLike]:
     enc = Encoder(CompressPolicy())
     arrays = [
-        enc.array(np.zeros((100, 64), dtype=np.float32)),  # zstd
+        enc.array(np.zeros((100, 256), dtype=np.float32)),  # zstd
         enc.array(np.arange(10, dtype=np.int64)),  # raw, small
         enc.array(np.random.default_rng(0).normal(size=5000).astype(np.float32)),  # raw, large
     ]

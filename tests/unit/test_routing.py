@@ -283,3 +283,20 @@ def test_dense_chunking_rules(size: int, itemsize: int, n: int) -> None:
         assert elems * itemsize <= max(2 << 20, nbytes if n == 1 else 0)
         if nbytes >= n * (256 << 10):
             assert n_chunks >= n  # every partition gets at least one chunk
+
+
+def test_the_small_id_fast_path_routes_like_the_vectorised_one() -> None:
+    from zps.hashing import mix64, mix64_int
+    from zps.routing import SMALL_IDS
+
+    rng = np.random.default_rng(5)
+    xs = rng.integers(-(2**63), 2**63 - 1, 1000, dtype=np.int64)
+    assert [mix64_int(int(x) & (2**64 - 1)) for x in xs[:50]] == mix64(xs[:50]).tolist()
+    cmap = ClusterMap(1, 64, default_slot_map(64, 3), {p: PartitionInfo() for p in range(3)})
+    for n in (1, 2, SMALL_IDS, SMALL_IDS + 1, 100):
+        ids = xs[:n]
+        got = {p: pos.tolist() for p, pos in split_by_partition(ids, cmap)}
+        want = {}
+        for pos, p in enumerate(partitions_of_ids(ids, cmap).tolist()):
+            want.setdefault(p, []).append(pos)
+        assert got == want
