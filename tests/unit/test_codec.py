@@ -393,7 +393,7 @@ VALID = valid_message()
 
 def test_the_valid_message_decodes() -> None:
     out = decode_all(list(VALID))
-    assert [a.shape for a in out] == [(100, 64), (10,), (5000,)]
+    assert [a.shape for a in out] == [(100, 256), (10,), (5000,)]
     assert not out[0].any() and out[1].tolist() == list(range(10))
 
 
