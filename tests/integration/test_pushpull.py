@@ -188,3 +188,39 @@ def test_sync_client_facade(cluster: LocalCluster) -> None:
         np.testing.assert_array_equal(ps.pull_dense(name), [1.5, 1.0, 0.0])
         with pytest.raises(errors.UnknownTableError, match="nope"):
             ps.pull_dense("nope")
+
+
+async def test_background_pushes_and_prefetch(cluster: LocalCluster) -> None:
+    name = unique("bg")
+    async with zps.connect(cluster.address, max_background=4) as ps:
+        await ps.create_embedding(name, dim=2, dtype="float64", optimizer=SGD(lr=1.0))
+        prefetched = ps.prefetch_rows(name, [1, 2])  # starts now, awaited later
+        for _ in range(50):
+            await ps.push_rows(name, [1, 2], np.ones((2, 2)), wait=False)
+            assert len(ps._background) <= 4  # bounded in flight
+        first = await prefetched
+        assert first.shape == (2, 2) and np.all(first <= 0)  # some pushes may be applied
+        await ps.flush()
+        np.testing.assert_array_equal(await ps.pull_rows(name, [1, 2]), np.full((2, 2), -50.0))
+        # an error of background work is not lost: the next call raises it, once
+        with pytest.raises(errors.UnknownTableError, match="no-such-table"):
+            # the spec lookup fails at once: an unknown table is a caller's error
+            await ps.push_rows("no-such-table", [1], np.ones((1, 2)), wait=False)
+        await ps.create_embedding(name + "-1d", dim=2, optimizer=SGD(lr=1.0))
+        await ps.push_rows(name + "-1d", [1], np.full((1, 2), np.nan), wait=False)
+        with pytest.raises(errors.BadRequestError, match=r"finite|NaN|nan"):
+            await ps.flush()  # the shard refused it; the error surfaces here, once
+        await ps.flush()
+        assert (await ps.pull_rows(name, [3])).shape == (1, 2)
+
+
+def test_sync_facade_overlap(cluster: LocalCluster) -> None:
+    name = unique("bgs")
+    with zps.connect_sync(cluster.address) as ps:
+        ps.create_dense(name, shape=(8,), dtype="float64", optimizer=SGD(lr=1.0))
+        fut = ps.prefetch_dense(name)
+        for _ in range(10):
+            ps.push_dense(name, np.ones(8), wait=False)
+        ps.flush()
+        assert fut.result(timeout=10).shape == (8,)
+        np.testing.assert_array_equal(ps.pull_dense(name), np.full(8, -10.0))
