@@ -57,8 +57,8 @@ class Clocks:
         self.committing: int | None = None  # sync: a commit in progress
         self.commit_workers: tuple[str, ...] = ()
 
-    def tick(self, worker: str, mode: Mode, tau: int, finished: int) -> None:
-        """``worker`` finished step ``finished - 1`` (so its clock is ``finished``)."""
+    def _adopt(self, mode: Mode, tau: int) -> None:
+        """The first participant sets the job's mode; the others must agree."""
         if self.mode is None or not self.workers:
             self.mode, self.tau = mode, tau
         elif (mode, tau) != (self.mode, self.tau):
@@ -66,18 +66,16 @@ class Clocks:
                 f"this job runs {self.mode.value} (tau {self.tau}); a worker "
                 f"asked for {mode.value} (tau {tau})"
             )
+
+    def tick(self, worker: str, mode: Mode, tau: int, finished: int) -> None:
+        """``worker`` finished step ``finished - 1`` (so its clock is ``finished``)."""
+        self._adopt(mode, tau)
         c = self.workers.setdefault(worker, _Clock(step=finished))
         c.step, c.waiting = max(c.step, finished), True
 
     def join(self, worker: str, mode: Mode, tau: int) -> int:
         """A worker joins; returns the step it starts at (sync: the open step)."""
-        if self.mode is None or not self.workers:
-            self.mode, self.tau = mode, tau
-        elif (mode, tau) != (self.mode, self.tau):
-            raise ValueError(
-                f"this job runs {self.mode.value} (tau {self.tau}); a worker "
-                f"asked for {mode.value} (tau {tau})"
-            )
+        self._adopt(mode, tau)
         if self.mode is Mode.SYNC:
             start = self.committed + 1 if self.committing is None else self.committing + 1
         else:
