@@ -425,7 +425,6 @@ def train_worker(
         raise ValueError(f"worker_index {worker_index} not in [0, {n_workers})")
     if create:
         create_tables(ps, prefix, n_numeric=data.n_numeric, lr=lr)
-    emb, dense_name = _names(prefix)
     train = data.train
     step = 0
     rows_done = 0
@@ -438,15 +437,7 @@ def train_worker(
         ]
         for start in range(0, order.size, batch_size):
             idx = order[start : start + batch_size]
-            uniq, inverse = np.unique(train.cat_ids[idx], return_inverse=True)
-            inverse = inverse.reshape(idx.size, -1).astype(np.int64)
-            rows = np.asarray(ps.pull_rows(emb, uniq), dtype=np.float32)
-            dense = np.asarray(ps.pull_dense(dense_name), dtype=np.float32)
-            loss, grows, gdense = _batch_grads(
-                rows, inverse, train.numeric[idx], train.label[idx], dense, l2
-            )
-            ps.push_rows(emb, uniq, grows)
-            ps.push_dense(dense_name, gdense)
+            loss = train_step(ps, train, idx, prefix, l2)
             step += 1
             rows_done += int(idx.size)
             recent.append(loss)

@@ -14,7 +14,7 @@ hyperparameters are Python floats, which NumPy treats as weakly typed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import numpy as np
@@ -35,6 +35,11 @@ __all__ = [
 
 Array = npt.NDArray[np.floating[Any]]
 State = dict[str, Array]
+
+
+def _spec(opt: Any) -> dict[str, Any]:
+    """The wire form of an optimizer: its kind, then every field in order."""
+    return {"kind": opt.kind, **{f.name: getattr(opt, f.name) for f in fields(opt)}}
 
 
 def _check_common(obj: Any, *, weight_decay: bool = True) -> None:
@@ -78,12 +83,7 @@ class SGD:
         _check_common(self)
 
     def spec(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "lr": self.lr,
-            "clip": self.clip,
-            "weight_decay": self.weight_decay,
-        }
+        return _spec(self)
 
     def state_widths(self, dim: int) -> dict[str, int]:
         return {}
@@ -118,14 +118,7 @@ class Momentum:
         _check_common(self)
 
     def spec(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "lr": self.lr,
-            "momentum": self.momentum,
-            "nesterov": self.nesterov,
-            "clip": self.clip,
-            "weight_decay": self.weight_decay,
-        }
+        return _spec(self)
 
     def state_widths(self, dim: int) -> dict[str, int]:
         return {"velocity": dim}
@@ -163,14 +156,7 @@ class Adagrad:
         _check_common(self)
 
     def spec(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "lr": self.lr,
-            "initial_accumulator": self.initial_accumulator,
-            "eps": self.eps,
-            "clip": self.clip,
-            "weight_decay": self.weight_decay,
-        }
+        return _spec(self)
 
     def state_widths(self, dim: int) -> dict[str, int]:
         return {"accumulator": dim}
@@ -206,15 +192,7 @@ class Adam:
         _check_common(self)
 
     def spec(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "lr": self.lr,
-            "beta1": self.beta1,
-            "beta2": self.beta2,
-            "eps": self.eps,
-            "clip": self.clip,
-            "weight_decay": self.weight_decay,
-        }
+        return _spec(self)
 
     def state_widths(self, dim: int) -> dict[str, int]:
         # The step count is stored in the table's float dtype so every state array
@@ -256,14 +234,7 @@ class FTRL:
         _check_common(self, weight_decay=False)
 
     def spec(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "alpha": self.alpha,
-            "beta": self.beta,
-            "l1": self.l1,
-            "l2": self.l2,
-            "clip": self.clip,
-        }
+        return _spec(self)
 
     def state_widths(self, dim: int) -> dict[str, int]:
         return {"z": dim, "n": dim}
