@@ -395,8 +395,11 @@ class ShardServer:
         if partition is not None and type(partition) is not int:
             raise ProtocolError("ASSIGN partition must be an integer")
         was = (self.role, self.core.partition, self.core.epoch)
-        if was == (role, partition, epoch) and role is not Role.REPLICA:
-            return
+        address = str(h.get("primary_address") or "")
+        if was == (role, partition, epoch) and (
+            role is not Role.REPLICA or (self._following or ("",))[0] == address
+        ):
+            return  # nothing changed (the broker repeats itself after a restart)
         log.info(
             "assigned: %s of partition %s at epoch %d (was %s of %s at %d)",
             role.value,
@@ -455,8 +458,9 @@ class ShardServer:
         published = set(info.in_sync)
         self._in_sync_published = self.node_id in published
         self._replicas = set(info.replicas)
-        for gone in set(self._followers) - self._replicas:
-            self._drop_follower(gone, "no longer a replica of this partition")
+        # Followers are checked when they subscribe; a replica missing from one
+        # map (a restarted broker rebuilding it) keeps its stream, and a dead one
+        # leaves the in-sync set through the broker.
         if self.role is Role.PRIMARY and info.epoch == self.core.epoch:
             # The broker dropped these (dead, or reported lagging): stop waiting.
             self._local_in_sync -= self._published_in_sync - published
@@ -577,6 +581,11 @@ class ShardServer:
     def _drop_follower(self, node: str, why: str) -> None:
         if self._followers.pop(node, None) is not None:
             log.warning("stopped streaming to replica %s: %s", node, why)
+            if self._repl is not None:  # so it subscribes again, if it still can
+                transport.try_send(
+                    self._repl,
+                    [node.encode(), *encode(Route(MsgType.BYE), {"msg": f"stream stopped: {why}"})],
+                )
         self._local_in_sync.discard(node)
 
     async def _repl_loop(self) -> None:
