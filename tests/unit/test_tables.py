@@ -298,3 +298,15 @@ def test_partition_load_is_validated_and_all_or_nothing() -> None:
     with pytest.raises(BadRequestError):
         a.load([])
     assert a.checksum() == before
+
+
+def test_huge_but_finite_gradients_are_not_mistaken_for_infinity() -> None:
+    # Their float32 sum overflows; the element-wise check must still accept them.
+    table = EmbeddingTable(emb_spec(SGD(lr=1e-39)))
+    n = 20_000  # x 4 columns: past the size where the sum is checked first
+    table.push(np.arange(n, dtype=np.int64), np.full((n, 4), 3e38, dtype=np.float32))
+    assert np.all(np.isfinite(table.pull(ids(1, 2, 3))))
+    bad = np.zeros((n, 4), dtype=np.float32)
+    bad[n // 2, 1] = np.inf
+    with pytest.raises(BadRequestError, match="NaN or infinity"):
+        table.push(np.arange(n, dtype=np.int64), bad)

@@ -19,6 +19,7 @@ optimizer runs, so an id appearing twice in one push is updated once.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,15 @@ def _float_grads(table: str, grads: object, shape: tuple[int, ...], dtype: np.dt
         raise BadRequestError(f"table {table!r}: gradient dtype must be numeric, got {g.dtype}")
     g = g.astype(dtype, copy=False)
     # One NaN or inf would poison the rows (and their optimizer state) for every worker.
-    if g.size and not bool(np.isfinite(g).all()):
+    # For a large gradient a sum is one pass with no temporary array; only when it is
+    # not finite (a NaN or inf, or huge values that overflowed) does the element-wise
+    # check decide.
+    if g.size > 65536:
+        with np.errstate(over="ignore", invalid="ignore"):
+            finite = math.isfinite(float(g.sum())) or bool(np.isfinite(g).all())
+    else:
+        finite = bool(np.isfinite(g).all()) if g.size else True
+    if not finite:
         raise BadRequestError(f"table {table!r}: gradient contains NaN or infinity")
     return g
 
