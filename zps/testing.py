@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,7 +138,7 @@ class LocalCluster:
             ],
         )
 
-    def start_shard(self) -> Proc:
+    def start_shard(self, extra: Sequence[str] = ()) -> Proc:
         n = sum(p.name.startswith("shard") for p in self.procs)
         return self.spawn(
             f"shard{n}",
@@ -155,6 +155,7 @@ class LocalCluster:
                 "127.0.0.1",
                 *self._hb(),
                 *self.shard_args,
+                *extra,
             ],
         )
 

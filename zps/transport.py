@@ -40,6 +40,8 @@ DRAIN_BATCH = 256
 #: memory a flood (or a stalled peer) can pin, while leaving ample room for
 #: requests in flight.
 DEFAULT_HWM = 1000
+#: Pause before retrying a send to a peer whose queue is full.
+BACKOFF_S = 0.001
 
 Frames = list[Any]
 
@@ -138,11 +140,16 @@ class Channel:
             try:
                 return self.send_nowait(frames)
             except zmq.Again:
-                # Backpressure: the peer's queue is full; wait until it drains.
+                # Backpressure: the peer's queue is full; wait until it drains.  A
+                # ROUTER reports POLLOUT whatever one peer's queue holds, so when
+                # the socket claims to be writable, back off briefly instead of
+                # spinning without yielding to the loop.
                 self._writable.clear()
                 self._check()
-                if not self._writable.is_set():
-                    await asyncio.wait_for(self._writable.wait(), None)
+                if self._writable.is_set():
+                    await asyncio.sleep(BACKOFF_S)
+                else:
+                    await self._writable.wait()
 
     def post(self, frames: Sequence[Any]) -> None:
         """Send without waiting, in order: held in the channel while the peer's queue
@@ -156,7 +163,9 @@ class Channel:
             try:
                 self.send_nowait(self._outbox[0])
             except zmq.Again:
-                return  # _check() flushes again once writable
+                # Retried on the next writable notice, or shortly (see send()).
+                self._loop.call_later(BACKOFF_S, self._flush_outbox)
+                return
             except (ClosedError, BrokenError):
                 pass
             self._outbox.popleft()

@@ -31,23 +31,8 @@ class CkptCluster(LocalCluster):
     def start_shard(  # type: ignore[override]
         self, data_dir: Path | None = None, extra: Sequence[str] = ()
     ) -> Proc:
-        n = sum(p.name.startswith("shard") for p in self.procs)
-        args = [
-            self.python,
-            "-m",
-            "zps",
-            "shard",
-            "--broker",
-            self.address,
-            "--replication-bind",
-            "tcp://127.0.0.1:0",
-            "--advertise-host",
-            "127.0.0.1",
-            *self._hb(),
-        ]
-        if data_dir is not None:
-            args += ["--data-dir", str(data_dir)]
-        return self.spawn(f"shard{n}", [*args, *extra])
+        args = ["--data-dir", str(data_dir)] if data_dir is not None else []
+        return super().start_shard([*args, *extra])
 
 
 @pytest.fixture
