@@ -33,7 +33,7 @@ from zps import transport
 from zps.batching import merge_row_ops, plan_batches
 from zps.codec import (
     NO_COMPRESSION,
-    CompressPolicy,
+    TRAFFIC,
     Encoder,
     Message,
     MsgType,
@@ -123,7 +123,7 @@ class Client:
         self.config = config or ClientConfig()
         self.client_id = f"c-{uuid.uuid4().hex[:16]}".encode()
         self.stats = ClientStats()
-        self._policy = CompressPolicy() if self.config.compress else NO_COMPRESSION
+        self._policy = TRAFFIC if self.config.compress else NO_COMPRESSION
         self._map: ClusterMap | None = None
         self._map_event = asyncio.Event()
         self._ctx: zmq.asyncio.Context | None = None
@@ -364,22 +364,27 @@ class Client:
     # -- embeddings ----------------------------------------------------------
 
     async def pull_rows(self, name: str, ids: npt.ArrayLike) -> np.ndarray:
-        """Rows for ``ids`` (duplicates allowed), shape ``(len(ids), dim)``."""
+        """Rows for ``ids``, shape ``(len(ids), dim)``, in the order of ``ids``.
+
+        Duplicate ids are allowed and each is fetched: a batch that repeats ids
+        heavily should pull ``np.unique(ids)`` and expand the result with the
+        inverse (the client does not sort every batch to find out).
+        """
         self._raise_background()
         spec = await self._embedding_spec(name)
         id_arr = _as_ids(ids)
-        uniq, inverse = np.unique(id_arr, return_inverse=True)
-        rows = np.empty((uniq.size, spec.dim), dtype=spec.dtype)
-        parts = list(split_by_partition(uniq, self.cluster_map))
+        rows = np.empty((id_arr.size, spec.dim), dtype=spec.dtype)
+        parts = list(split_by_partition(id_arr, self.cluster_map))
         results = await self._gather(
-            self._submit(p, {"op": "pull_rows", "t": name}, {"ids": uniq[pos]}) for p, pos in parts
+            self._submit(p, {"op": "pull_rows", "t": name}, {"ids": id_arr[pos]})
+            for p, pos in parts
         )
         for (_, pos), result in zip(parts, results, strict=True):
             arr = result["arrays"]
             if arr.shape != (pos.size, spec.dim):
                 raise ProtocolError(f"pull_rows of {name!r} came back with shape {arr.shape}")
             rows[pos] = arr
-        return rows[inverse.reshape(-1)]
+        return rows
 
     async def push_rows(
         self, name: str, ids: npt.ArrayLike, grads: npt.ArrayLike, *, wait: bool = True

@@ -167,8 +167,15 @@ class Adagrad:
     def apply(self, param: Array, grad: Array, state: State) -> None:
         g = _effective_grad(grad, param, self.clip, self.weight_decay)
         a = state["accumulator"]
-        a += g * g
-        param -= self.lr * g / (np.sqrt(a) + self.eps)
+        # The same arithmetic as ``a += g*g; p -= lr*g / (sqrt(a) + eps)``, with
+        # two temporaries instead of five.
+        t = np.multiply(g, g)
+        a += t
+        np.sqrt(a, out=t)
+        t += self.eps
+        u = np.multiply(g, self.lr)
+        u /= t
+        param -= u
 
 
 @dataclass(frozen=True)

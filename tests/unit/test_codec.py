@@ -20,6 +20,7 @@ from zps.codec import (
     NO_COMPRESSION,
     PROTOCOL_VERSION,
     ROUTE,
+    TRAFFIC,
     WIRE_DTYPES,
     BufferLike,
     CompressPolicy,
@@ -445,3 +446,12 @@ def test_random_zstd_payload_with_any_declared_size(payload: bytes, n: int) -> N
             decode_all([*frames, real])
     else:
         assert decode_all([*frames, real])[0].tobytes() == payload
+
+
+def test_traffic_policy_sends_floats_raw_and_still_compresses_ids() -> None:
+    zeros = np.zeros((128, 1024), dtype=np.float32)  # would compress, but floats go raw
+    ids = (np.arange(100_000) % 7).astype(np.int64)
+    out, descs, frames = roundtrip(Route(MsgType.REQUEST), {}, [zeros, ids], TRAFFIC)
+    assert [d[3] for d in descs] == [CODEC_RAW, CODEC_ZSTD]
+    assert len(frames[2]) == zeros.nbytes
+    assert same(out[0], zeros) and same(out[1], ids)

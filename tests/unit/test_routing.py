@@ -300,3 +300,13 @@ def test_the_small_id_fast_path_routes_like_the_vectorised_one() -> None:
         for pos, p in enumerate(partitions_of_ids(ids, cmap).tolist()):
             want.setdefault(p, []).append(pos)
         assert got == want
+
+
+@pytest.mark.parametrize("n_slots", [4096, 1000, 64, 1])
+def test_placement_is_slot_map_of_mix64_mod_n_slots(n_slots: int) -> None:
+    from zps.hashing import mix64
+
+    ids = np.random.default_rng(3).integers(-(2**63), 2**63 - 1, 5000, dtype=np.int64)
+    m = ClusterMap(1, n_slots, default_slot_map(n_slots, 3), {p: PartitionInfo() for p in range(3)})
+    want = m.slot_map[(mix64(ids) % np.uint64(n_slots)).astype(np.int64)]
+    assert np.array_equal(partitions_of_ids(ids, m), want)

@@ -70,6 +70,48 @@ def test_duplicate_ids_are_summed_before_one_update(opt: Optimizer) -> None:
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=repr)
+def test_repeated_existing_ids_are_summed_too(opt: Optimizer) -> None:
+    # Rows that exist already take the no-sort path; a repeat among them must
+    # still be found and summed, not applied twice or last-write-wins.
+    rng = np.random.default_rng(2)
+    a = EmbeddingTable(emb_spec(opt, dim=3, dtype="float64"))
+    b = EmbeddingTable(emb_spec(opt, dim=3, dtype="float64"))
+    for t in (a, b):
+        t.push(ids(7, 8, 9), np.ones((3, 3)))
+    g = rng.normal(size=(4, 3))
+    a.push(ids(9, 7, 8, 9), g)
+    b.push(ids(7, 8, 9), np.stack([g[1], g[2], g[0] + g[3]]))
+    for k in a.export():
+        np.testing.assert_allclose(a.export()[k], b.export()[k], rtol=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=10), min_size=1, max_size=6))
+def test_any_push_sequence_matches_one_row_at_a_time(batches: list[list[int]]) -> None:
+    opt = Adagrad(lr=0.1)
+    table = EmbeddingTable(emb_spec(opt, dim=2, dtype="float64"))
+    ref: dict[int, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
+    rng = np.random.default_rng(len(batches))
+    spec = table.spec
+    for batch in batches:
+        g = rng.normal(size=(len(batch), 2))
+        table.push(np.array(batch, dtype=np.int64), g)
+        summed: dict[int, np.ndarray] = {}
+        for x, row in zip(batch, g, strict=True):
+            summed[x] = summed.get(x, 0) + row
+        for x, row in summed.items():
+            if x not in ref:
+                p0 = generate(spec.init, spec.seed, ids(x), 2, "float64")
+                ref[x] = (p0, opt.init_state(1, 2, np.float64))
+            p, st_ = ref[x]
+            opt.apply(p, row[None, :], st_)
+    keys = np.array(sorted(ref), dtype=np.int64)
+    want = np.concatenate([ref[int(x)][0] for x in keys])
+    np.testing.assert_allclose(table.pull(keys), want, rtol=1e-12)
+    assert len(table) == len(ref)
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=repr)
 def test_push_matches_optimizer_on_the_rows(opt: Optimizer) -> None:
     spec = emb_spec(opt, dim=3, dtype="float64")
     table = EmbeddingTable(spec)

@@ -73,21 +73,25 @@ class IdIndex:
         """A copy of the ids with positions ``start, start+1, ...``, in position order."""
         return self._ids[start : self._n].copy()
 
-    def _home(self, ids: I64) -> npt.NDArray[np.intp]:
-        mask = np.uint64(self.capacity - 1)
-        return (mix64(ids) & mask).astype(np.intp)
+    def _home(self, ids: I64) -> I64:
+        h = mix64(ids)
+        h &= np.uint64(self.capacity - 1)
+        return h.view(np.int64)
 
     def lookup(self, ids: npt.ArrayLike) -> I64:
         """Position of each id, or -1 where absent."""
         keys = as_ids(ids)
-        out = np.full(keys.shape[0], -1, dtype=np.int64)
         mask = self.capacity - 1
         slot = self._home(keys)
-        # Round one probes each id's home slot, which settles most of them.
-        found = self._keys[slot]
-        hit = found == keys
-        out[hit] = self._vals[slot[hit]]
-        active = np.flatnonzero(~hit & (found != EMPTY))
+        # Round one probes each id's home slot, which settles most of them
+        # (``take`` is several times faster than fancy indexing for this).
+        found = self._keys.take(slot)
+        out = self._vals.take(slot)
+        miss = found != keys
+        if not miss.any():
+            return out
+        out[miss] = -1
+        active = np.flatnonzero(miss & (found != EMPTY))
         slot, want = (slot[active] + 1) & mask, keys[active]
         # Later rounds probe a window of slots with one 2-D gather, so the few long
         # probe sequences cost a handful of numpy calls instead of one per step.

@@ -71,6 +71,19 @@ def _float_grads(table: str, grads: object, shape: tuple[int, ...], dtype: np.dt
     return g
 
 
+def take_rows(a: Array, pos: npt.NDArray[np.int64]) -> Array:
+    """``a[pos]`` for a C-contiguous 2-D array, as one gather of whole-row records
+    (about three times faster than fancy indexing).  ``pos`` must be in range."""
+    rec = a.view(np.dtype((np.void, a.shape[1] * a.itemsize))).reshape(-1)
+    return rec.take(pos).view(a.dtype).reshape(pos.shape[0], a.shape[1])
+
+
+def put_rows(a: Array, pos: npt.NDArray[np.int64], values: Array) -> None:
+    """``a[pos] = values`` for C-contiguous 2-D arrays (``pos`` distinct and in range)."""
+    rec = np.dtype((np.void, a.shape[1] * a.itemsize))
+    np.put(a.view(rec).reshape(-1), pos, np.ascontiguousarray(values, dtype=a.dtype).view(rec))
+
+
 def _load_array(
     table: str, data: dict[str, Array], key: str, shape: tuple[int, ...], dtype: np.dtype[Any]
 ) -> Array:
@@ -97,6 +110,7 @@ class EmbeddingTable:
     def _reset(self, capacity: int) -> None:
         cap = max(capacity, _MIN_ROWS)
         self._index = IdIndex()
+        self._stamp: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)  # see _distinct
         self._rows: Array = np.empty((cap, self.spec.dim), dtype=self.dtype)
         self._state: dict[str, Array] = {
             k: np.empty((cap, w), dtype=self.dtype) for k, w in self._widths.items()
@@ -148,12 +162,8 @@ class EmbeddingTable:
         """
         keys = as_ids(ids)
         pos = self._index.lookup(keys)
-        out = (
-            self._rows[np.maximum(pos, 0)]
-            if len(self._index)
-            else np.empty((keys.shape[0], self.spec.dim), dtype=self.dtype)
-        )
         missing = pos < 0
+        out = take_rows(self._rows, np.maximum(pos, 0))  # absent ones are filled below
         if missing.any():
             s = self.spec
             out[missing] = generate(s.init, s.seed, keys[missing], s.dim, self.dtype)
@@ -165,18 +175,33 @@ class EmbeddingTable:
         g = _float_grads(self.spec.name, grads, (keys.shape[0], self.spec.dim), self.dtype)
         if keys.size == 0:
             return
-        order = np.argsort(keys, kind="stable")
-        sorted_keys = keys[order]
-        starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
-        uniq = sorted_keys[starts]
-        summed = g[order] if uniq.size == keys.size else np.add.reduceat(g[order], starts, axis=0)
-        pos = self._positions(uniq)
-        param = self._rows[pos]
-        state = {k: a[pos] for k, a in self._state.items()}
+        pos = self._index.lookup(keys)
+        if bool((pos >= 0).all()) and self._distinct(pos):
+            summed = g  # the common case: existing rows, each once
+        else:
+            order = np.argsort(keys, kind="stable")
+            sorted_keys = keys[order]
+            starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
+            uniq = sorted_keys[starts]
+            summed = (
+                g[order] if uniq.size == keys.size else np.add.reduceat(g[order], starts, axis=0)
+            )
+            pos = self._positions(uniq)
+        param = take_rows(self._rows, pos)
+        state = {k: take_rows(a, pos) for k, a in self._state.items()}
         self.spec.optimizer.apply(param, summed, state)
-        self._rows[pos] = param
+        put_rows(self._rows, pos, param)
         for k, a in state.items():
-            self._state[k][pos] = a
+            put_rows(self._state[k], pos, a)
+
+    def _distinct(self, pos: npt.NDArray[np.int64]) -> bool:
+        """Whether ``pos`` (valid positions) has no repeats: each stamps its index
+        into a scratch array and reads it back; a repeat overwrote one."""
+        if self._stamp.shape[0] < self._rows.shape[0]:
+            self._stamp = np.zeros(self._rows.shape[0], dtype=np.int32)
+        mark = np.arange(pos.shape[0], dtype=np.int32)
+        np.put(self._stamp, pos, mark)
+        return bool((self._stamp.take(pos) == mark).all())
 
     def export(self) -> dict[str, Array]:
         """Rows and state in ascending id order: ``ids``, ``rows``, then each state array."""
