@@ -555,6 +555,11 @@ async def zps_client(args: dict[str, Any]) -> None:
 
 def child_main(role: str, args: dict[str, Any]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Every benchmark process, L's and zps's clients alike, gets the allocator
+    # settings the zps-server and zps-worker processes use (zps/malloc.py).
+    from zps import malloc
+
+    malloc.tune()
     if role == "l_broker":
         l_broker(args)
     elif role == "l_echo":

@@ -24,6 +24,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
+from zps import malloc
 from zps.config import (
     DEFAULT_CONFIG_PATH,
     BrokerConfig,
@@ -313,6 +314,7 @@ def server_parser() -> argparse.ArgumentParser:
 
 def server_main(argv: Sequence[str] | None = None) -> int:
     args = server_parser().parse_args(argv)
+    malloc.tune()
     try:
         match args.command:
             case "broker":
@@ -423,6 +425,7 @@ def worker_parser() -> argparse.ArgumentParser:
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
     args = worker_parser().parse_args(argv)
+    malloc.tune()
     setup_logging(args.log_level or "info")
     try:
         settings = _settings(args)
