@@ -57,7 +57,9 @@ def merge_row_ops(
     """
     groups: list[tuple[dict[str, Any], list[int], list[dict[str, np.ndarray]]]] = []
     open_groups: dict[tuple[Any, ...], int] = {}
-    seen_ids: dict[int, set[int]] = {}
+    # The ids of a push group, as a set once a second push wants to join it
+    # (a lone push, the common case, never pays for the set).
+    seen_ids: dict[int, set[int] | None] = {}
     for i, (body, arrays) in enumerate(ops):
         name, table = body.get("op"), body.get("t")
         ids = arrays.get("ids")
@@ -71,14 +73,17 @@ def merge_row_ops(
         if g is not None and len(groups[g][1]) >= max_members:
             g = None
         if g is not None and name == "push_rows":
+            seen = seen_ids[g]
+            if seen is None:
+                seen = seen_ids[g] = set(groups[g][2][0]["ids"].tolist())
             new = ids.tolist()
-            if seen_ids[g].isdisjoint(new):
-                seen_ids[g].update(new)
+            if seen.isdisjoint(new):
+                seen.update(new)
             else:
                 g = None  # an overlap: this push starts a new group
         if g is None:
             open_groups[key] = g = len(groups)
-            seen_ids[g] = set(ids.tolist()) if name == "push_rows" else set()
+            seen_ids[g] = None
             groups.append((body, [], []))
         groups[g][1].append(i)
         groups[g][2].append(arrays)

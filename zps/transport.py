@@ -45,6 +45,18 @@ BACKOFF_S = 0.001
 
 Frames = list[Any]
 
+# The hot paths call the Cython socket methods directly with plain ints: the
+# Python wrappers (option lookup by attribute, enum flags, per-frame type
+# checks) cost more than the calls themselves on small messages.
+_raw_send = zmq.backend.Socket.send
+_raw_recv = zmq.backend.Socket.recv
+_raw_get = zmq.backend.Socket.get
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+
 
 def new_context() -> zmq.asyncio.Context:
     """A context per owner: zps never uses a process-global context."""
@@ -68,21 +80,33 @@ class Channel:
     def closed(self) -> bool:
         return bool(self.sock.closed)
 
+    def _events(self) -> int:
+        """ZMQ_EVENTS (reading it also takes the descriptor's pending notice)."""
+        return int(_raw_get(self.sock, _EVENTS))
+
     def _check(self) -> None:
         if self.sock.closed:
             self._readable.set()  # wake a reader so it sees the close
             return
         try:
-            events = int(self.sock.EVENTS)
+            events = self._events()
         except zmq.ZMQError:
             self._readable.set()
             return
-        if events & zmq.POLLIN:
+        if events & _POLLIN:
             self._readable.set()
-        if events & zmq.POLLOUT:
+        if events & _POLLOUT:
             self._writable.set()
             if self._outbox:
                 self._loop.call_soon(self._flush_outbox)
+
+    def _recv_message(self) -> Frames:
+        frame = _raw_recv(self.sock, _NOBLOCK, False, False)
+        frames = [frame]
+        while frame.more:
+            frame = _raw_recv(self.sock, _NOBLOCK, False, False)
+            frames.append(frame)
+        return frames
 
     async def recv_burst(self, timeout: float | None = None) -> list[Frames]:
         """Every queued message (at most DRAIN_BATCH), waiting for the first."""
@@ -91,8 +115,10 @@ class Channel:
                 raise ClosedError("socket closed")
             burst: list[Frames] = []
             try:
-                while len(burst) < DRAIN_BATCH:
-                    burst.append(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                # Asking ZMQ_EVENTS before each receive is cheaper than the
+                # zmq.Again a blind non-blocking receive raises at the end.
+                while len(burst) < DRAIN_BATCH and self._events() & _POLLIN:
+                    burst.append(self._recv_message())
             except zmq.Again:
                 pass
             except zmq.ZMQError as e:
@@ -102,6 +128,8 @@ class Channel:
             if burst:
                 if len(burst) == DRAIN_BATCH:
                     self._readable.set()  # more may be queued: don't wait next time
+                else:
+                    self._readable.clear()  # EVENTS said no more; the reader re-arms
                 return burst
             self._readable.clear()
             self._check()
@@ -119,9 +147,13 @@ class Channel:
     def send_nowait(self, frames: Sequence[Any]) -> bool:
         """Send at once; False if a ROUTER has no route to the peer; raises zmq.Again
         when the queue to that peer is full."""
-        copy = not _needs_zero_copy(frames) and not any(isinstance(f, zmq.Frame) for f in frames)
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+            last = len(frames) - 1
+            for i, f in enumerate(frames):
+                # Received frames are forwarded as they are; large buffers go
+                # without a copy; small ones are copied (cheaper than tracking).
+                copy = not isinstance(f, zmq.Frame) and len(f) < ZERO_COPY_BYTES
+                _raw_send(self.sock, f, _NOBLOCK | _SNDMORE if i < last else _NOBLOCK, copy, False)
         except zmq.Again:
             raise
         except zmq.ZMQError as e:
@@ -294,10 +326,6 @@ async def recv_burst(ch: Channel, timeout: float | None = None) -> list[Frames]:
     With ``timeout`` (seconds), returns an empty list if nothing came by then.
     """
     return await ch.recv_burst(timeout)
-
-
-def _needs_zero_copy(frames: Sequence[Any]) -> bool:
-    return any(not isinstance(f, zmq.Frame) and len(f) >= ZERO_COPY_BYTES for f in frames)
 
 
 async def send(ch: Channel, frames: Sequence[Any]) -> bool:

@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,19 +82,19 @@ def test_every_record_is_trained_once_per_epoch(cluster: LocalCluster, mode: str
 
 
 def test_a_killed_worker_s_tasks_are_requeued(cluster: LocalCluster) -> None:
-    slow = worker(cluster, "count_records", "job", "400", "20", "1", "0.02", name="doomed")
+    # The doomed worker's steps take 60 s: once it holds a task it is inside it
+    # until killed, however fast everything else runs.
+    slow = worker(cluster, "count_records", "job", "400", "20", "1", "60", name="doomed")
     other = None
     try:
-        # once the doomed worker holds a task, kill it mid-task
         cluster.wait_for(
             lambda s: any(j["running"] for j in s["training"]["jobs"]),
             30,
             "a task to be handed out",
         )
-        other = worker(cluster, "count_records", "job", "400", "20", "1", name="survivor")
-        time.sleep(0.3)  # the doomed one is inside a task (its steps take 20 ms)
         slow.send_signal(signal.SIGKILL)
         slow.wait(10)
+        other = worker(cluster, "count_records", "job", "400", "20", "1", name="survivor")
         result = finish(other)
     finally:
         for p in (slow, other):
@@ -152,8 +151,10 @@ def test_sync_completes_the_step_without_a_dead_worker(cluster: LocalCluster) ->
 
 
 def test_ssp_never_lets_a_worker_run_more_than_tau_ahead(cluster: LocalCluster) -> None:
-    fast = worker(cluster, "ssp_steps", "30", "0", "2", mode="ssp", staleness=2, name="fast")
-    slow = worker(cluster, "ssp_steps", "30", "0.03", "2", mode="ssp", staleness=2, name="slow")
+    fast = worker(cluster, "ssp_steps", "30", "0", "2", "2", mode="ssp", staleness=2, name="fast")
+    slow = worker(
+        cluster, "ssp_steps", "30", "0.03", "2", "2", mode="ssp", staleness=2, name="slow"
+    )
     f, s = finish(fast), finish(slow)
     assert f["worst_lead"] <= 3 and s["worst_lead"] <= 3
     assert f["worst_lead"] >= 1  # the fast one really was held back at the bound

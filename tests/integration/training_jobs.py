@@ -59,9 +59,17 @@ def sync_steps(ps: Any, steps: str, delay: str = "0") -> int:
     return 0
 
 
-def ssp_steps(ps: Any, steps: str, delay: str, tau: str) -> int:
-    """ssp: after each clock, the slowest worker must be within tau steps."""
+def ssp_steps(ps: Any, steps: str, delay: str, tau: str, n_workers: str = "1") -> int:
+    """ssp: after each clock, the slowest worker must be within tau steps.
+
+    Starts stepping once ``n_workers`` have joined, so a fast worker cannot
+    finish before a slow one's process is up.
+    """
     ps.create_dense("s", shape=(2,), dtype="float64", optimizer=SGD(lr=1.0))
+    deadline = time.monotonic() + 30
+    while len(ps.status()["training"]["workers"]) < int(n_workers):
+        assert time.monotonic() < deadline, "the other workers never joined"
+        time.sleep(0.01)
     worst = 0
     for _ in range(int(steps)):
         ps.push_dense("s", np.ones(2))
