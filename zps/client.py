@@ -348,7 +348,7 @@ class Client:
             raise ShapeMismatchError(
                 f"gradient for {name!r} has shape {g.shape}; the tensor has shape {spec.shape}"
             )
-        flat = g.reshape(-1)
+        flat = _owned(g.reshape(-1), grad, wait)
         futures = []
         for c in range(spec.n_chunks):
             start, stop = spec.chunk_range(c)
@@ -371,10 +371,19 @@ class Client:
         inverse (the client does not sort every batch to find out).
         """
         self._raise_background()
-        spec = await self._embedding_spec(name)
+        spec = self._specs.get(name)
+        if not isinstance(spec, EmbeddingSpec):
+            spec = await self._embedding_spec(name)
         id_arr = _as_ids(ids)
+        parts = split_by_partition(id_arr, self.cluster_map)
+        if len(parts) == 1:  # one partition owns every id: no gather, no scatter
+            arr = (
+                await self._submit(parts[0][0], {"op": "pull_rows", "t": name}, {"ids": id_arr})
+            )["arrays"]
+            if arr.shape != (id_arr.size, spec.dim):
+                raise ProtocolError(f"pull_rows of {name!r} came back with shape {arr.shape}")
+            return np.array(arr)  # writable, and not pinning the received frame
         rows = np.empty((id_arr.size, spec.dim), dtype=spec.dtype)
-        parts = list(split_by_partition(id_arr, self.cluster_map))
         results = await self._gather(
             self._submit(p, {"op": "pull_rows", "t": name}, {"ids": id_arr[pos]})
             for p, pos in parts
@@ -394,7 +403,9 @@ class Client:
         ``wait=False``: as for :meth:`push_dense`.
         """
         self._raise_background()
-        spec = await self._embedding_spec(name)
+        spec = self._specs.get(name)
+        if not isinstance(spec, EmbeddingSpec):
+            spec = await self._embedding_spec(name)
         id_arr = _as_ids(ids)
         g = _as_float(grads, spec.dtype, f"gradients for {name!r}")
         if g.shape != (id_arr.size, spec.dim):
@@ -402,12 +413,21 @@ class Client:
                 f"gradients for {name!r} have shape {g.shape}; expected "
                 f"({id_arr.size}, {spec.dim}) for {id_arr.size} ids of dim {spec.dim}"
             )
-        futures = [
-            self._submit(
-                p, self._tagged({"op": "push_rows", "t": name}), {"ids": id_arr[pos], "g": g[pos]}
-            )
-            for p, pos in split_by_partition(id_arr, self.cluster_map)
-        ]
+        parts = split_by_partition(id_arr, self.cluster_map)
+        if len(parts) == 1:  # one partition owns every id: send the arrays as they are
+            arrays = {"ids": _owned(id_arr, ids, wait), "g": _owned(g, grads, wait)}
+            futures = [
+                self._submit(parts[0][0], self._tagged({"op": "push_rows", "t": name}), arrays)
+            ]
+        else:
+            futures = [
+                self._submit(
+                    p,
+                    self._tagged({"op": "push_rows", "t": name}),
+                    {"ids": id_arr[pos], "g": np.take(g, pos, axis=0)},
+                )
+                for p, pos in parts
+            ]
         await self._finish(futures, wait)
 
     # -- overlap ---------------------------------------------------------------
@@ -422,7 +442,10 @@ class Client:
 
     async def _finish(self, futures: list[asyncio.Future[dict[str, Any]]], wait: bool) -> None:
         if wait:
-            await self._gather(futures)
+            if len(futures) == 1:
+                await futures[0]
+            else:
+                await self._gather(futures)
             return
         while len(self._background) >= self.config.max_background:
             await asyncio.wait(self._background, return_when=asyncio.FIRST_COMPLETED)
@@ -889,12 +912,26 @@ def _seed(name: str, seed: int | None) -> int:
 
 
 def _as_ids(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
+    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1:
+        return np.ascontiguousarray(ids)  # the common case, in a few checks
     arr = np.asarray(ids)
     if arr.ndim != 1:
         raise ShapeMismatchError(f"ids must be 1-D, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise ShapeMismatchError(f"ids must be integers, got dtype {arr.dtype}")
     return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _owned(arr: np.ndarray, given: object, wait: bool) -> np.ndarray:
+    """``arr``, copied if it may be the caller's memory and the call returns before
+    the message is sent (``wait=False``): the caller may reuse its buffer at once."""
+    if wait or isinstance(given, list | tuple | int | float):
+        return arr  # waited for, or built from Python values: nobody else holds it
+    try:
+        src = np.asarray(given)  # a view for numpy arrays and CPU tensors
+    except Exception:
+        return arr.copy()
+    return arr.copy() if np.may_share_memory(arr, src) else arr
 
 
 def _as_float(values: npt.ArrayLike, dtype: str, what: str) -> np.ndarray:

@@ -11,7 +11,8 @@ Pure functions over numpy arrays; no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from zps.errors import ProtocolError
 from zps.hashing import mix64, mix64_int, name_hash
 
 DEFAULT_SLOTS = 4096
+_M64 = (1 << 64) - 1
 
 I64 = npt.NDArray[np.int64]
 
@@ -66,6 +68,11 @@ class ClusterMap:
     @property
     def n_partitions(self) -> int:
         return len(self.partitions)
+
+    @functools.cached_property
+    def slot_list(self) -> list[int]:
+        """``slot_map`` as Python ints, for routing a few ids without numpy."""
+        return [int(p) for p in self.slot_map.tolist()]
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -137,34 +144,36 @@ SMALL_IDS = 16
 SPLIT_BY_MASK = 8
 
 
-def split_by_partition(ids: I64, cmap: ClusterMap) -> Iterator[tuple[int, npt.NDArray[np.intp]]]:
-    """Yield ``(partition, positions)``: the positions in ``ids`` each partition owns."""
+def split_by_partition(ids: I64, cmap: ClusterMap) -> list[tuple[int, npt.NDArray[np.intp]]]:
+    """``(partition, positions)`` pairs, by partition: the positions in ``ids`` each owns."""
     if ids.size <= SMALL_IDS:
+        n_slots, slot_list = cmap.n_slots, cmap.slot_list
+        owner = [slot_list[mix64_int(x & _M64) % n_slots] for x in ids.tolist()]
+        if owner and owner.count(owner[0]) == len(owner):
+            return [(owner[0], np.arange(len(owner), dtype=np.intp))]
         owners: dict[int, list[int]] = {}
-        n_slots, slot_map = cmap.n_slots, cmap.slot_map
-        for pos, x in enumerate(ids.tolist()):
-            owners.setdefault(int(slot_map[mix64_int(x & ((1 << 64) - 1)) % n_slots]), []).append(
-                pos
-            )
-        for p in sorted(owners):
-            yield p, np.array(owners[p], dtype=np.intp)
-        return
+        for pos, p in enumerate(owner):
+            owners.setdefault(p, []).append(pos)
+        return [(p, np.array(owners[p], dtype=np.intp)) for p in sorted(owners)]
     parts = partitions_of_ids(ids, cmap)
     if parts.size == 0:
-        return
+        return []
     if cmap.n_partitions <= SPLIT_BY_MASK:
+        out = []
         for p in range(cmap.n_partitions):
             mine = np.flatnonzero(parts == p)
             if mine.size:
-                yield p, mine
-        return
+                out.append((p, mine))
+        return out
     order = np.argsort(parts, kind="stable")
     sorted_parts = parts[order]
     bounds = np.flatnonzero(np.diff(sorted_parts)) + 1
     starts = np.concatenate(([0], bounds))
     stops = np.concatenate((bounds, [sorted_parts.size]))
-    for start, stop in zip(starts.tolist(), stops.tolist(), strict=True):
-        yield int(sorted_parts[start]), order[start:stop]
+    return [
+        (int(sorted_parts[start]), order[start:stop])
+        for start, stop in zip(starts.tolist(), stops.tolist(), strict=True)
+    ]
 
 
 def chunk_partition(name: str, chunk: int, cmap: ClusterMap) -> int:

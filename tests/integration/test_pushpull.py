@@ -214,6 +214,25 @@ async def test_background_pushes_and_prefetch(cluster: LocalCluster) -> None:
         assert (await ps.pull_rows(name, [3])).shape == (1, 2)
 
 
+async def test_a_background_push_owns_its_data(cluster: LocalCluster) -> None:
+    # wait=False returns before the message is sent: the caller may reuse its
+    # buffers at once (as training loops do with gradient buffers) without
+    # changing what the push carries.
+    name = unique("own")
+    async with zps.connect(cluster.address) as ps:
+        await ps.create_embedding(name, dim=2, dtype="float64", optimizer=SGD(lr=1.0))
+        await ps.create_dense(name + "-d", shape=(300_000,), dtype="float64", optimizer=SGD(lr=1.0))
+        ids = np.array([5], dtype=np.int64)  # one id: one partition, sent as given
+        grads = np.ones((1, 2))
+        dense = np.ones(300_000)  # chunked: views of the caller's array
+        await ps.push_rows(name, ids, grads, wait=False)
+        await ps.push_dense(name + "-d", dense, wait=False)
+        ids[0], grads[:], dense[:] = 6, 100.0, 100.0
+        await ps.flush()
+        np.testing.assert_array_equal(await ps.pull_rows(name, [5, 6]), [[-1, -1], [0, 0]])
+        np.testing.assert_array_equal(await ps.pull_dense(name + "-d"), np.full(300_000, -1.0))
+
+
 def test_sync_facade_overlap(cluster: LocalCluster) -> None:
     name = unique("bgs")
     with zps.connect_sync(cluster.address) as ps:
