@@ -464,8 +464,10 @@ async def zps_client(args: dict[str, Any]) -> None:
             )
             grad = rng.standard_normal(DENSE_ELEMS, dtype=np.float32) * np.float32(1e-3)
 
+            values = np.empty(DENSE_ELEMS, dtype=np.float32)
+
             async def dense_step() -> None:
-                await ps.pull_dense(name)
+                await ps.pull_dense(name, out=values)  # as into a model's parameter buffer
                 await ps.push_dense(name, grad)
 
             result = await _atimed_steps(dense_step, args["duration"], warmup=2)

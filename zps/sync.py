@@ -114,8 +114,8 @@ class SyncClient:
             )
         )
 
-    def pull_dense(self, name: str) -> np.ndarray:
-        return self._call(self._client.pull_dense(name))
+    def pull_dense(self, name: str, *, out: np.ndarray | None = None) -> np.ndarray:
+        return self._call(self._client.pull_dense(name, out=out))
 
     def push_dense(self, name: str, grad: npt.ArrayLike, *, wait: bool = True) -> None:
         self._call(self._client.push_dense(name, grad, wait=wait))

@@ -233,6 +233,24 @@ async def test_a_background_push_owns_its_data(cluster: LocalCluster) -> None:
         np.testing.assert_array_equal(await ps.pull_dense(name + "-d"), np.full(300_000, -1.0))
 
 
+async def test_pull_dense_into_a_callers_buffer(cluster: LocalCluster) -> None:
+    name = unique("out")
+    async with zps.connect(cluster.address) as ps:
+        await ps.create_dense(name, shape=(600, 500), dtype="float32", init=zps.init.Normal())
+        buf = np.zeros((600, 500), dtype=np.float32)
+        got = await ps.pull_dense(name, out=buf)
+        assert got is buf
+        np.testing.assert_array_equal(buf, await ps.pull_dense(name))
+        assert np.any(buf != 0)
+        for bad in (
+            np.zeros((500, 600), np.float32),
+            np.zeros((600, 500), np.float64),
+            np.zeros((500, 600), np.float32).T,  # right shape, not C-contiguous
+        ):
+            with pytest.raises(errors.ShapeMismatchError, match="out="):
+                await ps.pull_dense(name, out=bad)
+
+
 def test_sync_facade_overlap(cluster: LocalCluster) -> None:
     name = unique("bgs")
     with zps.connect_sync(cluster.address) as ps:

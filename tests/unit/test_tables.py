@@ -240,6 +240,25 @@ def test_dense_push_and_errors() -> None:
             t.push(bad, np.zeros(4))
 
 
+def test_a_pulled_dense_chunk_keeps_its_values_while_held() -> None:
+    # pull() lends the stored chunk out without a copy (for a zero-copy send); a
+    # push while it is held must not change what the holder sees.
+    t = DenseTensor(dense_spec(size=8, chunk=8))
+    t.push(0, np.ones(8))
+    held = t.pull(0)
+    before = held.copy()
+    assert not held.flags.writeable
+    t.push(0, np.ones(8))
+    np.testing.assert_array_equal(held, before)
+    np.testing.assert_allclose(t.pull(0), before - 0.5)
+    # Once nothing holds a view, pushes update the chunk in place (no copy per push).
+    del held
+    address = t._values[0].ctypes.data
+    t.push(0, np.ones(8))
+    assert t._values[0].ctypes.data == address
+    np.testing.assert_allclose(t.pull(0), before - 1.0)
+
+
 def test_dense_adam_counts_one_step_per_chunk_update() -> None:
     spec = dense_spec(Adam(lr=0.1), size=6, chunk=6)
     t = DenseTensor(spec)
@@ -343,12 +362,20 @@ def test_partition_load_is_validated_and_all_or_nothing() -> None:
 
 
 def test_huge_but_finite_gradients_are_not_mistaken_for_infinity() -> None:
-    # Their float32 sum overflows; the element-wise check must still accept them.
+    # Their float32 squares overflow; the element-wise check must still accept them.
     table = EmbeddingTable(emb_spec(SGD(lr=1e-39)))
     n = 20_000  # x 4 columns: past the size where the sum is checked first
     table.push(np.arange(n, dtype=np.int64), np.full((n, 4), 3e38, dtype=np.float32))
     assert np.all(np.isfinite(table.pull(ids(1, 2, 3))))
-    bad = np.zeros((n, 4), dtype=np.float32)
-    bad[n // 2, 1] = np.inf
+    for value in (np.inf, -np.inf, np.nan):
+        bad = np.zeros((n, 4), dtype=np.float32)
+        bad[n // 2, 1] = value
+        with pytest.raises(BadRequestError, match="NaN or infinity"):
+            table.push(np.arange(n, dtype=np.int64), bad)
+    # Dense chunks take the same check.
+    dense = DenseTensor(DenseSpec("big", (100_000,), "float32", Zeros(), SGD(lr=1e-39), 1, 100_000))
+    dense.push(0, np.full(100_000, 3e38, dtype=np.float32))
+    g = np.zeros(100_000, dtype=np.float32)
+    g[-1] = np.nan
     with pytest.raises(BadRequestError, match="NaN or infinity"):
-        table.push(np.arange(n, dtype=np.int64), bad)
+        dense.push(0, g)
