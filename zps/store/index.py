@@ -110,12 +110,14 @@ class IdIndex:
         window = np.arange(_WINDOW, dtype=np.intp)
         while active.size:
             slots = (slot[:, None] + window) & mask
-            found2 = self._keys[slots]
+            probed = self._records.take(slots).view(np.int64).reshape(-1, _WINDOW, 2)
+            found2 = probed[:, :, 0]
             stop = (found2 == want[:, None]) | (found2 == EMPTY)
             col = stop.argmax(axis=1)
-            done = stop[np.arange(active.size), col]
+            rows = np.arange(active.size)
+            done = stop[rows, col]
             # A stop at a free slot reads -1 there, i.e. "absent" (also for EMPTY ids).
-            out[active[done]] = self._vals[slots[done, col[done]]]
+            out[active[done]] = probed[rows[done], col[done], 1]
             more = ~done
             active, slot, want = active[more], (slot[more] + _WINDOW) & mask, want[more]
         return out
