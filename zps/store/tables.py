@@ -18,6 +18,7 @@ optimizer runs, so an id appearing twice in one push is updated once.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 import sys
@@ -37,6 +38,11 @@ Array = npt.NDArray[Any]
 _GROWTH = 1.5
 _MIN_ROWS = 64
 _UNSHARED = 3  # see DenseTensor.push
+# EmbeddingTable._lookup remembers this many answers of this many ids: below the
+# minimum an index lookup is about as cheap as the comparisons.
+_RECENT = 8
+_RECENT_MIN = 256
+_RECENT_MAX = 1 << 16
 
 
 def checksum_arrays(arrays: dict[str, Array], h: Any = None) -> str:
@@ -114,6 +120,9 @@ class EmbeddingTable:
     def _reset(self, capacity: int) -> None:
         cap = max(capacity, _MIN_ROWS)
         self._index = IdIndex()
+        self._recent: collections.deque[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = (
+            collections.deque(maxlen=_RECENT)
+        )
         self._stamp: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)  # see _distinct
         self._rows: Array = np.empty((cap, self.spec.dim), dtype=self.dtype)
         self._state: dict[str, Array] = {
@@ -165,7 +174,7 @@ class EmbeddingTable:
         same LSN, and evaluating on unseen ids costs no memory).
         """
         keys = as_ids(ids)
-        pos = self._index.lookup(keys)
+        pos = self._lookup(keys)
         missing = pos < 0
         out = take_rows(self._rows, np.maximum(pos, 0))  # absent ones are filled below
         if missing.any():
@@ -179,7 +188,7 @@ class EmbeddingTable:
         g = _float_grads(self.spec.name, grads, (keys.shape[0], self.spec.dim), self.dtype)
         if keys.size == 0:
             return
-        pos = self._index.lookup(keys)
+        pos = self._lookup(keys)
         if bool((pos >= 0).all()) and self._distinct(pos):
             summed = g  # the common case: existing rows, each once
         else:
@@ -197,6 +206,26 @@ class EmbeddingTable:
         put_rows(self._rows, pos, param)
         for k, a in state.items():
             put_rows(self._state[k], pos, a)
+
+    def _lookup(self, keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """``self._index.lookup(keys)``, remembering the last few complete answers.
+
+        Training pulls a batch's rows and then pushes gradients for the same ids:
+        the push finds its positions by comparing arrays (microseconds) instead of
+        probing the index again.  Positions never change once assigned (rows are
+        only appended; a load starts a new table state and forgets them), so a
+        remembered answer in which every id was present stays right.
+        """
+        n = keys.shape[0]
+        if n >= _RECENT_MIN:
+            for ids, pos in self._recent:
+                if ids.shape[0] == n and ids[0] == keys[0] and np.array_equal(ids, keys):
+                    return pos
+        pos = self._index.lookup(keys)
+        if _RECENT_MIN <= n <= _RECENT_MAX and bool((pos >= 0).all()):
+            pos.flags.writeable = False
+            self._recent.append((keys.copy(), pos))
+        return pos
 
     def _distinct(self, pos: npt.NDArray[np.int64]) -> bool:
         """Whether ``pos`` (valid positions) has no repeats: each stamps its index
