@@ -69,6 +69,7 @@ from zps.routing import (
 )
 from zps.security import CurveKeys
 from zps.store.specs import DenseSpec, EmbeddingSpec, spec_from_wire
+from zps.store.tables import put_rows, take_rows
 
 log = logging.getLogger("zps.client")
 
@@ -76,6 +77,9 @@ T = TypeVar("T")
 #: Retries of one message across map changes before the caller sees an error.
 MAX_ATTEMPTS = 1000
 _RETRY_CODES = frozenset({"NOT_PRIMARY", "STALE_EPOCH"})
+#: Client._split remembers splits of at least this many ids (below, splitting
+#: costs about what the comparison does).
+_SPLIT_MEMO_MIN = 256
 
 
 @dataclass
@@ -137,6 +141,9 @@ class Client:
         self._req_ids = itertools.count(1)
         self._seqs = itertools.count(1)
         self._specs: dict[str, DenseSpec | EmbeddingSpec] = {}
+        self._split_memo: collections.deque[
+            tuple[npt.NDArray[np.int64], ClusterMap, list[tuple[int, npt.NDArray[np.intp]]]]
+        ] = collections.deque(maxlen=4)
         self._status_waiters: collections.deque[asyncio.Future[dict[str, Any]]] = (
             collections.deque()
         )
@@ -394,7 +401,7 @@ class Client:
         if not isinstance(spec, EmbeddingSpec):
             spec = await self._embedding_spec(name)
         id_arr = _as_ids(ids)
-        parts = split_by_partition(id_arr, self.cluster_map)
+        parts = self._split(id_arr)
         if len(parts) == 1:  # one partition owns every id: no gather, no scatter
             arr = (
                 await self._submit(parts[0][0], {"op": "pull_rows", "t": name}, {"ids": id_arr})
@@ -411,7 +418,7 @@ class Client:
             arr = result["arrays"]
             if arr.shape != (pos.size, spec.dim):
                 raise ProtocolError(f"pull_rows of {name!r} came back with shape {arr.shape}")
-            rows[pos] = arr
+            put_rows(rows, pos, arr)
         return rows
 
     async def push_rows(
@@ -432,7 +439,7 @@ class Client:
                 f"gradients for {name!r} have shape {g.shape}; expected "
                 f"({id_arr.size}, {spec.dim}) for {id_arr.size} ids of dim {spec.dim}"
             )
-        parts = split_by_partition(id_arr, self.cluster_map)
+        parts = self._split(id_arr)
         if len(parts) == 1:  # one partition owns every id: send the arrays as they are
             arrays = {"ids": _owned(id_arr, ids, wait), "g": _owned(g, grads, wait)}
             futures = [
@@ -443,11 +450,30 @@ class Client:
                 self._submit(
                     p,
                     self._tagged({"op": "push_rows", "t": name}),
-                    {"ids": id_arr[pos], "g": np.take(g, pos, axis=0)},
+                    {"ids": id_arr[pos], "g": take_rows(g, pos)},
                 )
                 for p, pos in parts
             ]
         await self._finish(futures, wait)
+
+    def _split(self, ids: npt.NDArray[np.int64]) -> list[tuple[int, npt.NDArray[np.intp]]]:
+        """split_by_partition, remembering the last answers: a training step pulls
+        a batch's rows and then pushes gradients for the same ids."""
+        cmap = self.cluster_map
+        n = ids.shape[0]
+        if n < _SPLIT_MEMO_MIN:
+            return split_by_partition(ids, cmap)
+        for memo_ids, memo_map, parts in self._split_memo:
+            if (
+                memo_map is cmap
+                and memo_ids.shape[0] == n
+                and memo_ids[0] == ids[0]
+                and np.array_equal(memo_ids, ids)
+            ):
+                return parts
+        parts = split_by_partition(ids, cmap)
+        self._split_memo.append((ids.copy(), cmap, parts))
+        return parts
 
     # -- overlap ---------------------------------------------------------------
 

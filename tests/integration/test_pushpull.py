@@ -251,6 +251,24 @@ async def test_pull_dense_into_a_callers_buffer(cluster: LocalCluster) -> None:
                 await ps.pull_dense(name, out=bad)
 
 
+async def test_batches_alike_in_length_and_first_id_go_to_their_own_rows(
+    cluster: LocalCluster,
+) -> None:
+    # The client remembers how it split recent batches by partition (a push
+    # usually follows a pull of the same ids); a different batch must not reuse it.
+    name = unique("memo")
+    async with zps.connect(cluster.address) as ps:
+        await ps.create_embedding(name, dim=1, dtype="float64", optimizer=SGD(lr=1.0))
+        ids = np.arange(1, 2001, dtype=np.int64)
+        await ps.push_rows(name, ids, -ids[:, None].astype(np.float64))  # row x holds x
+        a = np.concatenate([[7], np.arange(100, 600)]).astype(np.int64)
+        b = np.concatenate([[7], np.arange(1100, 1600)]).astype(np.int64)
+        for batch in (a, b, a, b[::-1].copy()):
+            rows = await ps.pull_rows(name, batch)
+            np.testing.assert_array_equal(rows[:, 0], batch)
+            await ps.push_rows(name, batch, np.zeros((batch.size, 1)))
+
+
 def test_sync_facade_overlap(cluster: LocalCluster) -> None:
     name = unique("bgs")
     with zps.connect_sync(cluster.address) as ps:
