@@ -82,7 +82,7 @@ _RETRY_CODES = frozenset({"NOT_PRIMARY", "STALE_EPOCH"})
 _SPLIT_MEMO_MIN = 256
 
 
-@dataclass
+@dataclass(slots=True)
 class _Op:
     body: dict[str, Any]
     arrays: dict[str, np.ndarray]
@@ -141,6 +141,7 @@ class Client:
         self._req_ids = itertools.count(1)
         self._seqs = itertools.count(1)
         self._specs: dict[str, DenseSpec | EmbeddingSpec] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop start() ran in
         self._split_memo: collections.deque[
             tuple[npt.NDArray[np.int64], ClusterMap, list[tuple[int, npt.NDArray[np.intp]]]]
         ] = collections.deque(maxlen=4)
@@ -173,6 +174,7 @@ class Client:
         if self._started:
             return
         self._started = True
+        self._loop = asyncio.get_running_loop()
         self._ctx = transport.new_context()
         keys = CurveKeys.load(self.config.security)
         self._sock = transport.dealer(
@@ -659,9 +661,12 @@ class Client:
     ) -> asyncio.Future[dict[str, Any]]:
         if self._closed:
             raise ClosedError("the client was closed")
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[dict[str, Any]] = (
+            self._loop or asyncio.get_running_loop()
+        ).create_future()
         self._queue[partition].append(_Op(body, arrays, fut))
-        self._wake.set()
+        if not self._wake.is_set():
+            self._wake.set()
         return fut
 
     async def _gather(self, futures: Iterable[Awaitable[T]]) -> list[T]:

@@ -24,6 +24,8 @@ from zps.hashing import mix64, mix64_int, name_hash
 
 DEFAULT_SLOTS = 4096
 _M64 = (1 << 64) - 1
+_FIRST = np.zeros(1, dtype=np.intp)
+_FIRST.flags.writeable = False
 
 I64 = npt.NDArray[np.int64]
 
@@ -146,6 +148,8 @@ SPLIT_BY_MASK = 8
 
 def split_by_partition(ids: I64, cmap: ClusterMap) -> list[tuple[int, npt.NDArray[np.intp]]]:
     """``(partition, positions)`` pairs, by partition: the positions in ``ids`` each owns."""
+    if ids.size == 1:  # one-row calls are common enough for their own path
+        return [(cmap.slot_list[mix64_int(int(ids[0]) & _M64) % cmap.n_slots], _FIRST)]
     if ids.size <= SMALL_IDS:
         n_slots, slot_list = cmap.n_slots, cmap.slot_list
         owner = [slot_list[mix64_int(x & _M64) % n_slots] for x in ids.tolist()]
