@@ -10,12 +10,14 @@ step in a client and 80 in the broker's zmq thread, some 20% of the client's
 CPU time.
 
 :func:`tune` keeps such buffers in the heap: blocks under 4 MiB come from it
-and its top is trimmed only past 8 MiB free.  Bigger allocations (tables,
-snapshots, 4 MiB dense batches) still use ``mmap`` and return to the kernel
-when freed.  The price is memory freed inside the heap that cannot be
-returned: a shard holding 1M rows of dim 32 with Adagrad grew from 1.19x to
-1.28x the raw bytes (16 and 32 MiB limits cost 1.50x).  A user's own ``MALLOC_MMAP_THRESHOLD_``
-or ``MALLOC_TRIM_THRESHOLD_`` wins: then nothing is changed.
+and its top is trimmed only past 64 MiB free (a dense step has 16 MiB and more
+in flight; an 8 MiB limit still cost 1,000 faults per step in a shard's zmq
+thread).  Bigger allocations (tables, snapshots) still use ``mmap`` and return
+to the kernel when freed.  The price is freed memory held by the process:
+:func:`trim` hands it back, and a shard calls it once its traffic pauses.
+
+A user's own ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` wins: then
+nothing is changed.
 """
 
 from __future__ import annotations
@@ -25,25 +27,45 @@ import ctypes.util
 import os
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 4 << 20
-TRIM_THRESHOLD = 8 << 20
+TRIM_THRESHOLD = 64 << 20
 _ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+_tuned = False
+
+
+def _libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt.restype = ctypes.c_int
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim.restype = ctypes.c_int
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return None
+    return libc
 
 
 def tune(environ: Mapping[str, str] = os.environ) -> bool:
     """Apply the settings above to this process; True if they were applied."""
-    if not sys.platform.startswith("linux") or any(k in environ for k in _ENV):
+    global _tuned
+    libc = None if any(k in environ for k in _ENV) else _libc()
+    if libc is None:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    _tuned = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
+    return _tuned
+
+
+def trim() -> bool:
+    """Return freed heap memory to the kernel (after :func:`tune`; else nothing)."""
+    libc = _libc() if _tuned else None
+    return bool(libc.malloc_trim(0)) if libc is not None else False

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import msgpack
 import zmq.asyncio
 
-from zps import transport
+from zps import malloc, transport
 from zps.checkpoint import CheckpointStore
 from zps.cluster import Role
 from zps.codec import Encoder, MsgType, Route, decode, encode, unpack_route
@@ -104,6 +104,7 @@ class ShardServer:
         self._tg: asyncio.TaskGroup | None = None
         self._last_broker = time.monotonic()
         self._broker_lost = False
+        self._trim_due = False  # traffic since the last malloc.trim()
         self._lease_start = -1e9
         # primary side
         self._tracker: AckTracker[Reply] = AckTracker()
@@ -348,9 +349,15 @@ class ShardServer:
 
     async def _heartbeat_loop(self) -> None:
         hb = self.config.heartbeat
+        handled = self.core.stats.requests
         while True:
             await asyncio.sleep(hb.interval)
             await self._heartbeat()
+            if self.core.stats.requests != handled:
+                handled, self._trim_due = self.core.stats.requests, True
+            elif self._trim_due:  # a quiet interval after traffic: give freed buffers back
+                self._trim_due = False
+                malloc.trim()
             now = time.monotonic()
             silent = now - self._last_broker
             if silent > hb.interval * hb.liveness and not self._broker_lost:

@@ -49,3 +49,32 @@ def test_freed_message_buffers_stay_in_the_process() -> None:
 @pytest.mark.parametrize("var", ["MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"])
 def test_a_users_own_glibc_setting_wins(var: str) -> None:
     assert malloc.tune({var: "65536"}) is False
+
+
+TRIM = """
+import numpy as np
+from zps import malloc
+
+def rss_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+
+assert malloc.trim() is False  # nothing to do before tune()
+assert malloc.tune()
+keep = [np.ones(1 << 17) for _ in range(40)]  # 40 x 1 MiB from the heap
+del keep  # freed, but under the trim threshold: held by the process
+held = rss_kib()
+assert malloc.trim()
+print(held - rss_kib())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim")
+def test_trim_hands_freed_buffers_back() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run(
+        [sys.executable, "-c", TRIM], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) > 30 * 1024  # most of the 40 MiB went back
