@@ -405,8 +405,11 @@ class Client:
         id_arr = _as_ids(ids)
         parts = self._split(id_arr)
         if len(parts) == 1:  # one partition owns every id: no gather, no scatter
+            # The ids travel as given, after this call may have returned control to
+            # its caller (prefetch_rows): a copy unless they are ours already.
+            own_ids = _owned(id_arr, ids, wait=False)
             arr = (
-                await self._submit(parts[0][0], {"op": "pull_rows", "t": name}, {"ids": id_arr})
+                await self._submit(parts[0][0], {"op": "pull_rows", "t": name}, {"ids": own_ids})
             )["arrays"]
             if arr.shape != (id_arr.size, spec.dim):
                 raise ProtocolError(f"pull_rows of {name!r} came back with shape {arr.shape}")
