@@ -405,11 +405,8 @@ class Client:
         id_arr = _as_ids(ids)
         parts = self._split(id_arr)
         if len(parts) == 1:  # one partition owns every id: no gather, no scatter
-            # The ids travel as given, after this call may have returned control to
-            # its caller (prefetch_rows): a copy unless they are ours already.
-            own_ids = _owned(id_arr, ids, wait=False)
             arr = (
-                await self._submit(parts[0][0], {"op": "pull_rows", "t": name}, {"ids": own_ids})
+                await self._submit(parts[0][0], {"op": "pull_rows", "t": name}, {"ids": id_arr})
             )["arrays"]
             if arr.shape != (id_arr.size, spec.dim):
                 raise ProtocolError(f"pull_rows of {name!r} came back with shape {arr.shape}")
@@ -483,8 +480,12 @@ class Client:
     # -- overlap ---------------------------------------------------------------
 
     def prefetch_rows(self, name: str, ids: npt.ArrayLike) -> asyncio.Task[np.ndarray]:
-        """Start pulling rows now; await the task when they are needed."""
-        return asyncio.get_running_loop().create_task(self.pull_rows(name, ids))
+        """Start pulling rows now; await the task when they are needed.
+
+        The ids are copied first: the caller may reuse its buffer at once.
+        """
+        own = np.array(ids, copy=True)
+        return asyncio.get_running_loop().create_task(self.pull_rows(name, own))
 
     def prefetch_dense(self, name: str) -> asyncio.Task[np.ndarray]:
         """Start pulling a dense tensor now; await the task when it is needed."""

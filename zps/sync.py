@@ -133,8 +133,11 @@ class SyncClient:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def prefetch_rows(self, name: str, ids: npt.ArrayLike) -> concurrent.futures.Future[np.ndarray]:
-        """Start pulling rows now (while you compute); ``.result()`` gives them."""
-        return self.run(self._client.pull_rows(name, ids))
+        """Start pulling rows now (while you compute); ``.result()`` gives them.
+
+        The ids are copied first: the caller may reuse its buffer at once.
+        """
+        return self.run(self._client.pull_rows(name, np.array(ids, copy=True)))
 
     def prefetch_dense(self, name: str) -> concurrent.futures.Future[np.ndarray]:
         return self.run(self._client.pull_dense(name))

@@ -231,6 +231,11 @@ async def test_a_background_push_owns_its_data(cluster: LocalCluster) -> None:
         await ps.flush()
         np.testing.assert_array_equal(await ps.pull_rows(name, [5, 6]), [[-1, -1], [0, 0]])
         np.testing.assert_array_equal(await ps.pull_dense(name + "-d"), np.full(300_000, -1.0))
+        # A prefetch returns at once too: the ids it was given may change meanwhile.
+        ids[0] = 5
+        prefetched = ps.prefetch_rows(name, ids)
+        ids[0] = 6
+        np.testing.assert_array_equal(await prefetched, [[-1, -1]])
 
 
 async def test_pull_dense_into_a_callers_buffer(cluster: LocalCluster) -> None:
