@@ -68,6 +68,7 @@ from zps.routing import (
     split_by_partition,
 )
 from zps.security import CurveKeys
+from zps.store.memo import IdsMemo
 from zps.store.specs import DenseSpec, EmbeddingSpec, spec_from_wire
 from zps.store.tables import put_rows, take_rows
 
@@ -77,9 +78,6 @@ T = TypeVar("T")
 #: Retries of one message across map changes before the caller sees an error.
 MAX_ATTEMPTS = 1000
 _RETRY_CODES = frozenset({"NOT_PRIMARY", "STALE_EPOCH"})
-#: Client._split remembers splits of at least this many ids (below, splitting
-#: costs about what the comparison does).
-_SPLIT_MEMO_MIN = 256
 
 
 @dataclass(slots=True)
@@ -142,9 +140,7 @@ class Client:
         self._seqs = itertools.count(1)
         self._specs: dict[str, DenseSpec | EmbeddingSpec] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop start() ran in
-        self._split_memo: collections.deque[
-            tuple[npt.NDArray[np.int64], ClusterMap, list[tuple[int, npt.NDArray[np.intp]]]]
-        ] = collections.deque(maxlen=4)
+        self._split_memo: IdsMemo[list[tuple[int, npt.NDArray[np.intp]]]] = IdsMemo(size=4)
         self._status_waiters: collections.deque[asyncio.Future[dict[str, Any]]] = (
             collections.deque()
         )
@@ -462,19 +458,10 @@ class Client:
         """split_by_partition, remembering the last answers: a training step pulls
         a batch's rows and then pushes gradients for the same ids."""
         cmap = self.cluster_map
-        n = ids.shape[0]
-        if n < _SPLIT_MEMO_MIN:
-            return split_by_partition(ids, cmap)
-        for memo_ids, memo_map, parts in self._split_memo:
-            if (
-                memo_map is cmap
-                and memo_ids.shape[0] == n
-                and memo_ids[0] == ids[0]
-                and np.array_equal(memo_ids, ids)
-            ):
-                return parts
-        parts = split_by_partition(ids, cmap)
-        self._split_memo.append((ids.copy(), cmap, parts))
+        parts = self._split_memo.get(ids, cmap)
+        if parts is None:
+            parts = split_by_partition(ids, cmap)
+            self._split_memo.put(ids, parts, cmap)
         return parts
 
     # -- overlap ---------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 from collections.abc import Mapping
@@ -39,6 +40,7 @@ _ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 _tuned = False
 
 
+@functools.cache
 def _libc() -> Any:
     if not sys.platform.startswith("linux"):
         return None

@@ -18,7 +18,6 @@ optimizer runs, so an id appearing twice in one push is updated once.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import math
 import sys
@@ -30,6 +29,7 @@ import numpy.typing as npt
 from zps.errors import BadRequestError, ShapeMismatchError
 from zps.init import generate
 from zps.store.index import IdIndex, as_ids
+from zps.store.memo import IdsMemo
 from zps.store.specs import DenseSpec, EmbeddingSpec
 
 __all__ = ["DenseTensor", "EmbeddingTable", "checksum_arrays"]
@@ -38,11 +38,6 @@ Array = npt.NDArray[Any]
 _GROWTH = 1.5
 _MIN_ROWS = 64
 _UNSHARED = 3  # see DenseTensor.push
-# EmbeddingTable._lookup remembers this many answers of this many ids: below the
-# minimum an index lookup is about as cheap as the comparisons.
-_RECENT = 8
-_RECENT_MIN = 256
-_RECENT_MAX = 1 << 16
 
 
 def checksum_arrays(arrays: dict[str, Array], h: Any = None) -> str:
@@ -120,9 +115,7 @@ class EmbeddingTable:
     def _reset(self, capacity: int) -> None:
         cap = max(capacity, _MIN_ROWS)
         self._index = IdIndex()
-        self._recent: collections.deque[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = (
-            collections.deque(maxlen=_RECENT)
-        )
+        self._recent: IdsMemo[npt.NDArray[np.int64]] = IdsMemo()  # see _lookup
         self._stamp: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)  # see _distinct
         self._rows: Array = np.empty((cap, self.spec.dim), dtype=self.dtype)
         self._state: dict[str, Array] = {
@@ -216,15 +209,13 @@ class EmbeddingTable:
         only appended; a load starts a new table state and forgets them), so a
         remembered answer in which every id was present stays right.
         """
-        n = keys.shape[0]
-        if n >= _RECENT_MIN:
-            for ids, pos in self._recent:
-                if ids.shape[0] == n and ids[0] == keys[0] and np.array_equal(ids, keys):
-                    return pos
+        pos = self._recent.get(keys)
+        if pos is not None:
+            return pos
         pos = self._index.lookup(keys)
-        if _RECENT_MIN <= n <= _RECENT_MAX and bool((pos >= 0).all()):
+        if bool((pos >= 0).all()):
             pos.flags.writeable = False
-            self._recent.append((keys.copy(), pos))
+            self._recent.put(keys, pos)
         return pos
 
     def _distinct(self, pos: npt.NDArray[np.int64]) -> bool:
