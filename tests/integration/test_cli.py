@@ -36,11 +36,15 @@ def test_status_json_and_table(cluster: LocalCluster) -> None:
     assert all(s["role"] == "primary" and s["host"] for s in report["shards"])
     assert any(c["name"] == "zps-server status" for c in report["clients"])
 
-    table = run([str(ROOT / "bin" / "zps-server"), "status", "--broker", cluster.address])
-    assert table.returncode == 0, table.stderr
-    assert re.search(r"^\s+0\s+\d+\s+ok\s+s-", table.stdout, re.M), table.stdout
-    for pid in shard_pids:
-        assert str(pid) in table.stdout
+    # The installed console script and the source-checkout script, each under the test's own
+    # interpreter (never whatever `python3` a shebang would find first on PATH).
+    console_script = Path(sys.executable).with_name("zps-server")
+    for argv in ([str(console_script)], [sys.executable, str(ROOT / "bin" / "zps-server")]):
+        table = run([*argv, "status", "--broker", cluster.address])
+        assert table.returncode == 0, table.stderr
+        assert re.search(r"^\s+0\s+\d+\s+ok\s+s-", table.stdout, re.M), table.stdout
+        for pid in shard_pids:
+            assert str(pid) in table.stdout
 
 
 def test_status_of_a_missing_broker_is_a_clear_error() -> None:
