@@ -447,7 +447,7 @@ async def _aready() -> None:
 
 async def zps_client(args: dict[str, Any]) -> None:
     import zps
-    from zps.config import ClientConfig
+    from zps.ops.config import ClientConfig
 
     kind = args["kind"]
     rng = np.random.default_rng(args.get("seed", 0))
@@ -559,7 +559,7 @@ def child_main(role: str, args: dict[str, Any]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # Every benchmark process, L's and zps's clients alike, gets the allocator
     # settings the zps-server and zps-worker processes use (zps/malloc.py).
-    from zps import malloc
+    from zps.ops import malloc
 
     malloc.tune()
     if role == "l_broker":

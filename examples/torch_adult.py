@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import zps
-from zps.adult import auc, load_adult
+from zps.examples.adult import auc, load_adult
 from zps.testing import LocalCluster
 from zps.torch import ParameterServerModule, ShardedEmbeddingBag
 

@@ -5,13 +5,12 @@ Use ``zps.connect(address)`` (async) or ``zps.connect_sync(address)``
 """
 
 from zps import errors, init, optim
-from zps.client import Client, connect
+from zps.client import Client, SyncClient, connect, connect_sync
 from zps.errors import (
     ShardUnavailableError,
     ZpsError,
     ZpsTimeoutError,
 )
-from zps.sync import SyncClient, connect_sync
 
 __version__ = "0.1.0"
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from zps.cli import server_main
+from zps.cli.main import server_main
 
 sys.exit(server_main())

@@ -82,14 +82,6 @@ class StaleEpochError(RemoteError):
     code = "STALE_EPOCH"
 
 
-class OverloadedError(RemoteError):
-    code = "OVERLOADED"
-
-
-class UnauthorizedError(RemoteError):
-    code = "UNAUTHORIZED"
-
-
 class InternalError(RemoteError):
     code = "INTERNAL"
 
@@ -104,8 +96,6 @@ _BY_CODE: dict[str, type[RemoteError]] = {
         ShardUnavailableError,
         NotPrimaryError,
         StaleEpochError,
-        OverloadedError,
-        UnauthorizedError,
         InternalError,
     )
 }

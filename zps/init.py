@@ -4,7 +4,7 @@ Invariant: element ``(i, j)`` of :func:`generate` depends only on
 ``(seed, keys[i], j)``.  A row therefore gets the same initial values on any
 process (primary, replica, restarted shard), in any batch and in any order,
 and a dense tensor's values do not depend on how it is chunked.  The values
-come from a counter-based generator built on :func:`zps.hashing.mix64_pair`,
+come from a counter-based generator built on :func:`zps.core.hashing.mix64_pair`,
 so there is no RNG state to carry around or to replicate.
 
 :func:`parse_record` turns a ``{"kind": ..., field: value}`` dict received from
@@ -26,8 +26,8 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from zps.core.hashing import mix64_pair
 from zps.errors import BadRequestError
-from zps.hashing import mix64_pair
 
 __all__ = [
     "Constant",

@@ -16,17 +16,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from zps.client import connect
+from zps.client.client import connect
+from zps.core.routing import partitions_of_ids
 from zps.errors import ZpsError, ZpsTimeoutError
 from zps.optim import SGD
-from zps.routing import partitions_of_ids
 
 
 def free_port() -> int:
@@ -175,7 +175,7 @@ class LocalCluster:
         return self
 
     def status(self, timeout: float = 5.0) -> dict[str, Any]:
-        from zps.sync import connect_sync
+        from zps.client.sync import connect_sync
 
         with connect_sync(
             self.address, connect_timeout=timeout, timeout=timeout, name="zps.testing"
@@ -271,12 +271,6 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def local_cluster(**kwargs: Any) -> Iterator[LocalCluster]:
-    with LocalCluster(**kwargs) as cluster:
-        yield cluster
 
 
 @dataclass

@@ -44,9 +44,9 @@ import torch  # type: ignore[import-not-found, unused-ignore]
 import torch.nn.functional as F  # type: ignore[import-not-found, unused-ignore]
 from torch import nn  # type: ignore[import-not-found, unused-ignore]
 
+from zps.client.sync import SyncClient
 from zps.init import Constant, Initializer, Normal, Uniform, Zeros
 from zps.optim import Optimizer
-from zps.sync import SyncClient
 
 __all__ = [
     "InitSpec",

@@ -20,17 +20,26 @@ import asyncio
 import contextlib
 import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from zps.errors import BrokenError, ClosedError
+from zps.errors import BrokenError, ClosedError, ProtocolError
 
-if TYPE_CHECKING:
-    from zps.security import CurveKeys
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The CURVE keys of one process (see :func:`zps.ops.security.load_curve_keys`)."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes | None  # the broker's, for connecting sockets
+    allowed_dir: str | None  # the ZAP allow-list of client public keys, for binding sockets
+
 
 #: Frames at or above this size are sent without copying.
 ZERO_COPY_BYTES = 64 * 1024
@@ -318,6 +327,52 @@ def dealer(
         sock.close(0)
         raise BrokenError(f"cannot connect to {connect}: {e.strerror}") from e
     return Channel(sock)
+
+
+#: Handles one received message; raises ProtocolError (only) for a malformed one.
+Handler = Callable[[Frames], Awaitable[None]]
+#: Told of each malformed message: its frames and what was wrong with it.
+OnMalformed = Callable[[Frames, ProtocolError], None]
+
+
+async def serve(
+    ch: Channel,
+    handle: Handler,
+    on_malformed: OnMalformed,
+    *,
+    on_burst: Callable[[], Awaitable[None] | None] | None = None,
+    idle: float | None = None,
+    on_idle: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """The one receive-and-dispatch loop of every zps process.
+
+    Receives bursts until ``ch`` closes (or breaks) and hands each message to ``handle``.
+    The policy for malformed messages lives here and only here: a handler signals one by
+    raising :class:`ProtocolError`; the message is dropped, ``on_malformed`` is told (to
+    count and log it), and serving goes on.  Any other exception is a bug and propagates.
+
+    ``on_burst`` runs after each burst is handled (a driver's per-wake-up work: publish a
+    changed map, note that a peer is alive).  With ``idle`` (seconds), ``on_idle`` runs
+    whenever that long passes without a message.
+    """
+    while True:
+        try:
+            burst = await ch.recv_burst(idle)
+        except (ClosedError, BrokenError):
+            return
+        if not burst:
+            if on_idle is not None:
+                await on_idle()
+            continue
+        for frames in burst:
+            try:
+                await handle(frames)
+            except ProtocolError as e:
+                on_malformed(frames, e)
+        if on_burst is not None:
+            done = on_burst()
+            if done is not None:
+                await done
 
 
 async def recv_burst(ch: Channel, timeout: float | None = None) -> list[Frames]:

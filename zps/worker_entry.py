@@ -2,6 +2,6 @@
 
 import sys
 
-from zps.cli import worker_main
+from zps.cli.main import worker_main
 
 sys.exit(worker_main())

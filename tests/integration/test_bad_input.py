@@ -12,8 +12,8 @@ import zmq.asyncio
 
 import zps
 from zps import errors
-from zps.codec import MsgType, Route
 from zps.optim import SGD
+from zps.protocol.codec import MsgType, Route
 from zps.testing import LocalCluster
 
 

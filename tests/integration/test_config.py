@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from zps.config import load_settings
+from zps.ops.config import load_settings
 from zps.testing import LocalCluster, free_port
 
 ROOT = Path(__file__).resolve().parents[2]

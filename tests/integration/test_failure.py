@@ -30,7 +30,7 @@ async def test_sigkilled_shard_fails_requests_fast(fresh_cluster: LocalCluster) 
         # well under the 60 s request timeout: detection is by heartbeat (0.5 s here)
         assert elapsed < 5.0, elapsed
         # the surviving partition keeps serving
-        p1_ids = ids[[p == 1 for p in zps.routing.partitions_of_ids(ids, ps.cluster_map)]]
+        p1_ids = ids[[p == 1 for p in zps.core.routing.partitions_of_ids(ids, ps.cluster_map)]]
         rows = await ps.pull_rows("t", p1_ids)
         assert rows.shape == (p1_ids.size, 4)
         # and new requests for the dead partition fail at once
@@ -52,7 +52,7 @@ async def test_in_flight_request_to_a_stopped_shard_fails_when_it_is_declared_de
     c = fresh_cluster
     async with zps.connect(c.address, timeout=60.0) as ps:
         await ps.create_dense("d", shape=(10,), optimizer=SGD(lr=1.0))
-        owner = zps.routing.chunk_partition("d", 0, ps.cluster_map)
+        owner = zps.core.routing.chunk_partition("d", 0, ps.cluster_map)
         pid = c.shard_pid(owner)
         c.kill(pid, signal.SIGSTOP)  # frozen: connected, but never answers
         try:

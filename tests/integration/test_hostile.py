@@ -33,7 +33,10 @@ import zmq
 import zstandard
 
 import zps
-from zps.codec import (
+from zps.core.routing import chunk_partition, partitions_of_ids
+from zps.errors import ProtocolError
+from zps.optim import SGD
+from zps.protocol.codec import (
     NO_PARTITION,
     ROUTE,
     CompressPolicy,
@@ -44,9 +47,6 @@ from zps.codec import (
     encode,
     unpack_route,
 )
-from zps.errors import ProtocolError
-from zps.optim import SGD
-from zps.routing import chunk_partition, partitions_of_ids
 from zps.testing import LocalCluster
 
 N_MESSAGES = 100_000

@@ -97,7 +97,7 @@ async def test_dense_chunked_over_partitions_matches_reference(cluster: LocalClu
         await ps.create_dense(name, shape=(size,), dtype="float64", init=init, optimizer=opt)
         before = dict(ps.stats.by_partition)
         expected = generate(
-            init, zps.hashing.name_hash(name), np.arange(size), 1, "float64"
+            init, zps.core.hashing.name_hash(name), np.arange(size), 1, "float64"
         ).ravel()
         np.testing.assert_array_equal(await ps.pull_dense(name), expected)
         state = opt.init_state(1, size, "float64")

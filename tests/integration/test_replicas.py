@@ -223,7 +223,7 @@ async def test_acks_one_is_fast_path_and_still_replicates(replicated: LocalClust
         await ps.create_dense("a1", shape=(100,), dtype="float64", optimizer=SGD(lr=1.0))
         for _ in range(20):
             await ps.push_dense("a1", np.ones(100))
-        partition = zps.routing.chunk_partition("a1", 0, ps.cluster_map)
+        partition = zps.core.routing.chunk_partition("a1", 0, ps.cluster_map)
     await asyncio.to_thread(
         c.wait_for,
         lambda s: all(r["lag"] == 0 for p in s["partitions"] for r in p["replicas"]),

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import zps
-from zps.config import ClientConfig, Security
 from zps.errors import ZpsTimeoutError
+from zps.ops.config import ClientConfig, Security
 from zps.optim import SGD
 from zps.testing import LocalCluster, Proc, free_port
 

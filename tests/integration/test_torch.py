@@ -243,7 +243,7 @@ class AdultLogistic(nn.Module):
 
 
 def test_train_adult_end_to_end(ps: zps.SyncClient) -> None:
-    from zps.adult import auc, load_adult
+    from zps.examples.adult import auc, load_adult
 
     data = load_adult()
     prefix = unique("adult-torch")

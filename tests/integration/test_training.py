@@ -203,7 +203,7 @@ def test_demo_in_each_mode_reaches_the_target_auc(mode: str) -> None:
 
 
 def test_sync_with_two_workers_matches_a_single_worker(cluster: LocalCluster) -> None:
-    from zps import adult as model
+    from zps.examples import adult as model
 
     pair = [
         worker(cluster, "adult", "two", "job-two", "1", mode="sync", name=f"p{i}") for i in range(2)

@@ -88,7 +88,7 @@ if __name__ == "__main__":  # pragma: no cover
 
 def adult(ps: Any, prefix: str, job: str, epochs: str) -> int:
     """The demo's model on Adult data tasks, under its own table prefix and job."""
-    from zps import adult as model
+    from zps.examples import adult as model
 
     data = model.load_adult()
     result = model.train_tasks(ps, data, job=job, prefix=prefix, epochs=int(epochs))

@@ -1,4 +1,4 @@
-"""The Adult demo model (zps.adult) against an in-process fake parameter server.
+"""The Adult demo model (zps.examples.adult) against an in-process fake parameter server.
 
 The fake keeps tables in plain numpy dicts and applies each push on arrival with the real
 ``zps.optim`` optimizer objects (``init_state``/``apply``) and ``zps.init.generate``, so these
@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from zps import adult
 from zps import init as zinit
+from zps.examples import adult
 
 # --------------------------------------------------------------------------- fake PS
 
@@ -164,7 +164,7 @@ def test_labels_follow_the_split(data: adult.AdultData) -> None:
     import gzip
     from importlib import resources
 
-    raw = resources.files("zps").joinpath("data/adult.csv.gz").read_bytes()
+    raw = resources.files("zps.examples").joinpath("data/adult.csv.gz").read_bytes()
     rows = list(csv.DictReader(gzip.decompress(raw).decode().splitlines()))
     perm = np.random.default_rng(0).permutation(48842)
     expect = np.array([rows[i]["income"].strip().rstrip(".") == ">50K" for i in perm])
@@ -182,7 +182,9 @@ def test_label_variants_and_explicit_path(data: adult.AdultData, tmp_path: Any) 
     import gzip
     from importlib import resources
 
-    raw = gzip.decompress(resources.files("zps").joinpath("data/adult.csv.gz").read_bytes())
+    raw = gzip.decompress(
+        resources.files("zps.examples").joinpath("data/adult.csv.gz").read_bytes()
+    )
     lines = raw.decode().splitlines()
     dotted = [lines[0]] + [ln + "." if i % 2 else ln for i, ln in enumerate(lines[1:])]
     path = tmp_path / "adult.csv"

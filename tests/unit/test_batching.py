@@ -2,7 +2,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zps.batching import merge_row_ops, plan_batches
+from zps.core.batching import merge_row_ops, plan_batches
 
 
 def test_small_ops_share_one_message() -> None:

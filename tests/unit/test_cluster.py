@@ -16,8 +16,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from zps.cluster import Assignment, Claim, ClusterState, Role, ShardNode
-from zps.routing import ClusterMap, PartitionInfo
+from zps.core.cluster import Assignment, Claim, ClusterState, ShardNode
+from zps.core.routing import ClusterMap, PartitionInfo
+from zps.protocol.messages import Role
 
 
 def reg(

@@ -13,7 +13,8 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zps.codec import (
+from zps.errors import ProtocolError
+from zps.protocol.codec import (
     CODEC_RAW,
     CODEC_ZSTD,
     MAGIC,
@@ -32,7 +33,6 @@ from zps.codec import (
     encode,
     unpack_route,
 )
-from zps.errors import ProtocolError
 
 MAX = 1 << 30
 FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

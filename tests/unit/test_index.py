@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zps.core.hashing import mix64
 from zps.errors import BadRequestError
-from zps.hashing import mix64
 from zps.store.index import EMPTY, IdIndex
 
 

@@ -1,4 +1,17 @@
-"""The layering rules, checked on the source: an I/O-free core, one module on sockets."""
+"""The layering rules, checked on the source.
+
+Every module of the package is classified by layer:
+
+- ``core``: pure (no zmq, no asyncio, no files or clocks of its own); imports only the core.
+- ``driver``: a process's I/O around the core (sockets, timers, files).
+- ``ops``: configuration, metrics, systemd, security, the allocator.
+- ``app``: what users run or import at the top: the CLIs, the public package, the torch
+  adapter, the local-cluster harness and the demo.
+
+and by role (``broker``, ``shard``, ``client`` or shared).  Roles never import each other
+sideways; the runtime (core, drivers, ops) never imports the app layer, the examples or the tests;
+only the transport talks to zmq.  A new module must be classified here, or the test fails.
+"""
 
 from __future__ import annotations
 
@@ -11,24 +24,70 @@ import pytest
 import zps
 
 PKG = Path(zps.__file__).parent
-CORE_FILES = [
-    "codec.py",
-    "routing.py",
-    "batching.py",
-    "membership.py",
-    "cluster.py",
-    "shardcore.py",
-    "hashing.py",
-    "errors.py",
-    "init.py",
-    "optim.py",
-    "replication.py",
-    "snapshot.py",
-    "stepbuf.py",
-    "coord.py",
-    *sorted(f"store/{p.name}" for p in (PKG / "store").glob("*.py")),
-]
-DRIVERS = {"zps.transport", "zps.broker", "zps.server", "zps.client", "zps.sync", "zps.cli"}
+
+LAYERS: dict[str, str] = {
+    # the typed protocol and the pure core shared by every role
+    "zps.errors": "core",
+    "zps.init": "core",
+    "zps.optim": "core",
+    "zps.protocol": "core",
+    "zps.protocol.codec": "core",
+    "zps.protocol.specs": "core",
+    "zps.protocol.messages": "core",
+    "zps.core": "core",
+    "zps.core.batching": "core",
+    "zps.core.cluster": "core",
+    "zps.core.coord": "core",
+    "zps.core.hashing": "core",
+    "zps.core.membership": "core",
+    "zps.core.memo": "core",
+    "zps.core.replication": "core",
+    "zps.core.routing": "core",
+    "zps.core.rows": "core",
+    # the shard's store: tables, index, snapshots, the sync-mode step buffer
+    "zps.store": "core",
+    "zps.store.index": "core",
+    "zps.store.partition": "core",
+    "zps.store.snapshot": "core",
+    "zps.store.stepbuf": "core",
+    "zps.store.tables": "core",
+    # per-role pure state machines and their drivers
+    "zps.transport": "driver",
+    "zps.broker": "driver",
+    "zps.broker.broker": "driver",
+    "zps.broker.training": "driver",
+    "zps.shard": "driver",
+    "zps.shard.core": "core",
+    "zps.shard.server": "driver",
+    "zps.shard.checkpoint": "driver",
+    "zps.client": "driver",
+    "zps.client.client": "driver",
+    "zps.client.sync": "driver",
+    "zps.client.progress": "driver",
+    # operations
+    "zps.ops": "ops",
+    "zps.ops.config": "ops",
+    "zps.ops.malloc": "ops",
+    "zps.ops.metrics": "ops",
+    "zps.ops.security": "ops",
+    "zps.ops.systemd": "ops",
+    # what users run and import
+    "zps": "app",
+    "zps.__main__": "app",
+    "zps.worker_entry": "app",
+    "zps.cli": "app",
+    "zps.cli.main": "app",
+    "zps.torch": "app",
+    "zps.testing": "app",
+    "zps.examples": "app",
+    "zps.examples.adult": "app",
+    "zps.examples.demo": "app",
+}
+RUNTIME = {"core", "driver", "ops"}
+#: Packages that belong to one role; a role imports none of the others.
+ROLES = {"zps.broker", "zps.shard", "zps.client"}
+#: What each role must not import besides the other roles: the client holds no store.
+ROLE_FORBIDDEN = {"zps.client": {"zps.store"}}
 IO_MODULES = {"zmq", "asyncio"}
 #: The zmq names a driver other than transport may mention: types for annotations.
 ZMQ_TYPES = {"zmq.asyncio.Socket", "zmq.asyncio.Context"}
@@ -82,35 +141,50 @@ def top(name: str) -> str:
     return name.split(".")[0]
 
 
-def is_driver(name: str) -> bool:
-    return any(name == d or name.startswith(d + ".") for d in DRIVERS)
+def core_modules() -> list[str]:
+    return sorted(m for m, layer in LAYERS.items() if layer == "core")
 
 
-def test_the_core_file_list_exists() -> None:
-    for f in CORE_FILES:
-        assert (PKG / f).is_file(), f
-    assert "store/tables.py" in CORE_FILES and "store/__init__.py" in CORE_FILES
+def under(name: str, pkg: str) -> bool:
+    return name == pkg or name.startswith(pkg + ".")
 
 
-@pytest.mark.parametrize("file", CORE_FILES)
-def test_core_module_imports_no_io_and_no_driver(file: str) -> None:
-    names = set(imports(PKG / file))
-    assert not {n for n in names if top(n) in IO_MODULES}, f"{file} imports zmq/asyncio"
-    assert not {n for n in names if is_driver(n)}, f"{file} imports a driver module"
+def module_level_imports(path: Path) -> Iterator[str]:
+    """The zps modules imported at module level (not inside functions)."""
+    tree = parse(path)
+    body = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    mod = module_name(path)
+    yield from imports_of(
+        ast.Module(body=body, type_ignores=[]), mod, is_package=path.name == "__init__.py"
+    )
 
 
-@pytest.mark.parametrize("file", CORE_FILES)
-def test_core_module_does_no_dynamic_imports(file: str) -> None:
-    for node in ast.walk(parse(PKG / file)):
+def test_every_module_is_classified() -> None:
+    mods = set(all_modules())
+    assert not mods - set(LAYERS), f"classify these in LAYERS: {sorted(mods - set(LAYERS))}"
+    assert not set(LAYERS) - mods, f"gone from the package: {sorted(set(LAYERS) - mods)}"
+
+
+@pytest.mark.parametrize("mod", core_modules())
+def test_core_module_imports_no_io_and_only_the_core(mod: str) -> None:
+    names = set(imports(all_modules()[mod]))
+    assert not {n for n in names if top(n) in IO_MODULES}, f"{mod} imports zmq/asyncio"
+    outside = {n for n in names if n in LAYERS and LAYERS[n] != "core" and n != "zps"}
+    assert not outside, f"{mod} imports {sorted(outside)}"
+
+
+@pytest.mark.parametrize("mod", core_modules())
+def test_core_module_does_no_dynamic_imports(mod: str) -> None:
+    for node in ast.walk(parse(all_modules()[mod])):
         if isinstance(node, ast.Call):
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-            assert name not in {"import_module", "__import__"}, f"{file}: dynamic import"
+            assert name not in {"import_module", "__import__"}, f"{mod}: dynamic import"
 
 
 def test_the_core_imports_only_the_core_even_indirectly() -> None:
     mods = all_modules()
-    core = {module_name(PKG / f) for f in CORE_FILES}
+    core = set(core_modules())
     # Follow zps imports from every core module; the closure must stay inside the core.
     seen: set[str] = set()
     todo = sorted(core)
@@ -125,6 +199,35 @@ def test_the_core_imports_only_the_core_even_indirectly() -> None:
             if name in mods and name != "zps":
                 todo.append(name)
     assert seen <= core, f"the core reaches {sorted(seen - core)}"
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+def test_roles_do_not_import_each_other(role: str) -> None:
+    forbidden = (ROLES - {role}) | ROLE_FORBIDDEN.get(role, set())
+    for mod, path in all_modules().items():
+        if not under(mod, role):
+            continue
+        bad = {n for n in imports(path) if any(under(n, f) for f in forbidden)}
+        assert not bad, f"{mod} ({role}) imports {sorted(bad)}"
+
+
+def test_the_runtime_never_imports_the_app_layer_examples_or_tests() -> None:
+    mods = all_modules()
+    for mod, path in mods.items():
+        if LAYERS[mod] not in RUNTIME:
+            continue
+        for name in imports(path):
+            if top(name) == "tests" or under(name, "zps.examples"):
+                raise AssertionError(f"{mod} imports {name}")
+            if name in LAYERS and LAYERS[name] == "app" and name != "zps":
+                raise AssertionError(f"{mod} imports the app module {name}")
+
+
+def test_the_cli_loads_the_demo_and_the_harness_only_lazily() -> None:
+    path = all_modules()["zps.cli.main"]
+    eager = set(module_level_imports(path))
+    assert not {n for n in eager if under(n, "zps.examples") or under(n, "zps.testing")}
+    assert any(under(n, "zps.examples") for n in imports(path))  # the scan sees the lazy one
 
 
 def zmq_chains(tree: ast.Module) -> list[str]:
@@ -153,7 +256,12 @@ def test_only_transport_talks_to_zmq() -> None:
         if names:
             zmq_users[mod] = names
     assert "zps.transport" in zmq_users  # the scan sees real imports
-    assert set(zmq_users) <= {"zps.transport", "zps.broker", "zps.server", "zps.client"}
+    assert set(zmq_users) <= {
+        "zps.transport",
+        "zps.broker.broker",
+        "zps.shard.server",
+        "zps.client.client",
+    }
     for mod, names in zmq_users.items():
         if mod == "zps.transport":
             continue
@@ -195,6 +303,6 @@ def test_the_import_scan_resolves_relative_and_nested_imports() -> None:
         "zmq",
         "zmq.asyncio",
     }
-    assert any(is_driver(n) for n in names)
+    assert any(under(n, "zps.client") for n in names)
     pkg_names = set(imports_of(ast.parse("from . import x"), "zps.store", is_package=True))
     assert pkg_names == {"zps.store", "zps.store.x"}

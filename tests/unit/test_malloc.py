@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from zps import malloc
+from zps.ops import malloc
 
 CHECK = """
 import resource, sys
 import numpy as np
-from zps import malloc
+from zps.ops import malloc
 applied = malloc.tune() if sys.argv[1] == "tune" else False
 def rounds():
     for _ in range(50):
@@ -53,7 +53,7 @@ def test_a_users_own_glibc_setting_wins(var: str) -> None:
 
 TRIM = """
 import numpy as np
-from zps import malloc
+from zps.ops import malloc
 
 def rss_kib():
     for line in open("/proc/self/status"):

@@ -1,4 +1,4 @@
-from zps.membership import FailureDetector
+from zps.core.membership import FailureDetector
 
 
 def ticks(fd: FailureDetector, start: float, stop: float, step: float = 0.1) -> list[str]:

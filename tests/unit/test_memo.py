@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from zps.store.memo import IdsMemo
+from zps.core.memo import IdsMemo
 
 
 def test_matches_by_content_and_tag() -> None:

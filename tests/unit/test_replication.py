@@ -1,6 +1,6 @@
 import pytest
 
-from zps.replication import AckTracker, StreamCheck, check_stream
+from zps.core.replication import AckTracker, StreamCheck, check_stream
 
 
 def test_without_replicas_writes_are_released_at_once() -> None:

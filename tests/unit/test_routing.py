@@ -11,8 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zps.errors import ProtocolError
-from zps.routing import (
+from zps.core.routing import (
     ClusterMap,
     PartitionInfo,
     chunk_partition,
@@ -21,6 +20,7 @@ from zps.routing import (
     partitions_of_ids,
     split_by_partition,
 )
+from zps.errors import ProtocolError
 
 
 def cmap(n_partitions: int, n_slots: int = 4096, version: int = 1) -> ClusterMap:
@@ -286,8 +286,8 @@ def test_dense_chunking_rules(size: int, itemsize: int, n: int) -> None:
 
 
 def test_the_small_id_fast_path_routes_like_the_vectorised_one() -> None:
-    from zps.hashing import mix64, mix64_int
-    from zps.routing import SMALL_IDS
+    from zps.core.hashing import mix64, mix64_int
+    from zps.core.routing import SMALL_IDS
 
     rng = np.random.default_rng(5)
     xs = rng.integers(-(2**63), 2**63 - 1, 1000, dtype=np.int64)
@@ -304,7 +304,7 @@ def test_the_small_id_fast_path_routes_like_the_vectorised_one() -> None:
 
 @pytest.mark.parametrize("n_slots", [4096, 1000, 64, 1])
 def test_placement_is_slot_map_of_mix64_mod_n_slots(n_slots: int) -> None:
-    from zps.hashing import mix64
+    from zps.core.hashing import mix64
 
     ids = np.random.default_rng(3).integers(-(2**63), 2**63 - 1, 5000, dtype=np.int64)
     m = ClusterMap(1, n_slots, default_slot_map(n_slots, 3), {p: PartitionInfo() for p in range(3)})

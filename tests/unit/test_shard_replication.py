@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zps.codec import CompressPolicy, Encoder, Message, MsgType, Route, decode
 from zps.errors import BadRequestError, ProtocolError, ZpsError
 from zps.init import Constant, Normal, Uniform, Zeros
 from zps.optim import FTRL, SGD, Adagrad, Adam, Momentum, Optimizer
-from zps.shardcore import DedupCache, ShardCore
-from zps.snapshot import Snapshot, decode_snapshot, encode_snapshot
+from zps.protocol.codec import CompressPolicy, Encoder, Message, MsgType, Route, decode
+from zps.shard.core import DedupCache, ShardCore
 from zps.store import DenseSpec, EmbeddingSpec
+from zps.store.snapshot import Snapshot, decode_snapshot, encode_snapshot
 
 P, E = 3, 4
 MAX_BYTES = 1 << 28

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zps.codec import CompressPolicy, Encoder, MsgType, Route, array_from, decode
 from zps.errors import _BY_CODE
 from zps.init import Constant, Zeros
 from zps.optim import SGD
-from zps.shardcore import DedupCache, Limits, ShardCore
+from zps.protocol.codec import CompressPolicy, Encoder, MsgType, Route, array_from, decode
+from zps.shard.core import DedupCache, Limits, ShardCore
 from zps.store import DenseSpec, EmbeddingSpec
 
 PARTITION, EPOCH = 2, 5

@@ -9,7 +9,7 @@ import pytest
 from zps.errors import BadRequestError
 from zps.init import Normal, Uniform, Zeros
 from zps.optim import SGD, Adam
-from zps.store.specs import DenseSpec, EmbeddingSpec, spec_from_wire
+from zps.protocol.specs import DenseSpec, EmbeddingSpec, spec_from_wire
 
 DENSE = DenseSpec("w", (3, 5), "float32", Zeros(), SGD(lr=0.1), 7, 4)
 EMB = EmbeddingSpec("emb", 16, "float64", Uniform(-0.1, 0.1), Adam(lr=0.01), 2**63 - 1)

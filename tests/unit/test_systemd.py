@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import zps.systemd
+import zps.ops.systemd
 from zps.errors import ConfigError
-from zps.systemd import Notifier
+from zps.ops.systemd import Notifier
 
 
 @pytest.fixture
@@ -186,7 +186,7 @@ async def test_the_watchdog_loop_returns_when_no_pings_are_due(
 
 
 def test_the_module_reads_no_environment() -> None:
-    tree = ast.parse(Path(zps.systemd.__file__).read_text(encoding="utf-8"))
+    tree = ast.parse(Path(zps.ops.systemd.__file__).read_text(encoding="utf-8"))
     names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     names |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     assert not names & {"environ", "environb", "getenv", "getenvb"}

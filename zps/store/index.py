@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from zps.core.hashing import mix64
 from zps.errors import BadRequestError
-from zps.hashing import mix64
 
 __all__ = ["EMPTY", "IdIndex"]
 

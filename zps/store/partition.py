@@ -16,7 +16,7 @@ from dataclasses import fields
 from typing import Any
 
 from zps.errors import BadRequestError, TableConflictError, UnknownTableError
-from zps.store.specs import DenseSpec, TableSpec, spec_from_wire
+from zps.protocol.specs import DenseSpec, TableSpec, spec_from_wire
 from zps.store.tables import Array, DenseTensor, EmbeddingTable, checksum_arrays
 
 __all__ = ["PartitionStore"]

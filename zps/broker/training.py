@@ -1,6 +1,6 @@
 """The broker's side of training coordination: clocks, sync commits, data tasks.
 
-Glue between :mod:`zps.coord` (the rules) and the broker's socket: it keeps
+Glue between :mod:`zps.core.coord` (the rules) and the broker's socket: it keeps
 who is waiting for what, sends the replies, and drives sync-mode commits on
 every primary.  Replies carry the request's id, so clients match them to
 their calls.
@@ -12,9 +12,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from zps.cluster import ClusterState
-from zps.codec import MsgType, Route, encode
-from zps.coord import Clocks, Job, JobFailed, Mode
+from zps.core.cluster import ClusterState
+from zps.core.coord import Clocks, Job, JobFailed, Mode
+from zps.protocol.codec import MsgType, Route, encode
 
 log = logging.getLogger("zps.broker")
 

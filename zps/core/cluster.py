@@ -25,18 +25,12 @@ sends what they return.
 
 from __future__ import annotations
 
-import enum
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from zps.routing import DEFAULT_SLOTS, ClusterMap, PartitionInfo, default_slot_map
-
-
-class Role(enum.StrEnum):
-    PRIMARY = "primary"
-    REPLICA = "replica"
-    SPARE = "spare"
+from zps.core.routing import DEFAULT_SLOTS, ClusterMap, PartitionInfo, default_slot_map
+from zps.protocol.messages import Role
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from zps import transport
-from zps.cluster import Assignment, Claim, ClusterState, Role
-from zps.codec import MsgType, Route, decode, encode, unpack_route
-from zps.config import BrokerConfig
-from zps.errors import ClosedError, ProtocolError
-from zps.membership import FailureDetector
-from zps.metrics import (
+from zps.broker.training import COMMIT_TARGET, Training
+from zps.core.cluster import Assignment, Claim, ClusterState
+from zps.core.membership import FailureDetector
+from zps.errors import ProtocolError
+from zps.ops.config import BrokerConfig
+from zps.ops.metrics import (
     CounterMetricFamily,
     GaugeMetricFamily,
     Metric,
@@ -47,9 +47,10 @@ from zps.metrics import (
     gauge,
     labelled,
 )
-from zps.security import CurveKeys
-from zps.systemd import Notifier
-from zps.training import COMMIT_TARGET, Training
+from zps.ops.security import load_curve_keys
+from zps.ops.systemd import Notifier
+from zps.protocol.codec import MsgType, Route, decode, encode, unpack_route
+from zps.protocol.messages import Role
 
 log = logging.getLogger("zps.broker")
 
@@ -92,7 +93,7 @@ class Broker:
 
     async def run(self) -> None:
         ctx = transport.new_context()
-        keys = CurveKeys.load(self.config.security)
+        keys = load_curve_keys(self.config.security)
         auth = transport.start_authenticator(ctx, keys.allowed_dir) if keys else None
         self._sock, self.endpoint = transport.router(
             ctx, self.config.bind, max_message_bytes=self.config.max_message_bytes, curve=keys
@@ -146,10 +147,13 @@ class Broker:
                 )
         return ok
 
-    async def _control(self, node: bytes, mtype: MsgType, header: dict[str, Any]) -> None:
-        """Broker-originated message; shards get the empty source frame."""
+    async def _control(
+        self, node: bytes, mtype: MsgType, header: dict[str, Any], req_id: int = 0
+    ) -> None:
+        """Broker-originated message (an answer carries its request's id); shards get the
+        empty source frame."""
         prefix = [node, b""] if node.startswith(b"s-") else [node]
-        await self._send([*prefix, *encode(Route(mtype), header)])
+        await self._send([*prefix, *encode(Route(mtype, req_id=req_id), header)])
 
     async def _reply_error(self, client: bytes, route: Route, code: str, message: str) -> None:
         reply = Route(MsgType.REPLY, route.partition, route.epoch, route.req_id)
@@ -194,29 +198,28 @@ class Broker:
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
-        while True:
-            try:
-                burst = await transport.recv_burst(self._sock)
-            except ClosedError:
-                return
-            now = time.monotonic()
-            for frames in burst:
-                if len(frames) < 2:
-                    self.stats.malformed += 1
-                    continue
-                ident = transport.frame_bytes(frames[0])
-                node = ident.decode("utf-8", "replace")
-                self.detector.seen(node, now)
-                before = self.state.map_version
-                try:
-                    if ident.startswith(b"s-"):
-                        await self._from_shard(ident, node, frames, now)
-                    else:
-                        await self._from_client(ident, node, frames, now)
-                except ProtocolError as e:
-                    self.stats.malformed += 1
-                    log.debug("dropped a malformed message from %s: %s", node, e)
-                await self._publish_if_changed(before)
+        await transport.serve(self._sock, self._on_message, self._on_malformed)
+
+    async def _on_message(self, frames: transport.Frames) -> None:
+        if len(frames) < 2:
+            raise ProtocolError(f"{len(frames)} frame(s): no envelope and route")
+        now = time.monotonic()
+        ident = transport.frame_bytes(frames[0])
+        node = ident.decode("utf-8", "replace")
+        self.detector.seen(node, now)
+        before = self.state.map_version
+        try:
+            if ident.startswith(b"s-"):
+                await self._from_shard(ident, node, frames, now)
+            else:
+                await self._from_client(ident, node, frames, now)
+        finally:
+            await self._publish_if_changed(before)
+
+    def _on_malformed(self, frames: transport.Frames, err: ProtocolError) -> None:
+        self.stats.malformed += 1
+        node = transport.frame_bytes(frames[0]).decode("utf-8", "replace") if frames else "?"
+        log.debug("dropped a malformed message from %s: %s", node, err)
 
     async def _from_client(self, ident: bytes, node: str, frames: list[Any], now: float) -> None:
         route = unpack_route(transport.frame_buffer(frames[1]))
@@ -240,7 +243,7 @@ class Broker:
                 if node not in self.state.clients:  # the broker restarted: re-introduce
                     await self._control(ident, MsgType.HELLO, {})
             case MsgType.STATUS:
-                await self._control(ident, MsgType.STATUS, self.status(now))
+                await self._control(ident, MsgType.STATUS, self.status(now), route.req_id)
             case MsgType.CLOCK:
                 await self.training.on_clock(ident, node, route, msg.header)
             case MsgType.TASK:

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from zps.core.hashing import mix64, mix64_int, name_hash
 from zps.errors import ProtocolError
-from zps.hashing import mix64, mix64_int, name_hash
 
 DEFAULT_SLOTS = 4096
 _M64 = (1 << 64) - 1

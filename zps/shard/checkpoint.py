@@ -4,7 +4,7 @@ Layout of ``partition-P/ckpt-EPOCH-LSN.zps``::
 
     b"ZPSCKPT1" | u64 header length | msgpack header | frame 0 | frame 1 | ... | sha256
 
-The header is :func:`zps.snapshot.encode_snapshot`'s plus the frame lengths;
+The header is :func:`zps.store.snapshot.encode_snapshot`'s plus the frame lengths;
 the SHA-256 covers everything before it.  A file is written to a temporary
 name, fsynced, renamed into place and the directory fsynced, so a crash
 leaves either the old set of files or the new one.  Loading verifies the
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import msgpack
 
-from zps.codec import Encoder
 from zps.errors import ProtocolError, ZpsError
-from zps.snapshot import Snapshot, decode_snapshot, encode_snapshot
+from zps.protocol.codec import Encoder
+from zps.store.snapshot import Snapshot, decode_snapshot, encode_snapshot
 
 log = logging.getLogger("zps.checkpoint")
 

@@ -1,7 +1,7 @@
 """``zps-server demo``: a whole local cluster training a real model.
 
 Starts a broker, shards and worker processes on loopback, trains the
-factorization machine of :mod:`zps.adult` on the UCI Adult census data in
+factorization machine of :mod:`zps.examples.adult` on the UCI Adult census data in
 async mode (each push applied on arrival), shows progress, then evaluates on
 the held-out split and prints the test AUC.  Everything it starts is stopped
 on the way out, also on Ctrl-C or failure.
@@ -21,16 +21,16 @@ from typing import Any, TextIO
 from zps.testing import LocalCluster
 
 PROGRESS_PREFIX = "ZPS-PROGRESS "
-REFERENCE_AUC = 0.9027  # one-hot logistic regression, same split (zps/data/README.md)
+REFERENCE_AUC = 0.9027  # one-hot logistic regression, same split (zps/examples/data/README.md)
 
 
 def worker(ps: Any, epochs: str = "3") -> int:
-    """The ``zps-worker`` entry point of the demo: ``zps.demo:worker EPOCHS``.
+    """The ``zps-worker`` entry point of the demo: ``zps.examples.demo:worker EPOCHS``.
 
     Trains on data tasks from the broker in the client's mode; prints progress
     lines the demo parent reads.
     """
-    from zps import adult
+    from zps.examples import adult
 
     data = adult.load_adult()
     total = len(data.train) * int(epochs)
@@ -115,8 +115,8 @@ def run_demo(
     staleness: int = 2,
     out: TextIO = sys.stdout,
 ) -> int:
-    from zps import adult
-    from zps.sync import connect_sync
+    from zps.client.sync import connect_sync
+    from zps.examples import adult
 
     epochs = epochs or 3
     t_start = time.monotonic()
@@ -167,7 +167,7 @@ def run_demo(
                     "--staleness",
                     str(staleness),
                     "--quiet",
-                    "zps.demo:worker",
+                    "zps.examples.demo:worker",
                     str(epochs),
                 ],
                 stdout=subprocess.PIPE,

@@ -3,7 +3,7 @@
 One DEALER socket to the broker carries every request, so many requests are
 in flight at once.  Each call is split by partition (ids by slot, dense
 tensors by chunk); the operations for one partition queued in the same loop
-turn are coalesced into one message (see :mod:`zps.batching`).  Every message
+turn are coalesced into one message (see :mod:`zps.core.batching`).  Every message
 carries ``(client_id, seq)``: a message re-sent after a map change is applied
 once.  Calls fail with a clear error rather than hang: ``ShardUnavailableError``
 when a partition has no live shard, ``ZpsTimeoutError`` past the deadline.
@@ -30,20 +30,18 @@ import numpy.typing as npt
 import zmq.asyncio
 
 from zps import transport
-from zps.batching import merge_row_ops, plan_batches
-from zps.codec import (
-    NO_COMPRESSION,
-    TRAFFIC,
-    Encoder,
-    Message,
-    MsgType,
-    Route,
-    array_from,
-    decode,
-    encode,
+from zps.client.progress import Progress
+from zps.core.batching import merge_row_ops, plan_batches
+from zps.core.coord import Task
+from zps.core.hashing import name_hash
+from zps.core.memo import IdsMemo
+from zps.core.routing import (
+    ClusterMap,
+    chunk_partition,
+    dense_chunk_elems,
+    split_by_partition,
 )
-from zps.config import ClientConfig
-from zps.coord import Task
+from zps.core.rows import put_rows, take_rows
 from zps.errors import (
     BrokenError,
     ClosedError,
@@ -57,20 +55,22 @@ from zps.errors import (
     ZpsTimeoutError,
     remote_error,
 )
-from zps.hashing import name_hash
 from zps.init import Initializer, Zeros
+from zps.ops.config import ClientConfig
+from zps.ops.security import load_curve_keys
 from zps.optim import SGD, Optimizer
-from zps.progress import Progress
-from zps.routing import (
-    ClusterMap,
-    chunk_partition,
-    dense_chunk_elems,
-    split_by_partition,
+from zps.protocol.codec import (
+    NO_COMPRESSION,
+    TRAFFIC,
+    Encoder,
+    Message,
+    MsgType,
+    Route,
+    array_from,
+    decode,
+    encode,
 )
-from zps.security import CurveKeys
-from zps.store.memo import IdsMemo
-from zps.store.specs import DenseSpec, EmbeddingSpec, spec_from_wire
-from zps.store.tables import put_rows, take_rows
+from zps.protocol.specs import DenseSpec, EmbeddingSpec, spec_from_wire
 
 log = logging.getLogger("zps.client")
 
@@ -113,7 +113,6 @@ class ClientStats:
     requests: int = 0
     ops: int = 0
     retries: int = 0
-    bytes_out: int = 0
     by_partition: collections.Counter[int] = field(default_factory=collections.Counter)
 
 
@@ -172,7 +171,7 @@ class Client:
         self._started = True
         self._loop = asyncio.get_running_loop()
         self._ctx = transport.new_context()
-        keys = CurveKeys.load(self.config.security)
+        keys = load_curve_keys(self.config.security)
         self._sock = transport.dealer(
             self._ctx,
             self.address,
@@ -734,7 +733,6 @@ class Client:
         self.stats.requests += 1
         self.stats.ops += len(ops)
         self.stats.by_partition[partition] += 1
-        self.stats.bytes_out += sum(len(f) for f in frames)
         if info.primary is None:  # failing over: wait for the new primary
             self._park(req)
             return
@@ -920,12 +918,6 @@ class Client:
         return res
 
 
-def transport_errors() -> type[Exception]:
-    from zps.errors import BrokenError
-
-    return BrokenError
-
-
 def _split_result(
     merged: asyncio.Future[dict[str, Any]],
     *,
@@ -985,7 +977,7 @@ def _as_float(values: npt.ArrayLike, dtype: str, what: str) -> np.ndarray:
 def connect(address: str, config: ClientConfig | None = None, **options: Any) -> Client:
     """An async client; use as ``async with zps.connect(address) as ps``.
 
-    ``options`` are :class:`~zps.config.ClientConfig` fields (``timeout=5.0``).
+    ``options`` are :class:`~zps.ops.config.ClientConfig` fields (``timeout=5.0``).
     """
     if options:
         config = ClientConfig(**{**vars(config or ClientConfig()), **options})

@@ -12,8 +12,8 @@ Links:
 * a DEALER to its primary, when replica.
 
 A primary answers a write once every replica it requires has applied it
-(``acks=all``; see :mod:`zps.replication`), and accepts requests only while
-its lease from the broker runs (see :mod:`zps.broker`).
+(``acks=all``; see :mod:`zps.core.replication`), and accepts requests only while
+its lease from the broker runs (see :mod:`zps.broker.broker`).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from urllib.parse import urlsplit
 import msgpack
 import zmq.asyncio
 
-from zps import malloc, transport
-from zps.checkpoint import CheckpointStore
-from zps.cluster import Role
-from zps.codec import Encoder, MsgType, Route, decode, encode, unpack_route
-from zps.config import ShardConfig
+from zps import transport
+from zps.core.replication import AckTracker, StreamCheck, check_stream
+from zps.core.routing import ClusterMap
 from zps.errors import BrokenError, ClosedError, ProtocolError, ZpsError
-from zps.metrics import (
+from zps.ops import malloc
+from zps.ops.config import ShardConfig
+from zps.ops.metrics import (
     CounterMetricFamily,
     GaugeMetricFamily,
     Metric,
@@ -47,12 +47,14 @@ from zps.metrics import (
     gauge,
     labelled,
 )
-from zps.replication import AckTracker, StreamCheck, check_stream
-from zps.routing import ClusterMap
-from zps.security import CurveKeys
-from zps.shardcore import ShardCore
-from zps.snapshot import decode_snapshot, encode_snapshot
-from zps.systemd import Notifier
+from zps.ops.security import load_curve_keys
+from zps.ops.systemd import Notifier
+from zps.protocol.codec import Encoder, MsgType, Route, decode, encode, unpack_route
+from zps.protocol.messages import Role
+from zps.shard.checkpoint import CheckpointStore
+from zps.shard.core import ShardCore
+from zps.store.snapshot import decode_snapshot, encode_snapshot
+from zps.transport import CurveKeys
 
 log = logging.getLogger("zps.shard")
 
@@ -137,7 +139,7 @@ class ShardServer:
         cfg = self.config
         self._restore()
         self._ctx = transport.new_context()
-        keys = self._keys = CurveKeys.load(cfg.security)
+        keys = self._keys = load_curve_keys(cfg.security)
         auth = transport.start_authenticator(self._ctx, keys.allowed_dir) if keys else None
         self._repl, bound = transport.router(
             self._ctx, cfg.replication_bind, max_message_bytes=cfg.max_message_bytes, curve=keys

@@ -32,11 +32,19 @@ from typing import Any
 
 import numpy as np
 
-from zps.codec import TRAFFIC, BufferLike, CompressPolicy, Encoder, MsgType, Route, array_from
 from zps.errors import BadRequestError, ProtocolError, RemoteError, ShapeMismatchError
-from zps.snapshot import Snapshot
-from zps.stepbuf import Pending, StepBuffer
+from zps.protocol.codec import (
+    TRAFFIC,
+    BufferLike,
+    CompressPolicy,
+    Encoder,
+    MsgType,
+    Route,
+    array_from,
+)
 from zps.store import PartitionStore, spec_from_wire
+from zps.store.snapshot import Snapshot
+from zps.store.stepbuf import Pending, StepBuffer
 
 MUTATIONS = frozenset({"create", "push_dense", "push_rows", "commit"})
 OK: dict[str, Any] = {"st": "OK"}

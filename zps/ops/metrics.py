@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from zps.config import Metrics
+from zps.ops.config import Metrics
 
 __all__ = [
     "LATENCY_BUCKETS",

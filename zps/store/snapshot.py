@@ -2,7 +2,7 @@
 
 Used to bring a replica up to date (snapshot at LSN L, then the stream from
 L+1).  The header carries the table specs, the LSN, the epoch and the dedup
-record; every array travels as a payload frame (see :mod:`zps.codec`).
+record; every array travels as a payload frame (see :mod:`zps.protocol.codec`).
 
 Rule: :func:`decode_snapshot` returns a complete, validated snapshot or raises
 :class:`~zps.errors.ProtocolError`; a half-read snapshot is never loaded.
@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from zps.codec import BufferLike, Encoder, array_from
 from zps.errors import ProtocolError
+from zps.protocol.codec import BufferLike, Encoder, array_from
 
 DedupEntry = tuple[bytes, int, list[dict[str, Any]]]
 

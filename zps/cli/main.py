@@ -24,8 +24,9 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
-from zps import malloc
-from zps.config import (
+from zps.errors import ConfigError, ZpsError
+from zps.ops import malloc
+from zps.ops.config import (
     DEFAULT_CONFIG_PATH,
     BrokerConfig,
     Checkpoint,
@@ -36,8 +37,7 @@ from zps.config import (
     load_settings,
     override,
 )
-from zps.errors import ConfigError, ZpsError
-from zps.systemd import Notifier
+from zps.ops.systemd import Notifier
 
 log = logging.getLogger("zps")
 LEVELS = ["debug", "info", "warning", "error"]
@@ -134,7 +134,7 @@ def shard_config(args: argparse.Namespace, settings: Settings) -> ShardConfig:
 
 
 async def _serve_broker(config: BrokerConfig) -> int:
-    from zps.broker import Broker
+    from zps.broker.broker import Broker
 
     broker = Broker(config, notifier=Notifier.from_env(os.environ))
     _on_signals(broker.stop)
@@ -143,7 +143,7 @@ async def _serve_broker(config: BrokerConfig) -> int:
 
 
 async def _serve_shard(config: ShardConfig) -> int:
-    from zps.server import ShardServer
+    from zps.shard.server import ShardServer
 
     server = ShardServer(config, notifier=Notifier.from_env(os.environ))
     _on_signals(server.stop)
@@ -152,7 +152,7 @@ async def _serve_shard(config: ShardConfig) -> int:
 
 
 async def _status(broker: str, client: ClientConfig, as_json: bool) -> int:
-    from zps.client import connect
+    from zps.client.client import connect
 
     async with connect(broker, client) as ps:
         report = await ps.status()
@@ -164,7 +164,7 @@ async def _status(broker: str, client: ClientConfig, as_json: bool) -> int:
 
 
 def _keygen(out_dir: str, name: str) -> int:
-    from zps.security import write_keypair
+    from zps.ops.security import write_keypair
 
     public, secret = write_keypair(out_dir, name)
     print(f"wrote {public} (public: give it to peers / the allow-list directory)")
@@ -340,7 +340,7 @@ def server_main(argv: Sequence[str] | None = None) -> int:
                 return _keygen(args.out, args.name)
             case "demo":
                 setup_logging(args.log_level or "warning")
-                from zps.demo import run_demo
+                from zps.examples.demo import run_demo
 
                 return run_demo(
                     epochs=args.epochs,
@@ -449,7 +449,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
             return run_async(
                 _run_async_worker(func, broker, config, func_args, notifier, not args.quiet)
             )
-        from zps.sync import connect_sync
+        from zps.client.sync import connect_sync
 
         with connect_sync(broker, config) as ps:
             ps.client.progress.enabled = not args.quiet
@@ -507,7 +507,7 @@ async def _run_async_worker(
     notifier: Notifier,
     progress: bool,
 ) -> int:
-    from zps.client import Client
+    from zps.client.client import Client
 
     async with Client(broker, config) as ps, asyncio.TaskGroup() as tg:
         ps.progress.enabled = progress

@@ -17,13 +17,13 @@ import difflib
 import math
 import tomllib
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from zps.codec import DEFAULT_MAX_MESSAGE_BYTES
+from zps.core.routing import DEFAULT_SLOTS
 from zps.errors import ConfigError
-from zps.routing import DEFAULT_SLOTS
+from zps.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
 
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
 DEFAULT_BIND = "tcp://*:5555"
@@ -390,12 +390,3 @@ def override(config: T, **flags: Any) -> T:
     """``config`` with the flags that were given (not None) replacing its values."""
     given = {k: v for k, v in flags.items() if v is not None}
     return replace(config, **given) if given else config  # type: ignore[type-var]
-
-
-def defaults_of(cls: type) -> dict[str, Any]:
-    """Field defaults, for --help texts."""
-    out = {}
-    for f in fields(cls):
-        if f.default is not MISSING:
-            out[f.name] = f.default
-    return out

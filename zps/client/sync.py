@@ -1,4 +1,4 @@
-"""``zps.connect_sync``: the blocking facade over :class:`zps.client.Client`.
+"""``zps.connect_sync``: the blocking facade over :class:`zps.client.client.Client`.
 
 The async client runs on an event loop in a private thread; each method
 submits a coroutine there and waits for it.  Errors are raised in the caller
@@ -16,12 +16,12 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from zps.client import Client, connect
-from zps.config import ClientConfig
-from zps.coord import Task
+from zps.client.client import Client, connect
+from zps.core.coord import Task
+from zps.core.routing import ClusterMap
 from zps.init import Initializer
+from zps.ops.config import ClientConfig
 from zps.optim import Optimizer
-from zps.routing import ClusterMap
 
 T = TypeVar("T")
 
@@ -36,7 +36,7 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 
 class SyncClient:
-    """Blocking client: the methods of :class:`~zps.client.Client`, without ``await``."""
+    """Blocking client: the methods of :class:`~zps.client.client.Client`, without ``await``."""
 
     def __init__(self, client: Client) -> None:
         self._client = client

@@ -190,7 +190,7 @@ def _hash_column(field: str, values: Sequence[str]) -> I64:
 
 def _read_columns(path: str | os.PathLike[str] | None) -> dict[str, list[str]]:
     if path is None:
-        raw = resources.files("zps").joinpath("data/adult.csv.gz").read_bytes()
+        raw = resources.files("zps.examples").joinpath("data/adult.csv.gz").read_bytes()
     else:
         with open(path, "rb") as f:
             raw = f.read()
@@ -218,7 +218,7 @@ def _numbers(values: Sequence[str]) -> F64:
 
 
 def load_adult(path: str | os.PathLike[str] | None = None) -> AdultData:
-    """Load and featurize the Adult data (default: the copy packaged in ``zps/data``)."""
+    """Load and featurize the Adult data (default: the copy packaged in ``zps/examples/data``)."""
     cols = _read_columns(path)
     label = _parse_labels(cols["income"])
     if label.size != N_ROWS:

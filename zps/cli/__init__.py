@@ -1,0 +1,1 @@
+"""The command lines ``zps-server`` and ``zps-worker``."""

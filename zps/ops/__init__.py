@@ -1,0 +1,1 @@
+"""Operations: configuration, metrics, systemd integration, CURVE security, the allocator."""

@@ -1,0 +1,1 @@
+"""The shard process: serves one partition as primary or replica, replicates, checkpoints."""
