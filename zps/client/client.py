@@ -7,6 +7,10 @@ turn are coalesced into one message (see :mod:`zps.core.batching`).  Every messa
 carries ``(client_id, seq)``: a message re-sent after a map change is applied
 once.  Calls fail with a clear error rather than hang: ``ShardUnavailableError``
 when a partition has no live shard, ``ZpsTimeoutError`` past the deadline.
+
+Every request's lifecycle (matching replies, retries, re-sends, deadlines) is decided
+by :class:`~zps.client.session.ClientSession`; this module only carries out what it
+returns: it sends the frames, resolves the futures and ticks it when it asks.
 """
 
 from __future__ import annotations
@@ -15,14 +19,12 @@ import asyncio
 import collections
 import contextlib
 import functools
-import itertools
 import logging
 import os
 import socket
-import time
 import uuid
 from collections.abc import Awaitable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -30,9 +32,9 @@ import numpy.typing as npt
 import zmq.asyncio
 
 from zps import transport
-from zps.client.progress import Progress
+from zps.client.session import Action, ClientSession, ClientStats, Deliver, Fail, Send
+from zps.client.training import TrainingCalls
 from zps.core.batching import merge_row_ops, plan_batches
-from zps.core.coord import Task
 from zps.core.hashing import name_hash
 from zps.core.memo import IdsMemo
 from zps.core.routing import (
@@ -45,11 +47,9 @@ from zps.core.rows import put_rows, take_rows
 from zps.errors import (
     BrokenError,
     ClosedError,
-    JobFailedError,
     ProtocolError,
     RemoteError,
     ShapeMismatchError,
-    ShardUnavailableError,
     TableConflictError,
     UnknownTableError,
     ZpsTimeoutError,
@@ -75,9 +75,6 @@ from zps.protocol.specs import DenseSpec, EmbeddingSpec, spec_from_wire
 log = logging.getLogger("zps.client")
 
 T = TypeVar("T")
-#: Retries of one message across map changes before the caller sees an error.
-MAX_ATTEMPTS = 1000
-_RETRY_CODES = frozenset({"NOT_PRIMARY", "STALE_EPOCH"})
 
 
 @dataclass(slots=True)
@@ -91,70 +88,48 @@ class _Op:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-@dataclass
-class _Request:
-    req_id: int
-    partition: int
-    ops: list[_Op]
-    body: list[Any]  # header and payload frames, re-sent unchanged on retry
-    epoch: int
-    deadline: float
-    attempts: int = 1
-    parked: bool = False  # waiting to be re-sent (a newer map, or a short backoff)
-
-    def fail(self, exc: BaseException) -> None:
-        for op in self.ops:
-            if not op.future.done():
-                op.future.set_exception(exc)
+#: What the session hands back for a request: its operations, or a broker call's future.
+_Token = list[_Op] | asyncio.Future[dict[str, Any]]
 
 
-@dataclass
-class ClientStats:
-    requests: int = 0
-    ops: int = 0
-    retries: int = 0
-    by_partition: collections.Counter[int] = field(default_factory=collections.Counter)
+class Client(TrainingCalls):
+    """An asyncio client; use ``async with zps.connect(address) as ps``.
 
-
-class Client:
-    """An asyncio client; use ``async with zps.connect(address) as ps``."""
+    The training coordination (clock, data tasks, progress) comes from
+    :class:`~zps.client.training.TrainingCalls`; this class is the key-value API and the
+    driver of the request machinery (:class:`~zps.client.session.ClientSession`).
+    """
 
     def __init__(self, address: str, config: ClientConfig | None = None) -> None:
         self.address = address
         self.config = config or ClientConfig()
         self.client_id = f"c-{uuid.uuid4().hex[:16]}".encode()
-        self.stats = ClientStats()
+        self._session: ClientSession[_Token] = ClientSession(
+            self.client_id,
+            timeout=self.config.timeout,
+            max_backoff=self.config.heartbeat.interval,
+            hello={"host": socket.gethostname(), "pid": os.getpid(), "name": self.config.name},
+            acks=1 if self.config.acks == 1 else None,
+        )
+        self.stats: ClientStats = self._session.stats
         self._policy = TRAFFIC if self.config.compress else NO_COMPRESSION
-        self._map: ClusterMap | None = None
         self._map_event = asyncio.Event()
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: transport.Channel | None = None
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
-        self._pending: dict[int, _Request] = {}
         self._queue: dict[int, list[_Op]] = collections.defaultdict(list)
-        self._due: list[int] = []  # parked requests whose backoff ran out
         self._wake = asyncio.Event()
-        self._req_ids = itertools.count(1)
-        self._seqs = itertools.count(1)
+        self._timer: asyncio.TimerHandle | None = None  # at the session's next wake-up
+        self._tick_at: float | None = None  # set when the session is due a tick
         self._specs: dict[str, DenseSpec | EmbeddingSpec] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop start() ran in
         self._split_memo: IdsMemo[list[tuple[int, npt.NDArray[np.intp]]]] = IdsMemo(size=4)
-        self._status_waiters: collections.deque[asyncio.Future[dict[str, Any]]] = (
-            collections.deque()
-        )
         self._closed = False
         self._started = False
-        self._step = 0
-        #: Set when the worker is asked to stop (zps-worker's SIGTERM): finish
-        #: the step, flush, release the task, return.
-        self.stop_requested = False
-        self.progress = Progress(name=self.config.name, enabled=False)
+        self._init_training()
         self._background: set[asyncio.Task[Any]] = set()
         self._bg_error: BaseException | None = None
-        self._broker_calls: dict[
-            int, tuple[asyncio.Future[dict[str, Any]], MsgType, dict[str, Any]]
-        ] = {}
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -212,10 +187,11 @@ class Client:
             t.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._stack.aclose()
+        if self._timer is not None:
+            self._timer.cancel()
         err = ClosedError("the client was closed")
-        for req in self._pending.values():
-            req.fail(err)
-        self._pending.clear()
+        for action in self._session.close(err):
+            self._resolve(action)
         for ops in self._queue.values():
             for op in ops:
                 if not op.future.done():
@@ -228,9 +204,10 @@ class Client:
 
     @property
     def cluster_map(self) -> ClusterMap:
-        if self._map is None:
+        cmap = self._session.map
+        if cmap is None:
             raise ClosedError("the client is not connected")
-        return self._map
+        return cmap
 
     # -- tables --------------------------------------------------------------
 
@@ -507,136 +484,25 @@ class Client:
             await asyncio.wait(set(self._background))
         self._raise_background()
 
-    # -- training modes ----------------------------------------------------------
-
-    @property
-    def step(self) -> int:
-        """The step this worker is in (sync and ssp: as the broker counts)."""
-        return self._step
-
-    def report(self, *, rows: float = 0, loss: float | None = None, **extra: float) -> None:
-        """Per-step metrics for the progress display (zps-worker shows them)."""
-        self.progress.report(rows=rows, loss=loss, **extra)
-
-    def _tagged(self, body: dict[str, Any]) -> dict[str, Any]:
-        if self.config.mode == "sync":
-            body["step"] = self._step  # buffered by the shards until the step commits
-        return body
-
-    def _clock_header(self, op: str) -> dict[str, Any]:
-        return {"op": op, "mode": self.config.mode, "tau": self.config.staleness}
-
-    async def clock(self) -> int:
-        """Finish the current step and wait until the mode lets the next one start.
-
-        sync: returns once every live worker finished the step and its averaged
-        gradients were applied; ssp: once no worker is more than ``staleness``
-        steps behind; async: at once.  Background pushes are flushed first.
-        """
-        await self.flush()
-        if self.config.mode == "async":
-            self._step += 1
-            return self._step
-        header = self._clock_header("tick")
-        header["finished"] = self._step + 1
-        reply = await self._broker_call(MsgType.CLOCK, header, forever=True)
-        self._step = int(reply["step"])
-        return self._step
-
-    # -- data tasks --------------------------------------------------------------
-
-    async def create_job(
-        self,
-        job: str,
-        n_records: int,
-        per_task: int,
-        *,
-        epochs: int = 1,
-        max_retries: int = 3,
-        seed: int = 0,
-    ) -> dict[str, Any]:
-        """Declare a data set of ``n_records`` cut into tasks (idempotent for the same
-        settings); returns its progress."""
-        reply = await self._broker_call(
-            MsgType.TASK,
-            {
-                "op": "create",
-                "job": job,
-                "n_records": n_records,
-                "per_task": per_task,
-                "epochs": epochs,
-                "max_retries": max_retries,
-                "seed": seed,
-            },
-        )
-        return dict(reply["progress"])
-
-    async def next_task(self, job: str) -> Task | None:
-        """The next task of ``job``; None when every task of every epoch is done.
-
-        When none is free but others still hold some (one may come back if its
-        worker dies), this waits; in sync and ssp mode the worker leaves the
-        step clock meanwhile, so the others are not held up, and joins again
-        with its next task.
-        """
-        reply = await self._broker_call(MsgType.TASK, {"op": "next", "job": job, "wait": False})
-        if reply.get("pending"):
-            if self.config.mode != "async":
-                await self._broker_call(MsgType.CLOCK, self._clock_header("leave"))
-            reply = await self._broker_call(MsgType.TASK, {"op": "next", "job": job}, forever=True)
-            if self.config.mode != "async" and reply.get("task") is not None:
-                joined = await self._broker_call(MsgType.CLOCK, self._clock_header("join"))
-                self._step = int(joined["step"])
-        t = reply.get("task")
-        if t is None:
-            return None
-        return Task(t["job"], t["task"], t["epoch"], t["start"], t["stop"])
-
-    async def task_done(self, task: Task) -> None:
-        await self._broker_call(MsgType.TASK, {"op": "done", "job": task.job, "task": task.task_id})
-
-    async def release_task(self, task: Task) -> None:
-        """Give a task back unfinished (e.g. on shutdown): another worker takes it."""
-        await self._broker_call(
-            MsgType.TASK, {"op": "release", "job": task.job, "task": task.task_id}
-        )
-
     async def _broker_call(
         self, mtype: MsgType, header: dict[str, Any], forever: bool = False
     ) -> dict[str, Any]:
         """A request the broker itself answers (matched by request id)."""
-        assert self._sock is not None
-        req_id = next(self._req_ids)
+        if self._closed:
+            raise ClosedError("the client was closed")
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._broker_calls[req_id] = (fut, mtype, header)
-        await transport.send(self._sock, encode(Route(mtype, req_id=req_id), header))
-        limit = None if forever else self.config.timeout
+        req_id, actions = self._session.call(mtype, header, fut, self._now(), forever=forever)
         try:
-            reply = await asyncio.wait_for(fut, limit)
-        except TimeoutError:
-            raise ZpsTimeoutError(
-                f"the broker did not answer {mtype.name} within {limit:g}s"
-            ) from None
-        finally:
-            self._broker_calls.pop(req_id, None)
-        if reply.get("st") == "JOB_FAILED":
-            raise JobFailedError(str(reply.get("msg", "")))
-        if reply.get("st") != "OK":
-            raise remote_error(str(reply.get("st")), str(reply.get("msg", "")))
-        return reply
+            await self._apply(actions)
+            return await fut
+        finally:  # answered, failed, or the caller gave up: the session forgets the call
+            self._session.abandon(req_id, ClosedError("the call was cancelled"))
 
     # -- introspection -------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:
         """The broker's status report (as ``zps-server status --json`` prints it)."""
-        assert self._sock is not None
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._status_waiters.append(fut)
-        await transport.send(self._sock, encode(Route(MsgType.STATUS), {}))
-        try:
-            return await asyncio.wait_for(fut, self.config.timeout)
-        except TimeoutError:
-            raise ZpsTimeoutError("the broker did not answer the status request") from None
+        return await self._broker_call(MsgType.STATUS, {})
 
     async def checksums(self) -> dict[int, dict[str, Any]]:
         """Per partition: checksum of all its tables and its LSN."""
@@ -671,15 +537,18 @@ class Client:
                     t.exception()
             raise
 
+    def _now(self) -> float:
+        return (self._loop or asyncio.get_running_loop()).time()
+
     async def _flush_loop(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            due, self._due = self._due, []
-            for req_id in due:
-                req = self._pending.get(req_id)
-                if req is not None and req.parked:
-                    await self._resend(req)
+            if self._tick_at is not None:
+                # The timer may fire a hair early: the session is told the time it asked for.
+                now = max(self._now(), self._tick_at)
+                self._tick_at = None
+                await self._apply(self._session.tick(now))
             queued, self._queue = self._queue, collections.defaultdict(list)
             for partition, queued_ops in queued.items():
                 ops = self._merge(queued_ops)
@@ -706,14 +575,6 @@ class Client:
         return out
 
     async def _send_request(self, partition: int, ops: list[_Op]) -> None:
-        cmap = self.cluster_map
-        info = cmap.partitions.get(partition)
-        if info is None or info.lost:
-            err = ShardUnavailableError(f"partition {partition} has no live copy")
-            for op in ops:
-                if not op.future.done():
-                    op.future.set_exception(err)
-            return
         enc = Encoder(self._policy)
         bodies = []
         for op in ops:
@@ -721,79 +582,73 @@ class Client:
             for key, arr in op.arrays.items():
                 body[key] = enc.array(arr)
             bodies.append(body)
-        header: dict[str, Any] = {"cid": self.client_id, "seq": next(self._seqs), "ops": bodies}
-        if self.config.acks == 1:
-            header["acks"] = 1
-        req_id = next(self._req_ids)
-        frames = enc.build(Route(MsgType.REQUEST, partition, info.epoch, req_id), header)
-        req = _Request(
-            req_id, partition, ops, frames[1:], info.epoch, time.monotonic() + self.config.timeout
-        )
-        self._pending[req_id] = req
-        self.stats.requests += 1
-        self.stats.ops += len(ops)
-        self.stats.by_partition[partition] += 1
-        if info.primary is None:  # failing over: wait for the new primary
-            self._park(req)
-            return
-        await self._transmit(req, frames)
+        await self._apply(self._session.submit(partition, bodies, enc, ops, self._now()))
 
-    async def _transmit(self, req: _Request, frames: list[Any]) -> None:
+    async def _apply(self, actions: list[Action[_Token]]) -> None:
+        """Carry out what the session asked for, then set the timer for its next tick."""
+        for action in actions:
+            if isinstance(action, Send):
+                await self._transmit(action)
+            else:
+                self._resolve(action)
+        self._schedule()
+
+    async def _transmit(self, send: Send) -> None:
         assert self._sock is not None
         try:
-            await transport.send(self._sock, frames)
+            await transport.send(self._sock, send.frames)
         except (ClosedError, BrokenError) as e:
-            self._pending.pop(req.req_id, None)
-            req.fail(e if isinstance(e, ClosedError) else ClosedError(str(e)))
+            err = e if isinstance(e, ClosedError) else ClosedError(str(e))
+            for action in self._session.abandon(send.req_id, err):
+                self._resolve(action)
 
-    def _park(self, req: _Request) -> None:
-        """Re-send after a short, growing backoff (or at once on a newer map)."""
-        req.parked = True
-        delay = min(0.01 * 2 ** min(req.attempts - 1, 8), self.config.heartbeat.interval)
-        asyncio.get_running_loop().call_later(delay, self._make_due, req.req_id)
+    def _resolve(self, action: Deliver[_Token] | Fail[_Token]) -> None:
+        token = action.token
+        if isinstance(action, Fail):
+            if isinstance(token, list):
+                for op in token:
+                    if not op.future.done():
+                        op.future.set_exception(action.error)
+            elif not token.done():
+                token.set_exception(action.error)
+        elif isinstance(token, list):
+            self._deliver(token, action.msg)
+        elif not token.done():
+            token.set_result(action.msg.header)
 
-    def _make_due(self, req_id: int) -> None:
-        self._due.append(req_id)
+    def _deliver(self, ops: list[_Op], msg: Message) -> None:
+        results = msg.header.get("res")
+        if not isinstance(results, list) or len(results) != len(ops):
+            err = ProtocolError("reply does not match the request's operations")
+            for op in ops:
+                if not op.future.done():
+                    op.future.set_exception(err)
+            return
+        for op, res in zip(ops, results, strict=True):
+            if op.future.done():
+                continue
+            try:
+                op.future.set_result(self._result(res, msg))
+            except (ProtocolError, RemoteError) as e:
+                op.future.set_exception(e)
+
+    def _schedule(self) -> None:
+        """Have the flush loop tick the session at its next wake-up (if sooner than planned)."""
+        at = self._session.next_wakeup()
+        if at is None or (self._timer is not None and self._timer.when() <= at):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = (self._loop or asyncio.get_running_loop()).call_at(at, self._on_timer, at)
+
+    def _on_timer(self, at: float) -> None:
+        self._timer = None
+        self._tick_at = at if self._tick_at is None else min(self._tick_at, at)
         self._wake.set()
-
-    async def _resend(self, req: _Request) -> None:
-        info = self.cluster_map.partitions.get(req.partition)
-        if info is None or info.lost:
-            self._pending.pop(req.req_id, None)
-            req.fail(
-                ShardUnavailableError(
-                    f"partition {req.partition} has no live copy (its last shard died)"
-                )
-            )
-            return
-        if info.primary is None:
-            req.attempts += 1
-            self._park(req)
-            return
-        if req.attempts >= MAX_ATTEMPTS:
-            self._pending.pop(req.req_id, None)
-            req.fail(
-                ShardUnavailableError(
-                    f"partition {req.partition}: gave up after {req.attempts} attempts"
-                )
-            )
-            return
-        req.attempts += 1
-        req.parked = False
-        req.epoch = info.epoch
-        self.stats.retries += 1
-        route = Route(MsgType.REQUEST, req.partition, info.epoch, req.req_id)
-        await self._transmit(req, [route.pack(), *req.body])
 
     async def _hello(self) -> None:
         assert self._sock is not None
-        await transport.send(
-            self._sock,
-            encode(
-                Route(MsgType.HELLO),
-                {"host": socket.gethostname(), "pid": os.getpid(), "name": self.config.name},
-            ),
-        )
+        await transport.send(self._sock, self._session.hello().frames)
 
     async def _heartbeat_loop(self) -> None:
         assert self._sock is not None
@@ -801,106 +656,42 @@ class Client:
         while True:
             await asyncio.sleep(interval)
             await transport.send(self._sock, encode(Route(MsgType.HEARTBEAT), {}))
-            now = time.monotonic()
-            expired = [r for r in self._pending.values() if r.deadline < now]
-            for req in expired:
-                del self._pending[req.req_id]
-                req.fail(
-                    ZpsTimeoutError(
-                        f"request to partition {req.partition} not answered within "
-                        f"{self.config.timeout:g}s"
-                    )
-                )
+            # Also a tick: deadlines are checked at least this often.
+            now = self._now()
+            self._tick_at = now if self._tick_at is None else min(self._tick_at, now)
+            self._wake.set()
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
-        while True:
-            try:
-                burst = await transport.recv_burst(self._sock)
-            except ClosedError:
-                return
-            for frames in burst:
-                try:
-                    msg = decode([transport.frame_buffer(f) for f in frames])
-                    await self._dispatch(msg)
-                except ProtocolError as e:
-                    log.warning("dropped a malformed message from the broker: %s", e)
+        await transport.serve(self._sock, self._on_message, self._on_malformed)
+
+    async def _on_message(self, frames: transport.Frames) -> None:
+        await self._dispatch(decode([transport.frame_buffer(f) for f in frames]))
+
+    def _on_malformed(self, frames: transport.Frames, err: ProtocolError) -> None:
+        log.warning("dropped a malformed message from the broker: %s", err)
 
     async def _dispatch(self, msg: Message) -> None:
         match msg.route.mtype:
-            case MsgType.REPLY:
-                await self._on_reply(msg)
+            case MsgType.REPLY | MsgType.STATUS | MsgType.CLOCK | MsgType.TASK:
+                await self._apply(self._session.on_reply(msg, self._now()))
             case MsgType.MAP:
-                await self._on_map(ClusterMap.from_wire(msg.header.get("map")))
-            case MsgType.STATUS:
-                if self._status_waiters:
-                    fut = self._status_waiters.popleft()
-                    if not fut.done():
-                        fut.set_result(msg.header)
-            case MsgType.CLOCK | MsgType.TASK:
-                call = self._broker_calls.get(msg.route.req_id)
-                if call is not None and not call[0].done():
-                    call[0].set_result(msg.header)
+                new = ClusterMap.from_wire(msg.header.get("map"))
+                old = self._session.map
+                if old is not None and new.incarnation != old.incarnation:
+                    log.info(
+                        "the broker restarted; re-sending %d unanswered requests",
+                        len(self._session),
+                    )
+                await self._apply(self._session.on_map(new, self._now()))
+                if self._session.map is not None:
+                    self._map_event.set()
             case MsgType.HELLO:  # the broker restarted and does not know us
                 await self._hello()
             case MsgType.HEARTBEAT:
                 pass
             case _:
                 raise ProtocolError(f"a client does not expect {msg.route.mtype.name}")
-
-    async def _on_map(self, new: ClusterMap) -> None:
-        old = self._map
-        restarted = old is not None and new.incarnation != old.incarnation
-        if old is not None and not restarted and new.version < old.version:
-            return
-        self._map = new
-        self._map_event.set()
-        if restarted:
-            log.info("the broker restarted; re-sending %d unanswered requests", len(self._pending))
-            assert self._sock is not None
-            for req_id, (_, mtype, header) in list(self._broker_calls.items()):
-                await transport.send(self._sock, encode(Route(mtype, req_id=req_id), header))
-        for req in list(self._pending.values()):
-            info = new.partitions.get(req.partition)
-            # A restarted broker may have dropped anything in flight; a new epoch
-            # means a new primary.  Dedup makes re-sending safe.
-            if (
-                restarted
-                or req.parked
-                or info is None
-                or info.epoch != req.epoch
-                or info.primary is None
-                or info.lost
-            ):
-                await self._resend(req)
-
-    async def _on_reply(self, msg: Message) -> None:
-        req = self._pending.get(msg.route.req_id)
-        if req is None:
-            return  # a late answer to a request that was already answered or timed out
-        header = msg.header
-        status = header.get("st")
-        if status in _RETRY_CODES:
-            # Failing over, or our map is out of date: try again shortly.
-            self._park(req)
-            if status == "STALE_EPOCH":
-                await self._hello()
-            return
-        del self._pending[req.req_id]
-        if status != "OK":
-            req.fail(remote_error(str(status), str(header.get("msg", ""))))
-            return
-        results = header.get("res")
-        if not isinstance(results, list) or len(results) != len(req.ops):
-            req.fail(ProtocolError("reply does not match the request's operations"))
-            return
-        for op, res in zip(req.ops, results, strict=True):
-            if op.future.done():
-                continue
-            try:
-                op.future.set_result(self._result(res, msg))
-            except (ProtocolError, RemoteError) as e:
-                op.future.set_exception(e)
 
     def _result(self, res: object, msg: Message) -> dict[str, Any]:
         if not isinstance(res, dict):

@@ -1,0 +1,318 @@
+"""The client's request lifecycle, driven without sockets or a clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from zps.client.session import (
+    MAX_ATTEMPTS,
+    Action,
+    ClientSession,
+    Deliver,
+    Fail,
+    Send,
+)
+from zps.core.routing import ClusterMap, PartitionInfo
+from zps.errors import (
+    JobFailedError,
+    ShardUnavailableError,
+    UnknownTableError,
+    ZpsTimeoutError,
+)
+from zps.protocol.codec import Encoder, Message, MsgType, Route, decode
+
+TIMEOUT = 5.0
+BACKOFF_CAP = 0.5
+
+
+def cmap(
+    version: int = 1,
+    *,
+    epoch: int = 1,
+    primary: str | None = "s-a",
+    lost: bool = False,
+    incarnation: str = "b1",
+    n: int = 2,
+) -> ClusterMap:
+    parts = {p: PartitionInfo(epoch=epoch, primary=primary, lost=lost) for p in range(n)}
+    return ClusterMap(version, 16, np.zeros(16, dtype=np.int32), parts, incarnation)
+
+
+def session(m: ClusterMap | None = None, timeout: float = TIMEOUT) -> ClientSession[str]:
+    s: ClientSession[str] = ClientSession(
+        b"c-test", timeout=timeout, max_backoff=BACKOFF_CAP, hello={"name": "t"}
+    )
+    assert s.on_map(m or cmap(), 0.0) == []
+    return s
+
+
+def submit(s: ClientSession[str], token: str, now: float = 0.0, p: int = 0) -> list[Action[str]]:
+    enc = Encoder()
+    desc = enc.array(np.arange(3, dtype=np.int64))
+    return s.submit(p, [{"op": "pull_rows", "t": "emb", "ids": desc}], enc, token, now)
+
+
+def sent(actions: list[Action[str]]) -> list[Message]:
+    return [decode(a.frames) for a in actions if isinstance(a, Send)]
+
+
+def only_send(actions: list[Action[str]]) -> Message:
+    assert len(actions) == 1 and isinstance(actions[0], Send), actions
+    return decode(actions[0].frames)
+
+
+def reply(req_id: int, st: str = "OK", **header: Any) -> Message:
+    return Message(Route(MsgType.REPLY, 0, 1, req_id), {"st": st, **header}, [])
+
+
+def answer(mtype: MsgType, req_id: int, header: dict[str, Any]) -> Message:
+    return Message(Route(mtype, req_id=req_id), header, [])
+
+
+def test_a_reply_completes_the_request() -> None:
+    s = session()
+    msg = only_send(submit(s, "a"))
+    assert msg.route.mtype is MsgType.REQUEST and msg.route.epoch == 1
+    assert msg.header["cid"] == b"c-test" and msg.header["ops"][0]["op"] == "pull_rows"
+    assert len(msg.payloads) == 1
+    out = s.on_reply(reply(msg.route.req_id, res=[{"st": "OK"}]), 0.1)
+    assert len(out) == 1 and isinstance(out[0], Deliver)
+    assert out[0].token == "a" and out[0].msg.header["res"] == [{"st": "OK"}]
+    assert len(s) == 0 and s.next_wakeup() is None
+    assert s.stats.requests == 1 and s.stats.ops == 1 and s.stats.by_partition[0] == 1
+
+
+def test_an_error_status_fails_with_the_matching_error() -> None:
+    s = session()
+    msg = only_send(submit(s, "a"))
+    [out] = s.on_reply(reply(msg.route.req_id, "UNKNOWN_TABLE", msg="no emb"), 0.1)
+    assert isinstance(out, Fail) and isinstance(out.error, UnknownTableError)
+    assert "no emb" in str(out.error)
+
+
+@pytest.mark.parametrize("code", ["NOT_PRIMARY", "STALE_EPOCH"])
+def test_a_retry_code_parks_and_resends_at_the_backoff_time(code: str) -> None:
+    s = session()
+    first = only_send(submit(s, "a", now=10.0))
+    out = s.on_reply(reply(first.route.req_id, code), 10.0)
+    if code == "STALE_EPOCH":  # our map is out of date: ask for a new one
+        assert [m.route.mtype for m in sent(out)] == [MsgType.HELLO]
+    else:
+        assert out == []
+    assert s.next_wakeup() == pytest.approx(10.01)
+    assert s.tick(10.009) == []
+    again = only_send(s.tick(10.01))
+    assert again.route.req_id == first.route.req_id
+    assert again.header == first.header  # same seq, same body
+    assert [bytes(p) for p in again.payloads] == [bytes(p) for p in first.payloads]
+    assert s.stats.retries == 1
+    # The second backoff is twice as long.
+    assert s.on_reply(reply(first.route.req_id, "NOT_PRIMARY"), 11.0) == []
+    assert s.next_wakeup() == pytest.approx(11.02)
+
+
+def backoffs(s: ClientSession[str], n: int) -> list[float]:
+    assert submit(s, "a", now=0.0) == []  # no primary: parked at once
+    now, delays = 0.0, []
+    for _ in range(n):
+        wake = s.next_wakeup()
+        assert wake is not None
+        delays.append(round(wake - now, 6))
+        now = wake
+        assert s.tick(now) == []  # still no primary: parked again
+    return delays
+
+
+def test_the_backoff_doubles_up_to_the_cap() -> None:
+    s = session(cmap(primary=None))
+    assert backoffs(s, 9) == [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.5, 0.5]
+
+
+def test_the_backoff_doubles_eight_times_at_most() -> None:
+    s: ClientSession[str] = ClientSession(b"c", timeout=1e9, max_backoff=100.0)
+    s.on_map(cmap(primary=None), 0.0)
+    assert backoffs(s, 11) == [0.01 * 2**k for k in range(9)] + [2.56, 2.56]
+
+
+def test_a_new_epoch_resends_at_once() -> None:
+    s = session()
+    first = only_send(submit(s, "a"))
+    assert s.on_map(cmap(2), 0.1) == []  # same epoch, same primary: nothing to do
+    again = only_send(s.on_map(cmap(3, epoch=2, primary="s-b"), 0.2))
+    assert again.route.epoch == 2 and again.route.req_id == first.route.req_id
+    assert again.header["seq"] == first.header["seq"]
+    [out] = s.on_reply(reply(first.route.req_id), 0.3)
+    assert isinstance(out, Deliver)
+
+
+def test_a_parked_request_goes_out_with_the_next_map() -> None:
+    s = session()
+    first = only_send(submit(s, "a"))
+    s.on_reply(reply(first.route.req_id, "NOT_PRIMARY"), 0.0)
+    assert only_send(s.on_map(cmap(2), 0.001)).route.req_id == first.route.req_id
+    assert s.tick(1.0) == []  # no longer parked: the old backoff timer does nothing
+
+
+def test_an_older_map_is_ignored() -> None:
+    s = session(cmap(5))
+    submit(s, "a")
+    assert s.on_map(cmap(4, epoch=9), 0.1) == []
+    assert s.map is not None and s.map.version == 5
+
+
+def test_a_broker_restart_resends_everything_including_broker_calls() -> None:
+    s = session(cmap(5))
+    req = only_send(submit(s, "a"))
+    call_id, call = s.call(MsgType.TASK, {"op": "next", "job": "j"}, "t", 0.0, forever=True)
+    assert only_send(call).route.req_id == call_id
+    st_id, _ = s.call(MsgType.STATUS, {}, "st", 0.0)
+    out = sent(s.on_map(cmap(1, incarnation="b2"), 1.0))  # versions restart at 1
+    by_id = {m.route.req_id: m for m in out}
+    assert set(by_id) == {req.route.req_id, call_id, st_id}
+    assert by_id[call_id].route.mtype is MsgType.TASK
+    assert by_id[call_id].header == {"op": "next", "job": "j"}
+    assert by_id[st_id].route.mtype is MsgType.STATUS
+    assert by_id[req.route.req_id].header == req.header
+
+
+def test_a_lost_partition_fails_new_and_waiting_requests() -> None:
+    s = session()
+    submit(s, "a", p=0)
+    submit(s, "b", p=1)
+    out = s.on_map(cmap(2, lost=True), 0.1)
+    assert sorted(a.token for a in out if isinstance(a, Fail)) == ["a", "b"]
+    for a in out:
+        assert isinstance(a, Fail) and isinstance(a.error, ShardUnavailableError)
+        assert "has no live copy (its last shard died)" in str(a.error)
+    [late] = submit(s, "c")
+    assert isinstance(late, Fail) and isinstance(late.error, ShardUnavailableError)
+    assert "partition 0 has no live copy" in str(late.error)
+    assert len(s) == 0
+
+
+def test_max_attempts_gives_up() -> None:
+    s = session(timeout=1e9)
+    first = only_send(submit(s, "a"))
+    req_id, now, sends = first.route.req_id, 0.0, 1
+    while True:
+        s.on_reply(reply(req_id, "NOT_PRIMARY"), now)
+        wake = s.next_wakeup()
+        assert wake is not None
+        now = wake
+        out = s.tick(now)
+        if isinstance(out[0], Fail):
+            break
+        sends += 1
+    assert sends == MAX_ATTEMPTS
+    [fail] = out
+    assert isinstance(fail, Fail) and isinstance(fail.error, ShardUnavailableError)
+    assert f"gave up after {MAX_ATTEMPTS} attempts" in str(fail.error)
+    assert len(s) == 0
+
+
+def test_the_deadline_fails_with_a_timeout_and_a_late_reply_is_ignored() -> None:
+    s = session()
+    msg = only_send(submit(s, "a", now=100.0))
+    assert s.next_wakeup() == 100.0 + TIMEOUT
+    assert s.tick(100.0 + TIMEOUT - 0.001) == []
+    [out] = s.tick(100.0 + TIMEOUT)
+    assert isinstance(out, Fail) and isinstance(out.error, ZpsTimeoutError)
+    assert "request to partition 0 not answered within 5s" in str(out.error)
+    assert s.on_reply(reply(msg.route.req_id), 200.0) == []
+    assert s.next_wakeup() is None
+
+
+def test_a_parked_request_still_times_out() -> None:
+    s = session(cmap(primary=None))
+    submit(s, "a", now=0.0)
+    fails: list[Fail[str]] = []
+    while not fails:
+        wake = s.next_wakeup()
+        assert wake is not None and wake <= TIMEOUT
+        fails = [a for a in s.tick(wake) if isinstance(a, Fail)]
+    assert isinstance(fails[0].error, ZpsTimeoutError)
+
+
+def test_broker_calls_time_out_unless_forever() -> None:
+    s = session()
+    s.call(MsgType.CLOCK, {"op": "tick"}, "clock", 0.0)
+    s.call(MsgType.STATUS, {}, "status", 0.0)
+    s.call(MsgType.TASK, {"op": "next"}, "forever", 0.0, forever=True)
+    out = s.tick(TIMEOUT)
+    msgs = {a.token: str(a.error) for a in out if isinstance(a, Fail)}
+    assert msgs == {
+        "clock": "the broker did not answer CLOCK within 5s",
+        "status": "the broker did not answer the status request",
+    }
+    assert len(s) == 1 and s.next_wakeup() is None
+
+
+def test_duplicate_replies_are_delivered_once() -> None:
+    s = session()
+    msg = only_send(submit(s, "a"))
+    assert len(s.on_reply(reply(msg.route.req_id), 0.1)) == 1
+    assert s.on_reply(reply(msg.route.req_id), 0.2) == []
+    call_id, _ = s.call(MsgType.CLOCK, {"op": "tick"}, "c", 0.0)
+    assert len(s.on_reply(answer(MsgType.CLOCK, call_id, {"st": "OK", "step": 3}), 0.1)) == 1
+    assert s.on_reply(answer(MsgType.CLOCK, call_id, {"st": "OK", "step": 3}), 0.1) == []
+
+
+def test_status_replies_are_matched_by_id_out_of_order() -> None:
+    s = session()
+    first, _ = s.call(MsgType.STATUS, {}, "first", 0.0)
+    second, _ = s.call(MsgType.STATUS, {}, "second", 0.0)
+    [out] = s.on_reply(answer(MsgType.STATUS, second, {"n": 2}), 0.1)
+    assert isinstance(out, Deliver) and out.token == "second" and out.msg.header == {"n": 2}
+    [out] = s.on_reply(answer(MsgType.STATUS, first, {"n": 1}), 0.1)
+    assert isinstance(out, Deliver) and out.token == "first" and out.msg.header == {"n": 1}
+    assert s.on_reply(answer(MsgType.STATUS, 0, {"n": 0}), 0.1) == []  # no id: no match
+
+
+def test_broker_call_statuses() -> None:
+    s = session()
+    job, _ = s.call(MsgType.TASK, {"op": "next"}, "job", 0.0)
+    bad, _ = s.call(MsgType.TASK, {"op": "done"}, "bad", 0.0)
+    [out] = s.on_reply(answer(MsgType.TASK, job, {"st": "JOB_FAILED", "msg": "boom"}), 0.1)
+    assert isinstance(out, Fail) and isinstance(out.error, JobFailedError)
+    [out] = s.on_reply(answer(MsgType.TASK, bad, {"st": "BAD_REQUEST", "msg": "no"}), 0.1)
+    assert isinstance(out, Fail) and "no" in str(out.error)
+    ok, _ = s.call(MsgType.CLOCK, {"op": "join"}, "ok", 0.0)
+    assert s.on_reply(reply(ok), 0.1) == []  # a REPLY is not the answer to a CLOCK call
+    [out] = s.on_reply(answer(MsgType.CLOCK, ok, {"st": "OK", "step": 7}), 0.1)
+    assert isinstance(out, Deliver) and out.msg.header["step"] == 7
+
+
+def test_seqs_are_unique_and_increasing_across_retries() -> None:
+    s = session()
+    seqs = []
+    for i in range(5):
+        msg = only_send(submit(s, f"t{i}"))
+        seqs.append(msg.header["seq"])
+        s.on_reply(reply(msg.route.req_id, "NOT_PRIMARY"), 0.0)
+    assert seqs == sorted(seqs) and len(set(seqs)) == 5
+    resent = sent(s.tick(1.0))
+    assert sorted(m.header["seq"] for m in resent) == seqs  # re-sends keep their seq
+    msg = only_send(submit(s, "later"))
+    assert msg.header["seq"] > max(seqs)
+
+
+def test_abandon_and_close_fail_each_token_once() -> None:
+    s = session()
+    msg = only_send(submit(s, "a"))
+    submit(s, "b")
+    s.call(MsgType.CLOCK, {}, "c", 0.0)
+    err = RuntimeError("gone")
+    assert [a.token for a in s.abandon(msg.route.req_id, err)] == ["a"]
+    assert s.abandon(msg.route.req_id, err) == []
+    assert sorted(a.token for a in s.close(err)) == ["b", "c"]
+    assert len(s) == 0 and s.next_wakeup() is None
+
+
+def test_acks_one_goes_in_the_header() -> None:
+    s: ClientSession[str] = ClientSession(b"c", timeout=1.0, max_backoff=1.0, acks=1)
+    s.on_map(cmap(), 0.0)
+    assert only_send(submit(s, "a")).header["acks"] == 1
+    assert "acks" not in only_send(submit(session(), "a")).header

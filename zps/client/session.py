@@ -1,0 +1,334 @@
+"""The client's request lifecycle as a pure state machine: no sockets, no clock.
+
+The driver (:class:`zps.client.client.Client`) feeds it events: a partition request to
+submit, a broker call (CLOCK, TASK, STATUS), a received reply, a new cluster map, a timer
+tick; each returns the actions to carry out: frames to :class:`Send`, results to
+:class:`Deliver`, errors to :class:`Fail`.  Time is always an argument (``now``); the
+driver calls :meth:`ClientSession.tick` at :meth:`ClientSession.next_wakeup`.
+
+Rules:
+
+1. Every request and broker call waits in one table keyed by its request id; a reply is
+   matched by that id only (a STATUS answer too), and an id leaves the table exactly once:
+   so every token gets exactly one :class:`Deliver` or :class:`Fail`, and late or
+   duplicate replies are ignored.
+2. A partition request carries ``(cid, seq)``; ``seq`` is allocated here, increasing, and
+   a re-send repeats the request's frames unchanged (same seq, same body): the shard
+   applies it once.
+3. NOT_PRIMARY and STALE_EPOCH park a request; it is re-sent at its backoff time
+   ``min(0.01 * 2**min(attempts - 1, 8), max_backoff)``, or at once on a map whose epoch
+   for its partition differs.  After ``MAX_ATTEMPTS`` it fails.
+4. A map from a new broker incarnation re-sends everything in flight, broker calls
+   included: the restarted broker may have dropped it.
+5. A request to a lost partition fails with ShardUnavailableError; past its deadline
+   (``now + timeout`` at submission) with ZpsTimeoutError.  Calls made ``forever`` have
+   no deadline.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeAlias, TypeVar
+
+from zps.core.routing import ClusterMap
+from zps.errors import JobFailedError, ShardUnavailableError, ZpsTimeoutError, remote_error
+from zps.protocol.codec import Encoder, Message, MsgType, Route, encode
+
+T = TypeVar("T")
+
+#: Retries of one message across map changes before the caller sees an error.
+MAX_ATTEMPTS = 1000
+RETRY_CODES = frozenset({"NOT_PRIMARY", "STALE_EPOCH"})
+#: The broker calls: answered by the broker itself, with a reply of the same type.
+BROKER_CALLS = frozenset({MsgType.CLOCK, MsgType.TASK, MsgType.STATUS})
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Frames to send to the broker; ``req_id`` is the request they carry (0: none)."""
+
+    frames: list[Any]
+    req_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver(Generic[T]):
+    """A request was answered: ``msg`` is the reply (its status was OK)."""
+
+    token: T
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Fail(Generic[T]):
+    """A request ended with an error."""
+
+    token: T
+    error: BaseException
+
+
+Action: TypeAlias = Send | Deliver[T] | Fail[T]
+
+
+@dataclass
+class ClientStats:
+    requests: int = 0
+    ops: int = 0
+    retries: int = 0
+    by_partition: collections.Counter[int] = field(default_factory=collections.Counter)
+
+
+@dataclass(slots=True)
+class _Request(Generic[T]):
+    token: T
+    partition: int
+    body: list[Any]  # header and payload frames, re-sent unchanged on retry
+    epoch: int
+    deadline: float
+    attempts: int = 1
+    parked: bool = False  # waiting to be re-sent (a newer map, or a short backoff)
+    due_at: float = 0.0  # when a parked request is re-sent
+
+
+@dataclass(slots=True)
+class _Call(Generic[T]):
+    token: T
+    mtype: MsgType
+    header: dict[str, Any]
+    limit: float | None  # seconds allowed, None: forever
+
+
+class ClientSession(Generic[T]):
+    """Tracks every request in flight from submission to its one outcome."""
+
+    def __init__(
+        self,
+        cid: bytes,
+        *,
+        timeout: float,
+        max_backoff: float,
+        hello: dict[str, Any] | None = None,
+        acks: int | None = None,
+    ) -> None:
+        self.cid = cid
+        self.timeout = timeout
+        self.max_backoff = max_backoff
+        self.map: ClusterMap | None = None
+        self.stats = ClientStats()
+        self._hello = hello or {}
+        self._acks = acks
+        self._req_ids = itertools.count(1)
+        self._seqs = itertools.count(1)
+        self._table: dict[int, _Request[T] | _Call[T]] = {}
+        # Deadlines in submission order: the timeout is one for all, so the first is the
+        # earliest (an OrderedDict finds its first entry in O(1) after many deletions).
+        self._deadlines: collections.OrderedDict[int, float] = collections.OrderedDict()
+        self._due: list[tuple[float, int]] = []  # (due_at, req_id); stale entries skipped
+
+    def __len__(self) -> int:
+        """Requests and broker calls in flight."""
+        return len(self._table)
+
+    # -- events --------------------------------------------------------------
+
+    def hello(self) -> Send:
+        """The HELLO that asks the broker for the map (and introduces this client)."""
+        return Send(encode(Route(MsgType.HELLO), self._hello))
+
+    def submit(
+        self,
+        partition: int,
+        ops: list[dict[str, Any]],
+        encoder: Encoder,
+        token: T,
+        now: float,
+    ) -> list[Action[T]]:
+        """A request of ``ops`` (their arrays already added to ``encoder``) to ``partition``."""
+        info = self.map.partitions.get(partition) if self.map is not None else None
+        if info is None or info.lost:
+            return [Fail(token, ShardUnavailableError(f"partition {partition} has no live copy"))]
+        header: dict[str, Any] = {"cid": self.cid, "seq": next(self._seqs), "ops": ops}
+        if self._acks is not None:
+            header["acks"] = self._acks
+        req_id = next(self._req_ids)
+        frames = encoder.build(Route(MsgType.REQUEST, partition, info.epoch, req_id), header)
+        deadline = now + self.timeout
+        self._table[req_id] = _Request(token, partition, frames[1:], info.epoch, deadline)
+        self._deadlines[req_id] = deadline
+        self.stats.requests += 1
+        self.stats.ops += len(ops)
+        self.stats.by_partition[partition] += 1
+        req = self._table[req_id]
+        assert isinstance(req, _Request)
+        if info.primary is None:  # failing over: wait for the new primary
+            self._park(req_id, req, now)
+            return []
+        return [Send(frames, req_id)]
+
+    def call(
+        self, mtype: MsgType, header: dict[str, Any], token: T, now: float, *, forever: bool = False
+    ) -> tuple[int, list[Action[T]]]:
+        """A call the broker answers itself; returns its request id and what to send."""
+        if mtype not in BROKER_CALLS:
+            raise ValueError(f"{mtype.name} is not a broker call")
+        req_id = next(self._req_ids)
+        self._table[req_id] = _Call(token, mtype, header, None if forever else self.timeout)
+        if not forever:
+            self._deadlines[req_id] = now + self.timeout
+        return req_id, [Send(encode(Route(mtype, req_id=req_id), header), req_id)]
+
+    def on_reply(self, msg: Message, now: float) -> list[Action[T]]:
+        """A REPLY from a shard (or the broker), or the answer to a broker call."""
+        req_id = msg.route.req_id
+        entry = self._table.get(req_id)
+        if entry is None:
+            return []  # a late answer to a request that was already answered or timed out
+        header = msg.header
+        status = header.get("st")
+        if isinstance(entry, _Call):
+            if msg.route.mtype is not entry.mtype:
+                return []
+            self._forget(req_id)
+            if entry.mtype is MsgType.STATUS:
+                return [Deliver(entry.token, msg)]
+            if status == "JOB_FAILED":
+                return [Fail(entry.token, JobFailedError(str(header.get("msg", ""))))]
+            if status != "OK":
+                return [Fail(entry.token, remote_error(str(status), str(header.get("msg", ""))))]
+            return [Deliver(entry.token, msg)]
+        if msg.route.mtype is not MsgType.REPLY:
+            return []
+        if status in RETRY_CODES:
+            # Failing over, or our map is out of date: try again shortly.
+            self._park(req_id, entry, now)
+            return [self.hello()] if status == "STALE_EPOCH" else []
+        self._forget(req_id)
+        if status != "OK":
+            return [Fail(entry.token, remote_error(str(status), str(header.get("msg", ""))))]
+        return [Deliver(entry.token, msg)]
+
+    def on_map(self, new: ClusterMap, now: float) -> list[Action[T]]:
+        """A map from the broker: kept unless older; re-sends what it concerns."""
+        old = self.map
+        restarted = old is not None and new.incarnation != old.incarnation
+        if old is not None and not restarted and new.version < old.version:
+            return []
+        self.map = new
+        actions: list[Action[T]] = []
+        for req_id, entry in list(self._table.items()):
+            if isinstance(entry, _Call):
+                if restarted:
+                    frames = encode(Route(entry.mtype, req_id=req_id), entry.header)
+                    actions.append(Send(frames, req_id))
+                continue
+            info = new.partitions.get(entry.partition)
+            # A restarted broker may have dropped anything in flight; a new epoch
+            # means a new primary.  Dedup makes re-sending safe.
+            if (
+                restarted
+                or entry.parked
+                or info is None
+                or info.epoch != entry.epoch
+                or info.primary is None
+                or info.lost
+            ):
+                actions.extend(self._resend(req_id, entry, now))
+        return actions
+
+    def tick(self, now: float) -> list[Action[T]]:
+        """Fail what is past its deadline, then re-send what is due."""
+        actions: list[Action[T]] = []
+        while self._deadlines:
+            req_id, deadline = next(iter(self._deadlines.items()))
+            if deadline > now:
+                break
+            expired = self._table[req_id]
+            self._forget(req_id)
+            actions.append(Fail(expired.token, ZpsTimeoutError(self._timeout_message(expired))))
+        while self._due and self._due[0][0] <= now:
+            due_at, req_id = heapq.heappop(self._due)
+            entry = self._table.get(req_id)
+            if isinstance(entry, _Request) and entry.parked and entry.due_at == due_at:
+                actions.extend(self._resend(req_id, entry, now))
+        return actions
+
+    def next_wakeup(self) -> float | None:
+        """When :meth:`tick` has something to do next (None: nothing is timed)."""
+        self._drop_stale_due()
+        times = []
+        if self._due:
+            times.append(self._due[0][0])
+        if self._deadlines:
+            times.append(next(iter(self._deadlines.values())))
+        return min(times) if times else None
+
+    def abandon(self, req_id: int, error: BaseException) -> list[Fail[T]]:
+        """The driver could not send ``req_id``: it fails with ``error``."""
+        entry = self._table.get(req_id)
+        if entry is None:
+            return []
+        self._forget(req_id)
+        return [Fail(entry.token, error)]
+
+    def close(self, error: BaseException) -> list[Fail[T]]:
+        """Fail everything in flight with ``error``."""
+        actions = [Fail(e.token, error) for e in self._table.values()]
+        self._table.clear()
+        self._deadlines.clear()
+        self._due.clear()
+        return actions
+
+    # -- internals -----------------------------------------------------------
+
+    def _forget(self, req_id: int) -> None:
+        del self._table[req_id]
+        self._deadlines.pop(req_id, None)
+
+    def _park(self, req_id: int, req: _Request[T], now: float) -> None:
+        """Re-send after a short, growing backoff (or at once on a newer map)."""
+        req.parked = True
+        req.due_at = now + min(0.01 * 2 ** min(req.attempts - 1, 8), self.max_backoff)
+        heapq.heappush(self._due, (req.due_at, req_id))
+
+    def _resend(self, req_id: int, req: _Request[T], now: float) -> list[Action[T]]:
+        info = self.map.partitions.get(req.partition) if self.map is not None else None
+        if info is None or info.lost:
+            self._forget(req_id)
+            err = ShardUnavailableError(
+                f"partition {req.partition} has no live copy (its last shard died)"
+            )
+            return [Fail(req.token, err)]
+        if info.primary is None:
+            req.attempts += 1
+            self._park(req_id, req, now)
+            return []
+        if req.attempts >= MAX_ATTEMPTS:
+            self._forget(req_id)
+            err = ShardUnavailableError(
+                f"partition {req.partition}: gave up after {req.attempts} attempts"
+            )
+            return [Fail(req.token, err)]
+        req.attempts += 1
+        req.parked = False
+        req.epoch = info.epoch
+        self.stats.retries += 1
+        route = Route(MsgType.REQUEST, req.partition, info.epoch, req_id)
+        return [Send([route.pack(), *req.body], req_id)]
+
+    def _drop_stale_due(self) -> None:
+        while self._due:
+            due_at, req_id = self._due[0]
+            entry = self._table.get(req_id)
+            if isinstance(entry, _Request) and entry.parked and entry.due_at == due_at:
+                return
+            heapq.heappop(self._due)
+
+    def _timeout_message(self, entry: _Request[T] | _Call[T]) -> str:
+        if isinstance(entry, _Request):
+            return f"request to partition {entry.partition} not answered within {self.timeout:g}s"
+        if entry.mtype is MsgType.STATUS:
+            return "the broker did not answer the status request"
+        return f"the broker did not answer {entry.mtype.name} within {entry.limit:g}s"

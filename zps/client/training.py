@@ -1,0 +1,137 @@
+"""The training coordination calls of the client: the step clock, data tasks, progress.
+
+A mixin of :class:`zps.client.client.Client`: every call here is a broker call (CLOCK or
+TASK) made through the client's request machinery, so it is matched by request id,
+re-sent after a broker restart and bounded by the client's timeout unless it waits on
+other workers (``forever``).  The step (``_step``) changes only from a broker's answer,
+or locally in async mode where there is no shared clock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zps.client.progress import Progress
+from zps.core.coord import Task
+from zps.ops.config import ClientConfig
+from zps.protocol.codec import MsgType
+
+
+class TrainingCalls:
+    """Sync/ssp/async step clock, data tasks and per-step metrics."""
+
+    config: ClientConfig
+    _step: int
+    #: Set when the worker is asked to stop (zps-worker's SIGTERM): finish
+    #: the step, flush, release the task, return.
+    stop_requested: bool
+    progress: Progress
+
+    def _init_training(self) -> None:
+        self._step = 0
+        self.stop_requested = False
+        self.progress = Progress(name=self.config.name, enabled=False)
+
+    async def flush(self) -> None:
+        """Wait for every background push (the client provides it)."""
+        raise NotImplementedError
+
+    async def _broker_call(
+        self, mtype: MsgType, header: dict[str, Any], forever: bool = False
+    ) -> dict[str, Any]:
+        """A request the broker itself answers (the client provides it)."""
+        raise NotImplementedError
+
+    # -- training modes ------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """The step this worker is in (sync and ssp: as the broker counts)."""
+        return self._step
+
+    def report(self, *, rows: float = 0, loss: float | None = None, **extra: float) -> None:
+        """Per-step metrics for the progress display (zps-worker shows them)."""
+        self.progress.report(rows=rows, loss=loss, **extra)
+
+    def _tagged(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.config.mode == "sync":
+            body["step"] = self._step  # buffered by the shards until the step commits
+        return body
+
+    def _clock_header(self, op: str) -> dict[str, Any]:
+        return {"op": op, "mode": self.config.mode, "tau": self.config.staleness}
+
+    async def clock(self) -> int:
+        """Finish the current step and wait until the mode lets the next one start.
+
+        sync: returns once every live worker finished the step and its averaged
+        gradients were applied; ssp: once no worker is more than ``staleness``
+        steps behind; async: at once.  Background pushes are flushed first.
+        """
+        await self.flush()
+        if self.config.mode == "async":
+            self._step += 1
+            return self._step
+        header = self._clock_header("tick")
+        header["finished"] = self._step + 1
+        reply = await self._broker_call(MsgType.CLOCK, header, forever=True)
+        self._step = int(reply["step"])
+        return self._step
+
+    # -- data tasks --------------------------------------------------------------
+
+    async def create_job(
+        self,
+        job: str,
+        n_records: int,
+        per_task: int,
+        *,
+        epochs: int = 1,
+        max_retries: int = 3,
+        seed: int = 0,
+    ) -> dict[str, Any]:
+        """Declare a data set of ``n_records`` cut into tasks (idempotent for the same
+        settings); returns its progress."""
+        reply = await self._broker_call(
+            MsgType.TASK,
+            {
+                "op": "create",
+                "job": job,
+                "n_records": n_records,
+                "per_task": per_task,
+                "epochs": epochs,
+                "max_retries": max_retries,
+                "seed": seed,
+            },
+        )
+        return dict(reply["progress"])
+
+    async def next_task(self, job: str) -> Task | None:
+        """The next task of ``job``; None when every task of every epoch is done.
+
+        When none is free but others still hold some (one may come back if its
+        worker dies), this waits; in sync and ssp mode the worker leaves the
+        step clock meanwhile, so the others are not held up, and joins again
+        with its next task.
+        """
+        reply = await self._broker_call(MsgType.TASK, {"op": "next", "job": job, "wait": False})
+        if reply.get("pending"):
+            if self.config.mode != "async":
+                await self._broker_call(MsgType.CLOCK, self._clock_header("leave"))
+            reply = await self._broker_call(MsgType.TASK, {"op": "next", "job": job}, forever=True)
+            if self.config.mode != "async" and reply.get("task") is not None:
+                joined = await self._broker_call(MsgType.CLOCK, self._clock_header("join"))
+                self._step = int(joined["step"])
+        t = reply.get("task")
+        if t is None:
+            return None
+        return Task(t["job"], t["task"], t["epoch"], t["start"], t["stop"])
+
+    async def task_done(self, task: Task) -> None:
+        await self._broker_call(MsgType.TASK, {"op": "done", "job": task.job, "task": task.task_id})
+
+    async def release_task(self, task: Task) -> None:
+        """Give a task back unfinished (e.g. on shutdown): another worker takes it."""
+        await self._broker_call(
+            MsgType.TASK, {"op": "release", "job": task.job, "task": task.task_id}
+        )
