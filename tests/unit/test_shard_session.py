@@ -1,0 +1,459 @@
+"""A shard's role, replication and lease state, driven without sockets or sleeps."""
+
+from __future__ import annotations
+
+import pytest
+
+from zps.protocol.messages import Role
+from zps.shard.session import ShardSession
+
+P, E = 3, 4
+HB, LIVENESS = 0.25, 4  # lease: 0.75 s; a silent peer is dead after 1 s
+LEASE = HB * (LIVENESS - 1)
+ME = "s-me"
+
+
+def session(
+    *, interval_s: float = 0.0, every: int = 0, checkpoints: bool = False
+) -> ShardSession[str]:
+    return ShardSession(
+        ME,
+        heartbeat_interval=HB,
+        liveness=LIVENESS,
+        checkpoint_interval_s=interval_s,
+        checkpoint_every_updates=every,
+        checkpoints=checkpoints,
+        now=0.0,
+    )
+
+
+def primary(*replicas: str, now: float = 0.0) -> ShardSession[str]:
+    """A primary of P at E that holds a lease from a heartbeat sent at ``now``."""
+    s = session()
+    assert s.assign(Role.PRIMARY, P, E).changed
+    s.on_map(E, set(), set(replicas))
+    s.echoed(now, "primary", P, E)
+    return s
+
+
+def in_sync(s: ShardSession[str], node: str, *, lsn: int = 0, now: float = 0.0) -> None:
+    """``node`` subscribes at ``lsn`` and acknowledges it."""
+    assert s.accepts_subscription(node, P, E)
+    s.subscribed(node, lsn, now)
+    assert s.acked(node, lsn, E, now).in_sync
+
+
+# ---- lease ------------------------------------------------------------------
+
+
+def test_a_spare_has_no_lease_and_needs_none() -> None:
+    s = session()
+    assert s.may_write(100.0)  # the core refuses a spare's requests, not the lease
+
+
+def test_a_new_primary_has_no_lease_until_a_heartbeat_is_echoed() -> None:
+    s = session()
+    s.assign(Role.PRIMARY, P, E)
+    assert not s.may_write(0.1)
+    s.echoed(0.1, "primary", P, E)
+    assert s.may_write(0.2)
+
+
+def test_the_lease_lapses_when_heartbeats_stop_being_echoed_and_returns_on_echo() -> None:
+    s = primary(now=1.0)
+    assert s.may_write(1.0 + LEASE - 0.01)
+    assert not s.may_write(1.0 + LEASE)  # nothing echoed since: writes are refused
+    assert not s.may_write(5.0)
+    s.echoed(4.9, "primary", P, E)  # the broker answers a heartbeat sent at 4.9
+    assert s.may_write(5.0)
+    s.echoed(2.0, "primary", P, E)  # a late echo of an older heartbeat does not shorten it
+    assert s.may_write(4.9 + LEASE - 0.01)
+
+
+@pytest.mark.parametrize(
+    "echo",
+    [
+        (1.0, "replica", P, E),  # another role
+        (1.0, "primary", P + 1, E),  # another partition
+        (1.0, "primary", P, E - 1),  # another epoch
+        (1, "primary", P, E),  # not a send time
+        (None, "primary", P, E),
+    ],
+)
+def test_an_echo_for_another_assignment_grants_no_lease(echo: tuple[object, ...]) -> None:
+    s = session()
+    s.assign(Role.PRIMARY, P, E)
+    s.echoed(*echo)
+    assert not s.may_write(1.1)
+
+
+def test_stepping_down_forfeits_the_lease() -> None:
+    s = primary(now=1.0)
+    s.assign(Role.REPLICA, P, E + 1, "tcp://p2:1")
+    s.assign(Role.PRIMARY, P, E + 2)  # promoted again: only a new echo gives a lease
+    assert not s.may_write(1.1)
+    s.echoed(1.05, "primary", P, E + 2)
+    assert s.may_write(1.1)
+
+
+def test_the_broker_is_reported_lost_once_and_regained_on_traffic() -> None:
+    s = primary()
+    assert s.tick(0.5, requests=0, lsn=0).broker_lost_for is None
+    assert s.tick(HB * LIVENESS, requests=0, lsn=0).broker_lost_for is None  # not yet past
+    lost = s.tick(1.25, requests=0, lsn=0).broker_lost_for
+    assert lost == pytest.approx(1.25)
+    assert s.broker_lost
+    assert s.tick(1.5, requests=0, lsn=0).broker_lost_for is None  # said once
+    assert s.broker_seen(1.6)  # regained: the driver logs it
+    assert not s.broker_seen(1.7)
+    assert s.tick(2.0, requests=0, lsn=0).broker_lost_for is None
+    assert s.tick(2.8, requests=0, lsn=0).broker_lost_for == pytest.approx(1.1)
+
+
+def test_heartbeats_carry_the_send_time_and_a_primarys_in_sync_set() -> None:
+    s = primary("r1", "r2")
+    in_sync(s, "r2")
+    assert s.heartbeat_fields(3.0) == {"t": 3.0, "epoch": E, "in_sync": ["r2"]}
+    s.assign(Role.REPLICA, P, E + 1, "tcp://p2:1")
+    assert s.heartbeat_fields(4.0) == {"t": 4.0, "epoch": E + 1}
+
+
+# ---- in-sync set (primary side) -----------------------------------------------
+
+
+def test_only_the_partitions_replicas_at_this_epoch_may_subscribe() -> None:
+    s = primary("r1")
+    assert s.accepts_subscription("r1", P, E)
+    assert not s.accepts_subscription("stranger", P, E)
+    assert not s.accepts_subscription("r1", P + 1, E)
+    assert not s.accepts_subscription("r1", P, E - 1)
+    s.assign(Role.SPARE, None, 0)
+    assert not s.accepts_subscription("r1", P, E)
+
+
+def test_a_replica_is_in_sync_only_once_it_acked_its_snapshots_lsn() -> None:
+    s = primary("r1")
+    s.subscribed("r1", 10, now=0.0)
+    assert s.heartbeat_fields(0.0)["in_sync"] == []
+    got = s.acked("r1", 9, E, 0.1)
+    assert not got.in_sync and "r1" not in s.local_in_sync
+    assert s.acked("r1", 10, E, 0.2).in_sync
+    assert s.heartbeat_fields(0.3)["in_sync"] == ["r1"]
+    assert not s.acked("r1", 11, E, 0.3).in_sync  # reported once
+
+
+def test_acks_from_another_epoch_or_a_stranger_count_for_nothing() -> None:
+    s = primary("r1")
+    s.subscribed("r1", 5, now=0.0)
+    assert not s.acked("r1", 5, E - 1, 0.1).in_sync
+    assert not s.acked("r2", 5, E, 0.1).in_sync
+    assert s.followers["r1"].acked == 0
+    assert s.local_in_sync == set()
+
+
+def test_a_resubscribing_replica_leaves_the_in_sync_set_until_it_acks_again() -> None:
+    s = primary("r1")
+    in_sync(s, "r1", lsn=3)
+    s.subscribed("r1", 8, now=1.0)
+    assert s.local_in_sync == set()
+    assert s.acked("r1", 8, E, 1.1).in_sync
+
+
+def test_writes_wait_for_an_in_sync_replica_and_are_released_by_its_ack() -> None:
+    s = primary("r1")
+    assert s.add_write(1, "w1") == ["w1"]  # no replica required yet
+    in_sync(s, "r1", lsn=1)
+    assert s.add_write(2, "w2") == []
+    assert s.add_write(3, "w3") == []
+    assert s.acked("r1", 2, E, 0.1).released == ["w2"]
+    assert s.acked("r1", 3, E, 0.2).released == ["w3"]
+
+
+def test_a_follower_that_goes_away_leaves_the_in_sync_set() -> None:
+    s = primary("r1", "r2")
+    in_sync(s, "r1")
+    in_sync(s, "r2")
+    assert s.follower_gone("r1")
+    assert not s.follower_gone("r1")  # once
+    assert s.heartbeat_fields(1.0)["in_sync"] == ["r2"]
+    assert set(s.followers) == {"r2"}
+
+
+def test_a_silent_replica_holding_writes_back_is_reported_out_of_sync() -> None:
+    s = primary("r1", "r2")
+    in_sync(s, "r1", now=0.0)
+    in_sync(s, "r2", now=0.0)
+    s.on_map(E, {"r1", "r2"}, {"r1", "r2"})
+    assert s.tick(0.5, requests=0, lsn=0).lagging == ()
+    assert s.add_write(1, "w1") == []
+    assert s.acked("r2", 1, E, 0.9).released == []  # r1 stays silent
+    assert s.tick(1.0, requests=1, lsn=1).lagging == ()  # silent for the timeout, not past it
+    assert s.tick(1.01, requests=1, lsn=1).lagging == ("r1",)
+    assert s.heartbeat_fields(1.01)["in_sync"] == ["r2"]
+    assert s.tick(1.5, requests=1, lsn=1).lagging == ()  # reported once
+    # The write is held until the broker publishes the smaller set.
+    assert s.on_map(E, {"r2"}, {"r1", "r2"}) == ["w1"]
+
+
+def test_a_silent_replica_is_not_reported_while_no_write_waits() -> None:
+    s = primary("r1")
+    in_sync(s, "r1", now=0.0)
+    assert s.tick(5.0, requests=0, lsn=0).lagging == ()
+    assert s.local_in_sync == {"r1"}
+
+
+def test_the_broker_only_shrinks_the_set_it_published() -> None:
+    s = primary("r1", "r2")
+    in_sync(s, "r1")
+    s.on_map(E, {"r1"}, {"r1", "r2"})
+    in_sync(s, "r2")  # caught up since; not yet in the broker's map
+    assert s.add_write(1, "w1") == []
+    assert s.on_map(E, set(), {"r1", "r2"}) == []  # r1 dropped; r2 still required
+    assert s.local_in_sync == {"r2"}
+    assert s.on_map(E - 1, set(), set()) == []  # an old map changes nothing
+    assert s.acked("r2", 1, E, 0.2).released == ["w1"]
+
+
+def test_a_replica_learns_from_the_map_whether_it_is_in_sync() -> None:
+    s = session()
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    s.on_map(E, {ME}, {ME})
+    assert s.claim(7) == {"partition": P, "epoch": E, "role": "replica", "lsn": 7, "in_sync": True}
+    s.on_map(E, set(), {ME})
+    claim = s.claim(7)
+    assert claim is not None and claim["in_sync"] is False
+
+
+# ---- promotion and demotion ---------------------------------------------------
+
+
+def test_demotion_refuses_the_waiting_writes_and_forgets_the_followers() -> None:
+    s = primary("r1")
+    in_sync(s, "r1")
+    s.add_write(1, "w1")
+    s.add_write(2, "w2")
+    change = s.assign(Role.REPLICA, P, E + 1, "tcp://p2:1")
+    assert change.changed and change.refused == ["w1", "w2"]
+    assert change.was == (Role.PRIMARY, P, E)
+    assert change.follow == "tcp://p2:1" and s.following == ("tcp://p2:1", E + 1)
+    assert s.followers == {} and s.local_in_sync == set() and len(s.tracker) == 0
+    assert s.role is Role.REPLICA and s.epoch == E + 1
+
+
+def test_promotion_stops_following_and_starts_with_no_followers() -> None:
+    s = session()
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    s.snapshot_loaded(True)
+    change = s.assign(Role.PRIMARY, P, E + 1)
+    assert change.changed and change.stop_following and change.refused == []
+    assert s.following is None and not s.synced
+    assert s.role is Role.PRIMARY and (s.partition, s.epoch) == (P, E + 1)
+    assert s.followers == {}
+
+
+def test_a_repeated_assignment_changes_nothing() -> None:
+    s = primary("r1")
+    in_sync(s, "r1")
+    s.add_write(1, "w1")
+    assert not s.assign(Role.PRIMARY, P, E).changed
+    assert s.local_in_sync == {"r1"} and len(s.tracker) == 1 and s.may_write(0.1)
+    r = session()
+    r.assign(Role.REPLICA, P, E, "tcp://p:1")
+    r.snapshot_loaded(True)
+    assert not r.assign(Role.REPLICA, P, E, "tcp://p:1").changed
+    assert r.synced
+    moved = r.assign(Role.REPLICA, P, E, "tcp://p:2")  # same epoch, another primary address
+    assert moved.changed and moved.follow == "tcp://p:2" and moved.stop_following
+    assert not r.synced
+
+
+def test_becoming_a_spare_drops_the_partition() -> None:
+    s = session()
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    change = s.assign(Role.SPARE, None, 0)
+    assert change.stop_following and s.following is None
+    assert (s.role, s.partition, s.epoch) == (Role.SPARE, None, 0)
+    assert s.claim(0) is None
+
+
+def test_a_restored_shard_claims_its_partition_as_primary_until_assigned() -> None:
+    s = session()
+    assert s.claim(0) is None
+    s.restore(P, E, 42, now=0.0)
+    assert s.claim(42) == {
+        "partition": P,
+        "epoch": E,
+        "role": "primary",
+        "lsn": 42,
+        "in_sync": False,
+    }
+    s.assign(Role.PRIMARY, P, E)
+    assert s.claim(43) == {
+        "partition": P,
+        "epoch": E,
+        "role": "primary",
+        "lsn": 43,
+        "in_sync": False,
+    }
+
+
+# ---- replica side ---------------------------------------------------------------
+
+
+def test_a_replica_asks_for_the_stream_until_its_snapshot_loads() -> None:
+    s = session()
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    s.upstream_started()
+    assert s.subscribe_due(10.0)
+    s.subscribe_sent(10.0)
+    assert not s.subscribe_due(10.0 + 2 * HB)
+    assert s.subscribe_due(10.0 + 2 * HB + 0.01)  # the primary may not have known its role
+    s.snapshot_loaded(False)  # another partition's or epoch's: still not synced
+    assert not s.synced and s.subscribe_due(11.0)
+    s.snapshot_loaded(True)
+    assert s.synced and not s.subscribe_due(20.0)
+
+
+def test_bye_from_the_primary_resets_sync_and_asks_again_when_due() -> None:
+    s = session()
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    s.upstream_started()
+    s.subscribe_sent(10.0)
+    s.snapshot_loaded(True)
+    s.refused()
+    assert not s.synced and not s.whole
+    assert not s.subscribe_due(10.1)
+    assert s.subscribe_due(10.6)
+
+
+def test_a_broken_stream_resubscribes_at_once() -> None:
+    s = session()
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    s.upstream_started()
+    s.subscribe_sent(10.0)
+    s.snapshot_loaded(True)
+    s.resync()
+    assert not s.synced and s.subscribe_due(10.01)
+
+
+def test_a_replica_acks_upstream_on_ticks_while_following() -> None:
+    s = session()
+    assert not s.tick(0.25, requests=0, lsn=0).ack_upstream  # a spare follows nobody
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    assert s.tick(0.5, requests=0, lsn=0).ack_upstream
+    s.assign(Role.REPLICA, P, E, "")  # no primary known: keeps its subscription
+    assert s.tick(0.75, requests=0, lsn=0).ack_upstream
+
+
+# ---- leaving ---------------------------------------------------------------------
+
+
+def test_leaving_refuses_waiting_writes_and_becomes_a_spare() -> None:
+    s = primary("r1")
+    in_sync(s, "r1")
+    s.add_write(1, "w1")
+    assert s.begin_leave()  # a primary's state is whole: write a final checkpoint
+    assert s.leaving
+    assert s.left() == ["w1"]
+    assert s.role is Role.SPARE and s.followers == {}
+
+
+def test_a_replica_that_never_synced_leaves_without_a_whole_state() -> None:
+    s = session()
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    assert not s.begin_leave()
+    assert s.left() == [] and s.following is None
+
+
+# ---- checkpoints and trims --------------------------------------------------------
+
+
+def test_a_checkpoint_is_due_after_the_interval_and_not_before() -> None:
+    s = session(interval_s=30.0, checkpoints=True)
+    s.assign(Role.PRIMARY, P, E)
+    s.broker_seen(29.0)
+    assert not s.checkpoint_due(29.9, lsn=5)
+    assert not s.tick(29.9, requests=0, lsn=5).checkpoint
+    assert s.checkpoint_due(30.0, lsn=5)
+    s.broker_seen(30.0)
+    assert s.tick(30.0, requests=0, lsn=5).checkpoint
+    assert s.begin_checkpoint(30.0, 5)
+    assert not s.checkpoint_due(59.9, lsn=6)
+    assert s.checkpoint_due(60.0, lsn=6)
+
+
+def test_a_checkpoint_is_due_after_enough_updates() -> None:
+    s = session(every=100)
+    s.assign(Role.PRIMARY, P, E)
+    assert not s.checkpoint_due(1e6, lsn=99)
+    assert s.checkpoint_due(0.0, lsn=100)
+    assert s.begin_checkpoint(1.0, 100)
+    assert not s.checkpoint_due(2.0, lsn=199)
+    assert s.checkpoint_due(2.0, lsn=200)
+
+
+def test_without_a_data_dir_no_checkpoint_is_ever_due_on_a_tick() -> None:
+    s = session(interval_s=1.0, checkpoints=False)
+    s.assign(Role.PRIMARY, P, E)
+    assert s.checkpoint_due(5.0, lsn=5)
+    assert not s.tick(5.0, requests=0, lsn=5).checkpoint
+
+
+def test_only_a_whole_new_state_is_checkpointed() -> None:
+    s = session(interval_s=1.0)
+    assert not s.begin_checkpoint(1.0, 5)  # no partition
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    assert not s.begin_checkpoint(1.0, 5)  # not synced: not whole
+    s.snapshot_loaded(True)
+    assert not s.begin_checkpoint(1.0, 0)  # nothing to keep
+    assert s.begin_checkpoint(1.0, 5)
+    assert s.last_checkpoint == (1.0, 5)
+    assert not s.begin_checkpoint(2.0, 5)  # unchanged since
+    s.refused()
+    assert not s.begin_checkpoint(3.0, 6)  # no longer whole
+    assert s.begin_checkpoint(3.0, 6, final=True)  # the final one is written regardless
+
+
+def test_a_restored_state_is_written_again_on_leaving() -> None:
+    s = session()
+    s.restore(P, E, 9, now=0.0)
+    assert not s.begin_checkpoint(1.0, 9)  # unchanged since it was written
+    assert s.begin_checkpoint(1.0, 9, final=True)  # a final one is written again
+    t = session()
+    t.assign(Role.PRIMARY, P, E)
+    assert t.begin_checkpoint(1.0, 9)
+    assert not t.begin_checkpoint(2.0, 9, final=True)  # not restored: nothing new
+
+
+def test_a_checkpoint_due_takes_the_tick_instead_of_the_upstream_ack() -> None:
+    s = session(interval_s=1.0, checkpoints=True)
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    tick = s.tick(1.0, requests=0, lsn=3)
+    assert tick.checkpoint and not tick.ack_upstream
+
+
+def test_memory_is_trimmed_after_a_quiet_interval_following_traffic() -> None:
+    s = session()
+    assert not s.tick(0.25, requests=0, lsn=0).trim  # no traffic yet
+    assert not s.tick(0.5, requests=10, lsn=0).trim  # busy
+    assert not s.tick(0.75, requests=20, lsn=0).trim  # still busy
+    assert s.tick(1.0, requests=20, lsn=0).trim  # quiet: trim once
+    assert not s.tick(1.25, requests=20, lsn=0).trim
+
+
+def test_a_new_upstream_subscription_asks_at_once() -> None:
+    s = session()
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    s.upstream_started()
+    s.subscribe_sent(10.0)
+    s.snapshot_loaded(True)
+    s.assign(Role.REPLICA, P, E + 1, "tcp://p:2")  # a new primary: a new subscription
+    s.upstream_started()
+    assert not s.synced and s.subscribe_due(10.01)
+
+
+def test_a_spare_holds_no_partition_whatever_the_assignment_says() -> None:
+    s = session()
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    s.assign(Role.SPARE, P, E)
+    assert (s.partition, s.epoch) == (None, 0)

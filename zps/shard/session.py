@@ -1,0 +1,366 @@
+"""A shard's role, replication and lease state, without I/O.
+
+:class:`ShardSession` decides; the driver (:mod:`zps.shard.server` with
+:mod:`zps.shard.primary` and :mod:`zps.shard.replica`) sends, receives, logs
+and keeps :class:`~zps.shard.core.ShardCore` in step.  Every event takes the
+time as ``now``; nothing here sleeps or reads a clock.
+
+Rules:
+
+1. The lease runs from the send time of the newest heartbeat the broker echoed
+   for this shard's current role, partition and epoch; a primary whose lease ran
+   out refuses requests (:meth:`ShardSession.may_write`).  Stepping down forfeits
+   it: a new lease comes only from a heartbeat sent after the assignment.
+2. A follower is reported in sync only once it acknowledged the LSN of the
+   snapshot it was sent; it then holds writes back (:class:`AckTracker`) until
+   the broker's map drops it.  A follower that goes away, or that stays silent
+   for the liveness timeout while writes wait, leaves the reported set.
+3. A replica applies the stream only after it loaded its primary's snapshot
+   (``synced``); a refusal (BYE), a gap or a bad message clears that and makes it
+   subscribe again at once.
+4. After a graceful leave (:meth:`ShardSession.begin_leave`) assignments and the
+   broker's re-registration requests are ignored.
+5. A checkpoint is due after ``interval_s`` seconds or ``every_updates`` LSNs
+   since the last one, and only a whole partition (a primary's, or a synced
+   replica's) is written, except for the final one on leaving.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from zps.core.replication import AckTracker
+from zps.protocol.messages import Role
+
+T = TypeVar("T")
+NEVER = -math.inf
+
+
+@dataclass
+class Follower:
+    """A replica streaming from this primary."""
+
+    snapshot_lsn: int
+    acked: int = 0
+    last_heard: float = 0.0
+
+
+@dataclass(frozen=True)
+class Assignment(Generic[T]):
+    """What the driver does for an ASSIGN (see :meth:`ShardSession.assign`)."""
+
+    changed: bool
+    was: tuple[Role, int | None, int]
+    refused: list[T] = field(default_factory=list)  # writes to fail: the primary stepped down
+    stop_following: bool = False  # close the upstream subscription
+    follow: str | None = None  # subscribe to the primary at this address
+
+
+@dataclass(frozen=True)
+class AckResult(Generic[T]):
+    released: list[T]
+    in_sync: bool = False  # the follower just caught up: report it to the broker now
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The driver's work after a heartbeat (see :meth:`ShardSession.tick`)."""
+
+    trim: bool = False  # a quiet interval after traffic: give freed memory back
+    broker_lost_for: float | None = None  # the broker just went silent this long
+    lagging: tuple[str, ...] = ()  # replicas just reported out of sync
+    checkpoint: bool = False
+    ack_upstream: bool = False
+
+
+class ShardSession(Generic[T]):
+    """One shard's role and its replication, lease and housekeeping state.
+
+    ``T`` is whatever the driver holds for a write waiting for replicas (its reply).
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        *,
+        heartbeat_interval: float,
+        liveness: int,
+        checkpoint_interval_s: float = 0.0,
+        checkpoint_every_updates: int = 0,
+        checkpoints: bool = False,
+        now: float,
+    ) -> None:
+        self.node_id = node_id
+        self.interval = heartbeat_interval
+        self.liveness = liveness
+        self.lease = heartbeat_interval * max(1, liveness - 1)
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self.checkpoint_every_updates = checkpoint_every_updates
+        self.checkpoints = checkpoints  # the shard has somewhere to write them
+        self.role = Role.SPARE
+        self.partition: int | None = None
+        self.epoch = 0
+        self.leaving = False
+        self.restored = False
+        # broker link
+        self.lease_start = NEVER
+        self.last_broker = now
+        self.broker_lost = False
+        self._handled = 0
+        self._trim_due = False  # traffic since the last trim
+        self.last_checkpoint: tuple[float, int] = (now, 0)  # (time, LSN)
+        # primary side
+        self.tracker: AckTracker[T] = AckTracker()
+        self.followers: dict[str, Follower] = {}
+        self.local_in_sync: set[str] = set()  # caught up, as this primary sees it
+        self.published_in_sync: set[str] = set()  # in sync, as the broker's map says
+        self.replicas: set[str] = set()  # this partition's replicas, as the map says
+        # replica side
+        self.in_sync_published = False  # the map lists this shard in sync
+        self.following: tuple[str, int] | None = None  # (primary address, epoch)
+        self.synced = False
+        self._asked = NEVER  # when the primary was last asked for a subscription
+
+    # -- role ------------------------------------------------------------------
+
+    @property
+    def whole(self) -> bool:
+        """Whether this shard's state is a whole partition (worth a checkpoint)."""
+        return self.role is Role.PRIMARY or (self.role is Role.REPLICA and self.synced)
+
+    def restore(self, partition: int, epoch: int, lsn: int, now: float) -> None:
+        """A checkpoint was loaded: claim its partition when registering."""
+        self.partition, self.epoch = partition, epoch
+        self.restored = True
+        self.last_checkpoint = (now, lsn)
+
+    def claim(self, lsn: int) -> dict[str, Any] | None:
+        """What this shard tells the broker it serves, when registering."""
+        if self.partition is None:
+            return None
+        if self.restored and self.role is Role.SPARE:
+            role, in_sync = Role.PRIMARY, False
+        elif self.role is not Role.SPARE:
+            role, in_sync = self.role, self.in_sync_published
+        else:
+            return None
+        return {
+            "partition": self.partition,
+            "epoch": self.epoch,
+            "role": role.value,
+            "lsn": lsn,
+            "in_sync": in_sync,
+        }
+
+    def assign(
+        self, role: Role, partition: int | None, epoch: int, primary_address: str = ""
+    ) -> Assignment[T]:
+        """The broker assigned a role; a repeated assignment changes nothing."""
+        was = (self.role, self.partition, self.epoch)
+        if was == (role, partition, epoch) and (
+            role is not Role.REPLICA or (self.following or ("",))[0] == primary_address
+        ):
+            return Assignment(changed=False, was=was)
+        refused = self.step_down() if self.role is Role.PRIMARY else []
+        self.role, self.partition, self.epoch = role, partition, epoch
+        follow = None
+        if role is Role.REPLICA:
+            stop = bool(primary_address) and self.following != (primary_address, epoch)
+            if stop:
+                self.stop_following()
+                self.following, follow = (primary_address, epoch), primary_address
+        else:
+            stop = self.following is not None
+            self.stop_following()
+            if role is Role.SPARE:
+                self.partition, self.epoch = None, 0
+        return Assignment(True, was, refused, stop, follow)
+
+    def step_down(self) -> list[T]:
+        """Stop being primary: returns the writes still waiting, to refuse."""
+        waiting = self.tracker.take_all()
+        self.tracker = AckTracker()
+        self.followers.clear()
+        self.local_in_sync.clear()
+        self.published_in_sync.clear()
+        self.lease_start = NEVER
+        return waiting
+
+    def begin_leave(self) -> bool:
+        """A graceful stop begins; returns whether the state is whole (see :attr:`whole`)."""
+        self.leaving = True
+        return self.whole
+
+    def left(self) -> list[T]:
+        """The broker was told; become a spare.  Returns the writes to refuse."""
+        refused = self.step_down() if self.role is Role.PRIMARY else []
+        self.stop_following()
+        self.role = Role.SPARE
+        return refused
+
+    # -- broker link and lease -------------------------------------------------
+
+    def heartbeat_fields(self, now: float) -> dict[str, Any]:
+        """The session's part of a heartbeat sent at ``now``."""
+        fields: dict[str, Any] = {"t": now, "epoch": self.epoch}
+        if self.role is Role.PRIMARY:
+            fields["in_sync"] = sorted(self.local_in_sync)
+        return fields
+
+    def echoed(self, t: object, role: object, partition: object, epoch: object) -> None:
+        """The broker echoed a heartbeat sent at ``t`` for this role: the lease runs from ``t``."""
+        if (
+            isinstance(t, float)
+            and role == self.role.value
+            and partition == self.partition
+            and epoch == self.epoch
+        ):
+            self.lease_start = max(self.lease_start, t)
+
+    def may_write(self, now: float) -> bool:
+        """False for a primary whose lease ran out (the core refuses everything else)."""
+        return self.role is not Role.PRIMARY or now - self.lease_start < self.lease
+
+    def broker_seen(self, now: float) -> bool:
+        """Traffic from the broker; True if it had been reported lost."""
+        self.last_broker = now
+        regained, self.broker_lost = self.broker_lost, False
+        return regained
+
+    def tick(self, now: float, *, requests: int, lsn: int) -> Tick:
+        """A heartbeat went out; what else is due (``requests``: handled so far)."""
+        trim = False
+        if requests != self._handled:
+            self._handled, self._trim_due = requests, True
+        elif self._trim_due:
+            self._trim_due, trim = False, True
+        lost_for = None
+        silent = now - self.last_broker
+        if silent > self.interval * self.liveness and not self.broker_lost:
+            self.broker_lost, lost_for = True, silent
+        lagging = self._drop_lagging(now) if self.role is Role.PRIMARY else ()
+        checkpoint = self.checkpoints and self.checkpoint_due(now, lsn)
+        return Tick(
+            trim=trim,
+            broker_lost_for=lost_for,
+            lagging=lagging,
+            checkpoint=checkpoint,
+            ack_upstream=not checkpoint and self.role is Role.REPLICA and bool(self.following),
+        )
+
+    # -- checkpoints -----------------------------------------------------------
+
+    def checkpoint_due(self, now: float, lsn: int) -> bool:
+        at, last = self.last_checkpoint
+        return (self.checkpoint_interval_s > 0 and now - at >= self.checkpoint_interval_s) or (
+            self.checkpoint_every_updates > 0 and lsn - last >= self.checkpoint_every_updates
+        )
+
+    def begin_checkpoint(self, now: float, lsn: int, *, final: bool = False) -> bool:
+        """Whether to write a checkpoint of the state at ``lsn`` now (and note it if so)."""
+        if self.partition is None or lsn == 0:
+            return False
+        if lsn == self.last_checkpoint[1] and not (final and self.restored):
+            return False
+        if not final and not self.whole:
+            return False
+        self.last_checkpoint = (now, lsn)
+        return True
+
+    # -- primary side ----------------------------------------------------------
+
+    def on_map(self, epoch: int, in_sync: set[str], replicas: set[str]) -> list[T]:
+        """The broker's map for this partition; returns the writes it releases."""
+        self.in_sync_published = self.node_id in in_sync
+        self.replicas = set(replicas)
+        if self.role is not Role.PRIMARY or epoch != self.epoch:
+            return []
+        # The broker dropped these (dead, or reported lagging): stop waiting.  A
+        # replica missing from one map (a restarted broker rebuilding it) keeps its
+        # stream; followers are checked when they subscribe.
+        self.local_in_sync -= self.published_in_sync - in_sync
+        self.published_in_sync = set(in_sync)
+        return self.tracker.set_required(in_sync | self.local_in_sync)
+
+    def accepts_subscription(self, node: str, partition: object, epoch: object) -> bool:
+        """Only the primary of that partition and epoch streams, and only to its replicas."""
+        return (
+            self.role is Role.PRIMARY
+            and partition == self.partition
+            and epoch == self.epoch
+            and node in self.replicas
+        )
+
+    def subscribed(self, node: str, snapshot_lsn: int, now: float) -> None:
+        """``node`` is sent a snapshot at ``snapshot_lsn``; the stream follows it."""
+        self.local_in_sync.discard(node)
+        self.followers[node] = Follower(snapshot_lsn=snapshot_lsn, last_heard=now)
+
+    def add_write(self, lsn: int, item: T) -> list[T]:
+        """A write at ``lsn`` waits for the required replicas; returns what is released."""
+        return self.tracker.add(lsn, item)
+
+    def acked(self, node: str, lsn: int, epoch: object, now: float) -> AckResult[T]:
+        """``node`` applied everything up to ``lsn``."""
+        follower = self.followers.get(node)
+        if follower is None or epoch != self.epoch:
+            return AckResult([])
+        follower.acked = max(follower.acked, lsn)
+        follower.last_heard = now
+        caught_up = node not in self.local_in_sync and follower.acked >= follower.snapshot_lsn
+        if caught_up:
+            # It holds the snapshot and receives every message since.
+            self.local_in_sync.add(node)
+            self.tracker.require(node, follower.acked)
+        return AckResult(self.tracker.ack(node, lsn), caught_up)
+
+    def follower_gone(self, node: str) -> bool:
+        """Stop streaming to ``node``; True if it was a follower."""
+        self.local_in_sync.discard(node)
+        return self.followers.pop(node, None) is not None
+
+    def _drop_lagging(self, now: float) -> tuple[str, ...]:
+        """A required replica silent for the liveness timeout stops holding writes back
+        (the broker then publishes the smaller set, and :meth:`on_map` releases them)."""
+        if not len(self.tracker):
+            return ()
+        dropped = []
+        for node in sorted(self.local_in_sync):
+            follower = self.followers.get(node)
+            if follower is None or now - follower.last_heard > self.interval * self.liveness:
+                self.local_in_sync.discard(node)
+                dropped.append(node)
+        return tuple(dropped)
+
+    # -- replica side ----------------------------------------------------------
+
+    def stop_following(self) -> None:
+        self.following = None
+        self.synced = False
+
+    def upstream_started(self) -> None:
+        self.synced = False
+        self._asked = NEVER
+
+    def subscribe_due(self, now: float) -> bool:
+        """Whether to (again) ask the primary for the stream: it may not have known
+        its role yet, or it refused."""
+        return not self.synced and now - self._asked > self.interval * 2
+
+    def subscribe_sent(self, now: float) -> None:
+        self._asked = now
+
+    def snapshot_loaded(self, ok: bool) -> None:
+        """A snapshot arrived; ``ok`` if it was this partition's at this epoch and loaded."""
+        self.synced = ok
+
+    def refused(self) -> None:
+        """The primary refused the subscription (BYE): ask again when it is due."""
+        self.synced = False
+
+    def resync(self) -> None:
+        """The stream broke (a gap, a bad message, a refusal): subscribe again at once."""
+        self.synced = False
+        self._asked = NEVER
