@@ -1,7 +1,7 @@
 """The training coordination calls of the client: the step clock, data tasks, progress.
 
-A mixin of :class:`zps.client.client.Client`: every call here is a broker call (CLOCK or
-TASK) made through the client's request machinery, so it is matched by request id,
+A layer of :class:`zps.client.client.Client` over its connection: every call here is a
+broker call (CLOCK or TASK) made through the request machinery, so it is matched by request id,
 re-sent after a broker restart and bounded by the client's timeout unless it waits on
 other workers (``forever``).  The step (``_step``) changes only from a broker's answer,
 or locally in async mode where there is no shared clock.
@@ -11,36 +11,34 @@ from __future__ import annotations
 
 from typing import Any
 
+from zps.client.connection import Connection
 from zps.client.progress import Progress
 from zps.core.coord import Task
 from zps.ops.config import ClientConfig
 from zps.protocol.codec import MsgType
 
 
-class TrainingCalls:
+class TrainingCalls(Connection):
     """Sync/ssp/async step clock, data tasks and per-step metrics."""
 
-    config: ClientConfig
-    _step: int
     #: Set when the worker is asked to stop (zps-worker's SIGTERM): finish
     #: the step, flush, release the task, return.
     stop_requested: bool
-    progress: Progress
 
-    def _init_training(self) -> None:
+    def __init__(self, address: str, config: ClientConfig | None = None) -> None:
+        super().__init__(address, config)
         self._step = 0
         self.stop_requested = False
         self.progress = Progress(name=self.config.name, enabled=False)
 
-    async def flush(self) -> None:
-        """Wait for every background push (the client provides it)."""
-        raise NotImplementedError
-
-    async def _broker_call(
-        self, mtype: MsgType, header: dict[str, Any], forever: bool = False
-    ) -> dict[str, Any]:
-        """A request the broker itself answers (the client provides it)."""
-        raise NotImplementedError
+    async def start(self) -> None:
+        """Connect; in sync and ssp mode also join the step clock."""
+        if self._started:
+            return
+        await super().start()
+        if self.config.mode != "async":
+            reply = await self._broker_call(MsgType.CLOCK, self._clock_header("join"))
+            self._step = int(reply["step"])
 
     # -- training modes ------------------------------------------------------
 

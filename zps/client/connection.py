@@ -1,0 +1,454 @@
+"""The client's connection to the broker: the driver of the request machinery.
+
+One DEALER socket to the broker carries every request, so many requests are in flight at
+once.  Operations for one partition queued in the same loop turn are coalesced into one
+message (see :mod:`zps.core.batching`).  Every request's lifecycle (matching replies,
+retries, re-sends, deadlines, dedup sequence numbers) is decided by
+:class:`~zps.client.session.ClientSession`; this module only carries out what it returns:
+it sends the frames, resolves the futures and ticks the session when it asks.  Background
+pushes (``wait=False``) are bounded by ``max_background`` and their first error is raised
+once, by the next call or by :meth:`Connection.flush`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass
+from typing import Any, Self, TypeVar
+
+import numpy as np
+import zmq.asyncio
+
+from zps import transport
+from zps.client.session import Action, ClientSession, ClientStats, Deliver, Fail, Send
+from zps.core.batching import merge_row_ops, plan_batches
+from zps.core.routing import (
+    ClusterMap,
+)
+from zps.errors import (
+    BrokenError,
+    ClosedError,
+    ProtocolError,
+    RemoteError,
+    ZpsTimeoutError,
+    remote_error,
+)
+from zps.ops.config import ClientConfig
+from zps.ops.security import load_curve_keys
+from zps.protocol.codec import (
+    NO_COMPRESSION,
+    TRAFFIC,
+    Encoder,
+    Message,
+    MsgType,
+    Route,
+    array_from,
+    decode,
+    encode,
+)
+
+log = logging.getLogger("zps.client")
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Op:
+    body: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    future: asyncio.Future[dict[str, Any]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+#: What the session hands back for a request: its operations, or a broker call's future.
+_Token = list[_Op] | asyncio.Future[dict[str, Any]]
+
+
+class Connection:
+    """Lifecycle, request machinery and background pushes of a client (see the module notes)."""
+
+    def __init__(self, address: str, config: ClientConfig | None = None) -> None:
+        self.address = address
+        self.config = config or ClientConfig()
+        self.client_id = f"c-{uuid.uuid4().hex[:16]}".encode()
+        self._session: ClientSession[_Token] = ClientSession(
+            self.client_id,
+            timeout=self.config.timeout,
+            max_backoff=self.config.heartbeat.interval,
+            hello={"host": socket.gethostname(), "pid": os.getpid(), "name": self.config.name},
+            acks=1 if self.config.acks == 1 else None,
+        )
+        self.stats: ClientStats = self._session.stats
+        self._policy = TRAFFIC if self.config.compress else NO_COMPRESSION
+        self._map_event = asyncio.Event()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: transport.Channel | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._queue: dict[int, list[_Op]] = collections.defaultdict(list)
+        self._wake = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None  # at the session's next wake-up
+        self._tick_at: float | None = None  # set when the session is due a tick
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop start() ran in
+        self._closed = False
+        self._started = False
+        self._background: set[asyncio.Task[Any]] = set()
+        self._bg_error: BaseException | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._loop = asyncio.get_running_loop()
+        self._ctx = transport.new_context()
+        keys = load_curve_keys(self.config.security)
+        self._sock = transport.dealer(
+            self._ctx,
+            self.address,
+            self.client_id,
+            max_message_bytes=self.config.max_message_bytes,
+            curve=keys,
+            server_public=keys.server_public if keys else None,
+        )
+        tg = await self._stack.enter_async_context(asyncio.TaskGroup())
+        self._tasks = [
+            tg.create_task(self._recv_loop()),
+            tg.create_task(self._flush_loop()),
+            tg.create_task(self._heartbeat_loop()),
+        ]
+        await self._hello()
+        try:
+            await asyncio.wait_for(self._map_event.wait(), self.config.connect_timeout)
+        except TimeoutError:
+            await self.close()
+            raise ZpsTimeoutError(
+                f"no answer from the broker at {self.address} within "
+                f"{self.config.connect_timeout:g}s (is `zps-server broker` running there?)"
+            ) from None
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._sock is not None and not self._sock.closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    transport.send(self._sock, encode(Route(MsgType.BYE), {})), 1.0
+                )
+        for t in self._tasks:
+            t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._stack.aclose()
+        if self._timer is not None:
+            self._timer.cancel()
+        err = ClosedError("the client was closed")
+        for action in self._session.close(err):
+            self._resolve(action)
+        for ops in self._queue.values():
+            for op in ops:
+                if not op.future.done():
+                    op.future.set_exception(err)
+        self._queue.clear()
+        if self._sock is not None:
+            transport.close(self._sock)
+        if self._ctx is not None:
+            transport.term(self._ctx)
+
+    @property
+    def cluster_map(self) -> ClusterMap:
+        cmap = self._session.map
+        if cmap is None:
+            raise ClosedError("the client is not connected")
+        return cmap
+
+    # -- background pushes -------------------------------------------------------
+
+    async def _finish(self, futures: list[asyncio.Future[dict[str, Any]]], wait: bool) -> None:
+        if wait:
+            if len(futures) == 1:
+                await futures[0]
+            else:
+                await self._gather(futures)
+            return
+        while len(self._background) >= self.config.max_background:
+            await asyncio.wait(self._background, return_when=asyncio.FIRST_COMPLETED)
+        task = asyncio.get_running_loop().create_task(self._gather(futures))
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._bg_error is None:
+            self._bg_error = task.exception()
+
+    def _raise_background(self) -> None:
+        """An error of a background push is raised by the next call, once."""
+        err, self._bg_error = self._bg_error, None
+        if err is not None:
+            raise err
+
+    async def flush(self) -> None:
+        """Wait for every background push; raise the first error among them."""
+        while self._background:
+            await asyncio.wait(set(self._background))
+        self._raise_background()
+
+    # -- calls the broker answers ----------------------------------------------
+
+    async def _broker_call(
+        self, mtype: MsgType, header: dict[str, Any], forever: bool = False
+    ) -> dict[str, Any]:
+        """A request the broker itself answers (matched by request id)."""
+        if self._closed:
+            raise ClosedError("the client was closed")
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        req_id, actions = self._session.call(mtype, header, fut, self._now(), forever=forever)
+        try:
+            await self._apply(actions)
+            return await fut
+        finally:  # answered, failed, or the caller gave up: the session forgets the call
+            self._session.abandon(req_id, ClosedError("the call was cancelled"))
+
+    async def status(self) -> dict[str, Any]:
+        """The broker's status report (as ``zps-server status --json`` prints it)."""
+        return await self._broker_call(MsgType.STATUS, {})
+
+    # -- request machinery ---------------------------------------------------
+
+    def _submit(
+        self, partition: int, body: dict[str, Any], arrays: dict[str, np.ndarray]
+    ) -> asyncio.Future[dict[str, Any]]:
+        if self._closed:
+            raise ClosedError("the client was closed")
+        fut: asyncio.Future[dict[str, Any]] = (
+            self._loop or asyncio.get_running_loop()
+        ).create_future()
+        self._queue[partition].append(_Op(body, arrays, fut))
+        if not self._wake.is_set():
+            self._wake.set()
+        return fut
+
+    async def _gather(self, futures: Iterable[Awaitable[T]]) -> list[T]:
+        tasks = list(futures)
+        if len(tasks) == 1:  # the common small call: no gather machinery
+            return [await tasks[0]]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:  # don't leave "exception never retrieved" behind
+                if isinstance(t, asyncio.Future) and t.done() and not t.cancelled():
+                    t.exception()
+            raise
+
+    def _now(self) -> float:
+        return (self._loop or asyncio.get_running_loop()).time()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._tick_at is not None:
+                # The timer may fire a hair early: the session is told the time it asked for.
+                now = max(self._now(), self._tick_at)
+                self._tick_at = None
+                await self._apply(self._session.tick(now))
+            queued, self._queue = self._queue, collections.defaultdict(list)
+            for partition, queued_ops in queued.items():
+                ops = self._merge(queued_ops)
+                sizes = [op.nbytes for op in ops]
+                for a, b in plan_batches(
+                    sizes, self.config.batch_max_ops, self.config.batch_max_bytes
+                ):
+                    await self._send_request(partition, ops[a:b])
+
+    def _merge(self, ops: list[_Op]) -> list[_Op]:
+        """Row operations on one table become one operation (see batching.merge_row_ops)."""
+        if len(ops) < 2:
+            return ops
+        out = []
+        loop = asyncio.get_running_loop()
+        for m in merge_row_ops([(op.body, op.arrays) for op in ops], self.config.batch_max_ops):
+            if len(m.parts) == 1:
+                out.append(ops[m.parts[0][0]])
+                continue
+            fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+            members = [(ops[i].future, a, b) for i, a, b in m.parts]
+            fut.add_done_callback(functools.partial(_split_result, members=members))
+            out.append(_Op(m.body, m.arrays, fut))
+        return out
+
+    async def _send_request(self, partition: int, ops: list[_Op]) -> None:
+        enc = Encoder(self._policy)
+        bodies = []
+        for op in ops:
+            body = dict(op.body)
+            for key, arr in op.arrays.items():
+                body[key] = enc.array(arr)
+            bodies.append(body)
+        await self._apply(self._session.submit(partition, bodies, enc, ops, self._now()))
+
+    async def _apply(self, actions: list[Action[_Token]]) -> None:
+        """Carry out what the session asked for, then set the timer for its next tick."""
+        for action in actions:
+            if isinstance(action, Send):
+                await self._transmit(action)
+            else:
+                self._resolve(action)
+        self._schedule()
+
+    async def _transmit(self, send: Send) -> None:
+        assert self._sock is not None
+        try:
+            await transport.send(self._sock, send.frames)
+        except (ClosedError, BrokenError) as e:
+            err = e if isinstance(e, ClosedError) else ClosedError(str(e))
+            for action in self._session.abandon(send.req_id, err):
+                self._resolve(action)
+
+    def _resolve(self, action: Deliver[_Token] | Fail[_Token]) -> None:
+        token = action.token
+        if isinstance(action, Fail):
+            if isinstance(token, list):
+                for op in token:
+                    if not op.future.done():
+                        op.future.set_exception(action.error)
+            elif not token.done():
+                token.set_exception(action.error)
+        elif isinstance(token, list):
+            self._deliver(token, action.msg)
+        elif not token.done():
+            token.set_result(action.msg.header)
+
+    def _deliver(self, ops: list[_Op], msg: Message) -> None:
+        results = msg.header.get("res")
+        if not isinstance(results, list) or len(results) != len(ops):
+            err = ProtocolError("reply does not match the request's operations")
+            for op in ops:
+                if not op.future.done():
+                    op.future.set_exception(err)
+            return
+        for op, res in zip(ops, results, strict=True):
+            if op.future.done():
+                continue
+            try:
+                op.future.set_result(self._result(res, msg))
+            except (ProtocolError, RemoteError) as e:
+                op.future.set_exception(e)
+
+    def _schedule(self) -> None:
+        """Have the flush loop tick the session at its next wake-up (if sooner than planned)."""
+        at = self._session.next_wakeup()
+        if at is None or (self._timer is not None and self._timer.when() <= at):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = (self._loop or asyncio.get_running_loop()).call_at(at, self._on_timer, at)
+
+    def _on_timer(self, at: float) -> None:
+        self._timer = None
+        self._tick_at = at if self._tick_at is None else min(self._tick_at, at)
+        self._wake.set()
+
+    async def _hello(self) -> None:
+        assert self._sock is not None
+        await transport.send(self._sock, self._session.hello().frames)
+
+    async def _heartbeat_loop(self) -> None:
+        assert self._sock is not None
+        interval = self.config.heartbeat.interval
+        while True:
+            await asyncio.sleep(interval)
+            await transport.send(self._sock, encode(Route(MsgType.HEARTBEAT), {}))
+            # Also a tick: deadlines are checked at least this often.
+            now = self._now()
+            self._tick_at = now if self._tick_at is None else min(self._tick_at, now)
+            self._wake.set()
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        await transport.serve(self._sock, self._on_message, self._on_malformed)
+
+    async def _on_message(self, frames: transport.Frames) -> None:
+        await self._dispatch(decode([transport.frame_buffer(f) for f in frames]))
+
+    def _on_malformed(self, frames: transport.Frames, err: ProtocolError) -> None:
+        log.warning("dropped a malformed message from the broker: %s", err)
+
+    async def _dispatch(self, msg: Message) -> None:
+        match msg.route.mtype:
+            case MsgType.REPLY | MsgType.STATUS | MsgType.CLOCK | MsgType.TASK:
+                await self._apply(self._session.on_reply(msg, self._now()))
+            case MsgType.MAP:
+                new = ClusterMap.from_wire(msg.header.get("map"))
+                old = self._session.map
+                if old is not None and new.incarnation != old.incarnation:
+                    log.info(
+                        "the broker restarted; re-sending %d unanswered requests",
+                        len(self._session),
+                    )
+                await self._apply(self._session.on_map(new, self._now()))
+                if self._session.map is not None:
+                    self._map_event.set()
+            case MsgType.HELLO:  # the broker restarted and does not know us
+                await self._hello()
+            case MsgType.HEARTBEAT:
+                pass
+            case _:
+                raise ProtocolError(f"a client does not expect {msg.route.mtype.name}")
+
+    def _result(self, res: object, msg: Message) -> dict[str, Any]:
+        if not isinstance(res, dict):
+            raise ProtocolError("operation result is not a map")
+        st = res.get("st")
+        if st != "OK":
+            raise remote_error(str(st), str(res.get("msg", "")))
+        desc = res.get("a")
+        if desc is not None:
+            limit = self.config.max_message_bytes
+            if isinstance(desc, list) and desc and isinstance(desc[0], list):
+                res["arrays"] = [array_from(d, msg.payloads, max_bytes=limit) for d in desc]
+            else:
+                res["arrays"] = array_from(desc, msg.payloads, max_bytes=limit)
+        return res
+
+
+def _split_result(
+    merged: asyncio.Future[dict[str, Any]],
+    *,
+    members: list[tuple[asyncio.Future[dict[str, Any]], int, int]],
+) -> None:
+    """Hand each original operation its part of a merged operation's result."""
+    if merged.cancelled():
+        for fut, _, _ in members:
+            fut.cancel()
+        return
+    exc = merged.exception()
+    for fut, start, stop in members:
+        if fut.done():
+            continue
+        if exc is not None:
+            fut.set_exception(exc)
+            continue
+        res = merged.result()
+        arrays = res.get("arrays")
+        fut.set_result({**res, "arrays": arrays[start:stop]} if arrays is not None else res)
