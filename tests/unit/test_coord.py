@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from zps.core.coord import Clocks, Job, JobFailed, Mode
+from zps.core.coord import Clocks, Job, JobFailed
+from zps.protocol.messages import Mode
 
 
 def test_ssp_holds_a_worker_more_than_tau_ahead() -> None:

@@ -30,10 +30,20 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, assert_never
 
 from zps import transport
-from zps.broker.training import COMMIT_TARGET, Training
+from zps.broker.acceptance import (
+    BadClientRequest,
+    CommitReply,
+    ForwardReply,
+    FromClient,
+    FromShard,
+    Reject,
+    RouteRequest,
+    accept,
+)
+from zps.broker.training import Training
 from zps.core.cluster import Assignment, Claim, ClusterState
 from zps.core.membership import FailureDetector
 from zps.errors import ProtocolError
@@ -49,8 +59,25 @@ from zps.ops.metrics import (
 )
 from zps.ops.security import load_curve_keys
 from zps.ops.systemd import Notifier
-from zps.protocol.codec import MsgType, Route, decode, encode, unpack_route
-from zps.protocol.messages import Role
+from zps.protocol.codec import MsgType, Route, encode
+from zps.protocol.messages import (
+    Assign,
+    Bye,
+    ClientControl,
+    ClientHello,
+    ClockRequest,
+    Heartbeat,
+    LeaseEcho,
+    MapUpdate,
+    ShardClaim,
+    ShardControl,
+    ShardHeartbeat,
+    ShardRegister,
+    Status,
+    StatusReply,
+    StatusRequest,
+    TaskRequest,
+)
 
 log = logging.getLogger("zps.broker")
 
@@ -155,9 +182,9 @@ class Broker:
         prefix = [node, b""] if node.startswith(b"s-") else [node]
         await self._send([*prefix, *encode(Route(mtype, req_id=req_id), header)])
 
-    async def _reply_error(self, client: bytes, route: Route, code: str, message: str) -> None:
+    async def _reply_error(self, client: bytes, route: Route, code: Status, message: str) -> None:
         reply = Route(MsgType.REPLY, route.partition, route.epoch, route.req_id)
-        await self._send([client, *encode(reply, {"st": code, "msg": message})])
+        await self._send([client, *encode(reply, StatusReply(code, message).to_wire())])
 
     async def _apply(self, assignments: list[Assignment]) -> None:
         for a in assignments:
@@ -172,15 +199,15 @@ class Broker:
             await self._control(
                 a.node_id.encode(),
                 MsgType.ASSIGN,
-                {
-                    "role": a.role.value,
-                    "partition": a.partition,
-                    "epoch": a.epoch,
-                    "primary": a.primary,
-                    "primary_address": a.primary_address,
-                    "primary_key": self._keys.get(a.primary or "", ""),
-                    "n_partitions": self.state.n_partitions,
-                },
+                Assign(
+                    role=a.role,
+                    partition=a.partition,
+                    epoch=a.epoch,
+                    primary=a.primary,
+                    primary_address=a.primary_address,
+                    primary_key=self._keys.get(a.primary or "", ""),
+                    n_partitions=self.state.n_partitions,
+                ).to_wire(),
             )
 
     async def _publish_if_changed(self, before: int) -> None:
@@ -189,7 +216,7 @@ class Broker:
         for p in range(self.state.n_partitions):
             primary = self.state.primary_of(p)
             self._routes[p] = primary.encode() if primary else None
-        wire = {"map": self.state.map.to_wire()}
+        wire = MapUpdate(self.state.map.to_wire()).to_wire()
         for node in [*self.state.clients, *self.state.shards]:
             await self._control(node.encode(), MsgType.MAP, wire)
         await self.training.on_map_change()
@@ -208,11 +235,31 @@ class Broker:
         node = ident.decode("utf-8", "replace")
         self.detector.seen(node, now)
         before = self.state.map_version
+        verdict = accept(ident, [transport.frame_buffer(f) for f in frames[1:]], self.state)
         try:
-            if ident.startswith(b"s-"):
-                await self._from_shard(ident, node, frames, now)
-            else:
-                await self._from_client(ident, node, frames, now)
+            match verdict:
+                case RouteRequest(route):
+                    await self._route_request(ident, route, frames, now)
+                case FromClient(route, message):
+                    await self._from_client(ident, node, route, message, now)
+                case BadClientRequest(route, error):
+                    await self.training.bad_request(ident, route, error)
+                case FromShard(_, message):
+                    await self._from_shard(ident, node, message, now)
+                case ForwardReply(target):
+                    self.stats.replies += 1
+                    await self._send([target, *frames[2:]])
+                case CommitReply(route, header):
+                    await self.training.on_commit_reply(route, header)
+                case Reject(reason, counter):
+                    if counter == "malformed":
+                        raise ProtocolError(reason)  # counted by _on_malformed
+                    if counter == "stale_replies":
+                        # A shard declared dead (e.g. it was paused) answering late: its
+                        # word no longer counts; the client re-sent the request elsewhere.
+                        self.stats.stale_replies += 1
+                case _:
+                    assert_never(verdict)
         finally:
             await self._publish_if_changed(before)
 
@@ -221,39 +268,31 @@ class Broker:
         node = transport.frame_bytes(frames[0]).decode("utf-8", "replace") if frames else "?"
         log.debug("dropped a malformed message from %s: %s", node, err)
 
-    async def _from_client(self, ident: bytes, node: str, frames: list[Any], now: float) -> None:
-        route = unpack_route(transport.frame_buffer(frames[1]))
-        if route.mtype is MsgType.REQUEST:
-            await self._route_request(ident, route, frames, now)
-            return
-        msg = decode([transport.frame_buffer(f) for f in frames[1:]])
-        match route.mtype:
-            case MsgType.HELLO:
-                h = msg.header
-                self.state.register_client(
-                    node,
-                    host=str(h.get("host", "?")),
-                    pid=_int(h.get("pid")),
-                    name=str(h.get("name", "")),
-                    now=now,
+    async def _from_client(
+        self, ident: bytes, node: str, route: Route, message: ClientControl, now: float
+    ) -> None:
+        match message:
+            case ClientHello(host, pid, name):
+                self.state.register_client(node, host=host, pid=pid, name=name, now=now)
+                log.info("client %s joined (%s pid %s)", node, host, pid)
+                await self._control(
+                    ident, MsgType.MAP, MapUpdate(self.state.map.to_wire()).to_wire()
                 )
-                log.info("client %s joined (%s pid %s)", node, h.get("host"), h.get("pid"))
-                await self._control(ident, MsgType.MAP, {"map": self.state.map.to_wire()})
-            case MsgType.HEARTBEAT:
+            case Heartbeat():
                 if node not in self.state.clients:  # the broker restarted: re-introduce
                     await self._control(ident, MsgType.HELLO, {})
-            case MsgType.STATUS:
+            case StatusRequest():
                 await self._control(ident, MsgType.STATUS, self.status(now), route.req_id)
-            case MsgType.CLOCK:
-                await self.training.on_clock(ident, node, route, msg.header)
-            case MsgType.TASK:
-                await self.training.on_task(ident, node, route, msg.header)
-            case MsgType.BYE:
+            case ClockRequest():
+                await self.training.on_clock(ident, node, route, message)
+            case TaskRequest():
+                await self.training.on_task(ident, node, route, message)
+            case Bye():
                 self.detector.forget(node)
                 self.state.node_gone(node, now)
                 await self.training.worker_gone(node)
             case _:
-                raise ProtocolError(f"a client may not send {route.mtype.name}")
+                assert_never(message)
 
     async def _route_request(
         self, ident: bytes, route: Route, frames: list[Any], now: float
@@ -269,7 +308,7 @@ class Broker:
                 await self._reply_error(
                     ident,
                     route,
-                    "NOT_PRIMARY",
+                    Status.NOT_PRIMARY,
                     f"partition {p}: the broker is collecting the shards' claims",
                 )
                 return
@@ -282,7 +321,7 @@ class Broker:
                 else "not yet assigned to a shard"
             )
             await self._reply_error(
-                ident, route, "SHARD_UNAVAILABLE", f"partition {p} has no live shard ({why})"
+                ident, route, Status.SHARD_UNAVAILABLE, f"partition {p} has no live shard ({why})"
             )
             return
         self.stats.routed += 1
@@ -290,46 +329,21 @@ class Broker:
             # Its connection is gone; the heartbeat detector will promote a
             # replica (or declare the partition lost) and the client retries then.
             await self._reply_error(
-                ident, route, "NOT_PRIMARY", f"the primary of partition {p} is unreachable"
+                ident, route, Status.NOT_PRIMARY, f"the primary of partition {p} is unreachable"
             )
 
-    async def _from_shard(self, ident: bytes, node: str, frames: list[Any], now: float) -> None:
-        if len(frames) < 3:
-            raise ProtocolError("shard message without target and route frames")
-        target = transport.frame_bytes(frames[1])
-        if target == COMMIT_TARGET:
-            reply = decode([transport.frame_buffer(f) for f in frames[2:]])
-            if self.state.primary_of(reply.route.partition) == node:  # not a deposed one
-                await self.training.on_commit_reply(reply.route, reply.header)
-            return
-        if target:
-            if target.startswith(b"s-") or target == COMMIT_TARGET:
-                # Replies go to clients only: forwarding to a shard would let any
-                # registered peer forge the broker's control messages.
-                self.stats.malformed += 1
-                return
-            if node not in self.state.shards:
-                # A shard declared dead (e.g. it was paused) answering late: its
-                # word no longer counts; the client re-sent the request elsewhere.
-                self.stats.stale_replies += 1
-                return
-            self.stats.replies += 1
-            await self._send([target, *frames[2:]])
-            return
-        route = unpack_route(transport.frame_buffer(frames[2]))
-        h = decode([transport.frame_buffer(f) for f in frames[2:]]).header
-        match route.mtype:
-            case MsgType.REGISTER:
-                claim = parse_claim(h.get("claim"))
-                key = h.get("public_key")
-                if isinstance(key, str) and len(key) == 40:  # a Z85 CURVE public key
-                    self._keys[node] = key
+    async def _from_shard(self, ident: bytes, node: str, message: ShardControl, now: float) -> None:
+        match message:
+            case ShardRegister():
+                claim = _claim(message.claim)
+                if message.public_key is not None:  # a Z85 CURVE public key
+                    self._keys[node] = message.public_key
                 log.info(
                     "shard %s registered (%s pid %s, replication at %s)%s",
                     node,
-                    h.get("host"),
-                    h.get("pid"),
-                    h.get("address"),
+                    message.host,
+                    message.pid,
+                    message.address,
                     f", claiming {claim.role.value} of partition {claim.partition} at "
                     f"epoch {claim.epoch}, LSN {claim.lsn}"
                     if claim
@@ -338,44 +352,35 @@ class Broker:
                 await self._apply(
                     self.state.register_shard(
                         node,
-                        host=str(h.get("host", "?")),
-                        pid=_int(h.get("pid")),
-                        address=str(h.get("address", "")),
+                        host=message.host,
+                        pid=message.pid,
+                        address=message.address,
                         now=now,
                         claim=claim,
                     )
                 )
-            case MsgType.HEARTBEAT:
+            case ShardHeartbeat():
                 shard = self.state.shards.get(node)
                 if shard is None:
                     await self._control(ident, MsgType.REGISTER, {})
                     return
-                stats, in_sync, epoch = h.get("stats"), h.get("in_sync"), h.get("epoch")
                 self.state.report(
                     node,
-                    lsn=_int(h.get("lsn")),
-                    stats=stats if isinstance(stats, dict) else None,
-                    epoch=epoch if type(epoch) is int else None,
-                    in_sync=[str(r) for r in in_sync] if isinstance(in_sync, list) else None,
+                    lsn=message.lsn,
+                    stats=message.stats,
+                    epoch=message.epoch,
+                    in_sync=None if message.in_sync is None else list(message.in_sync),
                 )
                 # The echo renews the shard's lease, for exactly this role.
-                await self._control(
-                    ident,
-                    MsgType.HEARTBEAT,
-                    {
-                        "t": h.get("t"),
-                        "role": shard.role.value,
-                        "partition": shard.partition,
-                        "epoch": shard.epoch,
-                    },
-                )
-            case MsgType.BYE:
+                echo = LeaseEcho(message.t, shard.role, shard.partition, shard.epoch)
+                await self._control(ident, MsgType.HEARTBEAT, echo.to_wire())
+            case Bye():
                 log.info("shard %s left", node)
                 self.detector.forget(node)
                 self._keys.pop(node, None)
                 await self._apply(self.state.node_gone(node, now))
             case _:
-                raise ProtocolError(f"a shard may not send {route.mtype.name} to the broker")
+                assert_never(message)
 
     # -- time ----------------------------------------------------------------
 
@@ -449,18 +454,7 @@ def _collect_status(report: dict[str, Any]) -> Iterable[Metric]:
     yield lag
 
 
-def _int(value: object) -> int:
-    return value if type(value) is int else 0
-
-
-def parse_claim(obj: object) -> Claim | None:
-    """A shard's claim from its REGISTER header (None if absent or malformed)."""
-    if not isinstance(obj, dict):
+def _claim(claim: ShardClaim | None) -> Claim | None:
+    if claim is None:
         return None
-    try:
-        partition, epoch, lsn = obj["partition"], obj["epoch"], obj.get("lsn", 0)
-        if not all(type(v) is int and v >= 0 for v in (partition, epoch, lsn)):
-            return None
-        return Claim(partition, epoch, Role(obj["role"]), lsn, bool(obj.get("in_sync", False)))
-    except (KeyError, ValueError, TypeError):
-        return None
+    return Claim(claim.partition, claim.epoch, claim.role, claim.lsn, claim.in_sync)

@@ -12,14 +12,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from zps.broker.acceptance import COMMIT_TARGET
 from zps.core.cluster import ClusterState
-from zps.core.coord import Clocks, Job, JobFailed, Mode
+from zps.core.coord import Clocks, Job, JobFailed
 from zps.protocol.codec import MsgType, Route, encode
+from zps.protocol.messages import ClockRequest, Mode, Status, StatusReply, TaskRequest
 
 log = logging.getLogger("zps.broker")
-
-#: The pseudo client that commits sync steps; shards answer it through the broker.
-COMMIT_TARGET = b"\x00commit"
 
 Send = Callable[[list[Any]], Awaitable[bool]]
 
@@ -37,35 +36,34 @@ class Training:
     async def _reply(self, ident: bytes, route: Route, header: dict[str, Any]) -> None:
         await self.send([ident, *encode(Route(route.mtype, req_id=route.req_id), header)])
 
+    async def _status(self, ident: bytes, route: Route, status: Status, msg: str) -> None:
+        await self._reply(ident, route, StatusReply(status, msg).to_wire())
+
+    async def bad_request(self, ident: bytes, route: Route, error: str) -> None:
+        """A CLOCK or TASK request whose header its record refused."""
+        await self._status(ident, route, Status.BAD_REQUEST, error)
+
     # -- clocks ----------------------------------------------------------------
 
-    async def on_clock(self, ident: bytes, node: str, route: Route, h: dict[str, Any]) -> None:
-        op = h.get("op")
+    async def on_clock(self, ident: bytes, node: str, route: Route, req: ClockRequest) -> None:
+        mode, tau = req.mode, req.tau
         try:
-            mode = Mode(h.get("mode", "async"))
-            tau = h.get("tau", 0)
-            if type(tau) is not int or tau < 0:
-                raise ValueError(f"staleness must be an integer >= 0, got {tau!r}")
-            match op:
+            match req.op:
                 case "join":
                     step = self.clocks.join(node, mode, tau)
                     log.info("worker %s joined %s training at step %d", node, mode.value, step)
-                    await self._reply(ident, route, {"st": "OK", "step": step})
+                    await self._reply(ident, route, {"st": Status.OK.value, "step": step})
                 case "tick":
-                    finished = h.get("finished")
-                    if type(finished) is not int or finished < 0:
-                        raise ValueError("tick needs 'finished', a step count")
-                    self.clocks.tick(node, mode, tau, finished)
+                    assert req.finished is not None  # ClockRequest.parse checked it
+                    self.clocks.tick(node, mode, tau, req.finished)
                     self._tick_waiters[node] = (ident, route)
                     await self.advance()
                 case "leave":
                     self.clocks.leave(node)
-                    await self._reply(ident, route, {"st": "OK"})
+                    await self._reply(ident, route, {"st": Status.OK.value})
                     await self.advance()
-                case _:
-                    raise ValueError(f"unknown clock operation {op!r}")
-        except ValueError as e:
-            await self._reply(ident, route, {"st": "BAD_REQUEST", "msg": str(e)})
+        except ValueError as e:  # the clock's rules (e.g. another mode than the others')
+            await self._status(ident, route, Status.BAD_REQUEST, str(e))
 
     async def advance(self) -> None:
         """Release whoever may go on; start a sync commit when a step is complete."""
@@ -84,7 +82,8 @@ class Training:
             waiter = self._tick_waiters.pop(w, None)
             if waiter is not None:
                 clock = self.clocks.workers.get(w)
-                await self._reply(*waiter, {"st": "OK", "step": clock.step if clock else 0})
+                reply = {"st": Status.OK.value, "step": clock.step if clock else 0}
+                await self._reply(*waiter, reply)
 
     async def _send_commit(self, p: int) -> None:
         step = self.clocks.committing
@@ -111,8 +110,9 @@ class Training:
         if step is None or route.req_id != step or route.partition not in self._commit_pending:
             return
         res = h.get("res")
-        if h.get("st") != "OK" or not isinstance(res, list) or not res or res[0].get("st") != "OK":
-            if h.get("st") in ("NOT_PRIMARY", "STALE_EPOCH"):
+        first = res[0] if isinstance(res, list) and res else None
+        if h.get("st") != Status.OK or not isinstance(first, dict) or first.get("st") != Status.OK:
+            if h.get("st") in (Status.NOT_PRIMARY, Status.STALE_EPOCH):
                 return  # re-sent to the new primary when the map changes
             log.error("commit of step %d on partition %d failed: %s", step, route.partition, h)
         self._commit_pending.discard(route.partition)
@@ -126,24 +126,11 @@ class Training:
 
     # -- tasks -----------------------------------------------------------------
 
-    async def on_task(self, ident: bytes, node: str, route: Route, h: dict[str, Any]) -> None:
-        op, name = h.get("op"), h.get("job")
+    async def on_task(self, ident: bytes, node: str, route: Route, req: TaskRequest) -> None:
+        name = req.job
         try:
-            if not isinstance(name, str) or not name:
-                raise ValueError("a task request needs a job name")
-            if op == "create":
-                spec = tuple(
-                    h.get(k, d)
-                    for k, d in (
-                        ("n_records", 0),
-                        ("per_task", 0),
-                        ("epochs", 1),
-                        ("max_retries", 3),
-                        ("seed", 0),
-                    )
-                )
-                if not all(type(v) is int for v in spec):
-                    raise ValueError("job settings must be integers")
+            if req.settings is not None:  # create
+                spec = req.settings.astuple()
                 job = self.jobs.get(name)
                 if job is None:
                     job = self.jobs[name] = Job(name, *spec)
@@ -156,24 +143,23 @@ class Training:
                     )
                 elif job.spec() != spec:
                     raise ValueError(f"job {name!r} exists with other settings {job.spec()}")
-                await self._reply(ident, route, {"st": "OK", "progress": job.progress()})
+                await self._reply(ident, route, {"st": Status.OK.value, "progress": job.progress()})
                 return
             job = self.jobs.get(name)
             if job is None:
                 raise ValueError(f"unknown job {name!r} (create it first)")
-            task_id = h.get("task")
-            match op:
-                case "next" if h.get("wait", True) is False:
+            match req.op:
+                case "next" if not req.wait:
                     try:
                         task = job.next(node)
                     except JobFailed as e:
-                        await self._reply(ident, route, {"st": "JOB_FAILED", "msg": str(e)})
+                        await self._status(ident, route, Status.JOB_FAILED, str(e))
                         return
                     await self._reply(
                         ident,
                         route,
                         {
-                            "st": "OK",
+                            "st": Status.OK.value,
                             "task": task.to_wire() if task else None,
                             "pending": task is None and not job.complete,
                         },
@@ -181,22 +167,19 @@ class Training:
                 case "next":
                     self._task_waiters.append((ident, node, route, name))
                     await self._serve_tasks()
-                case "done" if type(task_id) is int:
-                    ok = job.finish(node, task_id)
-                    await self._reply(
-                        ident,
-                        route,
-                        {"st": "OK" if ok else "BAD_REQUEST", "msg": "" if ok else "not your task"},
-                    )
+                case "done" if req.task is not None:
+                    ok = job.finish(node, req.task)
+                    status = Status.OK if ok else Status.BAD_REQUEST
+                    await self._status(ident, route, status, "" if ok else "not your task")
                     await self._serve_tasks()
-                case "release" if type(task_id) is int:
-                    job.release(node, task_id, failed=False)
-                    await self._reply(ident, route, {"st": "OK"})
+                case "release" if req.task is not None:
+                    job.release(node, req.task, failed=False)
+                    await self._reply(ident, route, {"st": Status.OK.value})
                     await self._serve_tasks()
                 case _:
-                    raise ValueError(f"unknown task operation {op!r}")
+                    raise ValueError(f"unknown task operation {req.op!r}")
         except ValueError as e:
-            await self._reply(ident, route, {"st": "BAD_REQUEST", "msg": str(e)})
+            await self._status(ident, route, Status.BAD_REQUEST, str(e))
 
     async def _serve_tasks(self) -> None:
         """Answer parked 'next' requests that can be answered now."""
@@ -206,12 +189,12 @@ class Training:
             try:
                 task = job.next(node)
             except JobFailed as e:
-                await self._reply(ident, route, {"st": "JOB_FAILED", "msg": str(e)})
+                await self._status(ident, route, Status.JOB_FAILED, str(e))
                 continue
             if task is not None:
-                await self._reply(ident, route, {"st": "OK", "task": task.to_wire()})
+                await self._reply(ident, route, {"st": Status.OK.value, "task": task.to_wire()})
             elif job.complete:
-                await self._reply(ident, route, {"st": "OK", "task": None})
+                await self._reply(ident, route, {"st": Status.OK.value, "task": None})
             else:
                 still.append((ident, node, route, name))
         self._task_waiters = still

@@ -27,17 +27,12 @@ waits; when every task is done the job is complete.
 
 from __future__ import annotations
 
-import enum
 import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class Mode(enum.StrEnum):
-    ASYNC = "async"
-    SYNC = "sync"
-    SSP = "ssp"
+from zps.protocol.messages import Mode
 
 
 @dataclass

@@ -2,11 +2,40 @@
 
 One job: turn a decoded header into a typed record, or raise :class:`ProtocolError`
 (and nothing else), so a driver never indexes an untyped dict.
+
+Rules:
+
+1. ``Record.parse(header)`` checks every field it reads, type and range, and raises
+   only :class:`ProtocolError`; keys it does not know are ignored (a newer peer may
+   send more).  A missing optional field takes its documented default.
+2. ``record.to_wire()`` builds the header a sender puts on the wire, with the same
+   keys the readers expect, so ``Record.parse(record.to_wire()) == record``.
+3. The wire keys are fixed by the peers that already speak them: ``"t"`` is the
+   heartbeat's send time here (:class:`ShardHeartbeat`, :class:`LeaseEcho`), while in a
+   data request's ops it names a table.  The records keep both meanings apart.
+
+This module does no I/O.
 """
 
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, TypeAlias
+
+from zps.errors import ProtocolError
+
+Header: TypeAlias = Mapping[str, Any]
+
+
+class Mode(enum.StrEnum):
+    """A training job's consistency mode."""
+
+    ASYNC = "async"
+    SYNC = "sync"
+    SSP = "ssp"
 
 
 class Role(enum.StrEnum):
@@ -15,3 +44,472 @@ class Role(enum.StrEnum):
     PRIMARY = "primary"
     REPLICA = "replica"
     SPARE = "spare"
+
+
+class Status(enum.StrEnum):
+    """The status code of a reply (its ``"st"``); errors carry a ``"msg"`` too."""
+
+    OK = "OK"
+    BAD_REQUEST = "BAD_REQUEST"
+    UNKNOWN_TABLE = "UNKNOWN_TABLE"
+    SHAPE_MISMATCH = "SHAPE_MISMATCH"
+    TABLE_CONFLICT = "TABLE_CONFLICT"
+    SHARD_UNAVAILABLE = "SHARD_UNAVAILABLE"
+    NOT_PRIMARY = "NOT_PRIMARY"
+    STALE_EPOCH = "STALE_EPOCH"
+    INTERNAL = "INTERNAL"
+    JOB_FAILED = "JOB_FAILED"
+
+
+# -- field readers: each returns a checked value or raises ProtocolError ----------
+
+
+def _field(h: Header, key: str, what: str) -> Any:
+    if key not in h:
+        raise ProtocolError(f"{what}: missing {key!r}")
+    return h[key]
+
+
+def _int(value: object, what: str, *, lo: int = 0, hi: int = 2**64 - 1) -> int:
+    # bool is an int subclass; on the wire it is not a number
+    if type(value) is not int or not lo <= value <= hi:
+        raise ProtocolError(f"{what} must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _str(value: object, what: str, *, empty: bool = True) -> str:
+    if not isinstance(value, str) or (not empty and not value):
+        raise ProtocolError(f"{what} must be a {'' if empty else 'non-empty '}string")
+    return value
+
+
+def _bool(value: object, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{what} must be true or false, got {value!r}")
+    return value
+
+
+def _opt_int(h: Header, key: str, what: str, default: int) -> int:
+    return _int(h[key], what) if key in h else default
+
+
+def _opt_str(h: Header, key: str, what: str, default: str) -> str:
+    return _str(h[key], what) if key in h else default
+
+
+def _header(h: object, what: str) -> Header:
+    if not isinstance(h, Mapping):
+        raise ProtocolError(f"{what} header must be a map, got {type(h).__name__}")
+    return h
+
+
+def _send_time(value: object) -> float | None:
+    # A heartbeat's "t": the sender's monotonic clock (a float), not a table name.
+    if value is not None and (not isinstance(value, float) or not math.isfinite(value)):
+        raise ProtocolError(f"HEARTBEAT t must be a finite float send time, got {value!r}")
+    return value
+
+
+def _role(value: object, what: str) -> Role:
+    if not isinstance(value, str) or value not in Role.__members__.values():
+        raise ProtocolError(f"{what} must be one of {[r.value for r in Role]}, got {value!r}")
+    return Role(value)
+
+
+# -- shard -> broker ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ShardClaim:
+    """What a (re)registering shard says it already serves (``REGISTER["claim"]``)."""
+
+    partition: int
+    epoch: int
+    role: Role
+    lsn: int = 0
+    in_sync: bool = False
+
+    @classmethod
+    def parse(cls, h: object) -> ShardClaim:
+        c = _header(h, "claim")
+        return cls(
+            partition=_int(_field(c, "partition", "claim"), "claim partition", hi=2**31 - 1),
+            epoch=_int(_field(c, "epoch", "claim"), "claim epoch"),
+            role=_role(_field(c, "role", "claim"), "claim role"),
+            lsn=_opt_int(c, "lsn", "claim lsn", 0),
+            in_sync=_bool(c.get("in_sync", False), "claim in_sync"),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "partition": self.partition,
+            "epoch": self.epoch,
+            "role": self.role.value,
+            "lsn": self.lsn,
+            "in_sync": self.in_sync,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRegister:
+    """REGISTER, shard -> broker: a shard joins (or re-joins after a broker restart).
+
+    ``address`` is its replication endpoint; ``public_key`` its Z85 CURVE public key
+    (40 characters), handed to its replicas, or nil: anything else there is dropped, not
+    refused (without CURVE it is never used); ``claim`` what it served before.
+    """
+
+    MTYPE: ClassVar[str] = "REGISTER"
+    host: str = "?"
+    pid: int = 0
+    address: str = ""
+    claim: ShardClaim | None = None
+    lsn: int = 0
+    public_key: str | None = None
+
+    @classmethod
+    def parse(cls, h: Header) -> ShardRegister:
+        claim = h.get("claim")
+        key = h.get("public_key")
+        if not isinstance(key, str) or len(key) != 40:
+            key = None  # not a Z85 key: the broker only hands keys on, so it drops this one
+        return cls(
+            host=_opt_str(h, "host", "REGISTER host", "?"),
+            pid=_opt_int(h, "pid", "REGISTER pid", 0),
+            address=_opt_str(h, "address", "REGISTER address", ""),
+            claim=None if claim is None else ShardClaim.parse(claim),
+            lsn=_opt_int(h, "lsn", "REGISTER lsn", 0),
+            public_key=key,
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "pid": self.pid,
+            "address": self.address,
+            "claim": self.claim.to_wire() if self.claim else None,
+            "lsn": self.lsn,
+            "public_key": self.public_key,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ShardHeartbeat:
+    """HEARTBEAT, shard -> broker.
+
+    ``t`` (wire key ``"t"``) is the shard's monotonic send time, echoed back in the
+    :class:`LeaseEcho` that renews its lease; it is not a table name.  ``in_sync`` is
+    sent by primaries only (the replicas that caught up).
+    """
+
+    t: float | None = None
+    lsn: int = 0
+    epoch: int | None = None
+    stats: dict[str, Any] | None = None
+    in_sync: tuple[str, ...] | None = None
+
+    @classmethod
+    def parse(cls, h: Header) -> ShardHeartbeat:
+        t, epoch, stats, in_sync = h.get("t"), h.get("epoch"), h.get("stats"), h.get("in_sync")
+        if stats is not None and not isinstance(stats, dict):
+            raise ProtocolError("HEARTBEAT stats must be a map")
+        if in_sync is not None and (
+            not isinstance(in_sync, list) or not all(isinstance(r, str) for r in in_sync)
+        ):
+            raise ProtocolError("HEARTBEAT in_sync must be a list of node names")
+        return cls(
+            t=_send_time(t),
+            lsn=_opt_int(h, "lsn", "HEARTBEAT lsn", 0),
+            epoch=None if epoch is None else _int(epoch, "HEARTBEAT epoch"),
+            stats=stats,
+            in_sync=None if in_sync is None else tuple(in_sync),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        h: dict[str, Any] = {"t": self.t, "lsn": self.lsn, "epoch": self.epoch, "stats": self.stats}
+        if self.in_sync is not None:
+            h["in_sync"] = list(self.in_sync)
+        return h
+
+
+# -- client -> broker --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ClientHello:
+    """HELLO, client -> broker: join and ask for the cluster map."""
+
+    host: str = "?"
+    pid: int = 0
+    name: str = ""
+
+    @classmethod
+    def parse(cls, h: Header) -> ClientHello:
+        return cls(
+            host=_opt_str(h, "host", "HELLO host", "?"),
+            pid=_opt_int(h, "pid", "HELLO pid", 0),
+            name=_opt_str(h, "name", "HELLO name", ""),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"host": self.host, "pid": self.pid, "name": self.name}
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """HEARTBEAT without content: client -> broker, and the broker's probes.  Its
+    header carries nothing the receiver reads."""
+
+    @classmethod
+    def parse(cls, h: Header) -> Heartbeat:
+        return cls()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRequest:
+    """STATUS, client -> broker: ask for the status report (answered with STATUS)."""
+
+    @classmethod
+    def parse(cls, h: Header) -> StatusRequest:
+        return cls()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    """BYE: an orderly departure (from a client or a shard).  ``msg`` says why, when a
+    primary refuses a subscription with it."""
+
+    msg: str = ""
+
+    @classmethod
+    def parse(cls, h: Header) -> Bye:
+        msg = h.get("msg", "")
+        return cls(msg if isinstance(msg, str) else "")  # only ever logged
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"msg": self.msg} if self.msg else {}
+
+
+ClockOp = Literal["join", "tick", "leave"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClockRequest:
+    """CLOCK, client -> broker: ``join``, ``tick`` (with ``finished``, the steps done)
+    or ``leave`` the step clock of sync and ssp training; ``tau`` is the staleness."""
+
+    op: ClockOp
+    mode: Mode = Mode.ASYNC
+    tau: int = 0
+    finished: int | None = None
+
+    @classmethod
+    def parse(cls, h: Header) -> ClockRequest:
+        op, mode = h.get("op"), h.get("mode", "async")
+        if op not in ("join", "tick", "leave"):
+            raise ProtocolError(f"unknown clock operation {op!r}")
+        if not isinstance(mode, str) or mode not in Mode.__members__.values():
+            raise ProtocolError(f"{mode!r} is not a valid training mode")
+        tau = h.get("tau", 0)
+        if type(tau) is not int or tau < 0:
+            raise ProtocolError(f"staleness must be an integer >= 0, got {tau!r}")
+        finished = h.get("finished")
+        if op == "tick" and (type(finished) is not int or finished < 0):
+            raise ProtocolError("tick needs 'finished', a step count")
+        return cls(op, Mode(mode), tau, finished if op == "tick" else None)
+
+    def to_wire(self) -> dict[str, Any]:
+        h: dict[str, Any] = {"op": self.op, "mode": self.mode.value, "tau": self.tau}
+        if self.finished is not None:
+            h["finished"] = self.finished
+        return h
+
+
+@dataclass(frozen=True, slots=True)
+class JobSettings:
+    """How a data-task job cuts its records (``TASK create``)."""
+
+    n_records: int = 0
+    per_task: int = 0
+    epochs: int = 1
+    max_retries: int = 3
+    seed: int = 0
+
+    def astuple(self) -> tuple[int, int, int, int, int]:
+        return (self.n_records, self.per_task, self.epochs, self.max_retries, self.seed)
+
+
+_JOB_KEYS = ("n_records", "per_task", "epochs", "max_retries", "seed")
+
+TaskOp = Literal["create", "next", "done", "release"]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRequest:
+    """TASK, client -> broker, on the job named ``job``:
+
+    * ``create`` with :class:`JobSettings` (idempotent for the same settings);
+    * ``next``: the next task; ``wait=False`` answers at once (``pending`` if none is
+      free yet), otherwise the answer waits for one;
+    * ``done`` / ``release`` of ``task`` (a task id).
+    """
+
+    op: TaskOp
+    job: str
+    settings: JobSettings | None = None
+    wait: bool = True
+    task: int | None = None
+
+    @classmethod
+    def parse(cls, h: Header) -> TaskRequest:
+        op, job = h.get("op"), h.get("job")
+        if not isinstance(job, str) or not job:
+            raise ProtocolError("a task request needs a job name")
+        match op:
+            case "create":
+                values = [
+                    h.get(k, d) for k, d in zip(_JOB_KEYS, JobSettings().astuple(), strict=True)
+                ]
+                if not all(type(v) is int for v in values):
+                    raise ProtocolError("job settings must be integers")
+                return cls("create", job, settings=JobSettings(*values))
+            case "next":
+                return cls("next", job, wait=_bool(h.get("wait", True), "TASK wait"))
+            case "done" | "release":
+                task = h.get("task")
+                if type(task) is not int:
+                    raise ProtocolError(f"{op} needs 'task', a task id")
+                return cls(op, job, task=task)
+            case _:
+                raise ProtocolError(f"unknown task operation {op!r}")
+
+    def to_wire(self) -> dict[str, Any]:
+        h: dict[str, Any] = {"op": self.op, "job": self.job}
+        if self.settings is not None:
+            h.update(zip(_JOB_KEYS, self.settings.astuple(), strict=True))
+        if self.op == "next" and not self.wait:
+            h["wait"] = False
+        if self.task is not None:
+            h["task"] = self.task
+        return h
+
+
+# -- broker -> shard / client -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Assign:
+    """ASSIGN, broker -> shard: the role it holds for ``partition`` (nil for a spare) at
+    ``epoch``; a replica follows ``primary`` at ``primary_address`` (CURVE key
+    ``primary_key``, empty without CURVE)."""
+
+    role: Role
+    partition: int | None
+    epoch: int
+    primary: str | None = None
+    primary_address: str = ""
+    primary_key: str = ""
+    n_partitions: int = 0
+
+    @classmethod
+    def parse(cls, h: Header) -> Assign:
+        partition, primary, address = h.get("partition"), h.get("primary"), h.get("primary_address")
+        return cls(
+            role=_role(_field(h, "role", "ASSIGN"), "ASSIGN role"),
+            partition=None if partition is None else _int(partition, "ASSIGN partition"),
+            epoch=_opt_int(h, "epoch", "ASSIGN epoch", 0),
+            primary=None if primary is None else _str(primary, "ASSIGN primary"),
+            primary_address="" if address is None else _str(address, "ASSIGN address"),
+            primary_key=_opt_str(h, "primary_key", "ASSIGN primary_key", ""),
+            n_partitions=_opt_int(h, "n_partitions", "ASSIGN n_partitions", 0),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "role": self.role.value,
+            "partition": self.partition,
+            "epoch": self.epoch,
+            "primary": self.primary,
+            "primary_address": self.primary_address,
+            "primary_key": self.primary_key,
+            "n_partitions": self.n_partitions,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseEcho:
+    """HEARTBEAT, broker -> shard: the answer to a :class:`ShardHeartbeat`, echoing its
+    send time ``t`` (wire key ``"t"``) with the role the broker holds for the shard; it
+    renews the lease of exactly that role."""
+
+    t: float | None
+    role: Role
+    partition: int | None
+    epoch: int
+
+    @classmethod
+    def parse(cls, h: Header) -> LeaseEcho:
+        partition = h.get("partition")
+        return cls(
+            t=_send_time(h.get("t")),
+            role=_role(_field(h, "role", "HEARTBEAT echo"), "HEARTBEAT role"),
+            partition=None if partition is None else _int(partition, "HEARTBEAT partition"),
+            epoch=_opt_int(h, "epoch", "HEARTBEAT epoch", 0),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "t": self.t,
+            "role": self.role.value,
+            "partition": self.partition,
+            "epoch": self.epoch,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class MapUpdate:
+    """MAP, broker -> client/shard: the cluster map (``ClusterMap.to_wire()``), checked
+    by ``ClusterMap.from_wire`` on arrival."""
+
+    map: dict[str, Any]
+
+    @classmethod
+    def parse(cls, h: Header) -> MapUpdate:
+        m = _field(h, "map", "MAP")
+        if not isinstance(m, dict):
+            raise ProtocolError("MAP map must be a map")
+        return cls(m)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"map": self.map}
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReply:
+    """A reply that carries only its status ``st`` and a ``msg`` (an error's, or empty)."""
+
+    status: Status
+    msg: str = ""
+
+    @classmethod
+    def parse(cls, h: Header) -> StatusReply:
+        st = h.get("st")
+        if not isinstance(st, str) or st not in Status.__members__.values():
+            raise ProtocolError(f"unknown reply status {st!r}")
+        return cls(Status(st), _opt_str(h, "msg", "reply msg", ""))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"st": self.status.value, "msg": self.msg}
+
+
+#: What the broker accepts as control messages, from shards and from clients.
+ShardControl: TypeAlias = ShardRegister | ShardHeartbeat | Bye
+ClientControl: TypeAlias = (
+    ClientHello | Heartbeat | StatusRequest | ClockRequest | TaskRequest | Bye
+)

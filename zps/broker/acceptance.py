@@ -1,0 +1,186 @@
+"""The broker's acceptance rules: what it does with a message, decided from the message
+and the membership alone.
+
+One job: :func:`accept` turns ``(sender identity, frames)`` into a :data:`Verdict`; the
+broker carries the verdict out, and tests predict the broker from the same function.
+No I/O, no clock, no state of its own.
+
+Rules, in the order they apply:
+
+1. A sender identity starting ``s-`` is a shard; any other is a client.
+2. A client's REQUEST is routed on its route frame alone (the header is the shard's to
+   read).  Any other client message must decode, be one of HELLO, HEARTBEAT, STATUS,
+   CLOCK, TASK, BYE, and have a header its record accepts; a CLOCK or TASK request with
+   a bad header is answered ``BAD_REQUEST`` instead of dropped (a caller waits for it).
+3. A shard message starts with a target frame.  :data:`COMMIT_TARGET` marks the answer
+   to a sync-mode commit: it counts only from the partition's current primary.  Any other
+   non-empty target is a client to forward a reply to: never a shard identity (a
+   registered peer could forge the broker's control messages), and only from a shard
+   still in the membership (a shard declared dead answers too late).
+4. An empty target marks a control message: REGISTER, HEARTBEAT or BYE, with a header
+   its record accepts.
+5. Anything else is malformed: dropped and counted, never answered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeAlias
+
+from zps.errors import ProtocolError
+from zps.protocol.codec import BufferLike, MsgType, Route, decode, unpack_route
+from zps.protocol.messages import (
+    Bye,
+    ClientControl,
+    ClientHello,
+    ClockRequest,
+    Heartbeat,
+    ShardControl,
+    ShardHeartbeat,
+    ShardRegister,
+    StatusRequest,
+    TaskRequest,
+)
+
+#: The pseudo client that commits sync steps; shards answer it through the broker.
+COMMIT_TARGET = b"\x00commit"
+
+SHARD_PREFIX = b"s-"
+
+
+class Membership(Protocol):
+    """What the rules need to know of the cluster (``ClusterState`` has it)."""
+
+    @property
+    def shards(self) -> Container[str]: ...
+
+    def primary_of(self, partition: int) -> str | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """A client's REQUEST: route it to the partition's primary."""
+
+    route: Route
+
+
+@dataclass(frozen=True, slots=True)
+class FromClient:
+    """A client's control message."""
+
+    route: Route
+    message: ClientControl
+
+
+@dataclass(frozen=True, slots=True)
+class BadClientRequest:
+    """A CLOCK or TASK request whose header is invalid: answer ``BAD_REQUEST``."""
+
+    route: Route
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class FromShard:
+    """A shard's control message."""
+
+    route: Route
+    message: ShardControl
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardReply:
+    """A shard's reply: forward the frames after the target to the client ``target``."""
+
+    target: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CommitReply:
+    """The current primary's answer to a sync-mode commit."""
+
+    route: Route
+    header: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """Dropped unanswered; ``counter`` names the broker statistic it counts in (``None``:
+    not counted, it is harmless)."""
+
+    reason: str
+    counter: Literal["malformed", "stale_replies"] | None = "malformed"
+
+
+Verdict: TypeAlias = (
+    RouteRequest | FromClient | BadClientRequest | FromShard | ForwardReply | CommitReply | Reject
+)
+
+
+def accept(ident: bytes, frames: Sequence[BufferLike], members: Membership) -> Verdict:
+    """What the broker does with ``frames`` (those after the identity) from ``ident``."""
+    if not frames:
+        return Reject("no route frame")
+    try:
+        if ident.startswith(SHARD_PREFIX):
+            return _from_shard(ident, frames, members)
+        return _from_client(frames)
+    except ProtocolError as e:
+        return Reject(str(e))
+
+
+def _from_client(frames: Sequence[BufferLike]) -> Verdict:
+    route = unpack_route(frames[0])
+    if route.mtype is MsgType.REQUEST:
+        return RouteRequest(route)
+    h = decode(frames).header
+    message: ClientControl
+    match route.mtype:
+        case MsgType.HELLO:
+            message = ClientHello.parse(h)
+        case MsgType.HEARTBEAT:
+            message = Heartbeat.parse(h)
+        case MsgType.STATUS:
+            message = StatusRequest.parse(h)
+        case MsgType.BYE:
+            message = Bye.parse(h)
+        case MsgType.CLOCK | MsgType.TASK:
+            try:
+                message = (ClockRequest if route.mtype is MsgType.CLOCK else TaskRequest).parse(h)
+            except ProtocolError as e:
+                return BadClientRequest(route, str(e))
+        case _:
+            raise ProtocolError(f"a client may not send {route.mtype.name}")
+    return FromClient(route, message)
+
+
+def _from_shard(ident: bytes, frames: Sequence[BufferLike], members: Membership) -> Verdict:
+    if len(frames) < 2:
+        raise ProtocolError("shard message without target and route frames")
+    target = bytes(frames[0])
+    if target == COMMIT_TARGET:
+        reply = decode(frames[1:])
+        node = ident.decode("utf-8", "replace")
+        if members.primary_of(reply.route.partition) != node:
+            return Reject("a commit answer from a deposed primary", counter=None)
+        return CommitReply(reply.route, reply.header)
+    if target:
+        if target.startswith(SHARD_PREFIX):
+            return Reject("a reply addressed to a shard")
+        if ident.decode("utf-8", "replace") not in members.shards:
+            return Reject("a reply from a shard declared dead", counter="stale_replies")
+        return ForwardReply(target)
+    route = unpack_route(frames[1])
+    h = decode(frames[1:]).header
+    message: ShardControl
+    match route.mtype:
+        case MsgType.REGISTER:
+            message = ShardRegister.parse(h)
+        case MsgType.HEARTBEAT:
+            message = ShardHeartbeat.parse(h)
+        case MsgType.BYE:
+            message = Bye.parse(h)
+        case _:
+            raise ProtocolError(f"a shard may not send {route.mtype.name} to the broker")
+    return FromShard(route, message)
