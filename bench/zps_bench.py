@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""zps benchmark (issue 5): zps against L, the raw pyzmq limit, in one run on loopback.
+"""zps benchmark: zps against L, the raw pyzmq limit, in one run on loopback.
 
     python bench/zps_bench.py [--quick] [--json PATH] [--profile DIR]
 
