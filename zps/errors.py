@@ -86,6 +86,19 @@ class InternalError(RemoteError):
     code = "INTERNAL"
 
 
+class OverloadedError(RemoteError):
+    """The broker refused a request it could not pass on to a busy shard."""
+
+    code = "OVERLOADED"
+
+
+class NotEnoughReplicasError(RemoteError):
+    """An ``acks="all"`` write was refused: fewer copies of its partition are in sync
+    than ``replication.min_in_sync`` (retried until the client's timeout first)."""
+
+    code = "NOT_ENOUGH_REPLICAS"
+
+
 _BY_CODE: dict[str, type[RemoteError]] = {
     cls.code: cls
     for cls in (
@@ -97,6 +110,8 @@ _BY_CODE: dict[str, type[RemoteError]] = {
         NotPrimaryError,
         StaleEpochError,
         InternalError,
+        OverloadedError,
+        NotEnoughReplicasError,
     )
 }
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
+import zmq
 
 from zps import transport
 from zps.testing import free_port
@@ -73,4 +75,89 @@ async def test_posted_messages_arrive_in_order_after_backpressure() -> None:
     finally:
         transport.close(router)
         transport.close(dealer)
+        transport.term(ctx)
+
+
+async def _peer(
+    ctx: Any, addr: str, name: bytes, router: transport.Channel
+) -> tuple[transport.Channel, bytes]:
+    dealer = transport.dealer(ctx, addr, name, max_message_bytes=1 << 20, hwm=4)
+    await transport.send(dealer, [b"hello"])  # the router learns the peer
+    (hello,) = await transport.recv_burst(router, timeout=5)
+    return dealer, transport.frame_bytes(hello[0])
+
+
+@pytest.mark.timeout(30)
+async def test_outbound_holds_within_the_allowance_drops_past_it_and_keeps_order() -> None:
+    ctx = transport.new_context()
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    router, _ = transport.router(ctx, addr, max_message_bytes=1 << 20, hwm=4)
+    out = transport.Outbound(router, total_limit=4 << 20, stall_timeout=60.0)
+    slow, slow_id = await _peer(ctx, addr, b"c-slow", router)
+    fast, fast_id = await _peer(ctx, addr, b"c-fast", router)
+    try:
+        limit = 1 << 20
+        posted = [
+            out.post([slow_id, i.to_bytes(4, "little"), bytes(65536)], limit) for i in range(400)
+        ]
+        # Never waits: zmq took what it could, the allowance held 1 MiB, the rest dropped.
+        held = posted.count(transport.Posted.HELD)
+        dropped = posted.count(transport.Posted.DROPPED)
+        assert held and dropped
+        assert out.held(slow_id) <= limit
+        assert out.allowance.peak_peer <= limit
+        assert posted.index(transport.Posted.DROPPED) > posted.index(transport.Posted.HELD)
+        # Another peer is served at once, whatever the slow one holds.
+        assert out.post([fast_id, b"ping"], limit) is transport.Posted.SENT
+        (msg,) = await transport.recv_burst(fast, timeout=5)
+        assert transport.frame_bytes(msg[0]) == b"ping"
+        # The slow peer reads at last: what was sent or held arrives, in order.
+        kept = [i for i, p in enumerate(posted) if p is not transport.Posted.DROPPED]
+        seen: list[int] = []
+        while len(seen) < len(kept):
+            burst = await transport.recv_burst(slow, timeout=5)
+            assert burst, f"stalled after {len(seen)} messages"
+            seen += [int.from_bytes(transport.frame_bytes(m[0]), "little") for m in burst]
+        assert seen == kept
+        assert out.held_bytes == 0
+        assert out.dropped == dropped
+        # An unknown peer is reported, not held.
+        assert out.post([b"c-nobody", b"x"], limit) is transport.Posted.UNROUTABLE
+    finally:
+        out.close()
+        for ch in (router, slow, fast):
+            transport.close(ch)
+        transport.term(ctx)
+
+
+@pytest.mark.timeout(30)
+async def test_outbound_drops_what_a_stalled_peer_holds() -> None:
+    ctx = transport.new_context()
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    router, _ = transport.router(ctx, addr, max_message_bytes=1 << 20, hwm=4)
+    out = transport.Outbound(router, total_limit=4 << 20, stall_timeout=0.3)
+    slow: zmq.Socket[Any] = zmq.Socket(ctx, zmq.DEALER)  # never read
+    slow.setsockopt(zmq.LINGER, 0)
+    slow.setsockopt(zmq.RCVHWM, 1)
+    slow.setsockopt(zmq.RCVBUF, 4096)
+    slow.setsockopt(zmq.IDENTITY, b"c-stalled")
+    slow.connect(addr)
+    slow.send(b"hello")
+    (hello,) = await transport.recv_burst(router, timeout=5)
+    slow_id = transport.frame_bytes(hello[0])
+    try:
+        # Keep offering until the kernel's buffers are full and what is held stops
+        # moving; after stall_timeout without progress it is dropped.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not out.stalled and loop.time() < deadline:
+            out.post([slow_id, bytes(65536)], 1 << 20)
+            await asyncio.sleep(0.01)
+        assert out.stalled == 1
+        assert out.held_bytes == 0
+        assert out.allowance.peak_peer <= 1 << 20
+    finally:
+        out.close()
+        transport.close(router)
+        slow.close(0)
         transport.term(ctx)

@@ -15,6 +15,18 @@ epoch, every client and shard gets the new map, and clients re-send what the
 dead primary had not answered.  A partition with no copy left is answered
 ``SHARD_UNAVAILABLE`` at once.
 
+Flow control: the broker never waits on one peer while serving others.  Every
+message goes out through one :class:`~zps.transport.Outbound`: what zmq cannot
+queue for a slow peer is held for it within a byte allowance (per client, per
+shard, in total; see :class:`~zps.ops.config.BrokerConfig`), and past that the
+slow peer pays: a client's replies and maps are dropped and counted (its session
+retries or times out), a request for a shard whose queue is full is answered
+``OVERLOADED`` at once (the client retries it with backoff), and a peer that
+takes nothing for ``stall_timeout`` loses what was held for it.  zmq's ROUTER
+reads its peers' queues in turn, so a flood from one peer delays a shard's
+heartbeat by at most one burst.  The systemd watchdog is pinged from the
+receive path, and only while the timer loop keeps turning too.
+
 Leases: the broker answers each shard heartbeat with the role it holds for
 that shard, echoing the shard's send time; a primary accepts writes only
 while such an answer is younger than its lease, which is shorter than the
@@ -58,7 +70,7 @@ from zps.ops.metrics import (
     labelled,
 )
 from zps.ops.security import load_curve_keys
-from zps.ops.systemd import Notifier
+from zps.ops.systemd import Notifier, watchdog_due
 from zps.protocol.codec import MsgType, Route, encode
 from zps.protocol.messages import (
     Assign,
@@ -81,6 +93,9 @@ from zps.protocol.messages import (
 
 log = logging.getLogger("zps.broker")
 
+#: Room a STATUS reply needs in a client's allowance (a report is a few KiB per node).
+_REPLY_RESERVE = 256 * 1024
+
 
 @dataclass
 class BrokerStats:
@@ -90,6 +105,10 @@ class BrokerStats:
     malformed: int = 0
     undeliverable: int = 0
     stale_replies: int = 0
+    #: Messages not sent because their peer's allowance was spent.
+    dropped: int = 0
+    #: Requests refused OVERLOADED (their shard's allowance was spent).
+    overloaded: int = 0
 
 
 class Broker:
@@ -108,6 +127,9 @@ class Broker:
         self.bound = asyncio.Event()
         self._stop = asyncio.Event()
         self._sock: transport.Channel | None = None
+        self._out: transport.Outbound | None = None
+        self._last_tick = time.monotonic()
+        self._last_ping = 0.0
         self._routes: list[bytes | None] = [None] * config.partitions
         self._started = time.monotonic()
         self._last_beat = 0.0
@@ -125,6 +147,12 @@ class Broker:
         self._sock, self.endpoint = transport.router(
             ctx, self.config.bind, max_message_bytes=self.config.max_message_bytes, curve=keys
         )
+        self._out = transport.Outbound(
+            self._sock,
+            total_limit=self.config.queue_bytes,
+            stall_timeout=self.config.stall_timeout,
+            name="broker",
+        )
         log.info(
             "broker (pid %d) listening on %s: %d partitions x %d copies; only claims "
             "are granted for the first %.1fs",
@@ -137,12 +165,12 @@ class Broker:
         self.bound.set()
         self.metrics.start()
         self.notifier.ready(f"listening on {self.endpoint}")
+        self._alive()
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [
                     tg.create_task(self._recv_loop()),
                     tg.create_task(self._tick_loop()),
-                    tg.create_task(self.notifier.watchdog_loop()),
                 ]
                 await self._stop.wait()
                 self.notifier.stopping()
@@ -150,6 +178,7 @@ class Broker:
                     t.cancel()
         finally:
             self.metrics.stop()
+            self._out.close()
             if auth is not None:
                 auth.stop()
             transport.close(self._sock)
@@ -158,13 +187,18 @@ class Broker:
 
     # -- sending -------------------------------------------------------------
 
-    async def _send(self, frames: list[Any]) -> bool:
-        assert self._sock is not None
-        ok = await transport.send(self._sock, frames)
-        if not ok:
+    def _post(self, frames: list[Any]) -> transport.Posted:
+        """Send without waiting (see the module notes); the one way out of the broker."""
+        assert self._out is not None
+        ident = frames[0]
+        shard = isinstance(ident, bytes) and ident.startswith(b"s-")
+        limit = self.config.shard_queue_bytes if shard else self.config.client_queue_bytes
+        posted = self._out.post(frames, limit)
+        if posted is transport.Posted.DROPPED:
+            self.stats.dropped += 1
+        elif posted is transport.Posted.UNROUTABLE:
             self.stats.undeliverable += 1
-            ident = frames[0]
-            if isinstance(ident, bytes) and ident.startswith(b"s-"):
+            if shard:
                 # zmq dropped the route: the shard's connection is gone (a killed
                 # process); don't wait the whole liveness timeout to fail over.
                 self.detector.suspect(
@@ -172,7 +206,34 @@ class Broker:
                     time.monotonic(),
                     grace=2 * self.config.heartbeat.interval,
                 )
-        return ok
+        return posted
+
+    async def _send(self, frames: list[Any]) -> bool:
+        """:meth:`_post` for callers that only ask whether the peer is known."""
+        return self._post(frames) is not transport.Posted.UNROUTABLE
+
+    def _saturated(self, ident: bytes) -> bool:
+        """True when a reply to this client would be dropped: don't build it."""
+        assert self._out is not None
+        return self._out.held(ident) + _REPLY_RESERVE > self.config.client_queue_bytes
+
+    def _alive(self) -> None:
+        """Ping the systemd watchdog: called from the receive path, so a ping proves the
+        loop reads and dispatches; withheld when the timer loop stopped turning."""
+        period = self.notifier.watchdog_period
+        now = time.monotonic()
+        if watchdog_due(
+            period,
+            now,
+            last_ping=self._last_ping,
+            last_turn=self._last_tick,
+            max_lag=max(period or 0.0, 4 * self.config.heartbeat.interval),
+        ):
+            self._last_ping = now
+            self.notifier.watchdog()
+
+    async def _on_idle(self) -> None:
+        self._alive()
 
     async def _control(
         self, node: bytes, mtype: MsgType, header: dict[str, Any], req_id: int = 0
@@ -225,7 +286,14 @@ class Broker:
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
-        await transport.serve(self._sock, self._on_message, self._on_malformed)
+        await transport.serve(
+            self._sock,
+            self._on_message,
+            self._on_malformed,
+            on_burst=self._alive,
+            idle=self.config.heartbeat.interval,
+            on_idle=self._on_idle,
+        )
 
     async def _on_message(self, frames: transport.Frames) -> None:
         if len(frames) < 2:
@@ -282,6 +350,9 @@ class Broker:
                 if node not in self.state.clients:  # the broker restarted: re-introduce
                     await self._control(ident, MsgType.HELLO, {})
             case StatusRequest():
+                if self._saturated(ident):
+                    self.stats.dropped += 1  # it reads nothing: spare the work
+                    return
                 await self._control(ident, MsgType.STATUS, self.status(now), route.req_id)
             case ClockRequest():
                 await self.training.on_clock(ident, node, route, message)
@@ -289,6 +360,7 @@ class Broker:
                 await self.training.on_task(ident, node, route, message)
             case Bye():
                 self.detector.forget(node)
+                self._forget_queue(ident)
                 self.state.node_gone(node, now)
                 await self.training.worker_gone(node)
             case _:
@@ -324,8 +396,20 @@ class Broker:
                 ident, route, Status.SHARD_UNAVAILABLE, f"partition {p} has no live shard ({why})"
             )
             return
+        posted = self._post([target, ident, *frames[1:]])
+        if posted is transport.Posted.DROPPED:
+            # The primary's queue is full: the client retries with backoff, the
+            # broker carries on with everyone else.
+            self.stats.overloaded += 1
+            await self._reply_error(
+                ident,
+                route,
+                Status.OVERLOADED,
+                f"the primary of partition {p} is not keeping up; retry later",
+            )
+            return
         self.stats.routed += 1
-        if not await self._send([target, ident, *frames[1:]]):
+        if posted is transport.Posted.UNROUTABLE:
             # Its connection is gone; the heartbeat detector will promote a
             # replica (or declare the partition lost) and the client retries then.
             await self._reply_error(
@@ -377,6 +461,7 @@ class Broker:
             case Bye():
                 log.info("shard %s left", node)
                 self.detector.forget(node)
+                self._forget_queue(ident)
                 self._keys.pop(node, None)
                 await self._apply(self.state.node_gone(node, now))
             case _:
@@ -389,11 +474,13 @@ class Broker:
         while True:
             await asyncio.sleep(interval / 2)
             now = time.monotonic()
+            self._last_tick = now
             before = self.state.map_version
             for node in self.detector.tick(now):
                 kind = "shard" if node in self.state.shards else "client"
                 log.warning("%s %s missed its heartbeats; declared dead", kind, node)
                 self._keys.pop(node, None)
+                self._forget_queue(node.encode())
                 await self._apply(self.state.node_gone(node, now))
                 if kind == "client":
                     await self.training.worker_gone(node)
@@ -405,6 +492,25 @@ class Broker:
                 for node in [*self.state.clients, *self.state.shards]:
                     await self._control(node.encode(), MsgType.HEARTBEAT, {})
 
+    def _forget_queue(self, ident: bytes) -> None:
+        if self._out is not None:
+            self._out.forget(ident)
+
+    def flow(self) -> dict[str, Any]:
+        """Flow control figures: bytes held for slow peers against their bounds."""
+        out = self._out
+        return {
+            "held_bytes": out.held_bytes if out else 0,
+            "peak_held_bytes": out.allowance.peak if out else 0,
+            "peak_peer_held_bytes": out.allowance.peak_peer if out else 0,
+            "held_peers": out.allowance.peers if out else 0,
+            "queue_bytes": self.config.queue_bytes,
+            "client_queue_bytes": self.config.client_queue_bytes,
+            "shard_queue_bytes": self.config.shard_queue_bytes,
+            "dropped_bytes": out.dropped_bytes if out else 0,
+            "stalled_peers": out.stalled if out else 0,
+        }
+
     def _collect(self) -> Iterable[Metric]:
         yield labelled(
             CounterMetricFamily,
@@ -412,6 +518,15 @@ class Broker:
             "Messages by outcome",
             "outcome",
             {k: float(v) for k, v in vars(self.stats).items()},
+        )
+        flow = self.flow()
+        yield gauge(
+            "zps_broker_held_bytes", "Bytes held for peers slower than zmq", flow["held_bytes"]
+        )
+        yield gauge(
+            "zps_broker_held_bytes_peak",
+            "Most bytes held for peers at once",
+            flow["peak_held_bytes"],
         )
         yield from _collect_status(self.state.status(time.monotonic(), {}))
 
@@ -426,6 +541,7 @@ class Broker:
             "heartbeat_interval_s": self.config.heartbeat.interval,
             "liveness": self.config.heartbeat.liveness,
             **vars(self.stats),
+            "flow": self.flow(),
         }
         return report
 

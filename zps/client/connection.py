@@ -136,15 +136,19 @@ class Connection:
             tg.create_task(self._flush_loop()),
             tg.create_task(self._heartbeat_loop()),
         ]
-        await self._hello()
         try:
-            await asyncio.wait_for(self._map_event.wait(), self.config.connect_timeout)
+            # The introduction is bounded too: a paused broker may not take it.
+            await asyncio.wait_for(self._introduce(), self.config.connect_timeout)
         except TimeoutError:
             await self.close()
             raise ZpsTimeoutError(
                 f"no answer from the broker at {self.address} within "
                 f"{self.config.connect_timeout:g}s (is `zps-server broker` running there?)"
             ) from None
+
+    async def _introduce(self) -> None:
+        await self._hello()
+        await self._map_event.wait()
 
     async def close(self) -> None:
         if self._closed:

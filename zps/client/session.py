@@ -15,9 +15,10 @@ Rules:
 2. A partition request carries ``(cid, seq)``; ``seq`` is allocated here, increasing, and
    a re-send repeats the request's frames unchanged (same seq, same body): the shard
    applies it once.
-3. NOT_PRIMARY and STALE_EPOCH park a request; it is re-sent at its backoff time
-   ``min(0.01 * 2**min(attempts - 1, 8), max_backoff)``, or at once on a map whose epoch
-   for its partition differs.  After ``MAX_ATTEMPTS`` it fails.
+3. NOT_PRIMARY, STALE_EPOCH, OVERLOADED and NOT_ENOUGH_REPLICAS park a request; it is
+   re-sent at its backoff time ``min(0.01 * 2**min(attempts - 1, 8), max_backoff)``, or at
+   once on a map whose epoch for its partition differs.  After ``MAX_ATTEMPTS`` it fails.
+   One still refused NOT_ENOUGH_REPLICAS at its deadline fails with that error.
 4. A map from a new broker incarnation re-sends everything in flight, broker calls
    included: the restarted broker may have dropped it.
 5. A request to a lost partition fails with ShardUnavailableError; past its deadline
@@ -34,14 +35,20 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeAlias, TypeVar
 
 from zps.core.routing import ClusterMap
-from zps.errors import JobFailedError, ShardUnavailableError, ZpsTimeoutError, remote_error
+from zps.errors import (
+    JobFailedError,
+    NotEnoughReplicasError,
+    ShardUnavailableError,
+    ZpsTimeoutError,
+    remote_error,
+)
 from zps.protocol.codec import Encoder, Message, MsgType, Route, encode
 
 T = TypeVar("T")
 
 #: Retries of one message across map changes before the caller sees an error.
 MAX_ATTEMPTS = 1000
-RETRY_CODES = frozenset({"NOT_PRIMARY", "STALE_EPOCH"})
+RETRY_CODES = frozenset({"NOT_PRIMARY", "STALE_EPOCH", "OVERLOADED", "NOT_ENOUGH_REPLICAS"})
 #: The broker calls: answered by the broker itself, with a reply of the same type.
 BROKER_CALLS = frozenset({MsgType.CLOCK, MsgType.TASK, MsgType.STATUS})
 
@@ -91,6 +98,7 @@ class _Request(Generic[T]):
     attempts: int = 1
     parked: bool = False  # waiting to be re-sent (a newer map, or a short backoff)
     due_at: float = 0.0  # when a parked request is re-sent
+    short: str = ""  # the last NOT_ENOUGH_REPLICAS message: raised instead of a timeout
 
 
 @dataclass(slots=True)
@@ -203,6 +211,7 @@ class ClientSession(Generic[T]):
             return []
         if status in RETRY_CODES:
             # Failing over, or our map is out of date: try again shortly.
+            entry.short = str(header.get("msg", "")) if status == "NOT_ENOUGH_REPLICAS" else ""
             self._park(req_id, entry, now)
             return [self.hello()] if status == "STALE_EPOCH" else []
         self._forget(req_id)
@@ -247,7 +256,12 @@ class ClientSession(Generic[T]):
                 break
             expired = self._table[req_id]
             self._forget(req_id)
-            actions.append(Fail(expired.token, ZpsTimeoutError(self._timeout_message(expired))))
+            if isinstance(expired, _Request) and expired.short:
+                # Refused for want of in-sync replicas until the end: say so.
+                err: BaseException = NotEnoughReplicasError(expired.short)
+            else:
+                err = ZpsTimeoutError(self._timeout_message(expired))
+            actions.append(Fail(expired.token, err))
         while self._due and self._due[0][0] <= now:
             due_at, req_id = heapq.heappop(self._due)
             entry = self._table.get(req_id)

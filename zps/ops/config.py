@@ -121,6 +121,24 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
+class Replication:
+    """How a primary treats its replicas (every shard of a cluster needs the same values)."""
+
+    #: Copies (the primary included) that must hold a write before an ``acks="all"``
+    #: write is acknowledged, capped at the copies the broker gives the partition;
+    #: with fewer in sync such writes get NOT_ENOUGH_REPLICAS.  1: acks="all" becomes
+    #: acks=1 whenever no replica is in sync.
+    min_in_sync: int = 2
+    #: Bytes of the stream held for one replica that reads slower than it is sent;
+    #: past it the replica is dropped from the in-sync set and must resynchronise.
+    follower_queue_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        _integer("replication", 1, min_in_sync=self.min_in_sync)
+        _integer("replication", 1, follower_queue_bytes=self.follower_queue_bytes)
+
+
+@dataclass(frozen=True)
 class Metrics:
     """The Prometheus endpoint (port 0: none)."""
 
@@ -135,11 +153,19 @@ class Metrics:
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-request limits a shard enforces (larger requests get BAD_REQUEST)."""
+    """Per-request limits a shard enforces (larger requests get BAD_REQUEST), and
+    the bytes it keeps between requests, per partition.  Every shard of a cluster
+    needs the same values: a replica re-runs its primary's requests."""
 
     max_ops: int = 4096
     max_ids: int = 8 << 20
     max_array_bytes: int = 512 << 20
+    #: The dedup record (replies to recent messages, so a re-sent one is applied once).
+    dedup_bytes: int = 64 << 20
+    #: Sync mode: pushes are taken for at most this many steps past the committed one.
+    step_window: int = 8
+    #: Sync mode: gradients buffered until their step commits (past it: OVERLOADED).
+    step_buffer_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:
         _integer(
@@ -148,6 +174,9 @@ class Limits:
             max_ops=self.max_ops,
             max_ids=self.max_ids,
             max_array_bytes=self.max_array_bytes,
+            dedup_bytes=self.dedup_bytes,
+            step_window=self.step_window,
+            step_buffer_bytes=self.step_buffer_bytes,
         )
 
 
@@ -163,6 +192,15 @@ class BrokerConfig:
     #: granted for this long (None: two liveness timeouts), so a restarted
     #: broker rebuilds its map from the shards before it assigns anything new.
     startup_grace: float | None = None
+    #: Flow control: bytes the broker holds for one client that reads slower than it is
+    #: answered (beyond zmq's own queue); past it, replies to that client are dropped.
+    client_queue_bytes: int = 8 << 20
+    #: Bytes held for one shard; past it, requests for that shard are refused OVERLOADED.
+    shard_queue_bytes: int = 64 << 20
+    #: Bytes held for all peers together.
+    queue_bytes: int = 512 << 20
+    #: A peer that takes none of what is held for it for this many seconds loses it.
+    stall_timeout: float = 10.0
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     security: Security = field(default_factory=Security)
     metrics: Metrics = field(default_factory=Metrics)
@@ -177,6 +215,14 @@ class BrokerConfig:
             slots=self.slots,
             max_message_bytes=self.max_message_bytes,
         )
+        _integer(
+            "broker",
+            0,
+            client_queue_bytes=self.client_queue_bytes,
+            shard_queue_bytes=self.shard_queue_bytes,
+            queue_bytes=self.queue_bytes,
+        )
+        _positive("broker", stall_timeout=self.stall_timeout)
         if self.startup_grace is not None and (
             isinstance(self.startup_grace, bool)
             or not isinstance(self.startup_grace, int | float)
@@ -213,6 +259,7 @@ class ShardConfig:
     security: Security = field(default_factory=Security)
     metrics: Metrics = field(default_factory=Metrics)
     limits: Limits = field(default_factory=Limits)
+    replication: Replication = field(default_factory=Replication)
 
     def __post_init__(self) -> None:
         _endpoint("shard", "broker", self.broker)
@@ -298,6 +345,7 @@ _SHARED = {
     "metrics": (Metrics, ("broker", "shard")),
     "checkpoint": (Checkpoint, ("shard",)),
     "limits": (Limits, ("shard",)),
+    "replication": (Replication, ("shard",)),
 }
 _OWN = {
     "broker": BrokerConfig,
@@ -320,7 +368,12 @@ _TYPES: dict[str, tuple[type, ...]] = {
 
 
 def _fields_of(cls: type, table: Mapping[str, Any], section: str, path: str) -> dict[str, Any]:
-    known = {f.name: f for f in fields(cls) if f.name not in _NESTED}
+    # A shared section is not a key of its users ([broker] replication is the broker's own).
+    known = {
+        f.name: f
+        for f in fields(cls)
+        if f.name not in _NESTED or str(f.type) != _SHARED[f.name][0].__name__
+    }
     out: dict[str, Any] = {}
     for key, value in table.items():
         f = known.get(key)

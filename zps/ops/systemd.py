@@ -66,6 +66,22 @@ def _watchdog_period(env: Mapping[str, str], pid: int) -> float | None:
     return timeout_us / 2e6
 
 
+def watchdog_due(
+    period: float | None, now: float, *, last_ping: float, last_turn: float, max_lag: float
+) -> bool:
+    """Whether a ping called from a server's receive path should go out now.
+
+    Pings are rate-limited to every half ``period`` (systemd's own recommendation is
+    one per period; half leaves a margin for one late wake-up), and withheld while
+    another loop of the server (its timer: failure detection, leases) has not turned
+    for ``max_lag`` seconds, so systemd restarts a server that reads but no longer
+    keeps time, as well as one that stopped reading.
+    """
+    if period is None:
+        return False
+    return now - last_ping >= period / 2 and now - last_turn <= max_lag
+
+
 def _one_line(text: str) -> str:
     # A newline would start a new KEY=VALUE assignment (e.g. a forged READY=1).
     return " ".join(text.splitlines())

@@ -59,6 +59,10 @@ class Status(enum.StrEnum):
     STALE_EPOCH = "STALE_EPOCH"
     INTERNAL = "INTERNAL"
     JOB_FAILED = "JOB_FAILED"
+    #: The broker could not pass the request on (its shard's queue is full); retry later.
+    OVERLOADED = "OVERLOADED"
+    #: acks="all": fewer copies of the partition are in sync than ``min_in_sync``.
+    NOT_ENOUGH_REPLICAS = "NOT_ENOUGH_REPLICAS"
 
 
 # -- field readers: each returns a checked value or raises ProtocolError ----------
