@@ -304,8 +304,11 @@ def test_restart_prefers_the_copy_with_the_newest_checkpoint(
         push_until_checkpoints(ps, dir_b, n_files=1, per_round=3)  # B (replica) at LSN L1
         c.kill(b.pid)  # B crashes: its newest checkpoint stays at L1
         c.wait_gone(b.pid)
-        for _ in range(10):  # acknowledged by A alone
-            ps.push_dense("w", np.ones(4))
+        # Acknowledged by A alone: with one copy left, acks="all" is refused
+        # (replication.min_in_sync), so these writes ask for acks=1.
+        with zps.connect_sync(c.address, timeout=20, acks=1) as alone:
+            for _ in range(10):
+                alone.push_dense("w", np.ones(4))
         final = ps.checksums()[0]
         w_final = ps.pull_dense("w")
     codes = terminate([broker, a])  # the broker first: no promotion, A keeps epoch

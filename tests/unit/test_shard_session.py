@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zps.protocol.messages import Role
-from zps.shard.session import ShardSession
+from zps.shard.session import AckResult, ShardSession
 
 P, E = 3, 4
 HB, LIVENESS = 0.25, 4  # lease: 0.75 s; a silent peer is dead after 1 s
@@ -36,11 +36,17 @@ def primary(*replicas: str, now: float = 0.0) -> ShardSession[str]:
     return s
 
 
+def ack(s: ShardSession[str], node: str, lsn: int, epoch: int, now: float) -> AckResult[str]:
+    """``node`` acknowledges ``lsn``, naming the snapshot it was sent."""
+    follower = s.followers.get(node)
+    return s.acked(node, lsn, epoch, now, follower.snapshot_lsn if follower else 0)
+
+
 def in_sync(s: ShardSession[str], node: str, *, lsn: int = 0, now: float = 0.0) -> None:
     """``node`` subscribes at ``lsn`` and acknowledges it."""
     assert s.accepts_subscription(node, P, E)
     s.subscribed(node, lsn, now)
-    assert s.acked(node, lsn, E, now).in_sync
+    assert ack(s, node, lsn, E, now).in_sync
 
 
 # ---- lease ------------------------------------------------------------------
@@ -135,18 +141,18 @@ def test_a_replica_is_in_sync_only_once_it_acked_its_snapshots_lsn() -> None:
     s = primary("r1")
     s.subscribed("r1", 10, now=0.0)
     assert s.heartbeat_fields(0.0)["in_sync"] == []
-    got = s.acked("r1", 9, E, 0.1)
+    got = ack(s, "r1", 9, E, 0.1)
     assert not got.in_sync and "r1" not in s.local_in_sync
-    assert s.acked("r1", 10, E, 0.2).in_sync
+    assert ack(s, "r1", 10, E, 0.2).in_sync
     assert s.heartbeat_fields(0.3)["in_sync"] == ["r1"]
-    assert not s.acked("r1", 11, E, 0.3).in_sync  # reported once
+    assert not ack(s, "r1", 11, E, 0.3).in_sync  # reported once
 
 
 def test_acks_from_another_epoch_or_a_stranger_count_for_nothing() -> None:
     s = primary("r1")
     s.subscribed("r1", 5, now=0.0)
-    assert not s.acked("r1", 5, E - 1, 0.1).in_sync
-    assert not s.acked("r2", 5, E, 0.1).in_sync
+    assert not ack(s, "r1", 5, E - 1, 0.1).in_sync
+    assert not ack(s, "r2", 5, E, 0.1).in_sync
     assert s.followers["r1"].acked == 0
     assert s.local_in_sync == set()
 
@@ -156,7 +162,7 @@ def test_a_resubscribing_replica_leaves_the_in_sync_set_until_it_acks_again() ->
     in_sync(s, "r1", lsn=3)
     s.subscribed("r1", 8, now=1.0)
     assert s.local_in_sync == set()
-    assert s.acked("r1", 8, E, 1.1).in_sync
+    assert ack(s, "r1", 8, E, 1.1).in_sync
 
 
 def test_writes_wait_for_an_in_sync_replica_and_are_released_by_its_ack() -> None:
@@ -165,8 +171,8 @@ def test_writes_wait_for_an_in_sync_replica_and_are_released_by_its_ack() -> Non
     in_sync(s, "r1", lsn=1)
     assert s.add_write(2, "w2") == []
     assert s.add_write(3, "w3") == []
-    assert s.acked("r1", 2, E, 0.1).released == ["w2"]
-    assert s.acked("r1", 3, E, 0.2).released == ["w3"]
+    assert ack(s, "r1", 2, E, 0.1).released == ["w2"]
+    assert ack(s, "r1", 3, E, 0.2).released == ["w3"]
 
 
 def test_a_follower_that_goes_away_leaves_the_in_sync_set() -> None:
@@ -186,13 +192,13 @@ def test_a_silent_replica_holding_writes_back_is_reported_out_of_sync() -> None:
     s.on_map(E, {"r1", "r2"}, {"r1", "r2"})
     assert s.tick(0.5, requests=0, lsn=0).lagging == ()
     assert s.add_write(1, "w1") == []
-    assert s.acked("r2", 1, E, 0.9).released == []  # r1 stays silent
+    assert ack(s, "r2", 1, E, 0.9).released == []  # r1 stays silent
     assert s.tick(1.0, requests=1, lsn=1).lagging == ()  # silent for the timeout, not past it
     assert s.tick(1.01, requests=1, lsn=1).lagging == ("r1",)
     assert s.heartbeat_fields(1.01)["in_sync"] == ["r2"]
     assert s.tick(1.5, requests=1, lsn=1).lagging == ()  # reported once
     # The write is held until the broker publishes the smaller set.
-    assert s.on_map(E, {"r2"}, {"r1", "r2"}) == ["w1"]
+    assert s.on_map(E, {"r2"}, {"r1", "r2"}).released == ["w1"]
 
 
 def test_a_silent_replica_is_not_reported_while_no_write_waits() -> None:
@@ -208,16 +214,19 @@ def test_the_broker_only_shrinks_the_set_it_published() -> None:
     s.on_map(E, {"r1"}, {"r1", "r2"})
     in_sync(s, "r2")  # caught up since; not yet in the broker's map
     assert s.add_write(1, "w1") == []
-    assert s.on_map(E, set(), {"r1", "r2"}) == []  # r1 dropped; r2 still required
+    assert s.on_map(E, set(), {"r1", "r2"}).released == []  # r1 dropped; r2 still required
     assert s.local_in_sync == {"r2"}
-    assert s.on_map(E - 1, set(), set()) == []  # an old map changes nothing
-    assert s.acked("r2", 1, E, 0.2).released == ["w1"]
+    assert s.on_map(E - 1, set(), set()).released == []  # an old map changes nothing
+    assert ack(s, "r2", 1, E, 0.2).released == ["w1"]
 
 
 def test_a_replica_learns_from_the_map_whether_it_is_in_sync() -> None:
     s = session()
     s.assign(Role.REPLICA, P, E, "tcp://p:1")
     s.on_map(E, {ME}, {ME})
+    claim = s.claim(7)  # the map says so, but no snapshot of this primary is loaded
+    assert claim is not None and claim["in_sync"] is False
+    s.snapshot_loaded(True, 7)
     assert s.claim(7) == {"partition": P, "epoch": E, "role": "replica", "lsn": 7, "in_sync": True}
     s.on_map(E, set(), {ME})
     claim = s.claim(7)
@@ -243,7 +252,7 @@ def test_demotion_refuses_the_waiting_writes_and_forgets_the_followers() -> None
 def test_promotion_stops_following_and_starts_with_no_followers() -> None:
     s = session()
     s.assign(Role.REPLICA, P, E, "tcp://p:1")
-    s.snapshot_loaded(True)
+    s.snapshot_loaded(True, 0)
     change = s.assign(Role.PRIMARY, P, E + 1)
     assert change.changed and change.stop_following and change.refused == []
     assert s.following is None and not s.synced
@@ -259,7 +268,7 @@ def test_a_repeated_assignment_changes_nothing() -> None:
     assert s.local_in_sync == {"r1"} and len(s.tracker) == 1 and s.may_write(0.1)
     r = session()
     r.assign(Role.REPLICA, P, E, "tcp://p:1")
-    r.snapshot_loaded(True)
+    r.snapshot_loaded(True, 0)
     assert not r.assign(Role.REPLICA, P, E, "tcp://p:1").changed
     assert r.synced
     moved = r.assign(Role.REPLICA, P, E, "tcp://p:2")  # same epoch, another primary address
@@ -308,9 +317,9 @@ def test_a_replica_asks_for_the_stream_until_its_snapshot_loads() -> None:
     s.subscribe_sent(10.0)
     assert not s.subscribe_due(10.0 + 2 * HB)
     assert s.subscribe_due(10.0 + 2 * HB + 0.01)  # the primary may not have known its role
-    s.snapshot_loaded(False)  # another partition's or epoch's: still not synced
+    s.snapshot_loaded(False, 0)  # another partition's or epoch's: still not synced
     assert not s.synced and s.subscribe_due(11.0)
-    s.snapshot_loaded(True)
+    s.snapshot_loaded(True, 0)
     assert s.synced and not s.subscribe_due(20.0)
 
 
@@ -319,7 +328,7 @@ def test_bye_from_the_primary_resets_sync_and_asks_again_when_due() -> None:
     s.assign(Role.REPLICA, P, E, "tcp://p:1")
     s.upstream_started()
     s.subscribe_sent(10.0)
-    s.snapshot_loaded(True)
+    s.snapshot_loaded(True, 0)
     s.refused()
     assert not s.synced and not s.whole
     assert not s.subscribe_due(10.1)
@@ -331,15 +340,18 @@ def test_a_broken_stream_resubscribes_at_once() -> None:
     s.assign(Role.REPLICA, P, E, "tcp://p:1")
     s.upstream_started()
     s.subscribe_sent(10.0)
-    s.snapshot_loaded(True)
+    s.snapshot_loaded(True, 0)
     s.resync()
     assert not s.synced and s.subscribe_due(10.01)
 
 
-def test_a_replica_acks_upstream_on_ticks_while_following() -> None:
+def test_a_replica_acks_upstream_on_ticks_only_once_its_snapshot_is_loaded() -> None:
     s = session()
     assert not s.tick(0.25, requests=0, lsn=0).ack_upstream  # a spare follows nobody
     s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    assert not s.tick(0.3, requests=0, lsn=0).ack_upstream  # its state is another history
+    s.snapshot_loaded(True, 4)
+    assert s.base_lsn == 4
     assert s.tick(0.5, requests=0, lsn=0).ack_upstream
     s.assign(Role.REPLICA, P, E, "")  # no primary known: keeps its subscription
     assert s.tick(0.75, requests=0, lsn=0).ack_upstream
@@ -404,7 +416,7 @@ def test_only_a_whole_new_state_is_checkpointed() -> None:
     assert not s.begin_checkpoint(1.0, 5)  # no partition
     s.assign(Role.REPLICA, P, E, "tcp://p:1")
     assert not s.begin_checkpoint(1.0, 5)  # not synced: not whole
-    s.snapshot_loaded(True)
+    s.snapshot_loaded(True, 0)
     assert not s.begin_checkpoint(1.0, 0)  # nothing to keep
     assert s.begin_checkpoint(1.0, 5)
     assert s.last_checkpoint == (1.0, 5)
@@ -446,7 +458,7 @@ def test_a_new_upstream_subscription_asks_at_once() -> None:
     s.assign(Role.REPLICA, P, E, "tcp://p:1")
     s.upstream_started()
     s.subscribe_sent(10.0)
-    s.snapshot_loaded(True)
+    s.snapshot_loaded(True, 0)
     s.assign(Role.REPLICA, P, E + 1, "tcp://p:2")  # a new primary: a new subscription
     s.upstream_started()
     assert not s.synced and s.subscribe_due(10.01)
@@ -457,3 +469,132 @@ def test_a_spare_holds_no_partition_whatever_the_assignment_says() -> None:
     s.assign(Role.REPLICA, P, E, "tcp://p:1")
     s.assign(Role.SPARE, P, E)
     assert (s.partition, s.epoch) == (None, 0)
+
+
+# ---- gray replicas: dropped on silence, in sync only from its own snapshot ------
+
+
+def test_a_silent_replica_behind_the_primary_is_dropped_even_with_no_write_waiting() -> None:
+    s = primary("r1", "r2")
+    in_sync(s, "r1", now=0.0)
+    in_sync(s, "r2", now=0.0)
+    # acks=1 writes: nothing waits, but r1 stops acknowledging the stream.
+    assert ack(s, "r2", 5, E, 0.9).released == []
+    assert s.tick(1.0, requests=5, lsn=5).lagging == ()  # the timeout, not past it
+    assert s.tick(1.01, requests=5, lsn=5).lagging == ("r1",)
+    assert s.local_in_sync == {"r2"}
+    assert s.follower_gone("r1")  # the driver drops it: it must resynchronise
+    assert s.heartbeat_fields(1.02)["in_sync"] == ["r2"]
+    # r2 acknowledged everything: silence alone is no reason to drop it.
+    assert s.tick(5.0, requests=5, lsn=5).lagging == ()
+
+
+def test_a_dropped_replica_comes_back_only_through_a_new_snapshot() -> None:
+    s = primary("r1")
+    in_sync(s, "r1", lsn=2)
+    assert s.follower_gone("r1")
+    assert s.acked("r1", 9, E, 1.0, 2).in_sync is False  # no longer a follower
+    assert "r1" not in s.local_in_sync
+    s.subscribed("r1", 9, 1.1)
+    assert ack(s, "r1", 9, E, 1.2).in_sync
+
+
+def test_an_acknowledgement_from_another_history_counts_for_nothing() -> None:
+    # A shard that held the partition at an older epoch kept LSN 100; it subscribes and
+    # is sent a snapshot at 40.  Before it loaded that, its acks name another base.
+    s = primary("r1")
+    s.subscribed("r1", 40, now=0.0)
+    got = s.acked("r1", 100, E, 0.1, -1)  # nothing loaded yet
+    assert not got.in_sync and s.followers["r1"].acked == 0
+    assert not s.acked("r1", 100, E, 0.1, 39).in_sync  # an earlier snapshot's stream
+    assert not s.acked("r1", 100, E, 0.1, None).in_sync  # an ack without a base
+    assert s.add_write(41, "w41") == ["w41"]  # r1 holds nothing back: it is not in sync
+    assert s.acked("r1", 40, E, 0.2, 40).in_sync
+    assert s.add_write(42, "w42") == []  # now it holds writes back
+    assert s.acked("r1", 41, E, 0.3, 40).released == []
+    assert s.acked("r1", 42, E, 0.4, 40).released == ["w42"]
+
+
+def test_a_replica_names_the_snapshot_it_loaded_and_forgets_it_on_resync() -> None:
+    s = session()
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    assert s.base_lsn == -1
+    s.snapshot_loaded(True, 12)
+    assert (s.synced, s.base_lsn) == (True, 12)
+    s.snapshot_loaded(False, 30)  # another epoch's: not loaded
+    assert (s.synced, s.base_lsn) == (False, -1)
+    s.snapshot_loaded(True, 30)
+    s.assign(Role.REPLICA, P, E + 1, "tcp://p:2")  # a new primary: a new history
+    assert (s.synced, s.base_lsn) == (False, -1)
+
+
+# ---- min_in_sync ------------------------------------------------------------------
+
+
+def strict(*replicas: str, min_in_sync: int = 2) -> ShardSession[str]:
+    s: ShardSession[str] = ShardSession(
+        ME, heartbeat_interval=HB, liveness=LIVENESS, min_in_sync=min_in_sync, now=0
+    )
+    s.assign(Role.PRIMARY, P, E)
+    s.on_map(E, set(), set(replicas))
+    s.echoed(0.0, "primary", P, E)
+    return s
+
+
+def test_min_in_sync_refuses_acks_all_writes_until_a_replica_is_in_sync() -> None:
+    s = strict("r1")
+    assert s.needed_copies == 2
+    assert not s.enough_in_sync()  # r1 is listed, but has not caught up
+    in_sync(s, "r1", lsn=0)
+    assert s.enough_in_sync()
+
+
+def test_min_in_sync_is_capped_at_the_copies_a_partition_is_given() -> None:
+    s = strict()  # replication 1: no replica was ever listed
+    assert s.needed_copies == 1 and s.enough_in_sync()
+    t = strict("r1", "r2", min_in_sync=5)
+    assert t.needed_copies == 3
+
+
+def test_min_in_sync_counts_the_copies_seen_before_a_promotion() -> None:
+    # Replication 2: this shard was the replica; its primary died and no spare is left.
+    s: ShardSession[str] = ShardSession(
+        ME, heartbeat_interval=HB, liveness=LIVENESS, min_in_sync=2, now=0
+    )
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    s.on_map(E, {ME}, {ME})
+    s.assign(Role.PRIMARY, P, E + 1)
+    s.on_map(E + 1, set(), set())
+    assert not s.enough_in_sync()  # acks="all" must not quietly become acks=1
+    s.assign(Role.SPARE, None, 0)
+    s.assign(Role.PRIMARY, P + 1, E)  # another partition: learnt afresh
+    assert s.enough_in_sync()
+
+
+def test_writes_waiting_when_the_set_falls_below_min_in_sync_are_refused() -> None:
+    s = strict("r1", "r2")
+    in_sync(s, "r1")
+    in_sync(s, "r2")
+    s.on_map(E, {"r1", "r2"}, {"r1", "r2"})
+    assert s.add_write(1, "w1") == [] and s.add_write(2, "w2") == []
+    assert ack(s, "r1", 1, E, 0.1).released == []
+    done = s.on_map(E, {"r1"}, {"r1", "r2"})  # r2 dropped; r1 still in sync: enough
+    assert done.released == ["w1"] and done.refused == []
+    assert s.follower_gone("r1")
+    done = s.on_map(E, set(), {"r1", "r2"})  # no replica in sync: w2 has too few copies
+    assert done.released == [] and done.refused == ["w2"]
+    assert not s.enough_in_sync() and len(s.tracker) == 0
+
+
+def test_min_in_sync_never_refuses_for_a_shard_that_is_not_primary() -> None:
+    s: ShardSession[str] = ShardSession(
+        ME, heartbeat_interval=HB, liveness=LIVENESS, min_in_sync=2, now=0
+    )
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    s.on_map(E, set(), {ME})
+    assert s.enough_in_sync()  # the core answers NOT_PRIMARY instead
+
+
+def test_min_in_sync_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="min_in_sync"):
+        ShardSession(ME, heartbeat_interval=HB, liveness=LIVENESS, min_in_sync=0, now=0)

@@ -5,29 +5,38 @@ state (header and payload frames as the client sent them), and acknowledges
 the LSNs it applied.  Who may subscribe, when a follower counts as in sync and
 which writes an acknowledgement releases is decided by
 :class:`~zps.shard.session.ShardSession`; this module only moves the frames.
-Invariant: every message that advanced the primary's LSN goes to every follower
+Invariants: every message that advanced the primary's LSN goes to every follower
 in LSN order, or the follower is dropped and told so (BYE), so it resubscribes.
+The primary never waits on a follower: what zmq cannot take for one at once is
+held for it (:class:`~zps.transport.Outbound`), within ``queue_bytes`` of stream
+beyond the snapshot it was sent; a follower past that bound is dropped, and the
+session reports it out of sync.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
 from zps import transport
 from zps.errors import ProtocolError
-from zps.protocol.codec import Encoder, MsgType, Route, decode, encode
+from zps.protocol.codec import MsgType, Route, decode, encode
 from zps.shard.core import ShardCore
 from zps.shard.session import ShardSession
-from zps.store.snapshot import encode_snapshot
+from zps.shard.snapshots import SnapshotSender
 
 log = logging.getLogger("zps.shard")
 
 Reply = tuple[bytes, list[Any]]  # (client identity, reply frames)
+
+
+#: Messages zmq queues per follower before :class:`~zps.transport.Outbound` holds them
+#: (counted in bytes): keeps the bytes zmq itself may pin for a stalled follower small.
+REPLICATION_HWM = 64
 
 
 class ReplicationStream:
@@ -38,17 +47,30 @@ class ReplicationStream:
         channel: transport.Channel,
         *,
         release: Callable[[list[Reply]], None],
-        report: Callable[[], Awaitable[None]],
+        report: Callable[[], None],
+        queue_bytes: int,
+        stall_timeout: float,
     ) -> None:
         self.session = session
         self.core = core
         self.channel = channel
+        self.queue_bytes = queue_bytes
+        # Per follower: ``queue_bytes`` of stream beyond its snapshot (see _subscribe).
+        self.out = transport.Outbound(
+            channel, total_limit=1 << 62, stall_timeout=stall_timeout, name="replication"
+        )
+        self.dropped = 0  # followers dropped for a full queue or silence
         self._release = release  # answer the clients of writes the replicas now hold
         self._report = report  # tell the broker the in-sync set at once
+        self.snapshots = SnapshotSender(session, core, post=self._post, drop=self.drop)
 
     async def serve(self) -> None:
         """Handle SUBSCRIBE and ACK until the ROUTER closes."""
-        await transport.serve(self.channel, self._handle, self._malformed)
+        try:
+            await transport.serve(self.channel, self._handle, self._malformed)
+        finally:
+            self.snapshots.close()
+            self.out.close()
 
     def _malformed(self, frames: transport.Frames, e: ProtocolError) -> None:
         self.core.stats.malformed += 1
@@ -60,63 +82,78 @@ class ReplicationStream:
             msg = decode([transport.frame_buffer(f) for f in frames[1:]])
             match msg.route.mtype:
                 case MsgType.SUBSCRIBE:
-                    await self._subscribe(node, msg.header, time.monotonic())
+                    self._subscribe(node, msg.header, time.monotonic())
                 case MsgType.ACK:
-                    await self._on_ack(node, msg.header, time.monotonic())
+                    self._on_ack(node, msg.header, time.monotonic())
+                case MsgType.SNAPSHOT_ACK:
+                    self.snapshots.acked(node, msg.header)
                 case _:
                     raise ProtocolError(f"unexpected {msg.route.mtype.name}")
         except (UnicodeDecodeError, ValueError, TypeError) as e:
             raise ProtocolError(str(e)) from e
 
-    async def replicate(self, prev: int, frames: list[Any]) -> None:
-        """Stream a request (header and payload frames as received) to every follower."""
+    def replicate(self, prev: int, frames: list[Any]) -> None:
+        """Stream a request (header and payload frames as received) to every follower;
+        never waits: a follower that cannot take it within its bound is dropped."""
         if not self.session.followers:
             return
         route = Route(MsgType.REPLICATE, self.core.partition or 0, self.core.epoch, 0)
         head = msgpack.packb({"prev": prev, "lsn": self.core.lsn})
         for node in list(self.session.followers):
-            ok = await transport.send(
-                self.channel, [node.encode(), route.pack(), head, *frames[1:]]
+            posted = self.out.post(
+                [node.encode(), route.pack(), head, *frames[1:]], self._limit(node)
             )
-            if not ok:
+            if posted is transport.Posted.DROPPED:
+                self.drop(node, f"more than {self.queue_bytes} bytes of stream unread")
+            elif posted is transport.Posted.UNROUTABLE:
                 self.drop(node, "its connection is gone")
 
-    def drop(self, node: str, why: str) -> None:
-        if self.session.follower_gone(node):
-            log.warning("stopped streaming to replica %s: %s", node, why)
-            # So it subscribes again, if it still can.
-            transport.try_send(
-                self.channel,
-                [node.encode(), *encode(Route(MsgType.BYE), {"msg": f"stream stopped: {why}"})],
-            )
+    def _post(self, node: str, frames: list[Any]) -> bool:
+        posted = self.out.post([node.encode(), *frames], self._limit(node))
+        return posted is transport.Posted.SENT or posted is transport.Posted.HELD
 
-    async def _subscribe(self, node: str, h: dict[str, Any], now: float) -> None:
+    def _limit(self, node: str) -> int:
+        # Until it caught up, its snapshot may still be held for it too.
+        follower = self.session.followers.get(node)
+        if follower is None or node in self.session.local_in_sync:
+            return self.queue_bytes
+        return self.queue_bytes + follower.snapshot_bytes
+
+    def drop(self, node: str, why: str) -> None:
+        """Stop streaming to ``node`` (it must resubscribe) and report the smaller set."""
+        self.snapshots.cancel(node)
+        self.out.forget(node.encode())
+        if self.session.follower_gone(node):
+            self.dropped += 1
+            log.warning("stopped streaming to replica %s: %s", node, why)
+            self._bye(node, f"stream stopped: {why}")
+            self._report()
+
+    def _bye(self, node: str, why: str) -> None:
+        # So it subscribes again, if it still can.
+        self.out.post([node.encode(), *encode(Route(MsgType.BYE), {"msg": why})], 1 << 16)
+
+    def _subscribe(self, node: str, h: dict[str, Any], now: float) -> None:
         if not self.session.accepts_subscription(node, h.get("partition"), h.get("epoch")):
             partition, epoch = h.get("partition"), h.get("epoch")
-            refusal = {"msg": f"not the primary of partition {partition} at epoch {epoch}"}
-            await transport.send(
-                self.channel, [node.encode(), *encode(Route(MsgType.BYE), refusal)]
-            )
+            self._bye(node, f"not the primary of partition {partition} at epoch {epoch}")
             return
-        snap = self.core.snapshot()
-        enc = Encoder()
-        header = encode_snapshot(enc, snap)
-        route = Route(MsgType.SNAPSHOT, snap.partition, snap.epoch, snap.lsn)
-        self.session.subscribed(node, snap.lsn, now)
-        await transport.send(self.channel, [node.encode(), *enc.build(route, header)])
-        log.info(
-            "replica %s subscribed: snapshot at LSN %d (%d tables)",
-            node,
-            snap.lsn,
-            len(snap.export["specs"]),
-        )
+        if not self.snapshots.subscribe(node, h.get("abandoned")):
+            return  # its snapshot is on its way (zps.shard.snapshots)
+        self.out.forget(node.encode())  # what was held for an earlier subscription
 
-    async def _on_ack(self, node: str, h: dict[str, Any], now: float) -> None:
+    def _on_ack(self, node: str, h: dict[str, Any], now: float) -> None:
         lsn = h.get("lsn")
         if type(lsn) is not int:
             return
-        result = self.session.acked(node, lsn, h.get("epoch"), now)
+        if node not in self.session.followers:
+            # A replica that was dropped, or that follows an earlier primary: it must
+            # subscribe again (its state is not this stream's).
+            if self.session.accepts_subscription(node, self.session.partition, self.session.epoch):
+                self._bye(node, "not subscribed: resynchronise")
+            return
+        result = self.session.acked(node, lsn, h.get("epoch"), now, h.get("base"))
         if result.in_sync:
             log.info("replica %s is in sync at LSN %d", node, self.session.followers[node].acked)
-            await self._report()  # tell the broker now, not at the next beat
+            self._report()  # tell the broker now, not at the next beat
         self._release(result.released)

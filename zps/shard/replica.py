@@ -11,17 +11,27 @@ means a fresh snapshot (:meth:`~zps.shard.session.ShardSession.resync`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from zps import transport
 from zps.core.replication import StreamCheck, check_stream
 from zps.errors import ProtocolError, ZpsError
-from zps.protocol.codec import MsgType, Route, decode, encode
+from zps.protocol.codec import BufferLike, MsgType, Route, decode, encode
+from zps.shard.checkpoint import CheckpointError, decode_checkpoint
 from zps.shard.core import ShardCore
 from zps.shard.session import ShardSession
-from zps.store.snapshot import decode_snapshot
+from zps.store.snapshot import ChunkAssembly, Snapshot
+
+#: Stream messages kept while a snapshot arrives, applied once it is loaded.
+HELD_STREAM_BYTES = 256 << 20
+#: The largest snapshot a replica assembles (as a checkpoint file may be).
+MAX_SNAPSHOT_BYTES = 1 << 40
+#: A snapshot transfer with no chunk for this long is abandoned and asked for again.
+CHUNK_STALL_S = 10.0
 
 log = logging.getLogger("zps.shard")
 
@@ -41,6 +51,13 @@ class Upstream:
         self.channel = channel
         self.interval = interval
         self.max_message_bytes = max_message_bytes
+        #: The snapshot being received (chunks arrive in order), when one is.
+        self._assembly: ChunkAssembly | None = None
+        self._last_chunk = 0.0
+        self._abandoned: int | None = None
+        #: Stream messages that arrived during the snapshot: (route, header, payloads).
+        self._held: list[tuple[Route, dict[str, Any], Any]] = []
+        self._held_bytes = 0
 
     async def run(self) -> None:
         """Subscribe to the primary, load its snapshot, then apply its stream."""
@@ -56,14 +73,31 @@ class Upstream:
         )
 
     async def ack(self) -> None:
-        await transport.send(
+        # Never waits on a primary that stopped reading: a later ack supersedes this one.
+        transport.try_send(
             self.channel,
-            encode(Route(MsgType.ACK), {"lsn": self.core.lsn, "epoch": self.core.epoch}),
+            encode(
+                Route(MsgType.ACK),
+                # ``base`` names the snapshot this state grew from: the primary counts
+                # acknowledgements of its own stream only, never of another history.
+                {"lsn": self.core.lsn, "epoch": self.core.epoch, "base": self.session.base_lsn},
+            ),
         )
 
     async def _ask(self) -> None:
-        if self.session.subscribe_due(time.monotonic()):
-            header = {"partition": self.session.partition, "epoch": self.session.epoch}
+        now = time.monotonic()
+        if self._assembly is not None and now - self._last_chunk < CHUNK_STALL_S:
+            return  # a snapshot is on its way: asking again would not speed it up
+        if self._assembly is not None:
+            log.warning("snapshot %d stalled; asking for a new one", self._assembly.snapshot_id)
+            self._abandon()
+        if self.session.subscribe_due(now):
+            header: dict[str, Any] = {
+                "partition": self.session.partition,
+                "epoch": self.session.epoch,
+            }
+            if self._abandoned is not None:
+                header["abandoned"] = self._abandoned
             await transport.send(self.channel, encode(Route(MsgType.SUBSCRIBE), header))
             self.session.subscribe_sent(time.monotonic())
 
@@ -80,10 +114,12 @@ class Upstream:
         try:
             msg = decode([transport.frame_buffer(f) for f in frames])
             match msg.route.mtype:
-                case MsgType.SNAPSHOT:
-                    self.session.snapshot_loaded(self._load_snapshot(msg.header, msg.payloads))
+                case MsgType.SNAPSHOT_CHUNK if not self.session.synced:
+                    await self._on_chunk(msg.route, msg.header, msg.payloads)
                 case MsgType.REPLICATE if self.session.synced:
                     self._apply_stream(msg.route, msg.header, msg.payloads)
+                case MsgType.REPLICATE:  # the stream runs ahead of the snapshot's chunks
+                    self._hold(msg.route, msg.header, msg.payloads)
                 case MsgType.BYE:
                     self.session.refused()
                     log.info("the primary refused the subscription: %s", msg.header.get("msg"))
@@ -92,8 +128,68 @@ class Upstream:
         except ZpsError as e:
             raise ProtocolError(str(e)) from e
 
-    def _load_snapshot(self, header: dict[str, Any], payloads: Any) -> bool:
-        snap = decode_snapshot(header, payloads, max_bytes=self.max_message_bytes)
+    def _abandon(self) -> None:
+        if self._assembly is not None:
+            self._abandoned = self._assembly.snapshot_id
+        self._assembly = None
+        self._held, self._held_bytes = [], 0
+        self.session.resync()
+
+    def _hold(self, route: Route, header: dict[str, Any], payloads: Any) -> None:
+        """Keep a stream message until the snapshot under way is loaded (bounded; what
+        the snapshot already holds is skipped when the held messages are applied)."""
+        size = sum(len(p) for p in payloads)
+        if self._held_bytes + size > HELD_STREAM_BYTES:
+            log.warning("stream during the snapshot passed %d bytes: resync", HELD_STREAM_BYTES)
+            self._abandon()
+            return
+        self._held.append((route, header, payloads))
+        self._held_bytes += size
+
+    async def _on_chunk(
+        self, route: Route, header: dict[str, Any], payloads: Sequence[BufferLike]
+    ) -> None:
+        """Take one snapshot chunk; once all are here, load the snapshot and the held stream."""
+        seq, sid = header.get("seq"), header.get("id")
+        if seq == 0 and (self._assembly is None or self._assembly.snapshot_id != sid):
+            self._assembly = ChunkAssembly.from_header(header, max_bytes=MAX_SNAPSHOT_BYTES)
+        assembly = self._assembly
+        if assembly is None:  # the rest of a transfer this replica does not hold
+            if type(sid) is int and sid != self._abandoned:
+                self._abandoned = sid  # the next SUBSCRIBE asks for a new one
+                self.session.resync()
+            return
+        try:
+            done = assembly.add(sid, seq, payloads)
+        except ProtocolError:
+            self._abandon()
+            raise
+        self._last_chunk = time.monotonic()
+        await transport.send(
+            self.channel, encode(Route(MsgType.SNAPSHOT_ACK), {"id": sid, "seq": seq})
+        )
+        if not done:
+            return
+        try:
+            snap = await asyncio.to_thread(decode_checkpoint, assembly.stream())
+        except CheckpointError as e:
+            self._abandon()
+            raise ProtocolError(f"snapshot {sid} does not decode: {e}") from None
+        if self._assembly is not assembly:
+            return  # replaced while decoding
+        held, self._held, self._held_bytes = self._held, [], 0
+        self._assembly = None
+        self._abandoned = None
+        ok = self._load(snap)
+        self.session.snapshot_loaded(ok, snap.lsn)
+        if ok:
+            for r, h, p in held:
+                if self.session.synced:
+                    self._apply_stream(r, h, p)
+            if self.session.synced:
+                await self.ack()
+
+    def _load(self, snap: Snapshot) -> bool:
         if snap.epoch != self.core.epoch or snap.partition != self.core.partition:
             return False
         self.core.load_snapshot(snap)

@@ -20,12 +20,14 @@ accepts requests only while its lease from the broker runs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
 import time
 import uuid
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -49,14 +51,25 @@ from zps.ops.security import load_curve_keys
 from zps.ops.systemd import Notifier
 from zps.protocol.codec import MsgType, Route, decode, encode, unpack_route
 from zps.protocol.messages import Role
-from zps.shard.checkpoint import CheckpointStore
-from zps.shard.core import ShardCore
-from zps.shard.primary import ReplicationStream, Reply
+from zps.shard import snapshots
+from zps.shard.checkpoint import CheckpointStore, cut, finish
+from zps.shard.core import MUTATIONS, Limits, ShardCore
+from zps.shard.primary import REPLICATION_HWM, ReplicationStream, Reply
 from zps.shard.replica import Upstream
 from zps.shard.session import ShardSession
+from zps.store.snapshot import Snapshot
 from zps.transport import CurveKeys
 
 log = logging.getLogger("zps.shard")
+
+
+def _mutates(header: dict[str, Any]) -> bool:
+    """Whether a request holds an operation that changes state."""
+    ops = header.get("ops")
+    return isinstance(ops, list) and any(
+        isinstance(op, dict) and isinstance(op.get("op"), str) and op["op"] in MUTATIONS
+        for op in ops
+    )
 
 
 def advertise_host(broker: str) -> str:
@@ -72,6 +85,10 @@ def advertise_host(broker: str) -> str:
         return socket.gethostname()
 
 
+def _write_checkpoint(store: CheckpointStore, snap: Snapshot) -> Path:
+    return store.write(finish(snap))
+
+
 class ShardServer:
     def __init__(
         self, config: ShardConfig, *, node_id: str | None = None, notifier: Notifier | None = None
@@ -82,7 +99,7 @@ class ShardServer:
         self._latency = {k: self.metrics.request_seconds.labels(kind=k) for k in ("read", "write")}
         self.checkpoints_written = 0
         self.node_id = node_id or f"s-{uuid.uuid4().hex[:12]}"
-        self.core = ShardCore()
+        self.core = ShardCore(limits=Limits(**dataclasses.asdict(config.limits)))
         hb, ckpt = config.heartbeat, config.checkpoint
         self.session: ShardSession[Reply] = ShardSession(
             self.node_id,
@@ -91,6 +108,7 @@ class ShardServer:
             checkpoint_interval_s=ckpt.interval_s,
             checkpoint_every_updates=ckpt.every_updates,
             checkpoints=bool(config.data_dir),
+            min_in_sync=config.replication.min_in_sync,
             now=time.monotonic(),
         )
         self.address = ""
@@ -104,6 +122,7 @@ class ShardServer:
         self._upstream_task: asyncio.Task[None] | None = None
         self._keys: CurveKeys | None = None
         self._checkpoints = CheckpointStore(config.data_dir, ckpt.keep) if config.data_dir else None
+        self._checkpointing: asyncio.Task[None] | None = None
 
     @property
     def role(self) -> Role:
@@ -126,10 +145,21 @@ class ShardServer:
         keys = self._keys = load_curve_keys(cfg.security)
         auth = transport.start_authenticator(self._ctx, keys.allowed_dir) if keys else None
         repl, bound = transport.router(
-            self._ctx, cfg.replication_bind, max_message_bytes=cfg.max_message_bytes, curve=keys
+            self._ctx,
+            cfg.replication_bind,
+            max_message_bytes=cfg.max_message_bytes,
+            hwm=REPLICATION_HWM,
+            curve=keys,
         )
+        hb = cfg.heartbeat
         self._stream = ReplicationStream(
-            self.session, self.core, repl, release=self._release, report=self._heartbeat
+            self.session,
+            self.core,
+            repl,
+            release=self._release,
+            report=self._report,
+            queue_bytes=cfg.replication.follower_queue_bytes,
+            stall_timeout=2 * hb.interval * hb.liveness,
         )
         port = urlsplit(bound).port
         self.address = f"tcp://{cfg.advertise_host or advertise_host(cfg.broker)}:{port}"
@@ -193,6 +223,8 @@ class ShardServer:
         self._close_upstream()
         self.core.primary = False
         if whole:
+            if self._checkpointing is not None:  # let a periodic one finish first
+                await asyncio.wait([self._checkpointing])
             await self._checkpoint(final=True)
 
     def _restore(self) -> None:
@@ -215,16 +247,28 @@ class ShardServer:
             found.path,
         )
 
+    def _start_checkpoint(self) -> None:
+        """Write a checkpoint beside the loops (never inside one); one at a time."""
+        if self._checkpointing is None or self._checkpointing.done():
+            assert self._tg is not None
+            self._checkpointing = self._tg.create_task(self._checkpoint())
+
     async def _checkpoint(self, *, final: bool = False) -> None:
+        """The event loop only copies the partition into buffers prepared off it; the
+        ordering, encoding, checksum, write, fsync and rename run in a worker thread."""
         store, core = self._checkpoints, self.core
-        if store is None or not self.session.begin_checkpoint(
+        if store is None or core.partition is None:
+            return
+        space = None if final else await snapshots.prepare(core)
+        if core.partition is None or not self.session.begin_checkpoint(
             time.monotonic(), core.lsn, final=final
         ):
             return
-        snap = core.snapshot()
+        snap = cut(core, space)  # memory copies only, at one LSN
+        del space
         t0 = time.monotonic()
         try:
-            path = await asyncio.to_thread(store.write, snap)
+            path = await asyncio.to_thread(_write_checkpoint, store, snap)
         except OSError as e:
             log.error(
                 "checkpoint of partition %d at LSN %d failed: %s", snap.partition, snap.lsn, e
@@ -257,6 +301,21 @@ class ShardServer:
         yield counter("zps_shard_bytes_in", "Payload bytes received", s.bytes_in)
         yield gauge("zps_shard_lsn", "Log sequence number of the partition", core.lsn)
         yield gauge("zps_shard_bytes", "Memory held by the partition's tables", core.store.nbytes)
+        yield gauge("zps_shard_dedup_bytes", "Memory held by the dedup record", core.dedup.nbytes)
+        yield gauge("zps_shard_dedup_entries", "Messages in the dedup record", len(core.dedup))
+        yield counter(
+            "zps_shard_dedup_evicted", "Messages evicted from the dedup record", core.dedup.evicted
+        )
+        yield counter(
+            "zps_shard_dedup_expired",
+            "Re-sent messages older than the dedup record, refused",
+            s.expired,
+        )
+        yield gauge(
+            "zps_shard_step_buffer_bytes",
+            "Memory held by sync-mode gradients waiting for their step",
+            core.steps.nbytes,
+        )
         yield labelled(
             GaugeMetricFamily,
             "zps_shard_role",
@@ -265,6 +324,12 @@ class ShardServer:
             {r.value: float(r is self.role) for r in Role},
         )
         yield counter("zps_shard_checkpoints", "Checkpoints written", self.checkpoints_written)
+        if self._stream is not None:
+            sender = self._stream.snapshots
+            yield counter("zps_shard_snapshots_sent", "Snapshot transfers begun", sender.started)
+            yield counter(
+                "zps_shard_snapshot_chunks_sent", "Snapshot chunks sent", sender.chunks_sent
+            )
         lag = GaugeMetricFamily(
             "zps_replication_lag", "This primary's LSN minus the replica's", labels=["replica"]
         )
@@ -296,9 +361,14 @@ class ShardServer:
         )
 
     async def _heartbeat(self) -> None:
+        self._report()
+
+    def _report(self) -> None:
+        """A heartbeat now (a primary's carries its in-sync set); never waits."""
         header = self.session.heartbeat_fields(time.monotonic())
         header.update(lsn=self.core.lsn, stats=self.core.report())
-        await self._to_broker(MsgType.HEARTBEAT, header)
+        assert self._sock is not None
+        transport.try_send(self._sock, [b"", *encode(Route(MsgType.HEARTBEAT), header)])
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -317,10 +387,11 @@ class ShardServer:
                     if self.role is Role.PRIMARY
                     else "waiting for it",
                 )
-            for node in tick.lagging:
-                log.warning("replica %s stopped acknowledging; reporting it out of sync", node)
+            if tick.lagging and self._stream is not None:
+                for node in tick.lagging:
+                    self._stream.drop(node, "no acknowledgement for a liveness timeout")
             if tick.checkpoint:
-                await self._checkpoint()
+                self._start_checkpoint()
             elif tick.ack_upstream and self._upstream is not None:
                 await self._upstream.ack()
 
@@ -383,16 +454,19 @@ class ShardServer:
                 self.core.assign(None, 0)
         self.assigned.set()
 
-    def _refuse(self, waiting: list[Reply]) -> None:
-        """The primary stepped down: writes still waiting for replicas get NOT_PRIMARY."""
+    def _refuse(self, waiting: list[Reply], status: str = "NOT_PRIMARY", why: str = "") -> None:
+        """Writes still waiting for replicas get ``status``: NOT_PRIMARY when the
+        primary stepped down, NOT_ENOUGH_REPLICAS when too few copies are in sync."""
         for client, frames in waiting:
             route = unpack_route(frames[0])
             refusal = encode(
                 Route(MsgType.REPLY, route.partition, route.epoch, route.req_id),
-                {"st": "NOT_PRIMARY", "msg": "the primary stepped down"},
+                {"st": status, "msg": why or "the primary stepped down"},
             )
             self._post([client, *refusal])
-        if waiting:
+        if waiting and status != "NOT_PRIMARY":
+            log.warning("refused %d waiting writes: %s", len(waiting), why)
+        elif waiting:
             log.warning(
                 "stepped down with %d writes unacknowledged; clients will retry", len(waiting)
             )
@@ -401,7 +475,9 @@ class ShardServer:
         p = self.session.partition
         info = cmap.partitions.get(p) if p is not None else None
         if info is not None:
-            self._release(self.session.on_map(info.epoch, set(info.in_sync), set(info.replicas)))
+            done = self.session.on_map(info.epoch, set(info.in_sync), set(info.replicas))
+            self._release(done.released)
+            self._refuse(done.refused, "NOT_ENOUGH_REPLICAS", self._short_of_copies())
 
     # -- requests ------------------------------------------------------------
 
@@ -447,6 +523,12 @@ class ShardServer:
                     "st": "NOT_PRIMARY",
                     "msg": "the primary's lease from the broker has run out",
                 }
+            elif (
+                msg.header.get("acks") != 1
+                and not self.session.enough_in_sync()
+                and _mutates(msg.header)
+            ):
+                refusal = {"st": "NOT_ENOUGH_REPLICAS", "msg": self._short_of_copies()}
         if refusal is not None:
             await transport.send(self._sock, [source, *encode(reply_route, refusal)])
             return
@@ -457,11 +539,18 @@ class ShardServer:
         if not changed:
             await transport.send(self._sock, [source, *reply])
             return
-        await self._stream.replicate(prev, frames)
+        self._stream.replicate(prev, frames)
         if msg.header.get("acks") == 1:
             await transport.send(self._sock, [source, *reply])
         else:
             self._release(self.session.add_write(self.core.lsn, (source, reply)))
+
+    def _short_of_copies(self) -> str:
+        s = self.session
+        return (
+            f"partition {s.partition}: {1 + len(s.tracker.required)} of the "
+            f"{s.needed_copies} copies acks='all' needs (replication.min_in_sync) are in sync"
+        )
 
     def _release(self, replies: list[Reply]) -> None:
         for client, frames in replies:

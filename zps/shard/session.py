@@ -12,17 +12,28 @@ Rules:
    out refuses requests (:meth:`ShardSession.may_write`).  Stepping down forfeits
    it: a new lease comes only from a heartbeat sent after the assignment.
 2. A follower is reported in sync only once it acknowledged the LSN of the
-   snapshot it was sent; it then holds writes back (:class:`AckTracker`) until
-   the broker's map drops it.  A follower that goes away, or that stays silent
-   for the liveness timeout while writes wait, leaves the reported set.
-3. A replica applies the stream only after it loaded its primary's snapshot
-   (``synced``); a refusal (BYE), a gap or a bad message clears that and makes it
-   subscribe again at once.
+   snapshot it was sent, naming that snapshot (``base``): an acknowledgement
+   from another history (a state kept from an older epoch, an earlier
+   subscription) counts for nothing.  It then holds writes back
+   (:class:`AckTracker`) until the broker's map drops it.  A follower that goes
+   away, or that stays silent for the liveness timeout while writes wait or
+   while it has not acknowledged the primary's LSN, leaves the reported set;
+   the driver then drops it, so it resynchronises (snapshot and tail).
+3. A replica applies the stream, and acknowledges, only after it loaded its
+   primary's snapshot (``synced``); a refusal (BYE), a gap or a bad message
+   clears that and makes it subscribe again at once.
 4. After a graceful leave (:meth:`ShardSession.begin_leave`) assignments and the
    broker's re-registration requests are ignored.
 5. A checkpoint is due after ``interval_s`` seconds or ``every_updates`` LSNs
    since the last one, and only a whole partition (a primary's, or a synced
    replica's) is written, except for the final one on leaving.
+6. ``min_in_sync``: an ``acks="all"`` write needs that many copies in sync, the
+   primary included, capped at the most copies the broker's map has listed for
+   the partition (so a cluster without replicas is unaffected).  With fewer, the
+   driver refuses such writes before applying them (:meth:`ShardSession.enough_in_sync`),
+   and writes already waiting when the set shrinks are refused too
+   (:attr:`MapResult.refused`): they stay applied, and a re-sent copy is
+   answered from the dedup record once enough copies hold it.
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ class Follower:
     snapshot_lsn: int
     acked: int = 0
     last_heard: float = 0.0
+    snapshot_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,14 @@ class Assignment(Generic[T]):
 
 
 @dataclass(frozen=True)
+class MapResult(Generic[T]):
+    """What the broker's map did to the waiting writes (see :meth:`ShardSession.on_map`)."""
+
+    released: list[T] = field(default_factory=list)  # held by every copy required: answer
+    refused: list[T] = field(default_factory=list)  # too few copies left: NOT_ENOUGH_REPLICAS
+
+
+@dataclass(frozen=True)
 class AckResult(Generic[T]):
     released: list[T]
     in_sync: bool = False  # the follower just caught up: report it to the broker now
@@ -70,7 +90,7 @@ class Tick:
 
     trim: bool = False  # a quiet interval after traffic: give freed memory back
     broker_lost_for: float | None = None  # the broker just went silent this long
-    lagging: tuple[str, ...] = ()  # replicas just reported out of sync
+    lagging: tuple[str, ...] = ()  # replicas just out of sync: the driver drops them
     checkpoint: bool = False
     ack_upstream: bool = False
 
@@ -90,9 +110,14 @@ class ShardSession(Generic[T]):
         checkpoint_interval_s: float = 0.0,
         checkpoint_every_updates: int = 0,
         checkpoints: bool = False,
+        min_in_sync: int = 1,
         now: float,
     ) -> None:
+        if min_in_sync < 1:
+            raise ValueError(f"min_in_sync must be >= 1, got {min_in_sync}")
         self.node_id = node_id
+        self.min_in_sync = min_in_sync
+        self.copies = 1  # the most copies the map has listed for this partition
         self.interval = heartbeat_interval
         self.liveness = liveness
         self.lease = heartbeat_interval * max(1, liveness - 1)
@@ -121,6 +146,7 @@ class ShardSession(Generic[T]):
         self.in_sync_published = False  # the map lists this shard in sync
         self.following: tuple[str, int] | None = None  # (primary address, epoch)
         self.synced = False
+        self.base_lsn = -1  # the LSN of the snapshot loaded (named in acknowledgements)
         self._asked = NEVER  # when the primary was last asked for a subscription
 
     # -- role ------------------------------------------------------------------
@@ -143,7 +169,9 @@ class ShardSession(Generic[T]):
         if self.restored and self.role is Role.SPARE:
             role, in_sync = Role.PRIMARY, False
         elif self.role is not Role.SPARE:
-            role, in_sync = self.role, self.in_sync_published
+            # A replica that has not loaded its primary's snapshot holds another history.
+            role = self.role
+            in_sync = self.in_sync_published and (role is not Role.REPLICA or self.synced)
         else:
             return None
         return {
@@ -164,6 +192,8 @@ class ShardSession(Generic[T]):
         ):
             return Assignment(changed=False, was=was)
         refused = self.step_down() if self.role is Role.PRIMARY else []
+        if partition != self.partition:
+            self.copies = 1
         self.role, self.partition, self.epoch = role, partition, epoch
         follow = None
         if role is Role.REPLICA:
@@ -175,7 +205,7 @@ class ShardSession(Generic[T]):
             stop = self.following is not None
             self.stop_following()
             if role is Role.SPARE:
-                self.partition, self.epoch = None, 0
+                self.partition, self.epoch, self.copies = None, 0, 1
         return Assignment(True, was, refused, stop, follow)
 
     def step_down(self) -> list[T]:
@@ -240,14 +270,17 @@ class ShardSession(Generic[T]):
         silent = now - self.last_broker
         if silent > self.interval * self.liveness and not self.broker_lost:
             self.broker_lost, lost_for = True, silent
-        lagging = self._drop_lagging(now) if self.role is Role.PRIMARY else ()
+        lagging = self._drop_lagging(now, lsn) if self.role is Role.PRIMARY else ()
         checkpoint = self.checkpoints and self.checkpoint_due(now, lsn)
         return Tick(
             trim=trim,
             broker_lost_for=lost_for,
             lagging=lagging,
             checkpoint=checkpoint,
-            ack_upstream=not checkpoint and self.role is Role.REPLICA and bool(self.following),
+            ack_upstream=not checkpoint
+            and self.role is Role.REPLICA
+            and bool(self.following)
+            and self.synced,
         )
 
     # -- checkpoints -----------------------------------------------------------
@@ -271,18 +304,35 @@ class ShardSession(Generic[T]):
 
     # -- primary side ----------------------------------------------------------
 
-    def on_map(self, epoch: int, in_sync: set[str], replicas: set[str]) -> list[T]:
-        """The broker's map for this partition; returns the writes it releases."""
+    def on_map(self, epoch: int, in_sync: set[str], replicas: set[str]) -> MapResult[T]:
+        """The broker's map for this partition; returns what it does to waiting writes."""
         self.in_sync_published = self.node_id in in_sync
         self.replicas = set(replicas)
+        if self.partition is not None:
+            self.copies = max(self.copies, 1 + len(replicas))
         if self.role is not Role.PRIMARY or epoch != self.epoch:
-            return []
+            return MapResult()
         # The broker dropped these (dead, or reported lagging): stop waiting.  A
         # replica missing from one map (a restarted broker rebuilding it) keeps its
         # stream; followers are checked when they subscribe.
         self.local_in_sync -= self.published_in_sync - in_sync
         self.published_in_sync = set(in_sync)
-        return self.tracker.set_required(in_sync | self.local_in_sync)
+        required = in_sync | self.local_in_sync
+        # Too few copies left: what waits was applied here but is held by too few;
+        # refuse it before a smaller required set could release it.
+        refused = [] if 1 + len(required) >= self.needed_copies else self.tracker.take_all()
+        return MapResult(self.tracker.set_required(required), refused)
+
+    @property
+    def needed_copies(self) -> int:
+        """Copies (this primary included) an acks="all" write needs (rule 6)."""
+        return min(self.min_in_sync, self.copies)
+
+    def enough_in_sync(self) -> bool:
+        """Whether an acks="all" write may be taken now (rule 6)."""
+        if self.role is not Role.PRIMARY:
+            return True  # the core refuses the write anyway (NOT_PRIMARY)
+        return 1 + len(self.tracker.required) >= self.needed_copies
 
     def accepts_subscription(self, node: str, partition: object, epoch: object) -> bool:
         """Only the primary of that partition and epoch streams, and only to its replicas."""
@@ -293,19 +343,23 @@ class ShardSession(Generic[T]):
             and node in self.replicas
         )
 
-    def subscribed(self, node: str, snapshot_lsn: int, now: float) -> None:
+    def subscribed(
+        self, node: str, snapshot_lsn: int, now: float, *, snapshot_bytes: int = 0
+    ) -> None:
         """``node`` is sent a snapshot at ``snapshot_lsn``; the stream follows it."""
         self.local_in_sync.discard(node)
-        self.followers[node] = Follower(snapshot_lsn=snapshot_lsn, last_heard=now)
+        self.followers[node] = Follower(
+            snapshot_lsn=snapshot_lsn, last_heard=now, snapshot_bytes=snapshot_bytes
+        )
 
     def add_write(self, lsn: int, item: T) -> list[T]:
         """A write at ``lsn`` waits for the required replicas; returns what is released."""
         return self.tracker.add(lsn, item)
 
-    def acked(self, node: str, lsn: int, epoch: object, now: float) -> AckResult[T]:
-        """``node`` applied everything up to ``lsn``."""
+    def acked(self, node: str, lsn: int, epoch: object, now: float, base: object) -> AckResult[T]:
+        """``node`` applied everything up to ``lsn`` on top of the snapshot at ``base``."""
         follower = self.followers.get(node)
-        if follower is None or epoch != self.epoch:
+        if follower is None or epoch != self.epoch or base != follower.snapshot_lsn:
             return AckResult([])
         follower.acked = max(follower.acked, lsn)
         follower.last_heard = now
@@ -321,15 +375,19 @@ class ShardSession(Generic[T]):
         self.local_in_sync.discard(node)
         return self.followers.pop(node, None) is not None
 
-    def _drop_lagging(self, now: float) -> tuple[str, ...]:
-        """A required replica silent for the liveness timeout stops holding writes back
-        (the broker then publishes the smaller set, and :meth:`on_map` releases them)."""
-        if not len(self.tracker):
-            return ()
+    def _drop_lagging(self, now: float, lsn: int) -> tuple[str, ...]:
+        """An in-sync replica silent for the liveness timeout while writes wait for it, or
+        while it has not acknowledged ``lsn``, stops holding writes back (the broker then
+        publishes the smaller set, and :meth:`on_map` releases them); the driver drops it."""
         dropped = []
         for node in sorted(self.local_in_sync):
             follower = self.followers.get(node)
-            if follower is None or now - follower.last_heard > self.interval * self.liveness:
+            if follower is None:
+                self.local_in_sync.discard(node)
+                dropped.append(node)
+                continue
+            behind = bool(len(self.tracker)) or follower.acked < lsn
+            if behind and now - follower.last_heard > self.interval * self.liveness:
                 self.local_in_sync.discard(node)
                 dropped.append(node)
         return tuple(dropped)
@@ -339,6 +397,7 @@ class ShardSession(Generic[T]):
     def stop_following(self) -> None:
         self.following = None
         self.synced = False
+        self.base_lsn = -1
 
     def upstream_started(self) -> None:
         self.synced = False
@@ -352,9 +411,11 @@ class ShardSession(Generic[T]):
     def subscribe_sent(self, now: float) -> None:
         self._asked = now
 
-    def snapshot_loaded(self, ok: bool) -> None:
-        """A snapshot arrived; ``ok`` if it was this partition's at this epoch and loaded."""
+    def snapshot_loaded(self, ok: bool, lsn: int) -> None:
+        """A snapshot at ``lsn`` arrived; ``ok`` if it was this partition's at this epoch
+        and loaded (acknowledgements then name it)."""
         self.synced = ok
+        self.base_lsn = lsn if ok else -1
 
     def refused(self) -> None:
         """The primary refused the subscription (BYE): ask again when it is due."""
