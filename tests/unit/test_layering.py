@@ -64,6 +64,7 @@ LAYERS: dict[str, str] = {
     "zps.shard.primary": "driver",
     "zps.shard.replica": "driver",
     "zps.shard.checkpoint": "driver",
+    "zps.shard.snapshots": "driver",
     "zps.client": "driver",
     "zps.client.client": "driver",
     "zps.client.sync": "driver",

@@ -68,6 +68,8 @@ class MsgType(enum.IntEnum):
     ACK = 13  # replica -> primary: applied up to this LSN
     CLOCK = 14  # client <-> broker: join / tick / leave of sync and ssp training
     TASK = 15  # client <-> broker: data tasks (create, next, done, release)
+    SNAPSHOT_CHUNK = 16  # primary -> replica: one bounded piece of a snapshot
+    SNAPSHOT_ACK = 17  # replica -> primary: this snapshot chunk arrived
 
 
 BufferLike = bytes | bytearray | memoryview

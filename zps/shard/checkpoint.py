@@ -10,10 +10,17 @@ name, fsynced, renamed into place and the directory fsynced, so a crash
 leaves either the old set of files or the new one.  Loading verifies the
 checksum and every field; a corrupt or truncated file is reported and the
 next older one is used.  The newest ``keep`` files per partition are kept.
+
+The same byte stream is what a joining replica receives, in bounded chunks
+(:mod:`zps.shard.snapshots`).  A snapshot is taken in two steps so that no
+step delays the event loop by more than a memory copy: :func:`cut` copies the
+partition at one LSN (on the loop, between two requests), :func:`finish` puts
+the rows in id order (in a worker thread, like the encoding and the writing).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -25,7 +32,15 @@ import msgpack
 
 from zps.errors import ProtocolError, ZpsError
 from zps.protocol.codec import Encoder
-from zps.store.snapshot import Snapshot, decode_snapshot, encode_snapshot
+from zps.shard.core import ShardCore
+from zps.store.snapshot import (
+    CutSpace,
+    Snapshot,
+    cut_export,
+    decode_snapshot,
+    encode_snapshot,
+    ordered,
+)
 
 log = logging.getLogger("zps.checkpoint")
 
@@ -36,6 +51,17 @@ _DIGEST = 32
 
 class CheckpointError(ZpsError):
     """A checkpoint file is corrupt, truncated or unreadable."""
+
+
+def cut(core: ShardCore, space: CutSpace | None = None) -> Snapshot:
+    """Everything a checkpoint holds, copied at the current LSN (memory copies only;
+    pass it through :func:`finish` before encoding)."""
+    return core.snapshot(lambda store: cut_export(store, space))
+
+
+def finish(snap: Snapshot) -> Snapshot:
+    """A :func:`cut` in the order of :meth:`ShardCore.snapshot` (rows by id)."""
+    return dataclasses.replace(snap, export=ordered(snap.export))
 
 
 def encode_checkpoint(snap: Snapshot) -> list[bytes | memoryview]:

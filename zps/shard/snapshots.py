@@ -1,0 +1,218 @@
+"""Snapshots for joining replicas, in bounded chunks: the primary's sender.
+
+A replica that subscribes gets the partition as the checkpoint byte stream
+(:func:`zps.shard.checkpoint.encode_checkpoint`: header, arrays, SHA-256) cut
+into chunks of at most ``chunk_bytes`` (:func:`zps.store.snapshot.plan_chunks`),
+each a ``SNAPSHOT_CHUNK`` message.  At most ``window`` chunks are unacknowledged
+at once: the replica answers each with ``SNAPSHOT_ACK``, so a slow replica slows
+only its own transfer and the primary holds one copy of the partition plus the
+chunks in flight.  The stream of writes from the snapshot's LSN follows at once;
+the replica keeps it until the snapshot is loaded (:mod:`zps.shard.replica`).
+
+Invariants: at most one transfer per replica (a SUBSCRIBE while one runs leaves
+it running, unless it names that transfer as abandoned); the event loop only
+takes the cut (memory copies into pre-faulted buffers, see
+:mod:`zps.store.snapshot`); encoding and checksumming run in a worker thread;
+the primary holds one copy of the partition per transfer; a transfer nobody
+acknowledges for ``timeout`` seconds is given up and the replica is dropped (it
+subscribes again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from zps.protocol.codec import MsgType, Route, encode
+from zps.protocol.messages import Role
+from zps.shard.checkpoint import cut, encode_checkpoint
+from zps.shard.core import ShardCore
+from zps.shard.session import ShardSession
+from zps.store.snapshot import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_CHUNK_WINDOW,
+    CutSpace,
+    Snapshot,
+    cut_space,
+    plan_chunks,
+)
+
+log = logging.getLogger("zps.shard")
+
+
+async def prepare(core: ShardCore) -> CutSpace:
+    """Buffers for a cut of ``core``'s partition, their pages touched off the loop."""
+    space = cut_space(core.store)
+    await asyncio.to_thread(space.prefault)
+    return space
+
+
+def _encode(snap: Snapshot) -> list[bytes | memoryview]:
+    # Rows stay in storage order: a table loads them in any order, and sorting
+    # would cost a second copy of the partition while it is sent.
+    return encode_checkpoint(snap)
+
+
+@dataclass
+class _Transfer:
+    snapshot_id: int
+    epoch: int
+    acked: int = -1  # highest chunk acknowledged
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class SnapshotSender:
+    """The primary's snapshot transfers, at most one per replica."""
+
+    def __init__(
+        self,
+        session: ShardSession[Any],
+        core: ShardCore,
+        *,
+        post: Callable[[str, list[Any]], bool],
+        drop: Callable[[str, str], None],
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        window: int = DEFAULT_CHUNK_WINDOW,
+        timeout: float = 30.0,
+    ) -> None:
+        self.session = session
+        self.core = core
+        self._post = post  # send to a replica without waiting; False: it cannot take it
+        self._drop = drop
+        self.chunk_bytes = chunk_bytes
+        self.window = window
+        self.timeout = timeout
+        #: Snapshots begun, completed (every chunk acknowledged), and chunks sent.
+        self.started = 0
+        self.completed = 0
+        self.chunks_sent = 0
+        self._transfers: dict[str, _Transfer] = {}
+        self._ids = itertools.count(1)
+
+    def in_progress(self, node: str) -> bool:
+        return node in self._transfers
+
+    def subscribe(self, node: str, abandoned: object = None) -> bool:
+        """``node`` subscribed: start its snapshot unless one is already on its way.
+
+        ``abandoned`` is the id of a transfer the replica gave up (a bad chunk);
+        that one is replaced.  Returns True if a transfer started.
+        """
+        running = self._transfers.get(node)
+        if running is not None:
+            if abandoned is None or abandoned != running.snapshot_id:
+                return False
+            self.cancel(node)
+        transfer = _Transfer(next(self._ids), self.core.epoch)
+        self._transfers[node] = transfer
+        self.started += 1
+        transfer.task = asyncio.create_task(self._run(node, transfer))
+        return True
+
+    def acked(self, node: str, header: dict[str, Any]) -> None:
+        transfer = self._transfers.get(node)
+        seq = header.get("seq")
+        if transfer is None or header.get("id") != transfer.snapshot_id or type(seq) is not int:
+            return
+        if seq > transfer.acked:
+            transfer.acked = seq
+            transfer.progress.set()
+
+    def cancel(self, node: str) -> None:
+        transfer = self._transfers.pop(node, None)
+        if transfer is not None and transfer.task is not None:
+            transfer.task.cancel()
+
+    def close(self) -> None:
+        for node in list(self._transfers):
+            self.cancel(node)
+
+    def _current(self, node: str, transfer: _Transfer) -> bool:
+        return (
+            self._transfers.get(node) is transfer
+            and self.session.role is Role.PRIMARY
+            and self.core.epoch == transfer.epoch
+        )
+
+    async def _run(self, node: str, transfer: _Transfer) -> None:
+        try:
+            await self._send(node, transfer)
+        finally:
+            if self._transfers.get(node) is transfer:
+                del self._transfers[node]
+
+    def _give_up(self, node: str, transfer: _Transfer, why: str) -> None:
+        if self._transfers.get(node) is transfer:
+            del self._transfers[node]
+            self._drop(node, why)
+
+    async def _send(self, node: str, transfer: _Transfer) -> None:
+        space = await prepare(self.core)
+        if not self._current(node, transfer) or self.core.partition is None:
+            return
+        # On the loop, with no await in between: the cut and the start of the stream.
+        snap = cut(self.core, space)
+        del space
+        # What of the snapshot may be held for it at once: the chunks in flight.
+        held = (self.window + 1) * (self.chunk_bytes + 4096)
+        self.session.subscribed(node, snap.lsn, time.monotonic(), snapshot_bytes=held)
+        partition, epoch, lsn = snap.partition, snap.epoch, snap.lsn
+        t0 = time.monotonic()
+        parts = await asyncio.to_thread(_encode, snap)
+        del snap
+        plan = plan_chunks([len(p) for p in parts], self.chunk_bytes)
+        log.info(
+            "replica %s subscribed: snapshot %d at LSN %d, %d bytes in %d chunks",
+            node,
+            transfer.snapshot_id,
+            lsn,
+            plan.total,
+            plan.count,
+        )
+        route = Route(MsgType.SNAPSHOT_CHUNK, partition, epoch, lsn).pack()
+        for seq, pieces in enumerate(plan.chunks):
+            if not await self._room(node, transfer, seq):
+                return
+            header = {
+                "id": transfer.snapshot_id,
+                "seq": seq,
+                "count": plan.count,
+                "total": plan.total,
+                "chunk": plan.chunk_bytes,
+                "lsn": lsn,
+            }
+            payload = [memoryview(parts[i]).cast("B")[a:b] for i, a, b in pieces]
+            head = encode(Route(MsgType.SNAPSHOT_CHUNK), header)[1]
+            if not self._post(node, [route, head, *payload]):
+                self._give_up(node, transfer, "it cannot take its snapshot")
+                return
+            self.chunks_sent += 1
+        if await self._room(node, transfer, plan.count + self.window - 1):
+            self.completed += 1
+            log.info(
+                "snapshot %d for replica %s delivered in %.2fs",
+                transfer.snapshot_id,
+                node,
+                time.monotonic() - t0,
+            )
+
+    async def _room(self, node: str, transfer: _Transfer, seq: int) -> bool:
+        """Wait until chunk ``seq`` may go (fewer than ``window`` unacknowledged)."""
+        while seq - transfer.acked > self.window:
+            if not self._current(node, transfer):
+                return False
+            transfer.progress.clear()
+            try:
+                await asyncio.wait_for(transfer.progress.wait(), self.timeout)
+            except TimeoutError:
+                self._give_up(
+                    node, transfer, f"no snapshot chunk acknowledged for {self.timeout:.0f}s"
+                )
+                return False
+        return self._current(node, transfer)
