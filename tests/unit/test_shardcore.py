@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +16,9 @@ from zps.errors import _BY_CODE
 from zps.init import Constant, Zeros
 from zps.optim import SGD
 from zps.protocol.codec import CompressPolicy, Encoder, MsgType, Route, array_from, decode
-from zps.shard.core import DedupCache, Limits, ShardCore
+from zps.shard.core import FLOOR_OVERHEAD, OK, DedupCache, Limits, ShardCore
 from zps.store import DenseSpec, EmbeddingSpec
+from zps.store.snapshot import decode_snapshot, encode_snapshot
 
 PARTITION, EPOCH = 2, 5
 DENSE = DenseSpec("w", (10,), "float32", Zeros(), SGD(lr=1.0), 1, 4)  # chunks of 4, 4, 2
@@ -438,7 +440,7 @@ def test_dedup_cache_evicts_the_oldest() -> None:
     assert cache.get((b"a", 2)) == [{"st": "X"}] and cache.get((b"b", 1)) == [{"st": "Y"}]
 
 
-def test_an_evicted_message_would_be_applied_again() -> None:
+def test_an_evicted_message_is_refused_not_applied_again() -> None:
     core = new_core()
     core.dedup = DedupCache(capacity=1)
     push = [push_rows([1], np.ones((1, 3)))]
@@ -446,9 +448,168 @@ def test_an_evicted_message_would_be_applied_again() -> None:
     handle_frames(core, frames_for(push, cid=b"c", seq=2))  # evicts seq 1
     handle_frames(core, frames_for(push, cid=b"c", seq=2))  # a duplicate: skipped
     assert core.stats.duplicates == 1
-    handle_frames(core, frames_for(push, cid=b"c", seq=1))  # forgotten: applied again
+    lsn = core.lsn
+    again = handle_frames(core, frames_for(push, cid=b"c", seq=1))  # forgotten: refused
+    assert again.statuses == ["BAD_REQUEST"]
+    msg = again.header["res"][0]["msg"]
+    assert "message 1 of client b'c'" in msg and "dedup record" in msg and "up to 1" in msg
+    assert core.lsn == lsn and core.stats.expired == 1
     (row,) = call(core, [pull_rows([1])]).arrays(0)
-    assert row.tolist() == [[-2.5] * 3]
+    assert row.tolist() == [[-1.5] * 3]
+    # Newer messages, and other clients' old seqs, are applied as usual.
+    assert call(core, push, cid=b"c", seq=3).statuses == ["OK"]
+    assert call(core, push, cid=b"d", seq=1).statuses == ["OK"]
+    (row,) = call(core, [pull_rows([1])]).arrays(0)
+    assert row.tolist() == [[-3.5] * 3]
+
+
+def test_a_checkpoint_keeps_the_dedup_floors() -> None:
+    from zps.shard.checkpoint import cut, decode_checkpoint, encode_checkpoint, finish
+
+    core = new_core()
+    core.dedup = DedupCache(capacity=1)
+    push = [push_rows([1], np.ones((1, 3)))]
+    handle_frames(core, frames_for(push, cid=b"c", seq=1))
+    handle_frames(core, frames_for(push, cid=b"c", seq=2))  # evicts seq 1: floor 1
+    data = b"".join(bytes(p) for p in encode_checkpoint(finish(cut(core))))
+    restored = new_core()
+    restored.load_snapshot(decode_checkpoint(data))
+    lsn = restored.lsn
+    again = handle_frames(restored, frames_for(push, cid=b"c", seq=1))
+    assert again.statuses == ["BAD_REQUEST"] and restored.lsn == lsn  # not applied twice
+
+
+def test_the_reads_of_an_expired_message_still_run() -> None:
+    core = new_core()
+    core.dedup = DedupCache(capacity=1)
+    call(core, [push_rows([1], np.ones((1, 3)))], cid=b"c", seq=1)
+    call(core, [push_rows([1], np.ones((1, 3)))], cid=b"c", seq=2)
+    reply = call(core, [push_rows([1], np.ones((1, 3))), pull_rows([1])], cid=b"c", seq=1)
+    assert reply.statuses == ["BAD_REQUEST", "OK"]
+    assert reply.arrays(1)[0].tolist() == [[-1.5] * 3]
+
+
+def _failing_request(n: int, tag: int) -> list[dict[str, Any]]:
+    """Statuses like those of a max-size request whose operations all failed."""
+    return [
+        {"st": "UNKNOWN_TABLE", "msg": f"no table {tag:08d}-{i:06d}" + "x" * 270} for i in range(n)
+    ]
+
+
+def test_dedup_bytes_count_what_the_entries_hold() -> None:
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        cache = DedupCache(max_bytes=1 << 40)
+        for seq in range(20):
+            cache.put((b"client-%d" % (seq % 3), seq), _failing_request(512, seq))
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    # Counted from above (a status code shared by many statuses counts in each),
+    # and not by much.
+    assert held <= cache.nbytes <= held * 1.25, (held, cache.nbytes)
+
+
+def test_small_entries_and_floors_are_counted_from_above() -> None:
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        cache = DedupCache(max_bytes=1 << 40)
+        for seq in range(20_000):  # a fresh client id per entry, as decoded from a header
+            cache.put((bytes(bytearray(b"client-%d" % (seq % 5))), seq), [OK, OK])
+        held = tracemalloc.get_traced_memory()[0] - base
+        assert held <= cache.nbytes <= held * 1.5, (held, cache.nbytes)
+        cache.max_bytes = 0  # everything goes, the floors last
+        cache.put((b"client-0", 10**6), [OK])
+        assert len(cache) == 0 and cache.floors() == [] and cache.nbytes == 0
+        base = tracemalloc.get_traced_memory()[0]
+        floors = [(b"client-%d" % i, 1000 + i) for i in range(20_000)]
+        other = DedupCache(max_bytes=1 << 40)
+        other.load([], floors)
+        del floors
+        held = tracemalloc.get_traced_memory()[0] - base
+        assert held <= other.nbytes <= held * 1.5, (held, other.nbytes)
+    finally:
+        tracemalloc.stop()
+
+
+def test_dedup_record_stays_within_its_byte_bound() -> None:
+    bound = 2 << 20
+    cache = DedupCache(max_bytes=bound)
+    one = DedupCache(max_bytes=1 << 40)
+    one.put((b"c", 0), _failing_request(4096, 0))
+    per_entry = one.nbytes
+    assert per_entry > 1 << 20  # a max-size request of failures: over a megabyte
+    for seq in range(1, 40):
+        cache.put((b"c", seq), _failing_request(4096, seq))
+        assert cache.nbytes <= bound
+    assert len(cache) == bound // per_entry and cache.evicted == 39 - len(cache)
+    assert [s for _, s, _ in cache.entries()] == list(range(40 - len(cache), 40))
+    assert cache.expired((b"c", 39 - len(cache))) == 39 - len(cache)
+    assert cache.expired((b"c", 40 - len(cache))) is None  # still recorded
+    assert cache.expired((b"c", 99)) is None and cache.expired((b"other", 1)) is None
+
+
+def test_a_record_of_oks_is_kept_as_a_count() -> None:
+    cache = DedupCache()
+    cache.put((b"c", 1), [OK] * 4096)
+    assert cache.nbytes < 1000
+    assert cache.get((b"c", 1)) == [{"st": "OK"}] * 4096
+    assert cache.entries() == [(b"c", 1, [{"st": "OK"}] * 4096)]
+    cache.put((b"c", 2), [{"st": "OK"}, {"st": "OK", "created": True}])
+    assert cache.get((b"c", 2)) == [{"st": "OK"}, {"st": "OK", "created": True}]
+
+
+def test_a_replaced_entry_is_counted_once() -> None:
+    cache = DedupCache()
+    cache.put((b"c", 1), _failing_request(100, 1))
+    size = cache.nbytes
+    cache.put((b"c", 1), _failing_request(100, 1))
+    assert cache.nbytes == size and len(cache) == 1
+
+
+def test_floors_are_kept_per_client_and_go_last() -> None:
+    cache = DedupCache(capacity=2)
+    for cid, seq in [(b"a", 1), (b"a", 2), (b"b", 7), (b"a", 3), (b"b", 8)]:
+        cache.put((cid, seq), [{"st": "X"}])
+    # evicted: a1, a2, b7
+    assert cache.floors() == [(b"a", 2), (b"b", 7)]
+    assert cache.expired((b"a", 1)) == 2 and cache.expired((b"a", 3)) is None
+    assert cache.expired((b"b", 5)) == 7 and cache.expired((b"b", 8)) is None
+    # Under a tiny byte bound, records go first, then the least recently raised floors.
+    tiny = DedupCache(max_bytes=FLOOR_OVERHEAD + 100)
+    tiny.load(cache.entries(), cache.floors())
+    assert tiny.nbytes <= tiny.max_bytes
+    assert len(tiny) == 0 and tiny.floors() == [(b"b", 8)]
+
+
+def test_floors_travel_with_snapshots() -> None:
+    core = new_core(limits=Limits(dedup_bytes=4096))
+    push = [push_rows([1], np.ones((1, 3)))]
+    for seq in range(1, 40):
+        assert call(core, push, cid=b"w", seq=seq).statuses == ["OK"]
+    floor = dict(core.dedup.floors())[b"w"]
+    assert floor > 1 and core.dedup.nbytes <= 4096
+    enc = Encoder()
+    header = encode_snapshot(enc, core.snapshot())
+    msg = decode(enc.build(Route(MsgType.SNAPSHOT, PARTITION, EPOCH, core.lsn), header))
+    heir = ShardCore(limits=Limits(dedup_bytes=4096))
+    heir.assign(PARTITION, EPOCH)
+    heir.load_snapshot(decode_snapshot(msg.header, msg.payloads, max_bytes=1 << 20))
+    assert heir.dedup.floors() == core.dedup.floors()
+    assert heir.dedup.entries() == core.dedup.entries()
+    assert call(heir, push, cid=b"w", seq=1).statuses == ["BAD_REQUEST"]
+    assert call(heir, push, cid=b"w", seq=39).statuses == ["OK"]  # recorded: answered again
+    assert heir.store.checksum() == core.store.checksum()
+
+
+def test_report_names_the_bytes_held() -> None:
+    core = new_core()
+    call(core, [push_rows([1], np.ones((1, 3)), t="nope")], cid=b"c", seq=1)
+    report = core.report()
+    assert report["dedup_bytes"] == core.dedup.nbytes > 0
+    assert report["dedup_entries"] == 1 and report["step_bytes"] == 0 and report["expired"] == 0
 
 
 # ---- lsn and counters -------------------------------------------------------

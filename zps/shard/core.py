@@ -11,7 +11,9 @@ Rules:
    fail its neighbours (they may come from different callers).
 3. A message is identified by ``(client_id, seq)``.  A retried message is not
    applied twice: its mutations answer with the recorded status; its reads run
-   again (they are idempotent).
+   again (they are idempotent).  The record is bounded in bytes; a message
+   retried after its entry was evicted is refused with ``BAD_REQUEST`` (it may
+   have been applied), never applied again.
 4. Anything malformed becomes an error status naming what is wrong; no input
    raises out of :meth:`ShardCore.handle`.
 5. ``lsn`` counts applied mutations.  A message that advanced it is replicated
@@ -25,6 +27,7 @@ Rules:
 from __future__ import annotations
 
 import collections
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,15 +51,24 @@ from zps.store.stepbuf import Pending, StepBuffer
 
 MUTATIONS = frozenset({"create", "push_dense", "push_rows", "commit"})
 OK: dict[str, Any] = {"st": "OK"}
+#: A recorded list of statuses, or the number of statuses when all are ``OK``.
+_Record = int | list[dict[str, Any]]
 
 
 @dataclass
 class Limits:
-    """Per-request limits; larger requests get BAD_REQUEST, not a crash."""
+    """Per-request limits (larger requests get BAD_REQUEST, not a crash) and the
+    byte bounds of what a shard keeps between requests."""
 
     max_ops: int = 4096
     max_array_bytes: int = 512 << 20
     max_ids: int = 8 << 20
+    #: Bytes of the dedup record (see :class:`DedupCache`).
+    dedup_bytes: int = 64 << 20
+    #: Sync mode: how many steps past the last committed one a push may be for.
+    step_window: int = 8
+    #: Sync mode: bytes of gradients buffered until their step commits.
+    step_buffer_bytes: int = 2 << 30
 
 
 @dataclass
@@ -66,41 +78,144 @@ class ShardStats:
     errors: int = 0
     duplicates: int = 0
     malformed: int = 0
+    #: Re-sent messages older than the dedup record, refused (see :class:`DedupCache`).
+    expired: int = 0
     bytes_in: int = 0
     by_op: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+
+
+#: What one dedup entry costs beyond its statuses: the ordered-dict node, the
+#: key tuple and its seq (the client id is counted by its size).
+ENTRY_OVERHEAD = 300
+#: What one client's high-water mark costs beyond its id.
+FLOOR_OVERHEAD = 160
+
+
+def _deep_size(value: object) -> int:
+    """Bytes held by a msgpack-like value (dicts, lists, str, bytes, numbers)."""
+    n = sys.getsizeof(value)
+    if isinstance(value, dict):
+        # keys are the handlers' own literals, shared by every status
+        n += sum(_deep_size(v) for v in value.values())
+    elif isinstance(value, list | tuple):
+        n += sum(_deep_size(v) for v in value)
+    return n
+
+
+def _record_size(statuses: list[dict[str, Any]]) -> int:
+    """Bytes held by one recorded list of statuses, a status shared by several
+    operations (like :data:`OK`) counted once."""
+    n = sys.getsizeof(statuses)
+    seen: set[int] = set()
+    for s in statuses:
+        if s is not OK and id(s) not in seen:
+            seen.add(id(s))
+            n += _deep_size(s)
+    return n
 
 
 class DedupCache:
     """Statuses of recently applied messages, keyed by ``(client_id, seq)``.
 
-    Bounded (oldest entries go first): a client retries within seconds, so a
-    window of the last ``capacity`` messages is ample.
+    Bounded in bytes (``max_bytes``, counting each entry's statuses, key and
+    bookkeeping) and in entries (``capacity``); the oldest entries go first.
+    A record whose statuses are all ``OK`` is kept as a count.
+
+    Each client's highest evicted seq is kept (its *floor*, a few hundred
+    bytes per client, counted in the same budget): a message of that client
+    with a seq at or below its floor that is not in the record anymore may
+    have been applied, so :meth:`expired` says so and it is refused instead of
+    applied a second time.  A client's seqs only grow, so the floor only
+    catches messages that are retried, or delayed, for longer than the record
+    lasts.  Floors go only when nothing else is left to evict.
     """
 
-    def __init__(self, capacity: int = 200_000) -> None:
+    def __init__(self, max_bytes: int = 64 << 20, capacity: int = 200_000) -> None:
+        self.max_bytes = max_bytes
         self.capacity = capacity
-        self._seen: collections.OrderedDict[tuple[bytes, int], list[dict[str, Any]]] = (
+        self.nbytes = 0
+        self.evicted = 0
+        self._seen: collections.OrderedDict[tuple[bytes, int], tuple[_Record, int]] = (
             collections.OrderedDict()
         )
+        self._floors: collections.OrderedDict[bytes, int] = collections.OrderedDict()
 
     def get(self, key: tuple[bytes, int]) -> list[dict[str, Any]] | None:
-        return self._seen.get(key)
+        found = self._seen.get(key)
+        if found is None:
+            return None
+        record = found[0]
+        return [OK] * record if isinstance(record, int) else record
+
+    def expired(self, key: tuple[bytes, int]) -> int | None:
+        """The client's floor if ``key`` is not recorded but may have been applied."""
+        floor = self._floors.get(key[0])
+        if floor is None or key[1] > floor or key in self._seen:
+            return None
+        return floor
 
     def put(self, key: tuple[bytes, int], statuses: list[dict[str, Any]]) -> None:
-        self._seen[key] = statuses
-        while len(self._seen) > self.capacity:
-            self._seen.popitem(last=False)
+        record: _Record
+        if statuses and all(s is OK or s == OK for s in statuses):
+            record, size = len(statuses), ENTRY_OVERHEAD + len(key[0])
+        else:
+            record, size = statuses, ENTRY_OVERHEAD + len(key[0]) + _record_size(statuses)
+        old = self._seen.get(key)
+        if old is not None:
+            self.nbytes -= old[1]
+        self._seen[key] = (record, size)
+        self.nbytes += size
+        self._evict()
+
+    def _evict(self) -> None:
+        while self._seen and (len(self._seen) > self.capacity or self.nbytes > self.max_bytes):
+            (cid, seq), (_, size) = self._seen.popitem(last=False)
+            self.nbytes -= size
+            self.evicted += 1
+            floor = self._floors.pop(cid, None)
+            if floor is None:
+                self.nbytes += FLOOR_OVERHEAD + len(cid)
+            self._floors[cid] = seq if floor is None else max(floor, seq)
+        while self._floors and self.nbytes > self.max_bytes:
+            cid, _ = self._floors.popitem(last=False)
+            self.nbytes -= FLOOR_OVERHEAD + len(cid)
 
     def __len__(self) -> int:
         return len(self._seen)
 
     def entries(self) -> list[tuple[bytes, int, list[dict[str, Any]]]]:
-        return [(cid, seq, st) for (cid, seq), st in self._seen.items()]
+        return [
+            (cid, seq, [OK] * record if isinstance(record, int) else record)
+            for (cid, seq), (record, _) in self._seen.items()
+        ]
 
-    def load(self, entries: list[tuple[bytes, int, list[dict[str, Any]]]]) -> None:
+    def floors(self) -> list[tuple[bytes, int]]:
+        """Each client's highest evicted seq, least recently raised first."""
+        return list(self._floors.items())
+
+    def load(
+        self,
+        entries: list[tuple[bytes, int, list[dict[str, Any]]]],
+        floors: Sequence[tuple[bytes, int]] = (),
+    ) -> None:
         self._seen.clear()
+        self._floors.clear()
+        self.nbytes = 0
+        for cid, floor in floors:
+            self._floors[cid] = floor
+            self.nbytes += FLOOR_OVERHEAD + len(cid)
         for cid, seq, statuses in entries:
             self.put((cid, seq), statuses)
+
+
+def _expired_status(key: tuple[bytes, int], floor: int) -> dict[str, Any]:
+    cid, seq = key
+    return {
+        "st": "BAD_REQUEST",
+        "msg": f"message {seq} of client {cid[:16]!r} is older than this shard's dedup "
+        f"record (it forgot this client's messages up to {floor}): it may have been "
+        "applied already, so it is not applied again",
+    }
 
 
 def _is_mutation(op: object) -> bool:
@@ -142,8 +257,8 @@ class ShardCore:
         self.epoch = 0
         self.primary = False
         self.store = PartitionStore()
-        self.dedup = DedupCache()
-        self.steps = StepBuffer()
+        self.dedup = self._new_dedup()
+        self.steps = self._new_steps()
         self.lsn = 0
         self.stats = ShardStats()
         self._clock = clock
@@ -157,34 +272,45 @@ class ShardCore:
         """
         if partition != self.partition:
             self.store = PartitionStore()
-            self.dedup = DedupCache()
-            self.steps = StepBuffer()
+            self.dedup = self._new_dedup()
+            self.steps = self._new_steps()
             self.lsn = 0
         self.partition, self.epoch = partition, epoch
         self.primary = primary and partition is not None
 
+    def _new_dedup(self) -> DedupCache:
+        return DedupCache(self.limits.dedup_bytes)
+
+    def _new_steps(self) -> StepBuffer:
+        return StepBuffer(window=self.limits.step_window, max_bytes=self.limits.step_buffer_bytes)
+
     # -- replication ---------------------------------------------------------
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(
+        self, export: Callable[[PartitionStore], dict[str, Any]] | None = None
+    ) -> Snapshot:
+        """Everything a replica or a checkpoint needs, at the current LSN.  ``export``
+        copies the tables (default: :meth:`PartitionStore.export`)."""
         if self.partition is None:
             raise BadRequestError("no partition to snapshot")
         return Snapshot(
             self.partition,
             self.epoch,
             self.lsn,
-            self.store.export(),
+            (export or PartitionStore.export)(self.store),
             self.dedup.entries(),
             self.steps.export(),
+            self.dedup.floors(),
         )
 
     def load_snapshot(self, snap: Snapshot) -> None:
         """Replace everything with ``snap`` (all or nothing: a bad one changes nothing)."""
         store = PartitionStore()
         store.load(snap.export)
-        steps = StepBuffer()
+        steps = self._new_steps()
         steps.load(snap.steps)
         self.store, self.steps = store, steps
-        self.dedup.load(snap.dedup)
+        self.dedup.load(snap.dedup, snap.dedup_floors)
         self.partition, self.epoch, self.lsn = snap.partition, snap.epoch, snap.lsn
 
     def apply_replicated(self, header: dict[str, Any], payloads: Sequence[BufferLike]) -> int:
@@ -231,6 +357,13 @@ class ShardCore:
         cached = self.dedup.get(key) if key is not None else None
         if cached is not None:
             self.stats.duplicates += 1
+        elif (
+            key is not None
+            and (floor := self.dedup.expired(key)) is not None
+            and any(_is_mutation(op) for op in ops)
+        ):
+            self.stats.expired += 1
+            cached = [_expired_status(key, floor)] * len(ops)
         results: list[dict[str, Any]] = []
         recorded: list[dict[str, Any]] = []
         any_mutation = False
@@ -454,9 +587,13 @@ class ShardCore:
             "errors": s.errors,
             "duplicates": s.duplicates,
             "malformed": s.malformed,
+            "expired": s.expired,
             "bytes_in": s.bytes_in,
             "tables": len(self.store.specs()),
             "nbytes": self.store.nbytes,
+            "dedup_bytes": self.dedup.nbytes,
+            "dedup_entries": len(self.dedup),
+            "step_bytes": self.steps.nbytes,
         }
 
 
