@@ -23,6 +23,7 @@ from zps.errors import (
     ZpsTimeoutError,
 )
 from zps.protocol.codec import Encoder, Message, MsgType, Route, decode
+from zps.protocol.messages import ClientHello
 
 TIMEOUT = 5.0
 BACKOFF_CAP = 0.5
@@ -43,7 +44,7 @@ def cmap(
 
 def session(m: ClusterMap | None = None, timeout: float = TIMEOUT) -> ClientSession[str]:
     s: ClientSession[str] = ClientSession(
-        b"c-test", timeout=timeout, max_backoff=BACKOFF_CAP, hello={"name": "t"}
+        b"c-test", timeout=timeout, max_backoff=BACKOFF_CAP, hello=ClientHello(name="t")
     )
     assert s.on_map(m or cmap(), 0.0) == []
     return s

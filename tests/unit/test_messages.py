@@ -36,17 +36,24 @@ from zps.protocol.messages import (
     ClientHello,
     ClockRequest,
     Heartbeat,
+    HelloAgain,
     JobSettings,
     LeaseEcho,
     MapUpdate,
     Mode,
+    RegisterAgain,
+    Replicate,
     Role,
     ShardClaim,
     ShardHeartbeat,
     ShardRegister,
+    SnapshotAck,
+    SnapshotChunk,
     Status,
     StatusReply,
     StatusRequest,
+    StreamAck,
+    Subscribe,
     TaskRequest,
 )
 
@@ -83,6 +90,16 @@ RECORDS: list[Any] = [
     MapUpdate({"version": 3, "partitions": []}),
     StatusReply(Status.NOT_PRIMARY, "the primary stepped down"),
     StatusReply(Status.OK),
+    RegisterAgain(),
+    HelloAgain(),
+    Subscribe(None, 0),
+    Subscribe(3, 5, abandoned=2),
+    StreamAck(10, 2),
+    StreamAck(10, 2, base=-1),
+    StreamAck(12, 2, base=8),
+    Replicate(4, 5),
+    SnapshotChunk(1, 0, 3, 2_500, 1_000, 42),
+    SnapshotAck(1, 2),
 ]
 PARSERS: list[Callable[[Any], Any]] = [
     ShardClaim.parse,
@@ -98,6 +115,13 @@ PARSERS: list[Callable[[Any], Any]] = [
     LeaseEcho.parse,
     MapUpdate.parse,
     StatusReply.parse,
+    RegisterAgain.parse,
+    HelloAgain.parse,
+    Subscribe.parse,
+    StreamAck.parse,
+    Replicate.parse,
+    SnapshotChunk.parse,
+    SnapshotAck.parse,
 ]
 
 
@@ -135,6 +159,21 @@ def test_the_wire_keys_stay_those_the_peers_speak() -> None:
         "n_partitions",
     }
     assert StatusReply(Status.BAD_REQUEST, "x").to_wire() == {"st": "BAD_REQUEST", "msg": "x"}
+    # between shards: replicas and primaries of different versions talk these
+    assert Subscribe(1, 2).to_wire() == {"partition": 1, "epoch": 2}
+    assert set(Subscribe(1, 2, 7).to_wire()) == {"partition", "epoch", "abandoned"}
+    assert StreamAck(5, 2, 3).to_wire() == {"lsn": 5, "epoch": 2, "base": 3}
+    assert Replicate(4, 5).to_wire() == {"prev": 4, "lsn": 5}
+    assert set(SnapshotChunk(1, 0, 1, 1, 1, 0).to_wire()) == {
+        "id",
+        "seq",
+        "count",
+        "total",
+        "chunk",
+        "lsn",
+    }
+    assert SnapshotAck(1, 2).to_wire() == {"id": 1, "seq": 2}
+    assert RegisterAgain().to_wire() == HelloAgain().to_wire() == {}
 
 
 def test_a_register_public_key_that_is_not_a_z85_key_is_dropped() -> None:
@@ -184,6 +223,19 @@ def test_missing_optional_fields_take_their_defaults() -> None:
         (LeaseEcho.parse, {"t": 1.0}, "role"),
         (MapUpdate.parse, {"map": 3}, "map"),
         (StatusReply.parse, {"st": "WHATEVER"}, "status"),
+        (Subscribe.parse, {"partition": 0}, "epoch"),
+        (Subscribe.parse, {"partition": "0", "epoch": 1}, "partition"),
+        (Subscribe.parse, {"partition": 0, "epoch": 1, "abandoned": 1.5}, "abandoned"),
+        (StreamAck.parse, {"epoch": 1}, "lsn"),
+        (StreamAck.parse, {"lsn": True, "epoch": 1}, "lsn"),
+        (StreamAck.parse, {"lsn": 3}, "epoch"),
+        (StreamAck.parse, {"lsn": 3, "epoch": 1, "base": -2}, "base"),
+        (Replicate.parse, {"lsn": 3}, "prev"),
+        (Replicate.parse, {"prev": 2, "lsn": "3"}, "lsn"),
+        (SnapshotChunk.parse, {"id": 1, "seq": 0, "count": 1, "total": 1, "chunk": 1}, "lsn"),
+        (SnapshotChunk.parse, {"id": 1, "seq": -1, "count": 1, "total": 1, "chunk": 1}, "seq"),
+        (SnapshotAck.parse, {"id": "1", "seq": 0}, "id"),
+        (SnapshotAck.parse, {"id": 1}, "seq"),
     ],
 )
 def test_a_bad_field_is_a_protocol_error_naming_it(

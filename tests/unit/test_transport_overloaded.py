@@ -22,7 +22,7 @@ def test_the_status_travels_and_maps_to_its_error() -> None:
 
 def test_the_client_retries_an_overloaded_request_with_backoff() -> None:
     parts = {p: PartitionInfo(epoch=1, primary="s-a", lost=False) for p in range(2)}
-    s: ClientSession[str] = ClientSession(b"c-test", timeout=5.0, max_backoff=0.5, hello={})
+    s: ClientSession[str] = ClientSession(b"c-test", timeout=5.0, max_backoff=0.5)
     s.on_map(ClusterMap(1, 16, np.zeros(16, dtype=np.int32), parts, "b1"), 0.0)
     enc = Encoder()
     desc = enc.array(np.arange(3, dtype=np.int64))

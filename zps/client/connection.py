@@ -22,7 +22,7 @@ import socket
 import uuid
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, assert_never
 
 import numpy as np
 import zmq.asyncio
@@ -53,6 +53,15 @@ from zps.protocol.codec import (
     array_from,
     decode,
     encode,
+)
+from zps.protocol.messages import (
+    BrokerToClient,
+    Bye,
+    ClientHello,
+    Heartbeat,
+    HelloAgain,
+    MapUpdate,
+    StatusRequest,
 )
 
 log = logging.getLogger("zps.client")
@@ -86,7 +95,7 @@ class Connection:
             self.client_id,
             timeout=self.config.timeout,
             max_backoff=self.config.heartbeat.interval,
-            hello={"host": socket.gethostname(), "pid": os.getpid(), "name": self.config.name},
+            hello=ClientHello(socket.gethostname(), os.getpid(), self.config.name),
             acks=1 if self.config.acks == 1 else None,
         )
         self.stats: ClientStats = self._session.stats
@@ -157,7 +166,7 @@ class Connection:
         if self._sock is not None and not self._sock.closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(
-                    transport.send(self._sock, encode(Route(MsgType.BYE), {})), 1.0
+                    transport.send(self._sock, encode(Route(MsgType.BYE), Bye().to_wire())), 1.0
                 )
         for t in self._tasks:
             t.cancel()
@@ -235,7 +244,7 @@ class Connection:
 
     async def status(self) -> dict[str, Any]:
         """The broker's status report (as ``zps-server status --json`` prints it)."""
-        return await self._broker_call(MsgType.STATUS, {})
+        return await self._broker_call(MsgType.STATUS, StatusRequest().to_wire())
 
     # -- request machinery ---------------------------------------------------
 
@@ -382,7 +391,9 @@ class Connection:
         interval = self.config.heartbeat.interval
         while True:
             await asyncio.sleep(interval)
-            await transport.send(self._sock, encode(Route(MsgType.HEARTBEAT), {}))
+            await transport.send(
+                self._sock, encode(Route(MsgType.HEARTBEAT), Heartbeat().to_wire())
+            )
             # Also a tick: deadlines are checked at least this often.
             now = self._now()
             self._tick_at = now if self._tick_at is None else min(self._tick_at, now)
@@ -399,11 +410,12 @@ class Connection:
         log.warning("dropped a malformed message from the broker: %s", err)
 
     async def _dispatch(self, msg: Message) -> None:
-        match msg.route.mtype:
-            case MsgType.REPLY | MsgType.STATUS | MsgType.CLOCK | MsgType.TASK:
-                await self._apply(self._session.on_reply(msg, self._now()))
-            case MsgType.MAP:
-                new = ClusterMap.from_wire(msg.header.get("map"))
+        if msg.route.mtype in _REPLIES:
+            await self._apply(self._session.on_reply(msg, self._now()))
+            return
+        match _from_broker(msg.route.mtype, msg.header):
+            case MapUpdate(m):
+                new = ClusterMap.from_wire(m)
                 old = self._session.map
                 if old is not None and new.incarnation != old.incarnation:
                     log.info(
@@ -413,12 +425,14 @@ class Connection:
                 await self._apply(self._session.on_map(new, self._now()))
                 if self._session.map is not None:
                     self._map_event.set()
-            case MsgType.HELLO:  # the broker restarted and does not know us
+            case HelloAgain():  # the broker restarted and does not know us
                 await self._hello()
-            case MsgType.HEARTBEAT:
+            case Heartbeat():
                 pass
-            case _:
+            case None:
                 raise ProtocolError(f"a client does not expect {msg.route.mtype.name}")
+            case unknown:
+                assert_never(unknown)
 
     def _result(self, res: object, msg: Message) -> dict[str, Any]:
         if not isinstance(res, dict):
@@ -434,6 +448,24 @@ class Connection:
             else:
                 res["arrays"] = array_from(desc, msg.payloads, max_bytes=limit)
         return res
+
+
+#: Answers matched to a request or broker call by the session.
+_REPLIES = frozenset({MsgType.REPLY, MsgType.STATUS, MsgType.CLOCK, MsgType.TASK})
+
+
+def _from_broker(mtype: MsgType, header: dict[str, Any]) -> BrokerToClient | None:
+    """The record of a message from the broker that is not a reply (None: not one a
+    client expects)."""
+    match mtype:
+        case MsgType.MAP:
+            return MapUpdate.parse(header)
+        case MsgType.HELLO:
+            return HelloAgain.parse(header)
+        case MsgType.HEARTBEAT:
+            return Heartbeat.parse(header)
+        case _:
+            return None
 
 
 def _split_result(

@@ -43,6 +43,7 @@ from zps.errors import (
     remote_error,
 )
 from zps.protocol.codec import Encoder, Message, MsgType, Route, encode
+from zps.protocol.messages import ClientHello
 
 T = TypeVar("T")
 
@@ -118,7 +119,7 @@ class ClientSession(Generic[T]):
         *,
         timeout: float,
         max_backoff: float,
-        hello: dict[str, Any] | None = None,
+        hello: ClientHello | None = None,
         acks: int | None = None,
     ) -> None:
         self.cid = cid
@@ -126,7 +127,7 @@ class ClientSession(Generic[T]):
         self.max_backoff = max_backoff
         self.map: ClusterMap | None = None
         self.stats = ClientStats()
-        self._hello = hello or {}
+        self._hello = hello or ClientHello()
         self._acks = acks
         self._req_ids = itertools.count(1)
         self._seqs = itertools.count(1)
@@ -144,7 +145,7 @@ class ClientSession(Generic[T]):
 
     def hello(self) -> Send:
         """The HELLO that asks the broker for the map (and introduces this client)."""
-        return Send(encode(Route(MsgType.HELLO), self._hello))
+        return Send(encode(Route(MsgType.HELLO), self._hello.to_wire()))
 
     def submit(
         self,

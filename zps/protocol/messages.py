@@ -512,8 +512,168 @@ class StatusReply:
         return {"st": self.status.value, "msg": self.msg}
 
 
+@dataclass(frozen=True, slots=True)
+class RegisterAgain:
+    """REGISTER, broker -> shard: the broker does not know this shard (it restarted);
+    the shard registers again.  Its header carries nothing the receiver reads."""
+
+    @classmethod
+    def parse(cls, h: Header) -> RegisterAgain:
+        return cls()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True, slots=True)
+class HelloAgain:
+    """HELLO, broker -> client: the broker does not know this client (it restarted);
+    the client introduces itself again.  Its header carries nothing the receiver reads."""
+
+    @classmethod
+    def parse(cls, h: Header) -> HelloAgain:
+        return cls()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {}
+
+
+# -- replication, replica <-> primary ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe:
+    """SUBSCRIBE, replica -> primary: send me ``partition`` at ``epoch`` (a snapshot, then
+    the stream).  ``abandoned`` names a snapshot transfer the replica gave up, to be
+    replaced by a new one."""
+
+    partition: int | None
+    epoch: int
+    abandoned: int | None = None
+
+    @classmethod
+    def parse(cls, h: Header) -> Subscribe:
+        partition, abandoned = h.get("partition"), h.get("abandoned")
+        return cls(
+            partition=None if partition is None else _int(partition, "SUBSCRIBE partition"),
+            epoch=_int(_field(h, "epoch", "SUBSCRIBE"), "SUBSCRIBE epoch"),
+            abandoned=None if abandoned is None else _int(abandoned, "SUBSCRIBE abandoned"),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        h: dict[str, Any] = {"partition": self.partition, "epoch": self.epoch}
+        if self.abandoned is not None:
+            h["abandoned"] = self.abandoned
+        return h
+
+
+@dataclass(frozen=True, slots=True)
+class StreamAck:
+    """ACK, replica -> primary: everything up to ``lsn`` is applied, at ``epoch``, on top
+    of the snapshot at LSN ``base`` (-1: none loaded; nil from a peer that names none)."""
+
+    lsn: int
+    epoch: int
+    base: int | None = None
+
+    @classmethod
+    def parse(cls, h: Header) -> StreamAck:
+        base = h.get("base")
+        return cls(
+            lsn=_int(_field(h, "lsn", "ACK"), "ACK lsn"),
+            epoch=_int(_field(h, "epoch", "ACK"), "ACK epoch"),
+            base=None if base is None else _int(base, "ACK base", lo=-1),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"lsn": self.lsn, "epoch": self.epoch, "base": self.base}
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """REPLICATE's header, primary -> replica: the request that follows (its header and
+    payload frames as the client sent them) took the partition from LSN ``prev`` to
+    ``lsn``; the epoch travels in the route."""
+
+    prev: int
+    lsn: int
+
+    @classmethod
+    def parse(cls, h: Header) -> Replicate:
+        return cls(
+            prev=_int(_field(h, "prev", "REPLICATE"), "REPLICATE prev"),
+            lsn=_int(_field(h, "lsn", "REPLICATE"), "REPLICATE lsn"),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"prev": self.prev, "lsn": self.lsn}
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotChunk:
+    """SNAPSHOT_CHUNK's header, primary -> replica: chunk ``seq`` of the ``count`` chunks
+    of snapshot ``id``, ``total`` bytes at LSN ``lsn`` cut into chunks of ``chunk``
+    bytes; the payload frames carry the chunk's bytes.  Whether the sizes agree is the
+    assembly's to check (:class:`~zps.store.snapshot.ChunkAssembly`)."""
+
+    id: int
+    seq: int
+    count: int
+    total: int
+    chunk: int
+    lsn: int
+
+    @classmethod
+    def parse(cls, h: Header) -> SnapshotChunk:
+        def need(key: str) -> int:
+            return _int(_field(h, key, "SNAPSHOT_CHUNK"), f"SNAPSHOT_CHUNK {key}")
+
+        return cls(
+            id=need("id"),
+            seq=need("seq"),
+            count=need("count"),
+            total=need("total"),
+            chunk=need("chunk"),
+            lsn=need("lsn"),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "seq": self.seq,
+            "count": self.count,
+            "total": self.total,
+            "chunk": self.chunk,
+            "lsn": self.lsn,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotAck:
+    """SNAPSHOT_ACK, replica -> primary: chunk ``seq`` of snapshot ``id`` arrived."""
+
+    id: int
+    seq: int
+
+    @classmethod
+    def parse(cls, h: Header) -> SnapshotAck:
+        return cls(
+            id=_int(_field(h, "id", "SNAPSHOT_ACK"), "SNAPSHOT_ACK id"),
+            seq=_int(_field(h, "seq", "SNAPSHOT_ACK"), "SNAPSHOT_ACK seq"),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"id": self.id, "seq": self.seq}
+
+
 #: What the broker accepts as control messages, from shards and from clients.
 ShardControl: TypeAlias = ShardRegister | ShardHeartbeat | Bye
 ClientControl: TypeAlias = (
     ClientHello | Heartbeat | StatusRequest | ClockRequest | TaskRequest | Bye
 )
+#: What a shard accepts from the broker as control messages.
+BrokerToShard: TypeAlias = Assign | MapUpdate | LeaseEcho | Heartbeat | RegisterAgain
+#: What a client accepts from the broker besides replies.
+BrokerToClient: TypeAlias = MapUpdate | HelloAgain | Heartbeat
+#: What a primary accepts from its replicas.
+FromReplica: TypeAlias = Subscribe | StreamAck | SnapshotAck

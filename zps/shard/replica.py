@@ -21,6 +21,14 @@ from zps import transport
 from zps.core.replication import StreamCheck, check_stream
 from zps.errors import ProtocolError, ZpsError
 from zps.protocol.codec import BufferLike, MsgType, Route, decode, encode
+from zps.protocol.messages import (
+    Bye,
+    Replicate,
+    SnapshotAck,
+    SnapshotChunk,
+    StreamAck,
+    Subscribe,
+)
 from zps.shard.checkpoint import CheckpointError, decode_checkpoint
 from zps.shard.core import ShardCore
 from zps.shard.session import ShardSession
@@ -56,7 +64,7 @@ class Upstream:
         self._last_chunk = 0.0
         self._abandoned: int | None = None
         #: Stream messages that arrived during the snapshot: (route, header, payloads).
-        self._held: list[tuple[Route, dict[str, Any], Any]] = []
+        self._held: list[tuple[Route, Replicate, Any]] = []
         self._held_bytes = 0
 
     async def run(self) -> None:
@@ -80,7 +88,7 @@ class Upstream:
                 Route(MsgType.ACK),
                 # ``base`` names the snapshot this state grew from: the primary counts
                 # acknowledgements of its own stream only, never of another history.
-                {"lsn": self.core.lsn, "epoch": self.core.epoch, "base": self.session.base_lsn},
+                StreamAck(self.core.lsn, self.core.epoch, self.session.base_lsn).to_wire(),
             ),
         )
 
@@ -92,13 +100,8 @@ class Upstream:
             log.warning("snapshot %d stalled; asking for a new one", self._assembly.snapshot_id)
             self._abandon()
         if self.session.subscribe_due(now):
-            header: dict[str, Any] = {
-                "partition": self.session.partition,
-                "epoch": self.session.epoch,
-            }
-            if self._abandoned is not None:
-                header["abandoned"] = self._abandoned
-            await transport.send(self.channel, encode(Route(MsgType.SUBSCRIBE), header))
+            sub = Subscribe(self.session.partition, self.session.epoch, self._abandoned)
+            await transport.send(self.channel, encode(Route(MsgType.SUBSCRIBE), sub.to_wire()))
             self.session.subscribe_sent(time.monotonic())
 
     async def _after_burst(self) -> None:
@@ -117,12 +120,13 @@ class Upstream:
                 case MsgType.SNAPSHOT_CHUNK if not self.session.synced:
                     await self._on_chunk(msg.route, msg.header, msg.payloads)
                 case MsgType.REPLICATE if self.session.synced:
-                    self._apply_stream(msg.route, msg.header, msg.payloads)
+                    self._apply_stream(msg.route, Replicate.parse(msg.header), msg.payloads)
                 case MsgType.REPLICATE:  # the stream runs ahead of the snapshot's chunks
-                    self._hold(msg.route, msg.header, msg.payloads)
+                    self._hold(msg.route, Replicate.parse(msg.header), msg.payloads)
                 case MsgType.BYE:
+                    bye = Bye.parse(msg.header)
                     self.session.refused()
-                    log.info("the primary refused the subscription: %s", msg.header.get("msg"))
+                    log.info("the primary refused the subscription: %s", bye.msg)
         except ProtocolError:
             raise
         except ZpsError as e:
@@ -135,7 +139,7 @@ class Upstream:
         self._held, self._held_bytes = [], 0
         self.session.resync()
 
-    def _hold(self, route: Route, header: dict[str, Any], payloads: Any) -> None:
+    def _hold(self, route: Route, header: Replicate, payloads: Any) -> None:
         """Keep a stream message until the snapshot under way is loaded (bounded; what
         the snapshot already holds is skipped when the held messages are applied)."""
         size = sum(len(p) for p in payloads)
@@ -150,12 +154,18 @@ class Upstream:
         self, route: Route, header: dict[str, Any], payloads: Sequence[BufferLike]
     ) -> None:
         """Take one snapshot chunk; once all are here, load the snapshot and the held stream."""
-        seq, sid = header.get("seq"), header.get("id")
+        try:
+            chunk = SnapshotChunk.parse(header)
+        except ProtocolError:
+            if self._assembly is not None:
+                self._abandon()
+            raise
+        seq, sid = chunk.seq, chunk.id
         if seq == 0 and (self._assembly is None or self._assembly.snapshot_id != sid):
             self._assembly = ChunkAssembly.from_header(header, max_bytes=MAX_SNAPSHOT_BYTES)
         assembly = self._assembly
         if assembly is None:  # the rest of a transfer this replica does not hold
-            if type(sid) is int and sid != self._abandoned:
+            if sid != self._abandoned:
                 self._abandoned = sid  # the next SUBSCRIBE asks for a new one
                 self.session.resync()
             return
@@ -166,7 +176,7 @@ class Upstream:
             raise
         self._last_chunk = time.monotonic()
         await transport.send(
-            self.channel, encode(Route(MsgType.SNAPSHOT_ACK), {"id": sid, "seq": seq})
+            self.channel, encode(Route(MsgType.SNAPSHOT_ACK), SnapshotAck(sid, seq).to_wire())
         )
         if not done:
             return
@@ -196,10 +206,10 @@ class Upstream:
         log.info("loaded a snapshot of partition %d at LSN %d", snap.partition, snap.lsn)
         return True
 
-    def _apply_stream(self, route: Route, head: dict[str, Any], payloads: Any) -> None:
-        prev, lsn = head.get("prev"), head.get("lsn")
-        if type(prev) is not int or type(lsn) is not int or not payloads:
-            raise ProtocolError("replication header needs integer prev and lsn")
+    def _apply_stream(self, route: Route, head: Replicate, payloads: Any) -> None:
+        prev, lsn = head.prev, head.lsn
+        if not payloads:
+            raise ProtocolError(f"REPLICATE of LSN {lsn} without the request it carries")
         verdict = check_stream(
             my_epoch=self.core.epoch,
             my_lsn=self.core.lsn,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zps.protocol.codec import MsgType, Route, encode
-from zps.protocol.messages import Role
+from zps.protocol.messages import Role, SnapshotAck, SnapshotChunk
 from zps.shard.checkpoint import cut, encode_checkpoint
 from zps.shard.core import ShardCore
 from zps.shard.session import ShardSession
@@ -115,13 +115,12 @@ class SnapshotSender:
         transfer.task = asyncio.create_task(self._run(node, transfer))
         return True
 
-    def acked(self, node: str, header: dict[str, Any]) -> None:
+    def acked(self, node: str, ack: SnapshotAck) -> None:
         transfer = self._transfers.get(node)
-        seq = header.get("seq")
-        if transfer is None or header.get("id") != transfer.snapshot_id or type(seq) is not int:
+        if transfer is None or ack.id != transfer.snapshot_id:
             return
-        if seq > transfer.acked:
-            transfer.acked = seq
+        if ack.seq > transfer.acked:
+            transfer.acked = ack.seq
             transfer.progress.set()
 
     def cancel(self, node: str) -> None:
@@ -179,16 +178,11 @@ class SnapshotSender:
         for seq, pieces in enumerate(plan.chunks):
             if not await self._room(node, transfer, seq):
                 return
-            header = {
-                "id": transfer.snapshot_id,
-                "seq": seq,
-                "count": plan.count,
-                "total": plan.total,
-                "chunk": plan.chunk_bytes,
-                "lsn": lsn,
-            }
+            header = SnapshotChunk(
+                transfer.snapshot_id, seq, plan.count, plan.total, plan.chunk_bytes, lsn
+            )
             payload = [memoryview(parts[i]).cast("B")[a:b] for i, a, b in pieces]
-            head = encode(Route(MsgType.SNAPSHOT_CHUNK), header)[1]
+            head = encode(Route(MsgType.SNAPSHOT_CHUNK), header.to_wire())[1]
             if not self._post(node, [route, head, *payload]):
                 self._give_up(node, transfer, "it cannot take its snapshot")
                 return
