@@ -260,3 +260,39 @@ async def test_a_replica_with_another_history_is_in_sync_only_from_the_new_snaps
             )
             after = (await strict.checksums())[0]
             assert after == before
+
+
+async def test_a_replica_paused_past_the_liveness_timeout_never_leaves_writes_waiting(
+    tmp_path: Path,
+) -> None:
+    # Replication 2 and a spare: the paused replica is declared dead and the spare takes
+    # its place.  Resumed, the old replica still acknowledges the stream it follows, then
+    # re-registers and its connection goes.  No write may wait for it after that.
+    with LocalCluster(
+        partitions=1, shards=3, replication=2, heartbeat_interval=HB, liveness=LIVENESS
+    ) as c:
+        c.wait_healthy(30)
+        async with zps.connect(c.address, timeout=10) as ps:
+            await ps.create_embedding("t", dim=DIM, optimizer=SGD(lr=1.0))
+        ((victim, node),) = replicas(c)
+        writer = Writer(np.arange(8, dtype=np.int64))
+        stop = asyncio.Event()
+        task = asyncio.create_task(writer.run(c.address, "all", stop))
+        try:
+            await asyncio.sleep(0.5)
+            c.kill(victim, signal.SIGSTOP)
+            await asyncio.to_thread(
+                c.wait_for, lambda s: node not in {x["node"] for x in s["shards"]}, 10, "dead"
+            )
+            c.kill(victim, signal.SIGCONT)
+            await asyncio.to_thread(c.wait_healthy, 30)  # the spare took its place
+            resumed_at = time.monotonic()
+            while time.monotonic() - resumed_at < 3.0 and not writer.errors:
+                before = writer.pushes
+                await asyncio.sleep(1.0)
+                assert writer.pushes > before, "writes stopped after the replica came back"
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+        assert writer.pushes > 0
+        assert await check_sums(c.address, [writer]) == []

@@ -598,3 +598,47 @@ def test_min_in_sync_never_refuses_for_a_shard_that_is_not_primary() -> None:
 def test_min_in_sync_must_be_positive() -> None:
     with pytest.raises(ValueError, match="min_in_sync"):
         ShardSession(ME, heartbeat_interval=HB, liveness=LIVENESS, min_in_sync=0, now=0)
+
+
+# ---- writes never wait for a replica that left both in-sync sets -----------------
+
+
+def test_a_replica_the_broker_gave_away_does_not_come_back_in_sync_by_acking() -> None:
+    s = primary("r1", "r2")
+    in_sync(s, "r1", lsn=1)
+    in_sync(s, "r2", lsn=1)
+    s.on_map(E, {"r1", "r2"}, {"r1", "r2"})
+    # r1 was paused past the liveness timeout: the broker declared it dead and put a
+    # spare in its place; the map no longer lists it.
+    s.on_map(E, {"r2"}, {"r2", "r3"})
+    assert "r1" not in s.local_in_sync
+    # Resumed, it acknowledges the stream it still follows: that counts for nothing.
+    result = ack(s, "r1", 5, E, 2.0)
+    assert not result.in_sync and "r1" not in s.local_in_sync
+    assert s.tracker.required == {"r2"}
+
+
+def test_writes_never_wait_for_a_follower_dropped_after_the_broker_removed_it() -> None:
+    s = primary("r1", "r2")
+    in_sync(s, "r2", lsn=0)
+    s.on_map(E, {"r2"}, {"r1", "r2"})  # published: r2
+    in_sync(s, "r1", lsn=0)  # r1 caught up since: required locally
+    assert s.tracker.required == {"r1", "r2"}
+    assert s.add_write(1, "w1") == []
+    assert ack(s, "r2", 1, E, 0.5).released == []  # still waits for r1
+    # r1's connection goes; the broker never listed it in sync, so no map will.
+    assert s.follower_gone("r1")
+    done = s.settle()
+    assert done.released == ["w1"] and done.refused == []
+    assert s.tracker.required == {"r2"}
+
+
+def test_dropping_a_follower_below_min_in_sync_refuses_what_waits() -> None:
+    s = primary("r1")
+    s.min_in_sync = 2
+    in_sync(s, "r1", lsn=0)  # required locally only: the broker has not published it
+    assert s.add_write(1, "w1") == []
+    assert s.follower_gone("r1")
+    done = s.settle()
+    assert done.released == [] and done.refused == ["w1"]
+    assert not s.enough_in_sync()

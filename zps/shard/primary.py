@@ -18,13 +18,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, assert_never
 
 import msgpack
 
 from zps import transport
 from zps.errors import ProtocolError
 from zps.protocol.codec import MsgType, Route, decode, encode
+from zps.protocol.messages import (
+    Bye,
+    FromReplica,
+    Replicate,
+    SnapshotAck,
+    StreamAck,
+    Subscribe,
+)
 from zps.shard.core import ShardCore
 from zps.shard.session import ShardSession
 from zps.shard.snapshots import SnapshotSender
@@ -39,6 +47,19 @@ Reply = tuple[bytes, list[Any]]  # (client identity, reply frames)
 REPLICATION_HWM = 64
 
 
+def _from_replica(mtype: MsgType, header: dict[str, Any]) -> FromReplica | None:
+    """The record of a message from a replica (None: not one a primary expects)."""
+    match mtype:
+        case MsgType.SUBSCRIBE:
+            return Subscribe.parse(header)
+        case MsgType.ACK:
+            return StreamAck.parse(header)
+        case MsgType.SNAPSHOT_ACK:
+            return SnapshotAck.parse(header)
+        case _:
+            return None
+
+
 class ReplicationStream:
     def __init__(
         self,
@@ -47,6 +68,7 @@ class ReplicationStream:
         channel: transport.Channel,
         *,
         release: Callable[[list[Reply]], None],
+        settle: Callable[[], None],
         report: Callable[[], None],
         queue_bytes: int,
         stall_timeout: float,
@@ -61,6 +83,7 @@ class ReplicationStream:
         )
         self.dropped = 0  # followers dropped for a full queue or silence
         self._release = release  # answer the clients of writes the replicas now hold
+        self._settle = settle  # re-decide what waiting writes wait for (a follower left)
         self._report = report  # tell the broker the in-sync set at once
         self.snapshots = SnapshotSender(session, core, post=self._post, drop=self.drop)
 
@@ -80,17 +103,33 @@ class ReplicationStream:
         try:
             node = transport.frame_bytes(frames[0]).decode()
             msg = decode([transport.frame_buffer(f) for f in frames[1:]])
-            match msg.route.mtype:
-                case MsgType.SUBSCRIBE:
-                    self._subscribe(node, msg.header, time.monotonic())
-                case MsgType.ACK:
-                    self._on_ack(node, msg.header, time.monotonic())
-                case MsgType.SNAPSHOT_ACK:
-                    self.snapshots.acked(node, msg.header)
-                case _:
+            try:
+                message = _from_replica(msg.route.mtype, msg.header)
+            except ProtocolError:
+                self._unreadable(node, msg.route.mtype, msg.header)
+                return
+            match message:
+                case Subscribe() as sub:
+                    self._subscribe(node, sub, time.monotonic())
+                case StreamAck() as ack:
+                    self._on_ack(node, ack, time.monotonic())
+                case SnapshotAck() as ack:
+                    self.snapshots.acked(node, ack)
+                case None:
                     raise ProtocolError(f"unexpected {msg.route.mtype.name}")
+                case unknown:
+                    assert_never(unknown)
         except (UnicodeDecodeError, ValueError, TypeError) as e:
             raise ProtocolError(str(e)) from e
+
+    def _unreadable(self, node: str, mtype: MsgType, h: dict[str, Any]) -> None:
+        """A SUBSCRIBE, ACK or SNAPSHOT_ACK whose header its record refuses: not
+        malformed traffic but a request this primary cannot serve.  A subscription is
+        refused (BYE, so a replica asks again); an acknowledgement is ignored, as one of
+        another stream would be."""
+        if mtype is MsgType.SUBSCRIBE:
+            partition, epoch = h.get("partition"), h.get("epoch")
+            self._bye(node, f"not the primary of partition {partition} at epoch {epoch}")
 
     def replicate(self, prev: int, frames: list[Any]) -> None:
         """Stream a request (header and payload frames as received) to every follower;
@@ -98,7 +137,7 @@ class ReplicationStream:
         if not self.session.followers:
             return
         route = Route(MsgType.REPLICATE, self.core.partition or 0, self.core.epoch, 0)
-        head = msgpack.packb({"prev": prev, "lsn": self.core.lsn})
+        head = msgpack.packb(Replicate(prev, self.core.lsn).to_wire())
         for node in list(self.session.followers):
             posted = self.out.post(
                 [node.encode(), route.pack(), head, *frames[1:]], self._limit(node)
@@ -128,31 +167,31 @@ class ReplicationStream:
             log.warning("stopped streaming to replica %s: %s", node, why)
             self._bye(node, f"stream stopped: {why}")
             self._report()
+        self._settle()
 
     def _bye(self, node: str, why: str) -> None:
         # So it subscribes again, if it still can.
-        self.out.post([node.encode(), *encode(Route(MsgType.BYE), {"msg": why})], 1 << 16)
+        self.out.post([node.encode(), *encode(Route(MsgType.BYE), Bye(why).to_wire())], 1 << 16)
 
-    def _subscribe(self, node: str, h: dict[str, Any], now: float) -> None:
-        if not self.session.accepts_subscription(node, h.get("partition"), h.get("epoch")):
-            partition, epoch = h.get("partition"), h.get("epoch")
-            self._bye(node, f"not the primary of partition {partition} at epoch {epoch}")
+    def _subscribe(self, node: str, sub: Subscribe, now: float) -> None:
+        if not self.session.accepts_subscription(node, sub.partition, sub.epoch):
+            self._bye(node, f"not the primary of partition {sub.partition} at epoch {sub.epoch}")
             return
-        if not self.snapshots.subscribe(node, h.get("abandoned")):
+        if not self.snapshots.subscribe(node, sub.abandoned):
             return  # its snapshot is on its way (zps.shard.snapshots)
         self.out.forget(node.encode())  # what was held for an earlier subscription
 
-    def _on_ack(self, node: str, h: dict[str, Any], now: float) -> None:
-        lsn = h.get("lsn")
-        if type(lsn) is not int:
-            return
+    def _on_ack(self, node: str, ack: StreamAck, now: float) -> None:
         if node not in self.session.followers:
             # A replica that was dropped, or that follows an earlier primary: it must
             # subscribe again (its state is not this stream's).
             if self.session.accepts_subscription(node, self.session.partition, self.session.epoch):
                 self._bye(node, "not subscribed: resynchronise")
             return
-        result = self.session.acked(node, lsn, h.get("epoch"), now, h.get("base"))
+        if node not in self.session.replicas:
+            self.drop(node, "no longer a replica of this partition")
+            return
+        result = self.session.acked(node, ack.lsn, ack.epoch, now, ack.base)
         if result.in_sync:
             log.info("replica %s is in sync at LSN %d", node, self.session.followers[node].acked)
             self._report()  # tell the broker now, not at the next beat

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 from urllib.parse import urlsplit
 
 import zmq.asyncio
@@ -50,13 +50,27 @@ from zps.ops.metrics import (
 from zps.ops.security import load_curve_keys
 from zps.ops.systemd import Notifier
 from zps.protocol.codec import MsgType, Route, decode, encode, unpack_route
-from zps.protocol.messages import Role
+from zps.protocol.messages import (
+    Assign,
+    BrokerToShard,
+    Bye,
+    Heartbeat,
+    LeaseEcho,
+    MapUpdate,
+    RegisterAgain,
+    Role,
+    ShardClaim,
+    ShardHeartbeat,
+    ShardRegister,
+    Status,
+    StatusReply,
+)
 from zps.shard import snapshots
 from zps.shard.checkpoint import CheckpointStore, cut, finish
 from zps.shard.core import MUTATIONS, Limits, ShardCore
 from zps.shard.primary import REPLICATION_HWM, ReplicationStream, Reply
 from zps.shard.replica import Upstream
-from zps.shard.session import ShardSession
+from zps.shard.session import MapResult, ShardSession
 from zps.store.snapshot import Snapshot
 from zps.transport import CurveKeys
 
@@ -70,6 +84,25 @@ def _mutates(header: dict[str, Any]) -> bool:
         isinstance(op, dict) and isinstance(op.get("op"), str) and op["op"] in MUTATIONS
         for op in ops
     )
+
+
+def _from_broker(mtype: MsgType, header: dict[str, Any]) -> BrokerToShard | None:
+    """The record of a control message from the broker (None: not one a shard expects).
+
+    A HEARTBEAT with a role is the echo that renews the lease; without, a probe."""
+    match mtype:
+        case MsgType.ASSIGN:
+            return Assign.parse(header)
+        case MsgType.MAP:
+            return MapUpdate.parse(header)
+        case MsgType.HEARTBEAT if "role" in header:
+            return LeaseEcho.parse(header)
+        case MsgType.HEARTBEAT:
+            return Heartbeat.parse(header)
+        case MsgType.REGISTER:
+            return RegisterAgain.parse(header)
+        case _:
+            return None
 
 
 def advertise_host(broker: str) -> str:
@@ -157,6 +190,7 @@ class ShardServer:
             self.core,
             repl,
             release=self._release,
+            settle=self._settle,
             report=self._report,
             queue_bytes=cfg.replication.follower_queue_bytes,
             stall_timeout=2 * hb.interval * hb.liveness,
@@ -218,7 +252,7 @@ class ShardServer:
     async def _leave(self) -> None:
         """Graceful stop: hand over, refuse further work, write a last checkpoint."""
         whole = self.session.begin_leave()  # from now on, assignments are ignored
-        await self._to_broker(MsgType.BYE, {})  # the broker promotes a replica now
+        await self._to_broker(MsgType.BYE, Bye().to_wire())  # the broker promotes a replica now
         self._refuse(self.session.left())
         self._close_upstream()
         self.core.primary = False
@@ -348,27 +382,33 @@ class ShardServer:
             log.debug("dropped a %s to the broker: its queue is full", mtype.name)
 
     async def _register(self) -> None:
-        await self._to_broker(
-            MsgType.REGISTER,
-            {
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "address": self.address,
-                "claim": self.session.claim(self.core.lsn),
-                "lsn": self.core.lsn,
-                "public_key": self._keys.public.decode() if self._keys else None,
-            },
+        claim = self.session.claim(self.core.lsn)
+        register = ShardRegister(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            address=self.address,
+            claim=None if claim is None else ShardClaim.parse(claim),
+            lsn=self.core.lsn,
+            public_key=self._keys.public.decode() if self._keys else None,
         )
+        await self._to_broker(MsgType.REGISTER, register.to_wire())
 
     async def _heartbeat(self) -> None:
         self._report()
 
     def _report(self) -> None:
         """A heartbeat now (a primary's carries its in-sync set); never waits."""
-        header = self.session.heartbeat_fields(time.monotonic())
-        header.update(lsn=self.core.lsn, stats=self.core.report())
+        fields = self.session.heartbeat_fields(time.monotonic())
+        in_sync = fields.get("in_sync")
+        beat = ShardHeartbeat(
+            t=fields["t"],
+            lsn=self.core.lsn,
+            epoch=fields["epoch"],
+            stats=self.core.report(),
+            in_sync=None if in_sync is None else tuple(in_sync),
+        )
         assert self._sock is not None
-        transport.try_send(self._sock, [b"", *encode(Route(MsgType.HEARTBEAT), header)])
+        transport.try_send(self._sock, [b"", *encode(Route(MsgType.HEARTBEAT), beat.to_wire())])
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -400,29 +440,24 @@ class ShardServer:
             log.info("the broker answers again")
 
     async def _on_broker(self, route: Route, header: dict[str, Any]) -> None:
-        match route.mtype:
-            case MsgType.ASSIGN if not self.session.leaving:
-                await self._assign(header)
-            case MsgType.MAP:
-                self._on_map(ClusterMap.from_wire(header.get("map")))
-            case MsgType.HEARTBEAT:
-                self.session.echoed(
-                    header.get("t"),
-                    header.get("role"),
-                    header.get("partition"),
-                    header.get("epoch"),
-                )
-            case MsgType.REGISTER if not self.session.leaving:  # the broker restarted
+        match _from_broker(route.mtype, header):
+            case Assign() as assign if not self.session.leaving:
+                await self._assign(assign)
+            case MapUpdate(m):
+                self._on_map(ClusterMap.from_wire(m))
+            case LeaseEcho(t, role, partition, epoch):
+                self.session.echoed(t, role.value, partition, epoch)
+            case Heartbeat():
+                pass  # a probe: hearing from the broker is all it says
+            case RegisterAgain() if not self.session.leaving:  # the broker restarted
                 await self._register()
-            case _:
+            case Assign() | RegisterAgain() | None:
                 log.warning("unexpected %s from the broker", route.mtype.name)
+            case unknown:
+                assert_never(unknown)
 
-    async def _assign(self, h: dict[str, Any]) -> None:
-        role = Role(h["role"])
-        partition, epoch = h.get("partition"), int(h.get("epoch", 0))
-        if partition is not None and type(partition) is not int:
-            raise ProtocolError("ASSIGN partition must be an integer")
-        address = str(h.get("primary_address") or "")
+    async def _assign(self, a: Assign) -> None:
+        role, partition, epoch, address = a.role, a.partition, a.epoch, a.primary_address
         change = self.session.assign(role, partition, epoch, address)
         if not change.changed:
             return  # nothing changed (the broker repeats itself after a restart)
@@ -448,23 +483,25 @@ class ShardServer:
             case Role.REPLICA:
                 self.core.assign(partition, epoch, primary=False)
                 if change.follow:
-                    key = h.get("primary_key")
+                    key = a.primary_key
                     self._follow(change.follow, epoch, key.encode() if key else None)
             case Role.SPARE:
                 self.core.assign(None, 0)
         self.assigned.set()
 
-    def _refuse(self, waiting: list[Reply], status: str = "NOT_PRIMARY", why: str = "") -> None:
+    def _refuse(
+        self, waiting: list[Reply], status: Status = Status.NOT_PRIMARY, why: str = ""
+    ) -> None:
         """Writes still waiting for replicas get ``status``: NOT_PRIMARY when the
         primary stepped down, NOT_ENOUGH_REPLICAS when too few copies are in sync."""
         for client, frames in waiting:
             route = unpack_route(frames[0])
             refusal = encode(
                 Route(MsgType.REPLY, route.partition, route.epoch, route.req_id),
-                {"st": status, "msg": why or "the primary stepped down"},
+                StatusReply(status, why or "the primary stepped down").to_wire(),
             )
             self._post([client, *refusal])
-        if waiting and status != "NOT_PRIMARY":
+        if waiting and status is not Status.NOT_PRIMARY:
             log.warning("refused %d waiting writes: %s", len(waiting), why)
         elif waiting:
             log.warning(
@@ -475,9 +512,17 @@ class ShardServer:
         p = self.session.partition
         info = cmap.partitions.get(p) if p is not None else None
         if info is not None:
-            done = self.session.on_map(info.epoch, set(info.in_sync), set(info.replicas))
-            self._release(done.released)
-            self._refuse(done.refused, "NOT_ENOUGH_REPLICAS", self._short_of_copies())
+            self._apply_waiting(
+                self.session.on_map(info.epoch, set(info.in_sync), set(info.replicas))
+            )
+
+    def _settle(self) -> None:
+        self._apply_waiting(self.session.settle())
+
+    def _apply_waiting(self, done: MapResult[Reply]) -> None:
+        """Answer the writes now held by every copy required; refuse those held by too few."""
+        self._release(done.released)
+        self._refuse(done.refused, Status.NOT_ENOUGH_REPLICAS, self._short_of_copies())
 
     # -- requests ------------------------------------------------------------
 
@@ -510,27 +555,25 @@ class ShardServer:
             msg = decode(bufs)
         except ProtocolError as e:
             self.core.stats.malformed += 1
-            refusal = {"st": "BAD_REQUEST", "msg": str(e)}
+            refusal = StatusReply(Status.BAD_REQUEST, str(e))
         else:
             if route.mtype is not MsgType.REQUEST:
                 self.core.stats.malformed += 1
-                refusal = {
-                    "st": "BAD_REQUEST",
-                    "msg": f"a shard serves REQUEST, not {route.mtype.name}",
-                }
+                refusal = StatusReply(
+                    Status.BAD_REQUEST, f"a shard serves REQUEST, not {route.mtype.name}"
+                )
             elif not self.session.may_write(time.monotonic()):
-                refusal = {
-                    "st": "NOT_PRIMARY",
-                    "msg": "the primary's lease from the broker has run out",
-                }
+                refusal = StatusReply(
+                    Status.NOT_PRIMARY, "the primary's lease from the broker has run out"
+                )
             elif (
                 msg.header.get("acks") != 1
                 and not self.session.enough_in_sync()
                 and _mutates(msg.header)
             ):
-                refusal = {"st": "NOT_ENOUGH_REPLICAS", "msg": self._short_of_copies()}
+                refusal = StatusReply(Status.NOT_ENOUGH_REPLICAS, self._short_of_copies())
         if refusal is not None:
-            await transport.send(self._sock, [source, *encode(reply_route, refusal)])
+            await transport.send(self._sock, [source, *encode(reply_route, refusal.to_wire())])
             return
         prev = self.core.lsn
         t0 = time.perf_counter()

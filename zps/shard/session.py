@@ -307,17 +307,29 @@ class ShardSession(Generic[T]):
     def on_map(self, epoch: int, in_sync: set[str], replicas: set[str]) -> MapResult[T]:
         """The broker's map for this partition; returns what it does to waiting writes."""
         self.in_sync_published = self.node_id in in_sync
-        self.replicas = set(replicas)
         if self.partition is not None:
             self.copies = max(self.copies, 1 + len(replicas))
-        if self.role is not Role.PRIMARY or epoch != self.epoch:
+        if epoch != self.epoch:
+            return MapResult()  # a map of another epoch says nothing of this one's replicas
+        self.replicas = set(replicas)
+        if self.role is not Role.PRIMARY:
             return MapResult()
         # The broker dropped these (dead, or reported lagging): stop waiting.  A
         # replica missing from one map (a restarted broker rebuilding it) keeps its
         # stream; followers are checked when they subscribe.
         self.local_in_sync -= self.published_in_sync - in_sync
         self.published_in_sync = set(in_sync)
-        required = in_sync | self.local_in_sync
+        return self.settle()
+
+    def settle(self) -> MapResult[T]:
+        """Waiting writes wait for exactly the published and the local in-sync replicas.
+
+        Called on every change of either set: a replica that left both (dropped here after
+        the broker had already removed it) must not hold writes back for ever.
+        """
+        if self.role is not Role.PRIMARY:
+            return MapResult()
+        required = self.published_in_sync | self.local_in_sync
         # Too few copies left: what waits was applied here but is held by too few;
         # refuse it before a smaller required set could release it.
         refused = [] if 1 + len(required) >= self.needed_copies else self.tracker.take_all()
@@ -359,7 +371,12 @@ class ShardSession(Generic[T]):
     def acked(self, node: str, lsn: int, epoch: object, now: float, base: object) -> AckResult[T]:
         """``node`` applied everything up to ``lsn`` on top of the snapshot at ``base``."""
         follower = self.followers.get(node)
-        if follower is None or epoch != self.epoch or base != follower.snapshot_lsn:
+        if (
+            follower is None
+            or node not in self.replicas  # the broker gave its place away
+            or epoch != self.epoch
+            or base != follower.snapshot_lsn
+        ):
             return AckResult([])
         follower.acked = max(follower.acked, lsn)
         follower.last_heard = now
