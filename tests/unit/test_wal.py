@@ -1,0 +1,315 @@
+"""The write-ahead log's files: framing, torn tails, segments, replay and truncation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from zps.shard.durability import Durability
+from zps.store.wal import Record, Wal, encode_record, parse_records, segment_name
+
+
+def rec(lsn: int, epoch: int = 1, *, prev: int | None = None, size: int = 8) -> Record:
+    """A record from ``prev`` (default lsn - 1) to ``lsn`` with recognisable frames."""
+    body = bytes([lsn % 251]) * size
+    return Record(epoch, lsn - 1 if prev is None else prev, lsn, [b"head-%d" % lsn, body])
+
+
+class Applier:
+    """Stands for the shard: records what was replayed; its LSN is the last record's."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.seen: list[Record] = []
+        self.fail_at = fail_at
+
+    def __call__(self, r: Record) -> int:
+        if r.lsn == self.fail_at:
+            raise ValueError("does not apply")
+        self.seen.append(Record(r.epoch, r.prev, r.lsn, [bytes(f) for f in r.frames]))
+        return r.lsn
+
+
+def write(
+    folder: Path, records: list[Record], *, base: int = 0, segment_bytes: int = 1 << 20
+) -> Wal:
+    wal = Wal(folder, segment_bytes=segment_bytes)
+    wal.reset(base)
+    wal.append(records)
+    wal.sync()
+    return wal
+
+
+def test_records_round_trip_with_their_frames(tmp_path: Path) -> None:
+    records = [rec(i, size=i * 100) for i in range(1, 20)]
+    write(tmp_path, records).close()
+    back = list(Wal(tmp_path).records())
+    assert [(r.epoch, r.prev, r.lsn) for r in back] == [(1, i - 1, i) for i in range(1, 20)]
+    assert [[bytes(f) for f in r.frames] for r in back] == [list(r.frames) for r in records]
+
+
+def test_a_record_must_advance_and_follow_the_log(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="advance"):
+        encode_record(Record(1, 5, 5, [b"x"]))
+    wal = write(tmp_path, [rec(1), rec(2)])
+    with pytest.raises(Exception, match="does not follow LSN 2"):
+        wal.append([rec(4, prev=3)])
+
+
+def test_a_torn_tail_is_cut_and_only_the_torn_record_is_lost(tmp_path: Path) -> None:
+    write(tmp_path, [rec(i) for i in range(1, 11)]).close()
+    (seg,) = tmp_path.glob("wal-*.log")
+    size = seg.stat().st_size
+    with open(seg, "r+b") as f:
+        f.truncate(size - 3)  # a crash in the middle of the last record
+    wal = Wal(tmp_path)
+    applied = Applier()
+    result = wal.recover(0, 0, applied)
+    assert [r.lsn for r in applied.seen] == list(range(1, 10))
+    assert result.lsn == 9 and result.applied == 9 and result.cut is not None
+    assert "runs past the end" in result.cut
+    # The tail is gone and the log goes on after LSN 9.
+    wal.append([rec(10, size=20), rec(11)])
+    wal.close()
+    again = Applier()
+    assert Wal(tmp_path).recover(0, 0, again).cut is None
+    assert [r.lsn for r in again.seen] == list(range(1, 12))
+    assert again.seen[9].frames[1] == bytes([10]) * 20  # the new record 10, not the torn one
+
+
+@pytest.mark.parametrize("keep", [0, 1, 5, 7])
+def test_a_torn_header_is_cut(tmp_path: Path, keep: int) -> None:
+    write(tmp_path, [rec(1), rec(2)]).close()
+    (seg,) = tmp_path.glob("wal-*.log")
+    with open(seg, "ab") as f:
+        f.write(encode_record(rec(3))[0][:keep])  # part of the next length + CRC
+    applied = Applier()
+    result = Wal(tmp_path).recover(0, 0, applied)
+    assert result.lsn == 2
+    assert (result.cut is None) == (keep == 0)
+
+
+def test_a_corrupt_record_ends_the_replay_and_later_segments_are_set_aside(
+    tmp_path: Path,
+) -> None:
+    wal = write(tmp_path, [rec(i, size=100) for i in range(1, 31)], segment_bytes=1000)
+    wal.close()
+    segs = sorted(tmp_path.glob("wal-*.log"))
+    assert len(segs) >= 3
+    # Flip one byte in the middle of the second segment.
+    data = bytearray(segs[1].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    segs[1].write_bytes(bytes(data))
+    applied = Applier()
+    result = Wal(tmp_path).recover(0, 0, applied)
+    assert result.cut is not None and "CRC" in result.cut
+    lsns = [r.lsn for r in applied.seen]
+    assert lsns == list(range(1, lsns[-1] + 1)) and 1 < lsns[-1] < 30
+    assert sorted(p.name for p in tmp_path.glob("*.broken")) == [
+        p.name + ".broken" for p in segs[2:]
+    ]
+
+
+def test_replay_skips_what_the_checkpoint_holds(tmp_path: Path) -> None:
+    write(tmp_path, [rec(i) for i in range(1, 11)]).close()
+    applied = Applier()
+    result = Wal(tmp_path).recover(6, 1, applied)
+    assert [r.lsn for r in applied.seen] == [7, 8, 9, 10]
+    assert (result.lsn, result.applied, result.cut) == (10, 4, None)
+
+
+def test_replay_stops_at_a_gap_and_at_an_older_epoch(tmp_path: Path) -> None:
+    # The log starts after the state: a gap; the log is set aside, a new one begins.
+    write(tmp_path / "gap", [rec(i) for i in range(11, 15)], base=10).close()
+    applied = Applier()
+    wal = Wal(tmp_path / "gap")
+    result = wal.recover(5, 1, applied)
+    assert applied.seen == [] and result.lsn == 5 and result.cut and "gap" in result.cut
+    assert [p.name for p in (tmp_path / "gap").glob("wal-*.log")] == [segment_name(5)]
+    wal.append([rec(6)])  # appends go on after the state
+    # A record of an older epoch than the state's is another history.
+    write(tmp_path / "old", [rec(1, epoch=1), rec(2, epoch=2), rec(3, epoch=1)]).close()
+    applied = Applier()
+    result = Wal(tmp_path / "old").recover(0, 0, applied)
+    assert [r.lsn for r in applied.seen] == [1, 2]
+    assert result.epoch == 2 and result.cut and "epoch 1 after epoch 2" in result.cut
+
+
+def test_a_record_that_does_not_apply_ends_the_replay(tmp_path: Path) -> None:
+    write(tmp_path, [rec(i) for i in range(1, 6)]).close()
+    applied = Applier(fail_at=4)
+    result = Wal(tmp_path).recover(0, 0, applied)
+    assert result.lsn == 3 and result.cut and "does not apply" in result.cut
+    assert list(r.lsn for r in Wal(tmp_path).records()) == [1, 2, 3]
+
+
+def test_segments_roll_by_size_and_a_checkpoint_frees_what_it_covers(tmp_path: Path) -> None:
+    wal = write(tmp_path, [rec(i, size=200) for i in range(1, 41)], segment_bytes=1000)
+    starts = [s for s, _ in wal.segments()]
+    assert len(starts) > 3 and starts[0] == 0
+    # A checkpoint at 20: every segment whose records all are <= 20 goes.
+    gone = wal.truncate(20)
+    left = [s for s, _ in wal.segments()]
+    assert gone and left[0] <= 20 and all(s in starts for s in left)
+    assert all(s > 20 for s in left[1:])
+    applied = Applier()
+    wal.close()
+    assert Wal(tmp_path).recover(20, 1, applied).cut is None
+    assert [r.lsn for r in applied.seen] == list(range(21, 41))
+
+
+def test_a_roll_at_the_checkpoint_lets_the_whole_log_go(tmp_path: Path) -> None:
+    wal = write(tmp_path, [rec(i) for i in range(1, 6)])
+    wal.roll()  # the checkpoint is cut at LSN 5
+    wal.append([rec(6), rec(7)])
+    wal.sync()
+    wal.truncate(5)
+    assert [s for s, _ in wal.segments()] == [5]
+    wal.roll()
+    wal.truncate(7)
+    assert [s for s, _ in wal.segments()] == [7]
+    wal.close()
+    # An empty newest segment continues the replay (nothing set aside).
+    applied = Applier()
+    result = Wal(tmp_path).recover(7, 1, applied)
+    assert (result.lsn, result.cut, applied.seen) == (7, None, [])
+    assert not list(tmp_path.glob("*.broken"))
+
+
+def test_an_empty_segment_after_a_roll_is_kept(tmp_path: Path) -> None:
+    wal = write(tmp_path, [rec(1), rec(2)])
+    wal.roll()
+    wal.close()
+    applied = Applier()
+    wal2 = Wal(tmp_path)
+    assert wal2.recover(0, 0, applied).cut is None
+    assert [s for s, _ in wal2.segments()] == [0, 2]
+    wal2.append([rec(3)])
+    wal2.close()
+    assert [r.lsn for r in Wal(tmp_path).records()] == [1, 2, 3]
+
+
+def test_reset_starts_an_empty_log_at_a_base(tmp_path: Path) -> None:
+    wal = write(tmp_path, [rec(i) for i in range(1, 4)])
+    wal.reset(100)
+    assert [s for s, _ in wal.segments()] == [100] and wal.lsn == 100
+    wal.append([rec(101, epoch=3)])
+    wal.close()
+    applied = Applier()
+    assert Wal(tmp_path).recover(100, 3, applied).lsn == 101
+
+
+def test_garbage_never_raises_and_never_yields_a_bad_record() -> None:
+    good = b"".join(bytes(p) for r in [rec(1), rec(2, size=50)] for p in encode_record(r))
+    rng = random.Random(7)
+    for _ in range(2000):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            op = rng.randint(0, 2)
+            if op == 0 and data:
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            elif op == 1:
+                del data[rng.randrange(len(data) + 1) :]
+            else:
+                data[rng.randrange(len(data) + 1) : 0] = os.urandom(rng.randint(1, 16))
+        parsed = parse_records(bytes(data))
+        for r, _ in parsed.records:
+            assert r.prev < r.lsn
+            assert r.lsn in (1, 2) and [bytes(f) for f in r.frames] == list(
+                rec(r.lsn, size=len(r.frames[1])).frames
+            )
+
+
+# -- the group-commit driver ----------------------------------------------------------
+
+
+class SlowDisk:
+    """Stands in for fdatasync: each call blocks (in the log's thread) until released."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def __call__(self, fd: int) -> None:
+        self.calls += 1
+        self.entered.set()
+        assert self.gate.wait(10)
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.001)
+
+
+@pytest.mark.asyncio
+async def test_fsync_mode_acknowledges_after_the_disk_and_groups_what_waited(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = SlowDisk()
+    monkeypatch.setattr("zps.store.wal.os.fdatasync", disk)
+    d = Durability("fsync")
+    d.start(tmp_path, 0, 0)
+    writer = asyncio.create_task(d.run())
+    released: list[int] = []
+    d.log(1, 0, 1, [b"h1"])
+    d.after(1, lambda: released.append(1))
+    await asyncio.to_thread(disk.entered.wait, 5)  # the first batch is in fsync
+    # The event loop keeps turning while the disk is slow; nothing is acknowledged.
+    ticks = 0
+    for lsn in range(2, 12):
+        d.log(1, lsn - 1, lsn, [b"h%d" % lsn])
+        d.after(lsn, lambda lsn=lsn: released.append(lsn))
+        await asyncio.sleep(0.01)
+        ticks += 1
+    assert ticks == 10 and released == [] and d.acked_lsn(11) == 0
+    calls = disk.calls
+    disk.gate.set()
+    await _until(lambda: released == list(range(1, 12)))
+    # Ten records that arrived during one fsync shared the next one.
+    assert disk.calls == calls + 1 and d.acked_lsn(11) == 11
+    writer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await writer
+    assert [r.lsn for r in Wal(tmp_path).records()] == list(range(1, 12))
+
+
+@pytest.mark.asyncio
+async def test_interval_mode_acknowledges_once_written_and_syncs_within_the_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[float] = []
+    monkeypatch.setattr("zps.store.wal.os.fdatasync", lambda fd: synced.append(time.monotonic()))
+    d = Durability("interval", interval=0.2)
+    d.start(tmp_path, 0, 0)
+    writer = asyncio.create_task(d.run())
+    await _until(lambda: d.stats.syncs == 0 and not d._queue)
+    released: list[int] = []
+    t0 = time.monotonic()
+    d.log(1, 0, 1, [b"h"])
+    d.after(1, lambda: released.append(1))
+    await _until(lambda: released == [1])  # in the operating system: acknowledged
+    assert Wal(tmp_path).segments() and [r.lsn for r in Wal(tmp_path).records()] == [1]
+    await _until(lambda: bool(synced), timeout=2)
+    assert synced[-1] - t0 < 0.2 + 0.15  # on disk within the interval (and a turn)
+    writer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await writer
+
+
+def test_none_mode_logs_nothing_and_waits_for_nothing(tmp_path: Path) -> None:
+    d = Durability("none")
+    d.start(tmp_path, 0, 0)
+    released: list[int] = []
+    d.log(1, 0, 1, [b"h"])
+    d.after(1, lambda: released.append(1))
+    assert released == [1] and d.acked_lsn(5) == 5
+    assert not list(tmp_path.glob("wal-*.log"))
