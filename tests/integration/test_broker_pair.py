@@ -1,0 +1,188 @@
+"""A primary/backup broker pair (hot standby) with real processes, killed and paused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import zps
+from zps.errors import ZpsTimeoutError
+from zps.testing import ExactSumLoad, PairCluster, Proc
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def pair() -> Iterator[PairCluster]:
+    with PairCluster(partitions=2, shards=4, replication=2) as c:
+        yield c
+
+
+def whole(c: PairCluster, status: dict[str, Any]) -> bool:
+    """The active broker sees its peer passive and holding its state."""
+    p = status.get("pair") or {}
+    peer = p.get("peer") or {}
+    return (
+        p.get("state") == "active"
+        and peer.get("alive") is True
+        and peer.get("state") == "passive"
+        and peer.get("has_record") is not None
+        and c.healthy(status)
+    )
+
+
+def wait_whole(c: PairCluster) -> dict[str, Any]:
+    return c.wait_for(lambda s: whole(c, s), 30, "the pair to be whole")
+
+
+async def acked_after(load: ExactSumLoad, t0: float, timeout: float = 30.0) -> None:
+    """Until every writer had a push acknowledged after ``t0``."""
+    deadline = time.monotonic() + timeout
+    while not all(any(ack > t0 for _, ack in w.acks) for row in load.writers for w in row):
+        errors = [e for row in load.writers for w in row for e in w.errors]
+        assert not errors, errors
+        assert time.monotonic() < deadline, "writers still stalled after the fault"
+        await asyncio.sleep(0.01)
+
+
+def test_status_shows_both_brokers_and_the_active_one(pair: PairCluster) -> None:
+    status = wait_whole(pair)
+    p = status["pair"]
+    assert p["role"] == "primary" and p["state"] == "active" and p["term"] == 1
+    assert p["peer"]["endpoint"].endswith(str(pair.ports[3]))
+    out = subprocess.run(
+        [sys.executable, "-m", "zps", "status", "--broker", pair.address],
+        env=pair.env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "this broker (primary) is ACTIVE at term 1" in out.stdout
+    assert "is passive (up)" in out.stdout
+
+
+def test_sigkill_of_the_active_broker_under_load_loses_nothing(pair: PairCluster) -> None:
+    async def scenario() -> ExactSumLoad:
+        load = ExactSumLoad(pair.address, clients=2, timeout=30.0)
+        await load.setup()
+        stop = asyncio.Event()
+        task = asyncio.create_task(load.run(stop))
+        try:
+            for _ in range(3):
+                await asyncio.to_thread(wait_whole, pair)
+                active: Proc = await asyncio.to_thread(pair.active_broker)
+                await asyncio.sleep(0.2)
+                active.popen.send_signal(signal.SIGKILL)
+                await asyncio.to_thread(active.popen.wait, 10)
+                await acked_after(load, time.monotonic())  # the other broker serves
+                pair.restart_broker(active)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 60)
+        return load
+
+    load = asyncio.run(asyncio.wait_for(scenario(), 150))
+    assert load.total_pushes > 0
+    assert asyncio.run(load.verify()) == []
+    status = wait_whole(pair)
+    assert status["pair"]["term"] >= 4  # three takeovers, each at a new term
+
+
+def test_a_paused_broker_is_fenced_when_it_resumes(pair: PairCluster) -> None:
+    status = wait_whole(pair)
+    old = pair.proc_by_pid(status["broker"]["pid"])
+    old_endpoint = pair.endpoint(0 if "primary" in old.name else 1)
+
+    async def scenario() -> ExactSumLoad:
+        load = ExactSumLoad(pair.address, clients=2, timeout=30.0)
+        await load.setup()
+        stop = asyncio.Event()
+        task = asyncio.create_task(load.run(stop))
+        try:
+            await asyncio.sleep(0.2)
+            old.popen.send_signal(signal.SIGSTOP)
+            await asyncio.to_thread(
+                pair.wait_for, lambda s: s["broker"]["pid"] != old.pid, 30, "the other broker"
+            )
+            await acked_after(load, time.monotonic())  # it serves the writers
+            old.popen.send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.5)  # the resumed broker reads what queued up meanwhile
+            await acked_after(load, time.monotonic())
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 60)
+        return load
+
+    load = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert asyncio.run(load.verify()) == []
+    status = wait_whole(pair)
+    assert status["broker"]["pid"] != old.pid
+    assert "active -> passive" in old.log()
+    # The resumed broker routes nothing: asked alone, it only answers PASSIVE.
+    with pytest.raises(ZpsTimeoutError):
+        zps.connect_sync(old_endpoint, connect_timeout=1.5, timeout=1.5)
+
+
+def test_a_sync_job_commits_every_step_once_across_a_failover(pair: PairCluster) -> None:
+    wait_whole(pair)
+
+    def worker(name: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "zps.worker_entry",
+                "--broker",
+                pair.address,
+                "--mode",
+                "sync",
+                "--name",
+                name,
+                "--log-level",
+                "warning",
+                "training_jobs:sync_steps",
+                "80",
+                "0.01",
+            ],
+            cwd=HERE,
+            env=pair.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    ws = [worker(f"s{i}") for i in range(2)]
+    try:
+        status = pair.wait_for(
+            lambda s: s["training"]["committed_step"] >= 10, 60, "a few sync steps"
+        )
+        pair.kill(status["broker"]["pid"])
+        results = []
+        for w in ws:
+            out, err = w.communicate(timeout=120)
+            assert w.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for w in ws:
+            if w.poll() is None:
+                w.kill()
+                w.wait(10)
+    for r in results:
+        steps = r["steps"]
+        assert steps == list(range(steps[0], steps[0] + len(steps))), steps  # no skip, no repeat
+    with zps.connect_sync(pair.address) as ps:
+        committed = ps.status()["training"]["committed_step"]
+        assert committed + 1 == max(r["steps"][-1] for r in results)
+        # one commit per step, each applying the average gradient (1.0) once
+        np.testing.assert_array_equal(ps.pull_dense("w"), np.full(4, -(committed + 1.0)))

@@ -1,0 +1,391 @@
+"""The broker pair driver: a hot standby for the broker (Binary Star).
+
+Two brokers run as a primary/backup pair (``broker.pair_role``); the rules are
+:class:`~zps.core.bstar.BinaryStar`'s, this module does the I/O around them:
+
+* a peer link: each broker binds a ROUTER at ``peer_bind`` and connects a
+  DEALER to the other's (``peer``).  Every ``peer_timeout / 5`` seconds each
+  sends a beat ``[PEER_MAGIC, {state, term, role, inc, seq}, record?]``, and
+  each beat is answered at once over the same connection; a beat older than
+  one already heard (``inc``, ``seq``) is ignored.  The active broker adds its
+  state record (:class:`~zps.core.brokerstate.BrokerState` bytes) whenever it
+  changed, until the standby reports holding it, and every second anyway: the
+  standby holds a copy at most one beat old.
+* admission: the passive broker drops shard messages (it only notes who the
+  shards are) and answers every client message ``PASSIVE`` unless the Binary
+  Star rule lets it take over: it lost its peer *and* a client is asking.
+* takeover: the new active broker loads the last record it received
+  (partitions, epochs, LSN floors, map version), asks every shard it has heard
+  from to register again at once, and ends its start-up hold as soon as each
+  partition that held data has its primary back (the claims come within a
+  round trip), rather than after the whole grace period.
+* fencing: every control message the broker sends carries its term (see
+  :meth:`zps.broker.broker.Broker._control`); shards and clients obey the
+  broker with the highest term they have seen and report that term back, so
+  a broker that was paused and replaced learns it and goes passive.  Going
+  passive drops everything it knew: it only routes again after a takeover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from zps import transport
+from zps.broker.acceptance import SHARD_PREFIX
+from zps.core.brokerstate import BrokerState, BrokerStateError
+from zps.core.bstar import BinaryStar, PairError, PairRole, State, Transition
+from zps.core.coord import Clocks, Job
+from zps.errors import ProtocolError
+from zps.ops.security import load_curve_keys
+from zps.protocol.codec import MsgType, Route, encode, unpack_route
+from zps.protocol.messages import Status, StatusReply
+
+if TYPE_CHECKING:
+    from zps.broker.broker import Broker
+
+log = logging.getLogger("zps.broker.pair")
+
+#: The first frame of every message on the peer link.
+PEER_MAGIC = b"zps-peer/1"
+#: The active broker re-sends its whole record at least this often (seconds).
+RESEND_S = 1.0
+#: Client messages and the answer a passive broker gives in their place.
+_ANSWER = {
+    MsgType.REQUEST: MsgType.REPLY,
+    MsgType.CLOCK: MsgType.CLOCK,
+    MsgType.TASK: MsgType.TASK,
+    MsgType.STATUS: MsgType.STATUS,
+}
+
+
+class Pair:
+    """One broker's side of the pair (see the module notes)."""
+
+    def __init__(self, broker: Broker) -> None:
+        cfg = broker.config
+        assert cfg.pair_role is not None and cfg.peer is not None and cfg.peer_bind is not None
+        self.broker = broker
+        self.role = PairRole(cfg.pair_role)
+        self.peer = cfg.peer
+        self.peer_bind = cfg.peer_bind
+        self.timeout = cfg.peer_timeout
+        self.interval = cfg.peer_timeout / 5
+        self.star = BinaryStar(self.role, timeout=self.timeout, now=time.monotonic())
+        self.peer_endpoint: str | None = None  # what the peer socket bound
+        self.bound = asyncio.Event()
+        #: The last record received from the active peer.
+        self.record: BrokerState | None = None
+        self._sent: BrokerState | None = None
+        self._sent_at = 0.0
+        self._shards: set[bytes] = set()  # shard identities heard while passive
+        self._takeover_record: BrokerState | None = None
+        self._peer_info: dict[str, Any] = {}
+        # Beats carry this process's incarnation and a sequence number shared by both
+        # directions of the link: a beat older than one already heard (queued while the
+        # peer was down, or overtaken on the other connection) is ignored.
+        self._incarnation = uuid.uuid4().hex[:12]
+        self._seq = itertools.count(1)
+        self._heard: tuple[str, int] = ("", 0)
+        self.refused = 0
+        self.takeovers: list[float] = []
+
+    # -- queries -------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self.star.active
+
+    @property
+    def term(self) -> int:
+        return self.star.term
+
+    def status(self, now: float) -> dict[str, Any]:
+        """For the status report: both brokers and which one is active."""
+        peer_state = self.star.peer_state
+        return {
+            "role": self.role.value,
+            "state": self.star.state.value,
+            "term": self.term,
+            "failovers": self.star.failovers,
+            "peer": {
+                "endpoint": self.peer,
+                "state": peer_state.value if peer_state is not None else "unknown",
+                "term": self.star.peer_term,
+                "alive": self.star.peer_alive(now) and peer_state is not None,
+                **self._peer_info,
+            },
+            "record_version": self.record.version if self.record else None,
+            "refused": self.refused,
+        }
+
+    # -- admission (called first for every message the broker receives) ------
+
+    async def admit(self, ident: bytes, frames: transport.Frames, now: float) -> bool:
+        """Whether the broker handles this message; a passive broker answers clients."""
+        if ident.startswith(SHARD_PREFIX):
+            await self._shard_term(frames, now)
+            if not self.star.active:
+                self._shards.add(ident)
+            return self.star.active
+        try:
+            route = unpack_route(transport.frame_buffer(frames[1]))
+        except (ProtocolError, ValueError, IndexError):
+            return self.star.active  # malformed: the broker counts it
+        if route.mtype is MsgType.BYE:
+            return self.star.active
+        serve, change = self.star.on_client(now)
+        if change is not None:
+            await self._changed(change, now)
+        if serve:
+            return True
+        self.refused += 1
+        answer = _ANSWER.get(route.mtype, MsgType.HEARTBEAT)
+        header = {
+            **StatusReply(
+                Status.PASSIVE,
+                f"this broker is the {self.role.value}'s standby "
+                f"({self.star.state.value}); its peer {self.peer} is active",
+            ).to_wire(),
+            "passive": True,
+            "term": self.term,
+        }
+        reply = encode(Route(answer, route.partition, route.epoch, route.req_id), header)
+        await self.broker._send([ident, *reply])
+        return False
+
+    async def _shard_term(self, frames: transport.Frames, now: float) -> None:
+        """A shard's control message carries the highest term it has seen (rule 3)."""
+        if len(frames) < 4 or transport.frame_bytes(frames[1]):
+            return  # a reply to a client: no term
+        try:
+            header = msgpack.unpackb(transport.frame_buffer(frames[3]), raw=False)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+            return
+        term = header.get("term") if isinstance(header, dict) else None
+        if isinstance(term, int) and not isinstance(term, bool):
+            change = self.star.on_term(term)
+            if change is not None:
+                await self._changed(change, now)
+
+    # -- the peer link -------------------------------------------------------
+
+    async def run(self, ctx: Any) -> None:
+        """Serve the peer link until cancelled.  With CURVE keys configured, the link is
+        encrypted too: both brokers of a pair use one key pair (the one clients know as
+        the broker's), and its public key must be in the allow-list."""
+        keys = load_curve_keys(self.broker.config.security)
+        router, self.peer_endpoint = transport.router(
+            ctx, self.peer_bind, max_message_bytes=self.broker.config.max_message_bytes, curve=keys
+        )
+        dealer = transport.dealer(
+            ctx,
+            self.peer,
+            f"peer-{self.role.value}".encode(),
+            max_message_bytes=self.broker.config.max_message_bytes,
+            hwm=16,
+            curve=keys,
+            server_public=(keys.server_public or keys.public) if keys else None,
+        )
+        log.info(
+            "broker pair: %s, peer link at %s, peer at %s (timeout %.2fs)",
+            self.role.value,
+            self.peer_endpoint,
+            self.peer,
+            self.timeout,
+        )
+        # The peer's silence counts from now, when it can first be heard.
+        self.star = BinaryStar(self.role, timeout=self.timeout, now=time.monotonic())
+        self.bound.set()
+
+        async def on_router(frames: transport.Frames) -> None:
+            # Answer each beat at once over the same connection: a broker that just
+            # (re)started hears its peer within a round trip, however long the peer's
+            # own DEALER waits to reconnect to it.
+            await self._on_peer(frames[1:])
+            echo = [frames[0], PEER_MAGIC, msgpack.packb(self._header(), use_bin_type=True)]
+            transport.try_send(router, echo)
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(transport.serve(router, on_router, self._on_bad_peer))
+                tg.create_task(transport.serve(dealer, self._on_peer, self._on_bad_peer))
+                tg.create_task(self._beat_loop(dealer))
+        finally:
+            transport.close(router)
+            transport.close(dealer)
+
+    async def _beat_loop(self, dealer: transport.Channel) -> None:
+        last = 0.0
+        while True:
+            now = time.monotonic()
+            if now - last >= self.interval:
+                last = now
+                self._beat(dealer, now)
+            if self.star.active:
+                await self._end_hold(now)
+            # After a takeover, look for the end of the hold more often than a beat.
+            await asyncio.sleep(self.interval / 10 if self._takeover_record else self.interval)
+
+    def _header(self) -> dict[str, Any]:
+        state, term = self.star.beat()
+        header: dict[str, Any] = {
+            "state": state.value,
+            "term": term,
+            "role": self.role.value,
+            "inc": self._incarnation,
+            "seq": next(self._seq),
+        }
+        if not self.star.active and self.record is not None:
+            header["has_record"] = self.record.version  # what the standby holds
+        return header
+
+    def _beat(self, dealer: transport.Channel, now: float) -> None:
+        header = self._header()
+        frames: list[Any] = [PEER_MAGIC]
+        record: bytes | None = None
+        if self.star.active:
+            rec = record_of(self.broker, self._sent.version if self._sent else 0)
+            behind = self._peer_info.get("has_record") != rec.version
+            if behind or not rec.same_content(self._sent) or now - self._sent_at >= RESEND_S:
+                if not rec.same_content(self._sent):
+                    rec = replace(rec, version=rec.version + 1)
+                record = rec.to_bytes()
+                self._sent, self._sent_at = rec, now
+            header["version"] = rec.version
+        frames.append(msgpack.packb(header, use_bin_type=True))
+        if record is not None:
+            frames.append(record)
+        if not transport.try_send(dealer, frames) and record is not None:
+            self._sent = None  # not sent: try again next beat
+
+    async def _on_peer(self, frames: transport.Frames) -> None:
+        """``[PEER_MAGIC, header, record?]`` from the peer (either direction)."""
+        if len(frames) < 2 or transport.frame_bytes(frames[0]) != PEER_MAGIC:
+            raise ProtocolError("not a peer message")
+        try:
+            header = msgpack.unpackb(transport.frame_buffer(frames[1]), raw=False)
+            state = State(header["state"])
+            term = header["term"]
+            if not isinstance(term, int) or isinstance(term, bool) or term < 0:
+                raise ValueError(f"bad term {term!r}")
+            inc, seq = str(header.get("inc", "")), header.get("seq", 0)
+            if not isinstance(seq, int) or isinstance(seq, bool):
+                raise ValueError(f"bad seq {seq!r}")
+        except (KeyError, TypeError, ValueError, msgpack.ExtraData, msgpack.FormatError) as e:
+            raise ProtocolError(f"bad peer header: {e}") from e
+        if inc == self._heard[0] and seq <= self._heard[1]:
+            return  # older than a beat already heard
+        self._heard = (inc, seq)
+        now = time.monotonic()
+        if len(frames) > 2 and state is State.ACTIVE and not self.star.active:
+            try:
+                self.record = BrokerState.from_bytes(transport.frame_bytes(frames[2]))
+            except BrokerStateError as e:
+                raise ProtocolError(f"bad broker state from the peer: {e}") from e
+        self._peer_info = {"has_record": header.get("has_record")}
+        try:
+            change = self.star.on_peer(state, term, now)
+        except PairError as e:
+            log.error("broker pair misconfigured: %s; check broker.pair_role on both", e)
+            return
+        if change is not None:
+            await self._changed(change, now)
+
+    def _on_bad_peer(self, frames: transport.Frames, err: ProtocolError) -> None:
+        log.warning("dropped a bad message on the peer link: %s", err)
+
+    # -- transitions ---------------------------------------------------------
+
+    async def _changed(self, change: Transition, now: float) -> None:
+        level = logging.WARNING if change.activated or change.deactivated else logging.INFO
+        log.log(
+            level,
+            "broker pair: %s -> %s at term %d (%s)",
+            change.old.value,
+            change.new.value,
+            change.term,
+            change.reason,
+        )
+        if change.activated:
+            await self._take_over(now)
+        elif change.deactivated:
+            # Whatever it knew is stale now: it routes again only after a takeover.
+            self.broker.reset_state(now, hold=self.broker.config.grace)
+            self._sent = None
+
+    async def _take_over(self, now: float) -> None:
+        b = self.broker
+        rec = self.record
+        # Hold for the shards' claims: with the peer's record, they are asked at once
+        # (below) and the hold ends when they are in (_end_hold), so it may be long.
+        grace, first = b.config.grace, not self.star.failovers
+        b.reset_state(now, hold=grace if first else max(grace, 10 * self.interval))
+        if rec is not None:
+            try:
+                load_record(b, rec)
+            except ValueError as e:
+                log.error("cannot take over the peer's state: %s", e)
+                rec = None
+        self._takeover_record = rec
+        self.takeovers.append(now)
+        log.warning(
+            "broker pair: active at term %d with %s; asking %d shards to register",
+            self.term,
+            f"the peer's state v{rec.version} (map v{rec.map_version})"
+            if rec
+            else "no state from the peer",
+            len(self._shards),
+        )
+        for ident in sorted(self._shards):
+            await b._control(ident, MsgType.REGISTER, {})
+        self._shards.clear()
+
+    async def _end_hold(self, now: float) -> None:
+        """After a takeover: stop holding once every partition that held data has its
+        primary back (the shards reclaim at once; the grace period is the bound)."""
+        rec = self._takeover_record
+        state = self.broker.state
+        if rec is None or not state.holding(now):
+            return
+        for p, part in enumerate(rec.partitions):
+            if part.known and state.primary_of(p) is None:
+                return
+        state.hold_until = now
+        self._takeover_record = None
+        log.info("broker pair: every partition's primary is back; routing")
+        await self.broker.republish()
+
+
+def record_of(broker: Broker, version: int) -> BrokerState:
+    """The broker's state as one record (partitions, map version, training)."""
+    state, training = broker.state, broker.training
+    return BrokerState(
+        version=version,
+        n_partitions=state.n_partitions,
+        n_slots=state.n_slots,
+        replication=state.replication,
+        map_version=state.map_version,
+        partitions=state.records(),
+        clocks=training.clocks.to_record(),
+        jobs=tuple(job.to_record() for job in training.jobs.values()),
+    )
+
+
+def load_record(broker: Broker, rec: BrokerState) -> None:
+    """Take over a record from the peer (on a fresh state, before any shard registers)."""
+    broker.state.restore(rec.map_version, rec.partitions)
+    training = broker.training
+    training.clocks = Clocks.from_record(rec.clocks)
+    training.jobs = {job.name: Job.from_record(job) for job in rec.jobs}
+    if rec.clocks.committing is not None:
+        # A sync commit was under way: send it again once the primaries are back
+        # (the shards answer a repeated commit from their dedup record).
+        training._commit_pending = set(range(broker.state.n_partitions))

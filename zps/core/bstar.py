@@ -1,0 +1,179 @@
+"""Binary Star: the state machine of a primary/backup broker pair.
+
+Two brokers, one configured *primary* and one *backup*, heartbeat each other
+over a peer link.  Exactly one of them is *active* (routes traffic and owns the
+cluster map); the other is *passive* (receives the active one's state and
+refuses client requests).  States and events follow the ZeroMQ guide's Binary
+Star pattern:
+
+* ``PRIMARY`` / ``BACKUP``: just started, waiting to learn the peer's state.
+* ``ACTIVE``: serving.  ``PASSIVE``: standing by.
+
+Rules:
+
+1. A broker fails over (passive -> active) only when it has lost its peer (no
+   heartbeat for ``timeout`` seconds) *and* a client has started asking it.  A
+   backup that never heard from the primary never becomes active on its own.
+2. Every activation takes a new *term*, larger than every term this broker has
+   seen; the primary takes odd terms, the backup even ones, so two brokers never
+   hold the same term.  The driver persists the term with the broker state and
+   stamps it on everything the broker sends; shards and clients obey only the
+   broker with the highest term they have seen (fencing).
+3. A broker that learns of a higher term (from its peer, or from a shard or
+   client that saw one) is no longer active: it goes passive and stops routing.
+4. Two active brokers: the higher term wins, the other goes passive.  Two
+   passive brokers (nobody serving): the primary takes over.
+
+No I/O and no clock: the driver passes ``now`` (seconds, monotonic) and acts on
+the :class:`Transition` each event returns.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class State(enum.StrEnum):
+    PRIMARY = "primary"
+    BACKUP = "backup"
+    ACTIVE = "active"
+    PASSIVE = "passive"
+
+
+class PairRole(enum.StrEnum):
+    """How a broker of the pair is configured."""
+
+    PRIMARY = "primary"
+    BACKUP = "backup"
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """The state changed from ``old`` to ``new``; ``term`` is the term now held."""
+
+    old: State
+    new: State
+    term: int
+    reason: str
+
+    @property
+    def activated(self) -> bool:
+        return self.new is State.ACTIVE
+
+    @property
+    def deactivated(self) -> bool:
+        return self.old is State.ACTIVE and self.new is not State.ACTIVE
+
+
+class PairError(Exception):
+    """The pair is misconfigured (two primaries, or two backups)."""
+
+
+class BinaryStar:
+    """One broker's side of the pair (see the module notes)."""
+
+    def __init__(self, role: PairRole, *, timeout: float, now: float, term: int = 0) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        if term < 0:
+            raise ValueError(f"term must be >= 0, got {term!r}")
+        self.role = role
+        self.timeout = timeout
+        self.state = State.PRIMARY if role is PairRole.PRIMARY else State.BACKUP
+        #: The highest term this broker knows of (its own when active).
+        self.term = term
+        #: The peer's last reported state and term (None: never heard).
+        self.peer_state: State | None = None
+        self.peer_term = 0
+        self._peer_expiry = now + timeout
+        self.failovers = 0
+
+    # -- queries -----------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self.state is State.ACTIVE
+
+    def peer_alive(self, now: float) -> bool:
+        return now < self._peer_expiry
+
+    def beat(self) -> tuple[State, int]:
+        """What to tell the peer in the next heartbeat."""
+        return self.state, self.term
+
+    # -- events ------------------------------------------------------------------
+
+    def on_peer(self, state: State, term: int, now: float) -> Transition | None:
+        """A heartbeat from the peer: it is in ``state`` and knows ``term``."""
+        if term < 0:
+            raise ValueError(f"term must be >= 0, got {term!r}")
+        self.peer_state, self.peer_term = state, term
+        self._peer_expiry = now + self.timeout
+        if state is State.PRIMARY and self.role is PairRole.PRIMARY:
+            raise PairError("both brokers of the pair are configured primary")
+        if state is State.BACKUP and self.role is PairRole.BACKUP:
+            raise PairError("both brokers of the pair are configured backup")
+        mine = self.state
+        if term > self.term and mine is State.ACTIVE:
+            return self._to(State.PASSIVE, term, f"the peer holds a newer term {term}")
+        self.term = max(self.term, term)
+        match mine, state:
+            case State.PRIMARY, State.BACKUP:
+                return self._activate("the backup is up and nobody is active")
+            case State.PRIMARY | State.BACKUP, State.ACTIVE:
+                return self._to(State.PASSIVE, self.term, "the peer is active")
+            case State.PASSIVE, State.PRIMARY | State.BACKUP:
+                # The peer restarted and lost its state; this broker has it.
+                return self._activate("the peer restarted")
+            case State.PASSIVE, State.PASSIVE if self.role is PairRole.PRIMARY:
+                return self._activate("both were passive")
+            case State.ACTIVE, State.ACTIVE:
+                # Equal terms cannot happen (parity); a lower peer term steps down there.
+                if term == self.term and self.role is PairRole.BACKUP:
+                    return self._to(State.PASSIVE, self.term, "both active: the primary wins")
+                return None
+            case _:
+                return None
+
+    def on_client(self, now: float) -> tuple[bool, Transition | None]:
+        """A client asks this broker: serve it?  May take over (rule 1)."""
+        match self.state:
+            case State.ACTIVE:
+                return True, None
+            case State.PASSIVE | State.PRIMARY if not self.peer_alive(now):
+                why = (
+                    "the peer is silent and clients ask"
+                    if self.state is State.PASSIVE
+                    else "no peer answered at start and clients ask"
+                )
+                return True, self._activate(why)
+            case _:
+                return False, None
+
+    def on_term(self, term: int) -> Transition | None:
+        """A shard or client has seen ``term``: a newer one fences this broker (rule 3)."""
+        if term <= self.term:
+            return None
+        if self.state is State.ACTIVE:
+            return self._to(State.PASSIVE, term, f"a newer term {term} is in use")
+        self.term = term
+        return None
+
+    # -- internals ---------------------------------------------------------------
+
+    def _activate(self, reason: str) -> Transition:
+        parity = 1 if self.role is PairRole.PRIMARY else 0
+        term = self.term + 1
+        if term % 2 != parity:
+            term += 1
+        was_passive = self.state is State.PASSIVE
+        t = self._to(State.ACTIVE, term, reason)
+        if was_passive:
+            self.failovers += 1
+        return t
+
+    def _to(self, state: State, term: int, reason: str) -> Transition:
+        old = self.state
+        self.state, self.term = state, term
+        return Transition(old, state, term, reason)
