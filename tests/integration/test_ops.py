@@ -1,0 +1,412 @@
+"""Operating a cluster: journald log priorities, health checks, versions."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+import zps
+from zps.errors import ProtocolError
+from zps.optim import SGD
+from zps.protocol import codec
+from zps.protocol.codec import MAGIC, PROTOCOL_VERSION, ROUTE, MsgType
+from zps.testing import LocalCluster, Proc, free_port
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    """Status code and body of ``GET path`` on the metrics port."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "zps", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=LocalCluster().env(),
+    )
+
+
+def wait_log(proc: Proc, pattern: str, timeout: float = 10.0) -> list[str]:
+    """Lines of ``proc``'s log matching ``pattern``, once there is one (polls the file)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [line for line in proc.log().splitlines() if re.search(pattern, line)]
+        if lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
+def test_journald_priorities_and_partition_state_changes() -> None:
+    with LocalCluster(partitions=1, shards=2, replication=2, journal=True) as c:
+        broker = c.broker()
+        # every line of every process under journald carries a priority prefix
+        assert wait_log(broker, r"^<6>INFO zps\.broker: broker \(pid")
+        for p in c.procs:
+            lines = [line for line in p.log().splitlines() if line]
+            assert lines and all(re.match(r"<[2-7]>", line) for line in lines), p.log()
+        assert wait_log(broker, r"^<6>INFO zps\.broker: partition 0: \w+ -> ok")
+
+        replica = next(s["pid"] for s in c.status()["shards"] if s["role"] == "replica")
+        c.kill(replica)
+        c.wait_for(lambda s: s["partitions"][0]["state"] == "degraded", 20, "degraded")
+        assert wait_log(broker, r"^<4>WARNING zps\.broker: partition 0: ok -> degraded")
+
+        c.kill(c.shard_pid(0))
+        c.wait_for(lambda s: s["partitions"][0]["state"] == "lost", 20, "lost")
+        lost = wait_log(broker, r"partition 0: .* -> lost")
+        assert len(lost) == 1 and lost[0].startswith("<3>ERROR "), lost
+        # logged once: the state holds, the broker keeps ticking, no repeat
+        c.status()
+        assert len(wait_log(broker, r"-> lost", timeout=0)) == 1
+
+
+def test_plain_logs_without_journald() -> None:
+    with LocalCluster(partitions=1, shards=1) as c:
+        lines = wait_log(c.broker(), r"partition 0: \w+ -> ok")
+        assert lines and re.match(r"\d{4}-\d\d-\d\d ", lines[0]), lines
+        assert not any(line.startswith("<") for line in c.broker().log().splitlines())
+
+
+def test_status_check_exit_codes() -> None:
+    with LocalCluster(partitions=2, shards=4, replication=2) as c:
+
+        def check() -> subprocess.CompletedProcess[str]:
+            return run(["status", "--check", "--broker", c.address, "--timeout", "5"])
+
+        out = check()
+        assert (out.returncode, out.stdout.strip()) == (0, "OK: 2 partitions ok"), out
+        replica = next(
+            s["pid"] for s in c.status()["shards"] if s["role"] == "replica" and s["partition"] == 1
+        )
+        c.kill(replica)
+        c.wait_for(lambda s: s["partitions"][1]["state"] == "degraded", 20, "degraded")
+        out = check()
+        assert out.returncode == 1, out
+        assert out.stdout.strip() == "DEGRADED: degraded: partition 1", out
+        # --json with --check: the whole report, and the verdict as the exit code
+        out = run(["status", "--check", "--json", "--broker", c.address])
+        assert out.returncode == 1 and '"degraded"' in out.stdout, out
+
+        c.kill(c.shard_pid(1))
+        c.wait_for(lambda s: s["partitions"][1]["state"] == "lost", 20, "lost")
+        out = check()
+        assert out.returncode == 2, out
+        assert out.stdout.startswith("CRITICAL: lost: partition 1"), out
+        # without --check the status is a report, not a verdict
+        assert run(["status", "--broker", c.address]).returncode == 0
+
+        c.kill(c.broker().pid)
+        out = run(["status", "--check", "--broker", c.address, "--timeout", "0.5"])
+        assert out.returncode == 2, out
+        assert out.stdout.startswith(f"CRITICAL: broker {c.address} unreachable"), out
+
+
+def test_health_endpoints_of_broker_and_shard() -> None:
+    bport, sport = free_port(), free_port()
+    with LocalCluster(
+        partitions=1,
+        shards=1,
+        broker_args=["--metrics-port", str(bport)],
+        shard_args=["--metrics-port", str(sport)],
+    ) as c:
+        for port in (bport, sport):
+            code, body = get(port, "/healthz")
+            assert code == 200 and body.startswith("ok: the event loop turned"), body
+            until(lambda port=port: get(port, "/ready")[0] == 200, 10, "ready")  # type: ignore[misc]
+            code, body = get(port, "/metrics")
+            assert code == 200 and "zps_build_info" in body
+            assert get(port, "/metrics?x=1")[0] == 200
+            for path in ("/", "/nope", "/metricsx", "/healthz/x"):
+                assert get(port, path)[0] == 404, path
+        assert get(bport, "/ready")[1].startswith("ok: serving map v")
+        assert get(sport, "/ready")[1] == "ok: primary of partition 0 at epoch 1\n"
+
+        # Without its broker a primary loses its lease: alive, no longer ready.
+        c.kill(c.broker().pid)
+        until(lambda: get(sport, "/ready")[0] == 503, 10, "the shard to be unready")
+        assert "without a lease" in get(sport, "/ready")[1]
+        assert get(sport, "/healthz")[0] == 200
+
+
+def test_a_broker_collecting_claims_is_not_ready(tmp_path: Path) -> None:
+    port = free_port()
+    c = LocalCluster(partitions=1, workdir=tmp_path, broker_args=["--metrics-port", str(port)])
+    c.port = free_port()
+    try:
+        c.start_broker(grace=60)
+        until(lambda: c.broker().log().count("metrics on") == 1, 20, "the metrics endpoint")
+        until(lambda: get(port, "/healthz")[0] == 200, 10, "the loop")
+        code, body = get(port, "/ready")
+        assert (code, body) == (503, "not ok: collecting the shards' claims after a start\n")
+    finally:
+        c.stop()
+
+
+def test_a_metrics_port_in_use_is_a_clear_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for role, extra in (
+            ("broker", ["--bind", f"tcp://127.0.0.1:{free_port()}"]),
+            ("shard", ["--broker", f"tcp://127.0.0.1:{free_port()}"]),
+        ):
+            out = run([role, *extra, "--metrics-port", str(port)], timeout=30)
+            assert out.returncode == 1, out
+            assert f"cannot serve metrics on 127.0.0.1:{port}" in out.stderr, out.stderr
+            assert "Traceback" not in out.stderr and "listening" not in out.stderr
+
+
+@pytest.fixture
+def notify_socket(tmp_path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify"))
+    sock.settimeout(20)
+    return sock
+
+
+def test_a_shard_is_ready_for_systemd_once_the_broker_admitted_it(
+    tmp_path: Path, notify_socket: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = LocalCluster(partitions=1, workdir=tmp_path)
+    c.port = free_port()
+    try:
+        with notify_socket:
+            monkeypatch.setenv("NOTIFY_SOCKET", notify_socket.getsockname())
+            c.start_shard()  # no broker yet
+            monkeypatch.delenv("NOTIFY_SOCKET")
+            first = notify_socket.recv(4096).decode()
+            assert first.startswith("STATUS=registering with"), first
+            notify_socket.settimeout(1.0)  # no READY while nobody admitted it
+            with pytest.raises(TimeoutError):
+                notify_socket.recv(4096)
+            c.start_broker()
+            notify_socket.settimeout(20)
+            ready = notify_socket.recv(4096).decode()
+            assert ready.startswith("READY=1\nSTATUS=registered with"), ready
+    finally:
+        c.stop()
+
+
+def test_version_flags() -> None:
+    for module in ("zps", "zps.worker_entry"):
+        out = subprocess.run(
+            [sys.executable, "-m", module, "--version"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=LocalCluster().env(),
+        )
+        prog = "zps-server" if module == "zps" else "zps-worker"
+        assert out.returncode == 0, out
+        assert out.stdout.strip() == f"{prog} {zps.__version__} (zps protocol {PROTOCOL_VERSION})"
+
+
+def test_status_shows_the_version_of_every_process() -> None:
+    with LocalCluster(partitions=1, shards=2, replication=2) as c:
+        report = c.status()
+        assert report["broker"]["version"] == zps.__version__
+        assert report["broker"]["protocol"] == PROTOCOL_VERSION
+        assert len(report["shards"]) == 2
+        assert all(s["version"] == zps.__version__ for s in report["shards"]), report["shards"]
+        assert report["clients"] and all(x["version"] == zps.__version__ for x in report["clients"])
+        table = run(["status", "--broker", c.address]).stdout
+        assert f"zps {zps.__version__} (protocol {PROTOCOL_VERSION})" in table, table
+        shard_lines = [line for line in table.splitlines() if line.startswith("s-")]
+        assert len(shard_lines) == 2 and all(
+            line.endswith(zps.__version__) for line in shard_lines
+        ), table
+
+
+def _raw_exchange(address: str, identity: bytes, frames: list[bytes]) -> list[bytes]:
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send_multipart(frames)
+        assert sock.poll(10_000), f"no answer to {identity!r}"
+        reply = sock.recv_multipart()
+        sock.close()
+        return reply
+    finally:
+        ctx.term()
+
+
+def test_a_peer_of_another_protocol_version_is_told_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    newer = PROTOCOL_VERSION + 1
+    with LocalCluster(partitions=1, shards=1) as c:
+        header = msgpack.packb({"host": "h", "pid": 1, "name": "future"})
+        for identity, prefix in ((b"c-future", []), (b"s-future", [b""])):
+            route = ROUTE.pack(MAGIC, newer, int(MsgType.HELLO), -1, 0, 42)
+            if prefix:
+                route = ROUTE.pack(MAGIC, newer, int(MsgType.REGISTER), -1, 0, 42)
+            reply = _raw_exchange(c.address, identity, [*prefix, route, header])
+            assert reply[: len(prefix)] == prefix
+            magic, version, mtype, _, _, req_id = ROUTE.unpack(reply[len(prefix)])
+            assert (magic, version, mtype, req_id) == (MAGIC, PROTOCOL_VERSION, MsgType.REPLY, 42)
+            answer = msgpack.unpackb(reply[len(prefix) + 1])
+            assert answer["st"] == "VERSION_MISMATCH", answer
+            assert f"protocol version {PROTOCOL_VERSION}" in answer["msg"]
+            assert f"version {newer}" in answer["msg"]
+        # a second message from the same peer is answered again but not logged again
+        _raw_exchange(c.address, b"c-future", [route, header])
+        warned = wait_log(c.broker(), r"WARNING zps\.broker: .* speaks protocol version")
+        assert len(warned) == 2, warned
+        assert any("client c-future" in w for w in warned)
+        assert any("shard s-future" in w for w in warned)
+        assert c.status()["broker"]["version_mismatch"] == 3
+        assert c.healthy(c.status())  # the cluster carried on
+
+        # A client of another protocol version: a clear error at once, naming both.
+        monkeypatch.setattr(codec, "PROTOCOL_VERSION", newer)
+        t0 = time.monotonic()
+        with pytest.raises(ProtocolError) as err:
+            zps.connect_sync(c.address, connect_timeout=20)
+        assert time.monotonic() - t0 < 10
+        assert str(err.value).startswith(
+            f"the broker at {c.address} speaks zps protocol version {PROTOCOL_VERSION}, "
+            f"this client (zps {zps.__version__}) version {newer}"
+        ), err.value
+
+
+def test_the_metrics_endpoint_binds_loopback_unless_told() -> None:
+    from zps.cli.main import broker_config, server_parser, shard_config
+    from zps.ops.config import Settings
+
+    parse = server_parser().parse_args
+    assert broker_config(parse(["broker"]), Settings()).metrics.host == "127.0.0.1"
+    assert shard_config(parse(["shard"]), Settings()).metrics.host == "127.0.0.1"
+    for role in ("broker", "shard"):
+        args = parse([role, "--metrics-host", "0.0.0.0", "--metrics-port", "9100"])
+        config = (broker_config if role == "broker" else shard_config)(args, Settings())
+        assert (config.metrics.host, config.metrics.port) == ("0.0.0.0", 9100)
+
+
+def test_shard_names_are_stable_and_a_restart_replaces_the_earlier_process(
+    tmp_path: Path,
+) -> None:
+    from zps.ops.config import ShardConfig
+    from zps.shard.server import shard_node_id
+
+    data = tmp_path / "shard-a"
+    # the default: host and data dir (two dirs of one name differ), else host and pid
+    a = shard_node_id(ShardConfig(data_dir=str(data)), hostname="ps1.example.net", pid=7)
+    assert re.fullmatch(r"s-ps1-shard-a-[0-9a-f]{4}", a), a
+    assert a == shard_node_id(ShardConfig(data_dir=str(data) + "/"), hostname="ps1", pid=8)
+    other = shard_node_id(
+        ShardConfig(data_dir=str(tmp_path / "x" / "shard-a")), hostname="ps1", pid=7
+    )
+    assert other != a
+    assert shard_node_id(ShardConfig(), hostname="ps1", pid=7) == "s-ps1-7"
+    assert shard_node_id(ShardConfig(name="p0r1"), hostname="ps1", pid=7) == "s-p0r1"
+
+    # a liveness timeout (10 s) far longer than a shard's start
+    c = LocalCluster(partitions=1, replication=2, workdir=tmp_path, liveness=100)
+    c.port = free_port()
+    try:
+        c.start_broker()
+        first = c.start_shard(["--name", "alpha", "--data-dir", str(tmp_path / "a")])
+        c.start_shard(["--name", "beta", "--data-dir", str(tmp_path / "b")])
+        status = c.wait_healthy()
+        assert {s["node"] for s in status["shards"]} == {"s-alpha", "s-beta"}
+        assert wait_log(first, r"shard s-alpha \(pid \d+\) connecting")
+        # The process hangs (its connection stays up) and a new one starts under its
+        # name, well within the liveness timeout: the broker takes the new one for a
+        # restart and drops the earlier at once.
+        c.kill(first.pid, signal.SIGSTOP)
+        again = c.start_shard(["--name", "alpha", "--data-dir", str(tmp_path / "a")])
+        status = c.wait_for(
+            lambda s: c.healthy(s) and again.pid in {x["pid"] for x in s["shards"]},
+            8,
+            "the restarted shard to be back in sync",
+        )
+        assert sorted(s["node"] for s in status["shards"]) == ["s-alpha", "s-beta"]
+        assert wait_log(c.broker(), r"WARNING .*shard s-alpha registered again as a new process")
+        assert not wait_log(c.broker(), r"missed its heartbeats", timeout=0)
+        c.kill(first.pid)
+    finally:
+        c.stop()
+
+
+def test_binding_every_interface_without_curve_is_warned_about(tmp_path: Path) -> None:
+    for bind, warned in (
+        (f"tcp://0.0.0.0:{free_port()}", True),
+        (f"tcp://127.0.0.1:{free_port()}", False),
+    ):
+        c = LocalCluster(partitions=1, workdir=tmp_path)
+        proc = c.spawn("b", [sys.executable, "-m", "zps", "broker", "--bind", bind])
+        try:
+            assert wait_log(proc, r"listening on"), proc.log()
+            lines = [x for x in proc.log().splitlines() if "without CURVE" in x]
+            assert len(lines) == int(warned), proc.log()
+            if warned:
+                assert "WARNING" in lines[0] and bind in lines[0]
+        finally:
+            c.stop()
+
+
+def test_drain_hands_a_primary_over_and_undrain_brings_it_back() -> None:
+    with LocalCluster(partitions=1, shards=3, replication=2) as c:
+        c.wait_for(lambda s: len(s["shards"]) == 3, 20, "the spare")
+        with zps.connect_sync(c.address) as ps:
+            ps.create_dense("kept", shape=(4,), dtype="float64", optimizer=SGD(lr=1.0))
+            ps.push_dense("kept", np.ones(4))
+            c.wait_for(
+                lambda s: c.healthy(s) and s["partitions"][0]["replicas"][0]["lag"] == 0,
+                20,
+                "the replica to hold the write",
+            )
+            old = c.status()["partitions"][0]["primary"]
+            out = run(["drain", old.removeprefix("s-"), "--broker", c.address])
+            assert out.returncode == 0, out
+            assert (
+                out.stdout.strip()
+                == f"{old} drained: it holds no role until `zps-server undrain {old}`"
+            )
+            status = c.wait_for(c.healthy, 20, "a new primary and a new replica")
+            part = status["partitions"][0]
+            assert part["primary"] != old and part["epoch"] == 2
+            mine = next(s for s in status["shards"] if s["node"] == old)
+            assert mine["role"] == "spare" and mine["drained"], mine
+            assert "DRAINED" in run(["status", "--broker", c.address]).stdout
+            # the write is still there, and writing goes on at the new primary
+            np.testing.assert_array_equal(ps.pull_dense("kept"), -np.ones(4))
+            ps.push_dense("kept", np.ones(4))
+            np.testing.assert_array_equal(ps.pull_dense("kept"), -2 * np.ones(4))
+
+            out = run(["drain", "s-nobody", "--broker", c.address])
+            assert out.returncode == 1 and "no shard s-nobody" in out.stderr, out
+            out = run(["undrain", old, "--broker", c.address])
+            assert out.returncode == 0, out
+            status = c.status()
+            assert not next(s for s in status["shards"] if s["node"] == old)["drained"]
+        assert wait_log(c.broker(), rf"WARNING zps\.broker: shard {old} drained by an operator")
