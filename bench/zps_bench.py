@@ -475,11 +475,16 @@ async def zps_client(args: dict[str, Any]) -> None:
             result["bytes"] = result["steps"] * 2 * DENSE_ELEMS * 4
         elif kind == "sparse":
             name = "bench_sparse"
+            optimizer: zps.optim.Optimizer = (
+                zps.optim.SGD(lr=0.05)
+                if args.get("optimizer") == "sgd"
+                else zps.optim.Adagrad(lr=0.05)
+            )
             await ps.create_embedding(
                 name,
                 dim=SPARSE_DIM,
                 init=zps.init.Uniform(-0.01, 0.01),
-                optimizer=zps.optim.Adagrad(lr=0.05),
+                optimizer=optimizer,
             )
             pool = [zipf_ids(rng) for _ in range(args.get("pool", 64))]
             grads = rng.standard_normal((SPARSE_BATCH, SPARSE_DIM), dtype=np.float32) * np.float32(
@@ -582,14 +587,16 @@ def child_main(role: str, args: dict[str, Any]) -> None:
 class Child:
     """A child process of this script, spoken to by lines."""
 
-    def __init__(self, role: str, args: dict[str, Any], logdir: Path, tag: str) -> None:
+    def __init__(
+        self, role: str, args: dict[str, Any], logdir: Path, tag: str, script: str = __file__
+    ) -> None:
         self.role, self.tag = role, tag
         self.log_path = logdir / f"{tag}.log"
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         with open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(
-                [sys.executable, __file__, "--child", role, json.dumps(args)],
+                [sys.executable, script, "--child", role, json.dumps(args)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -655,10 +662,13 @@ class Harness:
     logdir: Path
     children: list[Child] = field(default_factory=list)
     counter: collections.Counter[str] = field(default_factory=collections.Counter)
+    #: The script the children run (``--child ROLE ARGS``); another benchmark
+    #: importing this one passes its own.
+    script: str = __file__
 
     def spawn(self, role: str, args: dict[str, Any]) -> Child:
         self.counter[role] += 1
-        child = Child(role, args, self.logdir, f"{role}{self.counter[role]}")
+        child = Child(role, args, self.logdir, f"{role}{self.counter[role]}", self.script)
         self.children.append(child)
         return child
 
@@ -823,11 +833,18 @@ class Bench:
 
     # -- setup -----------------------------------------------------------
 
-    def start_l(self) -> None:
+    def start_l(self, ipc: bool = False) -> None:
+        """L's broker and echoes; ``ipc``: its links are ipc:// sockets in the log directory."""
         from zps.testing import free_port
 
-        front = f"tcp://127.0.0.1:{free_port()}"
-        back = f"tcp://127.0.0.1:{free_port()}"
+        if ipc:
+            front, back = (
+                f"ipc://{self.h.logdir}/l-front.sock",
+                f"ipc://{self.h.logdir}/l-back.sock",
+            )
+        else:
+            front = f"tcp://127.0.0.1:{free_port()}"
+            back = f"tcp://127.0.0.1:{free_port()}"
         broker = self.h.spawn("l_broker", {"front": front, "back": back, "partitions": 2})
         broker.expect("READY", 30)
         echoes = [

@@ -1,7 +1,9 @@
 """zps: a parameter server for distributed training on asyncio and ZeroMQ.
 
 Use ``zps.connect(address)`` (async) or ``zps.connect_sync(address)``
-(blocking) to reach a cluster started with ``zps-server``.
+(blocking) to reach a cluster started with ``zps-server``; ``address`` may be a
+broker pair, ``["tcp://a:5555", "tcp://b:5555"]``, of which the client follows
+the active one.
 """
 
 from zps import errors, init, optim
@@ -11,8 +13,7 @@ from zps.errors import (
     ZpsError,
     ZpsTimeoutError,
 )
-
-__version__ = "0.1.0"
+from zps.version import __version__
 
 __all__ = [
     "Client",

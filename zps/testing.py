@@ -71,6 +71,12 @@ class LocalCluster:
     liveness: int = 10
     workdir: Path | None = None
     log_level: str = "info"
+    #: Tell every process its log file is the journald stream (``$JOURNAL_STREAM``).
+    journal: bool = False
+    #: The broker's data dir (its state survives restarts), or None.
+    broker_data_dir: Path | None = None
+    #: Placement labels: shard i reports ``shard_hosts[i % len]`` as its host.
+    shard_hosts: list[str] = field(default_factory=list)
     python: str = sys.executable
     procs: list[Proc] = field(default_factory=list)
     port: int = 0
@@ -92,12 +98,16 @@ class LocalCluster:
         assert self.workdir is not None
         log_path = self.workdir / f"{name}.log"
         with open(log_path, "wb") as out:
+            env = self.env()
+            if self.journal:
+                st = os.fstat(out.fileno())
+                env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
             popen = subprocess.Popen(
                 args,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env(),
+                env=env,
                 cwd=self.workdir,
             )
         proc = Proc(name, popen, log_path)
@@ -134,6 +144,7 @@ class LocalCluster:
                 "--startup-grace",
                 str(grace),
                 *self._hb(),
+                *(["--data-dir", str(self.broker_data_dir)] if self.broker_data_dir else []),
                 *self.broker_args,
             ],
         )
@@ -154,6 +165,11 @@ class LocalCluster:
                 "--advertise-host",
                 "127.0.0.1",
                 *self._hb(),
+                *(
+                    ["--host", self.shard_hosts[n % len(self.shard_hosts)]]
+                    if self.shard_hosts
+                    else []
+                ),
                 *self.shard_args,
                 *extra,
             ],
@@ -271,6 +287,72 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class PairCluster(LocalCluster):
+    """A :class:`LocalCluster` whose broker is a primary/backup pair (hot standby).
+
+    :attr:`address` names both brokers (``A,B``); :meth:`restart_broker` brings a
+    killed one back in its role.
+    """
+
+    peer_timeout: float = 0.5
+    ports: list[int] = field(default_factory=list)  # [public A, public B, peer A, peer B]
+
+    @property
+    def address(self) -> str:
+        return f"{self.endpoint(0)},{self.endpoint(1)}"
+
+    def endpoint(self, i: int) -> str:
+        return f"tcp://127.0.0.1:{self.ports[i]}"
+
+    def start_broker(self, grace: float | None = None) -> Proc:
+        """Start both brokers (the primary, then the backup); returns the backup."""
+        if not self.ports:
+            self.ports = [free_port() for _ in range(4)]
+        self.port = self.ports[0]
+        self.start_member("primary", grace)
+        return self.start_member("backup", grace)
+
+    def start_member(self, role: str, grace: float | None = None) -> Proc:
+        i = 0 if role == "primary" else 1
+        n = sum(p.name.startswith(f"broker-{role}") for p in self.procs)
+        return self.spawn(
+            f"broker-{role}{n or ''}",
+            [
+                self.python,
+                "-m",
+                "zps",
+                "broker",
+                "--bind",
+                self.endpoint(i),
+                "--pair-role",
+                role,
+                "--peer-bind",
+                f"tcp://127.0.0.1:{self.ports[2 + i]}",
+                "--peer",
+                f"tcp://127.0.0.1:{self.ports[3 - i]}",
+                "--peer-timeout",
+                str(self.peer_timeout),
+                "--partitions",
+                str(self.partitions),
+                "--replication",
+                str(self.replication),
+                "--startup-grace",
+                str(self.startup_grace if grace is None else grace),
+                *self._hb(),
+                *self.broker_args,
+            ],
+        )
+
+    def restart_broker(self, proc: Proc) -> Proc:
+        """Start again the broker of ``proc`` (killed), in the same role."""
+        return self.start_member("primary" if "primary" in proc.name else "backup")
+
+    def active_broker(self, timeout: float = 5.0) -> Proc:
+        """The broker process that answers as the active one."""
+        return self.proc_by_pid(int(self.status(timeout)["broker"]["pid"]))
 
 
 @dataclass

@@ -19,7 +19,10 @@ peer's own queue, bounded in bytes per peer and in total (see
 :class:`Allowance`), and dropped once the peer's allowance is spent.  The
 caller learns which happened (:class:`Posted`) and decides what the slow peer
 gets instead (a client's request is refused as overloaded, a reply is lost
-and the client retries).
+and the client retries).  On a DEALER (a shard's link to the broker) the one
+peer is the broker and the first frame names the client a reply is for: the
+allowance is then shared by everything sent to the broker, kept in order per
+client.
 """
 
 from __future__ import annotations
@@ -209,7 +212,8 @@ class Channel:
 
     def post(self, frames: Sequence[Any]) -> None:
         """Send without waiting, in order: held in the channel while the peer's queue
-        is full.  Delivery failures are not reported (for replies whose peer may go)."""
+        is full.  Delivery failures are not reported.  Unbounded: the drivers send
+        through an :class:`Outbound`, which bounds what it holds in bytes."""
         self._outbox.append(frames)
         if len(self._outbox) == 1:
             self._flush_outbox()
@@ -450,16 +454,51 @@ def load_keys(path: str) -> tuple[bytes | None, bytes | None]:
     return public, secret
 
 
-def start_authenticator(ctx: zmq.asyncio.Context, allowed_dir: str | None) -> Any:
-    """ZAP for every CURVE server socket of ``ctx``: only keys in ``allowed_dir``
-    (any valid key when None: encryption without an allow-list).  Stop it with
-    ``.stop()``."""
+def load_public_keys(directory: str) -> frozenset[bytes]:
+    """The Z85 public keys of every ``*.key`` file in ``directory``."""
+    import zmq.auth
+
+    return frozenset(zmq.auth.load_certificates(directory))
+
+
+class _KeySet:
+    """A ZAP credentials provider admitting a fixed set of Z85 public keys."""
+
+    def __init__(self, keys: frozenset[bytes]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+def start_authenticator(
+    ctx: zmq.asyncio.Context, allowed_dir: str | None, *, keys: frozenset[bytes] | None = None
+) -> Any:
+    """ZAP for every CURVE server socket of ``ctx``: only the Z85 public ``keys`` when
+    given, else only keys in ``allowed_dir`` (any valid key when None: encryption
+    without an allow-list).  A message's User-Id is its sender's Z85 public key
+    (:func:`sender_key`).  Stop it with ``.stop()``."""
     from zmq.auth.asyncio import AsyncioAuthenticator
 
     auth = AsyncioAuthenticator(ctx)
     auth.start()
-    auth.configure_curve(domain="*", location=allowed_dir or zmq.auth.CURVE_ALLOW_ANY)
+    if keys is not None:
+        auth.configure_curve_callback(domain="*", credentials_provider=_KeySet(keys))
+    else:
+        auth.configure_curve(domain="*", location=allowed_dir or zmq.auth.CURVE_ALLOW_ANY)
     return auth
+
+
+def sender_key(frame: Any) -> bytes | None:
+    """The Z85 CURVE public key that authenticated the sender of a received frame (its
+    ZAP User-Id); None without CURVE."""
+    if not isinstance(frame, zmq.Frame):
+        return None
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+    return user.encode() if isinstance(user, str) and user else None
 
 
 def _curve_server(sock: zmq.Socket[Any], keys: CurveKeys | None) -> None:

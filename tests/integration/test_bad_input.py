@@ -13,7 +13,7 @@ import zmq.asyncio
 import zps
 from zps import errors
 from zps.optim import SGD
-from zps.protocol.codec import MsgType, Route
+from zps.protocol.codec import PROTOCOL_VERSION, MsgType, Route
 from zps.testing import LocalCluster
 
 
@@ -41,7 +41,7 @@ async def test_garbage_to_the_broker_is_dropped_and_it_keeps_serving(cluster: Lo
     garbage = [
         [b"x"],
         [b"\x00" * 20, b"junk"],
-        [b"ZP" + b"\xff" * 18, b""],
+        [b"ZP" + bytes([PROTOCOL_VERSION]) + b"\xff" * 17, b""],  # an unknown type
         [Route(MsgType.HELLO).pack(), b"\xc1\xc1"],
         [b""] * 5,
     ]

@@ -138,3 +138,65 @@ def test_demo_trains_to_the_target_auc() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     auc = float(re.search(r"test AUC\s+([0-9.]+)", out.stdout).group(1))
     assert auc >= 0.90, out.stdout
+
+
+def _zps(*args: str) -> subprocess.CompletedProcess[str]:
+    return run([sys.executable, "-m", "zps", *args])
+
+
+def test_keygen_refuses_to_overwrite_or_to_create_directories(tmp_path: Path) -> None:
+    out_dir = tmp_path / "keys"
+    secret, public = out_dir / "h1.key_secret", out_dir / "h1.key"
+
+    out = _zps("keygen", "--out", str(out_dir), "--name", "h1")
+    assert out.returncode == 1 and f"directory {out_dir} does not exist" in out.stderr, out
+    assert not out_dir.exists()
+
+    out = _zps("keygen", "--out", str(out_dir), "--name", "h1", "--parents")
+    assert out.returncode == 0, out.stderr
+    assert secret.stat().st_mode & 0o077 == 0 and public.is_file()
+    first = secret.read_bytes(), public.read_bytes()
+
+    out = _zps("keygen", "--out", str(out_dir), "--name", "h1")
+    assert out.returncode == 1, out
+    assert f"{secret} exists: not overwritten" in out.stderr and "--force" in out.stderr
+    assert (secret.read_bytes(), public.read_bytes()) == first
+    assert sorted(p.name for p in out_dir.iterdir()) == ["h1.key", "h1.key_secret"]
+
+    out = _zps("keygen", "--out", str(out_dir), "--name", "h1", "--force")
+    assert out.returncode == 0, out.stderr
+    assert secret.read_bytes() != first[0] and public.read_bytes() != first[1]
+    assert secret.stat().st_mode & 0o077 == 0
+    assert sorted(p.name for p in out_dir.iterdir()) == ["h1.key", "h1.key_secret"]
+
+    out = _zps("keygen", "--out", str(out_dir), "--name", "../escape")
+    assert out.returncode == 2 and "key name" in out.stderr, out
+
+
+def test_check_config_validates_offline(tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text('[shard]\nbroker = "tcp://ps-broker:5555"\n[metrics]\nport = 9100\n')
+    out = _zps("check-config", str(good))
+    assert (out.returncode, out.stdout.strip()) == (0, f"{good}: ok"), out
+    assert _zps("check-config", str(ROOT / "deploy" / "zps.toml")).returncode == 0
+
+    for text, named in [
+        ("[shard]\nreplication_bindd = 'tcp://*:1'\n", "replication_bindd"),
+        ("[metrics]\nport = -1\n", "metrics.port"),
+        ("[shard]\nname = 'a b'\n", "shard.name"),
+        ("[broker]\npartitions = 'four'\n", "partitions"),
+        ("[sharrd]\n", "sharrd"),
+        ("not toml = = \n", "not valid TOML"),
+        (
+            f"[security]\ncurve_secret_key_file = '{tmp_path}/none.key_secret'\n"
+            f"curve_public_key_file = '{tmp_path}/none.key'\n",
+            "security.curve_public_key_file",
+        ),
+    ]:
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text)
+        out = _zps("check-config", str(bad))
+        assert out.returncode == 1, (text, out)
+        assert out.stderr.startswith(f"{bad}: invalid: ") and named in out.stderr, (text, out)
+    out = _zps("check-config", str(tmp_path / "missing.toml"))
+    assert out.returncode == 1 and "does not exist" in out.stderr

@@ -83,7 +83,7 @@ def client_security(keys: Path, name: str, server: str = "broker") -> Security:
 
 def keygen(out: Path, name: str) -> None:
     res = subprocess.run(
-        [sys.executable, "-m", "zps", "keygen", "--out", str(out), "--name", name],
+        [sys.executable, "-m", "zps", "keygen", "--out", str(out), "--name", name, "--parents"],
         capture_output=True,
         text=True,
         timeout=60,

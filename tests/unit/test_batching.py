@@ -2,7 +2,11 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zps.core.batching import merge_row_ops, plan_batches
+from zps.core.batching import groups_by_bytes, merge_row_ops, plan_batches, row_runs, split_push
+from zps.init import Normal
+from zps.optim import Adagrad
+from zps.protocol.specs import EmbeddingSpec
+from zps.store.partition import PartitionStore
 
 
 def test_small_ops_share_one_message() -> None:
@@ -104,3 +108,80 @@ def test_merging_covers_every_op_once_with_its_ids(spec: list) -> None:
         if m.body["op"] == "push_rows":
             parts = [set(ops[i][1]["ids"].tolist()) for i, _, _ in m.parts]
             assert sum(len(p) for p in parts) == len(set().union(*parts))  # pairwise disjoint
+
+
+def test_merging_stops_at_the_byte_budget() -> None:
+    ops = [_pull("a", [i]) for i in range(10)]
+    merged = merge_row_ops(ops, sizes=[100] * 10, max_bytes=350)
+    assert [len(m.parts) for m in merged] == [3, 3, 3, 1]
+    assert [i for m in merged for i, _, _ in m.parts] == list(range(10))
+    # An operation larger than the budget still travels, alone.
+    merged = merge_row_ops(ops[:3], sizes=[10, 1000, 10], max_bytes=100)
+    assert [m.parts for m in merged] == [((0, 0, 1),), ((1, 0, 1),), ((2, 0, 1),)]
+
+
+@given(
+    st.lists(st.integers(0, 500), min_size=1, max_size=40),
+    st.integers(1, 1200),
+    st.integers(1, 8),
+)
+def test_merged_groups_stay_within_budget(sizes: list[int], budget: int, max_members: int) -> None:
+    ops = [_pull("a", [i]) for i in range(len(sizes))]
+    merged = merge_row_ops(ops, max_members, sizes=sizes, max_bytes=budget)
+    assert sorted(i for m in merged for i, _, _ in m.parts) == list(range(len(sizes)))
+    for m in merged:
+        members = [i for i, _, _ in m.parts]
+        assert len(members) <= max_members
+        assert len(members) == 1 or sum(sizes[i] for i in members) <= budget
+
+
+@given(st.integers(0, 5000), st.integers(0, 700), st.integers(1, 100_000))
+def test_row_runs_cover_rows_within_budget(n_rows: int, row_bytes: int, budget: int) -> None:
+    runs = row_runs(n_rows, row_bytes, budget)
+    assert [i for a, b in runs for i in range(a, b)] == list(range(n_rows))
+    for a, b in runs:
+        assert b > a
+        assert b - a == 1 or (b - a) * row_bytes <= budget
+    if runs:  # as few runs as the budget allows, and even
+        per = max(1, budget // max(row_bytes, 1))
+        assert len(runs) == -(-n_rows // per)
+        sizes = {b - a for a, b in runs}
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_groups_by_bytes() -> None:
+    assert groups_by_bytes([4, 4, 4, 9, 1], 8) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert groups_by_bytes([], 8) == []
+
+
+def test_a_push_that_fits_is_returned_as_given() -> None:
+    ids = np.array([3, 1, 3], dtype=np.int64)
+    g = np.ones((3, 4), dtype=np.float32)
+    [(i, x)] = split_push(ids, g, budget=3 * (8 + 16))
+    assert i is ids and x is g
+
+
+def _apply(pieces: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    store = PartitionStore()
+    store.create(EmbeddingSpec("e", 4, "float32", Normal(0.0, 1.0), Adagrad(lr=0.1), 7))
+    for ids, g in pieces:
+        store.embedding("e").push(ids, g)
+    return np.asarray(store.embedding("e").pull(np.arange(50, dtype=np.int64)))
+
+
+@given(st.lists(st.integers(0, 49), min_size=1, max_size=300), st.integers(24, 2000))
+def test_split_push_equals_the_whole_push(id_list: list[int], budget: int) -> None:
+    ids = np.array(id_list, dtype=np.int64)
+    rng = np.random.default_rng(len(id_list))
+    g = rng.standard_normal((ids.size, 4)).astype(np.float32)
+    pieces = split_push(ids, g, budget)
+    row_bytes = 8 + 16
+    for i, x in pieces:
+        assert i.size * row_bytes <= budget or i.size == 1
+        assert x.shape == (i.size, 4)
+    every = np.concatenate([i for i, _ in pieces])
+    if len(pieces) > 1:
+        # Each id travels once, so no id gets two optimizer updates.
+        assert every.tolist() == sorted(set(id_list))
+    # The shard ends with exactly the same rows (bit for bit) as for one message.
+    assert np.array_equal(_apply(pieces), _apply([(ids, g)]))

@@ -10,6 +10,7 @@ import pytest
 from zps.client.session import (
     MAX_ATTEMPTS,
     Action,
+    BrokerChoice,
     ClientSession,
     Deliver,
     Fail,
@@ -17,11 +18,13 @@ from zps.client.session import (
 )
 from zps.core.routing import ClusterMap, PartitionInfo
 from zps.errors import (
+    ConfigError,
     JobFailedError,
     ShardUnavailableError,
     UnknownTableError,
     ZpsTimeoutError,
 )
+from zps.ops.config import ShardConfig, WorkerConfig, broker_endpoints
 from zps.protocol.codec import Encoder, Message, MsgType, Route, decode
 from zps.protocol.messages import ClientHello
 
@@ -317,3 +320,108 @@ def test_acks_one_goes_in_the_header() -> None:
     s.on_map(cmap(), 0.0)
     assert only_send(submit(s, "a")).header["acks"] == 1
     assert "acks" not in only_send(submit(session(), "a")).header
+
+
+# -- a broker pair --------------------------------------------------------------
+
+
+def test_a_switch_resends_everything_on_the_next_map_even_the_same_incarnation() -> None:
+    s = session(cmap(5))
+    req = only_send(submit(s, "a"))
+    call_id, _ = s.call(MsgType.CLOCK, {"op": "tick"}, "c", 0.0, forever=True)
+    s.switched()
+    out = sent(s.on_map(cmap(3), 0.6))  # an older version, same incarnation: still taken
+    assert {m.route.req_id for m in out} == {req.route.req_id, call_id}
+    assert s.map is not None and s.map.version == 3
+    # only the first map after the switch: the next one is judged as usual
+    assert s.on_map(cmap(2), 0.7) == []
+
+
+def test_passive_parks_a_request_and_leaves_a_broker_call_waiting() -> None:
+    s = session()
+    req = only_send(submit(s, "a"))
+    assert s.on_reply(reply(req.route.req_id, "PASSIVE", passive=True), 0.1) == []
+    assert len(s) == 1
+    again = sent(s.tick(1.0))
+    assert [m.route.req_id for m in again] == [req.route.req_id]
+    call_id, _ = s.call(MsgType.TASK, {"op": "next", "job": "j"}, "t", 1.0)
+    passive = answer(MsgType.TASK, call_id, {"st": "PASSIVE", "passive": True})
+    assert s.on_reply(passive, 1.1) == []
+    assert len(s) == 2
+    done = s.on_reply(answer(MsgType.TASK, call_id, {"st": "OK", "task": None}), 1.2)
+    assert len(done) == 1 and isinstance(done[0], Deliver)
+
+
+def test_unsent_parks_a_request_for_its_backoff() -> None:
+    s = session()
+    req = only_send(submit(s, "a"))
+    s.unsent(req.route.req_id, 0.0)
+    assert s.tick(0.001) == []
+    assert [m.route.req_id for m in sent(s.tick(1.0))] == [req.route.req_id]
+    s.unsent(12345, 1.0)  # unknown: nothing happens
+
+
+def test_choice_one_endpoint_never_switches_nor_fences() -> None:
+    c = BrokerChoice(1, silence=0.5, retry=0.1, now=0.0)
+    assert c.tick(100.0) is None
+    assert c.heard(0, None, 100.0) is False
+    with pytest.raises(ValueError):
+        BrokerChoice(0, silence=0.5, retry=0.1, now=0.0)
+
+
+def test_choice_switches_after_silence_and_back() -> None:
+    c = BrokerChoice(2, silence=0.5, retry=0.1, now=0.0)
+    assert c.tick(0.3) is None
+    c.heard(0, 1, 0.3)  # the active broker (term 1) speaks
+    assert c.tick(0.7) is None
+    assert c.tick(0.8) == "switch" and c.current == 1
+    assert c.tick(1.0) is None
+    assert c.tick(1.3) == "switch" and c.current == 0  # the other one is silent too
+    assert c.switches == 2
+
+
+def test_choice_retries_a_passive_broker_while_the_other_is_silent() -> None:
+    c = BrokerChoice(2, silence=0.5, retry=0.1, now=0.0)
+    assert c.tick(0.5) == "switch" and c.current == 1
+    c.refused(1, 0.55)
+    c.refused(0, 0.55)  # not the current one: ignored
+    assert c.tick(0.6) is None
+    assert c.tick(0.65) == "hello"
+    assert c.tick(0.75) == "hello"
+    # the standby took over: its map (term 2) keeps it current and stops the retries
+    assert c.heard(1, 2, 0.8) is False
+    assert c.tick(0.95) is None
+    assert c.tick(1.31) == "switch"  # then silent for a whole timeout again
+
+
+def test_choice_follows_a_newer_term_and_fences_an_older_one() -> None:
+    c = BrokerChoice(2, silence=0.5, retry=0.1, now=0.0)
+    assert c.heard(0, 1, 0.1) is False and c.term == 1
+    # the other broker took over with term 2: follow it at once
+    assert c.heard(1, 2, 0.2) is True and c.current == 1 and c.term == 2
+    # the old one resumes from a pause, still stamping term 1: dropped
+    assert c.heard(0, 1, 0.3) is None and c.current == 1
+    # a reply forwarded by the old one (no term) does not switch nor keep it alive
+    assert c.heard(0, None, 0.4) is False and c.current == 1
+    assert c.tick(0.75) == "switch"  # nothing from broker 1 since 0.2
+
+
+def test_broker_endpoints_one_a_pair_or_a_list() -> None:
+    a, b = "tcp://a:5555", "tcp://b:5555"
+    assert broker_endpoints(a) == (a,)
+    assert broker_endpoints(f"{a}, {b}") == (a, b)
+    assert broker_endpoints([a, b]) == (a, b)
+    assert ShardConfig(broker=f"{a},{b}").endpoints == (a, b)
+    assert ShardConfig(brokers=(a, b)).endpoints == (a, b)
+    assert WorkerConfig().endpoints == (WorkerConfig.broker,)
+    for bad, what in [
+        ([a, b, "tcp://c:1"], "one broker endpoint or a pair"),
+        ([a, a], "twice"),
+        ("a:5555", "ZeroMQ endpoint"),
+        (5555, "an endpoint or a list"),
+        ([], "one broker endpoint or a pair"),
+    ]:
+        with pytest.raises(ConfigError, match=what):
+            broker_endpoints(bad)
+    with pytest.raises(ConfigError, match=r"shard\.brokers"):
+        ShardConfig(brokers=("nope",))

@@ -417,10 +417,13 @@ def test_a_claim_older_than_the_known_epoch_is_refused_even_on_a_lost_partition(
     reg(cs, "a", claim=claim_primary(0, 5))
     cs.node_gone("a")
     assert cs.is_lost(0)
-    assert reg(cs, "old", claim=claim_primary(0, 4)) == [spare("old")]
+    # The older copy is kept where it is (not made a spare) in case an operator wants it.
+    assert reg(cs, "old", claim=claim_primary(0, 4)) == []
     assert cs.primary_of(0) is None and cs.is_lost(0)
-    # The shard that holds the data at the known epoch may claim it back.
-    assert reg(cs, "back", claim=claim_primary(0, 5)) == [primary("back", 0, 5)]
+    assert cs.shards["old"].held == claim_primary(0, 4)
+    # The shard that holds the data at the known epoch may claim it back; the older
+    # copy is let go.
+    assert reg(cs, "back", claim=claim_primary(0, 5)) == [primary("back", 0, 5), spare("old")]
     assert not cs.is_lost(0) and part(cs, 0).epoch == 5
 
 
@@ -677,7 +680,8 @@ class Sim:
             )
 
         if known is not None:  # a re-registration: it is told what it is, nothing changes
-            assert event() == [known] and cs.map_version == version
+            held = cs.shards[node].held is not None
+            assert event() == ([] if held else [known]) and cs.map_version == version
             return
         lost = {p for p in range(N_PARTITIONS) if cs.is_lost(p)}
         self._step(event, node, claim)
@@ -724,9 +728,12 @@ class Sim:
         self._step(lambda: self.cs.tick(self.now))
 
     def broker_restart(self) -> None:
+        """A new broker that loads what the old one recorded (as from its data dir)."""
+        old = self.cs
         self.cs = ClusterState(
             N_PARTITIONS, n_slots=16, replication=self.replication, hold_until=self.now + HOLD
         )
+        self.cs.restore(old.map_version, old.records())
 
     # -- checks ----------------------------------------------------------------
 
@@ -748,13 +755,23 @@ class Sim:
         for node, a in by_node(out).items():
             assert a == cs.assignment_of(node)  # the last one sent is the truth
         if claimant in cs.shards and claimant not in by_node(out):
-            # A replica claim granted with no primary to follow yet: it keeps what it has.
             shard = cs.shards[claimant]
-            assert claim is not None and shard.role is Role.REPLICA
-            assert shard.partition is not None and cs.primary_of(shard.partition) is None
-            self.beliefs[claimant] = Assignment(
-                claimant, Role.REPLICA, claim.partition, claim.epoch
-            )
+            assert claim is not None
+            if shard.held is not None:
+                # A copy older than the partition's floor: kept, and the shard keeps
+                # believing what it claimed until it is told otherwise.
+                assert shard.held == claim and shard.role is Role.SPARE
+                assert cs.primary_of(claim.partition) is None
+                self.beliefs[claimant] = Assignment(
+                    claimant, claim.role, claim.partition, claim.epoch
+                )
+            else:
+                # A replica claim granted with no primary to follow yet: it keeps what it has.
+                assert shard.role is Role.REPLICA
+                assert shard.partition is not None and cs.primary_of(shard.partition) is None
+                self.beliefs[claimant] = Assignment(
+                    claimant, Role.REPLICA, claim.partition, claim.epoch
+                )
         if dict(cs.map.partitions) != dict(old_map.partitions):
             assert cs.map_version > old_version
         if cs.map_version != old_version:
@@ -812,8 +829,11 @@ class Sim:
                 assert shard.node_id in cs.map.partitions[shard.partition].replicas
             else:
                 assert shard.partition is None and shard.node_id not in seen
-            # Every shard was told its current role.
-            assert _view(self.beliefs.get(shard.node_id)) == _view(cs.assignment_of(shard.node_id))
+            # Every shard was told its current role (one holding an old copy keeps it).
+            if shard.held is None:
+                assert _view(self.beliefs.get(shard.node_id)) == _view(
+                    cs.assignment_of(shard.node_id)
+                )
         m = cs.map
         assert m.version == cs.map_version
         assert dict(ClusterMap.from_wire(m.to_wire()).partitions) == dict(m.partitions)
@@ -947,3 +967,216 @@ def test_random_sequences_keep_the_invariants() -> None:
         random_walk(rng, sim, 60)
         promotions += sim.promotions
     assert promotions > 20  # the walk does reach failovers
+
+
+# ---- what survives a restart: floors, held copies, the operator's reset ----------------
+
+
+def hb(cs: ClusterState, node: str, lsn: int) -> None:
+    """A heartbeat of ``node`` at its current epoch."""
+    cs.report(node, lsn=lsn, epoch=cs.shards[node].epoch, in_sync=None)
+
+
+def restarted(cs: ClusterState, now: float, hold: float = 5.0) -> ClusterState:
+    """A new broker that loads what ``cs`` recorded."""
+    new = ClusterState(
+        cs.n_partitions, n_slots=cs.n_slots, replication=cs.replication, hold_until=now + hold
+    )
+    new.restore(cs.map_version, cs.records())
+    return new
+
+
+def test_a_primary_heartbeat_raises_the_floor_and_the_record_keeps_it() -> None:
+    cs = ClusterState(2, n_slots=16)
+    reg(cs, "a")
+    reg(cs, "b")
+    assert cs.floor_of(1) == (0, 0)  # assigned, not yet confirmed
+    hb(cs, "a", 10)
+    hb(cs, "a", 7)  # never lowered
+    hb(cs, "b", 0)
+    assert cs.floor_of(0) == (1, 10) and cs.floor_of(1) == (1, 0)
+    rec = cs.records()
+    assert [(r.epoch, r.floor_epoch, r.floor_lsn, r.hosts) for r in rec] == [
+        (1, 1, 10, ("h",)),
+        (1, 1, 0, ("h",)),
+    ]
+    # A heartbeat from another epoch (a stale primary) does not count.
+    cs.report("a", lsn=99, epoch=0, in_sync=None)
+    assert cs.floor_of(0) == (1, 10)
+
+
+def test_after_a_restart_an_empty_shard_never_gets_a_known_partition() -> None:
+    cs = ClusterState(1, n_slots=16)
+    reg(cs, "a")
+    hb(cs, "a", 50)
+    cs = restarted(cs, now=100.0, hold=3.0)
+    assert cs.partition_state(0, 101.0) == "holding"
+    assert cs.tick(104.0) == []
+    assert cs.is_lost(0) and cs.partition_state(0, 104.0) == "lost"
+    assert any("partition 0 is lost" in m for level, m in cs.notices if level == "error")
+    assert reg(cs, "empty", now=105.0) == [spare("empty")]
+    assert cs.primary_of(0) is None
+    # The copy that held it comes back: it gets its partition, the empty shard
+    # (replication 1) stays spare.
+    assert by_node(reg(cs, "holder", claim=claim_primary(0, 1, 50), now=106.0)) == {
+        "holder": primary("holder", 0, 1)
+    }
+    assert not cs.is_lost(0)
+
+
+def test_an_older_copy_is_held_until_a_newer_one_or_the_operator() -> None:
+    cs = ClusterState(1, n_slots=16, replication=2)
+    reg(cs, "a")
+    hb(cs, "a", 80)
+    cs = restarted(cs, now=10.0, hold=1.0)
+    cs.tick(12.0)
+    assert reg(cs, "stale", claim=claim_primary(0, 1, 60), now=13.0) == []
+    assert cs.shards["stale"].held == claim_primary(0, 1, 60)
+    assert cs.primary_of(0) is None and cs.is_lost(0)
+    errors = [m for level, m in cs.notices if level == "error"]
+    assert any("LSN 60" in m and "LSN 80" in m and "--accept-data-loss" in m for m in errors)
+    report = cs.status(13.0, {})["partitions"][0]
+    assert report["state"] == "lost" and report["floor"] == {"epoch": 1, "lsn": 80}
+    assert report["held_copies"] == [{"node": "stale", "host": "h", "epoch": 1, "lsn": 60}]
+    # The stale copy is no spare: another partition's shortage does not take it.
+    assert reg(cs, "empty", now=14.0) == [spare("empty")]
+    assert cs.shards["stale"].role is Role.SPARE and cs.shards["stale"].held is not None
+    # The operator accepts the loss: the newest held copy serves it at a new epoch
+    # (keeping its data), the empty shard becomes its replica.
+    out = by_node(cs.reset_partition(0, now=15.0))
+    assert out["stale"] == primary("stale", 0, 2)
+    assert out["empty"] == replica("empty", 0, 2, "stale")
+    assert not cs.is_lost(0) and cs.shards["stale"].held is None
+
+
+def test_reset_without_any_copy_gives_the_partition_to_an_empty_shard() -> None:
+    cs = ClusterState(1, n_slots=16)
+    reg(cs, "a")
+    cs.node_gone("a")
+    assert cs.is_lost(0)
+    with pytest.raises(ValueError, match="no partition 3"):
+        cs.reset_partition(3, now=1.0)
+    assert cs.reset_partition(0, now=1.0) == []  # no shard yet: the next one takes it
+    assert reg(cs, "fresh", now=2.0) == [primary("fresh", 0, 2)]
+    with pytest.raises(ValueError, match="served by fresh"):
+        cs.reset_partition(0, now=3.0)
+
+
+def test_reset_is_refused_during_the_hold() -> None:
+    cs = ClusterState(1, n_slots=16, hold_until=10.0)
+    with pytest.raises(ValueError, match="collecting"):
+        cs.reset_partition(0, now=1.0)
+
+
+def test_an_unconfirmed_promotion_does_not_strand_the_older_copies() -> None:
+    """Everything stopped at once: the broker promoted a replica that was already
+    leaving, so no primary ever confirmed the new epoch; the copies at the confirmed
+    epoch and LSN may take the partition back (at a newer epoch)."""
+    cs = ClusterState(1, n_slots=16, replication=2)
+    reg(cs, "a")
+    reg(cs, "b")
+    cs.report("a", lsn=30, epoch=1, in_sync=["b"])
+    cs.report("b", lsn=30, epoch=1)
+    cs.node_gone("a")  # b is promoted at epoch 2 ...
+    assert cs.primary_of(0) == "b" and part(cs, 0).epoch == 2
+    cs.node_gone("b")  # ... and leaves before it ever said so
+    assert cs.is_lost(0) and cs.floor_of(0) == (1, 30)
+    cs = restarted(cs, now=10.0, hold=1.0)
+    out = reg(cs, "b2", claim=claim_primary(0, 1, 30), now=10.5)
+    assert out == [primary("b2", 0, 3)]
+
+
+def test_a_confirmed_newer_epoch_refuses_the_old_history() -> None:
+    cs = ClusterState(1, n_slots=16, replication=2)
+    reg(cs, "a")
+    reg(cs, "b")
+    cs.report("a", lsn=30, epoch=1, in_sync=["b"])
+    cs.report("b", lsn=25, epoch=1)
+    cs.node_gone("a")
+    hb(cs, "b", 26)  # b wrote at epoch 2
+    cs.node_gone("b")
+    assert cs.floor_of(0) == (2, 26)
+    assert reg(cs, "a2", claim=claim_primary(0, 1, 30)) == []  # longer, but another history
+    # b's copy is trusted; a2's older one is let go and, replication 2, follows it.
+    out = reg(cs, "b2", claim=claim_primary(0, 2, 26))
+    assert out == [primary("b2", 0, 2), replica("a2", 0, 2, "b2")]
+
+
+def test_restore_refuses_another_shape() -> None:
+    cs = ClusterState(2, n_slots=16)
+    with pytest.raises(ValueError, match="1 partitions"):
+        cs.restore(3, ClusterState(1, n_slots=16).records())
+
+
+# ---- placement by host and zone ----------------------------------------------------------
+
+
+def reg_on(
+    cs: ClusterState, node: str, host: str, zone: str = "", now: float = 0.0
+) -> list[Assignment]:
+    return cs.register_shard(node, host=host, pid=1, address=f"tcp://{node}", now=now, zone=zone)
+
+
+def hosts_of(cs: ClusterState, p: int) -> list[str]:
+    info = part(cs, p)
+    return [cs.shards[n].host for n in (info.primary, *info.replicas) if n is not None]
+
+
+def test_replicas_go_to_another_host_when_a_spare_there_exists() -> None:
+    cs = ClusterState(2, n_slots=16, replication=2, hold_until=1.0)
+    for node, host in [("a1", "A"), ("a2", "A"), ("b1", "B"), ("b2", "B")]:
+        reg_on(cs, node, host)
+    cs.tick(2.0)
+    for p in (0, 1):
+        assert sorted(hosts_of(cs, p)) == ["A", "B"]
+    assert cs.status(2.0, {})["placement_warnings"] == []
+
+
+def test_the_partition_with_fewer_good_choices_picks_first() -> None:
+    # Primaries on A and C; spares on C and B: p0 (on A) can take either, p1 (on C)
+    # only B. Registration order alone would give B to p0 and C to p1.
+    cs = ClusterState(2, n_slots=16, replication=2, hold_until=1.0)
+    for node, host in [("a", "A"), ("c", "C"), ("sb", "B"), ("sc", "C")]:
+        reg_on(cs, node, host)
+    cs.tick(2.0)
+    assert sorted(hosts_of(cs, 0)) == ["A", "C"] and sorted(hosts_of(cs, 1)) == ["B", "C"]
+
+
+def test_zones_are_kept_apart_too() -> None:
+    cs = ClusterState(1, n_slots=16, replication=2, hold_until=1.0)
+    reg_on(cs, "p", "h1", "z1", now=0.1)
+    reg_on(cs, "same-zone", "h2", "z1", now=0.2)
+    reg_on(cs, "other-zone", "h3", "z2", now=0.3)
+    cs.tick(2.0)
+    assert part(cs, 0).replicas == ("other-zone",)
+
+
+def test_copies_share_a_host_only_without_a_choice_and_status_says_so() -> None:
+    cs = ClusterState(1, n_slots=16, replication=2)
+    reg_on(cs, "a1", "A")
+    reg_on(cs, "a2", "A")
+    assert hosts_of(cs, 0) == ["A", "A"]
+    report = cs.status(0.0, {})
+    assert report["partitions"][0]["placement"].startswith("2 copies on host A")
+    assert report["placement_warnings"] == [f"partition 0: {report['partitions'][0]['placement']}"]
+    # A shard on another host turns up: it becomes an extra replica, and the one
+    # sharing A leaves once the new one is in sync.
+    cs.report("a1", lsn=5, epoch=1, in_sync=["a2"])
+    reg_on(cs, "b", "B", now=1.0)
+    out = cs.tick(1.0)
+    assert out == [replica("b", 0, 1, "a1")] and part(cs, 0).replicas == ("a2", "b")
+    assert cs.tick(1.1) == []  # not before b is in sync
+    cs.report("a1", lsn=6, epoch=1, in_sync=["a2", "b"])
+    assert cs.tick(1.2) == [spare("a2")]
+    assert part(cs, 0).replicas == ("b",) and part(cs, 0).in_sync == ("b",)
+    assert cs.status(1.2, {})["placement_warnings"] == []
+    assert cs.tick(1.3) == []
+
+
+def test_the_floor_follows_what_the_primary_s_log_holds() -> None:
+    cs = ClusterState(1, n_slots=16)
+    reg(cs, "a")
+    cs.report("a", lsn=100, epoch=1, durable=97)  # 98..100 applied, not yet logged
+    assert cs.floor_of(0) == (1, 97)
+    cs.report("a", lsn=120, epoch=1, durable=130)  # never past what it applied
+    assert cs.floor_of(0) == (1, 120)

@@ -146,7 +146,11 @@ def test_the_wire_keys_stay_those_the_peers_speak() -> None:
         "claim",
         "lsn",
         "public_key",
+        "zone",
+        "version",
+        "incarnation",
     }
+    assert set(ClientHello().to_wire()) == {"host", "pid", "name", "version"}
     assert set(ShardHeartbeat(in_sync=()).to_wire()) == {"t", "lsn", "epoch", "stats", "in_sync"}
     assert set(LeaseEcho(1.0, Role.PRIMARY, 0, 1).to_wire()) == {"t", "role", "partition", "epoch"}
     assert set(Assign(Role.SPARE, None, 0).to_wire()) == {

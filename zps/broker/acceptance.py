@@ -19,7 +19,9 @@ Rules, in the order they apply:
    still in the membership (a shard declared dead answers too late).
 4. An empty target marks a control message: REGISTER, HEARTBEAT or BYE, with a header
    its record accepts.
-5. Anything else is malformed: dropped and counted, never answered.
+5. A route frame of another protocol version (rules 2 and 4) is answered
+   ``VERSION_MISMATCH``, so the peer can say which versions differ.
+6. Anything else is malformed: dropped and counted, never answered.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeAlias
 
 from zps.errors import ProtocolError
-from zps.protocol.codec import BufferLike, MsgType, Route, decode, unpack_route
+from zps.protocol.codec import (
+    BufferLike,
+    MsgType,
+    Route,
+    VersionMismatchError,
+    decode,
+    unpack_route,
+)
 from zps.protocol.messages import (
     Bye,
     ClientControl,
@@ -105,6 +114,13 @@ class CommitReply:
 
 
 @dataclass(frozen=True, slots=True)
+class WrongVersion:
+    """A message in another protocol version: answered VERSION_MISMATCH (in this one)."""
+
+    error: VersionMismatchError
+
+
+@dataclass(frozen=True, slots=True)
 class Reject:
     """Dropped unanswered; ``counter`` names the broker statistic it counts in (``None``:
     not counted, it is harmless)."""
@@ -114,7 +130,14 @@ class Reject:
 
 
 Verdict: TypeAlias = (
-    RouteRequest | FromClient | BadClientRequest | FromShard | ForwardReply | CommitReply | Reject
+    RouteRequest
+    | FromClient
+    | BadClientRequest
+    | FromShard
+    | ForwardReply
+    | CommitReply
+    | WrongVersion
+    | Reject
 )
 
 
@@ -126,6 +149,8 @@ def accept(ident: bytes, frames: Sequence[BufferLike], members: Membership) -> V
         if ident.startswith(SHARD_PREFIX):
             return _from_shard(ident, frames, members)
         return _from_client(frames)
+    except VersionMismatchError as e:
+        return WrongVersion(e)
     except ProtocolError as e:
         return Reject(str(e))
 

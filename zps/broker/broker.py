@@ -32,6 +32,10 @@ that shard, echoing the shard's send time; a primary accepts writes only
 while such an answer is younger than its lease, which is shorter than the
 liveness timeout.  So a primary cut off from the broker (or paused) stops
 writing before the broker can promote anyone else.
+
+Broker pair: with ``pair_role`` set, :class:`~zps.broker.pair.Pair` admits each
+message first; a passive broker handles nothing (no timers run), and every
+control message an active one sends carries its term.
 """
 
 from __future__ import annotations
@@ -53,12 +57,16 @@ from zps.broker.acceptance import (
     FromShard,
     Reject,
     RouteRequest,
+    WrongVersion,
     accept,
 )
+from zps.broker.pair import Pair
+from zps.broker.statefile import StateFile, StateWriter
 from zps.broker.training import Training
+from zps.core.brokerstate import BrokerState
 from zps.core.cluster import Assignment, Claim, ClusterState
 from zps.core.membership import FailureDetector
-from zps.errors import ProtocolError
+from zps.errors import ConfigError, ProtocolError
 from zps.ops.config import BrokerConfig
 from zps.ops.metrics import (
     CounterMetricFamily,
@@ -69,9 +77,9 @@ from zps.ops.metrics import (
     gauge,
     labelled,
 )
-from zps.ops.security import load_curve_keys
+from zps.ops.security import KeyRoles, load_curve_keys, load_key_roles, warn_if_exposed
 from zps.ops.systemd import Notifier, watchdog_due
-from zps.protocol.codec import MsgType, Route, encode
+from zps.protocol.codec import PROTOCOL_VERSION, MsgType, Route, VersionMismatchError, encode
 from zps.protocol.messages import (
     Assign,
     Bye,
@@ -81,6 +89,7 @@ from zps.protocol.messages import (
     Heartbeat,
     LeaseEcho,
     MapUpdate,
+    Role,
     ShardClaim,
     ShardControl,
     ShardHeartbeat,
@@ -90,6 +99,7 @@ from zps.protocol.messages import (
     StatusRequest,
     TaskRequest,
 )
+from zps.version import __version__
 
 log = logging.getLogger("zps.broker")
 
@@ -109,6 +119,10 @@ class BrokerStats:
     dropped: int = 0
     #: Requests refused OVERLOADED (their shard's allowance was spent).
     overloaded: int = 0
+    #: Messages in another protocol version, answered VERSION_MISMATCH.
+    version_mismatch: int = 0
+    #: CURVE roles: messages from a key not entitled to the sender's identity, dropped.
+    unauthorized: int = 0
 
 
 class Broker:
@@ -134,19 +148,133 @@ class Broker:
         self._started = time.monotonic()
         self._last_beat = 0.0
         self._keys: dict[str, str] = {}  # shard -> CURVE public key (for its replicas)
-        self.metrics = MetricsServer(config.metrics, self._collect)
-        self.training = Training(self.state, self._send)
+        self._versions: dict[str, str] = {}  # node -> zps release (from REGISTER / HELLO)
+        self._incarnations: dict[str, str] = {}  # shard -> its process (from REGISTER)
+        self._mismatched: set[str] = set()  # peers warned about another protocol version
+        self._roles: KeyRoles | None = None  # CURVE roles: which keys may act as shards
+        self._bound_keys: dict[str, bytes] = {}  # node -> the key it authenticated with
+        self._refused: set[tuple[str, bytes | None]] = set()  # (node, key) warned about
+        self.metrics = MetricsServer(config.metrics, self._collect, ready=self._ready)
+        self.training = Training(self.state, self._send, self._send_durable)
+        self._record: BrokerState | None = None  # the newest state record produced
+        self._writer: StateWriter | None = None
+        if config.data_dir is not None:
+            self._load_state(StateFile(config.data_dir))
+        now = time.monotonic()
+        self._part_states = [self.state.partition_state(p, now) for p in range(config.partitions)]
+        self.pair = Pair(self) if config.pair_role is not None else None
+
+    # -- the state that survives a restart ------------------------------------------
+
+    def state_record(self) -> BrokerState:
+        """The broker's state as one record: the one place it is built (for the state
+        file, and for anything that mirrors this broker).  The version grows only
+        when the content changed."""
+        clocks, jobs = self.training.records()
+        last = self._record
+        rec = BrokerState(
+            version=(last.version if last else 0) + 1,
+            n_partitions=self.state.n_partitions,
+            n_slots=self.state.n_slots,
+            replication=self.state.replication,
+            map_version=self.state.map_version,
+            partitions=self.state.records(),
+            clocks=clocks,
+            jobs=jobs,
+        )
+        if last is not None and rec.same_content(last):
+            return last
+        self._record = rec
+        return rec
+
+    def apply_state(self, rec: BrokerState) -> None:
+        """Take over a recorded state (at start, before any node is known)."""
+        if (rec.n_partitions, rec.n_slots) != (self.config.partitions, self.config.slots):
+            raise ConfigError(
+                f"the broker state (version {rec.version}) is of a cluster of "
+                f"{rec.n_partitions} partitions and {rec.n_slots} slots; this broker was "
+                f"given {self.config.partitions} partitions and {self.config.slots} slots"
+            )
+        self.state.restore(rec.map_version, rec.partitions)
+        self.training.restore(rec.clocks, rec.jobs)
+        self._record = rec
+        # The recorded workers are watched like any peer: one that never speaks to
+        # this broker is declared dead (its tasks re-queued, its clock dropped).
+        now = time.monotonic()
+        for worker in {w for w, _, _ in rec.clocks.workers} | {
+            w for job in rec.jobs for _, w in job.held
+        }:
+            self.detector.seen(worker, now)
+
+    def _load_state(self, file: StateFile) -> None:
+        file.prepare()
+        rec = file.load()
+        if rec is None:
+            log.info("no broker state in %s yet: a new cluster", file.dir)
+        else:
+            self.apply_state(rec)
+            known = [p for p, r in enumerate(rec.partitions) if r.known]
+            log.info(
+                "restored the broker state (version %d) from %s: %d of %d partitions hold "
+                "data (epochs %s), %d job(s)%s",
+                rec.version,
+                file.path,
+                len(known),
+                rec.n_partitions,
+                ",".join(str(r.epoch) for r in rec.partitions),
+                len(rec.jobs),
+                f", sync step {rec.clocks.committing} committing"
+                if rec.clocks.committing is not None
+                else "",
+            )
+        self._writer = StateWriter(file, self.state_record, written=rec)
+
+    def _state_changed(self) -> None:
+        if self._writer is not None:
+            self._writer.changed()
+
+    def reset_state(self, now: float, *, hold: float) -> None:
+        """Forget every node and start holding for claims (a broker of a pair that
+        takes over, or steps down)."""
+        cfg = self.config
+        self.state = ClusterState(
+            cfg.partitions, cfg.slots, replication=cfg.replication, hold_until=now + hold
+        )
+        self.detector = FailureDetector(cfg.heartbeat.interval, cfg.heartbeat.liveness)
+        self.training = Training(self.state, self._send, self._send_durable)
+        self._routes = [None] * cfg.partitions
+        self._keys.clear()
+        self._part_states = [self.state.partition_state(p, now) for p in range(cfg.partitions)]
+
+    async def republish(self) -> None:
+        """Send the map to every node again (its version unchanged)."""
+        await self._publish_if_changed(-1)
 
     def stop(self) -> None:
         self._stop.set()
 
     async def run(self) -> None:
+        self.metrics.start()  # first: a port in use is an error before anything is bound
+        try:
+            await self._run()
+        finally:
+            self.metrics.stop()
+
+    async def _run(self) -> None:
         ctx = transport.new_context()
         keys = load_curve_keys(self.config.security)
-        auth = transport.start_authenticator(ctx, keys.allowed_dir) if keys else None
+        self._roles = roles = load_key_roles(self.config.security)
+        auth = (
+            transport.start_authenticator(
+                ctx, keys.allowed_dir, keys=roles.admitted if roles else None
+            )
+            if keys
+            else None
+        )
         self._sock, self.endpoint = transport.router(
             ctx, self.config.bind, max_message_bytes=self.config.max_message_bytes, curve=keys
         )
+        warn_if_exposed(self.config.bind, self.config.security, "the broker")
         self._out = transport.Outbound(
             self._sock,
             total_limit=self.config.queue_bytes,
@@ -163,7 +291,6 @@ class Broker:
             self.config.grace,
         )
         self.bound.set()
-        self.metrics.start()
         self.notifier.ready(f"listening on {self.endpoint}")
         self._alive()
         try:
@@ -171,13 +298,20 @@ class Broker:
                 tasks = [
                     tg.create_task(self._recv_loop()),
                     tg.create_task(self._tick_loop()),
+                    tg.create_task(self.metrics.loop_heartbeat()),
                 ]
+                if self.pair is not None:
+                    tasks.append(tg.create_task(self.pair.run(ctx)))
+                if self._writer is not None:
+                    self._writer.changed()  # the restored record, under this version
+                    tasks.append(tg.create_task(self._writer.run()))
                 await self._stop.wait()
                 self.notifier.stopping()
                 for t in tasks:
                     t.cancel()
         finally:
-            self.metrics.stop()
+            if self._writer is not None:
+                self._writer.flush()
             self._out.close()
             if auth is not None:
                 auth.stop()
@@ -207,6 +341,14 @@ class Broker:
                     grace=2 * self.config.heartbeat.interval,
                 )
         return posted
+
+    async def _send_durable(self, frames: list[Any]) -> bool:
+        """:meth:`_send` once the state as it is now is in the data dir (at once
+        without one)."""
+        if self._writer is None:
+            return await self._send(frames)
+        self._writer.after_write(lambda: self._post(frames))
+        return True
 
     async def _send(self, frames: list[Any]) -> bool:
         """:meth:`_post` for callers that only ask whether the peer is known."""
@@ -241,6 +383,8 @@ class Broker:
         """Broker-originated message (an answer carries its request's id); shards get the
         empty source frame."""
         prefix = [node, b""] if node.startswith(b"s-") else [node]
+        if self.pair is not None:  # fencing: shards and clients obey the highest term
+            header = {**header, "term": self.pair.term}
         await self._send([*prefix, *encode(Route(mtype, req_id=req_id), header)])
 
     async def _reply_error(self, client: bytes, route: Route, code: Status, message: str) -> None:
@@ -272,15 +416,53 @@ class Broker:
             )
 
     async def _publish_if_changed(self, before: int) -> None:
+        self._log_notices()
         if self.state.map_version == before:
             return
+        self._state_changed()
         for p in range(self.state.n_partitions):
             primary = self.state.primary_of(p)
             self._routes[p] = primary.encode() if primary else None
         wire = MapUpdate(self.state.map.to_wire()).to_wire()
         for node in [*self.state.clients, *self.state.shards]:
             await self._control(node.encode(), MsgType.MAP, wire)
+        self._log_partition_states(time.monotonic())
         await self.training.on_map_change()
+
+    def _log_notices(self) -> None:
+        for level, message in self.state.notices:
+            log.log(logging.ERROR if level == "error" else logging.INFO, "%s", message)
+        self.state.notices.clear()
+
+    def _log_partition_states(self, now: float) -> None:
+        """Log each change of a partition's state once: lost at ERROR, a copy gone
+        (ok -> degraded) at WARNING, the rest (recoveries, start-up) at INFO."""
+        for p, old in enumerate(self._part_states):
+            new = self.state.partition_state(p, now)
+            if new == old:
+                continue
+            self._part_states[p] = new
+            level = (
+                logging.ERROR
+                if new == "lost"
+                else logging.WARNING
+                if new == "degraded" and old == "ok"
+                else logging.INFO
+            )
+            why = {
+                "lost": "no copy left; its requests fail until a shard holding it registers",
+                "degraded": "fewer copies in sync than configured",
+            }.get(new, "")
+            primary = self.state.primary_of(p)
+            log.log(
+                level,
+                "partition %d: %s -> %s%s%s",
+                p,
+                old,
+                new,
+                f" (primary {primary})" if primary and new in ("ok", "degraded") else "",
+                f": {why}" if why else "",
+            )
 
     # -- receiving -----------------------------------------------------------
 
@@ -301,6 +483,10 @@ class Broker:
         now = time.monotonic()
         ident = transport.frame_bytes(frames[0])
         node = ident.decode("utf-8", "replace")
+        if self._roles is not None and not self._authorised(ident, node, frames[1]):
+            return
+        if self.pair is not None and not await self.pair.admit(ident, frames, now):
+            return  # a standby: answered PASSIVE, or a shard noted
         self.detector.seen(node, now)
         before = self.state.map_version
         verdict = accept(ident, [transport.frame_buffer(f) for f in frames[1:]], self.state)
@@ -319,6 +505,9 @@ class Broker:
                     await self._send([target, *frames[2:]])
                 case CommitReply(route, header):
                     await self.training.on_commit_reply(route, header)
+                    self._state_changed()
+                case WrongVersion(error):
+                    self._wrong_version(ident, node, error)
                 case Reject(reason, counter):
                     if counter == "malformed":
                         raise ProtocolError(reason)  # counted by _on_malformed
@@ -331,6 +520,60 @@ class Broker:
         finally:
             await self._publish_if_changed(before)
 
+    def _authorised(self, ident: bytes, node: str, frame: Any) -> bool:
+        """CURVE roles: a shard identity (``s-...``) needs a shard key, and an identity
+        stays bound to the key it first authenticated with while the broker knows the
+        node.  Anything else is dropped, counted, and warned about once."""
+        assert self._roles is not None
+        key = transport.sender_key(frame)
+        role = self._roles.role(key)
+        why = None
+        if key is None or role is None:
+            why = "its key is in no allow-list"
+        elif ident.startswith(b"s-") and role != "shard":
+            why = "a shard identity needs a key of security.allowed_shards_dir"
+        elif self._bound_keys.setdefault(node, key) != key:
+            why = "the identity belongs to another key"
+        if why is None:
+            return True
+        self.stats.unauthorized += 1
+        if (node, key) not in self._refused:
+            if len(self._refused) >= 4096:
+                self._refused.clear()
+            self._refused.add((node, key))
+            log.warning(
+                "refused messages from %s (key %s): %s",
+                node,
+                (key or b"?").decode("ascii", "replace"),
+                why,
+            )
+        return False
+
+    def _wrong_version(self, ident: bytes, node: str, error: VersionMismatchError) -> None:
+        """Answer VERSION_MISMATCH (in this protocol version); warn once per peer."""
+        self.stats.version_mismatch += 1
+        if node not in self._mismatched:
+            if len(self._mismatched) >= 4096:
+                self._mismatched.clear()
+            self._mismatched.add(node)
+            log.warning(
+                "%s %s speaks protocol version %d, this broker %d (zps %s): answered "
+                "VERSION_MISMATCH; see the compatibility rule in docs/design.md",
+                "shard" if ident.startswith(b"s-") else "client",
+                node,
+                error.version,
+                PROTOCOL_VERSION,
+                __version__,
+            )
+        reply = StatusReply(
+            Status.VERSION_MISMATCH,
+            f"this broker (zps {__version__}) speaks protocol version {PROTOCOL_VERSION}, "
+            f"the message was in version {error.version}",
+        )
+        route = Route(MsgType.REPLY, error.partition, error.epoch, error.req_id)
+        prefix = [ident, b""] if ident.startswith(b"s-") else [ident]
+        self._post([*prefix, *encode(route, reply.to_wire())])
+
     def _on_malformed(self, frames: transport.Frames, err: ProtocolError) -> None:
         self.stats.malformed += 1
         node = transport.frame_bytes(frames[0]).decode("utf-8", "replace") if frames else "?"
@@ -340,8 +583,9 @@ class Broker:
         self, ident: bytes, node: str, route: Route, message: ClientControl, now: float
     ) -> None:
         match message:
-            case ClientHello(host, pid, name):
+            case ClientHello(host, pid, name, version):
                 self.state.register_client(node, host=host, pid=pid, name=name, now=now)
+                self._versions[node] = version
                 log.info("client %s joined (%s pid %s)", node, host, pid)
                 await self._control(
                     ident, MsgType.MAP, MapUpdate(self.state.map.to_wire()).to_wire()
@@ -349,20 +593,34 @@ class Broker:
             case Heartbeat():
                 if node not in self.state.clients:  # the broker restarted: re-introduce
                     await self._control(ident, MsgType.HELLO, {})
-            case StatusRequest():
+            case StatusRequest(reset, accept_loss, drain, undrain):
+                result = None if reset is None else await self._reset(reset, accept_loss, now)
+                drained = (
+                    None
+                    if drain is None and undrain is None
+                    else await self._drain(drain or undrain or "", now, undo=drain is None)
+                )
                 if self._saturated(ident):
                     self.stats.dropped += 1  # it reads nothing: spare the work
                     return
-                await self._control(ident, MsgType.STATUS, self.status(now), route.req_id)
+                report = self.status(now)
+                if result is not None:
+                    report["reset"] = result
+                if drained is not None:
+                    report["drain"] = drained
+                await self._control(ident, MsgType.STATUS, report, route.req_id)
             case ClockRequest():
                 await self.training.on_clock(ident, node, route, message)
+                self._state_changed()
             case TaskRequest():
                 await self.training.on_task(ident, node, route, message)
+                self._state_changed()
             case Bye():
                 self.detector.forget(node)
                 self._forget_queue(ident)
                 self.state.node_gone(node, now)
                 await self.training.worker_gone(node)
+                self._state_changed()
             case _:
                 assert_never(message)
 
@@ -385,16 +643,22 @@ class Broker:
                 )
                 return
             self.stats.unavailable += 1
-            why = (
-                "no such partition"
-                if not 0 <= p < len(self._routes)
-                else "lost with its last copy"
-                if self.state.is_lost(p)
-                else "not yet assigned to a shard"
-            )
-            await self._reply_error(
-                ident, route, Status.SHARD_UNAVAILABLE, f"partition {p} has no live shard ({why})"
-            )
+            if 0 <= p < len(self._routes) and self.state.is_lost(p):
+                floor = self.state.floor_of(p)
+                message = (
+                    f"partition {p} is lost: no copy at epoch {floor[0]}, LSN {floor[1]} or "
+                    "newer is left; it is unavailable until a shard holding one registers "
+                    f"(or an operator runs zps-server reset-partition --partition {p} "
+                    "--accept-data-loss)"
+                )
+            else:
+                why = (
+                    "no such partition"
+                    if not 0 <= p < len(self._routes)
+                    else "not yet assigned to a shard"
+                )
+                message = f"partition {p} has no live shard ({why})"
+            await self._reply_error(ident, route, Status.SHARD_UNAVAILABLE, message)
             return
         posted = self._post([target, ident, *frames[1:]])
         if posted is transport.Posted.DROPPED:
@@ -420,8 +684,29 @@ class Broker:
         match message:
             case ShardRegister():
                 claim = _claim(message.claim)
+                earlier = self._incarnations.get(node)
+                if (
+                    earlier
+                    and message.incarnation
+                    and earlier != message.incarnation
+                    and node in self.state.shards
+                ):
+                    # A restarted shard (names are stable): its earlier process is gone,
+                    # with whatever it held; the new one is admitted afresh.
+                    log.warning(
+                        "shard %s registered again as a new process (%s pid %s): the "
+                        "earlier one is gone (two live shards must not share a name)",
+                        node,
+                        message.host,
+                        message.pid,
+                    )
+                    self._forget_queue(ident)
+                    self._keys.pop(node, None)
+                    await self._apply(self.state.node_gone(node, now))
+                self._incarnations[node] = message.incarnation
                 if message.public_key is not None:  # a Z85 CURVE public key
                     self._keys[node] = message.public_key
+                self._versions[node] = message.version
                 log.info(
                     "shard %s registered (%s pid %s, replication at %s)%s",
                     node,
@@ -441,6 +726,7 @@ class Broker:
                         address=message.address,
                         now=now,
                         claim=claim,
+                        zone=message.zone,
                     )
                 )
             case ShardHeartbeat():
@@ -454,7 +740,10 @@ class Broker:
                     stats=message.stats,
                     epoch=message.epoch,
                     in_sync=None if message.in_sync is None else list(message.in_sync),
+                    durable=message.durable,
                 )
+                if shard.role is Role.PRIMARY:
+                    self._state_changed()  # its LSN raises its partition's floor
                 # The echo renews the shard's lease, for exactly this role.
                 echo = LeaseEcho(message.t, shard.role, shard.partition, shard.epoch)
                 await self._control(ident, MsgType.HEARTBEAT, echo.to_wire())
@@ -475,7 +764,10 @@ class Broker:
             await asyncio.sleep(interval / 2)
             now = time.monotonic()
             self._last_tick = now
+            if self.pair is not None and not self.pair.active:
+                continue  # a standby watches no one
             before = self.state.map_version
+            held = self.state.holding(now - interval / 2) and not self.state.holding(now)
             for node in self.detector.tick(now):
                 kind = "shard" if node in self.state.shards else "client"
                 log.warning("%s %s missed its heartbeats; declared dead", kind, node)
@@ -484,15 +776,82 @@ class Broker:
                 await self._apply(self.state.node_gone(node, now))
                 if kind == "client":
                     await self.training.worker_gone(node)
+                self._state_changed()
             await self._apply(self.state.tick(now))
             await self._publish_if_changed(before)
+            if held:  # the start-up hold just ended: a sync commit may go out now
+                await self.training.on_map_change()
+            self._log_partition_states(now)
             if now - self._last_beat >= interval:
                 self._last_beat = now
                 # Shards get probes too: a failed send is the fastest sign of death.
                 for node in [*self.state.clients, *self.state.shards]:
                     await self._control(node.encode(), MsgType.HEARTBEAT, {})
 
+    def _ready(self) -> tuple[bool, str]:
+        """For ``/ready`` (called from the metrics thread): the broker serves the map."""
+        if not self.bound.is_set() or self._stop.is_set():
+            return False, "not listening"
+        if self.pair is not None and not self.pair.active:
+            return False, "the standby of a broker pair"
+        if self.state.holding(time.monotonic()):
+            return False, "collecting the shards' claims after a start"
+        return True, f"serving map v{self.state.map_version} on {self.endpoint}"
+
+    def _state_status(self) -> dict[str, Any] | None:
+        w = self._writer
+        if w is None:
+            return None
+        return {
+            "path": str(w.file.path),
+            "version": w.written.version if w.written else None,
+            "writes": w.writes,
+            "write_failures": w.failures,
+        }
+
+    async def _drain(self, node: str, now: float, *, undo: bool) -> dict[str, Any]:
+        """An operator's drain / undrain: answered in the status report."""
+        try:
+            out = self.state.undrain(node, now) if undo else self.state.drain(node, now)
+        except ValueError as e:
+            return {"ok": False, "msg": str(e)}
+        log.warning("shard %s %s by an operator", node, "undrained" if undo else "drained")
+        await self._apply(out)
+        self._state_changed()
+        return {
+            "ok": True,
+            "msg": f"{node} undrained: it may take roles again"
+            if undo
+            else f"{node} drained: it holds no role until `zps-server undrain {node}`",
+        }
+
+    async def _reset(self, p: int, accept_loss: bool, now: float) -> dict[str, Any]:
+        """An operator's reset-partition: answered in the status report."""
+        if not accept_loss:
+            return {"ok": False, "msg": "reset-partition needs accept_data_loss"}
+        try:
+            out = self.state.reset_partition(p, now)
+        except ValueError as e:
+            return {"ok": False, "msg": str(e)}
+        await self._apply(out)
+        self._state_changed()
+        primary = self.state.primary_of(p)
+        return {
+            "ok": True,
+            "msg": f"partition {p} reset: "
+            + (
+                f"served by {primary} at epoch {self.state.map.partitions[p].epoch}"
+                if primary
+                else "the next shard to register takes it"
+            ),
+        }
+
     def _forget_queue(self, ident: bytes) -> None:
+        """A peer left: drop what is held for it (and its recorded release)."""
+        node = ident.decode("utf-8", "replace")
+        self._versions.pop(node, None)
+        self._incarnations.pop(node, None)
+        self._bound_keys.pop(node, None)
         if self._out is not None:
             self._out.forget(ident)
 
@@ -534,7 +893,11 @@ class Broker:
         nodes = [*self.state.shards, *self.state.clients]
         report = self.state.status(now, {n: self.detector.last_seen(n) for n in nodes})
         report["training"] = self.training.status()
+        for entry in (*report["shards"], *report["clients"]):
+            entry["version"] = self._versions.get(entry["node"]) or None
         report["broker"] = {
+            "version": __version__,
+            "protocol": PROTOCOL_VERSION,
             "pid": os.getpid(),
             "endpoint": self.endpoint,
             "uptime_s": round(now - self._started, 1),
@@ -542,7 +905,10 @@ class Broker:
             "liveness": self.config.heartbeat.liveness,
             **vars(self.stats),
             "flow": self.flow(),
+            "state": self._state_status(),
         }
+        if self.pair is not None:
+            report["pair"] = self.pair.status(now)
         return report
 
 
@@ -561,13 +927,16 @@ def _collect_status(report: dict[str, Any]) -> Iterable[Metric]:
     )
     yield gauge("zps_map_version", "Version of the cluster map", report["map_version"])
     lag = GaugeMetricFamily(
-        "zps_replication_lag", "Primary LSN minus the replica's", labels=["partition", "replica"]
+        "zps_broker_replica_lag_updates",
+        "Updates the replica's last reported LSN is behind its primary's",
+        labels=["partition", "replica"],
     )
     for p in report["partitions"]:
         for r in p["replicas"]:
             if r["lag"] is not None:
                 lag.add_metric([str(p["partition"]), r["node"]], r["lag"])
-    yield lag
+    if lag.samples:
+        yield lag
 
 
 def _claim(claim: ShardClaim | None) -> Claim | None:

@@ -9,10 +9,12 @@ their calls.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from zps.broker.acceptance import COMMIT_TARGET
+from zps.core.brokerstate import ClockRecord, JobRecord
 from zps.core.cluster import ClusterState
 from zps.core.coord import Clocks, Job, JobFailed
 from zps.protocol.codec import MsgType, Route, encode
@@ -24,17 +26,38 @@ Send = Callable[[list[Any]], Awaitable[bool]]
 
 
 class Training:
-    def __init__(self, state: ClusterState, send: Send) -> None:
+    """``send_durable`` sends once the broker's state, as it is now, is on disk: task
+    replies go that way, so a task handed out or reported done is never forgotten by
+    a restarted broker (clocks need not: workers re-send their ticks)."""
+
+    def __init__(self, state: ClusterState, send: Send, send_durable: Send | None = None) -> None:
         self.state = state
         self.send = send
+        self.send_durable = send_durable or send
         self.clocks = Clocks()
         self.jobs: dict[str, Job] = {}
         self._tick_waiters: dict[str, tuple[bytes, Route]] = {}
         self._task_waiters: list[tuple[bytes, str, Route, str]] = []
         self._commit_pending: set[int] = set()
 
+    # -- what survives a restart -------------------------------------------------
+
+    def records(self) -> tuple[ClockRecord, tuple[JobRecord, ...]]:
+        return self.clocks.to_record(), tuple(job.to_record() for job in self.jobs.values())
+
+    def restore(self, clocks: ClockRecord, jobs: tuple[JobRecord, ...]) -> None:
+        """Take over a previous broker's jobs.  Callers re-send their unanswered calls
+        to a restarted broker, so parked ticks and task requests come back by
+        themselves; a sync commit in progress is sent again once the start-up hold
+        has ended (a primary granted during the hold may still be displaced)."""
+        self.clocks = Clocks.from_record(clocks)
+        self.jobs = {rec.name: Job.from_record(rec) for rec in jobs}
+        if self.clocks.committing is not None:
+            self._commit_pending = set(range(self.state.n_partitions))
+
     async def _reply(self, ident: bytes, route: Route, header: dict[str, Any]) -> None:
-        await self.send([ident, *encode(Route(route.mtype, req_id=route.req_id), header)])
+        send = self.send_durable if route.mtype is MsgType.TASK else self.send
+        await send([ident, *encode(Route(route.mtype, req_id=route.req_id), header)])
 
     async def _status(self, ident: bytes, route: Route, status: Status, msg: str) -> None:
         await self._reply(ident, route, StatusReply(status, msg).to_wire())
@@ -68,6 +91,8 @@ class Training:
     async def advance(self) -> None:
         """Release whoever may go on; start a sync commit when a step is complete."""
         if self.clocks.mode is Mode.SYNC:
+            # A tick for a step already committed (re-sent after a broker took over).
+            await self._release(self.clocks.sync_released())
             step = self.clocks.sync_ready()
             if step is not None:
                 self._commit_pending = set(range(self.state.n_partitions))
@@ -88,8 +113,8 @@ class Training:
     async def _send_commit(self, p: int) -> None:
         step = self.clocks.committing
         primary = self.state.primary_of(p)
-        if step is None or primary is None:
-            return  # sent again when the map names a primary
+        if step is None or primary is None or self.state.holding(time.monotonic()):
+            return  # sent again when the map names a primary (or the hold ends)
         epoch = self.state.map.partitions[p].epoch
         header = {
             "cid": b"broker",

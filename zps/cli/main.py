@@ -1,7 +1,9 @@
-"""Command lines: ``zps-server {broker,shard,status,keygen,demo}`` and ``zps-worker``.
+"""Command lines: ``zps-server {broker,shard,status,drain,undrain,check-config,keygen,
+demo,...}`` and ``zps-worker``.
 
 ``main`` functions take ``argv`` and return an exit code: 0 on success, 1 on
-a runtime error, 2 on invalid arguments or configuration.  Settings come from
+a runtime error, 2 on invalid arguments or configuration (``status --check`` and
+``check-config`` document their own).  Settings come from
 flags, then the TOML file (``--config``, else ``$ZPS_CONFIG``, else
 ``/etc/zps/zps.toml`` if it exists), then defaults; the drivers run on
 uvloop until SIGTERM or SIGINT asks them to stop gracefully.
@@ -25,13 +27,14 @@ from dataclasses import replace
 from typing import Any, cast
 
 from zps.errors import ConfigError, ZpsError
-from zps.ops import malloc
+from zps.ops import logs, malloc
 from zps.ops.config import (
     DEFAULT_CONFIG_PATH,
     BrokerConfig,
     Checkpoint,
     ClientConfig,
     Heartbeat,
+    Metrics,
     Settings,
     ShardConfig,
     load_settings,
@@ -44,11 +47,8 @@ LEVELS = ["debug", "info", "warning", "error"]
 
 
 def setup_logging(level: str, environ: Mapping[str, str] = os.environ) -> None:
-    # journald stamps every line itself; elsewhere, add the time.
-    stamp = "" if environ.get("JOURNAL_STREAM") else "%(asctime)s "
-    logging.basicConfig(
-        level=level.upper(), stream=sys.stderr, format=f"{stamp}%(levelname)s %(name)s: %(message)s"
-    )
+    # Under journald: <N> priority prefixes and no time stamp (see zps.ops.logs).
+    logs.setup_logging(level, environ, sys.stderr)
 
 
 def run_async(main: Coroutine[Any, Any, int]) -> int:
@@ -75,6 +75,18 @@ def _settings(args: argparse.Namespace, environ: Mapping[str, str] = os.environ)
 
 def _heartbeat(args: argparse.Namespace, base: Heartbeat) -> Heartbeat:
     return override(base, interval=args.heartbeat_interval, liveness=args.liveness)
+
+
+def version_line(prog: str) -> str:
+    """What ``--version`` prints: the release and the wire protocol version."""
+    from zps.protocol.codec import PROTOCOL_VERSION
+    from zps.version import __version__
+
+    return f"{prog} {__version__} (zps protocol {PROTOCOL_VERSION})"
+
+
+def _add_version(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--version", action="version", version=version_line(p.prog))
 
 
 def _add_common(p: argparse.ArgumentParser, *, heartbeat: bool = True) -> None:
@@ -109,8 +121,13 @@ def broker_config(args: argparse.Namespace, settings: Settings) -> BrokerConfig:
         replication=args.replication,
         slots=args.slots,
         startup_grace=args.startup_grace,
+        data_dir=args.data_dir,
+        pair_role=args.pair_role,
+        peer=args.peer,
+        peer_bind=args.peer_bind,
+        peer_timeout=args.peer_timeout,
         heartbeat=_heartbeat(args, base.heartbeat),
-        metrics=override(base.metrics, port=args.metrics_port),
+        metrics=override(base.metrics, port=args.metrics_port, host=args.metrics_host),
     )
 
 
@@ -120,10 +137,15 @@ def shard_config(args: argparse.Namespace, settings: Settings) -> ShardConfig:
         base,
         broker=args.broker,
         data_dir=args.data_dir,
+        name=args.name,
         replication_bind=args.replication_bind,
         advertise_host=args.advertise_host,
+        host=args.host,
+        zone=args.zone,
+        durability=args.durability,
+        durability_interval=args.durability_interval,
         heartbeat=_heartbeat(args, base.heartbeat),
-        metrics=override(base.metrics, port=args.metrics_port),
+        metrics=override(base.metrics, port=args.metrics_port, host=args.metrics_host),
         checkpoint=override(
             base.checkpoint,
             interval_s=args.checkpoint_interval,
@@ -151,22 +173,107 @@ async def _serve_shard(config: ShardConfig) -> int:
     return 0
 
 
-async def _status(broker: str, client: ClientConfig, as_json: bool) -> int:
+#: ``zps-server status --check`` exit codes.
+CHECK_HEALTHY, CHECK_DEGRADED, CHECK_CRITICAL = 0, 1, 2
+
+
+def check_health(report: dict[str, Any]) -> tuple[int, str]:
+    """The verdict of ``status --check``: :data:`CHECK_HEALTHY` when every partition
+    is ``ok``; :data:`CHECK_DEGRADED` when every partition is served but some with
+    fewer copies in sync than configured (or the broker is still collecting claims);
+    :data:`CHECK_CRITICAL` when a partition is lost or has no shard."""
+    by_state: dict[str, list[int]] = {}
+    for p in report.get("partitions", []):
+        by_state.setdefault(p["state"], []).append(p["partition"])
+    n = len(report.get("partitions", []))
+
+    def listed(*states: str) -> str:
+        return "; ".join(
+            f"{s}: partition{'s' if len(by_state[s]) > 1 else ''} "
+            + ", ".join(map(str, by_state[s]))
+            for s in states
+            if s in by_state
+        )
+
+    if "lost" in by_state or "unassigned" in by_state:
+        return CHECK_CRITICAL, f"CRITICAL: {listed('lost', 'unassigned', 'degraded', 'holding')}"
+    if "degraded" in by_state or "holding" in by_state:
+        return CHECK_DEGRADED, f"DEGRADED: {listed('degraded', 'holding')}"
+    return CHECK_HEALTHY, f"OK: {n} partition{'s' if n != 1 else ''} ok"
+
+
+async def _status(broker: str, client: ClientConfig, as_json: bool, check: bool = False) -> int:
     from zps.client.client import connect
 
-    async with connect(broker, client) as ps:
-        report = await ps.status()
+    try:
+        async with connect(broker, client) as ps:
+            report = await ps.status()
+    except ZpsError as e:
+        if not check:
+            raise
+        print(f"CRITICAL: broker {broker} unreachable: {e}")
+        return CHECK_CRITICAL
     if as_json:
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
-    else:
+    if check:
+        code, verdict = check_health(report)
+        if not as_json:
+            print(verdict)
+        return code
+    if not as_json:
         print(format_status(report))
     return 0
 
 
-def _keygen(out_dir: str, name: str) -> int:
+async def _reset_partition(broker: str, client: ClientConfig, partition: int) -> int:
+    from zps.client.client import connect
+    from zps.protocol.codec import MsgType
+    from zps.protocol.messages import StatusRequest
+
+    request = StatusRequest(reset_partition=partition, accept_data_loss=True)
+    async with connect(broker, client) as ps:
+        # A STATUS call that carries the command; the report says what came of it.
+        report = await ps._broker_call(MsgType.STATUS, request.to_wire())
+    result = report.get("reset") or {"ok": False, "msg": "the broker did not answer the reset"}
+    print(result["msg"], file=sys.stdout if result["ok"] else sys.stderr)
+    return 0 if result["ok"] else 1
+
+
+async def _drain(broker: str, client: ClientConfig, node: str, *, undo: bool) -> int:
+    from zps.client.client import connect
+    from zps.protocol.codec import MsgType
+    from zps.protocol.messages import StatusRequest
+
+    request = StatusRequest(undrain=node) if undo else StatusRequest(drain=node)
+    async with connect(broker, client) as ps:
+        # A STATUS call that carries the command; the report says what came of it.
+        report = await ps._broker_call(MsgType.STATUS, request.to_wire())
+    result = report.get("drain") or {"ok": False, "msg": "the broker did not answer"}
+    print(result["msg"], file=sys.stdout if result["ok"] else sys.stderr)
+    return 0 if result["ok"] else 1
+
+
+def _check_config(path: str) -> int:
+    """Validate a settings file offline: every section and key, and the CURVE key files
+    it names (readable, of the right kind).  0: valid; 1: the first error, naming it."""
+    from zps.ops.security import load_curve_keys, load_key_roles
+
+    try:
+        settings = load_settings(path, required=True)
+        for config in (settings.broker, settings.shard, settings.client):
+            load_curve_keys(config.security)
+            load_key_roles(config.security)
+    except ConfigError as e:
+        print(f"{path}: invalid: {e}", file=sys.stderr)
+        return 1
+    print(f"{path}: ok")
+    return 0
+
+
+def _keygen(out_dir: str, name: str, *, force: bool = False, parents: bool = False) -> int:
     from zps.ops.security import write_keypair
 
-    public, secret = write_keypair(out_dir, name)
+    public, secret = write_keypair(out_dir, name, force=force, parents=parents)
     print(f"wrote {public} (public: give it to peers / the allow-list directory)")
     print(f"wrote {secret} (secret: keep it on this host, mode 0600)")
     return 0
@@ -175,11 +282,13 @@ def _keygen(out_dir: str, name: str) -> int:
 def format_status(report: dict[str, Any]) -> str:
     b = report.get("broker", {})
     lines = [
-        f"broker {b.get('endpoint')}  pid {b.get('pid')}  up {b.get('uptime_s')}s  "
+        f"broker {b.get('endpoint')}  zps {b.get('version') or '?'} (protocol "
+        f"{b.get('protocol') or '?'})  pid {b.get('pid')}  up {b.get('uptime_s')}s  "
         f"map v{report.get('map_version')}  {report.get('n_partitions')} partitions x "
         f"{report.get('replication')} copies  failovers {report.get('failovers')}",
         f"  routed {b.get('routed')}  unavailable {b.get('unavailable')}  "
         f"malformed {b.get('malformed')}  stale replies {b.get('stale_replies')}",
+        *_pair_lines(report.get("pair")),
         "",
         f"{'PART':>4}  {'EPOCH':>5}  {'STATE':<10}  {'PRIMARY':<16}  {'LSN':>9}  "
         "REPLICAS (in sync / lag)",
@@ -195,23 +304,52 @@ def format_status(report: dict[str, Any]) -> str:
             f"{p['partition']:>4}  {p['epoch']:>5}  {p['state']:<10}  "
             f"{p.get('primary') or '-':<16}  {lsn:>9}  {reps or '-'}"
         )
+        if p.get("awaiting"):
+            held = ", ".join(
+                f"{h['node']} on {h['host']} at epoch {h['epoch']}, LSN {h['lsn']}"
+                for h in p.get("held_copies", [])
+            )
+            lines.append(
+                f"      waiting for {p['awaiting']}"
+                + (f"; older copies held: {held}" if held else "")
+            )
+    for warning in report.get("placement_warnings", []):
+        lines.append(f"WARNING: {warning}")
     lines += [
         "",
         f"{'SHARD':<16}  {'ROLE':<8}  {'PART':>4}  {'HOST':<16}  {'PID':>7}  "
-        f"{'LSN':>9}  {'SEEN':>6}",
+        f"{'LSN':>9}  {'SEEN':>6}  VERSION",
     ]
     for s in report.get("shards", []):
         part = "-" if s.get("partition") is None else str(s["partition"])
         seen = "-" if s.get("last_seen_s") is None else f"{s['last_seen_s']:.1f}s"
         lines.append(
             f"{s['node']:<16}  {s['role']:<8}  {part:>4}  {s['host'][:16]:<16}  "
-            f"{s['pid']:>7}  {s['lsn']:>9}  {seen:>6}"
+            f"{s['pid']:>7}  {s['lsn']:>9}  {seen:>6}  {s.get('version') or '?'}"
+            + ("  DRAINED" if s.get("drained") else "")
         )
     clients = report.get("clients", [])
     lines += ["", f"{len(clients)} client(s) connected"]
     for c in clients:
-        lines.append(f"  {c['node']}  {c['host']} pid {c['pid']}  {c.get('name') or ''}")
+        lines.append(
+            f"  {c['node']}  {c['host']} pid {c['pid']}  zps {c.get('version') or '?'}  "
+            f"{c.get('name') or ''}"
+        )
     return "\n".join(lines)
+
+
+def _pair_lines(pair: dict[str, Any] | None) -> list[str]:
+    """Both brokers of a pair, and which one is active."""
+    if not pair:
+        return []
+    peer = pair.get("peer", {})
+    alive = "up" if peer.get("alive") else "NOT ANSWERING"
+    return [
+        f"  pair: this broker ({pair.get('role')}) is {pair.get('state', '?').upper()} at "
+        f"term {pair.get('term')}; failovers {pair.get('failovers')}",
+        f"  pair: peer {peer.get('endpoint')} is {peer.get('state')} ({alive}), "
+        f"term {peer.get('term')}",
+    ]
 
 
 def server_parser() -> argparse.ArgumentParser:
@@ -220,6 +358,7 @@ def server_parser() -> argparse.ArgumentParser:
         description="zps parameter server processes",
         epilog="Every setting can also come from the TOML file; see deploy/zps.toml.",
     )
+    _add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("broker", help="run the broker (routing, cluster map, heartbeats)")
@@ -245,12 +384,44 @@ def server_parser() -> argparse.ArgumentParser:
         help="after start, grant only claims of shards that already serve a "
         "partition for this long (default: two liveness timeouts)",
     )
+    b.add_argument(
+        "--data-dir",
+        help="directory for the broker's state (partitions, epochs, training jobs), "
+        "so a restart forgets nothing (default: none)",
+    )
+    b.add_argument(
+        "--pair-role",
+        choices=("primary", "backup"),
+        help="run as one of a primary/backup broker pair (hot standby); needs --peer "
+        "and --peer-bind",
+    )
+    b.add_argument("--peer-bind", help="pair: endpoint this broker's peer link binds")
+    b.add_argument("--peer", help="pair: the other broker's peer link endpoint")
+    b.add_argument(
+        "--peer-timeout",
+        type=float,
+        metavar="SECONDS",
+        help=f"pair: the peer counts as lost after this silence (default "
+        f"{BrokerConfig.peer_timeout})",
+    )
     b.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (default: none)")
+    b.add_argument(
+        "--metrics-host",
+        help=f"address the metrics endpoint binds (default {Metrics.host}: this host only)",
+    )
     _add_common(b)
 
     s = sub.add_parser("shard", help="run a shard (serves one partition)")
-    s.add_argument("--broker", help=f"broker endpoint (default {ShardConfig.broker})")
+    s.add_argument(
+        "--broker",
+        help=f"broker endpoint, or a broker pair as PRIMARY,BACKUP (default {ShardConfig.broker})",
+    )
     s.add_argument("--data-dir", help="directory for checkpoints (default: none)")
+    s.add_argument(
+        "--name",
+        help="this shard's name in status, logs and metrics (node id s-NAME; default: "
+        "the host name and the data dir's name, or the pid without a data dir)",
+    )
     s.add_argument(
         "--replication-bind",
         help=f"endpoint replicas connect to (default {ShardConfig.replication_bind}: "
@@ -261,6 +432,12 @@ def server_parser() -> argparse.ArgumentParser:
         help="host replicas use to reach this shard (default: the local address "
         "on the route to the broker)",
     )
+    s.add_argument(
+        "--host",
+        help="host name reported for placement: copies of a partition go to distinct "
+        "hosts where possible (default: the hostname)",
+    )
+    s.add_argument("--zone", help="zone or rack label; copies go to distinct zones too")
     s.add_argument(
         "--checkpoint-interval",
         type=float,
@@ -280,18 +457,83 @@ def server_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"checkpoints kept per partition (default {Checkpoint.keep})",
     )
+    s.add_argument(
+        "--durability",
+        choices=["fsync", "interval", "none"],
+        help="what an acknowledged write survives, with --data-dir: fsync = on disk "
+        "before the ack, interval = on disk within --durability-interval, none = "
+        f"checkpoints only (default {ShardConfig.durability})",
+    )
+    s.add_argument(
+        "--durability-interval",
+        type=float,
+        metavar="SECONDS",
+        help="interval mode: the longest an acknowledged write waits for fsync "
+        f"(default {ShardConfig.durability_interval:g})",
+    )
     s.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (default: none)")
+    s.add_argument(
+        "--metrics-host",
+        help=f"address the metrics endpoint binds (default {Metrics.host}: this host only)",
+    )
     _add_common(s)
 
     st = sub.add_parser("status", help="show partitions, shards and clients")
-    st.add_argument("--broker", help="broker endpoint (default: [worker] broker of the config)")
+    st.add_argument(
+        "--broker",
+        help="broker endpoint, or a pair as PRIMARY,BACKUP (default: [worker] of the config)",
+    )
     st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument(
+        "--check",
+        action="store_true",
+        help="print a one-line verdict and exit 0 if every partition is ok, 1 if one "
+        "is degraded, 2 if one is lost or unassigned or the broker is unreachable",
+    )
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
     _add_common(st, heartbeat=False)
+
+    r = sub.add_parser(
+        "reset-partition",
+        help="give a lost partition to its newest surviving copy (or an empty shard), "
+        "accepting the loss of what its missing copies held",
+    )
+    r.add_argument("--broker", help="broker endpoint (default: [worker] of the config)")
+    r.add_argument("--partition", type=int, required=True, help="the lost partition")
+    r.add_argument(
+        "--accept-data-loss",
+        action="store_true",
+        help="required: acknowledged writes after the surviving copy are gone for good",
+    )
+    r.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+    _add_common(r, heartbeat=False)
+
+    for verb, what in (
+        ("drain", "hand a shard's role over and keep it out of placement (maintenance)"),
+        ("undrain", "let a drained shard take roles again"),
+    ):
+        dr = sub.add_parser(verb, help=what)
+        dr.add_argument("node", metavar="NODE", help="the shard (s-NAME, or NAME)")
+        dr.add_argument("--broker", help="broker endpoint (default: [worker] of the config)")
+        dr.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+        _add_common(dr, heartbeat=False)
+
+    cc = sub.add_parser(
+        "check-config",
+        help="validate a settings file without starting anything (exit 0: valid, 1: not)",
+    )
+    cc.add_argument(
+        "file",
+        metavar="FILE",
+        nargs="?",
+        help=f"the TOML file (default: $ZPS_CONFIG, else {DEFAULT_CONFIG_PATH})",
+    )
 
     k = sub.add_parser("keygen", help="write a CURVE key pair (NAME.key and NAME.key_secret)")
     k.add_argument("--out", default=".", help="directory to write to (default: .)")
     k.add_argument("--name", default="zps", help="file name stem (default: zps)")
+    k.add_argument("--force", action="store_true", help="replace an existing key pair of that name")
+    k.add_argument("--parents", action="store_true", help="create the directory (and its parents)")
     k.add_argument("--log-level", default=None, choices=LEVELS)
 
     d = sub.add_parser("demo", help="train a model on a whole local cluster (no arguments needed)")
@@ -334,10 +576,61 @@ def server_main(argv: Sequence[str] | None = None) -> int:
                     timeout=args.timeout,
                     name="zps-server status",
                 )
-                return run_async(_status(args.broker or settings.worker.broker, client, args.json))
+                return run_async(
+                    _status(
+                        args.broker or ",".join(settings.worker.endpoints),
+                        client,
+                        args.json,
+                        args.check,
+                    )
+                )
+            case "reset-partition":
+                settings = _settings(args)
+                setup_logging(args.log_level or "warning")
+                if not args.accept_data_loss:
+                    print(
+                        f"zps-server reset-partition: partition {args.partition} would be "
+                        "served without the writes its missing copies held; say so with "
+                        "--accept-data-loss",
+                        file=sys.stderr,
+                    )
+                    return 2
+                client = replace(
+                    settings.client,
+                    connect_timeout=args.timeout,
+                    timeout=args.timeout,
+                    name="zps-server reset-partition",
+                )
+                return run_async(
+                    _reset_partition(
+                        args.broker or ",".join(settings.worker.endpoints), client, args.partition
+                    )
+                )
+            case "drain" | "undrain":
+                settings = _settings(args)
+                setup_logging(args.log_level or "warning")
+                client = replace(
+                    settings.client,
+                    connect_timeout=args.timeout,
+                    timeout=args.timeout,
+                    name=f"zps-server {args.command}",
+                )
+                node = args.node if args.node.startswith("s-") else f"s-{args.node}"
+                return run_async(
+                    _drain(
+                        args.broker or ",".join(settings.worker.endpoints),
+                        client,
+                        node,
+                        undo=args.command == "undrain",
+                    )
+                )
+            case "check-config":
+                return _check_config(
+                    args.file or os.environ.get("ZPS_CONFIG") or DEFAULT_CONFIG_PATH
+                )
             case "keygen":
                 setup_logging(args.log_level or "warning")
-                return _keygen(args.out, args.name)
+                return _keygen(args.out, args.name, force=args.force, parents=args.parents)
             case "demo":
                 setup_logging(args.log_level or "warning")
                 from zps.examples.demo import run_demo
@@ -384,7 +677,11 @@ def worker_parser() -> argparse.ArgumentParser:
         description="Run FUNCTION(ps, *ARGS) with a connected client: an async function gets "
         "zps.Client, a plain one the blocking zps.SyncClient.",
     )
-    parser.add_argument("--broker", help="broker endpoint (default: [worker] broker)")
+    _add_version(parser)
+    parser.add_argument(
+        "--broker",
+        help="broker endpoint, or a broker pair as PRIMARY,BACKUP (default: [worker] broker)",
+    )
     parser.add_argument(
         "--timeout",
         type=float,
@@ -443,7 +740,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
             mode=args.mode,
             staleness=args.staleness,
         )
-        broker = args.broker or settings.worker.broker
+        broker = args.broker or ",".join(settings.worker.endpoints)
         notifier = Notifier.from_env(os.environ)
         if inspect.iscoroutinefunction(func):
             return run_async(

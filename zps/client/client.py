@@ -3,9 +3,11 @@
 One DEALER socket to the broker carries every request, so many requests are
 in flight at once.  Each call is split by partition (ids by slot, dense
 tensors by chunk); the operations for one partition queued in the same loop
-turn are coalesced into one message (see :mod:`zps.core.batching`).  Every message
-carries ``(client_id, seq)``: a message re-sent after a map change is applied
-once.  Calls fail with a clear error rather than hang: ``ShardUnavailableError``
+turn are coalesced into one message (see :mod:`zps.core.batching`), and a call too
+large for one message is cut into several per partition, each request and each
+reply within ``message_budget`` bytes (16 MiB), and its results joined in order.
+Every message carries ``(client_id, seq)``: a message re-sent after a map change
+is applied once.  Calls fail with a clear error rather than hang: ``ShardUnavailableError``
 when a partition has no live shard, ``ZpsTimeoutError`` past the deadline.
 
 This module is the key-value API (tables, dense tensors, embedding rows, prefetch); the
@@ -24,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from zps.client.training import TrainingCalls
+from zps.core.batching import groups_by_bytes, row_runs, split_push
 from zps.core.hashing import name_hash
 from zps.core.memo import IdsMemo
 from zps.core.routing import (
@@ -33,6 +36,7 @@ from zps.core.routing import (
 )
 from zps.core.rows import put_rows, take_rows
 from zps.errors import (
+    BadRequestError,
     ProtocolError,
     ShapeMismatchError,
     TableConflictError,
@@ -51,7 +55,7 @@ class Client(TrainingCalls):
     coordination (clock, data tasks, progress) of :class:`~zps.client.training.TrainingCalls`.
     """
 
-    def __init__(self, address: str, config: ClientConfig | None = None) -> None:
+    def __init__(self, address: str | Sequence[str], config: ClientConfig | None = None) -> None:
         super().__init__(address, config)
         self._specs: dict[str, DenseSpec | EmbeddingSpec] = {}
         self._split_memo: IdsMemo[list[tuple[int, npt.NDArray[np.intp]]]] = IdsMemo(size=4)
@@ -152,6 +156,7 @@ class Client(TrainingCalls):
         parameter buffer, say): a fresh 16 MiB array costs 4096 page faults.
         """
         spec = await self._dense_spec(name)
+        self._check_chunks(spec)
         if out is not None:
             if (
                 not isinstance(out, np.ndarray)
@@ -170,11 +175,19 @@ class Client(TrainingCalls):
         by_part: dict[int, list[int]] = collections.defaultdict(list)
         for c in range(spec.n_chunks):
             by_part[chunk_partition(name, c, self.cluster_map)].append(c)
+        # Each message's reply stays within the budget: a partition's chunks go in
+        # groups of at most that many bytes.
+        itemsize = np.dtype(spec.dtype).itemsize
+        groups: list[tuple[int, list[int], int]] = []
+        for p, chunks in by_part.items():
+            sizes = [_chunk_bytes(spec, c, itemsize) for c in chunks]
+            for a, b in groups_by_bytes(sizes, self.config.message_budget):
+                groups.append((p, chunks[a:b], sum(sizes[a:b])))
         futures = [
-            self._submit(p, {"op": "pull_dense", "t": name, "chunks": chunks}, {})
-            for p, chunks in by_part.items()
+            self._submit(p, {"op": "pull_dense", "t": name, "chunks": chunks}, {}, reply_bytes=n)
+            for p, chunks, n in groups
         ]
-        for chunks, result in zip(by_part.values(), await self._gather(futures), strict=True):
+        for (_, chunks, _), result in zip(groups, await self._gather(futures), strict=True):
             for c, arr in zip(chunks, result["arrays"], strict=True):
                 start, stop = spec.chunk_range(c)
                 if arr.shape != (stop - start,):
@@ -190,6 +203,7 @@ class Client(TrainingCalls):
         """
         self._raise_background()
         spec = await self._dense_spec(name)
+        self._check_chunks(spec)
         g = _as_float(grad, spec.dtype, f"gradient for {name!r}")
         if g.shape != spec.shape:
             raise ShapeMismatchError(
@@ -208,6 +222,28 @@ class Client(TrainingCalls):
             )
         await self._finish(futures, wait)
 
+    def _check_row(self, spec: EmbeddingSpec) -> None:
+        """Calls are cut by rows: refuse, before sending anything, a table whose single
+        row (with its id) this client could not send or receive."""
+        nbytes = 8 + spec.dim * np.dtype(spec.dtype).itemsize
+        limit = self.config.max_message_bytes // 2
+        if nbytes > limit:
+            raise BadRequestError(
+                f"table {spec.name!r} has rows of {nbytes} bytes; this client takes at "
+                f"most {limit} (half of client.max_message_bytes) in one message"
+            )
+
+    def _check_chunks(self, spec: DenseSpec) -> None:
+        """A chunk travels whole in one message: refuse, before sending anything, a
+        tensor whose chunks this client could not send or receive."""
+        nbytes = min(spec.chunk_elems, spec.size) * np.dtype(spec.dtype).itemsize
+        limit = self.config.max_message_bytes // 2
+        if nbytes > limit:
+            raise BadRequestError(
+                f"dense tensor {spec.name!r} has chunks of {nbytes} bytes; this client "
+                f"takes at most {limit} (half of client.max_message_bytes) in one message"
+            )
+
     # -- embeddings ----------------------------------------------------------
 
     async def pull_rows(self, name: str, ids: npt.ArrayLike) -> np.ndarray:
@@ -221,21 +257,42 @@ class Client(TrainingCalls):
         spec = self._specs.get(name)
         if not isinstance(spec, EmbeddingSpec):
             spec = await self._embedding_spec(name)
+        self._check_row(spec)
         id_arr = _as_ids(ids)
         parts = self._split(id_arr)
-        if len(parts) == 1:  # one partition owns every id: no gather, no scatter
+        row_bytes = spec.dim * np.dtype(spec.dtype).itemsize
+        budget = self.config.message_budget
+        if len(parts) == 1 and id_arr.size * max(row_bytes, 8) <= budget:
+            # one partition owns every id, one message: no gather, no scatter
             arr = (
-                await self._submit(parts[0][0], {"op": "pull_rows", "t": name}, {"ids": id_arr})
+                await self._submit(
+                    parts[0][0],
+                    {"op": "pull_rows", "t": name},
+                    {"ids": id_arr},
+                    reply_bytes=id_arr.size * row_bytes,
+                )
             )["arrays"]
             if arr.shape != (id_arr.size, spec.dim):
                 raise ProtocolError(f"pull_rows of {name!r} came back with shape {arr.shape}")
             return np.array(arr)  # writable, and not pinning the received frame
         rows = np.empty((id_arr.size, spec.dim), dtype=spec.dtype)
-        results = await self._gather(
-            self._submit(p, {"op": "pull_rows", "t": name}, {"ids": id_arr[pos]})
+        # Per partition, runs of ids whose request (8 bytes an id) and reply (a row
+        # an id) each stay within the budget.
+        pieces = [
+            (p, pos[a:b])
             for p, pos in parts
+            for a, b in row_runs(pos.size, max(row_bytes, 8), budget)
+        ]
+        results = await self._gather(
+            self._submit(
+                p,
+                {"op": "pull_rows", "t": name},
+                {"ids": id_arr[pos]},
+                reply_bytes=pos.size * row_bytes,
+            )
+            for p, pos in pieces
         )
-        for (_, pos), result in zip(parts, results, strict=True):
+        for (_, pos), result in zip(pieces, results, strict=True):
             arr = result["arrays"]
             if arr.shape != (pos.size, spec.dim):
                 raise ProtocolError(f"pull_rows of {name!r} came back with shape {arr.shape}")
@@ -253,6 +310,7 @@ class Client(TrainingCalls):
         spec = self._specs.get(name)
         if not isinstance(spec, EmbeddingSpec):
             spec = await self._embedding_spec(name)
+        self._check_row(spec)
         id_arr = _as_ids(ids)
         g = _as_float(grads, spec.dtype, f"gradients for {name!r}")
         if g.shape != (id_arr.size, spec.dim):
@@ -261,20 +319,21 @@ class Client(TrainingCalls):
                 f"({id_arr.size}, {spec.dim}) for {id_arr.size} ids of dim {spec.dim}"
             )
         parts = self._split(id_arr)
-        if len(parts) == 1:  # one partition owns every id: send the arrays as they are
-            arrays = {"ids": _owned(id_arr, ids, wait), "g": _owned(g, grads, wait)}
-            futures = [
-                self._submit(parts[0][0], self._tagged({"op": "push_rows", "t": name}), arrays)
-            ]
-        else:
-            futures = [
-                self._submit(
-                    p,
-                    self._tagged({"op": "push_rows", "t": name}),
-                    {"ids": id_arr[pos], "g": take_rows(g, pos)},
-                )
-                for p, pos in parts
-            ]
+        budget = self.config.message_budget
+        futures: list[asyncio.Future[dict[str, Any]]] = []
+        for p, pos in parts:
+            if len(parts) == 1:  # one partition owns every id: the arrays as they are
+                pieces = split_push(id_arr, g, budget)
+                if len(pieces) == 1:
+                    pieces = [(_owned(id_arr, ids, wait), _owned(g, grads, wait))]
+            else:
+                pieces = split_push(id_arr[pos], take_rows(g, pos), budget)
+            # A push too large for one message goes as several (see split_push): each
+            # has its own sequence number, so each is applied exactly once.
+            futures.extend(
+                self._submit(p, self._tagged({"op": "push_rows", "t": name}), {"ids": i, "g": x})
+                for i, x in pieces
+            )
         await self._finish(futures, wait)
 
     def _split(self, ids: npt.NDArray[np.int64]) -> list[tuple[int, npt.NDArray[np.intp]]]:
@@ -308,6 +367,11 @@ class Client(TrainingCalls):
         n = self.cluster_map.n_partitions
         results = await self._gather(self._submit(p, {"op": "checksum"}, {}) for p in range(n))
         return {p: {"checksum": r["checksum"], "lsn": r["lsn"]} for p, r in enumerate(results)}
+
+
+def _chunk_bytes(spec: DenseSpec, chunk: int, itemsize: int) -> int:
+    start, stop = spec.chunk_range(chunk)
+    return (stop - start) * itemsize
 
 
 def _seed(name: str, seed: int | None) -> int:
@@ -344,8 +408,13 @@ def _as_float(values: npt.ArrayLike, dtype: str, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=dtype)
 
 
-def connect(address: str, config: ClientConfig | None = None, **options: Any) -> Client:
+def connect(
+    address: str | Sequence[str], config: ClientConfig | None = None, **options: Any
+) -> Client:
     """An async client; use as ``async with zps.connect(address) as ps``.
+
+    ``address`` is the broker's endpoint, or a broker pair's two endpoints (a list, or
+    ``"tcp://a:5555,tcp://b:5555"``): the client follows whichever is active.
 
     ``options`` are :class:`~zps.ops.config.ClientConfig` fields (``timeout=5.0``).
     """

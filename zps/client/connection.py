@@ -8,6 +8,11 @@ retries, re-sends, deadlines, dedup sequence numbers) is decided by
 it sends the frames, resolves the futures and ticks the session when it asks.  Background
 pushes (``wait=False``) are bounded by ``max_background`` and their first error is raised
 once, by the next call or by :meth:`Connection.flush`.
+
+With a broker pair (a list of two endpoints) the client holds a DEALER to each, sends to
+the one :class:`~zps.client.session.BrokerChoice` names, reads from both, and follows the
+active broker: after ``failover_timeout`` of silence it introduces itself to the other
+one, and messages from a broker with an older term than it has seen are dropped.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self, TypeVar, assert_never
 
@@ -28,12 +33,21 @@ import numpy as np
 import zmq.asyncio
 
 from zps import transport
-from zps.client.session import Action, ClientSession, ClientStats, Deliver, Fail, Send
+from zps.client.session import (
+    Action,
+    BrokerChoice,
+    ClientSession,
+    ClientStats,
+    Deliver,
+    Fail,
+    Send,
+)
 from zps.core.batching import merge_row_ops, plan_batches
 from zps.core.routing import (
     ClusterMap,
 )
 from zps.errors import (
+    BadRequestError,
     BrokenError,
     ClosedError,
     ProtocolError,
@@ -41,7 +55,7 @@ from zps.errors import (
     ZpsTimeoutError,
     remote_error,
 )
-from zps.ops.config import ClientConfig
+from zps.ops.config import ClientConfig, broker_endpoints
 from zps.ops.security import load_curve_keys
 from zps.protocol.codec import (
     NO_COMPRESSION,
@@ -50,6 +64,7 @@ from zps.protocol.codec import (
     Message,
     MsgType,
     Route,
+    VersionMismatchError,
     array_from,
     decode,
     encode,
@@ -63,6 +78,7 @@ from zps.protocol.messages import (
     MapUpdate,
     StatusRequest,
 )
+from zps.version import __version__
 
 log = logging.getLogger("zps.client")
 
@@ -74,10 +90,12 @@ class _Op:
     body: dict[str, Any]
     arrays: dict[str, np.ndarray]
     future: asyncio.Future[dict[str, Any]]
+    reply_bytes: int = 0  # the array bytes the reply will carry
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
+        """The operation's cost: the larger of its request and its reply payload."""
+        return max(sum(a.nbytes for a in self.arrays.values()), self.reply_bytes)
 
 
 #: What the session hands back for a request: its operations, or a broker call's future.
@@ -87,22 +105,25 @@ _Token = list[_Op] | asyncio.Future[dict[str, Any]]
 class Connection:
     """Lifecycle, request machinery and background pushes of a client (see the module notes)."""
 
-    def __init__(self, address: str, config: ClientConfig | None = None) -> None:
-        self.address = address
+    def __init__(self, address: str | Sequence[str], config: ClientConfig | None = None) -> None:
+        self.addresses = broker_endpoints(address, "the broker address")
+        self.address = self.addresses[0]
         self.config = config or ClientConfig()
         self.client_id = f"c-{uuid.uuid4().hex[:16]}".encode()
         self._session: ClientSession[_Token] = ClientSession(
             self.client_id,
             timeout=self.config.timeout,
             max_backoff=self.config.heartbeat.interval,
-            hello=ClientHello(socket.gethostname(), os.getpid(), self.config.name),
+            hello=ClientHello(socket.gethostname(), os.getpid(), self.config.name, __version__),
             acks=1 if self.config.acks == 1 else None,
         )
         self.stats: ClientStats = self._session.stats
         self._policy = TRAFFIC if self.config.compress else NO_COMPRESSION
         self._map_event = asyncio.Event()
         self._ctx: zmq.asyncio.Context | None = None
-        self._sock: transport.Channel | None = None
+        self._sock: transport.Channel | None = None  # the current broker's
+        self._socks: list[transport.Channel] = []
+        self._choice: BrokerChoice | None = None
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
         self._queue: dict[int, list[_Op]] = collections.defaultdict(list)
@@ -114,6 +135,7 @@ class Connection:
         self._started = False
         self._background: set[asyncio.Task[Any]] = set()
         self._bg_error: BaseException | None = None
+        self._mismatch: VersionMismatchError | None = None  # a broker of another version
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -131,33 +153,52 @@ class Connection:
         self._loop = asyncio.get_running_loop()
         self._ctx = transport.new_context()
         keys = load_curve_keys(self.config.security)
-        self._sock = transport.dealer(
-            self._ctx,
-            self.address,
-            self.client_id,
-            max_message_bytes=self.config.max_message_bytes,
-            curve=keys,
-            server_public=keys.server_public if keys else None,
+        self._socks = [
+            transport.dealer(
+                self._ctx,
+                address,
+                self.client_id,
+                max_message_bytes=self.config.max_message_bytes,
+                curve=keys,
+                server_public=keys.server_public if keys else None,
+            )
+            for address in self.addresses
+        ]
+        self._sock = self._socks[0]
+        self._choice = BrokerChoice(
+            len(self._socks),
+            silence=self.config.failover_timeout,
+            retry=self.config.failover_timeout / 10,
+            now=self._now(),
         )
         tg = await self._stack.enter_async_context(asyncio.TaskGroup())
         self._tasks = [
-            tg.create_task(self._recv_loop()),
+            *(tg.create_task(self._recv_loop(i)) for i in range(len(self._socks))),
             tg.create_task(self._flush_loop()),
             tg.create_task(self._heartbeat_loop()),
         ]
+        if len(self._socks) > 1:
+            self._tasks.append(tg.create_task(self._pair_loop()))
         try:
             # The introduction is bounded too: a paused broker may not take it.
             await asyncio.wait_for(self._introduce(), self.config.connect_timeout)
         except TimeoutError:
             await self.close()
             raise ZpsTimeoutError(
-                f"no answer from the broker at {self.address} within "
+                f"no answer from the broker at {' or '.join(self.addresses)} within "
                 f"{self.config.connect_timeout:g}s (is `zps-server broker` running there?)"
             ) from None
 
     async def _introduce(self) -> None:
         await self._hello()
         await self._map_event.wait()
+        if self._mismatch is not None and self._session.map is None:
+            await self.close()
+            raise ProtocolError(
+                f"the broker at {self.address} speaks zps protocol version "
+                f"{self._mismatch.version}, this client (zps {__version__}) version "
+                f"{self._mismatch.ours}: run releases of one protocol version"
+            )
 
     async def close(self) -> None:
         if self._closed:
@@ -182,8 +223,8 @@ class Connection:
                 if not op.future.done():
                     op.future.set_exception(err)
         self._queue.clear()
-        if self._sock is not None:
-            transport.close(self._sock)
+        for sock in self._socks:
+            transport.close(sock)
         if self._ctx is not None:
             transport.term(self._ctx)
 
@@ -249,14 +290,26 @@ class Connection:
     # -- request machinery ---------------------------------------------------
 
     def _submit(
-        self, partition: int, body: dict[str, Any], arrays: dict[str, np.ndarray]
+        self,
+        partition: int,
+        body: dict[str, Any],
+        arrays: dict[str, np.ndarray],
+        *,
+        reply_bytes: int = 0,
     ) -> asyncio.Future[dict[str, Any]]:
         if self._closed:
             raise ClosedError("the client was closed")
-        fut: asyncio.Future[dict[str, Any]] = (
-            self._loop or asyncio.get_running_loop()
-        ).create_future()
-        self._queue[partition].append(_Op(body, arrays, fut))
+        op = _Op(body, arrays, (self._loop or asyncio.get_running_loop()).create_future())
+        op.reply_bytes = reply_bytes
+        # Calls are cut to the message budget; what still cannot fit would be cut off
+        # by a socket's MAXMSGSIZE (a disconnect, then a timeout): refuse it here.
+        if op.nbytes > self.config.max_message_bytes // 2:
+            raise BadRequestError(
+                f"{body.get('op')} on {body.get('t')!r} needs a message of {op.nbytes} bytes; "
+                f"the limit is half of client.max_message_bytes ({self.config.max_message_bytes})"
+            )
+        fut = op.future
+        self._queue[partition].append(op)
         if not self._wake.is_set():
             self._wake.set()
         return fut
@@ -286,12 +339,11 @@ class Connection:
                 self._tick_at = None
                 await self._apply(self._session.tick(now))
             queued, self._queue = self._queue, collections.defaultdict(list)
+            max_bytes = min(self.config.batch_max_bytes, self.config.message_budget)
             for partition, queued_ops in queued.items():
                 ops = self._merge(queued_ops)
                 sizes = [op.nbytes for op in ops]
-                for a, b in plan_batches(
-                    sizes, self.config.batch_max_ops, self.config.batch_max_bytes
-                ):
+                for a, b in plan_batches(sizes, self.config.batch_max_ops, max_bytes):
                     await self._send_request(partition, ops[a:b])
 
     def _merge(self, ops: list[_Op]) -> list[_Op]:
@@ -300,14 +352,21 @@ class Connection:
             return ops
         out = []
         loop = asyncio.get_running_loop()
-        for m in merge_row_ops([(op.body, op.arrays) for op in ops], self.config.batch_max_ops):
+        merged = merge_row_ops(
+            [(op.body, op.arrays) for op in ops],
+            self.config.batch_max_ops,
+            sizes=[op.nbytes for op in ops],
+            max_bytes=self.config.message_budget,
+        )
+        for m in merged:
             if len(m.parts) == 1:
                 out.append(ops[m.parts[0][0]])
                 continue
             fut: asyncio.Future[dict[str, Any]] = loop.create_future()
             members = [(ops[i].future, a, b) for i, a, b in m.parts]
             fut.add_done_callback(functools.partial(_split_result, members=members))
-            out.append(_Op(m.body, m.arrays, fut))
+            reply = sum(ops[i].reply_bytes for i, _, _ in m.parts)
+            out.append(_Op(m.body, m.arrays, fut, reply))
         return out
 
     async def _send_request(self, partition: int, ops: list[_Op]) -> None:
@@ -331,6 +390,11 @@ class Connection:
 
     async def _transmit(self, send: Send) -> None:
         assert self._sock is not None
+        if len(self._socks) > 1:
+            # Never wait on one broker of a pair: it may be the one that died.
+            if not transport.try_send(self._sock, send.frames):
+                self._session.unsent(send.req_id, self._now())
+            return
         try:
             await transport.send(self._sock, send.frames)
         except (ClosedError, BrokenError) as e:
@@ -384,29 +448,79 @@ class Connection:
 
     async def _hello(self) -> None:
         assert self._sock is not None
-        await transport.send(self._sock, self._session.hello().frames)
+        await self._control(self._session.hello().frames)
+
+    async def _control(self, frames: list[Any]) -> None:
+        """A HELLO or heartbeat: repeated anyway, so to a broker pair it is only tried."""
+        assert self._sock is not None
+        if len(self._socks) > 1:
+            transport.try_send(self._sock, frames)
+        else:
+            await transport.send(self._sock, frames)
 
     async def _heartbeat_loop(self) -> None:
         assert self._sock is not None
         interval = self.config.heartbeat.interval
         while True:
             await asyncio.sleep(interval)
-            await transport.send(
-                self._sock, encode(Route(MsgType.HEARTBEAT), Heartbeat().to_wire())
-            )
+            await self._control(encode(Route(MsgType.HEARTBEAT), Heartbeat().to_wire()))
             # Also a tick: deadlines are checked at least this often.
             now = self._now()
             self._tick_at = now if self._tick_at is None else min(self._tick_at, now)
             self._wake.set()
 
-    async def _recv_loop(self) -> None:
-        assert self._sock is not None
-        await transport.serve(self._sock, self._on_message, self._on_malformed)
+    async def _pair_loop(self) -> None:
+        """Follow the active broker of the pair (see :class:`BrokerChoice`)."""
+        assert self._choice is not None
+        while True:
+            await asyncio.sleep(self._choice.retry)
+            what = self._choice.tick(self._now())
+            if what == "switch":
+                self._switch_to(self._choice.current, "the other one was silent")
+            if what is not None:
+                await self._hello()
 
-    async def _on_message(self, frames: transport.Frames) -> None:
-        await self._dispatch(decode([transport.frame_buffer(f) for f in frames]))
+    def _switch_to(self, index: int, why: str) -> None:
+        self._sock = self._socks[index]
+        self._session.switched()
+        log.log(
+            logging.WARNING if len(self._session) else logging.INFO,
+            "switching to the broker at %s (%s); %d requests in flight",
+            self.addresses[index],
+            why,
+            len(self._session),
+        )
+
+    async def _recv_loop(self, index: int = 0) -> None:
+        await transport.serve(
+            self._socks[index], functools.partial(self._on_message, index), self._on_malformed
+        )
+
+    async def _on_message(self, index: int, frames: transport.Frames) -> None:
+        msg = decode([transport.frame_buffer(f) for f in frames])
+        choice = self._choice
+        if choice is not None and choice.n > 1:
+            now = self._now()
+            if msg.header.get("passive") is True:
+                choice.refused(index, now)  # a standby: requests are parked, not failed
+                if msg.route.mtype not in _REPLIES:
+                    return
+            else:
+                term = msg.header.get("term")
+                verdict = choice.heard(index, term if isinstance(term, int) else None, now)
+                if verdict is None:
+                    return  # from a broker that was replaced: fenced
+                if verdict:
+                    self._switch_to(index, "it is the active broker now")
+        await self._dispatch(msg)
 
     def _on_malformed(self, frames: transport.Frames, err: ProtocolError) -> None:
+        if isinstance(err, VersionMismatchError):
+            if self._mismatch is None:
+                log.error("the broker at %s: %s", self.address, err)
+            self._mismatch = err
+            self._map_event.set()  # an introduction waiting for a map fails at once
+            return
         log.warning("dropped a malformed message from the broker: %s", err)
 
     async def _dispatch(self, msg: Message) -> None:

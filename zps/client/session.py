@@ -24,6 +24,9 @@ Rules:
 5. A request to a lost partition fails with ShardUnavailableError; past its deadline
    (``now + timeout`` at submission) with ZpsTimeoutError.  Calls made ``forever`` have
    no deadline.
+6. With a broker pair (:class:`BrokerChoice`), a switch to the other broker re-sends
+   everything in flight on its first map, whatever that map's version; a PASSIVE answer
+   parks a request (and leaves a broker call waiting) until then.
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ T = TypeVar("T")
 
 #: Retries of one message across map changes before the caller sees an error.
 MAX_ATTEMPTS = 1000
-RETRY_CODES = frozenset({"NOT_PRIMARY", "STALE_EPOCH", "OVERLOADED", "NOT_ENOUGH_REPLICAS"})
+RETRY_CODES = frozenset(
+    {"NOT_PRIMARY", "STALE_EPOCH", "OVERLOADED", "NOT_ENOUGH_REPLICAS", "PASSIVE"}
+)
 #: The broker calls: answered by the broker itself, with a reply of the same type.
 BROKER_CALLS = frozenset({MsgType.CLOCK, MsgType.TASK, MsgType.STATUS})
 
@@ -136,6 +141,7 @@ class ClientSession(Generic[T]):
         # earliest (an OrderedDict finds its first entry in O(1) after many deletions).
         self._deadlines: collections.OrderedDict[int, float] = collections.OrderedDict()
         self._due: list[tuple[float, int]] = []  # (due_at, req_id); stale entries skipped
+        self._switched = False  # the next map comes from another broker of the pair
 
     def __len__(self) -> int:
         """Requests and broker calls in flight."""
@@ -198,8 +204,8 @@ class ClientSession(Generic[T]):
         header = msg.header
         status = header.get("st")
         if isinstance(entry, _Call):
-            if msg.route.mtype is not entry.mtype:
-                return []
+            if msg.route.mtype is not entry.mtype or status == "PASSIVE":
+                return []  # a standby broker: re-sent after the switch (rule 6)
             self._forget(req_id)
             if entry.mtype is MsgType.STATUS:
                 return [Deliver(entry.token, msg)]
@@ -223,7 +229,8 @@ class ClientSession(Generic[T]):
     def on_map(self, new: ClusterMap, now: float) -> list[Action[T]]:
         """A map from the broker: kept unless older; re-sends what it concerns."""
         old = self.map
-        restarted = old is not None and new.incarnation != old.incarnation
+        restarted = old is not None and (new.incarnation != old.incarnation or self._switched)
+        self._switched = False
         if old is not None and not restarted and new.version < old.version:
             return []
         self.map = new
@@ -247,6 +254,11 @@ class ClientSession(Generic[T]):
             ):
                 actions.extend(self._resend(req_id, entry, now))
         return actions
+
+    def switched(self) -> None:
+        """The driver now talks to the other broker of the pair: its first map re-sends
+        everything in flight (rule 6)."""
+        self._switched = True
 
     def tick(self, now: float) -> list[Action[T]]:
         """Fail what is past its deadline, then re-send what is due."""
@@ -279,6 +291,14 @@ class ClientSession(Generic[T]):
         if self._deadlines:
             times.append(next(iter(self._deadlines.values())))
         return min(times) if times else None
+
+    def unsent(self, req_id: int, now: float) -> None:
+        """The driver could not hand ``req_id`` to a broker of the pair at once (its queue
+        is full, or it is gone): a request is parked and re-sent at its backoff time, a
+        broker call waits for the switch (rule 6)."""
+        entry = self._table.get(req_id)
+        if isinstance(entry, _Request):
+            self._park(req_id, entry, now)
 
     def abandon(self, req_id: int, error: BaseException) -> list[Fail[T]]:
         """The driver could not send ``req_id``: it fails with ``error``."""
@@ -347,3 +367,71 @@ class ClientSession(Generic[T]):
         if entry.mtype is MsgType.STATUS:
             return "the broker did not answer the status request"
         return f"the broker did not answer {entry.mtype.name} within {entry.limit:g}s"
+
+
+class BrokerChoice:
+    """Which broker of a pair a client talks to (the Binary Star client), and fencing.
+
+    Rules:
+
+    1. Requests go to the *current* broker.  When it has been silent for ``silence``
+       seconds (any message counts), the next one becomes current: the driver introduces
+       itself there (HELLO), which is what lets a standby take over.
+    2. Brokers of a pair stamp their control messages with their term.  A message with
+       a term older than the highest one seen is dropped (a broker that was paused or cut
+       off and does not yet know it was replaced); one with a term at least as high from
+       another broker makes that broker current (it is the active one).
+    3. A standby answers PASSIVE: the driver asks it again every ``retry`` seconds while
+       the other one stays silent.
+
+    One endpoint: never switches, never fences (an unpaired broker stamps no term).
+    """
+
+    def __init__(self, n: int, *, silence: float, retry: float, now: float) -> None:
+        if n < 1:
+            raise ValueError("at least one broker endpoint is needed")
+        self.n = n
+        self.silence = silence
+        self.retry = retry
+        self.current = 0
+        self.term = 0
+        self.switches = 0
+        self._heard = now
+        self._retry_at: float | None = None
+
+    def heard(self, index: int, term: int | None, now: float) -> bool | None:
+        """A message from broker ``index`` stamped ``term``: True when it made that broker
+        current (re-send what is in flight), None when it must be dropped (fenced)."""
+        if term is not None:
+            if term < self.term:
+                return None
+            self.term = term
+            if index != self.current:
+                self.current = index
+                self._heard = now
+                self._retry_at = None
+                self.switches += 1
+                return True
+        if index == self.current:
+            self._heard = now
+            self._retry_at = None
+        return False
+
+    def refused(self, index: int, now: float) -> None:
+        """Broker ``index`` answered as a standby (rule 3)."""
+        if index == self.current and self._retry_at is None:
+            self._retry_at = now + self.retry
+
+    def tick(self, now: float) -> str | None:
+        """``"switch"``: the current broker changed (introduce yourself there);
+        ``"hello"``: ask the current one again; None: nothing to do."""
+        if self.n > 1 and now - self._heard >= self.silence:
+            self.current = (self.current + 1) % self.n
+            self._heard = now
+            self._retry_at = None
+            self.switches += 1
+            return "switch"
+        if self._retry_at is not None and now >= self._retry_at:
+            self._retry_at = now + self.retry
+            return "hello"
+        return None

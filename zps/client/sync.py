@@ -191,6 +191,9 @@ class SyncClient:
         return self._call(self._client.checksums())
 
 
-def connect_sync(address: str, config: ClientConfig | None = None, **options: Any) -> SyncClient:
-    """A connected blocking client; close it (or use ``with``) when done."""
+def connect_sync(
+    address: str | Sequence[str], config: ClientConfig | None = None, **options: Any
+) -> SyncClient:
+    """A connected blocking client; close it (or use ``with``) when done.  ``address``
+    is the broker's endpoint or a broker pair's two (see :func:`zps.connect`)."""
     return SyncClient(connect(address, config, **options))

@@ -9,6 +9,7 @@ or locally in async mode where there is no shared clock.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from zps.client.connection import Connection
@@ -25,7 +26,7 @@ class TrainingCalls(Connection):
     #: the step, flush, release the task, return.
     stop_requested: bool
 
-    def __init__(self, address: str, config: ClientConfig | None = None) -> None:
+    def __init__(self, address: str | Sequence[str], config: ClientConfig | None = None) -> None:
         super().__init__(address, config)
         self._step = 0
         self.stop_requested = False

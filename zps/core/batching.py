@@ -1,9 +1,16 @@
-"""Coalescing of small operations into messages and operations, per partition.
+"""Coalescing of small operations into messages, and cutting of large ones, per partition.
 
 The client queues every operation for a partition issued within one event
 loop turn and sends them as few messages as the limits allow.  A single
 operation larger than ``max_bytes`` still travels (alone): limits bound
 batching, they never refuse work.  Order within a partition is preserved.
+
+Large calls are cut before they are queued, so that no operation's request or
+expected reply payload exceeds the message budget (see
+:data:`zps.protocol.codec.MESSAGE_BUDGET`): :func:`row_runs` for pulls of rows
+and dense chunks, :func:`split_push` for pushes of rows.  Sizes given to
+:func:`plan_batches` and :func:`merge_row_ops` are an operation's cost: the
+larger of its request payload and the reply payload it will get back.
 """
 
 from __future__ import annotations
@@ -13,6 +20,60 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+
+from zps.core.rows import take_rows
+
+
+def row_runs(n_rows: int, row_bytes: int, budget: int) -> list[tuple[int, int]]:
+    """Cut ``n_rows`` rows of ``row_bytes`` each into ``[start, stop)`` runs of at most
+    ``budget`` bytes, as even as that allows (a row wider than the budget goes alone)."""
+    if budget < 1 or row_bytes < 0 or n_rows < 0:
+        raise ValueError("budget must be >= 1, row_bytes and n_rows >= 0")
+    if n_rows == 0:
+        return []
+    per = max(1, budget // max(row_bytes, 1))
+    n_runs = -(-n_rows // per)
+    base, extra = divmod(n_rows, n_runs)
+    runs, start = [], 0
+    for i in range(n_runs):
+        stop = start + base + (i < extra)
+        runs.append((start, stop))
+        start = stop
+    return runs
+
+
+def groups_by_bytes(sizes: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` runs of consecutive items whose sizes sum to at most ``budget``
+    (an item larger than the budget goes alone)."""
+    return plan_batches(sizes, max(1, len(sizes)), budget)
+
+
+def split_push(
+    ids: npt.NDArray[np.int64], grads: np.ndarray, budget: int
+) -> list[tuple[npt.NDArray[np.int64], np.ndarray]]:
+    """Cut a push of rows into pushes of at most ``budget`` payload bytes (ids and
+    gradients) each; a push that fits comes back whole, as given.
+
+    A shard sums the gradients of duplicate ids of one push into one update, and
+    two pushes of an id would be two updates (not the same for Adagrad, Adam or
+    FTRL).  So a push that must be cut first sums its duplicates exactly as the
+    shard does (stable sort by id, then ``np.add.reduceat``): each id travels once,
+    and the shard applies the same values as it would for the whole push.  The
+    parts carry ids in increasing order.
+    """
+    n = int(ids.shape[0])
+    row_bytes = ids.itemsize + (grads.nbytes // n if n else 0)
+    if n * row_bytes <= budget:
+        return [(ids, grads)]
+    order = np.argsort(ids, kind="stable")
+    keys = ids[order]
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+    if starts.size == n:
+        uniq, summed = keys, take_rows(grads, order)
+    else:
+        uniq, summed = keys[starts], np.add.reduceat(grads[order], starts, axis=0)
+    return [(uniq[a:b], summed[a:b]) for a, b in row_runs(uniq.size, row_bytes, budget)]
 
 
 def plan_batches(sizes: Sequence[int], max_ops: int, max_bytes: int) -> list[tuple[int, int]]:
@@ -45,7 +106,11 @@ class Merged:
 
 
 def merge_row_ops(
-    ops: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]], max_members: int = 1 << 30
+    ops: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]],
+    max_members: int = 1 << 30,
+    *,
+    sizes: Sequence[int] | None = None,
+    max_bytes: int = 1 << 62,
 ) -> list[Merged]:
     """Fold row operations on the same table into one operation each.
 
@@ -53,8 +118,14 @@ def merge_row_ops(
     overlap: the shard sums duplicate ids of one push into one update, which
     for Adagrad, Adam or FTRL differs from two updates in a row.  Any other
     operation passes through alone and closes the open groups of its table,
-    so the order of operations on one table is kept.
+    so the order of operations on one table is kept.  A group takes at most
+    ``max_members`` operations and, with ``sizes`` (each operation's cost, see
+    the module notes), at most ``max_bytes`` of them: an operation that would
+    take it past either starts a new group.
     """
+    if sizes is not None and len(sizes) != len(ops):
+        raise ValueError(f"{len(sizes)} sizes for {len(ops)} operations")
+    group_bytes: dict[int, int] = {}
     groups: list[tuple[dict[str, Any], list[int], list[dict[str, np.ndarray]]]] = []
     open_groups: dict[tuple[Any, ...], int] = {}
     # The ids of a push group, as a set once a second push wants to join it
@@ -70,7 +141,10 @@ def merge_row_ops(
             continue
         key = (name, table, body.get("step"))
         g = open_groups.get(key)
-        if g is not None and len(groups[g][1]) >= max_members:
+        size = 0 if sizes is None else sizes[i]
+        if g is not None and (
+            len(groups[g][1]) >= max_members or group_bytes[g] + size > max_bytes
+        ):
             g = None
         if g is not None and name == "push_rows":
             seen = seen_ids[g]
@@ -84,7 +158,9 @@ def merge_row_ops(
         if g is None:
             open_groups[key] = g = len(groups)
             seen_ids[g] = None
+            group_bytes[g] = 0
             groups.append((body, [], []))
+        group_bytes[g] += size
         groups[g][1].append(i)
         groups[g][2].append(arrays)
     out = []

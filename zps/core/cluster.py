@@ -14,10 +14,18 @@ Rules:
 4. When a primary dies, the in-sync replica with the highest reported LSN is
    promoted at epoch + 1; the other replicas must catch up again from it.
    With no in-sync replica the partition is *lost*: it is never handed to a
-   fresh, empty shard (that would silently reset its values).
+   fresh, empty shard (that would silently reset its values), nor to a copy
+   older than its *floor*, the newest (epoch, LSN) a primary confirmed by
+   heartbeat; only :meth:`ClusterState.reset_partition` (an operator accepting
+   the loss) lifts that.  The floor and epochs survive a broker restart
+   (:meth:`ClusterState.records` / :meth:`ClusterState.restore`).
 5. The in-sync set of a partition comes from its primary's reports (it sees
    the acknowledgements) and shrinks when the broker loses a replica.
 6. Never two primaries for one partition.
+7. Never two copies of a partition on one host (or one zone) while a spare
+   elsewhere could hold one; a copy placed together for want of a spare is
+   moved when one turns up (a well-placed replica is added first and the
+   other dropped once it is in sync), and :meth:`ClusterState.status` warns.
 
 No I/O and no clock: the broker driver calls these methods with ``now`` and
 sends what they return.
@@ -29,6 +37,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from zps.core.brokerstate import PartitionRecord
 from zps.core.routing import DEFAULT_SLOTS, ClusterMap, PartitionInfo, default_slot_map
 from zps.protocol.messages import Role
 
@@ -56,6 +65,11 @@ class ShardNode:
     epoch: int = 0
     lsn: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
+    zone: str = ""
+    #: A copy it came back with that is older than its partition's floor: kept
+    #: (the shard is not made a spare) until a newer copy returns or an operator
+    #: accepts this one.
+    held: Claim | None = None
 
 
 @dataclass
@@ -86,6 +100,17 @@ class _Partition:
     replicas: list[str] = field(default_factory=list)
     in_sync: set[str] = field(default_factory=set)
     lost: bool = False
+    #: The newest (epoch, LSN) a primary of it confirmed (see rule 4).
+    floor_epoch: int = 0
+    floor_lsn: int = 0
+    #: Hosts of its copies as last recorded (for the operator when it is lost).
+    hosts: tuple[str, ...] = ()
+    #: An operator accepted the loss of what the missing copies held.
+    released: bool = False
+
+    @property
+    def floor(self) -> tuple[int, int]:
+        return (self.floor_epoch, self.floor_lsn)
 
 
 class ClusterState:
@@ -117,7 +142,40 @@ class ClusterState:
         self._parts = [_Partition() for _ in range(n_partitions)]
         self.map_version = 0
         self.failovers = 0
+        #: (level, message) for the driver to log: "error" for what an operator must see.
+        self.notices: list[tuple[str, str]] = []
+        #: Shards an operator drained: given no role until undrained (kept by name, so
+        #: across a restart of the shard; not across one of the broker).
+        self.drained: set[str] = set()
         self.map = self._build_map()
+
+    # -- what survives a restart -----------------------------------------------
+
+    def records(self) -> tuple[PartitionRecord, ...]:
+        """Each partition's epoch, floor and hosts, for the broker's state record."""
+        out = []
+        for part in self._parts:
+            nodes = [n for n in (part.primary, *part.replicas) if n in self.shards]
+            hosts = tuple(sorted({self.shards[n].host for n in nodes})) or part.hosts
+            out.append(PartitionRecord(part.epoch, part.floor_epoch, part.floor_lsn, hosts))
+        return tuple(out)
+
+    def restore(self, map_version: int, partitions: tuple[PartitionRecord, ...]) -> None:
+        """Take over what a previous broker recorded (before any shard registers).
+
+        A partition that held data keeps its epoch and floor: after the start-up
+        hold it is lost unless a copy at least as new as its floor came back.
+        """
+        if len(partitions) != self.n_partitions:
+            raise ValueError(
+                f"the recorded state has {len(partitions)} partitions, this broker "
+                f"{self.n_partitions}"
+            )
+        for part, rec in zip(self._parts, partitions, strict=True):
+            part.epoch, part.floor_epoch, part.floor_lsn = rec.epoch, rec.floor_epoch, rec.floor_lsn
+            part.hosts = rec.hosts
+        self.map_version = max(self.map_version, map_version)
+        self._publish()
 
     # -- queries -------------------------------------------------------------
 
@@ -126,11 +184,26 @@ class ClusterState:
             return self._parts[partition].primary
         return None
 
+    def floor_of(self, partition: int) -> tuple[int, int]:
+        """The (epoch, LSN) a copy must reach to be trusted with ``partition``."""
+        return self._parts[partition].floor
+
     def is_lost(self, partition: int) -> bool:
         return self._parts[partition].lost
 
     def holding(self, now: float) -> bool:
         return now < self.hold_until
+
+    def partition_state(self, partition: int, now: float) -> str:
+        """``ok`` (a primary and every replica in sync), ``degraded`` (a primary, fewer
+        copies in sync), ``lost`` (no copy left), ``holding`` (collecting claims after
+        a start) or ``unassigned`` (no shard yet)."""
+        part = self._parts[partition]
+        if part.primary is not None and part.primary in self.shards:
+            return "degraded" if len(part.in_sync) < self.replication - 1 else "ok"
+        if part.lost:
+            return "lost"
+        return "holding" if self.holding(now) else "unassigned"
 
     def assignment_of(self, node_id: str) -> Assignment | None:
         return self._assignment(node_id) if node_id in self.shards else None
@@ -154,18 +227,19 @@ class ClusterState:
         address: str,
         now: float,
         claim: Claim | None = None,
+        zone: str = "",
     ) -> list[Assignment]:
         """A shard (re)joins; returns the assignments to send (its own among them)."""
         old = self.shards.get(node_id)
         if old is not None:  # it re-sent REGISTER: tell it again what it is
-            old.host, old.pid, old.address = host, pid, address
-            return [self._assignment(node_id)]
-        node = ShardNode(node_id, host, pid, address, now)
+            old.host, old.pid, old.address, old.zone = host, pid, address, zone
+            return [] if old.held is not None else [self._assignment(node_id)]
+        node = ShardNode(node_id, host, pid, address, now, zone=zone)
         self.shards[node_id] = node
         out: list[Assignment] = []
         if claim is not None and 0 <= claim.partition < self.n_partitions:
             out += self._grant(node, claim, now)
-        if node.role is Role.SPARE:
+        if node.role is Role.SPARE and node.held is None:
             out.append(Assignment(node_id, Role.SPARE, None, 0))
         return _merge(out + self._fill(now))
 
@@ -184,8 +258,24 @@ class ClusterState:
                 # epoch, or the same epoch and more updates): it wins.
                 out = self._demote(current.node_id, claim.partition)
                 part.primary = None
-            if part.primary is None and claim.epoch >= part.epoch:
-                return out + self._make_primary(node, claim.partition, claim.epoch)
+            if part.primary is None and self._trusted(part, claim):
+                # A copy from before a promotion that never took writes (its primary
+                # never confirmed the new epoch) is as good; it serves a new epoch.
+                epoch = claim.epoch if claim.epoch >= part.epoch else part.epoch + 1
+                return out + self._make_primary(node, claim.partition, epoch)
+            if part.primary is None:
+                node.held = claim
+                self.notices.append(
+                    (
+                        "error",
+                        f"shard {node.node_id} ({node.host}) came back with partition "
+                        f"{claim.partition} at epoch {claim.epoch}, LSN {claim.lsn}, older "
+                        f"than the epoch {part.floor_epoch}, LSN {part.floor_lsn} its primary "
+                        "confirmed: not taken (acknowledged writes would be lost); the "
+                        "partition waits for a newer copy, or for zps-server reset-partition "
+                        f"--partition {claim.partition} --accept-data-loss",
+                    )
+                )
             return out
         if (
             claim.role is Role.REPLICA
@@ -203,6 +293,17 @@ class ClusterState:
             self._publish()
             return [*raised, self._assignment(node.node_id)]
         return []
+
+    @staticmethod
+    def _trusted(part: _Partition, claim: Claim) -> bool:
+        """Whether a primary claim may have its partition (none being served)."""
+        if part.released:
+            return True
+        if (claim.epoch, claim.lsn) < part.floor:
+            return False
+        # At or past the floor.  Below the current epoch only when a floor is known
+        # (the newer epoch was never confirmed, so it took no writes).
+        return claim.epoch >= part.epoch or part.floor_epoch > 0
 
     def _raise_epoch(self, partition: int, epoch: int) -> list[Assignment]:
         """The partition moves to ``epoch``: replicas of older epochs must resync."""
@@ -233,8 +334,11 @@ class ClusterState:
         stats: dict[str, Any] | None = None,
         epoch: int | None = None,
         in_sync: list[str] | None = None,
+        durable: int | None = None,
     ) -> bool:
-        """A shard's heartbeat; a primary also reports its in-sync replicas.
+        """A shard's heartbeat; a primary also reports its in-sync replicas, and
+        raises its partition's floor to what its log holds (``durable``; without a
+        log, to ``lsn``: a restart would bring back less than it acknowledged).
 
         Returns True when the map changed.
         """
@@ -244,6 +348,13 @@ class ClusterState:
         node.lsn = lsn
         if stats is not None:
             node.stats = stats
+        if node.role is Role.PRIMARY and node.partition is not None and epoch == node.epoch:
+            p = self._parts[node.partition]
+            if p.primary == node_id and epoch == p.epoch:
+                # Confirmed: this primary serves (and may write at) this epoch.
+                kept = lsn if durable is None else min(lsn, durable)
+                p.floor_lsn = max(p.floor_lsn, kept) if p.floor_epoch == epoch else kept
+                p.floor_epoch = epoch
         if (
             in_sync is None
             or node.role is not Role.PRIMARY
@@ -284,7 +395,9 @@ class ClusterState:
         if self._holding and not self.holding(now):
             self._holding = False
             return _merge(self._fill(now))
-        return []
+        if self.holding(now):
+            return []
+        return _merge(self._rebalance())
 
     # -- internals -----------------------------------------------------------
 
@@ -293,7 +406,7 @@ class ClusterState:
         part.primary = None
         candidates = [r for r in part.replicas if r in part.in_sync and r in self.shards]
         if not candidates:
-            part.lost = True
+            self._lose(p)
             out = [a for r in list(part.replicas) for a in self._demote(r, p)]
             part.replicas, part.in_sync = [], set()
             self._publish()
@@ -311,25 +424,63 @@ class ClusterState:
         self._publish()
         return out
 
+    def _lose(self, p: int) -> None:
+        part = self._parts[p]
+        if part.lost:
+            return
+        part.lost = True
+        where = f" (its copies were on {', '.join(part.hosts)})" if part.hosts else ""
+        self.notices.append(
+            (
+                "error",
+                f"partition {p} is lost: no copy of it at epoch {part.floor_epoch}, LSN "
+                f"{part.floor_lsn} or newer is left{where}; requests for it fail until a "
+                "shard holding such a copy registers, or until zps-server reset-partition "
+                f"--partition {p} --accept-data-loss",
+            )
+        )
+
     def _make_primary(self, node: ShardNode, partition: int, epoch: int) -> list[Assignment]:
         part = self._parts[partition]
         if node.node_id in part.replicas:
             part.replicas.remove(node.node_id)
         part.in_sync.discard(node.node_id)
-        part.primary, part.lost = node.node_id, False
+        part.primary, part.lost, part.released = node.node_id, False, False
         self._raise_epoch(partition, epoch)
         part.epoch = epoch
         node.role, node.partition, node.epoch = Role.PRIMARY, partition, epoch
+        node.held = None
         self._publish()
         out = [Assignment(node.node_id, Role.PRIMARY, partition, epoch)]
         # Replicas that were waiting for a primary (after a restart) follow it now.
         out += [self._assignment(r) for r in part.replicas]
+        # Older copies kept in case an operator wanted them: no longer needed.
+        for other in self.shards.values():
+            if other.held is not None and other.held.partition == partition:
+                other.held = None
+                out.append(Assignment(other.node_id, Role.SPARE, None, 0))
         return out
 
     def _spares(self) -> list[ShardNode]:
         return sorted(
-            (n for n in self.shards.values() if n.role is Role.SPARE),
+            (
+                n
+                for n in self.shards.values()
+                if n.role is Role.SPARE and n.held is None and n.node_id not in self.drained
+            ),
             key=lambda n: (n.registered_at, n.node_id),
+        )
+
+    def _copies(self, p: int) -> list[ShardNode]:
+        part = self._parts[p]
+        return [self.shards[n] for n in (part.primary, *part.replicas) if n in self.shards]
+
+    @staticmethod
+    def _clash(node: ShardNode, copies: list[ShardNode]) -> tuple[bool, bool]:
+        """(same host as a copy, same zone as a copy): False sorts first."""
+        return (
+            any(c.host == node.host for c in copies),
+            bool(node.zone) and any(c.zone == node.zone for c in copies),
         )
 
     def _fill(self, now: float) -> list[Assignment]:
@@ -341,20 +492,173 @@ class ClusterState:
             if part.primary is None and not part.lost:
                 if part.replicas:  # after a restart or a death in the hold: promote
                     out += self._failover(p)
+                elif part.released:  # an operator accepted the loss
+                    out += self._take_over(p)
                 elif part.epoch > 0:  # it held data and no copy is left
-                    part.lost = True
+                    self._lose(p)
                     self._publish()
                 elif spares := self._spares():
                     out += self._make_primary(spares[0], p, 1)
-        spares = self._spares()
-        for p, part in enumerate(self._parts):
-            while part.primary is not None and len(part.replicas) < self.replication - 1 and spares:
-                node = spares.pop(0)
-                node.role, node.partition, node.epoch = Role.REPLICA, p, part.epoch
-                part.replicas.append(node.node_id)
-                self._publish()
-                out.append(self._assignment(node.node_id))
+        out += self._place_replicas(self._spares())
         return out
+
+    def _place_replicas(self, spares: list[ShardNode]) -> list[Assignment]:
+        """Fill short replica sets from ``spares``, copies on distinct hosts (zones)
+        where the spares allow: the partition with the fewest good choices first,
+        each taking the good spare the other partitions want least."""
+        out: list[Assignment] = []
+        while spares:
+            short = [
+                p
+                for p, part in enumerate(self._parts)
+                if part.primary is not None and len(part.replicas) < self.replication - 1
+            ]
+            if not short:
+                break
+            copies = {p: self._copies(p) for p in short}
+
+            def rank(
+                p: int, n: ShardNode, copies: dict[int, list[ShardNode]] = copies
+            ) -> tuple[bool, bool]:
+                return self._clash(n, copies[p])
+
+            def good(p: int) -> list[ShardNode]:
+                best = min(rank(p, n) for n in spares)
+                return [n for n in spares if rank(p, n) == best]
+
+            p = min(short, key=lambda q: (min(rank(q, n) for n in spares), len(good(q)), q))
+            node = min(
+                good(p),
+                key=lambda n: sum(1 for q in short if q != p and rank(q, n) == (False, False)),
+            )
+            spares.remove(node)
+            out.append(self._add_replica(node, p))
+        return out
+
+    def _add_replica(self, node: ShardNode, p: int) -> Assignment:
+        part = self._parts[p]
+        node.role, node.partition, node.epoch = Role.REPLICA, p, part.epoch
+        part.replicas.append(node.node_id)
+        self._publish()
+        return self._assignment(node.node_id)
+
+    def _rebalance(self) -> list[Assignment]:
+        """Move copies that share a host (zone) to a spare elsewhere: the spare
+        becomes an extra replica; the clashing one leaves once the spare is in sync."""
+        out: list[Assignment] = []
+        for p, part in enumerate(self._parts):
+            if part.primary is None or part.primary not in self.shards:
+                continue
+            for r in list(part.replicas):
+                others = [c for c in self._copies(p) if c.node_id != r]
+                if not self._clash(self.shards[r], others) > (False, False):
+                    continue
+                if len(part.replicas) > self.replication - 1:
+                    # An extra replica was added for this: drop the clashing one once
+                    # another, well placed, is in sync.
+                    fine = [
+                        x
+                        for x in part.in_sync
+                        if x != r
+                        and not self._clash(
+                            self.shards[x], [c for c in self._copies(p) if c.node_id != x]
+                        )
+                        > (False, False)
+                    ]
+                    if len(part.in_sync - {r}) >= self.replication - 1 and fine:
+                        part.replicas.remove(r)
+                        part.in_sync.discard(r)
+                        self._publish()
+                        out += self._demote(r, p)
+                    continue
+                rank = self._clash(self.shards[r], others)
+                better = [n for n in self._spares() if self._clash(n, others) < rank]
+                if better and r in part.in_sync:
+                    out.append(self._add_replica(better[0], p))
+        return out
+
+    # -- operator ------------------------------------------------------------
+
+    def drain(self, node_id: str, now: float) -> list[Assignment]:
+        """An operator takes a shard out of service without stopping it: a primary hands
+        its partition to its best in-sync replica (at a new epoch), a replica leaves its
+        partition (a spare takes its place), and the shard gets no role until
+        :meth:`undrain`.  Raises ValueError, changing nothing, for an unknown shard, during
+        the start-up hold, or for a primary with no in-sync replica to hand over to."""
+        node = self.shards.get(node_id)
+        if node is None:
+            raise ValueError(f"no shard {node_id} is registered")
+        if self.holding(now):
+            raise ValueError("the broker is still collecting the shards' claims; ask again")
+        out: list[Assignment] = []
+        p = node.partition
+        if p is not None and node.role is Role.PRIMARY:
+            part = self._parts[p]
+            if not any(r in part.in_sync and r in self.shards for r in part.replicas):
+                raise ValueError(
+                    f"{node_id} is the primary of partition {p} and no replica is in sync to "
+                    "take it over; add a spare and wait for it to catch up, or stop the shard"
+                )
+            self.drained.add(node_id)
+            out += self._failover(p)
+            out += self._demote(node_id, p)
+        elif p is not None and node.role is Role.REPLICA:
+            self.drained.add(node_id)
+            part = self._parts[p]
+            part.replicas.remove(node_id)
+            part.in_sync.discard(node_id)
+            out += self._demote(node_id, p)
+            self._publish()
+        else:
+            self.drained.add(node_id)
+        return _merge(out + self._fill(now))
+
+    def undrain(self, node_id: str, now: float) -> list[Assignment]:
+        """Let a drained shard take roles again (it is a spare until placed)."""
+        if node_id not in self.drained:
+            raise ValueError(f"{node_id} is not drained")
+        self.drained.discard(node_id)
+        return _merge(self._fill(now))
+
+    def reset_partition(self, p: int, now: float) -> list[Assignment]:
+        """An operator accepts losing what the missing copies of ``p`` held: the
+        newest copy that came back (or, with none, an empty spare) takes it at a
+        new epoch.  Raises ValueError when there is nothing to reset."""
+        if not 0 <= p < self.n_partitions:
+            raise ValueError(f"no partition {p} (this cluster has {self.n_partitions})")
+        part = self._parts[p]
+        if part.primary is not None:
+            raise ValueError(f"partition {p} is served by {part.primary}: nothing to reset")
+        if self.holding(now):
+            raise ValueError(
+                f"partition {p}: the broker is still collecting the shards' claims; "
+                "ask again when the start-up hold has ended"
+            )
+        self.notices.append(
+            (
+                "error",
+                f"partition {p}: an operator accepted the loss of the writes after the "
+                f"best copy that came back (the last confirmed copy was at epoch "
+                f"{part.floor_epoch}, LSN {part.floor_lsn})",
+            )
+        )
+        part.lost, part.released = False, True
+        self._publish()
+        return _merge(self._take_over(p) + self._fill(now))
+
+    def _take_over(self, p: int) -> list[Assignment]:
+        """A released partition goes to its newest held copy, else to a spare."""
+        part = self._parts[p]
+        held = [
+            (n.held.epoch, n.held.lsn, n.node_id)
+            for n in self.shards.values()
+            if n.held is not None and n.held.partition == p
+        ]
+        if held:
+            return self._make_primary(self.shards[max(held)[2]], p, part.epoch + 1)
+        if spares := self._spares():
+            return self._make_primary(spares[0], p, part.epoch + 1)
+        return []  # the first spare to register takes it
 
     def _publish(self) -> None:
         self.map_version += 1
@@ -396,39 +700,45 @@ class ClusterState:
                         "lag": None if head is None or lsn is None else max(0, head - lsn),
                     }
                 )
-            state = (
-                "ok"
-                if primary
-                else "lost"
-                if part.lost
-                else "holding"
-                if self.holding(now)
-                else "unassigned"
-            )
-            if primary and len(part.in_sync) < self.replication - 1:
-                state = "degraded"
-            partitions.append(
-                {
-                    "partition": p,
-                    "epoch": part.epoch,
-                    "state": state,
-                    "primary": part.primary,
-                    "lsn": head,
-                    "replicas": replicas,
-                }
-            )
+            state = self.partition_state(p, now)
+            entry: dict[str, Any] = {
+                "partition": p,
+                "epoch": part.epoch,
+                "state": state,
+                "primary": part.primary,
+                "lsn": head,
+                "replicas": replicas,
+                "floor": {"epoch": part.floor_epoch, "lsn": part.floor_lsn},
+                "placement": self._placement_warning(p),
+            }
+            if part.lost:
+                entry["awaiting"] = (
+                    f"a copy at epoch {part.floor_epoch}, LSN {part.floor_lsn} or newer"
+                    + (f" (last on {', '.join(part.hosts)})" if part.hosts else "")
+                )
+                entry["held_copies"] = [
+                    {"node": n.node_id, "host": n.host, "epoch": n.held.epoch, "lsn": n.held.lsn}
+                    for n in self.shards.values()
+                    if n.held is not None and n.held.partition == p
+                ]
+            partitions.append(entry)
+        warnings = [
+            f"partition {e['partition']}: {e['placement']}" for e in partitions if e["placement"]
+        ]
         shards = [
             {
                 "node": n.node_id,
                 "host": n.host,
                 "pid": n.pid,
                 "address": n.address,
+                "zone": n.zone,
                 "role": n.role.value,
                 "partition": n.partition,
                 "epoch": n.epoch,
                 "lsn": n.lsn,
                 "last_seen_s": age(n.node_id),
                 "stats": n.stats,
+                "drained": n.node_id in self.drained,
             }
             for n in sorted(
                 self.shards.values(),
@@ -458,9 +768,27 @@ class ClusterState:
             "n_slots": self.n_slots,
             "failovers": self.failovers,
             "partitions": partitions,
+            "placement_warnings": warnings,
             "shards": shards,
             "clients": clients,
         }
+
+    def _placement_warning(self, p: int) -> str | None:
+        """Copies of ``p`` sharing a host (or a zone), or None."""
+        copies = self._copies(p)
+        for attr, what in (("host", "host"), ("zone", "zone")):
+            seen: dict[str, int] = {}
+            for c in copies:
+                label = getattr(c, attr)
+                if label:
+                    seen[label] = seen.get(label, 0) + 1
+            shared = sorted(k for k, v in seen.items() if v > 1)
+            if shared:
+                return (
+                    f"{seen[shared[0]]} copies on {what} {shared[0]}: one {what} failure "
+                    "loses them together (no spare shard elsewhere)"
+                )
+        return None
 
 
 def _merge(assignments: list[Assignment]) -> list[Assignment]:

@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from zps.core.brokerstate import ClockRecord, JobRecord
 from zps.protocol.messages import Mode
 
 
@@ -51,6 +52,28 @@ class Clocks:
         self.committed = -1  # sync: the last committed step
         self.committing: int | None = None  # sync: a commit in progress
         self.commit_workers: tuple[str, ...] = ()
+
+    def to_record(self) -> ClockRecord:
+        return ClockRecord(
+            mode=self.mode,
+            tau=self.tau,
+            workers=tuple((w, c.step, c.waiting) for w, c in self.workers.items()),
+            committed=self.committed,
+            committing=self.committing,
+            commit_workers=self.commit_workers,
+        )
+
+    @classmethod
+    def from_record(cls, rec: ClockRecord) -> Clocks:
+        """The clocks a previous broker recorded.  Waiting workers re-send their
+        ticks to the new broker, which answers them; a commit in progress is
+        sent again (the shards answer a repeated one from their dedup record)."""
+        clocks = cls()
+        clocks.mode, clocks.tau = rec.mode, rec.tau
+        clocks.workers = {w: _Clock(step, waiting) for w, step, waiting in rec.workers}
+        clocks.committed, clocks.committing = rec.committed, rec.committing
+        clocks.commit_workers = rec.commit_workers
+        return clocks
 
     def _adopt(self, mode: Mode, tau: int) -> None:
         """The first participant sets the job's mode; the others must agree."""
@@ -110,9 +133,15 @@ class Clocks:
         if self.committing != step:
             return []
         self.committing, self.committed = None, step
+        return self.sync_released()
+
+    def sync_released(self) -> list[str]:
+        """Waiting workers whose step is committed: release them.  Exactly that step:
+        a worker already waiting on a later one (its tick re-sent to a broker that
+        took over with a record a moment old) waits for that later commit."""
         out = []
         for name, c in self.workers.items():
-            if c.waiting and c.step >= step + 1:
+            if c.waiting and c.step == self.committed + 1:
                 c.waiting = False
                 out.append(name)
         return out
@@ -153,6 +182,10 @@ class Job:
     retries: dict[int, int] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
     failed: str | None = None
+    #: Tasks held when a previous broker recorded the job: the holder may never
+    #: have received one (the broker died before answering), so a holder asking
+    #: for a task gets its own back first.
+    unconfirmed: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.n_records < 1 or self.per_task < 1 or self.epochs < 1 or self.max_retries < 0:
@@ -175,6 +208,37 @@ class Job:
         self.total = len(self.queue)
         self.per_epoch = per_epoch
 
+    def to_record(self) -> JobRecord:
+        return JobRecord(
+            name=self.name,
+            n_records=self.n_records,
+            per_task=self.per_task,
+            epochs=self.epochs,
+            max_retries=self.max_retries,
+            seed=self.seed,
+            queue=tuple(t.task_id for t in self.queue),
+            held=tuple((tid, worker) for tid, (worker, _) in self.held.items()),
+            retries=tuple(self.retries.items()),
+            done=tuple(sorted(self.done)),
+            failed=self.failed,
+        )
+
+    @classmethod
+    def from_record(cls, rec: JobRecord) -> Job:
+        """The job as a previous broker recorded it: the tasks are rebuilt from the
+        settings and put back where they were (queued in order, held, done)."""
+        job = cls(rec.name, rec.n_records, rec.per_task, rec.epochs, rec.max_retries, rec.seed)
+        tasks = {t.task_id: t for t in job.queue}
+        if set(rec.queue) | {t for t, _ in rec.held} | set(rec.done) != set(tasks):
+            raise ValueError(f"job {rec.name!r}: the recorded tasks do not match its settings")
+        job.queue = deque(tasks[t] for t in rec.queue)
+        job.held = {t: (worker, tasks[t]) for t, worker in rec.held}
+        job.retries = dict(rec.retries)
+        job.done = set(rec.done)
+        job.failed = rec.failed
+        job.unconfirmed = set(job.held)
+        return job
+
     def spec(self) -> tuple[int, int, int, int, int]:
         return (self.n_records, self.per_task, self.epochs, self.max_retries, self.seed)
 
@@ -186,6 +250,11 @@ class Job:
         """A task for ``worker``; None if none is free right now (see :attr:`complete`)."""
         if self.failed:
             raise JobFailed(self.failed)
+        for tid in sorted(self.unconfirmed):
+            held = self.held.get(tid)
+            if held is not None and held[0] == worker:
+                self.unconfirmed.discard(tid)
+                return held[1]
         if not self.queue:
             return None
         task = self.queue.popleft()
@@ -197,6 +266,7 @@ class Job:
         if held is None or held[0] != worker:
             return task_id in self.done  # a repeated report is fine; a stranger's is not
         del self.held[task_id]
+        self.unconfirmed.discard(task_id)
         self.done.add(task_id)
         return True
 
@@ -206,6 +276,7 @@ class Job:
         if held is None or held[0] != worker:
             return
         del self.held[task_id]
+        self.unconfirmed.discard(task_id)
         if failed:
             n = self.retries[task_id] = self.retries.get(task_id, 0) + 1
             if n > self.max_retries:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -23,9 +24,11 @@ from typing import Any, TypeVar
 
 from zps.core.routing import DEFAULT_SLOTS
 from zps.errors import ConfigError
-from zps.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
+from zps.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, MESSAGE_BUDGET
 
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
+#: What a shard name may be (``--name``, ``[shard] name``).
+SHARD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,59}")
 DEFAULT_BIND = "tcp://*:5555"
 DEFAULT_CONFIG_PATH = "/etc/zps/zps.toml"
 
@@ -56,6 +59,31 @@ def _endpoint(owner: str, key: str, value: object) -> None:
         )
 
 
+def broker_endpoints(value: object, owner: str = "broker") -> tuple[str, ...]:
+    """The broker endpoints a process is given: one endpoint, a comma-separated pair
+    (``tcp://a:5555,tcp://b:5555``), or a list of them (a Binary Star pair)."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        raise ConfigError(f"{owner} must be an endpoint or a list of them, got {value!r}")
+    out: list[str] = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ConfigError(f"{owner} must be an endpoint or a list of them, got {value!r}")
+        for part in (p.strip() for p in item.split(",")):
+            if "://" not in part:
+                raise ConfigError(
+                    f"{owner} must be ZeroMQ endpoints like tcp://HOST:PORT, got {part!r}"
+                )
+            out.append(part)
+    if not 1 <= len(out) <= 2:
+        raise ConfigError(
+            f"{owner}: give one broker endpoint or a pair of them, got {len(out)}: {value!r}"
+        )
+    if len(set(out)) != len(out):
+        raise ConfigError(f"{owner}: the same broker endpoint is given twice: {value!r}")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     """A peer silent for ``interval * liveness`` seconds is declared dead."""
@@ -80,6 +108,11 @@ class Security:
     #: For the broker (and shards' replication endpoints): a directory of
     #: ``*.key`` public keys allowed to connect.
     allowed_clients_dir: str | None = None
+    #: Roles: a directory of the shards' public keys.  When set, only these keys may
+    #: act as shards (and reach a shard's replication endpoint), the keys of
+    #: ``allowed_clients_dir`` only as clients, each sender's identity is bound to its
+    #: key, and a request's dedup id must be its sender's identity.
+    allowed_shards_dir: str | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -143,7 +176,9 @@ class Metrics:
     """The Prometheus endpoint (port 0: none)."""
 
     port: int = 0
-    host: str = "0.0.0.0"
+    #: Loopback unless configured: a scrape from another host needs ``host = "0.0.0.0"``
+    #: (or the address of the interface Prometheus reaches).
+    host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         _integer("metrics", 0, port=self.port)
@@ -201,6 +236,19 @@ class BrokerConfig:
     queue_bytes: int = 512 << 20
     #: A peer that takes none of what is held for it for this many seconds loses it.
     stall_timeout: float = 10.0
+    #: Where the broker keeps what it must not forget (partitions, epochs, the LSN
+    #: each primary confirmed, training jobs); None: nothing survives a restart.
+    data_dir: str | None = None
+    #: A primary/backup pair (Binary Star): this broker's role, "primary" or "backup"
+    #: (None: no pair) ...
+    pair_role: str | None = None
+    #: ... where it listens for its peer broker ...
+    peer_bind: str | None = None
+    #: ... and the peer broker's peer endpoint.
+    peer: str | None = None
+    #: Seconds without a heartbeat from the peer before it counts as lost (the peers
+    #: beat five times as often).
+    peer_timeout: float = 0.5
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     security: Security = field(default_factory=Security)
     metrics: Metrics = field(default_factory=Metrics)
@@ -222,7 +270,21 @@ class BrokerConfig:
             shard_queue_bytes=self.shard_queue_bytes,
             queue_bytes=self.queue_bytes,
         )
-        _positive("broker", stall_timeout=self.stall_timeout)
+        _positive("broker", stall_timeout=self.stall_timeout, peer_timeout=self.peer_timeout)
+        if self.data_dir is not None and (not isinstance(self.data_dir, str) or not self.data_dir):
+            raise ConfigError(f"broker.data_dir must be a directory path, got {self.data_dir!r}")
+        pair = (self.pair_role, self.peer_bind, self.peer)
+        if any(v is not None for v in pair):
+            if self.pair_role not in ("primary", "backup"):
+                raise ConfigError(
+                    f'broker.pair_role must be "primary" or "backup", got {self.pair_role!r}'
+                )
+            if self.peer_bind is None or self.peer is None:
+                raise ConfigError(
+                    "a broker pair needs broker.pair_role, broker.peer_bind and broker.peer"
+                )
+            _endpoint("broker", "peer_bind", self.peer_bind)
+            _endpoint("broker", "peer", self.peer)
         if self.startup_grace is not None and (
             isinstance(self.startup_grace, bool)
             or not isinstance(self.startup_grace, int | float)
@@ -245,7 +307,10 @@ class BrokerConfig:
 
 @dataclass(frozen=True)
 class ShardConfig:
+    #: The broker, or a comma-separated primary/backup pair of them.
     broker: str = DEFAULT_BROKER
+    #: The broker pair as a list (overrides ``broker`` when given).
+    brokers: tuple[str, ...] = ()
     #: Checkpoints go here (None: no checkpoints, nothing restored).
     data_dir: str | None = None
     #: Where replicas of this shard's partition connect (port 0: any free port).
@@ -253,7 +318,30 @@ class ShardConfig:
     #: The host replicas use to reach this shard (None: the local address on
     #: the route to the broker).
     advertise_host: str | None = None
+    #: The host this shard reports for placement: the broker keeps copies of a
+    #: partition on distinct hosts where it can (None: the hostname).
+    host: str | None = None
+    #: An optional zone or rack label; copies are kept in distinct zones too.
+    zone: str = ""
+    #: The shard's name in status, logs and metrics (its node id is ``s-NAME``); None:
+    #: the host name and the data dir's name (or the pid, without a data dir).
+    name: str | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    #: Flow control: bytes of replies held for the broker while its queue is full.  A
+    #: request is refused OVERLOADED while more than this minus ``max_message_bytes``
+    #: is held, so the reply to every request taken fits (at least twice
+    #: ``max_message_bytes``).
+    reply_queue_bytes: int = 256 << 20
+    #: What an acknowledged write survives (with a ``data_dir``; each partition keeps
+    #: a write-ahead log there): "fsync" (a write is on disk before it is
+    #: acknowledged: the loss of every machine at once), "interval" (on disk at most
+    #: ``durability_interval`` seconds after it: the loss of every process at once,
+    #: and of the machines but for that last interval), "none" (memory and
+    #: checkpoints only: up to a checkpoint interval is lost with every copy).
+    durability: str = "interval"
+    durability_interval: float = 0.1
+    #: The write-ahead log begins a new file past this size (and at each checkpoint).
+    wal_segment_bytes: int = 64 << 20
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     security: Security = field(default_factory=Security)
@@ -262,11 +350,41 @@ class ShardConfig:
     replication: Replication = field(default_factory=Replication)
 
     def __post_init__(self) -> None:
-        _endpoint("shard", "broker", self.broker)
+        broker_endpoints(list(self.brokers) or self.broker, "shard.brokers")
         _endpoint("shard", "replication_bind", self.replication_bind)
         _integer("shard", 1, max_message_bytes=self.max_message_bytes)
+        _integer("shard", 1, reply_queue_bytes=self.reply_queue_bytes)
+        if self.reply_queue_bytes < 2 * self.max_message_bytes:
+            raise ConfigError(
+                f"shard.reply_queue_bytes ({self.reply_queue_bytes}) must be at least twice "
+                f"shard.max_message_bytes ({self.max_message_bytes})"
+            )
         if self.data_dir is not None and (not isinstance(self.data_dir, str) or not self.data_dir):
             raise ConfigError(f"shard.data_dir must be a directory path, got {self.data_dir!r}")
+        if self.host is not None and (not isinstance(self.host, str) or not self.host):
+            raise ConfigError(f"shard.host must be a non-empty name, got {self.host!r}")
+        if self.name is not None and (
+            not isinstance(self.name, str) or not SHARD_NAME.fullmatch(self.name)
+        ):
+            raise ConfigError(
+                f"shard.name must be 1-60 letters, digits, '.', '_' or '-', starting with a "
+                f"letter or digit, got {self.name!r}"
+            )
+        if not isinstance(self.zone, str) or len(self.zone) > 100:
+            raise ConfigError(
+                f"shard.zone must be a label of at most 100 characters, got {self.zone!r}"
+            )
+        if self.durability not in ("fsync", "interval", "none"):
+            raise ConfigError(
+                f'shard.durability must be "fsync", "interval" or "none", got {self.durability!r}'
+            )
+        _positive("shard", durability_interval=self.durability_interval)
+        _integer("shard", 1 << 16, wal_segment_bytes=self.wal_segment_bytes)
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """Every broker endpoint (two for a broker pair)."""
+        return broker_endpoints(list(self.brokers) or self.broker, "shard.brokers")
 
 
 @dataclass(frozen=True)
@@ -279,6 +397,9 @@ class ClientConfig:
     batch_max_ops: int = 512
     #: ... and this many payload bytes.
     batch_max_bytes: int = 4 << 20
+    #: A call is cut into messages whose request and reply payloads are at most
+    #: this many bytes each (at most half of ``max_message_bytes``).
+    message_budget: int = MESSAGE_BUDGET
     compress: bool = True
     name: str = ""
     #: "all": a write returns once every in-sync replica applied it; 1: once the
@@ -292,6 +413,9 @@ class ClientConfig:
     staleness: int = 0
     #: Pushes sent with ``wait=False`` that may be unacknowledged at once.
     max_background: int = 8
+    #: With a broker pair: seconds without a word from the current broker before the
+    #: client turns to the other one.
+    failover_timeout: float = 0.5
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     security: Security = field(default_factory=Security)
 
@@ -302,29 +426,48 @@ class ClientConfig:
         _integer("client", 1, max_background=self.max_background)
         if self.acks not in ("all", 1) or isinstance(self.acks, bool):
             raise ConfigError(f'client.acks must be "all" or 1, got {self.acks!r}')
-        _positive("client", timeout=self.timeout, connect_timeout=self.connect_timeout)
+        _positive(
+            "client",
+            timeout=self.timeout,
+            connect_timeout=self.connect_timeout,
+            failover_timeout=self.failover_timeout,
+        )
         _integer(
             "client",
             1,
             max_message_bytes=self.max_message_bytes,
             batch_max_ops=self.batch_max_ops,
             batch_max_bytes=self.batch_max_bytes,
+            message_budget=self.message_budget,
         )
+        if self.message_budget > self.max_message_bytes // 2:
+            raise ConfigError(
+                f"client.message_budget ({self.message_budget}) must be at most half of "
+                f"client.max_message_bytes ({self.max_message_bytes})"
+            )
         if not isinstance(self.compress, bool):
             raise ConfigError(f"client.compress must be true or false, got {self.compress!r}")
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    #: The broker, or a comma-separated primary/backup pair of them.
     broker: str = DEFAULT_BROKER
+    #: The broker pair as a list (overrides ``broker`` when given).
+    brokers: tuple[str, ...] = ()
     #: MODULE:FUNCTION that zps-worker runs (a flag overrides it).
     function: str | None = None
     args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _endpoint("worker", "broker", self.broker)
+        broker_endpoints(list(self.brokers) or self.broker, "worker.brokers")
         if not all(isinstance(a, str) for a in self.args):
             raise ConfigError("worker.args must be a list of strings")
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """Every broker endpoint (two for a broker pair)."""
+        return broker_endpoints(list(self.brokers) or self.broker, "worker.brokers")
 
 
 @dataclass(frozen=True)

@@ -1,26 +1,56 @@
-"""Prometheus metrics for the broker and shards.
+"""Prometheus metrics and health checks for the broker and shards.
 
 Counters the processes keep anyway (their ``stats`` records) are read only
 when Prometheus scrapes, through a collector: the hot path pays nothing for
 them.  The one thing measured on the hot path is request latency, a
 histogram observed once per request message.  Each process has its own
 registry (no global state); ``metrics.port = 0`` serves nothing.
+
+The HTTP endpoint (a thread of its own, so a scrape never waits for the
+event loop) answers three paths, and 404 for any other:
+
+* ``/metrics``: the exposition (Prometheus text format 0.0.4).
+* ``/healthz``: 200 while the process's event loop turns (its heartbeat task
+  stamped the time less than :data:`LOOP_MAX_AGE_S` ago), else 503.
+* ``/ready``: 200 when the process does its job (the driver's ``ready``
+  callback: a broker serves the map, a shard holds its role), else 503.
+
+Each health answer is one line of text saying why.
+
+Beside the process's own series every registry has the standard ``process_*``
+series (CPU seconds, resident memory, open file descriptors, start time: read
+from ``/proc`` at scrape time) and ``zps_build_info{version, protocol}``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
+import threading
+import time
 from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from zps.errors import ZpsError
 from zps.ops.config import Metrics
+from zps.protocol.codec import PROTOCOL_VERSION
+from zps.version import __version__
 
 __all__ = [
     "LATENCY_BUCKETS",
+    "LOOP_MAX_AGE_S",
     "CounterMetricFamily",
     "GaugeMetricFamily",
     "Metric",
@@ -89,32 +119,151 @@ def labelled(
     return m
 
 
-class MetricsServer:
-    """A registry, a scrape-time collector, and (if configured) the HTTP endpoint."""
+def _build_info() -> Iterable[Metric]:
+    yield gauge(
+        "zps_build_info",
+        "The zps release and protocol version of this process (always 1)",
+        1,
+        {"version": __version__, "protocol": str(PROTOCOL_VERSION)},
+    )
 
-    def __init__(self, config: Metrics, collect: Callable[[], Iterable[Metric]]) -> None:
+
+#: /healthz fails once the event loop has not stamped the time for this long.
+LOOP_MAX_AGE_S = 5.0
+#: How often the loop stamps it.
+LOOP_STAMP_S = 0.5
+
+#: A readiness verdict: ready or not, and why (one line).
+Readiness = Callable[[], tuple[bool, str]]
+
+
+def _not_ready() -> tuple[bool, str]:
+    return False, "starting"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HttpServer
+
+    def do_GET(self) -> None:
+        self._answer(body=True)
+
+    def do_HEAD(self) -> None:
+        self._answer(body=False)
+
+    def _answer(self, *, body: bool) -> None:
+        owner = self.server.owner
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            code, ctype, data = 200, CONTENT_TYPE_LATEST, generate_latest(owner.registry)
+        elif path in ("/healthz", "/ready"):
+            ok, why = owner.healthz() if path == "/healthz" else owner.readiness()
+            code, ctype = (200 if ok else 503), "text/plain; charset=utf-8"
+            data = f"{'ok' if ok else 'not ok'}: {why}\n".encode()
+        else:
+            code, ctype = 404, "text/plain; charset=utf-8"
+            data = b"not found: try /metrics, /healthz or /ready\n"
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a scrape every few seconds is not news
+
+
+class _HttpServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], owner: MetricsServer) -> None:
+        self.owner = owner
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, _Handler)
+
+
+class MetricsServer:
+    """A registry, a scrape-time collector, health checks, and (if configured) the
+    HTTP endpoint."""
+
+    def __init__(
+        self,
+        config: Metrics,
+        collect: Callable[[], Iterable[Metric]],
+        *,
+        ready: Readiness = _not_ready,
+    ) -> None:
         self.config = config
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Callback(collect))
-        self.request_seconds = Histogram(
-            "zps_request_seconds",
-            "Time to handle one request message",
-            ["kind"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self._server: Any = None
+        self.registry.register(_Callback(_build_info))
+        ProcessCollector(registry=self.registry)
+        self._request_seconds: Histogram | None = None
+        self.readiness = ready
+        self.loop_stamp: float | None = None
+        self._server: _HttpServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def request_seconds(self) -> Histogram:
+        """The request latency histogram (by ``kind``), registered on first use, so a
+        process that handles no requests (the broker) exports none."""
+        if self._request_seconds is None:
+            self._request_seconds = Histogram(
+                "zps_request_seconds",
+                "Time to handle one request message",
+                ["kind"],
+                buckets=LATENCY_BUCKETS,
+                registry=self.registry,
+            )
+        return self._request_seconds
+
+    @property
+    def port(self) -> int | None:
+        """The port served (the configured one, or the one picked for port 0)."""
+        return None if self._server is None else int(self._server.server_address[1])
+
+    def healthz(self, now: float | None = None) -> tuple[bool, str]:
+        """Alive while the event loop stamped the time within :data:`LOOP_MAX_AGE_S`."""
+        stamp = self.loop_stamp
+        if stamp is None:
+            return False, "the event loop has not started"
+        age = (time.monotonic() if now is None else now) - stamp
+        if age > LOOP_MAX_AGE_S:
+            return False, f"the event loop has not turned for {age:.1f}s"
+        return True, f"the event loop turned {age:.1f}s ago"
+
+    async def loop_heartbeat(self) -> None:
+        """Stamp the time every :data:`LOOP_STAMP_S` until cancelled (run it in the
+        driver's task group: a blocked loop stops stamping)."""
+        while True:
+            self.loop_stamp = time.monotonic()
+            await asyncio.sleep(LOOP_STAMP_S)
 
     def start(self) -> None:
+        """Bind and serve; raises :class:`~zps.errors.ZpsError` naming the address if
+        it cannot bind (a port in use)."""
         if self.config.port <= 0:
             return
-        self._server, _ = start_http_server(
-            self.config.port, self.config.host, registry=self.registry
+        host, port = self.config.host, self.config.port
+        try:
+            self._server = _HttpServer((host, port), self)
+        except OSError as e:
+            raise ZpsError(
+                f"cannot serve metrics on {host}:{port}: {e.strerror or e} "
+                "(set metrics.port / --metrics-port to a free port, or 0 for none)"
+            ) from None
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="zps-metrics", daemon=True
         )
-        log.info("metrics on http://%s:%d/metrics", self.config.host, self.config.port)
+        self._thread.start()
+        log.info("metrics on http://%s:%d/metrics (also /healthz, /ready)", host, self.port)
 
     def stop(self) -> None:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

@@ -46,8 +46,17 @@ WIRE_DTYPES: frozenset[str] = frozenset(
 CODEC_RAW = 0
 CODEC_ZSTD = 1
 
-#: Default largest message a process accepts (also the zmq MAXMSGSIZE).
-DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+#: Default largest message a process accepts: zmq's MAXMSGSIZE (which zmq checks
+#: per frame, disconnecting a peer that sends a larger one), and the bound a shard
+#: puts on a whole reply.  64 MiB: four times :data:`MESSAGE_BUDGET`, so every
+#: message zps builds fits with room for its header, while a broken or hostile
+#: peer can make a process allocate no more than this for one frame.
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+#: Payload bytes one message built by zps carries at most: a client cuts a call
+#: into messages whose request and expected reply payloads each stay within it
+#: (configurable: ``[client] message_budget``).  Snapshot chunks (8 MiB) and
+#: replication records (a client's request as sent) stay within it too.
+MESSAGE_BUDGET = 16 << 20
 
 
 class MsgType(enum.IntEnum):
@@ -76,6 +85,25 @@ BufferLike = bytes | bytearray | memoryview
 _MSG_TYPES: dict[int, MsgType] = {int(t): t for t in MsgType}
 
 
+class VersionMismatchError(ProtocolError):
+    """A route frame of another protocol version.
+
+    The frame's layout up to and including the version byte (magic ``b"ZP"``, then the
+    version) is the same in every version, so any two zps processes can tell each
+    other which version they speak.  The remaining fields are those of this version's
+    layout (meaningful if only the header changed): a reply echoes ``req_id``.
+    """
+
+    def __init__(
+        self, version: int, partition: int = NO_PARTITION, epoch: int = 0, req_id: int = 0
+    ) -> None:
+        self.version, self.ours = version, PROTOCOL_VERSION
+        self.partition, self.epoch, self.req_id = partition, epoch, req_id
+        super().__init__(
+            f"the peer speaks protocol version {version}; this process speaks {self.ours}"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     mtype: MsgType
@@ -97,7 +125,7 @@ def unpack_route(buf: BufferLike) -> Route:
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r} in route frame")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {version} (this is {PROTOCOL_VERSION})")
+        raise VersionMismatchError(version, partition, epoch, req_id)
     kind = _MSG_TYPES.get(mtype)  # a dict lookup: calling the enum costs more than parsing
     if kind is None:
         raise ProtocolError(f"unknown message type {mtype}")

@@ -63,6 +63,10 @@ class Status(enum.StrEnum):
     OVERLOADED = "OVERLOADED"
     #: acks="all": fewer copies of the partition are in sync than ``min_in_sync``.
     NOT_ENOUGH_REPLICAS = "NOT_ENOUGH_REPLICAS"
+    #: The message's route frame has another protocol version (the reply has this one).
+    VERSION_MISMATCH = "VERSION_MISMATCH"
+    #: A standby broker of a pair: ask the other one (clients switch and retry).
+    PASSIVE = "PASSIVE"
 
 
 # -- field readers: each returns a checked value or raises ProtocolError ----------
@@ -99,6 +103,13 @@ def _opt_int(h: Header, key: str, what: str, default: int) -> int:
 
 def _opt_str(h: Header, key: str, what: str, default: str) -> str:
     return _str(h[key], what) if key in h else default
+
+
+def _label(h: Header, key: str, what: str) -> str:
+    value = _opt_str(h, key, what, "")
+    if len(value) > 100:
+        raise ProtocolError(f"{what} must be at most 100 characters")
+    return value
 
 
 def _header(h: object, what: str) -> Header:
@@ -161,6 +172,8 @@ class ShardRegister:
     ``address`` is its replication endpoint; ``public_key`` its Z85 CURVE public key
     (40 characters), handed to its replicas, or nil: anything else there is dropped, not
     refused (without CURVE it is never used); ``claim`` what it served before.
+    ``host`` and ``zone`` place copies of a partition apart (``zone``: optional rack
+    or zone label, at most 100 characters).
     """
 
     MTYPE: ClassVar[str] = "REGISTER"
@@ -170,6 +183,11 @@ class ShardRegister:
     claim: ShardClaim | None = None
     lsn: int = 0
     public_key: str | None = None
+    zone: str = ""
+    #: The shard's zps release (shown by ``zps-server status``); "" from older shards.
+    version: str = ""
+    #: Tells a restarted shard from the earlier process of the same name ("": unknown).
+    incarnation: str = ""
 
     @classmethod
     def parse(cls, h: Header) -> ShardRegister:
@@ -184,6 +202,9 @@ class ShardRegister:
             claim=None if claim is None else ShardClaim.parse(claim),
             lsn=_opt_int(h, "lsn", "REGISTER lsn", 0),
             public_key=key,
+            zone=_label(h, "zone", "REGISTER zone"),
+            version=_opt_str(h, "version", "REGISTER version", ""),
+            incarnation=_opt_str(h, "incarnation", "REGISTER incarnation", ""),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -194,6 +215,9 @@ class ShardRegister:
             "claim": self.claim.to_wire() if self.claim else None,
             "lsn": self.lsn,
             "public_key": self.public_key,
+            "zone": self.zone,
+            "version": self.version,
+            "incarnation": self.incarnation,
         }
 
 
@@ -203,7 +227,9 @@ class ShardHeartbeat:
 
     ``t`` (wire key ``"t"``) is the shard's monotonic send time, echoed back in the
     :class:`LeaseEcho` that renews its lease; it is not a table name.  ``in_sync`` is
-    sent by primaries only (the replicas that caught up).
+    sent by primaries only (the replicas that caught up).  ``durable`` is the LSN its
+    write-ahead log holds (nil without a log): what a restart from its data dir
+    gets back, which the broker records as the partition's floor.
     """
 
     t: float | None = None
@@ -211,6 +237,7 @@ class ShardHeartbeat:
     epoch: int | None = None
     stats: dict[str, Any] | None = None
     in_sync: tuple[str, ...] | None = None
+    durable: int | None = None
 
     @classmethod
     def parse(cls, h: Header) -> ShardHeartbeat:
@@ -227,12 +254,15 @@ class ShardHeartbeat:
             epoch=None if epoch is None else _int(epoch, "HEARTBEAT epoch"),
             stats=stats,
             in_sync=None if in_sync is None else tuple(in_sync),
+            durable=None if h.get("durable") is None else _int(h["durable"], "HEARTBEAT durable"),
         )
 
     def to_wire(self) -> dict[str, Any]:
         h: dict[str, Any] = {"t": self.t, "lsn": self.lsn, "epoch": self.epoch, "stats": self.stats}
         if self.in_sync is not None:
             h["in_sync"] = list(self.in_sync)
+        if self.durable is not None:
+            h["durable"] = self.durable
         return h
 
 
@@ -246,6 +276,8 @@ class ClientHello:
     host: str = "?"
     pid: int = 0
     name: str = ""
+    #: The client's zps release (shown by ``zps-server status``); "" from older clients.
+    version: str = ""
 
     @classmethod
     def parse(cls, h: Header) -> ClientHello:
@@ -253,10 +285,11 @@ class ClientHello:
             host=_opt_str(h, "host", "HELLO host", "?"),
             pid=_opt_int(h, "pid", "HELLO pid", 0),
             name=_opt_str(h, "name", "HELLO name", ""),
+            version=_opt_str(h, "version", "HELLO version", ""),
         )
 
     def to_wire(self) -> dict[str, Any]:
-        return {"host": self.host, "pid": self.pid, "name": self.name}
+        return {"host": self.host, "pid": self.pid, "name": self.name, "version": self.version}
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,14 +307,43 @@ class Heartbeat:
 
 @dataclass(frozen=True, slots=True)
 class StatusRequest:
-    """STATUS, client -> broker: ask for the status report (answered with STATUS)."""
+    """STATUS, client -> broker: ask for the status report (answered with STATUS).
+
+    With ``reset_partition`` it is an operator's command first: give that lost
+    partition to its newest surviving copy (or an empty shard), accepting the loss
+    of the writes the missing copies held; ``accept_data_loss`` must be true.  The
+    report then carries ``reset`` (``{"ok": bool, "msg": str}``).
+    """
+
+    reset_partition: int | None = None
+    accept_data_loss: bool = False
+    #: An operator's drain (or undrain) of the shard of that node id; the report then
+    #: carries ``drain`` (``{"ok": bool, "msg": str}``).
+    drain: str | None = None
+    undrain: str | None = None
 
     @classmethod
     def parse(cls, h: Header) -> StatusRequest:
-        return cls()
+        reset, drain, undrain = h.get("reset_partition"), h.get("drain"), h.get("undrain")
+        return cls(
+            reset_partition=None
+            if reset is None
+            else _int(reset, "STATUS reset_partition", hi=2**31 - 1),
+            accept_data_loss=_bool(h.get("accept_data_loss", False), "STATUS accept_data_loss"),
+            drain=None if drain is None else _str(drain, "STATUS drain", empty=False)[:100],
+            undrain=None if undrain is None else _str(undrain, "STATUS undrain", empty=False)[:100],
+        )
 
     def to_wire(self) -> dict[str, Any]:
-        return {}
+        h: dict[str, Any] = {}
+        if self.reset_partition is not None:
+            h["reset_partition"] = self.reset_partition
+            h["accept_data_loss"] = self.accept_data_loss
+        if self.drain is not None:
+            h["drain"] = self.drain
+        if self.undrain is not None:
+            h["undrain"] = self.undrain
+        return h
 
 
 @dataclass(frozen=True, slots=True)

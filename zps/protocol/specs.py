@@ -21,6 +21,7 @@ import numpy as np
 from zps.errors import BadRequestError
 from zps.init import Constant, Initializer, Normal, Uniform, Zeros, init_from_spec
 from zps.optim import FTRL, SGD, Adagrad, Adam, Momentum, Optimizer, optimizer_from_spec
+from zps.protocol.codec import MESSAGE_BUDGET
 
 __all__ = ["DTYPES", "DenseSpec", "EmbeddingSpec", "TableSpec", "spec_from_wire"]
 
@@ -31,6 +32,8 @@ MAX_NAME_LEN = 200
 MAX_DENSE_SIZE = 2**40
 MAX_DIM = 65536
 MAX_SEED = 2**63
+#: A dense chunk travels whole in one message (a push of it, or a pull's reply).
+MAX_CHUNK_BYTES = MESSAGE_BUDGET
 
 _INIT_TYPES = (Zeros, Constant, Uniform, Normal)
 _OPT_TYPES = (SGD, Momentum, Adagrad, Adam, FTRL)
@@ -82,6 +85,11 @@ class DenseSpec:
             raise BadRequestError(f"dense spec {self.name!r}: shape {shape} exceeds 2**40 elements")
         if not _is_int(self.chunk_elems) or self.chunk_elems < 1:
             raise BadRequestError(f"dense spec {self.name!r}: chunk_elems must be an integer >= 1")
+        if int(self.chunk_elems) * np.dtype(self.dtype).itemsize > MAX_CHUNK_BYTES:
+            raise BadRequestError(
+                f"dense spec {self.name!r}: chunks of {self.chunk_elems} elements exceed "
+                f"{MAX_CHUNK_BYTES} bytes, the most one message carries"
+            )
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "seed", int(self.seed))
         object.__setattr__(self, "chunk_elems", int(self.chunk_elems))

@@ -16,6 +16,12 @@ The same byte stream is what a joining replica receives, in bounded chunks
 step delays the event loop by more than a memory copy: :func:`cut` copies the
 partition at one LSN (on the loop, between two requests), :func:`finish` puts
 the rows in id order (in a worker thread, like the encoding and the writing).
+
+A partition's write-ahead log (:mod:`zps.store.wal`) sits beside its checkpoints
+in ``partition-P/``.  :func:`restore` is the start-up path: the newest checkpoint
+that loads, then every logged message after it, replayed as a replica applies
+the stream (the dedup record included, so a client's retry is still answered
+from it).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from pathlib import Path
 import msgpack
 
 from zps.errors import ProtocolError, ZpsError
-from zps.protocol.codec import Encoder
+from zps.protocol.codec import Encoder, MsgType, Route, decode
 from zps.shard.core import ShardCore
 from zps.store.snapshot import (
     CutSpace,
@@ -41,6 +47,7 @@ from zps.store.snapshot import (
     encode_snapshot,
     ordered,
 )
+from zps.store.wal import Record, Recovery, Wal
 
 log = logging.getLogger("zps.checkpoint")
 
@@ -122,14 +129,25 @@ class CheckpointStore:
     def _dir(self, partition: int) -> Path:
         return self.root / f"partition-{partition}"
 
+    def folder(self, partition: int) -> Path:
+        """Where ``partition``'s checkpoints and write-ahead log live."""
+        return self._dir(partition)
+
     def write(self, snap: Snapshot) -> Path:
         """Write atomically; prune old files; return the new file's path."""
-        folder = self._dir(snap.partition)
+        return self.write_encoded(snap.partition, snap.epoch, snap.lsn, encode_checkpoint(snap))
+
+    def write_encoded(
+        self, partition: int, epoch: int, lsn: int, parts: list[bytes | memoryview]
+    ) -> Path:
+        """Write an encoded checkpoint (a verified snapshot stream as a replica received
+        it, or :func:`encode_checkpoint`'s parts) atomically; prune old files."""
+        folder = self._dir(partition)
         folder.mkdir(parents=True, exist_ok=True)
-        final = folder / f"ckpt-{snap.epoch:08d}-{snap.lsn:016d}.zps"
+        final = folder / f"ckpt-{epoch:08d}-{lsn:016d}.zps"
         tmp = folder / f".{final.name}.tmp-{os.getpid()}"
         with open(tmp, "wb") as f:
-            for part in encode_checkpoint(snap):
+            for part in parts:
                 f.write(part)
             f.flush()
             os.fsync(f.fileno())
@@ -145,19 +163,97 @@ class CheckpointStore:
         for stale in folder.glob(".ckpt-*.tmp-*"):  # a crash mid-write
             stale.unlink(missing_ok=True)
 
-    def candidates(self) -> list[Path]:
-        """Every checkpoint, newest first (by time, then epoch and LSN)."""
-        files = list(self.root.glob("partition-*/ckpt-*.zps")) if self.root.is_dir() else []
+    def candidates(self, partition: int | None = None) -> list[Path]:
+        """Every checkpoint (of ``partition``, if given), newest first (by time, then
+        epoch and LSN)."""
+        pattern = "partition-*" if partition is None else f"partition-{partition}"
+        files = list(self.root.glob(f"{pattern}/ckpt-*.zps")) if self.root.is_dir() else []
         return sorted(files, key=lambda p: (p.stat().st_mtime, p.name), reverse=True)
 
-    def latest(self) -> Found | None:
-        """The newest checkpoint that loads; corrupt ones are logged and skipped."""
-        for path in self.candidates():
+    def newest_partition(self) -> int | None:
+        """The partition whose checkpoint or log changed last (None: nothing on disk)."""
+        if not self.root.is_dir():
+            return None
+        best: tuple[float, int] | None = None
+        for path in [
+            *self.root.glob("partition-*/ckpt-*.zps"),
+            *self.root.glob("partition-*/wal-*.log"),
+        ]:
+            try:
+                part = int(path.parent.name.removeprefix("partition-"))
+                stamp = (path.stat().st_mtime, part)
+            except (ValueError, OSError):
+                continue
+            if best is None or stamp > best:
+                best = stamp
+        return None if best is None else best[1]
+
+    def latest(self, partition: int | None = None) -> Found | None:
+        """The newest checkpoint (of ``partition``, if given) that loads; corrupt ones
+        are logged and skipped."""
+        for path in self.candidates(partition):
             try:
                 return Found(decode_checkpoint(path.read_bytes()), path)
             except (CheckpointError, OSError) as e:
                 log.error("checkpoint %s is unusable (%s); trying an older one", path, e)
         return None
+
+
+def apply_record(core: ShardCore, rec: Record) -> int:
+    """Re-run a logged message on ``core`` (as a replica applies the stream); the new LSN."""
+    if not rec.frames:
+        raise CheckpointError(f"logged LSN {rec.lsn} holds no message")
+    header = decode([Route(MsgType.REQUEST).pack(), rec.frames[0]]).header
+    return core.apply_replicated(header, rec.frames[1:])
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What :func:`restore` loaded into the core."""
+
+    partition: int
+    epoch: int
+    lsn: int
+    checkpoint: Path | None  # the checkpoint it started from (None: an empty partition)
+    recovery: Recovery | None  # what the log replayed (None: no log)
+
+
+def restore(
+    core: ShardCore, store: CheckpointStore, *, log_segment_bytes: int | None = None
+) -> tuple[Restored | None, Wal | None]:
+    """Load the newest checkpoint that verifies into ``core`` and, with a log
+    (``log_segment_bytes`` given), replay the log after it; returns what was
+    restored and the log, open for appending after its last good record.
+
+    Without a log, the newest checkpoint of any partition is used.  With one, the
+    partition is the one whose files changed last; its log may start from an empty
+    partition (a primary that never checkpointed).  A torn or corrupt tail of the
+    log is cut (:meth:`~zps.store.wal.Wal.recover`).
+    """
+    if log_segment_bytes is None:
+        found = store.latest()
+        if found is None:
+            return None, None
+        core.load_snapshot(found.snapshot)
+        snap = found.snapshot
+        return Restored(snap.partition, snap.epoch, snap.lsn, found.path, None), None
+    partition = store.newest_partition()
+    if partition is None:
+        return None, None
+    found = store.latest(partition)
+    if found is not None:
+        core.load_snapshot(found.snapshot)
+    else:
+        core.assign(partition, 0, primary=False)  # the log may start from nothing
+    wal = Wal(store.folder(partition), segment_bytes=log_segment_bytes)
+    recovery = wal.recover(core.lsn, core.epoch, lambda rec: apply_record(core, rec))
+    core.epoch = recovery.epoch
+    if found is None and core.lsn == 0:
+        core.assign(None, 0)
+        wal.close()
+        return None, None
+    restored = Restored(partition, core.epoch, core.lsn, found.path if found else None, recovery)
+    return restored, wal
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -7,6 +7,11 @@ only on top of a loaded snapshot of this partition at this epoch
 (:attr:`ShardSession.synced <zps.shard.session.ShardSession.synced>`); a gap, a
 message that does not apply or one that leaves another LSN than the primary's
 means a fresh snapshot (:meth:`~zps.shard.session.ShardSession.resync`).
+
+With a write-ahead log (:mod:`zps.shard.durability`), a replica keeps its own:
+a loaded snapshot is written as a checkpoint first (the log's base), and every
+message applied is logged.  It acknowledges only what its log holds (on disk in
+``fsync`` mode), so the primary's ``acks="all"`` counts logged copies.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from zps.protocol.messages import (
     StreamAck,
     Subscribe,
 )
-from zps.shard.checkpoint import CheckpointError, decode_checkpoint
+from zps.shard.checkpoint import CheckpointError, CheckpointStore, decode_checkpoint
 from zps.shard.core import ShardCore
+from zps.shard.durability import Durability
 from zps.shard.session import ShardSession
 from zps.store.snapshot import ChunkAssembly, Snapshot
 
@@ -53,6 +59,8 @@ class Upstream:
         *,
         interval: float,
         max_message_bytes: int,
+        durability: Durability | None = None,
+        checkpoints: CheckpointStore | None = None,
     ) -> None:
         self.session = session
         self.core = core
@@ -66,29 +74,52 @@ class Upstream:
         #: Stream messages that arrived during the snapshot: (route, header, payloads).
         self._held: list[tuple[Route, Replicate, Any]] = []
         self._held_bytes = 0
+        #: The replica's own log (None or mode "none": no log).
+        self._durability = (
+            durability if durability is not None and durability.mode != "none" else None
+        )
+        self._checkpoints = checkpoints if self._durability is not None else None
 
     async def run(self) -> None:
         """Subscribe to the primary, load its snapshot, then apply its stream."""
         self.session.upstream_started()
-        await self._ask()
-        await transport.serve(
-            self.channel,
-            self._handle,
-            self._malformed,
-            on_burst=self._after_burst,
-            idle=self.interval,
-            on_idle=self._ask,
-        )
+        if self._durability is not None:
+            self._durability.on_durable = self._durable
+        try:
+            await self._ask()
+            await transport.serve(
+                self.channel,
+                self._handle,
+                self._malformed,
+                on_burst=self._after_burst,
+                idle=self.interval,
+                on_idle=self._ask,
+            )
+        finally:
+            if self._durability is not None and self._durability.on_durable == self._durable:
+                self._durability.on_durable = None
+
+    def _durable(self) -> None:
+        """A batch of the log is on disk: acknowledge what it holds."""
+        if self.session.synced:
+            self.ack_now()
 
     async def ack(self) -> None:
+        self.ack_now()
+
+    def ack_now(self) -> None:
         # Never waits on a primary that stopped reading: a later ack supersedes this one.
+        # Only what this replica's log holds is acknowledged (on disk, in fsync mode).
+        lsn = self.core.lsn
+        if self._durability is not None:
+            lsn = self._durability.acked_lsn(lsn)
         transport.try_send(
             self.channel,
             encode(
                 Route(MsgType.ACK),
                 # ``base`` names the snapshot this state grew from: the primary counts
                 # acknowledgements of its own stream only, never of another history.
-                StreamAck(self.core.lsn, self.core.epoch, self.session.base_lsn).to_wire(),
+                StreamAck(lsn, self.core.epoch, self.session.base_lsn).to_wire(),
             ),
         )
 
@@ -185,12 +216,19 @@ class Upstream:
         except CheckpointError as e:
             self._abandon()
             raise ProtocolError(f"snapshot {sid} does not decode: {e}") from None
+        if not await self._keep(snap, assembly):
+            return
         if self._assembly is not assembly:
             return  # replaced while decoding
         held, self._held, self._held_bytes = self._held, [], 0
         self._assembly = None
         self._abandoned = None
         ok = self._load(snap)
+        if ok and self._durability is not None and self._checkpoints is not None:
+            # The checkpoint just written is the base of this replica's new log.
+            self._durability.start(
+                self._checkpoints.folder(snap.partition), snap.partition, snap.lsn
+            )
         self.session.snapshot_loaded(ok, snap.lsn)
         if ok:
             for r, h, p in held:
@@ -198,6 +236,28 @@ class Upstream:
                     self._apply_stream(r, h, p)
             if self.session.synced:
                 await self.ack()
+
+    async def _keep(self, snap: Snapshot, assembly: ChunkAssembly) -> bool:
+        """With a log, write the snapshot as a checkpoint (the log's base) before
+        loading it; False if that failed (the snapshot is abandoned, asked for again)."""
+        store = self._checkpoints
+        if (
+            store is None
+            or snap.lsn == 0  # an empty partition: the log starts from nothing
+            or snap.epoch != self.core.epoch
+            or snap.partition != self.core.partition
+        ):
+            return True
+        try:
+            await asyncio.to_thread(
+                store.write_encoded, snap.partition, snap.epoch, snap.lsn, [assembly.stream()]
+            )
+        except OSError as e:
+            log.error("could not keep the snapshot at LSN %d as a checkpoint: %s", snap.lsn, e)
+            if self._assembly is assembly:
+                self._abandon()
+            return False
+        return True
 
     def _load(self, snap: Snapshot) -> bool:
         if snap.epoch != self.core.epoch or snap.partition != self.core.partition:
@@ -239,3 +299,6 @@ class Upstream:
         if got != lsn:
             log.error("replica diverged: LSN %d after applying, primary had %d; resync", got, lsn)
             self.session.resync()
+            return
+        if self._durability is not None:
+            self._durability.log(route.epoch, prev, lsn, payloads)

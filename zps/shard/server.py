@@ -6,6 +6,9 @@ Links:
   a restarted broker rebuilds its map), heartbeats, requests and replies.
   Frames from the broker are ``[source, route, header, payloads...]``: an
   empty ``source`` is the broker itself, anything else a client to answer.
+  With a broker pair, one DEALER to each: control messages go to both, and
+  requests are taken (and replies sent) only through the broker whose term
+  is the highest seen (an older broker's messages are dropped or refused).
 * a ROUTER of its own (``replication_bind``): when primary, its replicas
   subscribe here (:mod:`zps.shard.primary`).
 * a DEALER to its primary, when replica (:mod:`zps.shard.replica`).
@@ -20,9 +23,13 @@ accepts requests only while its lease from the broker runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
+import hashlib
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -47,9 +54,17 @@ from zps.ops.metrics import (
     gauge,
     labelled,
 )
-from zps.ops.security import load_curve_keys
+from zps.ops.security import load_curve_keys, load_key_roles, warn_if_exposed
 from zps.ops.systemd import Notifier
-from zps.protocol.codec import MsgType, Route, decode, encode, unpack_route
+from zps.protocol.codec import (
+    PROTOCOL_VERSION,
+    MsgType,
+    Route,
+    VersionMismatchError,
+    decode,
+    encode,
+    unpack_route,
+)
 from zps.protocol.messages import (
     Assign,
     BrokerToShard,
@@ -66,13 +81,15 @@ from zps.protocol.messages import (
     StatusReply,
 )
 from zps.shard import snapshots
-from zps.shard.checkpoint import CheckpointStore, cut, finish
+from zps.shard.checkpoint import CheckpointStore, cut, finish, restore
 from zps.shard.core import MUTATIONS, Limits, ShardCore
+from zps.shard.durability import Durability
 from zps.shard.primary import REPLICATION_HWM, ReplicationStream, Reply
 from zps.shard.replica import Upstream
 from zps.shard.session import MapResult, ShardSession
 from zps.store.snapshot import Snapshot
 from zps.transport import CurveKeys
+from zps.version import __version__
 
 log = logging.getLogger("zps.shard")
 
@@ -118,6 +135,24 @@ def advertise_host(broker: str) -> str:
         return socket.gethostname()
 
 
+def shard_node_id(config: ShardConfig, *, hostname: str, pid: int) -> str:
+    """``s-NAME``: the configured name, else the host and the data dir (its name and a
+    short hash of its whole path, so two dirs of one name differ), else the host and
+    the pid.  Stable across restarts with a data dir: status, logs and metrics keep
+    naming the same shard."""
+    if config.name:
+        return f"s-{config.name}"
+    host = (config.host or hostname).split(".")[0]
+    if config.data_dir:
+        path = os.path.abspath(config.data_dir)
+        digest = hashlib.blake2s(path.encode(), digest_size=2).hexdigest()
+        tail = f"{os.path.basename(path.rstrip(os.sep)) or 'data'}-{digest}"
+    else:
+        tail = str(pid)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{host}-{tail}").strip("-._")
+    return f"s-{name[-60:]}"
+
+
 def _write_checkpoint(store: CheckpointStore, snap: Snapshot) -> Path:
     return store.write(finish(snap))
 
@@ -128,10 +163,18 @@ class ShardServer:
     ) -> None:
         self.config = config
         self.notifier = notifier or Notifier()
-        self.metrics = MetricsServer(config.metrics, self._collect)
-        self._latency = {k: self.metrics.request_seconds.labels(kind=k) for k in ("read", "write")}
+        self.metrics = MetricsServer(config.metrics, self._collect, ready=self._ready)
+        latency = self.metrics.request_seconds()
+        self._latency = {k: latency.labels(kind=k) for k in ("read", "write")}
         self.checkpoints_written = 0
-        self.node_id = node_id or f"s-{uuid.uuid4().hex[:12]}"
+        self.checkpoint_failures = 0
+        self._checkpoint_seconds: float | None = None  # the last write took
+        self._checkpoint_time: float | None = None  # Unix time of the newest checkpoint
+        self.node_id = node_id or shard_node_id(
+            config, hostname=socket.gethostname(), pid=os.getpid()
+        )
+        #: This process, as opposed to an earlier one of the same name.
+        self.incarnation = uuid.uuid4().hex[:12]
         self.core = ShardCore(limits=Limits(**dataclasses.asdict(config.limits)))
         hb, ckpt = config.heartbeat, config.checkpoint
         self.session: ShardSession[Reply] = ShardSession(
@@ -146,15 +189,32 @@ class ShardServer:
         )
         self.address = ""
         self.assigned = asyncio.Event()
+        #: The broker accepted the registration (it answered with an assignment).
+        self.registered = False
+        self._roles = False  # CURVE roles: a request's dedup id must be its sender's
+        self._version_warned = False
         self._stop = asyncio.Event()
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: transport.Channel | None = None
+        #: Broker pair: every broker link, the one followed, and the highest term seen.
+        self._links: list[tuple[transport.Channel, transport.Outbound]] = []
+        self._current = 0
+        self._term = 0
+        # Everything to the broker but heartbeats goes through _out, bounded in bytes:
+        # past ``reply_queue_bytes - max_message_bytes`` held, requests are refused.
+        self._out: transport.Outbound | None = None
+        self.overloaded = 0  # requests refused OVERLOADED (the broker link was full)
         self._stream: ReplicationStream | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._upstream: Upstream | None = None
         self._upstream_task: asyncio.Task[None] | None = None
         self._keys: CurveKeys | None = None
         self._checkpoints = CheckpointStore(config.data_dir, ckpt.keep) if config.data_dir else None
+        self.durability = Durability(
+            config.durability if config.data_dir else "none",
+            interval=config.durability_interval,
+            segment_bytes=config.wal_segment_bytes,
+        )
         self._checkpointing: asyncio.Task[None] | None = None
 
     @property
@@ -172,11 +232,27 @@ class ShardServer:
 
     async def run(self) -> None:
         """Serve until :meth:`stop`; sockets are closed on the way out."""
+        self.metrics.start()  # first: a port in use is an error before anything is bound
+        try:
+            await self._run()
+        finally:
+            self.metrics.stop()
+
+    async def _run(self) -> None:
         cfg = self.config
         self._restore()
         self._ctx = transport.new_context()
         keys = self._keys = load_curve_keys(cfg.security)
-        auth = transport.start_authenticator(self._ctx, keys.allowed_dir) if keys else None
+        roles = load_key_roles(cfg.security)
+        self._roles = roles is not None
+        # With roles only shards may reach the replication endpoint.
+        auth = (
+            transport.start_authenticator(
+                self._ctx, keys.allowed_dir, keys=roles.shards if roles else None
+            )
+            if keys
+            else None
+        )
         repl, bound = transport.router(
             self._ctx,
             cfg.replication_bind,
@@ -184,6 +260,7 @@ class ShardServer:
             hwm=REPLICATION_HWM,
             curve=keys,
         )
+        warn_if_exposed(cfg.replication_bind, cfg.security, "the replication endpoint")
         hb = cfg.heartbeat
         self._stream = ReplicationStream(
             self.session,
@@ -196,15 +273,23 @@ class ShardServer:
             stall_timeout=2 * hb.interval * hb.liveness,
         )
         port = urlsplit(bound).port
-        self.address = f"tcp://{cfg.advertise_host or advertise_host(cfg.broker)}:{port}"
+        brokers = cfg.endpoints
+        self.address = f"tcp://{cfg.advertise_host or advertise_host(brokers[0])}:{port}"
         self._sock = transport.dealer(
             self._ctx,
-            cfg.broker,
+            brokers[0],
             self.node_id.encode(),
             max_message_bytes=cfg.max_message_bytes,
             curve=keys,
             server_public=keys.server_public if keys else None,
         )
+        self._out = transport.Outbound(
+            self._sock,
+            total_limit=cfg.reply_queue_bytes,
+            stall_timeout=2 * hb.interval * hb.liveness,
+            name="broker link",
+        )
+        self._links = [(self._sock, self._out), *(self._link(b) for b in brokers[1:])]
         log.info(
             "shard %s (pid %d) connecting to %s; replication at %s",
             self.node_id,
@@ -213,9 +298,8 @@ class ShardServer:
             self.address,
         )
         try:
-            self.metrics.start()
             await self._register()
-            self.notifier.ready(f"registering with {cfg.broker}")
+            self.notifier.status(f"registering with {cfg.broker}")
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 tasks = [
@@ -230,7 +314,15 @@ class ShardServer:
                     tg.create_task(self._stream.serve()),
                     tg.create_task(self._heartbeat_loop()),
                     tg.create_task(self.notifier.watchdog_loop()),
+                    tg.create_task(self.durability.run()),
+                    tg.create_task(self.metrics.loop_heartbeat()),
                 ]
+                for i, (sock, _) in enumerate(self._links[1:], 1):
+                    on_frames = functools.partial(self._on_broker_frames, link=i)
+                    serve = transport.serve(
+                        sock, on_frames, self._malformed, on_burst=self._broker_seen
+                    )
+                    tasks.append(tg.create_task(serve))
                 await self._stop.wait()
                 self.notifier.stopping("handing over and writing a checkpoint")
                 self.notifier.extend_timeout(60)
@@ -239,7 +331,11 @@ class ShardServer:
                 for t in tasks:
                     t.cancel()
         finally:
-            self.metrics.stop()
+            if self._out is not None:
+                self._out.close()
+            for sock, out in self._links[1:]:
+                out.close()
+                transport.close(sock)
             if auth is not None:
                 auth.stop()
             self._close_upstream()
@@ -265,21 +361,33 @@ class ShardServer:
         """Load the newest usable checkpoint, to claim its partition when registering."""
         if self._checkpoints is None:
             return
-        found = self._checkpoints.latest()
+        d = self.durability
+        found, wal = restore(
+            self.core,
+            self._checkpoints,
+            log_segment_bytes=None if d.mode == "none" else d.segment_bytes,
+        )
         if found is None:
             log.info("no checkpoint in %s: starting empty", self.config.data_dir)
             return
-        snap = found.snapshot
-        self.core.load_snapshot(snap)
+        if wal is not None:
+            d.adopt(wal, found.partition)
         self.core.primary = False  # until the broker says so
-        self.session.restore(snap.partition, snap.epoch, snap.lsn, time.monotonic())
+        self.session.restore(found.partition, found.epoch, found.lsn, time.monotonic())
+        replayed = found.recovery.applied if found.recovery else 0
         log.info(
-            "restored partition %d at epoch %d, LSN %d from %s",
-            snap.partition,
-            snap.epoch,
-            snap.lsn,
-            found.path,
+            "restored partition %d at epoch %d, LSN %d from %s and %d logged messages",
+            found.partition,
+            found.epoch,
+            found.lsn,
+            found.checkpoint or "nothing",
+            replayed,
         )
+        if found.recovery is not None and found.recovery.cut:
+            log.warning("write-ahead log replay stopped: %s", found.recovery.cut)
+        if found.checkpoint is not None:
+            with contextlib.suppress(OSError):
+                self._checkpoint_time = Path(found.checkpoint).stat().st_mtime
 
     def _start_checkpoint(self) -> None:
         """Write a checkpoint beside the loops (never inside one); one at a time."""
@@ -300,15 +408,19 @@ class ShardServer:
             return
         snap = cut(core, space)  # memory copies only, at one LSN
         del space
+        self.durability.roll()  # the log's older segments are what this checkpoint holds
         t0 = time.monotonic()
         try:
             path = await asyncio.to_thread(_write_checkpoint, store, snap)
         except OSError as e:
+            self.checkpoint_failures += 1
             log.error(
                 "checkpoint of partition %d at LSN %d failed: %s", snap.partition, snap.lsn, e
             )
             return
         self.checkpoints_written += 1
+        self._checkpoint_seconds, self._checkpoint_time = time.monotonic() - t0, time.time()
+        self.durability.checkpointed(snap.partition, snap.lsn)
         log.info(
             "checkpoint of partition %d at LSN %d written to %s in %.2fs",
             snap.partition,
@@ -332,8 +444,9 @@ class ShardServer:
             "zps_shard_duplicates", "Re-sent messages answered from the dedup record", s.duplicates
         )
         yield counter("zps_shard_malformed", "Malformed messages dropped or refused", s.malformed)
-        yield counter("zps_shard_bytes_in", "Payload bytes received", s.bytes_in)
-        yield gauge("zps_shard_lsn", "Log sequence number of the partition", core.lsn)
+        yield counter("zps_shard_receive_bytes", "Payload bytes received", s.bytes_in)
+        part = {"partition": "none" if core.partition is None else str(core.partition)}
+        yield gauge("zps_shard_lsn", "Log sequence number of the partition", core.lsn, part)
         yield gauge("zps_shard_bytes", "Memory held by the partition's tables", core.store.nbytes)
         yield gauge("zps_shard_dedup_bytes", "Memory held by the dedup record", core.dedup.nbytes)
         yield gauge("zps_shard_dedup_entries", "Messages in the dedup record", len(core.dedup))
@@ -350,14 +463,24 @@ class ShardServer:
             "Memory held by sync-mode gradients waiting for their step",
             core.steps.nbytes,
         )
-        yield labelled(
-            GaugeMetricFamily,
+        roles = GaugeMetricFamily(
             "zps_shard_role",
-            "1 for the current role",
-            "role",
-            {r.value: float(r is self.role) for r in Role},
+            "1 for the current role (shard: this shard's name)",
+            labels=["role", "partition", "shard"],
         )
-        yield counter("zps_shard_checkpoints", "Checkpoints written", self.checkpoints_written)
+        for r in Role:
+            roles.add_metric([r.value, part["partition"], self.node_id], float(r is self.role))
+        yield roles
+        yield from self._checkpoint_metrics(part)
+        wal = self.durability.stats
+        yield counter("zps_shard_wal_bytes", "Bytes written to the write-ahead log", wal.bytes)
+        yield counter("zps_shard_wal_syncs", "fsyncs of the write-ahead log", wal.syncs)
+        yield counter("zps_shard_wal_errors", "Failed writes of the write-ahead log", wal.errors)
+        yield counter(
+            "zps_shard_overloaded",
+            "Requests refused OVERLOADED: the replies held for the broker filled their bound",
+            self.overloaded,
+        )
         if self._stream is not None:
             sender = self._stream.snapshots
             yield counter("zps_shard_snapshots_sent", "Snapshot transfers begun", sender.started)
@@ -365,11 +488,60 @@ class ShardServer:
                 "zps_shard_snapshot_chunks_sent", "Snapshot chunks sent", sender.chunks_sent
             )
         lag = GaugeMetricFamily(
-            "zps_replication_lag", "This primary's LSN minus the replica's", labels=["replica"]
+            "zps_shard_replica_lag_updates",
+            "Updates this primary applied that the replica has not acknowledged",
+            labels=["partition", "replica"],
         )
         for node, follower in self.session.followers.items():
-            lag.add_metric([node], max(0, core.lsn - follower.acked))
-        yield lag
+            lag.add_metric([part["partition"], node], max(0, core.lsn - follower.acked))
+        if lag.samples:  # a family without series is noise (and no primary has none)
+            yield lag
+
+    def _checkpoint_metrics(self, part: dict[str, str]) -> Iterable[Metric]:
+        yield counter("zps_shard_checkpoints", "Checkpoints written", self.checkpoints_written)
+        yield counter(
+            "zps_shard_checkpoint_failures",
+            "Checkpoints that failed to be written",
+            self.checkpoint_failures,
+        )
+        if self._checkpoint_seconds is not None:
+            yield gauge(
+                "zps_shard_checkpoint_duration_seconds",
+                "Time the last checkpoint took to write, fsync and rename",
+                self._checkpoint_seconds,
+            )
+        if self._checkpoint_time is not None:
+            yield gauge(
+                "zps_shard_checkpoint_last_success_timestamp_seconds",
+                "Unix time of the newest checkpoint of the partition (written or restored)",
+                self._checkpoint_time,
+                part,
+            )
+            yield gauge(
+                "zps_shard_checkpoint_age_seconds",
+                "Seconds since the newest checkpoint of the partition",
+                max(0.0, time.time() - self._checkpoint_time),
+                part,
+            )
+
+    def _ready(self) -> tuple[bool, str]:
+        """For ``/ready`` (called from the metrics thread): the broker admitted this
+        shard and it does its role: a primary holds its lease, a replica has loaded
+        its primary's snapshot and follows the stream, a spare waits for a role."""
+        s = self.session
+        if s.leaving or self._stop.is_set():
+            return False, "stopping"
+        if not self.registered:
+            return False, f"not registered with {self.config.broker}"
+        where = f"partition {s.partition} at epoch {s.epoch}"
+        match s.role:
+            case Role.PRIMARY if not s.may_write(time.monotonic()):
+                return False, f"primary of {where} without a lease from the broker"
+            case Role.REPLICA if not s.synced:
+                return False, f"replica of {where}, catching up"
+            case Role.SPARE:
+                return True, "spare"
+        return True, f"{s.role.value} of {where}"
 
     # -- broker link ---------------------------------------------------------
 
@@ -378,18 +550,66 @@ class ShardServer:
         again, and a broker link that is down (or refused us) must not hang the
         shard, not even its shutdown."""
         assert self._sock is not None
-        if not transport.try_send(self._sock, [b"", *encode(Route(mtype), header)]):
-            log.debug("dropped a %s to the broker: its queue is full", mtype.name)
+        frames = [b"", *encode(Route(mtype), self._with_term(header))]
+        for sock in self._broker_socks():
+            if not transport.try_send(sock, frames):
+                log.debug("dropped a %s to the broker: its queue is full", mtype.name)
+
+    def _link(self, endpoint: str) -> tuple[transport.Channel, transport.Outbound]:
+        """A DEALER to the other broker of a pair, with its own reply allowance."""
+        assert self._ctx is not None
+        cfg, keys, hb = self.config, self._keys, self.config.heartbeat
+        sock = transport.dealer(
+            self._ctx,
+            endpoint,
+            self.node_id.encode(),
+            max_message_bytes=cfg.max_message_bytes,
+            curve=keys,
+            server_public=keys.server_public if keys else None,
+        )
+        out = transport.Outbound(
+            sock,
+            total_limit=cfg.reply_queue_bytes,
+            stall_timeout=2 * hb.interval * hb.liveness,
+            name="broker link",
+        )
+        return sock, out
+
+    def _broker_socks(self) -> list[transport.Channel]:
+        assert self._sock is not None
+        return [sock for sock, _ in self._links] or [self._sock]
+
+    def _with_term(self, header: dict[str, Any]) -> dict[str, Any]:
+        """A broker pair learns from the shards the highest term they have seen."""
+        return {**header, "term": self._term} if len(self._links) > 1 else header
+
+    def _fenced(self, link: int, header: dict[str, Any]) -> bool:
+        """Broker pair: drop a control message from a broker older than the highest term
+        seen; one from a broker at least as new makes it the broker followed."""
+        term = header.get("term")
+        if len(self._links) < 2 or not isinstance(term, int) or isinstance(term, bool):
+            return False
+        if term < self._term:
+            return True
+        if link != self._current:
+            log.warning("following the broker at %s (term %d)", self.config.endpoints[link], term)
+            self._current = link
+            self._sock, self._out = self._links[link]
+        self._term = term
+        return False
 
     async def _register(self) -> None:
         claim = self.session.claim(self.core.lsn)
         register = ShardRegister(
-            host=socket.gethostname(),
+            host=self.config.host or socket.gethostname(),
             pid=os.getpid(),
             address=self.address,
             claim=None if claim is None else ShardClaim.parse(claim),
             lsn=self.core.lsn,
             public_key=self._keys.public.decode() if self._keys else None,
+            version=__version__,
+            incarnation=self.incarnation,
+            zone=self.config.zone,
         )
         await self._to_broker(MsgType.REGISTER, register.to_wire())
 
@@ -406,9 +626,11 @@ class ShardServer:
             epoch=fields["epoch"],
             stats=self.core.report(),
             in_sync=None if in_sync is None else tuple(in_sync),
+            durable=min(self.durability.durable, self.core.lsn) if self.durability.waits else None,
         )
-        assert self._sock is not None
-        transport.try_send(self._sock, [b"", *encode(Route(MsgType.HEARTBEAT), beat.to_wire())])
+        frames = [b"", *encode(Route(MsgType.HEARTBEAT), self._with_term(beat.to_wire()))]
+        for sock in self._broker_socks():
+            transport.try_send(sock, frames)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -451,6 +673,7 @@ class ShardServer:
                 pass  # a probe: hearing from the broker is all it says
             case RegisterAgain() if not self.session.leaving:  # the broker restarted
                 await self._register()
+                self._report()  # right behind it: a primary's lease from the new broker
             case Assign() | RegisterAgain() | None:
                 log.warning("unexpected %s from the broker", route.mtype.name)
             case unknown:
@@ -458,6 +681,10 @@ class ShardServer:
 
     async def _assign(self, a: Assign) -> None:
         role, partition, epoch, address = a.role, a.partition, a.epoch, a.primary_address
+        if not self.registered:
+            # systemd hears READY only now: the broker has admitted this shard.
+            self.registered = True
+            self.notifier.ready(f"registered with {self.config.broker}: {role.value}")
         change = self.session.assign(role, partition, epoch, address)
         if not change.changed:
             return  # nothing changed (the broker repeats itself after a restart)
@@ -477,6 +704,7 @@ class ShardServer:
         match role:
             case Role.PRIMARY:
                 self.core.assign(partition, epoch, primary=True)
+                self._log_as_primary()
                 # A lease comes only from the broker's answer to a heartbeat
                 # sent from now on; ask for one at once.
                 await self._heartbeat()
@@ -528,11 +756,23 @@ class ShardServer:
 
     def _malformed(self, frames: transport.Frames, e: ProtocolError) -> None:
         self.core.stats.malformed += 1
+        if isinstance(e, VersionMismatchError) and frames and not transport.frame_bytes(frames[0]):
+            if not self._version_warned:  # the broker answers every REGISTER this way
+                self._version_warned = True
+                log.error(
+                    "the broker at %s speaks protocol version %d, this shard (zps %s) %d: "
+                    "it cannot join until both run releases of one protocol version",
+                    self.config.broker,
+                    e.version,
+                    __version__,
+                    PROTOCOL_VERSION,
+                )
+            return
         if len(frames) >= 3:  # a truncated message is only counted
             source = transport.frame_bytes(frames[0])
             log.warning("dropped a bad message (%s): %s", "request" if source else "control", e)
 
-    async def _on_broker_frames(self, frames: transport.Frames) -> None:
+    async def _on_broker_frames(self, frames: transport.Frames, link: int = 0) -> None:
         if len(frames) < 3:
             raise ProtocolError(f"{len(frames)} frames from the broker")
         source = transport.frame_bytes(frames[0])
@@ -540,10 +780,18 @@ class ShardServer:
             route = unpack_route(transport.frame_buffer(frames[1]))
             if not source:
                 msg = decode([transport.frame_buffer(f) for f in frames[1:]])
-                await self._on_broker(route, msg.header)
+                if not self._fenced(link, msg.header):
+                    await self._on_broker(route, msg.header)
                 return
         except (KeyError, ValueError, TypeError, OverflowError) as e:
             raise ProtocolError(str(e)) from e
+        if link != self._current:
+            # Routed by a broker of the pair that was replaced: the client retries.
+            sock = self._links[link][0]
+            refusal = StatusReply(Status.NOT_PRIMARY, "routed by a broker that was replaced")
+            reply_route = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
+            transport.try_send(sock, [source, *encode(reply_route, refusal.to_wire())])
+            return
         await self._request(source, route, frames[1:])
 
     async def _request(self, source: bytes, route: Route, frames: list[Any]) -> None:
@@ -562,6 +810,24 @@ class ShardServer:
                 refusal = StatusReply(
                     Status.BAD_REQUEST, f"a shard serves REQUEST, not {route.mtype.name}"
                 )
+            elif (
+                self._roles
+                and msg.header.get("cid", source) != source
+                and not source.startswith(b"\0")  # the broker's own (no peer's id can be)
+            ):
+                # Dedup is keyed by the authenticated sender: no client may use (or
+                # poison) another's sequence numbers.
+                self.core.stats.malformed += 1
+                refusal = StatusReply(
+                    Status.BAD_REQUEST, "a request's 'cid' must be its sender's identity"
+                )
+            elif self._link_full():
+                self.overloaded += 1
+                refusal = StatusReply(
+                    Status.OVERLOADED,
+                    f"shard {self.node_id}: replies held for the broker fill "
+                    f"shard.reply_queue_bytes ({self.config.reply_queue_bytes}); retry later",
+                )
             elif not self.session.may_write(time.monotonic()):
                 refusal = StatusReply(
                     Status.NOT_PRIMARY, "the primary's lease from the broker has run out"
@@ -573,20 +839,61 @@ class ShardServer:
             ):
                 refusal = StatusReply(Status.NOT_ENOUGH_REPLICAS, self._short_of_copies())
         if refusal is not None:
-            await transport.send(self._sock, [source, *encode(reply_route, refusal.to_wire())])
+            self._post([source, *encode(reply_route, refusal.to_wire())])
             return
         prev = self.core.lsn
         t0 = time.perf_counter()
         reply, changed = self.core.handle_request(route, msg.header, msg.payloads)
         self._latency["write" if changed else "read"].observe(time.perf_counter() - t0)
         if not changed:
-            await transport.send(self._sock, [source, *reply])
+            size = transport.message_bytes(reply)
+            if size > self.config.max_message_bytes - 4096:
+                # The broker would cut this shard's connection for it (MAXMSGSIZE).
+                self.core.stats.errors += 1
+                too_big = StatusReply(
+                    Status.BAD_REQUEST,
+                    f"the reply would be {size} bytes, over shard.max_message_bytes "
+                    f"({self.config.max_message_bytes}); ask for less per request",
+                )
+                reply = encode(reply_route, too_big.to_wire())
+            d = self.durability
+            if d.waits and d.durable < self.core.lsn and _mutates(msg.header):
+                # A re-sent write answered from the dedup record: not before its log is.
+                d.after(self.core.lsn, lambda: self._post([source, *reply]))
+            else:
+                self._post([source, *reply])
             return
         self._stream.replicate(prev, frames)
+        lsn, epoch = self.core.lsn, self.core.epoch
+        self.durability.log(epoch, prev, lsn, bufs[1:])
         if msg.header.get("acks") == 1:
-            await transport.send(self._sock, [source, *reply])
+            self.durability.after(lsn, lambda: self._post([source, *reply]))
         else:
-            self._release(self.session.add_write(self.core.lsn, (source, reply)))
+            self.durability.after(lsn, lambda: self._logged_write(lsn, epoch, (source, reply)))
+
+    def _logged_write(self, lsn: int, epoch: int, item: Reply) -> None:
+        """A write is in the log (as the durability mode requires): it now waits for the
+        replicas, unless the primary stepped down meanwhile."""
+        if self.core.primary and self.core.epoch == epoch and self.role is Role.PRIMARY:
+            self._release(self.session.add_write(lsn, item))
+        else:
+            self._refuse([item])
+
+    def _log_as_primary(self) -> None:
+        """A primary logs its partition from its current LSN: the log it holds goes on if
+        it ends there, else a new one starts (at a checkpoint of the current state)."""
+        d, p, store = self.durability, self.core.partition, self._checkpoints
+        if d.mode == "none" or store is None or p is None or d.continues(p, self.core.lsn):
+            return
+        d.start(store.folder(p), p, self.core.lsn)
+        if self.core.lsn > 0:
+            log.warning(
+                "partition %d at LSN %d has no log ending there: starting one, and a "
+                "checkpoint as its base",
+                p,
+                self.core.lsn,
+            )
+            self._start_checkpoint()
 
     def _short_of_copies(self) -> str:
         s = self.session
@@ -600,9 +907,20 @@ class ShardServer:
             self._post([client, *frames])
 
     def _post(self, frames: list[Any]) -> None:
-        assert self._sock is not None
+        """Send to the broker without waiting; held within ``reply_queue_bytes`` while its
+        queue is full, dropped past that (the client's request times out or is retried)."""
+        assert self._sock is not None and self._out is not None
         if not self._sock.closed:
-            self._sock.post(frames)
+            posted = self._out.post(frames, self.config.reply_queue_bytes)
+            if posted is transport.Posted.DROPPED:
+                log.warning("dropped a reply: the broker link holds %d bytes", self._out.held_bytes)
+
+    def _link_full(self) -> bool:
+        """Too much is held for the broker to take a request whose reply may be a full
+        message: refuse it (OVERLOADED) rather than queue its reply."""
+        assert self._out is not None
+        held = self._out.held_bytes
+        return held > 0 and held + self.config.max_message_bytes > self.config.reply_queue_bytes
 
     # -- replica side --------------------------------------------------------
 
@@ -624,6 +942,8 @@ class ShardServer:
             channel,
             interval=self.config.heartbeat.interval,
             max_message_bytes=self.config.max_message_bytes,
+            durability=self.durability,
+            checkpoints=self._checkpoints,
         )
         self._upstream_task = self._tg.create_task(self._upstream.run())
         log.info("following the primary at %s (epoch %d)", address, epoch)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from zps.core.hashing import mix64
+from zps.core.hashing import mix64, mix64_int
 from zps.errors import BadRequestError
 
 __all__ = ["EMPTY", "IdIndex"]
@@ -32,6 +32,10 @@ EMPTY = int(np.iinfo(np.int64).min)
 _MIN_CAPACITY = 16
 _WINDOW = 16
 _SLOT = np.dtype((np.void, 16))
+#: Batches of at most this many ids are probed one id at a time in Python: for
+#: a single id that is about 3x faster than a round of numpy calls.
+_FEW = 4
+_M64 = (1 << 64) - 1
 
 
 def as_ids(ids: npt.ArrayLike, what: str = "ids") -> I64:
@@ -91,6 +95,8 @@ class IdIndex:
     def lookup(self, ids: npt.ArrayLike) -> I64:
         """Position of each id, or -1 where absent."""
         keys = as_ids(ids)
+        if keys.shape[0] <= _FEW:
+            return self._lookup_few(keys)
         mask = self.capacity - 1
         slot = self._home(keys)
         # Round one probes each id's home slot, which settles most of them: one
@@ -121,6 +127,21 @@ class IdIndex:
             more = ~done
             active, slot, want = active[more], (slot[more] + _WINDOW) & mask, want[more]
         return out
+
+    def _lookup_few(self, keys: I64) -> I64:
+        """:meth:`lookup` of a handful of ids, probing slot by slot."""
+        mask = self.capacity - 1
+        item = self._slots.item
+        out: list[int] = []
+        for key in keys.tolist():
+            slot = mix64_int(key & _M64) & mask
+            while True:
+                found = item(slot, 0)
+                if found in (key, EMPTY):  # a free slot holds position -1
+                    out.append(item(slot, 1))
+                    break
+                slot = (slot + 1) & mask
+        return np.array(out, dtype=np.int64)
 
     def insert(self, new_ids: npt.ArrayLike) -> I64:
         """Insert ids that are unique and absent; returns their (new, consecutive) positions."""
