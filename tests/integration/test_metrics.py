@@ -1,21 +1,28 @@
-"""The Prometheus endpoints of a running broker and shards, and their exposition."""
+"""The Prometheus endpoints of a running broker, shards and workers, their exposition,
+and the sample alert rules in deploy/ against the names they really export."""
 
 from __future__ import annotations
 
 import math
 import re
+import signal
 import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import yaml
+from ops_jobs import Worker
 from prometheus_client.parser import text_string_to_metric_families
 
 import zps
 from zps.optim import SGD
 from zps.protocol.codec import PROTOCOL_VERSION
 from zps.testing import LocalCluster, free_port
+
+HERE = Path(__file__).resolve().parent
+ALERTS = HERE.parent.parent / "deploy" / "prometheus-alerts.yml"
 
 
 def scrape(port: int) -> str:
@@ -156,10 +163,11 @@ def test_broker_and_shard_export_metrics() -> None:
 
 
 def test_every_process_exposes_valid_conventional_series(tmp_path: Path) -> None:
-    bport, ports = free_port(), [free_port(), free_port()]
+    bport, ports, wport = free_port(), [free_port(), free_port()], free_port()
     c = LocalCluster(partitions=1, replication=2, workdir=tmp_path)
     c.port = free_port()
     c.broker_args = ["--metrics-port", str(bport)]
+    worker: Worker | None = None
     try:
         c.start_broker()
         for i, port in enumerate(ports):
@@ -184,7 +192,14 @@ def test_every_process_exposes_valid_conventional_series(tmp_path: Path) -> None
             assert time.monotonic() < deadline, "no checkpoint written"
             time.sleep(0.1)
 
-        texts = {"broker": scrape(bport), **{f"shard:{p}": scrape(p) for p in ports}}
+        worker = Worker(c, tmp_path / "worker.log", "until_stopped", "--metrics-port", str(wport))
+        worker.wait_line("ready")
+
+        texts = {
+            "broker": scrape(bport),
+            **{f"shard:{p}": scrape(p) for p in ports},
+            "worker": scrape(wport),
+        }
         for who, text in texts.items():
             types = validate_exposition(text)
             for name, kind in [
@@ -217,5 +232,95 @@ def test_every_process_exposes_valid_conventional_series(tmp_path: Path) -> None
         stamp = sample(shard, "zps_shard_checkpoint_last_success_timestamp_seconds", partition="0")
         assert abs(stamp - time.time()) < 60
         assert sample(shard, "zps_request_seconds_count", kind="write") >= 1
+        # durability: the write-ahead log under --data-dir
+        assert value(shard, "zps_shard_wal_bytes_total") > 0
+        assert value(shard, "zps_shard_wal_syncs_total") >= 1
+        assert value(shard, "zps_shard_wal_errors_total") == 0
+
+        # the worker: its client's requests, operations and latency, and its training step
+        w = scrape(wport)
+        assert value(w, "zps_client_requests_total") >= 6
+        assert sample(w, "zps_client_operations_total", op="push_rows") >= 3
+        assert sample(w, "zps_client_operations_total", op="pull_rows") >= 3
+        assert sample(w, "zps_client_request_seconds_count") >= 6
+        assert sample(w, "zps_client_request_seconds_bucket", le="+Inf") >= 6
+        assert 0 < value(w, "zps_client_request_seconds_sum") < 60
+        assert value(w, "zps_client_payload_bytes_total") >= 3 * 16 * 4 * 4
+        assert value(w, "zps_client_retries_total") == 0
+        assert value(w, "zps_client_inflight_bytes") >= 0
+        assert value(w, "zps_worker_step") == 3  # async mode: the clock calls it made
+        assert value(w, "zps_worker_clocks_total") == 3
+        assert value(w, "zps_worker_progress_age_seconds") < 5
+        assert value(w, "zps_worker_stop_requested") == 0
+        assert "zps_shard" not in w and "zps_broker" not in w
+        with urllib.request.urlopen(f"http://127.0.0.1:{wport}/healthz", timeout=5) as r:
+            assert r.read().decode().startswith("ok: the event loop turned")
+        with urllib.request.urlopen(f"http://127.0.0.1:{wport}/ready", timeout=5) as r:
+            assert r.read().decode().startswith("ok: running ops_jobs:until_stopped, step 3")
+
+        # every metric an alert rule in deploy/ names is exported by one of the processes
+        exported = {
+            name
+            for text in (*texts.values(), w)
+            for family in text_string_to_metric_families(text)
+            for name in (family.name, *(s.name for s in family.samples))
+        }
+        check_alert_rules(ALERTS, exported)
+
+        worker.popen.send_signal(signal.SIGTERM)
+        assert worker.popen.wait(30) == 0, worker.log()
     finally:
+        if worker is not None:
+            worker.stop()
         c.stop()
+
+
+#: PromQL words that are no metric name.
+_PROMQL_WORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan"}
+#: Series Prometheus makes itself for every target.
+_SYNTHETIC = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects (not its functions, labels,
+    keywords, strings, durations or numbers)."""
+    e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    e = re.sub(r"\{[^}]*\}", " ", e)  # label matchers
+    e = re.sub(r"\[[^\]]*\]", " ", e)  # range durations
+    e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)
+    names = set()
+    for m in re.finditer(r"(?<![\w.$])[a-zA-Z_:][a-zA-Z0-9_:]*", e):
+        if e[m.end() :].lstrip().startswith("(") or m.group(0).lower() in _PROMQL_WORDS:
+            continue  # a function call or a keyword
+        names.add(m.group(0))
+    return names
+
+
+def check_alert_rules(path: Path, exported: set[str]) -> None:
+    """``path`` is a valid rules file whose every rule selects only exported series."""
+    doc = yaml.safe_load(path.read_text())
+    groups = doc["groups"]
+    assert groups and set(doc) == {"groups"}
+    seen_alerts: set[str] = set()
+    for group in groups:
+        assert set(group) <= {"name", "interval", "rules"} and group["rules"], group
+        for rule in group["rules"]:
+            assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule
+            assert isinstance(rule["alert"], str) and rule["alert"] not in seen_alerts
+            seen_alerts.add(rule["alert"])
+            assert rule["labels"]["severity"] in {"critical", "warning", "info"}, rule
+            assert rule["annotations"]["summary"], rule
+            if "for" in rule:
+                assert re.fullmatch(r"\d+[smh]", rule["for"]), rule
+            names = metric_names(rule["expr"])
+            assert names, rule
+            unknown = names - exported - _SYNTHETIC
+            assert not unknown, f"{rule['alert']}: {sorted(unknown)} exported by no process"
+
+
+def test_metric_names_of_promql() -> None:
+    expr = (
+        'histogram_quantile(0.99, sum by (instance, le) (rate(zps_a_bucket{job="x"}[5m])))'
+        " > 1 and on (instance) process_open_fds / process_max_fds > 0.8 * 2^30 and up == 0"
+    )
+    assert metric_names(expr) == {"zps_a_bucket", "process_open_fds", "process_max_fds", "up"}

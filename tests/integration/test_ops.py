@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -17,6 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from ops_jobs import Worker
 
 import zps
 from zps.errors import ProtocolError
@@ -182,6 +184,21 @@ def test_a_metrics_port_in_use_is_a_clear_error() -> None:
             assert out.returncode == 1, out
             assert f"cannot serve metrics on 127.0.0.1:{port}" in out.stderr, out.stderr
             assert "Traceback" not in out.stderr and "listening" not in out.stderr
+        # a worker finds out before it connects (no broker runs at that address)
+        out = subprocess.run(
+            [
+                *(sys.executable, "-m", "zps.worker_entry"),
+                *("--broker", f"tcp://127.0.0.1:{free_port()}", "--metrics-port", str(port)),
+                "json:dumps",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=LocalCluster().env(),
+        )
+        assert out.returncode == 1, out
+        assert f"cannot serve metrics on 127.0.0.1:{port}" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and "no answer from the broker" not in out.stderr
 
 
 @pytest.fixture
@@ -264,6 +281,16 @@ def _raw_exchange(address: str, identity: bytes, frames: list[bytes]) -> list[by
 def test_a_peer_of_another_protocol_version_is_told_so(monkeypatch: pytest.MonkeyPatch) -> None:
     newer = PROTOCOL_VERSION + 1
     with LocalCluster(partitions=1, shards=1) as c:
+        # Same protocol version, another release with a header key this one does not
+        # know: served (the compatibility rule's first half)
+        hello = {"host": "h", "pid": 1, "name": "r", "version": "999.0", "added_later": [1]}
+        route = ROUTE.pack(MAGIC, PROTOCOL_VERSION, int(MsgType.HELLO), -1, 0, 41)
+        reply = _raw_exchange(c.address, b"c-later-release", [route, msgpack.packb(hello)])
+        magic, version, mtype, _, _, _ = ROUTE.unpack(reply[0])
+        assert (magic, version) == (MAGIC, PROTOCOL_VERSION)
+        assert mtype != MsgType.REPLY or msgpack.unpackb(reply[1]).get("st") != "VERSION_MISMATCH"
+        assert mtype == MsgType.MAP, MsgType(mtype)
+
         header = msgpack.packb({"host": "h", "pid": 1, "name": "future"})
         for identity, prefix in ((b"c-future", []), (b"s-future", [b""])):
             route = ROUTE.pack(MAGIC, newer, int(MsgType.HELLO), -1, 0, 42)
@@ -300,7 +327,7 @@ def test_a_peer_of_another_protocol_version_is_told_so(monkeypatch: pytest.Monke
 
 def test_the_metrics_endpoint_binds_loopback_unless_told() -> None:
     from zps.cli.main import broker_config, server_parser, shard_config
-    from zps.ops.config import Settings
+    from zps.ops.config import Metrics, Settings
 
     parse = server_parser().parse_args
     assert broker_config(parse(["broker"]), Settings()).metrics.host == "127.0.0.1"
@@ -309,6 +336,21 @@ def test_the_metrics_endpoint_binds_loopback_unless_told() -> None:
         args = parse([role, "--metrics-host", "0.0.0.0", "--metrics-port", "9100"])
         config = (broker_config if role == "broker" else shard_config)(args, Settings())
         assert (config.metrics.host, config.metrics.port) == ("0.0.0.0", 9100)
+
+    # a worker: its own port key, the shared host
+    from zps.cli.main import worker_metrics, worker_parser
+    from zps.ops.config import settings_from_mapping
+
+    wparse = worker_parser().parse_args
+    assert worker_metrics(wparse(["m:f"]), Settings()) == Metrics(port=0, host="127.0.0.1")
+    toml = settings_from_mapping(
+        {"metrics": {"port": 9100, "host": "10.0.0.7"}, "worker": {"metrics_port": 9200}}
+    )
+    assert worker_metrics(wparse(["m:f"]), toml) == Metrics(port=9200, host="10.0.0.7")
+    shared_only = settings_from_mapping({"metrics": {"port": 9100}})
+    assert worker_metrics(wparse(["m:f"]), shared_only).port == 0  # the broker's, not its own
+    flags = wparse(["--metrics-port", "9300", "--metrics-host", "::1", "m:f"])
+    assert worker_metrics(flags, toml) == Metrics(port=9300, host="::1")
 
 
 def test_shard_names_are_stable_and_a_restart_replaces_the_earlier_process(
@@ -410,3 +452,120 @@ def test_drain_hands_a_primary_over_and_undrain_brings_it_back() -> None:
             status = c.status()
             assert not next(s for s in status["shards"] if s["node"] == old)["drained"]
         assert wait_log(c.broker(), rf"WARNING zps\.broker: shard {old} drained by an operator")
+
+
+def test_a_worker_ignoring_the_stop_request_exits_after_the_grace_period(tmp_path: Path) -> None:
+    config = tmp_path / "zps.toml"
+    config.write_text("[worker]\nstop_grace = 1.5\n")
+    # (job, flags, SIGTERMs, exit status): the grace period from the file or a flag;
+    # blocking and async functions; as the control, functions that return when asked;
+    # and a second SIGTERM, which interrupts at once
+    cases = [
+        ("ignore_stop", ["--config", str(config)], 1, 124),
+        ("async_ignore_stop", ["--stop-grace", "1.5"], 1, 124),
+        ("until_stopped", ["--stop-grace", "1.5"], 1, 0),
+        ("async_until_stopped", ["--config", str(config)], 1, 0),
+        ("ignore_stop", ["--stop-grace", "30"], 2, 130),
+        ("async_ignore_stop", ["--stop-grace", "30"], 2, 130),
+    ]
+    with LocalCluster(partitions=1, shards=1) as c:
+        workers = [
+            Worker(c, tmp_path / f"{i}-{job}.log", job, *flags)
+            for i, (job, flags, _, _) in enumerate(cases)
+        ]
+        exited: dict[int, float] = {}
+
+        def watch(i: int, w: Worker) -> None:
+            w.popen.wait()
+            exited[i] = time.monotonic()
+
+        try:
+            for w in workers:
+                w.wait_line("ready")
+            sent = time.monotonic()
+            for i, w in enumerate(workers):
+                w.popen.send_signal(signal.SIGTERM)
+                threading.Thread(target=watch, args=(i, w), daemon=True).start()
+            for (_, _, signals, _), w in zip(cases, workers, strict=True):
+                if signals == 2:
+                    assert wait_log_file(w, "WARNING zps: signal 15"), w.log()
+                    w.popen.send_signal(signal.SIGTERM)
+            until(lambda: len(exited) == len(workers), 30, "every worker to exit")
+            for i, ((job, _, signals, code), w) in enumerate(zip(cases, workers, strict=True)):
+                log = w.log()
+                assert w.popen.returncode == code, (job, signals, log)
+                grace = "30" if signals == 2 else "1.5"
+                assert re.search(
+                    rf"WARNING zps: signal 15: finishing the current step, then stopping: "
+                    rf"ops_jobs:{job} sees ps.stop_requested and has {grace}s "
+                    r"\(worker.stop_grace\) to return",
+                    log,
+                ), log
+                gave_up = (
+                    f"ERROR zps: ops_jobs:{job} did not return within {grace}s of the stop "
+                    "request (worker.stop_grace): exiting with code 124"
+                )
+                if code == 124:
+                    assert gave_up in log, log
+                    assert 1.5 <= exited[i] - sent < 10, exited[i] - sent
+                else:
+                    assert gave_up not in log, log
+                    assert exited[i] - sent < 10, exited[i] - sent
+        finally:
+            for w in workers:
+                w.stop()
+
+
+def test_watchdog_pings_stop_when_the_training_function_hangs(
+    tmp_path: Path, notify_socket: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with LocalCluster(partitions=1, shards=1) as c, notify_socket:
+        monkeypatch.setenv("NOTIFY_SOCKET", notify_socket.getsockname())
+        monkeypatch.setenv("WATCHDOG_USEC", "1000000")  # pings due every 0.5 s
+        w = Worker(c, tmp_path / "worker.log", "hang", args=["2"])
+        monkeypatch.delenv("NOTIFY_SOCKET")
+        monkeypatch.delenv("WATCHDOG_USEC")
+        pings: list[float] = []
+        ready: list[str] = []
+
+        def receive() -> None:
+            notify_socket.settimeout(0.2)
+            while w.popen.poll() is None:
+                try:
+                    message = notify_socket.recv(4096).decode()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return  # closed at the end of the test
+                if message == "WATCHDOG=1":
+                    pings.append(time.monotonic())
+                elif message.startswith("READY=1"):
+                    ready.append(message)
+
+        reader = threading.Thread(target=receive, daemon=True)
+        reader.start()
+        try:
+            w.wait_line("ready")
+            w.wait_line("hanging")
+            hung = time.monotonic()
+            assert ready == ["READY=1\nSTATUS=running ops_jobs:hang"], ready
+            assert len([t for t in pings if t < hung]) >= 3, pings  # while it trained
+            lines = wait_log_file(w, r"ERROR zps\.systemd: the training function made no progress")
+            assert lines, w.log()
+            time.sleep(2.0)  # a window in which no ping may come (an absence has no event)
+            # progress within the last period (0.5 s) allows a ping up to ~0.75 s after the
+            # last call (plus scheduling delays on a busy host); none after that
+            assert all(t < hung + 1.5 for t in pings), [t - hung for t in pings]
+            assert w.popen.poll() is None  # only systemd would kill it: pings stopped
+        finally:
+            w.stop()
+            reader.join(5)
+
+
+def wait_log_file(w: Worker, pattern: str, timeout: float = 10.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [line for line in w.log().splitlines() if re.search(pattern, line)]
+        if lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)

@@ -85,6 +85,7 @@ LAYERS: dict[str, str] = {
     "zps.ops.config": "ops",
     "zps.ops.logs": "ops",
     "zps.ops.malloc": "ops",
+    "zps.ops.meter": "ops",
     "zps.ops.metrics": "ops",
     "zps.ops.security": "ops",
     "zps.ops.systemd": "ops",

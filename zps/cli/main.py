@@ -3,7 +3,8 @@ demo,...}`` and ``zps-worker``.
 
 ``main`` functions take ``argv`` and return an exit code: 0 on success, 1 on
 a runtime error, 2 on invalid arguments or configuration (``status --check`` and
-``check-config`` document their own).  Settings come from
+``check-config`` document their own; ``zps-worker`` exits 124 when its function
+ignored a stop request for ``worker.stop_grace`` seconds).  Settings come from
 flags, then the TOML file (``--config``, else ``$ZPS_CONFIG``, else
 ``/etc/zps/zps.toml`` if it exists), then defaults; the drivers run on
 uvloop until SIGTERM or SIGINT asks them to stop gracefully.
@@ -37,6 +38,7 @@ from zps.ops.config import (
     Metrics,
     Settings,
     ShardConfig,
+    WorkerConfig,
     load_settings,
     override,
 )
@@ -709,6 +711,19 @@ def worker_parser() -> argparse.ArgumentParser:
         help="ssp: how many steps a worker may run ahead of the slowest",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument(
+        "--stop-grace",
+        type=float,
+        metavar="SECONDS",
+        help="after the first SIGTERM/SIGINT, how long the function has to see "
+        "ps.stop_requested and return before zps-worker exits with code "
+        f"{EXIT_STOP_TIMEOUT} (default {WorkerConfig.stop_grace:g})",
+    )
+    parser.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (default: none)")
+    parser.add_argument(
+        "--metrics-host",
+        help=f"address the metrics endpoint binds (default {Metrics.host}: this host only)",
+    )
     _add_common(parser, heartbeat=False)
     parser.add_argument(
         "function",
@@ -724,6 +739,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     args = worker_parser().parse_args(argv)
     malloc.tune()
     setup_logging(args.log_level or "info")
+    run: _WorkerRun | None = None
     try:
         settings = _settings(args)
         target = args.function or settings.worker.function
@@ -742,21 +758,30 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         )
         broker = args.broker or ",".join(settings.worker.endpoints)
         notifier = Notifier.from_env(os.environ)
+        grace = override(settings.worker, stop_grace=args.stop_grace).stop_grace  # checked
+        run = _WorkerRun(target, notifier, worker_metrics(args, settings), grace)
+        run.serve()  # before connecting: a taken port fails before the worker joins a job
         if inspect.iscoroutinefunction(func):
             return run_async(
-                _run_async_worker(func, broker, config, func_args, notifier, not args.quiet)
+                _run_async_worker(func, broker, config, func_args, run, not args.quiet)
             )
         from zps.client.sync import connect_sync
 
         with connect_sync(broker, config) as ps:
             ps.client.progress.enabled = not args.quiet
-            _stop_on_signals(ps.client)
-            notifier.ready(f"running {target}")
-            _watchdog_thread(notifier)
-            result = func(ps, *func_args)
-            notifier.stopping()
-            ps.flush()
-            ps.client.progress.close()
+            _stop_on_signals(ps.client, run)
+            loop = ps.client.event_loop
+            assert loop is not None
+            background = [asyncio.run_coroutine_threadsafe(c, loop) for c in run.start(ps.client)]
+            try:
+                result = func(ps, *func_args)
+                run.returned()
+                notifier.stopping()
+                ps.flush()
+                ps.client.progress.close()
+            finally:
+                for future in background:
+                    future.cancel()
         return int(result) if isinstance(result, int) else 0
     except ConfigError as e:
         print(f"zps-worker: {e}", file=sys.stderr)
@@ -766,34 +791,137 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        if run is not None:
+            run.stop()
 
 
-def _stop_on_signals(client: Any) -> None:
+def worker_metrics(args: argparse.Namespace, settings: Settings) -> Metrics:
+    """The worker's metrics endpoint: ``--metrics-port``, else ``[worker] metrics_port``
+    (not ``[metrics] port``, which the broker and shards share), at ``--metrics-host``,
+    else ``[metrics] host`` (loopback by default)."""
+    base = replace(settings.worker.metrics, port=settings.worker.metrics_port)
+    return override(base, port=args.metrics_port, host=args.metrics_host)
+
+
+#: zps-worker's exit code when the training function did not return within
+#: ``worker.stop_grace`` seconds of the first SIGTERM/SIGINT (as timeout(1) exits).
+EXIT_STOP_TIMEOUT = 124
+
+
+class _WorkerRun:
+    """What zps-worker runs beside the training function: systemd notifications, the
+    watchdog (pings only while the function makes progress), the metrics endpoint,
+    and the stop grace period."""
+
+    def __init__(self, target: str, notifier: Notifier, metrics: Metrics, grace: float) -> None:
+        self.target = target
+        self.notifier = notifier
+        self.metrics_config = metrics
+        self.grace = grace
+        self.client: Any = None  # the connected client, once there is one
+        self.server: Any = None
+        self._timer: threading.Timer | None = None
+
+    def serve(self) -> None:
+        """Serve metrics, /healthz and /ready if a port is configured (raises
+        :class:`~zps.errors.ZpsError` naming the address if it is taken)."""
+        from zps.ops.metrics import MetricsServer
+
+        self.server = MetricsServer(self.metrics_config, self._collect, ready=self._ready)
+        self.server.start()
+
+    def _collect(self) -> Any:
+        from zps.ops.metrics import client_families
+
+        client = self.client
+        if client is None:
+            return []
+        return client_families(
+            client.meter,
+            requests=client.stats.requests,
+            retries=client.stats.retries,
+            step=client.step,
+            stop_requested=client.stop_requested,
+            now=time.monotonic(),
+        )
+
+    def _ready(self) -> tuple[bool, str]:
+        client = self.client
+        if client is None:
+            return False, "connecting to the broker"
+        if client.stop_requested:
+            return False, "stopping: asked to stop (SIGTERM)"
+        try:
+            version = client.cluster_map.version
+        except ZpsError:
+            return False, "not connected to the broker"
+        return True, f"running {self.target}, step {client.step}, map v{version}"
+
+    def start(self, client: Any) -> list[Coroutine[Any, Any, None]]:
+        """The client is connected: tell systemd the worker is up; returns what to run
+        on the client's event loop (the /healthz stamp and the watchdog)."""
+        self.client = client
+        self.notifier.ready(f"running {self.target}")
+        assert self.server is not None
+        return [
+            self.server.loop_heartbeat(),
+            self.notifier.progress_watchdog_loop(client.meter.progress),
+        ]
+
+    def stop_requested(self, client: Any, signum: int) -> None:
+        """The first SIGTERM/SIGINT: ask the function to stop, and start the grace period."""
+        client.stop_requested = True
+        self.notifier.stopping(f"stopping {self.target}")
+        log.warning(
+            "signal %d: finishing the current step, then stopping: %s sees ps.stop_requested "
+            "and has %gs (worker.stop_grace) to return",
+            signum,
+            self.target,
+            self.grace,
+        )
+        if self._timer is None:
+            self._timer = threading.Timer(self.grace, self._give_up)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _give_up(self) -> None:
+        log.error(
+            "%s did not return within %gs of the stop request (worker.stop_grace): "
+            "exiting with code %d; requests still in flight are abandoned",
+            self.target,
+            self.grace,
+            EXIT_STOP_TIMEOUT,
+        )
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_STOP_TIMEOUT)
+
+    def returned(self) -> None:
+        """The function returned: the grace period is over (flushing has its own
+        deadlines)."""
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def stop(self) -> None:
+        self.returned()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+def _stop_on_signals(client: Any, run: _WorkerRun) -> None:
     """First SIGTERM/SIGINT: ask the training function to stop after its step
-    (it sees ``ps.stop_requested``); a second one interrupts at once."""
+    (it sees ``ps.stop_requested``) within the grace period; a second one interrupts
+    at once."""
 
     def handler(signum: int, frame: object) -> None:
         if client.stop_requested:
             raise KeyboardInterrupt
-        client.stop_requested = True
-        log.warning("signal %d: finishing the current step, then stopping", signum)
+        run.stop_requested(client, signum)
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-
-
-def _watchdog_thread(notifier: Notifier) -> None:
-    """Watchdog pings for a blocking worker, from a daemon thread."""
-    period = notifier.watchdog_period
-    if period is None:
-        return
-
-    def ping() -> None:
-        while True:
-            notifier.watchdog()
-            time.sleep(period)
-
-    threading.Thread(target=ping, name="zps-watchdog", daemon=True).start()
 
 
 async def _run_async_worker(
@@ -801,7 +929,7 @@ async def _run_async_worker(
     broker: str,
     config: ClientConfig,
     args: list[str],
-    notifier: Notifier,
+    run: _WorkerRun,
     progress: bool,
 ) -> int:
     from zps.client.client import Client
@@ -809,13 +937,34 @@ async def _run_async_worker(
     async with Client(broker, config) as ps, asyncio.TaskGroup() as tg:
         ps.progress.enabled = progress
         loop = asyncio.get_running_loop()
+        # Not in the task group: the function's own exception is raised as it is.
+        training = loop.create_task(func(ps, *args))
+        interrupted = False
+
+        def on_signal(signum: int) -> None:
+            nonlocal interrupted
+            if not ps.stop_requested:
+                run.stop_requested(ps, signum)
+            elif not interrupted:  # the second one interrupts at once
+                interrupted = True
+                training.cancel()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, setattr, ps, "stop_requested", True)
-        notifier.ready("running")
-        pinger = tg.create_task(notifier.watchdog_loop())
-        result = await func(ps, *args)
-        notifier.stopping()
-        await ps.flush()
-        ps.progress.close()
-        pinger.cancel()
+            loop.add_signal_handler(sig, on_signal, sig)
+        tasks = [tg.create_task(c) for c in run.start(ps)]
+        try:
+            try:
+                result = await training
+            except asyncio.CancelledError:
+                if not interrupted:
+                    raise
+                return 130
+            run.returned()
+            run.notifier.stopping()
+            await ps.flush()
+            ps.progress.close()
+        finally:
+            training.cancel()  # a no-op once it is done
+            for task in tasks:
+                task.cancel()
     return int(result) if isinstance(result, int) else 0

@@ -5,17 +5,25 @@ broker call (CLOCK or TASK) made through the request machinery, so it is matched
 re-sent after a broker restart and bounded by the client's timeout unless it waits on
 other workers (``forever``).  The step (``_step``) changes only from a broker's answer,
 or locally in async mode where there is no shared clock.
+
+Every request message sent, every outcome, every broker call and every step is
+counted in :attr:`TrainingCalls.meter` (a :class:`~zps.ops.meter.ClientMeter`):
+zps-worker exports it as metrics, and its watchdog pings only while it shows progress.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from zps.client.connection import Connection
+from zps.client.connection import Connection, _Op
 from zps.client.progress import Progress
 from zps.core.coord import Task
 from zps.ops.config import ClientConfig
+from zps.ops.meter import ClientMeter
 from zps.protocol.codec import MsgType
 
 
@@ -31,6 +39,7 @@ class TrainingCalls(Connection):
         self._step = 0
         self.stop_requested = False
         self.progress = Progress(name=self.config.name, enabled=False)
+        self.meter = ClientMeter(time.monotonic())
 
     async def start(self) -> None:
         """Connect; in sync and ssp mode also join the step clock."""
@@ -41,6 +50,38 @@ class TrainingCalls(Connection):
             reply = await self._broker_call(MsgType.CLOCK, self._clock_header("join"))
             self._step = int(reply["step"])
 
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the client runs on (None before :meth:`start`)."""
+        return self._loop
+
+    # -- what the meter counts -----------------------------------------------
+
+    async def _send_request(self, partition: int, ops: list[_Op]) -> None:
+        now = time.monotonic()
+        nbytes = 0
+        names = []
+        for op in ops:
+            nbytes += op.nbytes
+            names.append(op.body["op"])
+        self.meter.request_sent(names, nbytes, now)
+        # One reply (or failure) settles every operation of a message together.
+        ops[0].future.add_done_callback(functools.partial(self._request_done, nbytes, now))
+        await super()._send_request(partition, ops)
+
+    def _request_done(self, nbytes: int, sent: float, _: object) -> None:
+        now = time.monotonic()
+        self.meter.request_done(nbytes, now - sent, now)
+
+    async def _broker_call(
+        self, mtype: MsgType, header: dict[str, Any], forever: bool = False
+    ) -> dict[str, Any]:
+        self.meter.call_started(time.monotonic())
+        try:
+            return await super()._broker_call(mtype, header, forever)
+        finally:
+            self.meter.call_done(time.monotonic())
+
     # -- training modes ------------------------------------------------------
 
     @property
@@ -49,7 +90,9 @@ class TrainingCalls(Connection):
         return self._step
 
     def report(self, *, rows: float = 0, loss: float | None = None, **extra: float) -> None:
-        """Per-step metrics for the progress display (zps-worker shows them)."""
+        """Per-step metrics for the progress display (zps-worker shows them); also
+        progress for zps-worker's watchdog."""
+        self.meter.stepped(time.monotonic())
         self.progress.report(rows=rows, loss=loss, **extra)
 
     def _tagged(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -67,14 +110,17 @@ class TrainingCalls(Connection):
         gradients were applied; ssp: once no worker is more than ``staleness``
         steps behind; async: at once.  Background pushes are flushed first.
         """
+        began = time.monotonic()
         await self.flush()
-        if self.config.mode == "async":
+        if self.config.mode != "async":
+            header = self._clock_header("tick")
+            header["finished"] = self._step + 1
+            reply = await self._broker_call(MsgType.CLOCK, header, forever=True)
+            self._step = int(reply["step"])
+        else:
             self._step += 1
-            return self._step
-        header = self._clock_header("tick")
-        header["finished"] = self._step + 1
-        reply = await self._broker_call(MsgType.CLOCK, header, forever=True)
-        self._step = int(reply["step"])
+        now = time.monotonic()
+        self.meter.clocked(now - began, now)
         return self._step
 
     # -- data tasks --------------------------------------------------------------

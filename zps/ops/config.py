@@ -458,9 +458,20 @@ class WorkerConfig:
     #: MODULE:FUNCTION that zps-worker runs (a flag overrides it).
     function: str | None = None
     args: tuple[str, ...] = ()
+    #: Seconds the training function has, after the first SIGTERM/SIGINT, to see
+    #: ``ps.stop_requested`` and return; then zps-worker exits with code 124.
+    stop_grace: float = 10.0
+    #: The worker's Prometheus endpoint (0: none).  Its own key, not ``[metrics] port``,
+    #: which the broker and shards share; the address is ``[metrics] host``.
+    metrics_port: int = 0
+    metrics: Metrics = field(default_factory=Metrics)
 
     def __post_init__(self) -> None:
         broker_endpoints(list(self.brokers) or self.broker, "worker.brokers")
+        _positive("worker", stop_grace=self.stop_grace)
+        _integer("worker", 0, metrics_port=self.metrics_port)
+        if self.metrics_port > 65535:
+            raise ConfigError(f"worker.metrics_port must be <= 65535, got {self.metrics_port}")
         if not all(isinstance(a, str) for a in self.args):
             raise ConfigError("worker.args must be a list of strings")
 
@@ -485,7 +496,7 @@ class Settings:
 _SHARED = {
     "heartbeat": (Heartbeat, ("broker", "shard", "client")),
     "security": (Security, ("broker", "shard", "client")),
-    "metrics": (Metrics, ("broker", "shard")),
+    "metrics": (Metrics, ("broker", "shard", "worker")),
     "checkpoint": (Checkpoint, ("shard",)),
     "limits": (Limits, ("shard",)),
     "replication": (Replication, ("shard",)),

@@ -1,9 +1,10 @@
-"""Prometheus metrics and health checks for the broker and shards.
+"""Prometheus metrics and health checks for the broker, shards and workers.
 
 Counters the processes keep anyway (their ``stats`` records) are read only
 when Prometheus scrapes, through a collector: the hot path pays nothing for
 them.  The one thing measured on the hot path is request latency, a
-histogram observed once per request message.  Each process has its own
+histogram observed once per request message (a worker's: a
+:class:`~zps.ops.meter.ClientMeter`, read by :func:`client_families`).  Each process has its own
 registry (no global state); ``metrics.port = 0`` serves nothing.
 
 The HTTP endpoint (a thread of its own, so a scrape never waits for the
@@ -13,7 +14,8 @@ event loop) answers three paths, and 404 for any other:
 * ``/healthz``: 200 while the process's event loop turns (its heartbeat task
   stamped the time less than :data:`LOOP_MAX_AGE_S` ago), else 503.
 * ``/ready``: 200 when the process does its job (the driver's ``ready``
-  callback: a broker serves the map, a shard holds its role), else 503.
+  callback: a broker serves the map, a shard holds its role, a worker is
+  connected and not stopping), else 503.
 
 Each health answer is one line of text saying why.
 
@@ -40,11 +42,17 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from zps.errors import ZpsError
 from zps.ops.config import Metrics
+from zps.ops.meter import LATENCY_BUCKETS, ClientMeter
 from zps.protocol.codec import PROTOCOL_VERSION
 from zps.version import __version__
 
@@ -55,31 +63,13 @@ __all__ = [
     "GaugeMetricFamily",
     "Metric",
     "MetricsServer",
+    "client_families",
     "counter",
     "gauge",
     "labelled",
 ]
 
 log = logging.getLogger("zps.metrics")
-
-#: Request latency buckets: from tens of microseconds to seconds.
-LATENCY_BUCKETS = (
-    5e-5,
-    1e-4,
-    2.5e-4,
-    5e-4,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    1e-2,
-    2.5e-2,
-    5e-2,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-)
 
 
 class _Callback(Collector):
@@ -125,6 +115,80 @@ def _build_info() -> Iterable[Metric]:
         "The zps release and protocol version of this process (always 1)",
         1,
         {"version": __version__, "protocol": str(PROTOCOL_VERSION)},
+    )
+
+
+def client_families(
+    meter: ClientMeter,
+    *,
+    requests: int,
+    retries: int,
+    step: int,
+    stop_requested: bool,
+    now: float,
+) -> Iterable[Metric]:
+    """The series of a client (``zps_client_*``) and of the worker running it
+    (``zps_worker_*``): read at scrape time from the client's :class:`ClientMeter`,
+    its session's request and retry counts, and its training step.  ``now`` is
+    ``time.monotonic()``."""
+    buckets, total = meter.latency()
+    yield HistogramMetricFamily(
+        "zps_client_request_seconds",
+        "Time from sending a request message to the shards to its outcome "
+        "(retries and re-sends included)",
+        buckets=buckets,
+        sum_value=total,
+    )
+    yield counter("zps_client_requests_total", "Request messages sent to the shards", requests)
+    operations = meter.operations.copy()
+    if operations:  # a family with no series is left out
+        yield labelled(
+            CounterMetricFamily,
+            "zps_client_operations_total",
+            "Operations sent to the shards, by operation (push_rows, pull_rows, ...)",
+            "op",
+            {k: float(v) for k, v in operations.items()},
+        )
+    yield counter(
+        "zps_client_payload_bytes_total",
+        "Array bytes of the operations sent (per operation the larger of request and reply)",
+        meter.payload_bytes,
+    )
+    yield counter(
+        "zps_client_retries_total",
+        "Request messages sent again (a timeout, a new cluster map, a busy shard)",
+        retries,
+    )
+    yield gauge(
+        "zps_client_inflight_requests", "Request messages awaiting their outcome", meter.inflight
+    )
+    yield gauge(
+        "zps_client_inflight_bytes",
+        "Array bytes of the request messages awaiting their outcome",
+        meter.inflight_bytes,
+    )
+    yield gauge(
+        "zps_client_broker_calls_in_progress",
+        "Calls the broker answers (clock, data tasks, status) in progress",
+        meter.calls,
+    )
+    yield gauge("zps_worker_step", "The training step this worker is in", step)
+    yield counter("zps_worker_clocks_total", "Training steps finished (clock calls)", meter.clocks)
+    yield counter(
+        "zps_worker_clock_wait_seconds_total",
+        "Seconds spent in clock calls (waiting for the other workers)",
+        meter.clock_wait_seconds,
+    )
+    last, waiting = meter.progress()
+    yield gauge(
+        "zps_worker_progress_age_seconds",
+        "Seconds since the training function last made progress (0 while it waits in a call)",
+        0.0 if waiting else max(0.0, now - last),
+    )
+    yield gauge(
+        "zps_worker_stop_requested",
+        "1 once the worker was asked to stop (SIGTERM), else 0",
+        1 if stop_requested else 0,
     )
 
 

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from zps.errors import ConfigError
@@ -80,6 +82,30 @@ def watchdog_due(
     if period is None:
         return False
     return now - last_ping >= period / 2 and now - last_turn <= max_lag
+
+
+def progress_ping_due(
+    period: float | None, now: float, *, last_ping: float, last_progress: float, waiting: bool
+) -> bool:
+    """Whether a worker's watchdog ping should go out now (checked every half ``period``
+    from the client's event loop, so a loop that stopped turning sends none).
+
+    A ping proves progress: it goes out only while the training function waits in a
+    client call (the cluster has it: every call has a deadline or waits on other
+    workers) or made progress (a call started or ended, a step was reported) within the
+    last ``period``, rate-limited to one per half ``period``.  ``period`` is half of
+    ``WatchdogSec``, so a step that makes no call for up to ``WatchdogSec`` keeps the
+    unit alive, and a function hung in its own code stops the pings: systemd restarts
+    the worker within 1.5 x ``WatchdogSec`` of its last progress.
+    """
+    if period is None or now - last_ping < period / 2:
+        return False
+    return waiting or now - last_progress <= period
+
+
+#: What a worker's watchdog asks: (when the training function last made progress,
+#: whether it waits in a client call now); time is ``time.monotonic()``.
+Progress = Callable[[], tuple[float, bool]]
 
 
 def _one_line(text: str) -> str:
@@ -163,3 +189,31 @@ class Notifier:
         while True:
             self.watchdog()
             await asyncio.sleep(period)
+
+    async def progress_watchdog_loop(self, progress: Progress) -> None:
+        """A worker's pings (until cancelled; returns at once if none are expected):
+        every half :attr:`watchdog_period` the event loop asks ``progress`` and pings
+        when :func:`progress_ping_due` says so.  Run it on the client's event loop.
+        Withheld pings are logged once per stall, at error."""
+        period = self.watchdog_period
+        if period is None or self.address is None:
+            return
+        last_ping = -math.inf
+        stalled = False
+        while True:
+            now = time.monotonic()
+            last_progress, waiting = progress()
+            if progress_ping_due(
+                period, now, last_ping=last_ping, last_progress=last_progress, waiting=waiting
+            ):
+                self.watchdog()
+                last_ping, stalled = now, False
+            elif not stalled and not waiting and now - last_progress > period:
+                stalled = True
+                log.error(
+                    "the training function made no progress (no client call, clock or "
+                    "report) for %.1fs: watchdog pings withheld, systemd restarts the "
+                    "worker once WatchdogSec passes without one",
+                    now - last_progress,
+                )
+            await asyncio.sleep(period / 2)
