@@ -12,16 +12,26 @@ keys and -1 positions mark free slots).  Invariants:
 - nothing is ever deleted, so a probe may stop at the first empty slot.
 
 Work is done a whole batch at a time: a Python loop runs once per *probe
-round*, never once per id.
+round*, never once per id.  Where the optional C kernel ``zps.store._probe`` was
+built (``setup.py``), :meth:`IdIndex.lookup` probes in one compiled pass per id
+instead, prefetching home slots ahead; both give the same positions
+(:data:`KERNEL` says which one runs; ``IdIndex.lookup_numpy`` is always there).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import numpy.typing as npt
 
 from zps.core.hashing import mix64, mix64_int
 from zps.errors import BadRequestError
+
+try:  # the compiled lookup, built by ``pip install`` where a C compiler is found
+    from zps.store import _probe  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the build
+    _probe = None
 
 __all__ = ["EMPTY", "IdIndex"]
 
@@ -36,6 +46,8 @@ _SLOT = np.dtype((np.void, 16))
 #: a single id that is about 3x faster than a round of numpy calls.
 _FEW = 4
 _M64 = (1 << 64) - 1
+#: Whether the compiled lookup is in use (``ZPS_NO_KERNEL=1`` in the environment turns it off).
+KERNEL = _probe is not None and os.environ.get("ZPS_NO_KERNEL", "") in ("", "0")
 
 
 def as_ids(ids: npt.ArrayLike, what: str = "ids") -> I64:
@@ -95,8 +107,17 @@ class IdIndex:
     def lookup(self, ids: npt.ArrayLike) -> I64:
         """Position of each id, or -1 where absent."""
         keys = as_ids(ids)
+        if KERNEL:  # about 0.5 us for one id, 15-110 us for 2048 (numpy: 4 us, 350-560 us)
+            out = np.empty(keys.shape[0], dtype=np.int64)
+            _probe.lookup(self._slots, np.ascontiguousarray(keys), out)
+            return out
         if keys.shape[0] <= _FEW:
             return self._lookup_few(keys)
+        return self.lookup_numpy(keys)
+
+    def lookup_numpy(self, ids: npt.ArrayLike) -> I64:
+        """:meth:`lookup` in numpy alone (probe rounds over the whole batch)."""
+        keys = as_ids(ids)
         mask = self.capacity - 1
         slot = self._home(keys)
         # Round one probes each id's home slot, which settles most of them: one
