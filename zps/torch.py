@@ -11,13 +11,18 @@ Two building blocks, both on the blocking client (``zps.connect_sync``):
   into a local leaf tensor and reduces it with ``torch.nn.functional.embedding_bag``;
   ``push()`` sends those rows' gradients.
 
-Initial values: zps has no "assign" operation, only deterministic server-side initialisers
-(``Zeros``, ``Constant``, ``Uniform``, ``Normal``), and ``create_*`` is idempotent only for an
-identical spec, so every worker must derive the same initialiser.  The local values of the
-module are therefore *not* uploaded: each parameter is created with a zps initialiser -- by
-default the distribution PyTorch's own ``reset_parameters`` draws from for that layer (or the
-exact constant, for constant tensors such as biases set to zero) -- and the module is
+Initial values: tables start from deterministic server-side initialisers (``Zeros``,
+``Constant``, ``Uniform``, ``Normal``), and ``create_*`` is idempotent only for an identical
+spec, so every worker must derive the same initialiser.  The local values of the module are
+therefore *not* uploaded at construction: each parameter is created with a zps initialiser --
+by default the distribution PyTorch's own ``reset_parameters`` draws from for that layer (or
+the exact constant, for constant tensors such as biases set to zero) -- and the module is
 overwritten by a ``pull()`` at construction.  Every worker then starts from the same values.
+To start from a pretrained model instead, one worker calls
+:meth:`ParameterServerModule.upload` (the module's local values, or a ``state_dict``) or
+:meth:`ParameterServerModule.load_export` (a zps export, see :mod:`zps.model.format`); both
+set the server tensors (``set_dense``, optimizer state reset) and pull.
+:func:`state_dict_from_export` reads an export into a plain ``state_dict`` without a cluster.
 
 Concurrency: the operations of one ``pull``/``push``/``step`` are issued concurrently from a
 small thread pool (the blocking client is thread-safe and multiplexes every call on its one
@@ -32,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -54,6 +60,7 @@ __all__ = [
     "ParameterServerModule",
     "ShardedEmbeddingBag",
     "default_init",
+    "state_dict_from_export",
 ]
 
 #: ``init=`` of :class:`ParameterServerModule`: one initialiser for every parameter, a mapping
@@ -214,6 +221,8 @@ class ParameterServerModule(nn.Module):  # type: ignore[misc, unused-ignore]
     module's local values are replaced by the server's (see the module docstring for why;
     ``init=`` chooses the server-side initialisers, default :func:`default_init`).  With
     ``create=False`` it attaches to tensors another worker created (the shapes are checked).
+    With ``upload=True`` the module's own values (a pretrained model) are set on the servers
+    instead (:meth:`upload`; optimizer state reset): one worker does that, the others attach.
 
     Training loop::
 
@@ -235,12 +244,17 @@ class ParameterServerModule(nn.Module):  # type: ignore[misc, unused-ignore]
         optimizer: OptimizerSpec | None = None,
         init: InitSpec = None,
         create: bool = True,
+        upload: bool = False,
     ) -> None:
         super().__init__()
         if not prefix:
             raise ValueError("prefix must be a non-empty string")
         if create and optimizer is None:
             raise ValueError("optimizer= (a zps.optim optimizer) is required to create tensors")
+        # upload=True: the module's own values (a pretrained model) replace the servers'
+        own = (
+            {n: p.detach().clone() for n, _, _, p in _named_parameters(module)} if upload else None
+        )
         self.module = module
         self.ps = ps
         self.prefix = prefix
@@ -261,7 +275,10 @@ class ParameterServerModule(nn.Module):  # type: ignore[misc, unused-ignore]
                 functools.partial(ps.create_dense, table, shape, dtype, init=ini, optimizer=opt)
             )
         _run_all(creates)
-        self.pull()
+        if own is not None:
+            self.upload(own)
+        else:
+            self.pull()
 
     @staticmethod
     def _resolve_init(
@@ -307,6 +324,44 @@ class ParameterServerModule(nn.Module):  # type: ignore[misc, unused-ignore]
         )
         self._assign([(p, a) for (_, p, _), a in zip(self.tables, arrays, strict=True)])
 
+    def upload(self, state_dict: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+        """Set the server tensors to the module's local values, or to those of
+        ``state_dict`` (parameter names as in ``module.named_parameters()``; names it
+        lacks are left alone), then pull; returns the parameter names set.  The
+        optimizer state of each tensor set starts afresh.  One worker does this (a
+        warm start from a pretrained model); the others ``pull()`` afterwards.
+
+        Construction pulls, replacing the local values by the servers': to upload a
+        pretrained module's values, construct with ``upload=True`` or pass its
+        ``state_dict()`` taken before wrapping."""
+        prefix = f"{self.prefix}/"
+        calls: list[Callable[[], None]] = []
+        names = []
+        for table, p, dtype in self.tables:
+            name = table[len(prefix) :]
+            if state_dict is None:
+                value = _to_numpy(p, dtype)
+            elif name in state_dict:
+                value = _to_numpy(state_dict[name], dtype)
+            else:
+                continue
+            if tuple(value.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"{name}: the value has shape {tuple(value.shape)}, the parameter "
+                    f"{tuple(p.shape)}"
+                )
+            names.append(name)
+            calls.append(functools.partial(self.ps.set_dense, table, value))
+        _run_all(calls)
+        self.pull()
+        return names
+
+    def load_export(self, path: str | os.PathLike[str], *, prefix: str | None = None) -> list[str]:
+        """Set the server tensors from a zps export (``zps-server export``) holding the
+        tensors ``{prefix}/{name}`` (default: this module's prefix) of this module's
+        parameters, then pull; returns the names set."""
+        return self.upload(state_dict_from_export(path, prefix or self.prefix))
+
     def push(self) -> None:
         """Push every parameter's ``.grad`` (and the rows of :class:`ShardedEmbeddingBag`
         layers), concurrently; the optimizer runs on the shards.  Clears the gradients once all
@@ -344,6 +399,22 @@ class ParameterServerModule(nn.Module):  # type: ignore[misc, unused-ignore]
             if table in grads:
                 p.grad = None
         self._assign([(p, a) for (_, p, _), a in zip(self.tables, pulled, strict=True)])
+
+
+def state_dict_from_export(path: str | os.PathLike[str], prefix: str) -> dict[str, torch.Tensor]:
+    """The dense tensors ``{prefix}/{name}`` of a zps export as ``{name: tensor}``, for
+    ``module.load_state_dict(..., strict=False)`` (no cluster needed)."""
+    from zps.model.format import Export
+
+    export = Export(path)
+    head = f"{prefix}/"
+    out: dict[str, torch.Tensor] = {}
+    for entry in export:
+        if entry.kind == "dense" and entry.name.startswith(head):
+            out[entry.name[len(head) :]] = torch.from_numpy(np.array(export.values(entry.name)))
+    if not out:
+        raise ValueError(f"the export at {path} has no dense tensor named {head}...")
+    return out
 
 
 # --------------------------------------------------------------------------- embeddings

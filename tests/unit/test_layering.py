@@ -81,6 +81,11 @@ LAYERS: dict[str, str] = {
     "zps.client.session": "core",
     "zps.client.training": "driver",
     "zps.client.connection": "driver",
+    "zps.client.export": "driver",
+    # the export format (files) and offline export from data dirs
+    "zps.model": "driver",
+    "zps.model.format": "driver",
+    "zps.model.offline": "driver",
     # operations
     "zps.ops": "ops",
     "zps.ops.config": "ops",

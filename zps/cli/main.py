@@ -255,6 +255,52 @@ async def _drain(broker: str, client: ClientConfig, node: str, *, undo: bool) ->
     return 0 if result["ok"] else 1
 
 
+async def _checkpoint(broker: str, client: ClientConfig, timeout: float, as_json: bool) -> int:
+    from zps.client.client import connect
+
+    async with connect(broker, client) as ps:
+        report = await ps.checkpoint(timeout=timeout)
+    if as_json:
+        print(json.dumps({str(p): r for p, r in report.items()}, indent=2, sort_keys=True))
+    else:
+        for p, r in report.items():
+            print(f"partition {p}: LSN {r['lsn']} (epoch {r['epoch']}) in {r['path']}")
+    return 0
+
+
+async def _export_online(
+    broker: str, client: ClientConfig, out: str, tables: list[str] | None, since: str | None
+) -> int:
+    from zps.client.client import connect
+
+    async with connect(broker, client) as ps:
+        manifest = await ps.export_model(out, tables=tables, since=since)
+    _print_manifest(out, manifest)
+    return 0
+
+
+def _print_manifest(out: str, manifest: dict[str, Any]) -> None:
+    cut = ", ".join(
+        f"{p}: LSN {v['lsn']} (epoch {v['epoch']})" for p, v in manifest["partitions"].items()
+    )
+    print(f"exported {len(manifest['tables'])} tables to {out}; partitions cut at {cut}")
+    for t in manifest["tables"]:
+        if t["kind"] == "embedding":
+            size = f"{t['rows']} rows of dim {t['dim']}"
+        else:
+            size = f"shape {tuple(t['shape'])}"
+        print(f"  {t['name']}: {t['kind']}, {size}, {t['dtype']}")
+
+
+async def _import(broker: str, client: ClientConfig, path: str, tables: list[str] | None) -> int:
+    from zps.client.client import connect
+
+    async with connect(broker, client) as ps:
+        names = await ps.import_model(path, tables=tables)
+    print(f"imported {len(names)} tables from {path}: {', '.join(names)}")
+    return 0
+
+
 def _check_config(path: str) -> int:
     """Validate a settings file offline: every section and key, and the CURVE key files
     it names (readable, of the right kind).  0: valid; 1: the first error, naming it."""
@@ -520,6 +566,61 @@ def server_parser() -> argparse.ArgumentParser:
         dr.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
         _add_common(dr, heartbeat=False)
 
+    ck = sub.add_parser(
+        "checkpoint",
+        help="have every partition's primary write a checkpoint now; prints each one's LSN "
+        "and file (on the primary's host)",
+    )
+    ck.add_argument("--broker", help="broker endpoint (default: [worker] of the config)")
+    ck.add_argument("--json", action="store_true", help="machine-readable output")
+    ck.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds to wait for the checkpoints"
+    )
+    _add_common(ck, heartbeat=False)
+
+    ex = sub.add_parser(
+        "export",
+        help="write a model's values as .npy files and a JSON manifest: from a running "
+        "cluster (--broker; training may go on) or offline from data dirs (--data-dir)",
+    )
+    ex.add_argument("--broker", help="broker endpoint (default: [worker] of the config)")
+    ex.add_argument(
+        "--data-dir",
+        nargs="+",
+        metavar="DIR",
+        help="export offline from these shards' data dirs (checkpoints and logs; the "
+        "newest copy of each partition wins), with no process running",
+    )
+    ex.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    ex.add_argument(
+        "--table", action="append", metavar="NAME", help="export only this table (repeatable)"
+    )
+    ex.add_argument(
+        "--since",
+        metavar="DIR",
+        help="--broker: write a delta against this earlier export (changed and new rows, "
+        "removed ids, dropped tables); zps.model.format.apply_delta applies it",
+    )
+    ex.add_argument(
+        "--partitions",
+        type=int,
+        help="--data-dir: the cluster's partition count (default: the highest found + 1)",
+    )
+    ex.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
+    _add_common(ex, heartbeat=False)
+
+    im = sub.add_parser(
+        "import",
+        help="create an export's tables in a cluster and set their values (warm start)",
+    )
+    im.add_argument("--broker", help="broker endpoint (default: [worker] of the config)")
+    im.add_argument("--in", dest="in_dir", required=True, metavar="DIR", help="the export")
+    im.add_argument(
+        "--table", action="append", metavar="NAME", help="import only this table (repeatable)"
+    )
+    im.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
+    _add_common(im, heartbeat=False)
+
     cc = sub.add_parser(
         "check-config",
         help="validate a settings file without starting anything (exit 0: valid, 1: not)",
@@ -626,6 +727,39 @@ def server_main(argv: Sequence[str] | None = None) -> int:
                         undo=args.command == "undrain",
                     )
                 )
+            case "checkpoint" | "export" | "import":
+                settings = _settings(args)
+                setup_logging(args.log_level or "warning")
+                broker = args.broker or ",".join(settings.worker.endpoints)
+                client = replace(
+                    settings.client,
+                    connect_timeout=min(args.timeout, 30.0),
+                    timeout=args.timeout,
+                    name=f"zps-server {args.command}",
+                )
+                if args.command == "checkpoint":
+                    return run_async(_checkpoint(broker, client, args.timeout, args.json))
+                if args.command == "import":
+                    return run_async(_import(broker, client, args.in_dir, args.table))
+                if args.data_dir and args.broker:
+                    print(
+                        "zps-server export: give --broker or --data-dir, not both",
+                        file=sys.stderr,
+                    )
+                    return 2
+                if args.data_dir:
+                    from zps.model.offline import export_data_dirs
+
+                    if args.since:
+                        print("zps-server export: --since needs --broker", file=sys.stderr)
+                        return 2
+
+                    manifest = export_data_dirs(
+                        args.data_dir, args.out, partitions=args.partitions, tables=args.table
+                    )
+                    _print_manifest(args.out, manifest)
+                    return 0
+                return run_async(_export_online(broker, client, args.out, args.table, args.since))
             case "check-config":
                 return _check_config(
                     args.file or os.environ.get("ZPS_CONFIG") or DEFAULT_CONFIG_PATH

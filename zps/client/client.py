@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Sequence
+import os
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,7 @@ from zps.errors import (
     ShapeMismatchError,
     TableConflictError,
     UnknownTableError,
+    ZpsTimeoutError,
 )
 from zps.init import Initializer, Zeros
 from zps.ops.config import ClientConfig
@@ -98,8 +100,25 @@ class Client(TrainingCalls):
         init: Initializer | None = None,
         optimizer: Optimizer | None = None,
         seed: int | None = None,
+        admit_count: int = 0,
+        ttl_steps: int = 0,
+        max_rows: int = 0,
+        admit_probability: float = 1.0,
     ) -> None:
-        """Create an embedding table ``id -> row[dim]`` (idempotent for an identical spec)."""
+        """Create an embedding table ``id -> row[dim]`` (idempotent for an identical spec).
+
+        Admission and eviction (0: off), applied by the shards as part of each push, so
+        replicated, logged and checkpointed like it: ``admit_count``, an id's row is
+        trained from its ``admit_count``-th push on (earlier pushes are only counted;
+        pulls return the initial value); ``ttl_steps``, a row not pushed during that
+        many pushes of this table on its partition is evicted (a later pull returns the
+        initial value); ``max_rows``, the table keeps at most about that many rows: each
+        partition at most ``ceil(max_rows / partitions)`` (the spec's ``max_rows``),
+        evicting the least recently pushed; ``admit_probability`` (instead of
+        ``admit_count``), each push of an id not yet admitted admits it with that
+        probability.  See :class:`~zps.protocol.specs.EmbeddingSpec`.
+        """
+        n = self.cluster_map.n_partitions
         spec = EmbeddingSpec(
             name=name,
             dim=int(dim),
@@ -107,6 +126,10 @@ class Client(TrainingCalls):
             init=init or Zeros(),
             optimizer=optimizer or SGD(),
             seed=_seed(name, seed),
+            admit_count=admit_count,
+            ttl_steps=ttl_steps,
+            max_rows=-(-int(max_rows) // n) if max_rows > 0 else max_rows,
+            admit_probability=admit_probability,
         )
         await self._create(spec)
 
@@ -360,6 +383,218 @@ class Client(TrainingCalls):
         """Start pulling a dense tensor now; await the task when it is needed."""
         return asyncio.get_running_loop().create_task(self.pull_dense(name))
 
+    # -- administration --------------------------------------------------------
+
+    async def list_tables(self) -> list[str]:
+        """Names of every table, sorted (every partition is asked: each holds every spec)."""
+        n = self.cluster_map.n_partitions
+        results = await self._gather(self._submit(p, {"op": "tables"}, {}) for p in range(n))
+        names: set[str] = set()
+        for result in results:
+            for wire in result["tables"]:
+                spec = spec_from_wire(wire)
+                self._specs.setdefault(spec.name, spec)
+                names.add(spec.name)
+        return sorted(names)
+
+    async def describe(self, name: str) -> dict[str, Any]:
+        """A table's spec and size: ``{"name", "kind" ("dense" or "embedding"), "spec"
+        (a DenseSpec or EmbeddingSpec), "rows", "bytes", "partitions"}``, where ``rows``
+        counts stored rows (an embedding table) or stored chunks (a dense tensor),
+        ``bytes`` counts values, optimizer state and index, and ``partitions`` lists
+        ``{"partition", "rows", "bytes", "lsn"}`` for each partition; an embedding
+        table also has ``admitted``, its rows past admission (see ``admit_count``).
+        ``UnknownTableError`` if no partition has the table."""
+        n = self.cluster_map.n_partitions
+        futures = [self._submit(p, {"op": "describe", "t": name}, {}) for p in range(n)]
+        results = await self._gather(futures)
+        spec = spec_from_wire(results[0]["spec"])
+        self._specs[name] = spec
+        parts = [
+            {"partition": p, "rows": r["rows"], "bytes": r["bytes"], "lsn": r["lsn"]}
+            for p, r in enumerate(results)
+        ]
+        out = {
+            "name": name,
+            "kind": "dense" if isinstance(spec, DenseSpec) else "embedding",
+            "spec": spec,
+            "rows": sum(int(r["rows"]) for r in results),
+            "bytes": sum(int(r["bytes"]) for r in results),
+            "partitions": parts,
+        }
+        if isinstance(spec, EmbeddingSpec):  # rows past admission (all, without it)
+            out["admitted"] = sum(int(r.get("admitted", r["rows"])) for r in results)
+        return out
+
+    async def drop_table(self, name: str, *, missing_ok: bool = False) -> bool:
+        """Remove a table (values, optimizer state, and its sync-mode gradients waiting
+        for a commit) from every partition; True if it existed.  ``UnknownTableError``
+        if it did not, unless ``missing_ok``.  Replicated, logged and applied once,
+        like a push; its name can then be created again with any spec."""
+        n = self.cluster_map.n_partitions
+        results = await self._gather(
+            self._submit(p, {"op": "drop", "t": name}, {}) for p in range(n)
+        )
+        self._specs.pop(name, None)
+        self._split_memo = IdsMemo(size=4)
+        dropped = any(r.get("changed") for r in results)
+        if not dropped and not missing_ok:
+            raise UnknownTableError(f"unknown table {name!r}: nothing to drop")
+        return dropped
+
+    async def set_dense(self, name: str, values: npt.ArrayLike) -> None:
+        """Set a dense tensor's values (an array of its shape).  Its optimizer state is
+        reset to the optimizer's initial state (Adam's moments and step count, Adagrad's
+        accumulator, ...), as for a new tensor: the next push starts from there.
+        Replicated, logged and applied once, like a push."""
+        spec = await self._dense_spec(name)
+        self._check_chunks(spec)
+        v = _as_float(values, spec.dtype, f"values for {name!r}")
+        if v.shape != spec.shape:
+            raise ShapeMismatchError(
+                f"values for {name!r} have shape {v.shape}; the tensor has shape {spec.shape}"
+            )
+        _check_finite(v, f"values for {name!r}")
+        flat = v.reshape(-1)
+        futures = []
+        for c in range(spec.n_chunks):
+            start, stop = spec.chunk_range(c)
+            futures.append(
+                self._submit(
+                    chunk_partition(name, c, self.cluster_map),
+                    {"op": "set_dense", "t": name, "chunk": c},
+                    {"v": flat[start:stop]},
+                )
+            )
+        await self._gather(futures)
+
+    async def set_rows(self, name: str, ids: npt.ArrayLike, rows: npt.ArrayLike) -> None:
+        """Set the rows of ``ids`` (distinct) to ``rows`` (shape ``(len(ids), dim)``),
+        creating absent ones.  The optimizer state of exactly those rows is reset to
+        the optimizer's initial state (as for a new row); every other row keeps its
+        values and state.  Replicated, logged and applied once, like a push.
+
+        A call of any size is cut into messages within the message budget; each is
+        applied atomically on its partition, the call as a whole is not (an error
+        part-way may leave some partitions set)."""
+        spec = self._specs.get(name)
+        if not isinstance(spec, EmbeddingSpec):
+            spec = await self._embedding_spec(name)
+        self._check_row(spec)
+        id_arr = _as_ids(ids)
+        v = _as_float(rows, spec.dtype, f"rows for {name!r}")
+        if v.shape != (id_arr.size, spec.dim):
+            raise ShapeMismatchError(
+                f"rows for {name!r} have shape {v.shape}; expected "
+                f"({id_arr.size}, {spec.dim}) for {id_arr.size} ids of dim {spec.dim}"
+            )
+        _check_finite(v, f"rows for {name!r}")
+        uniq, counts = np.unique(id_arr, return_counts=True)
+        if uniq.size != id_arr.size:
+            dup = int(uniq[np.argmax(counts > 1)])
+            raise BadRequestError(f"set_rows of {name!r}: id {dup} appears more than once")
+        row_bytes = 8 + spec.dim * np.dtype(spec.dtype).itemsize
+        futures = [
+            self._submit(
+                p,
+                {"op": "set_rows", "t": name},
+                {"ids": id_arr[pos[a:b]], "v": take_rows(v, pos[a:b])},
+            )
+            for p, pos in self._split(id_arr)
+            for a, b in row_runs(pos.size, row_bytes, self.config.message_budget)
+        ]
+        await self._gather(futures)
+
+    async def table_ids(self, name: str, *, chunk: int = 65536) -> AsyncIterator[np.ndarray]:
+        """The ids an embedding table holds, as arrays of at most ``chunk`` ids
+        (partition by partition, ascending within each).  Each array is read from the
+        table as it is at that moment: ids created or dropped while iterating may or
+        may not appear, every id present throughout appears exactly once."""
+        spec = await self._embedding_spec(name)
+        if chunk < 1:
+            raise BadRequestError(f"table_ids: chunk must be >= 1, got {chunk}")
+        del spec
+        chunk = min(chunk, self.config.message_budget // 8)
+        for p in range(self.cluster_map.n_partitions):
+            after: int | None = None
+            while True:
+                page = await self.ids_page(name, p, after, chunk)
+                if page.size:
+                    yield page
+                if page.size < chunk:
+                    break
+                after = int(page[-1])
+
+    async def ids_page(
+        self, name: str, partition: int, after: int | None, limit: int
+    ) -> np.ndarray:
+        """Up to ``limit`` ids of ``name`` on ``partition`` above ``after``, ascending."""
+        result = await self._submit(
+            partition,
+            {"op": "ids", "t": name, "after": after, "limit": limit},
+            {},
+            reply_bytes=8 * limit,
+        )
+        return np.array(result["arrays"])
+
+    async def checkpoint(self, *, timeout: float = 300.0) -> dict[int, dict[str, Any]]:
+        """Have every partition's primary write a checkpoint of its current state and
+        wait until each is on disk; per partition ``{"lsn", "epoch", "path", "time"}``
+        of a checkpoint holding at least every write acknowledged before the call
+        (``path`` on the primary's host).  ``BadRequestError`` if a primary has no
+        data dir; ``ZpsTimeoutError`` after ``timeout`` seconds."""
+        n = self.cluster_map.n_partitions
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        ask = {"op": "checkpoint", "write": True}
+        first = await self._gather(self._submit(p, dict(ask), {}) for p in range(n))
+        target = {p: int(r["lsn"]) for p, r in enumerate(first)}
+        done: dict[int, dict[str, Any]] = {}
+        results = first
+        while True:
+            for p, r in zip(sorted(set(range(n)) - set(done)), results, strict=True):
+                ck = r.get("checkpoint")
+                if isinstance(ck, dict) and int(ck.get("lsn", -1)) >= target[p]:
+                    done[p] = dict(ck)
+            todo = sorted(set(range(n)) - set(done))
+            if not todo:
+                return dict(sorted(done.items()))
+            if loop.time() > deadline:
+                raise ZpsTimeoutError(
+                    f"no checkpoint of partitions {todo} within {timeout}s "
+                    f"(wanted LSNs {[target[p] for p in todo]})"
+                )
+            await asyncio.sleep(0.1)
+            # asked again each time: a primary that took over since knows no request
+            results = await self._gather(self._submit(p, dict(ask), {}) for p in todo)
+
+    async def export_model(
+        self,
+        out: str | os.PathLike[str],
+        *,
+        tables: Sequence[str] | None = None,
+        since: str | os.PathLike[str] | None = None,
+    ) -> dict[str, Any]:
+        """Write the values of ``tables`` (default: every table) into the directory
+        ``out`` in the open format of :mod:`zps.model.format` (``.npy`` files and a JSON
+        manifest), each partition cut at one point of its log while training goes on;
+        returns the manifest.  With ``since`` (an earlier export), only what changed
+        since it: a delta for :func:`zps.model.format.apply_delta`.  See
+        :mod:`zps.client.export`."""
+        from zps.client.export import export_model
+
+        return await export_model(self, out, tables=tables, since=since)
+
+    async def import_model(
+        self, path: str | os.PathLike[str], *, tables: Sequence[str] | None = None
+    ) -> list[str]:
+        """Create the tables of an export (default: all of them) with their exported
+        specs and set their values (warm start); optimizer state starts afresh.
+        Returns the names imported."""
+        from zps.client.export import import_model
+
+        return await import_model(self, path, tables=tables)
+
     # -- introspection -------------------------------------------------------
 
     async def checksums(self) -> dict[int, dict[str, Any]]:
@@ -399,6 +634,11 @@ def _owned(arr: np.ndarray, given: object, wait: bool) -> np.ndarray:
     except Exception:
         return arr.copy()
     return arr.copy() if np.may_share_memory(arr, src) else arr
+
+
+def _check_finite(arr: np.ndarray, what: str) -> None:
+    if arr.size and not bool(np.isfinite(arr).all()):
+        raise BadRequestError(f"{what} contain NaN or infinity")
 
 
 def _as_float(values: npt.ArrayLike, dtype: str, what: str) -> np.ndarray:

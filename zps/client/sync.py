@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -19,6 +20,7 @@ import numpy.typing as npt
 from zps.client.client import Client, connect
 from zps.core.coord import Task
 from zps.core.routing import ClusterMap
+from zps.errors import BadRequestError
 from zps.init import Initializer
 from zps.ops.config import ClientConfig
 from zps.optim import Optimizer
@@ -107,10 +109,24 @@ class SyncClient:
         init: Initializer | None = None,
         optimizer: Optimizer | None = None,
         seed: int | None = None,
+        admit_count: int = 0,
+        ttl_steps: int = 0,
+        max_rows: int = 0,
+        admit_probability: float = 1.0,
     ) -> None:
+        """See :meth:`Client.create_embedding <zps.client.client.Client.create_embedding>`."""
         self._call(
             self._client.create_embedding(
-                name, dim, dtype, init=init, optimizer=optimizer, seed=seed
+                name,
+                dim,
+                dtype,
+                init=init,
+                optimizer=optimizer,
+                seed=seed,
+                admit_count=admit_count,
+                ttl_steps=ttl_steps,
+                max_rows=max_rows,
+                admit_probability=admit_probability,
             )
         )
 
@@ -127,6 +143,59 @@ class SyncClient:
         self, name: str, ids: npt.ArrayLike, grads: npt.ArrayLike, *, wait: bool = True
     ) -> None:
         self._call(self._client.push_rows(name, ids, grads, wait=wait))
+
+    def list_tables(self) -> list[str]:
+        return self._call(self._client.list_tables())
+
+    def describe(self, name: str) -> dict[str, Any]:
+        return self._call(self._client.describe(name))
+
+    def drop_table(self, name: str, *, missing_ok: bool = False) -> bool:
+        return self._call(self._client.drop_table(name, missing_ok=missing_ok))
+
+    def set_dense(self, name: str, values: npt.ArrayLike) -> None:
+        """See :meth:`Client.set_dense <zps.client.client.Client.set_dense>` (the
+        optimizer state is reset)."""
+        self._call(self._client.set_dense(name, values))
+
+    def set_rows(self, name: str, ids: npt.ArrayLike, rows: npt.ArrayLike) -> None:
+        """See :meth:`Client.set_rows <zps.client.client.Client.set_rows>` (the
+        optimizer state of those rows is reset)."""
+        self._call(self._client.set_rows(name, ids, rows))
+
+    def table_ids(self, name: str, *, chunk: int = 65536) -> Iterator[np.ndarray]:
+        """The ids an embedding table holds, in arrays of at most ``chunk`` ids (see
+        :meth:`Client.table_ids <zps.client.client.Client.table_ids>`)."""
+        self._call(self._client._embedding_spec(name))  # an unknown table fails here
+        if chunk < 1:
+            raise BadRequestError(f"table_ids: chunk must be >= 1, got {chunk}")
+        chunk = min(chunk, self._client.config.message_budget // 8)
+        for p in range(self.cluster_map.n_partitions):
+            after: int | None = None
+            while True:
+                page = self._call(self._client.ids_page(name, p, after, chunk))
+                if page.size:
+                    yield page
+                if page.size < chunk:
+                    break
+                after = int(page[-1])
+
+    def checkpoint(self, *, timeout: float = 300.0) -> dict[int, dict[str, Any]]:
+        return self._call(self._client.checkpoint(timeout=timeout))
+
+    def export_model(
+        self,
+        out: str | os.PathLike[str],
+        *,
+        tables: Sequence[str] | None = None,
+        since: str | os.PathLike[str] | None = None,
+    ) -> dict[str, Any]:
+        return self._call(self._client.export_model(out, tables=tables, since=since))
+
+    def import_model(
+        self, path: str | os.PathLike[str], *, tables: Sequence[str] | None = None
+    ) -> list[str]:
+        return self._call(self._client.import_model(path, tables=tables))
 
     def run(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run a coroutine of the async client on its loop; ``.result()`` waits."""

@@ -124,9 +124,24 @@ class DenseSpec:
         }
 
 
+#: The optional lifecycle fields of an embedding spec (0: off), sent only when set.
+LIFECYCLE = ("admit_count", "ttl_steps", "max_rows")
+#: ... and the optional float one (1.0: off).
+OPTIONAL = (*LIFECYCLE, "admit_probability")
+
+
 @dataclass(frozen=True)
 class EmbeddingSpec:
-    """An embedding table: int64 id -> row of ``dim`` values, created on first touch."""
+    """An embedding table: int64 id -> row of ``dim`` values, created on first touch.
+
+    Lifecycle (0: off; see :class:`~zps.store.tables.EmbeddingTable`): ``admit_count``,
+    an id's row is trained from its ``admit_count``-th push on (until then pushes are only
+    counted and pulls return the initial value); ``ttl_steps``, a row not pushed in that
+    many of this table's pushes on its partition is evicted; ``max_rows``, a partition
+    keeps at most that many rows of the table, evicting the least recently pushed;
+    ``admit_probability`` (1.0: off; not with ``admit_count``), each push of an id not yet
+    admitted admits it with that probability.
+    """
 
     name: str
     dim: int
@@ -134,6 +149,10 @@ class EmbeddingSpec:
     init: Initializer
     optimizer: Optimizer
     seed: int
+    admit_count: int = 0
+    ttl_steps: int = 0
+    max_rows: int = 0
+    admit_probability: float = 1.0
 
     def __post_init__(self) -> None:
         _check_common("embedding", self.name, self.dtype, self.init, self.optimizer, self.seed)
@@ -142,11 +161,38 @@ class EmbeddingSpec:
                 f"embedding spec {self.name!r}: dim must be an integer in [1, {MAX_DIM}], "
                 f"got {self.dim!r}"
             )
+        for key in LIFECYCLE:
+            value = getattr(self, key)
+            if not _is_int(value) or not 0 <= value < 2**31:
+                raise BadRequestError(
+                    f"embedding spec {self.name!r}: {key} must be an integer in [0, 2**31), "
+                    f"got {value!r}"
+                )
+            object.__setattr__(self, key, int(value))
+        p = self.admit_probability
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 < p <= 1.0:
+            raise BadRequestError(
+                f"embedding spec {self.name!r}: admit_probability must be a number in "
+                f"(0, 1], got {p!r}"
+            )
+        object.__setattr__(self, "admit_probability", float(p))
+        if self.admit_count > 1 and self.admit_probability < 1.0:
+            raise BadRequestError(
+                f"embedding spec {self.name!r}: admit_count and admit_probability exclude "
+                "each other"
+            )
         object.__setattr__(self, "dim", int(self.dim))
         object.__setattr__(self, "seed", int(self.seed))
 
+    @property
+    def lifecycle(self) -> bool:
+        """Whether rows are admitted or evicted (any lifecycle field set)."""
+        return bool(
+            self.admit_count > 1 or self.ttl_steps or self.max_rows or self.admit_probability < 1
+        )
+
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             "kind": "embedding",
             "name": self.name,
             "dim": self.dim,
@@ -155,6 +201,10 @@ class EmbeddingSpec:
             "optimizer": self.optimizer.spec(),
             "seed": self.seed,
         }
+        wire.update({k: getattr(self, k) for k in LIFECYCLE if getattr(self, k)})
+        if self.admit_probability < 1.0:
+            wire["admit_probability"] = self.admit_probability
+        return wire
 
 
 TableSpec = DenseSpec | EmbeddingSpec
@@ -174,9 +224,9 @@ def spec_from_wire(obj: object) -> TableSpec:
         if key != "kind" and key not in names:
             raise BadRequestError(f"{kind} spec: unknown field {key!r}")
     for key in names:
-        if key not in obj:
+        if key not in obj and key not in OPTIONAL:
             raise BadRequestError(f"{kind} spec: field {key!r} is missing")
-    kwargs = {key: obj[key] for key in names}
+    kwargs = {key: obj[key] for key in names if key in obj}
     if kind == "dense" and not isinstance(kwargs["shape"], list | tuple):
         raise BadRequestError(f"dense spec: shape must be a list of ints, got {kwargs['shape']!r}")
     kwargs["init"] = init_from_spec(kwargs["init"])

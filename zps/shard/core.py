@@ -35,7 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from zps.errors import BadRequestError, ProtocolError, RemoteError, ShapeMismatchError
+from zps.errors import (
+    BadRequestError,
+    ProtocolError,
+    RemoteError,
+    ShapeMismatchError,
+    UnknownTableError,
+)
+from zps.init import generate
 from zps.protocol.codec import (
     TRAFFIC,
     BufferLike,
@@ -45,11 +52,17 @@ from zps.protocol.codec import (
     Route,
     array_from,
 )
+from zps.protocol.specs import DenseSpec, TableSpec
 from zps.store import PartitionStore, spec_from_wire
 from zps.store.snapshot import Snapshot
 from zps.store.stepbuf import Pending, StepBuffer
+from zps.store.tables import EmbeddingTable
 
-MUTATIONS = frozenset({"create", "push_dense", "push_rows", "commit"})
+MUTATIONS = frozenset(
+    {"create", "push_dense", "push_rows", "commit", "drop", "set_dense", "set_rows"}
+)
+#: Cuts of the partition (for an export) a shard holds at once; a new one drops the oldest.
+MAX_CUTS = 2
 OK: dict[str, Any] = {"st": "OK"}
 #: A recorded list of statuses, or the number of statuses when all are ``OK``.
 _Record = int | list[dict[str, Any]]
@@ -263,6 +276,14 @@ class ShardCore:
         self.stats = ShardStats()
         self._clock = clock
         self._cid = b""  # the client of the message being handled
+        #: Export cuts: ``(epoch, n)`` -> the partition's values at one LSN (see op_cut).
+        self._cuts: collections.OrderedDict[tuple[int, int], _Cut] = collections.OrderedDict()
+        self._cut_counter = 0
+        #: Set by the shard process: whether it has a data dir to write checkpoints to,
+        #: the newest checkpoint on disk, and an LSN an operator asked a checkpoint of.
+        self.checkpoint_enabled = False
+        self.checkpointed: dict[str, Any] | None = None
+        self.checkpoint_wanted: int | None = None
 
     def assign(self, partition: int | None, epoch: int, *, primary: bool = True) -> None:
         """Hold ``partition`` at ``epoch`` (None: nothing), as primary or replica.
@@ -271,6 +292,8 @@ class ShardCore:
         re-registration after a broker restart); another partition starts empty.
         """
         if partition != self.partition:
+            self._cuts.clear()
+            self.checkpointed = self.checkpoint_wanted = None
             self.store = PartitionStore()
             self.dedup = self._new_dedup()
             self.steps = self._new_steps()
@@ -578,6 +601,181 @@ class ShardCore:
     ) -> dict[str, Any]:
         return {"st": "OK", "tables": [s.to_wire() for s in self.store.specs()]}
 
+    # -- administration: drop, set, describe, ids, export cuts, checkpoints ----
+
+    def op_drop(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        name = self._table_name(op)
+        dropped = self.store.drop(name)
+        if dropped:  # its sync-mode gradients waiting for a commit go with it
+            entries = [e for e in self.steps.entries if e.table != name]
+            if len(entries) != len(self.steps.entries):
+                self.steps.entries = entries
+                self.steps.nbytes = sum(e.nbytes for e in entries)
+        return {"st": "OK", "changed": dropped}
+
+    def op_set_dense(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        table = self.store.dense(self._table_name(op))
+        chunk = op.get("chunk")
+        if type(chunk) is not int:
+            raise BadRequestError("set_dense needs an integer 'chunk'")
+        table.set_chunk(chunk, self._array(op, "v", payloads))
+        return OK
+
+    def op_set_rows(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        table = self.store.embedding(self._table_name(op))
+        table.set_rows(self._ids(op, payloads), self._array(op, "v", payloads))
+        return OK
+
+    def op_describe(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        table = self.store.table(self._table_name(op))
+        out = {
+            "st": "OK",
+            "spec": table.spec.to_wire(),
+            "rows": len(table),
+            "bytes": table.nbytes,
+            "lsn": self.lsn,
+        }
+        if isinstance(table, EmbeddingTable):
+            out["admitted"] = table.n_admitted()
+        return out
+
+    def op_ids(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        table = self.store.embedding(self._table_name(op))
+        after, limit = op.get("after"), op.get("limit")
+        if after is not None and type(after) is not int:
+            raise BadRequestError("ids: 'after' must be an integer id or nil")
+        if type(limit) is not int or not 1 <= limit <= self.limits.max_ids:
+            raise BadRequestError(f"ids: 'limit' must be an integer in [1, {self.limits.max_ids}]")
+        return {"st": "OK", "a": enc.array(table.ids_after(after, limit))}
+
+    def op_cut(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        """Copy the values of every table (not the optimizer state) at the current LSN,
+        to be read in pieces by ``cut_read`` while writes go on; a third cut drops the
+        oldest.  Cuts are not replicated: a new primary knows none."""
+        if self.partition is None:
+            raise BadRequestError("no partition to cut")
+        tables: dict[str, Any] = {}
+        for spec in self.store.specs():
+            tables[spec.name] = self.store.table(spec.name).copy_values()
+        self._cut_counter += 1
+        key = (self.epoch, self._cut_counter)
+        self._cuts[key] = _Cut(self.lsn, {s.name: s for s in self.store.specs()}, tables)
+        while len(self._cuts) > MAX_CUTS:
+            self._cuts.popitem(last=False)
+        return {
+            "st": "OK",
+            "cut": list(key),
+            "lsn": self.lsn,
+            "epoch": self.epoch,
+            "tables": [
+                {
+                    "spec": spec.to_wire(),
+                    "n": len(tables[name][0]) if isinstance(tables[name], tuple) else 0,
+                    "chunks": sorted(tables[name]) if isinstance(tables[name], dict) else [],
+                }
+                for name, spec in self._cuts[key].specs.items()
+            ],
+        }
+
+    def _cut(self, op: dict[str, Any]) -> _Cut:
+        key = op.get("cut")
+        if not isinstance(key, list) or len(key) != 2 or not all(type(k) is int for k in key):
+            raise BadRequestError("'cut' must be the [epoch, number] a cut answered")
+        cut = self._cuts.get((key[0], key[1]))
+        if cut is None:
+            raise BadRequestError(
+                f"cut {key} is unknown on partition {self.partition}: it was dropped, a "
+                "newer cut replaced it, or another shard became primary; take a new cut"
+            )
+        return cut
+
+    def op_cut_read(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        """Embedding rows ``[start, start+count)`` of a cut (``a``: ids, rows; in storage
+        order), or a dense tensor's ``chunks`` (``a``: one array each; a chunk this
+        partition never stored has its initial values)."""
+        cut, name = self._cut(op), self._table_name(op)
+        spec = cut.specs.get(name)
+        if spec is None:
+            raise UnknownTableError(f"table {name!r} is not in cut {op.get('cut')}")
+        data = cut.tables[name]
+        itemsize = np.dtype(spec.dtype).itemsize
+        if isinstance(data, tuple):
+            start, count = op.get("start"), op.get("count")
+            if type(start) is not int or type(count) is not int or start < 0 or count < 0:
+                raise BadRequestError("cut_read of rows needs integers 'start' and 'count' >= 0")
+            ids, rows = data
+            if count * (8 + rows.shape[1] * itemsize) > self.limits.max_array_bytes:
+                raise BadRequestError(
+                    f"cut_read of {count} rows exceeds the per-request limit "
+                    f"{self.limits.max_array_bytes} bytes"
+                )
+            return {
+                "st": "OK",
+                "a": [
+                    enc.array(ids[start : start + count]),
+                    enc.array(rows[start : start + count]),
+                ],
+            }
+        assert isinstance(spec, DenseSpec)
+        chunks = op.get("chunks")
+        if not isinstance(chunks, list) or not all(type(c) is int for c in chunks):
+            raise BadRequestError("cut_read of a dense tensor needs 'chunks', a list of integers")
+        out = []
+        total = 0
+        for c in chunks:
+            start_e, stop_e = spec.chunk_range(c)
+            total += (stop_e - start_e) * itemsize
+            if total > self.limits.max_array_bytes:
+                raise BadRequestError(
+                    f"cut_read of dense chunks exceeds the per-request limit "
+                    f"{self.limits.max_array_bytes} bytes"
+                )
+            values = data.get(c)
+            if values is None:
+                values = generate(
+                    spec.init, spec.seed, np.arange(start_e, stop_e), 1, np.dtype(spec.dtype)
+                ).ravel()
+            out.append(enc.array(values))
+        return {"st": "OK", "a": out}
+
+    def op_cut_drop(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        key = op.get("cut")
+        if isinstance(key, list) and len(key) == 2 and all(type(k) is int for k in key):
+            self._cuts.pop((key[0], key[1]), None)
+        return OK
+
+    def op_checkpoint(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        """Ask for a checkpoint of the current state (with ``"write": true``) and say
+        where the newest one is: ``lsn`` now, ``checkpoint`` (its ``lsn``, ``epoch``,
+        ``path``, ``time``; nil if none)."""
+        if not self.checkpoint_enabled:
+            raise BadRequestError(
+                f"the primary of partition {self.partition} has no data dir: it writes no "
+                "checkpoints (start it with --data-dir)"
+            )
+        done = self.checkpointed["lsn"] if self.checkpointed else -1
+        if op.get("write") is True and done < self.lsn:
+            self.checkpoint_wanted = max(self.checkpoint_wanted or 0, self.lsn)
+        return {"st": "OK", "lsn": self.lsn, "checkpoint": self.checkpointed}
+
     def report(self) -> dict[str, Any]:
         """Counters sent to the broker with each heartbeat."""
         s = self.stats
@@ -607,4 +805,23 @@ _HANDLERS: dict[str, _Handler] = {
     "checksum": ShardCore.op_checksum,
     "commit": ShardCore.op_commit,
     "tables": ShardCore.op_tables,
+    "drop": ShardCore.op_drop,
+    "set_dense": ShardCore.op_set_dense,
+    "set_rows": ShardCore.op_set_rows,
+    "describe": ShardCore.op_describe,
+    "ids": ShardCore.op_ids,
+    "cut": ShardCore.op_cut,
+    "cut_read": ShardCore.op_cut_read,
+    "cut_drop": ShardCore.op_cut_drop,
+    "checkpoint": ShardCore.op_checkpoint,
 }
+
+
+@dataclass
+class _Cut:
+    """A partition's values at one LSN, for an export: embedding tables as
+    ``(ids, rows)`` in storage order, dense tensors as ``{chunk: values}``."""
+
+    lsn: int
+    specs: dict[str, TableSpec]
+    tables: dict[str, Any]

@@ -216,6 +216,7 @@ class ShardServer:
             segment_bytes=config.wal_segment_bytes,
         )
         self._checkpointing: asyncio.Task[None] | None = None
+        self.core.checkpoint_enabled = self._checkpoints is not None
 
     @property
     def role(self) -> Role:
@@ -388,6 +389,14 @@ class ShardServer:
         if found.checkpoint is not None:
             with contextlib.suppress(OSError):
                 self._checkpoint_time = Path(found.checkpoint).stat().st_mtime
+            with contextlib.suppress(ValueError, IndexError):  # ckpt-EPOCH-LSN.zps
+                _, epoch, lsn = Path(found.checkpoint).stem.split("-")
+                self.core.checkpointed = {
+                    "lsn": int(lsn),
+                    "epoch": int(epoch),
+                    "path": str(found.checkpoint),
+                    "time": self._checkpoint_time,
+                }
 
     def _start_checkpoint(self) -> None:
         """Write a checkpoint beside the loops (never inside one); one at a time."""
@@ -405,8 +414,13 @@ class ShardServer:
         if core.partition is None or not self.session.begin_checkpoint(
             time.monotonic(), core.lsn, final=final
         ):
+            wanted = core.checkpoint_wanted  # asked for (op "checkpoint"): already under way?
+            if wanted is not None and self.session.last_checkpoint[1] >= wanted:
+                core.checkpoint_wanted = None
             return
         snap = cut(core, space)  # memory copies only, at one LSN
+        if core.checkpoint_wanted is not None and snap.lsn >= core.checkpoint_wanted:
+            core.checkpoint_wanted = None
         del space
         self.durability.roll()  # the log's older segments are what this checkpoint holds
         t0 = time.monotonic()
@@ -421,6 +435,12 @@ class ShardServer:
         self.checkpoints_written += 1
         self._checkpoint_seconds, self._checkpoint_time = time.monotonic() - t0, time.time()
         self.durability.checkpointed(snap.partition, snap.lsn)
+        core.checkpointed = {
+            "lsn": snap.lsn,
+            "epoch": snap.epoch,
+            "path": str(path),
+            "time": self._checkpoint_time,
+        }
         log.info(
             "checkpoint of partition %d at LSN %d written to %s in %.2fs",
             snap.partition,
@@ -652,6 +672,8 @@ class ShardServer:
             if tick.lagging and self._stream is not None:
                 for node in tick.lagging:
                     self._stream.drop(node, "no acknowledgement for a liveness timeout")
+            if self.core.checkpoint_wanted is not None and not tick.checkpoint:
+                self._start_checkpoint()  # an operator's "zps-server checkpoint"
             if tick.checkpoint:
                 self._start_checkpoint()
             elif tick.ack_upstream and self._upstream is not None:

@@ -61,6 +61,14 @@ class PartitionStore:
             f"table {spec.name!r} already exists with a different spec (differs in: {diff})"
         )
 
+    def drop(self, name: str) -> bool:
+        """Remove table ``name``; False if there is none."""
+        return self._tables.pop(name, None) is not None
+
+    def table(self, name: str) -> Table:
+        """Table ``name`` of either kind (UnknownTableError naming it if absent)."""
+        return self._get(name)
+
     def _get(self, name: str) -> Table:
         table = self._tables.get(name)
         if table is None:

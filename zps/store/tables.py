@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from zps.core.hashing import mix64_pair
 from zps.core.memo import IdsMemo
 from zps.core.rows import put_rows, take_rows
 from zps.errors import BadRequestError, ShapeMismatchError
@@ -39,6 +40,9 @@ Array = npt.NDArray[Any]
 _GROWTH = 1.5
 _MIN_ROWS = 64
 _UNSHARED = 3  # see DenseTensor.push
+#: An embedding table's bookkeeping columns when it admits or evicts rows (their names
+#: cannot be an optimizer's state: those are identifiers).
+TOUCHED, SEEN = "#touched", "#seen"
 
 
 def checksum_arrays(arrays: dict[str, Array], h: Any = None) -> str:
@@ -98,6 +102,17 @@ class EmbeddingTable:
         self.spec = spec
         self.dtype: np.dtype[Any] = np.dtype(spec.dtype)
         self._widths = spec.optimizer.state_widths(spec.dim)
+        #: Admission and eviction (see the lifecycle notes below): the two columns of
+        #: bookkeeping sit beside the optimizer state, so snapshots, checkpoints and
+        #: replication carry them like any state.
+        self._life = spec.lifecycle
+        self._opt_keys = tuple(self._widths)
+        if self._life:
+            self._widths = {**self._widths, TOUCHED: 1, SEEN: 1}
+        self._int = np.dtype(np.int32 if self.dtype.itemsize == 4 else np.int64)
+        #: This table's pushes on this partition: the clock of ``ttl_steps`` and LRU.
+        self._tick = 0
+        self.evicted = 0  # rows evicted since this table was made or loaded (not replicated)
         self._reset(0)
 
     def _reset(self, capacity: int) -> None:
@@ -125,6 +140,8 @@ class EmbeddingTable:
             return
         while cap < need:
             cap = int(cap * _GROWTH) + 1
+        if self.spec.max_rows:  # no room beyond the cap, but for one push's new rows
+            cap = max(need, min(cap, self.spec.max_rows))
         rows = np.empty((cap, self.spec.dim), dtype=self.dtype)
         rows[:n] = self._rows[:n]
         self._rows = rows
@@ -145,6 +162,9 @@ class EmbeddingTable:
             self._rows[before:after] = generate(s.init, s.seed, new_ids, s.dim, self.dtype)
             for k, arr in s.optimizer.init_state(n_new, s.dim, self.dtype).items():
                 self._state[k][before:after] = arr
+            if self._life:  # never pushed, never seen
+                self._state[TOUCHED][before:after] = 0
+                self._state[SEEN][before:after] = 0
         return pos
 
     def pull(self, ids: npt.ArrayLike) -> Array:
@@ -181,12 +201,117 @@ class EmbeddingTable:
                 g[order] if uniq.size == keys.size else np.add.reduceat(g[order], starts, axis=0)
             )
             pos = self._positions(uniq)
+        if self._life:
+            pos, summed = self._admit(pos, summed)
+            state = {k: take_rows(self._state[k], pos) for k in self._opt_keys}
+        else:
+            state = {k: take_rows(a, pos) for k, a in self._state.items()}
         param = take_rows(self._rows, pos)
-        state = {k: take_rows(a, pos) for k, a in self._state.items()}
         self.spec.optimizer.apply(param, summed, state)
         put_rows(self._rows, pos, param)
         for k, a in state.items():
             put_rows(self._state[k], pos, a)
+        if self._life:
+            self._evict()
+
+    # -- lifecycle: admission and eviction --------------------------------------
+    #
+    # Every decision is a function of the table's contents and the order of its pushes,
+    # so a replica re-running the same pushes, or a restart replaying the log, evicts
+    # exactly the same rows: eviction is part of the (replicated, logged) push.
+    #
+    # - The clock is the number of pushes to the table on this partition (``_tick``;
+    #   after a load, the newest ``TOUCHED``, which is the same number).
+    # - ``TOUCHED`` is the tick of a row's last push, ``SEEN`` how many pushes named it
+    #   (up to ``admit_count``).  A row is admitted once SEEN reaches ``admit_count``:
+    #   from that push on the optimizer updates it; before, the push is only counted, and
+    #   the row keeps its initial values, which pulls return.  A candidate holds a row
+    #   slot (and counts against ``max_rows``) until it is admitted or evicted.  With
+    #   ``admit_probability`` instead, SEEN is 1 once admitted: each push of a candidate
+    #   admits it if a hash of (id, tick) falls below the probability.
+    # - ``ttl_steps``: every ``ttl_steps // 8`` ticks (at least 1) rows whose last push is
+    #   more than ``ttl_steps`` ticks old are evicted.
+    # - ``max_rows``: a push that leaves more rows evicts the least recently pushed
+    #   (ties by id) down to ``max_rows - max_rows // 16``, so the table is compacted (an
+    #   O(rows) rebuild of the arrays and the index) once per ``max_rows / 16`` new rows.
+
+    def _meta(self, key: str) -> npt.NDArray[np.signedinteger[Any]]:
+        """A bookkeeping column as integers (its bits, in the table's dtype's width)."""
+        out: npt.NDArray[np.signedinteger[Any]] = self._state[key].view(self._int).reshape(-1)
+        return out
+
+    def _admit(
+        self, pos: npt.NDArray[np.int64], summed: Array
+    ) -> tuple[npt.NDArray[np.int64], Array]:
+        self._tick += 1
+        self._meta(TOUCHED)[pos] = self._tick
+        need, chance = self.spec.admit_count, self.spec.admit_probability
+        if need > 1:
+            seen = self._meta(SEEN)
+            counts = np.minimum(seen[pos] + 1, need)
+            seen[pos] = counts
+            admitted = counts >= need
+            if not admitted.all():
+                return pos[admitted], summed[admitted]
+        elif chance < 1.0:
+            seen = self._meta(SEEN)
+            flags = seen[pos]
+            new = flags == 0
+            if new.any():
+                # a draw per (id, tick): the same on every copy of the partition
+                h = mix64_pair(self._index._ids[pos[new]], self._tick)
+                flags[new] = (h >> np.uint64(11)).astype(np.float64) * 2.0**-53 < chance
+                seen[pos] = flags
+            admitted = flags > 0
+            if not admitted.all():
+                return pos[admitted], summed[admitted]
+        return pos, summed
+
+    def _evict(self) -> None:
+        s, n = self.spec, len(self._index)
+        touched = self._meta(TOUCHED)[:n]
+        drop: npt.NDArray[np.bool_] | None = None
+        if s.ttl_steps and self._tick % max(1, s.ttl_steps // 8) == 0:
+            old = touched < self._tick - s.ttl_steps
+            if old.any():
+                drop = old
+        if s.max_rows and n > s.max_rows:
+            keep = max(1, s.max_rows - s.max_rows // 16)
+            ids = self._index.ids()
+            oldest = np.lexsort((ids, touched))[: n - keep]
+            lru = np.zeros(n, dtype=bool)
+            lru[oldest] = True
+            drop = lru if drop is None else drop | lru
+        if drop is not None:
+            self._compact(np.flatnonzero(~drop))
+            self.evicted += int(drop.sum())
+
+    def _compact(self, keep: npt.NDArray[np.intp]) -> None:
+        """Keep only the rows at positions ``keep``: new arrays and a new index."""
+        ids = self._index.ids()[keep]
+        rows = self._rows[keep]
+        state = {k: a[keep] for k, a in self._state.items()}
+        n = keep.shape[0]
+        index = IdIndex(2 * max(n, self.spec.max_rows))
+        index.insert(ids)
+        self._reset(max(n, self.spec.max_rows))
+        self._index = index
+        self._rows[:n] = rows
+        for k, a in state.items():
+            self._state[k][:n] = a
+
+    def n_admitted(self) -> int:
+        """Rows admitted (all rows, without admission): what an export holds."""
+        admitted = self._admitted()
+        return len(self._index) if admitted is None else int(admitted.sum())
+
+    def _admitted(self) -> npt.NDArray[np.bool_] | None:
+        """Which stored rows are admitted (None: all of them)."""
+        if self.spec.admit_count > 1:
+            return self._meta(SEEN)[: len(self._index)] >= self.spec.admit_count
+        if self.spec.admit_probability < 1.0:
+            return self._meta(SEEN)[: len(self._index)] > 0
+        return None
 
     def _lookup(self, keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """``self._index.lookup(keys)``, remembering the last few complete answers.
@@ -214,6 +339,62 @@ class EmbeddingTable:
         mark = np.arange(pos.shape[0], dtype=np.int32)
         np.put(self._stamp, pos, mark)
         return bool((self._stamp.take(pos) == mark).all())
+
+    def set_rows(self, ids: npt.ArrayLike, values: npt.ArrayLike) -> None:
+        """Set the rows of ``ids`` (distinct) to ``values`` and reset their optimizer state
+        to the optimizer's initial state (as for a new row); other rows are untouched.
+
+        Absent ids get rows.  All or nothing: bad input changes nothing.
+        """
+        keys = as_ids(ids)
+        name = self.spec.name
+        v = np.asarray(values)
+        if v.shape != (keys.shape[0], self.spec.dim):
+            raise ShapeMismatchError(
+                f"table {name!r}: set_rows got values of shape {v.shape} for "
+                f"{keys.shape[0]} ids of dim {self.spec.dim}"
+            )
+        if v.size and v.dtype.kind not in "fiu":
+            raise BadRequestError(f"table {name!r}: values must be numeric, got {v.dtype}")
+        v = v.astype(self.dtype, copy=False)
+        if v.size and not bool(np.isfinite(v).all()):
+            raise BadRequestError(f"table {name!r}: values contain NaN or infinity")
+        if keys.size == 0:
+            return
+        uniq, counts = np.unique(keys, return_counts=True)
+        if uniq.shape[0] != keys.shape[0]:
+            dup = int(uniq[np.argmax(counts > 1)])
+            raise BadRequestError(f"table {name!r}: set_rows names id {dup} more than once")
+        pos = self._positions(keys)
+        put_rows(self._rows, pos, np.ascontiguousarray(v))
+        fresh = self.spec.optimizer.init_state(keys.shape[0], self.spec.dim, self.dtype)
+        for k, a in fresh.items():
+            put_rows(self._state[k], pos, np.ascontiguousarray(a))
+        if self._life:  # a row set is admitted, and as recent as the last push
+            self._meta(TOUCHED)[pos] = self._tick
+            self._meta(SEEN)[pos] = max(1, self.spec.admit_count)
+            self._evict()  # within the cap again (ties by id: some set rows may go)
+
+    def ids_after(self, after: int | None, limit: int) -> npt.NDArray[np.int64]:
+        """Up to ``limit`` ids of this table greater than ``after`` (None: from the
+        smallest), ascending: a page of :meth:`Client.table_ids`."""
+        ids = self._index.ids()
+        admitted = self._admitted()
+        if admitted is not None:
+            ids = ids[admitted]
+        if after is not None:
+            ids = ids[ids > after]
+        if ids.shape[0] > limit:
+            ids = np.partition(ids, limit - 1)[:limit]
+        return np.sort(ids)
+
+    def copy_values(self) -> tuple[npt.NDArray[np.int64], Array]:
+        """Copies of the ids and their rows, in storage order (no optimizer state)."""
+        n = len(self._index)
+        admitted = self._admitted()
+        if admitted is not None:
+            return self._index.ids()[admitted], self._rows[:n][admitted]
+        return self._index.ids(), self._rows[:n].copy()
 
     def export(self) -> dict[str, Array]:
         """Rows and state in ascending id order: ``ids``, ``rows``, then each state array."""
@@ -248,6 +429,7 @@ class EmbeddingTable:
         self._rows[:n] = rows
         for k, a in state.items():
             self._state[k][:n] = a
+        self._tick = int(self._meta(TOUCHED)[:n].max()) if self._life and n else 0
 
     def checksum(self) -> str:
         return checksum_arrays(self.export())
@@ -319,6 +501,29 @@ class DenseTensor:
         if sys.getrefcount(values) > _UNSHARED:
             values = self._values[chunk] = values.copy()
         self.spec.optimizer.apply(values, g.reshape(1, -1), self._state[chunk])
+
+    def copy_values(self) -> dict[int, Array]:
+        """A copy of every stored chunk's values (1-D), by chunk index."""
+        return {c: v.reshape(-1).copy() for c, v in self._values.items()}
+
+    def set_chunk(self, chunk: int, values: npt.ArrayLike) -> None:
+        """Set chunk ``chunk`` to ``values`` (1-D, the chunk's length) and reset its
+        optimizer state to the optimizer's initial state."""
+        start, stop = self.spec.chunk_range(chunk)
+        name = self.spec.name
+        v = np.asarray(values)
+        if v.shape != (stop - start,):
+            raise ShapeMismatchError(
+                f"dense tensor {name!r} chunk {chunk}: expected {stop - start} values, "
+                f"got shape {v.shape}"
+            )
+        if v.size and v.dtype.kind not in "fiu":
+            raise BadRequestError(f"dense tensor {name!r}: values must be numeric, got {v.dtype}")
+        if v.size and not bool(np.isfinite(v).all()):
+            raise BadRequestError(f"dense tensor {name!r}: values contain NaN or infinity")
+        # A new array: a view of the old one lent to a reply keeps its values.
+        self._values[chunk] = np.array(v, dtype=self.dtype).reshape(1, -1)
+        self._state[chunk] = self.spec.optimizer.init_state(1, stop - start, self.dtype)
 
     def export(self) -> dict[str, Array]:
         """``chunks`` (ascending), ``values`` and each state, concatenated in chunk order."""

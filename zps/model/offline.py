@@ -1,0 +1,199 @@
+"""Export a model from shards' data dirs, with no process running (``zps-server export
+--data-dir DIR ... --out DIR``).
+
+Each ``partition-P`` folder of each data dir is a copy of partition P: its newest
+checkpoint that verifies, then its write-ahead log replayed after it, read only (unlike a
+shard's start-up, nothing is cut, renamed or written).  Of several copies of one partition
+(a primary's and its replicas' data dirs) the newest is used, by the rule a restarted
+broker applies: the later epoch, then the higher LSN.  Every partition from 0 to the
+highest found (or to ``partitions - 1``) must have a copy.
+
+Memory: one partition is held at a time (each is restored twice: once to find the
+newest copy and count rows, once to write), and tables go straight to their files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zps.errors import BadRequestError
+from zps.init import generate
+from zps.model.format import EmbeddingSink, Export, ExportWriter
+from zps.protocol.specs import DenseSpec, EmbeddingSpec, TableSpec
+from zps.shard.checkpoint import CheckpointStore, apply_record
+from zps.shard.core import ShardCore
+from zps.store.wal import Wal
+
+log = logging.getLogger("zps.export")
+
+_PARTITION = re.compile(r"partition-(\d+)")
+
+
+@dataclass
+class Copy:
+    """One data dir's copy of one partition, as restored."""
+
+    data_dir: Path
+    partition: int
+    epoch: int = 0
+    lsn: int = 0
+    checkpoint: Path | None = None
+    replayed: int = 0
+    stopped: str | None = None
+    rows: dict[str, int] = field(default_factory=dict)
+    specs: dict[str, TableSpec] = field(default_factory=dict)
+
+
+def restore_copy(data_dir: Path, partition: int) -> tuple[Copy, ShardCore]:
+    """The partition as its checkpoint and log in ``data_dir`` hold it (nothing written)."""
+    store = CheckpointStore(data_dir)
+    core = ShardCore()
+    found = store.latest(partition)
+    copy = Copy(data_dir, partition)
+    if found is not None:
+        core.load_snapshot(found.snapshot)
+        copy.checkpoint = found.path
+    else:
+        core.assign(partition, 0, primary=False)
+    lsn, epoch = core.lsn, core.epoch
+    for rec in Wal(store.folder(partition)).records():
+        if rec.lsn <= lsn:
+            continue
+        if rec.prev != lsn:
+            copy.stopped = f"a gap: LSN {lsn}, then a record from {rec.prev} to {rec.lsn}"
+        elif rec.epoch < epoch:
+            copy.stopped = f"a record of epoch {rec.epoch} after epoch {epoch}"
+        else:
+            try:
+                got = apply_record(core, rec)
+            except Exception as e:
+                got, copy.stopped = -1, f"LSN {rec.lsn} does not apply: {e}"
+            if got != rec.lsn and copy.stopped is None:
+                copy.stopped = f"LSN {rec.lsn} left the state at LSN {got}"
+        if copy.stopped is not None:
+            break
+        lsn, epoch = rec.lsn, rec.epoch
+        copy.replayed += 1
+    core.epoch = epoch
+    copy.epoch, copy.lsn = epoch, core.lsn
+    for spec in core.store.specs():
+        copy.specs[spec.name] = spec
+        if isinstance(spec, EmbeddingSpec):
+            copy.rows[spec.name] = core.store.embedding(spec.name).n_admitted()
+    return copy, core
+
+
+def find_copies(data_dirs: Sequence[str | os.PathLike[str]]) -> dict[int, list[Copy]]:
+    """Every copy of every partition in ``data_dirs``, restored once to learn its state."""
+    copies: dict[int, list[Copy]] = {}
+    for d in data_dirs:
+        root = Path(d)
+        if not root.is_dir():
+            raise BadRequestError(f"data dir {root} does not exist")
+        for folder in sorted(root.iterdir()):
+            m = _PARTITION.fullmatch(folder.name)
+            if m is None or not folder.is_dir():
+                continue
+            copy, _ = restore_copy(root, int(m.group(1)))
+            if copy.lsn == 0:
+                continue  # nothing there
+            copies.setdefault(copy.partition, []).append(copy)
+    return copies
+
+
+def newest(copies: list[Copy]) -> Copy:
+    return max(copies, key=lambda c: (c.epoch, c.lsn))
+
+
+def export_data_dirs(
+    data_dirs: Sequence[str | os.PathLike[str]],
+    out: str | os.PathLike[str],
+    *,
+    partitions: int | None = None,
+    tables: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Write the model held by ``data_dirs`` to ``out``; returns the manifest."""
+    found = find_copies(data_dirs)
+    if not found:
+        raise BadRequestError(f"no partition with data in {', '.join(map(str, data_dirs))}")
+    n = partitions if partitions is not None else max(found) + 1
+    missing = [p for p in range(n) if p not in found]
+    if missing:
+        raise BadRequestError(f"no copy of partitions {missing} in the data dirs given")
+    chosen = {p: newest(found[p]) for p in range(n)}
+    for p, c in chosen.items():
+        log.info(
+            "partition %d: %s at epoch %d, LSN %d (%s + %d logged messages)%s",
+            p,
+            c.data_dir,
+            c.epoch,
+            c.lsn,
+            c.checkpoint.name if c.checkpoint else "no checkpoint",
+            c.replayed,
+            f"; log replay stopped: {c.stopped}" if c.stopped else "",
+        )
+    specs: dict[str, TableSpec] = {}
+    for c in chosen.values():
+        for name, spec in c.specs.items():
+            if specs.setdefault(name, spec) != spec:
+                raise BadRequestError(f"table {name!r} has different specs on different partitions")
+    names = sorted(specs) if tables is None else list(tables)
+    for name in names:
+        if name not in specs:
+            raise BadRequestError(f"unknown table {name!r}: not in the data dirs given")
+    writer = ExportWriter(
+        out, {"kind": "data-dirs", "data_dirs": [str(Path(d).resolve()) for d in data_dirs]}
+    )
+    sinks: dict[str, EmbeddingSink] = {}
+    dense: dict[str, np.ndarray] = {}
+    for name in names:
+        spec = specs[name]
+        if isinstance(spec, EmbeddingSpec):
+            sinks[name] = writer.embedding(spec, sum(c.rows.get(name, 0) for c in chosen.values()))
+        else:
+            dense[name] = _initial(writer, spec)
+    for p in range(n):
+        c = chosen[p]
+        _, core = restore_copy(c.data_dir, p)
+        if (core.epoch, core.lsn) != (c.epoch, c.lsn):
+            raise BadRequestError(f"partition {p} in {c.data_dir} changed during the export")
+        for name in names:
+            if name not in core.store:
+                continue
+            if name in sinks:
+                ids, rows = core.store.embedding(name).copy_values()
+                sinks[name].write(ids, rows)
+            else:
+                spec = specs[name]
+                assert isinstance(spec, DenseSpec)
+                flat = dense[name].reshape(-1)
+                for chunk, values in core.store.dense(name).copy_values().items():
+                    start, stop = spec.chunk_range(chunk)
+                    flat[start:stop] = values
+        del core
+    for sink in sinks.values():
+        sink.close()
+    for arr in dense.values():
+        arr.flush()  # type: ignore[attr-defined]
+    writer.finish({p: {"lsn": c.lsn, "epoch": c.epoch} for p, c in chosen.items()})
+    return Export(out).manifest
+
+
+def _initial(writer: ExportWriter, spec: DenseSpec) -> np.ndarray:
+    """The tensor's file, filled with its initial values (chunks no partition stored)."""
+    values = writer.dense(spec)
+    flat = values.reshape(-1)
+    for c in range(spec.n_chunks):
+        start, stop = spec.chunk_range(c)
+        flat[start:stop] = generate(
+            spec.init, spec.seed, np.arange(start, stop), 1, np.dtype(spec.dtype)
+        ).ravel()
+    return values
