@@ -7,7 +7,9 @@ No I/O, no clock, no state of its own.
 
 Rules, in the order they apply:
 
-1. A sender identity starting ``s-`` is a shard; any other is a client.
+1. A sender identity starting ``s-`` is a shard; one starting ``h-s-`` is that shard's
+   liveness link (:mod:`zps.core.membership`), which may send only HEARTBEAT control
+   messages (rule 4); any other identity is a client.
 2. A client's REQUEST is routed on its route frame alone (the header is the shard's to
    read).  Any other client message must decode, be one of HELLO, HEARTBEAT, STATUS,
    CLOCK, TASK, BYE, and have a header its record accepts; a CLOCK or TASK request with
@@ -30,6 +32,8 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeAlias
 
+from zps.core import membership
+from zps.core.membership import is_liveness
 from zps.errors import ProtocolError
 from zps.protocol.codec import (
     BufferLike,
@@ -55,7 +59,8 @@ from zps.protocol.messages import (
 #: The pseudo client that commits sync steps; shards answer it through the broker.
 COMMIT_TARGET = b"\x00commit"
 
-SHARD_PREFIX = b"s-"
+#: Re-exported: a shard's identity starts with it.
+SHARD_PREFIX = membership.SHARD_PREFIX
 
 
 class Membership(Protocol):
@@ -146,6 +151,8 @@ def accept(ident: bytes, frames: Sequence[BufferLike], members: Membership) -> V
     if not frames:
         return Reject("no route frame")
     try:
+        if is_liveness(ident):
+            return _from_liveness(frames)
         if ident.startswith(SHARD_PREFIX):
             return _from_shard(ident, frames, members)
         return _from_client(frames)
@@ -209,3 +216,15 @@ def _from_shard(ident: bytes, frames: Sequence[BufferLike], members: Membership)
         case _:
             raise ProtocolError(f"a shard may not send {route.mtype.name} to the broker")
     return FromShard(route, message)
+
+
+def _from_liveness(frames: Sequence[BufferLike]) -> Verdict:
+    """A shard's liveness link carries its heartbeats and nothing else."""
+    if len(frames) < 2:
+        raise ProtocolError("shard message without target and route frames")
+    if bytes(frames[0]):
+        return Reject("a reply on a shard's liveness link")
+    route = unpack_route(frames[1])
+    if route.mtype is not MsgType.HEARTBEAT:
+        raise ProtocolError(f"a shard's liveness link may not send {route.mtype.name}")
+    return FromShard(route, ShardHeartbeat.parse(decode(frames[1:]).header))

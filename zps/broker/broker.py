@@ -2,7 +2,8 @@
 
 Routing reads only the 20-byte route frame; headers and array frames are
 forwarded as the same zmq frames (zero-copy).  Sender identities tell the two
-kinds of peer apart: shards use ``s-...``, clients anything else.
+kinds of peer apart: shards use ``s-...``, a shard's liveness link ``h-s-...``
+(its heartbeats only, counted as the shard's), clients anything else.
 
 * client -> broker: ``[client, route, header, payloads...]``; a REQUEST goes to
   the partition's primary as ``[shard, client, route, header, payloads...]``.
@@ -23,12 +24,16 @@ slow peer pays: a client's replies and maps are dropped and counted (its session
 retries or times out), a request for a shard whose queue is full is answered
 ``OVERLOADED`` at once (the client retries it with backoff), and a peer that
 takes nothing for ``stall_timeout`` loses what was held for it.  zmq's ROUTER
-reads its peers' queues in turn, so a flood from one peer delays a shard's
+reads its peers' queues in turn (one message from each), and a shard's
+heartbeats come on its liveness link, a peer queue and TCP connection apart from
+its replies: a flood from any peer, the shard itself included, delays a shard's
 heartbeat by at most one burst.  The systemd watchdog is pinged from the
 receive path, and only while the timer loop keeps turning too.
 
 Leases: the broker answers each shard heartbeat with the role it holds for
-that shard, echoing the shard's send time; a primary accepts writes only
+that shard, echoing the shard's send time on the connection the heartbeat came
+by (the liveness link: never behind data queued for the shard); a primary
+accepts writes only
 while such an answer is younger than its lease, which is shorter than the
 liveness timeout.  So a primary cut off from the broker (or paused) stops
 writing before the broker can promote anyone else.
@@ -65,7 +70,7 @@ from zps.broker.statefile import StateFile, StateWriter
 from zps.broker.training import Training
 from zps.core.brokerstate import BrokerState
 from zps.core.cluster import Assignment, Claim, ClusterState
-from zps.core.membership import FailureDetector
+from zps.core.membership import FailureDetector, is_liveness, liveness_identity, speaks_for
 from zps.errors import ConfigError, ProtocolError
 from zps.ops.config import BrokerConfig
 from zps.ops.metrics import (
@@ -325,7 +330,7 @@ class Broker:
         """Send without waiting (see the module notes); the one way out of the broker."""
         assert self._out is not None
         ident = frames[0]
-        shard = isinstance(ident, bytes) and ident.startswith(b"s-")
+        shard = isinstance(ident, bytes) and (ident.startswith(b"s-") or is_liveness(ident))
         limit = self.config.shard_queue_bytes if shard else self.config.client_queue_bytes
         posted = self._out.post(frames, limit)
         if posted is transport.Posted.DROPPED:
@@ -336,7 +341,7 @@ class Broker:
                 # zmq dropped the route: the shard's connection is gone (a killed
                 # process); don't wait the whole liveness timeout to fail over.
                 self.detector.suspect(
-                    ident.decode("utf-8", "replace"),
+                    speaks_for(ident).decode("utf-8", "replace"),
                     time.monotonic(),
                     grace=2 * self.config.heartbeat.interval,
                 )
@@ -380,9 +385,9 @@ class Broker:
     async def _control(
         self, node: bytes, mtype: MsgType, header: dict[str, Any], req_id: int = 0
     ) -> None:
-        """Broker-originated message (an answer carries its request's id); shards get the
-        empty source frame."""
-        prefix = [node, b""] if node.startswith(b"s-") else [node]
+        """Broker-originated message (an answer carries its request's id); shards (and
+        their liveness links) get the empty source frame."""
+        prefix = [node, b""] if node.startswith(b"s-") or is_liveness(node) else [node]
         if self.pair is not None:  # fencing: shards and clients obey the highest term
             header = {**header, "term": self.pair.term}
         await self._send([*prefix, *encode(Route(mtype, req_id=req_id), header)])
@@ -482,10 +487,12 @@ class Broker:
             raise ProtocolError(f"{len(frames)} frame(s): no envelope and route")
         now = time.monotonic()
         ident = transport.frame_bytes(frames[0])
-        node = ident.decode("utf-8", "replace")
+        # A shard's liveness link (h-s-...) speaks for the shard: its heartbeats keep the
+        # shard alive and its key must be the shard's; lease echoes go back on it.
+        node = speaks_for(ident).decode("utf-8", "replace")
         if self._roles is not None and not self._authorised(ident, node, frames[1]):
             return
-        if self.pair is not None and not await self.pair.admit(ident, frames, now):
+        if self.pair is not None and not await self.pair.admit(speaks_for(ident), frames, now):
             return  # a standby: answered PASSIVE, or a shard noted
         self.detector.seen(node, now)
         before = self.state.map_version
@@ -521,16 +528,17 @@ class Broker:
             await self._publish_if_changed(before)
 
     def _authorised(self, ident: bytes, node: str, frame: Any) -> bool:
-        """CURVE roles: a shard identity (``s-...``) needs a shard key, and an identity
-        stays bound to the key it first authenticated with while the broker knows the
-        node.  Anything else is dropped, counted, and warned about once."""
+        """CURVE roles: a shard identity (``s-...``, or its liveness link's ``h-s-...``)
+        needs a shard key, and a node stays bound to the key it first authenticated with
+        while the broker knows it (a liveness link to its shard's).  Anything else is
+        dropped, counted, and warned about once."""
         assert self._roles is not None
         key = transport.sender_key(frame)
         role = self._roles.role(key)
         why = None
         if key is None or role is None:
             why = "its key is in no allow-list"
-        elif ident.startswith(b"s-") and role != "shard":
+        elif (ident.startswith(b"s-") or is_liveness(ident)) and role != "shard":
             why = "a shard identity needs a key of security.allowed_shards_dir"
         elif self._bound_keys.setdefault(node, key) != key:
             why = "the identity belongs to another key"
@@ -559,7 +567,7 @@ class Broker:
             log.warning(
                 "%s %s speaks protocol version %d, this broker %d (zps %s): answered "
                 "VERSION_MISMATCH; see the compatibility rule in docs/design.md",
-                "shard" if ident.startswith(b"s-") else "client",
+                "shard" if ident.startswith(b"s-") or is_liveness(ident) else "client",
                 node,
                 error.version,
                 PROTOCOL_VERSION,
@@ -571,7 +579,7 @@ class Broker:
             f"the message was in version {error.version}",
         )
         route = Route(MsgType.REPLY, error.partition, error.epoch, error.req_id)
-        prefix = [ident, b""] if ident.startswith(b"s-") else [ident]
+        prefix = [ident, b""] if ident.startswith(b"s-") or is_liveness(ident) else [ident]
         self._post([*prefix, *encode(route, reply.to_wire())])
 
     def _on_malformed(self, frames: transport.Frames, err: ProtocolError) -> None:
@@ -744,7 +752,9 @@ class Broker:
                 )
                 if shard.role is Role.PRIMARY:
                     self._state_changed()  # its LSN raises its partition's floor
-                # The echo renews the shard's lease, for exactly this role.
+                # The echo renews the shard's lease, for exactly this role; it goes back
+                # on the connection the heartbeat came by (the shard's liveness link, so
+                # it never waits behind data queued for the shard).
                 echo = LeaseEcho(message.t, shard.role, shard.partition, shard.epoch)
                 await self._control(ident, MsgType.HEARTBEAT, echo.to_wire())
             case Bye():
@@ -854,6 +864,7 @@ class Broker:
         self._bound_keys.pop(node, None)
         if self._out is not None:
             self._out.forget(ident)
+            self._out.forget(liveness_identity(ident))
 
     def flow(self) -> dict[str, Any]:
         """Flow control figures: bytes held for slow peers against their bounds."""

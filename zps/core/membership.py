@@ -8,9 +8,36 @@ The detector never blames peers for its own stall: when ticks stop for longer
 than half the timeout (the process was paused, or its loop blocked), the
 peers' messages are still queued unread, so every peer gets a fresh grace
 period instead of being declared dead.
+
+Liveness is measured apart from I/O: a shard keeps a second connection to each broker,
+its *liveness link*, that carries only its heartbeats and the broker's lease echoes, so
+neither waits behind bulk data queued on its data connection.  Its identity is the
+shard's with :data:`LIVENESS_PREFIX` in front; :func:`speaks_for` maps either identity
+to the node it speaks for.
 """
 
 from __future__ import annotations
+
+#: Every shard identity starts with this.
+SHARD_PREFIX = b"s-"
+#: A shard's liveness link: this, then the shard's own identity (``h-s-...``).
+LIVENESS_PREFIX = b"h-"
+
+
+def liveness_identity(shard_identity: bytes) -> bytes:
+    """The identity of the liveness link of the shard ``shard_identity``."""
+    return LIVENESS_PREFIX + shard_identity
+
+
+def is_liveness(ident: bytes) -> bool:
+    """Whether ``ident`` is a shard's liveness link (``h-s-...``)."""
+    return ident.startswith(LIVENESS_PREFIX + SHARD_PREFIX)
+
+
+def speaks_for(ident: bytes) -> bytes:
+    """The identity of the node a connection speaks for: the shard's own for its
+    liveness link, ``ident`` itself for any other."""
+    return ident[len(LIVENESS_PREFIX) :] if is_liveness(ident) else ident
 
 
 class FailureDetector:

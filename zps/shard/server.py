@@ -3,10 +3,16 @@
 Links:
 
 * a DEALER to the broker: registration (claiming what it already serves, so
-  a restarted broker rebuilds its map), heartbeats, requests and replies.
+  a restarted broker rebuilds its map), requests and replies.
+* a second DEALER to the broker, the *liveness link* (identity ``h-`` + the
+  shard's, :mod:`zps.core.membership`): heartbeats and the broker's lease echoes
+  only, so neither waits behind bulk data queued on the first (a lease that ran
+  out while its echo sat behind seconds of data refused requests that had already
+  crossed the link).  Until the broker has answered on it (an older broker does
+  not), heartbeats also go on the data link.
   Frames from the broker are ``[source, route, header, payloads...]``: an
   empty ``source`` is the broker itself, anything else a client to answer.
-  With a broker pair, one DEALER to each: control messages go to both, and
+  With a broker pair, one pair of DEALERs to each: control messages go to both, and
   requests are taken (and replies sent) only through the broker whose term
   is the highest seen (an older broker's messages are dropped or refused).
 * a ROUTER of its own (``replication_bind``): when primary, its replicas
@@ -41,6 +47,7 @@ from urllib.parse import urlsplit
 import zmq.asyncio
 
 from zps import transport
+from zps.core.membership import liveness_identity
 from zps.core.routing import ClusterMap
 from zps.errors import ProtocolError
 from zps.ops import malloc
@@ -200,6 +207,10 @@ class ShardServer:
         self._links: list[tuple[transport.Channel, transport.Outbound]] = []
         self._current = 0
         self._term = 0
+        #: The liveness link to each broker (heartbeats and lease echoes), and when each
+        #: was last heard from (an echo on it: the broker serves liveness links).
+        self._beats: list[transport.Channel] = []
+        self._beat_heard: list[float] = []
         # Everything to the broker but heartbeats goes through _out, bounded in bytes:
         # past ``reply_queue_bytes - max_message_bytes`` held, requests are refused.
         self._out: transport.Outbound | None = None
@@ -291,6 +302,8 @@ class ShardServer:
             name="broker link",
         )
         self._links = [(self._sock, self._out), *(self._link(b) for b in brokers[1:])]
+        self._beats = [self._liveness_link(b) for b in brokers]
+        self._beat_heard = [float("-inf")] * len(brokers)
         log.info(
             "shard %s (pid %d) connecting to %s; replication at %s",
             self.node_id,
@@ -324,6 +337,12 @@ class ShardServer:
                         sock, on_frames, self._malformed, on_burst=self._broker_seen
                     )
                     tasks.append(tg.create_task(serve))
+                for i, beat in enumerate(self._beats):
+                    on_beat = functools.partial(self._on_liveness_frames, link=i)
+                    serve = transport.serve(
+                        beat, on_beat, self._malformed, on_burst=self._broker_seen
+                    )
+                    tasks.append(tg.create_task(serve))
                 await self._stop.wait()
                 self.notifier.stopping("handing over and writing a checkpoint")
                 self.notifier.extend_timeout(60)
@@ -334,9 +353,13 @@ class ShardServer:
         finally:
             if self._out is not None:
                 self._out.close()
-            for sock, out in self._links[1:]:
+            # Every link: after following the other broker of a pair, self._sock is
+            # link 1, and an unclosed link 0 would hang the context's term below.
+            for sock, out in self._links:
                 out.close()
                 transport.close(sock)
+            for beat in self._beats:
+                transport.close(beat)
             if auth is not None:
                 auth.stop()
             self._close_upstream()
@@ -595,6 +618,28 @@ class ShardServer:
         )
         return sock, out
 
+    def _liveness_link(self, endpoint: str) -> transport.Channel:
+        """The DEALER for heartbeats and lease echoes only: the shard's key, its identity
+        behind ``h-`` (the broker counts it as the shard's, bound to the same key)."""
+        assert self._ctx is not None
+        cfg, keys = self.config, self._keys
+        return transport.dealer(
+            self._ctx,
+            endpoint,
+            liveness_identity(self.node_id.encode()),
+            max_message_bytes=cfg.max_message_bytes,
+            curve=keys,
+            server_public=keys.server_public if keys else None,
+        )
+
+    async def _on_liveness_frames(self, frames: transport.Frames, link: int) -> None:
+        """A lease echo (or another control message) on a liveness link; it carries the
+        broker's term like any other, so fencing is the same as on the data link."""
+        if len(frames) < 3 or transport.frame_bytes(frames[0]):
+            raise ProtocolError("a liveness link carries control messages only")
+        self._beat_heard[link] = time.monotonic()
+        await self._on_broker_frames(frames, link)
+
     def _broker_socks(self) -> list[transport.Channel]:
         assert self._sock is not None
         return [sock for sock, _ in self._links] or [self._sock]
@@ -649,8 +694,13 @@ class ShardServer:
             durable=min(self.durability.durable, self.core.lsn) if self.durability.waits else None,
         )
         frames = [b"", *encode(Route(MsgType.HEARTBEAT), self._with_term(beat.to_wire()))]
-        for sock in self._broker_socks():
-            transport.try_send(sock, frames)
+        now = time.monotonic()
+        for i, sock in enumerate(self._broker_socks()):
+            if i < len(self._beats):
+                transport.try_send(self._beats[i], frames)
+                if now - self._beat_heard[i] < self.session.lease:
+                    continue  # the broker answers on the liveness link
+            transport.try_send(sock, frames)  # not yet (or an older broker): both
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -1,0 +1,203 @@
+"""Liveness is measured apart from I/O: a shard behind a slow, full link keeps its lease.
+
+A broker, a shard and a client each in a network namespace of their own (the approach of
+``test_netns.py``), the shard's link shaped by ``tc`` ``tbf`` to 100 Mbit/s each way.
+The client keeps six 4 MiB dense pushes and pulls in flight: about two seconds of link
+time queued each way, more than a primary's lease (0.9 s here).  Heartbeats and lease
+echoes travel on the shard's liveness link (``h-`` + its identity), not behind that
+data, so the lease never lapses: no request is refused ``NOT_PRIMARY`` and re-sent, the
+broker declares nothing dead (no failover, the epoch stays), and the sums are exact.
+With heartbeats on the data connection, echoes waited behind the queue, the primary
+refused requests that had already crossed its link, and the client re-sent them.
+
+With CURVE key roles on, a liveness link needs a shard key, the key its shard's data
+identity is bound to.
+
+The namespace test needs root, ``ip netns`` and ``tc`` with ``tbf``; skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from tests.integration import test_curve_roles as curve
+from tests.integration.test_netns import PORT, Lab, ip
+from zps.protocol.codec import MsgType
+
+#: CURVE roles: a broker and two shards with keys of their own, clients with theirs.
+roles = curve.roles
+
+RATE = "100mbit"
+# A primary's lease: 0.1 s x (10 - 1) = 0.9 s, about 11 MB at 100 Mbit/s.
+HB = ["--heartbeat-interval", "0.1", "--liveness", "10"]
+IN_FLIGHT = 6
+ROUNDS = 4
+ELEMS = 1 << 20  # float32: 4 MiB a push or a pull
+
+CLIENT = """
+import asyncio, json, sys
+import numpy as np
+import zps
+from zps.ops.config import ClientConfig
+
+ELEMS, IN_FLIGHT, ROUNDS = {elems}, {in_flight}, {rounds}
+
+async def main(address):
+    config = ClientConfig(timeout=30, connect_timeout=30, name="gray-links")
+    async with zps.connect(address, config) as ps:
+        await ps.create_dense(
+            "w", shape=(ELEMS,), dtype="float32", init=zps.init.Zeros(),
+            optimizer=zps.optim.SGD(lr=1.0),
+        )
+        await ps.pull_dense("w")
+        before = (await ps.status())["partitions"][0]
+        retries, requests = ps.stats.retries, ps.stats.requests
+        grad = np.ones(ELEMS, dtype=np.float32)
+
+        async def task():
+            for _ in range(ROUNDS):
+                await ps.push_dense("w", grad)
+                await ps.pull_dense("w")
+
+        await asyncio.gather(*(task() for _ in range(IN_FLIGHT)))
+        w = await ps.pull_dense("w")
+        status = await ps.status()
+        print(json.dumps({{
+            "retries": ps.stats.retries - retries,
+            "requests": ps.stats.requests - requests,
+            "values": np.unique(w).tolist(),
+            "before": before,
+            "status": status,
+        }}, default=str), flush=True)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+class ShapedLab(Lab):
+    def shape(self, name: str, rate: str) -> None:
+        """``rate`` each way on ``name``'s link: its eth0 (sending) and its switch port
+        (receiving); a token bucket of 64 KiB and 20 ms of queue, as bench/scaleout.py."""
+        for ns, dev in ((self.ns(name), "eth0"), (self.switch, f"v{name}"[:15])):
+            tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst",
+               str(64 << 10), "latency", "20ms")  # fmt: skip
+
+
+def tc(ns: str, *args: str) -> None:
+    res = subprocess.run(
+        ["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=20
+    )
+    if res.returncode != 0:
+        raise RuntimeError(f"tc {' '.join(args)}: {res.stderr.strip()}")
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[ShapedLab]:
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"no `{tool}` command (iproute2)")
+    tag = secrets.token_hex(3)
+    net = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(256)}"
+    lab = ShapedLab(tag, net, tmp_path)
+    try:
+        try:
+            lab.setup_switch()
+        except RuntimeError as e:
+            pytest.skip(f"cannot create network namespaces / a bridge here: {e}")
+        yield lab
+    finally:
+        lab.cleanup()
+        left = ip("netns", "list").stdout
+        assert f"zpsns-{tag}" not in left, left
+
+
+def test_lease_holds_behind_a_full_slow_link(lab: ShapedLab) -> None:
+    lab.node("broker", 1)
+    shard_ip = lab.node("shard", 11)
+    lab.node("client", 31)
+    try:
+        lab.shape("shard", RATE)
+    except RuntimeError as e:
+        pytest.skip(f"cannot shape a link with tbf here: {e}")
+
+    def zps(name: str, node: str, *args: str) -> None:
+        lab.run(name, node, [sys.executable, "-m", "zps", *args, *HB])
+
+    zps("broker", "broker", "broker", "--bind", lab.broker_address, "--partitions", "1",
+        "--replication", "1", "--startup-grace", "0")  # fmt: skip
+    zps("shard", "shard", "shard", "--broker", lab.broker_address, "--advertise-host",
+        shard_ip, "--replication-bind", f"tcp://{shard_ip}:0")  # fmt: skip
+    script = lab.workdir / "client.py"
+    script.write_text(
+        textwrap.dedent(CLIENT).format(elems=ELEMS, in_flight=IN_FLIGHT, rounds=ROUNDS)
+    )
+    client = lab.run("client", "client", [sys.executable, str(script), lab.broker_address])
+    deadline = time.monotonic() + 120
+    while client.poll() is None:
+        assert time.monotonic() < deadline, f"the client did not finish\n{lab.logs()}"
+        time.sleep(0.1)
+    assert client.returncode == 0, lab.logs()
+    out: dict[str, Any] = json.loads(lab.log("client").strip().splitlines()[-1])
+
+    # Exactly once: every element is minus the number of pushes.
+    assert out["values"] == [-float(IN_FLIGHT * ROUNDS)]
+    # Nothing refused and sent again (a lapsed lease answers NOT_PRIMARY; the client
+    # re-sends), nothing applied twice, nothing declared dead.
+    assert out["retries"] == 0, (out["retries"], out["requests"], lab.logs())
+    status, before = out["status"], out["before"]
+    assert status["failovers"] == 0, lab.logs()
+    part = status["partitions"][0]
+    assert (part["state"], part["epoch"], part["primary"]) == (
+        "ok",
+        before["epoch"],
+        before["primary"],
+    ), lab.logs()
+    (shard,) = status["shards"]
+    assert shard["stats"]["duplicates"] == 0
+    assert "lease" not in lab.log("shard"), lab.log("shard")
+    assert "declared dead" not in lab.log("broker"), lab.log("broker")
+    assert lab.broker_address.endswith(f":{PORT}")
+
+
+def test_a_liveness_link_needs_its_shards_key(roles: curve.RolesCluster) -> None:
+    status = roles.status()
+    victim = status["shards"][0]
+    node = victim["node"]
+    own_key = roles.proc_by_pid(victim["pid"]).name  # shard0 or shard1, its key's name
+    other_key = "shard1" if own_key == "shard0" else "shard0"
+    ctx = zmq.Context()
+    try:
+        beat = [b"", *curve.control(MsgType.HEARTBEAT, {"t": 1e9, "lsn": 0})]
+        # A client key may not speak for a shard, on its liveness link either.
+        ident = f"h-{node}".encode()
+        hostile = curve.curve_dealer(ctx, roles, "hostile", ident, roles.address)
+        hostile.send_multipart(beat)
+        assert curve.wait_log(roles, rf"refused messages from {node} .*allowed_shards_dir")
+        # Another shard's key may not either: the node is bound to its data link's key.
+        thief = curve.curve_dealer(ctx, roles, other_key, ident, roles.address)
+        thief.send_multipart(beat)
+        assert curve.wait_log(roles, rf"refused messages from {node} .*another key")
+        assert not hostile.poll(300) and not thief.poll(300), "a lease echo to an impostor"
+        # The shards' own liveness links are admitted: the cluster stays healthy, and no
+        # message of theirs was refused.
+        after = roles.status()
+        assert roles.healthy(after), after
+        assert after["failovers"] == status["failovers"]
+        assert "refused messages from h-" not in roles.broker().log()
+    finally:
+        ctx.destroy(0)
