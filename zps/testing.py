@@ -342,6 +342,8 @@ class PairCluster(LocalCluster):
                 "--startup-grace",
                 str(self.startup_grace if grace is None else grace),
                 *self._hb(),
+                # each broker of the pair has a data dir of its own (ROLE under broker_data_dir)
+                *(["--data-dir", str(self.broker_data_dir / role)] if self.broker_data_dir else []),
                 *self.broker_args,
             ],
         )

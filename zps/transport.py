@@ -432,8 +432,12 @@ def _common(sock: zmq.Socket[Any], max_message_bytes: int, hwm: int) -> None:
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
+    # Reconnect every 0.1-0.35 s (zmq adds up to RECONNECT_IVL of jitter): a restarted
+    # broker hears from every peer well inside its start-up hold (two liveness
+    # timeouts), whatever the outage lasted; a longer back-off let shards come back
+    # after the hold, which then found their partitions lost.
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 250)
 
 
 def write_keypair(out_dir: str, name: str) -> tuple[Path, Path]:

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 import zps
+from zps.broker.statefile import StateFile
 from zps.errors import ZpsTimeoutError
+from zps.optim import SGD
 from zps.testing import ExactSumLoad, PairCluster, Proc
 
 HERE = Path(__file__).resolve().parent
@@ -186,3 +188,65 @@ def test_a_sync_job_commits_every_step_once_across_a_failover(pair: PairCluster)
         assert committed + 1 == max(r["steps"][-1] for r in results)
         # one commit per step, each applying the average gradient (1.0) once
         np.testing.assert_array_equal(ps.pull_dense("w"), np.full(4, -(committed + 1.0)))
+
+
+def test_a_pair_restarted_whole_forgets_no_partition(tmp_path: Path) -> None:
+    """Each broker of a pair keeps the state in its own data dir, a standby the active
+    one's: the primary, restarted alone after both died, knows the partitions that held
+    data while the backup was active, and never hands them to an empty shard."""
+    c = PairCluster(partitions=2, replication=1, workdir=tmp_path, broker_data_dir=tmp_path / "b")
+    try:
+        c.start_broker()
+        primary = next(p for p in c.procs if p.name == "broker-primary")
+        backup = next(p for p in c.procs if p.name == "broker-backup")
+        c.wait_for(
+            lambda s: s["broker"]["pid"] == primary.pid and s["pair"]["peer"]["state"] == "passive",
+            30,
+            "the primary to serve, its standby passive",
+        )
+        # The backup takes over; the primary comes back as its standby.  Its own data dir
+        # holds only the empty state it knew while active.
+        c.kill(primary.pid)
+        c.wait_for(lambda s: s["broker"]["pid"] == backup.pid, 30, "the backup to serve")
+        primary = c.restart_broker(primary)
+        flags = ["--durability", "none", "--checkpoint-interval", "0"]
+        dirs = [tmp_path / "s0", tmp_path / "s1"]
+        holders = [c.start_shard(["--data-dir", str(d), *flags]) for d in dirs]
+        wait_whole(c)
+        with zps.connect_sync(c.address, timeout=20) as ps:
+            ps.create_dense("w", shape=(1000,), dtype="float64", optimizer=SGD(lr=1.0))
+            for k in range(5):
+                ps.push_dense("w", np.full(1000, float(k + 1)))
+        file = StateFile(tmp_path / "b" / "primary")
+        deadline = time.monotonic() + 20
+        while not ((rec := file.load()) and all(p.known for p in rec.partitions)):
+            assert time.monotonic() < deadline, "the standby never wrote the active one's state"
+            time.sleep(0.05)
+        for h in holders:  # final checkpoints, then both brokers die
+            h.popen.send_signal(signal.SIGTERM)
+        for h in holders:
+            assert h.popen.wait(20) == 0, h.log()[-2000:]
+        for b in (backup, primary):
+            c.kill(b.pid)
+        # The primary alone, an empty shard first: the partitions wait, lost.
+        primary = c.start_member("primary", grace=0.5)
+        empty = c.start_shard()
+        status = c.wait_for(
+            lambda s: (
+                any(x["pid"] == empty.pid for x in s["shards"])
+                and all(p["state"] == "lost" for p in s["partitions"])
+            ),
+            30,
+            "the partitions to be lost and the empty shard in",
+        )
+        assert status["broker"]["pid"] == primary.pid
+        assert {s["role"] for s in status["shards"]} == {"spare"}, status
+        assert "partition 0 is lost" in primary.log()
+        for d in dirs:
+            c.start_shard(["--data-dir", str(d), *flags])
+        status = c.wait_healthy(30)
+        assert next(s["role"] for s in status["shards"] if s["pid"] == empty.pid) == "spare"
+        with zps.connect_sync(c.address, timeout=20) as ps:
+            np.testing.assert_array_equal(ps.pull_dense("w"), np.full(1000, -15.0))
+    finally:
+        c.stop()

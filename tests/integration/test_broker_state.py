@@ -397,6 +397,14 @@ def hosts_by_partition(status: dict[str, Any]) -> dict[int, list[str]]:
     return out
 
 
+def logged(proc: Proc, line: str, timeout: float = 10.0) -> None:
+    """Until ``line`` is in the process's log (it logs from its timer, a tick later)."""
+    deadline = time.monotonic() + timeout
+    while line not in proc.log():
+        assert time.monotonic() < deadline, f"not logged: {line!r}\n{proc.log()[-2000:]}"
+        time.sleep(0.05)
+
+
 def test_copies_land_on_distinct_hosts(tmp_path: Path) -> None:
     with LocalCluster(
         partitions=2,
@@ -436,6 +444,7 @@ def test_status_warns_of_copies_on_one_host_until_another_host_joins(tmp_path: P
             timeout=30,
         )
         assert "WARNING: partition 0: 2 copies on host host-a" in table.stdout
+        logged(c.broker(), "WARNING zps.broker: partition 0: 2 copies on host host-a")
         c.start_shard(["--host", "host-b"])
         status = c.wait_for(
             lambda s: not s["placement_warnings"] and c.healthy(s),
@@ -444,3 +453,4 @@ def test_status_warns_of_copies_on_one_host_until_another_host_joins(tmp_path: P
         )
         assert sorted(hosts_by_partition(status)[0]) == ["host-a", "host-b"]
         assert [s["role"] for s in status["shards"] if s["partition"] is None] == ["spare"]
+        logged(c.broker(), "partition 0: its copies are on distinct hosts (zones) again")

@@ -187,13 +187,27 @@ def test_a_newer_term_seen_elsewhere_fences_the_active_broker() -> None:
     a = primary()
     a.on_peer(State.BACKUP, 0, 0.0)
     assert a.active and a.term == 1
-    assert a.on_term(1) is None and a.active
-    t = a.on_term(4)
+    assert a.on_term(1, 0.1) is None and a.active
+    t = a.on_term(4, 0.2)
     assert t is not None and t.deactivated and a.term == 4
     # a passive broker only remembers it, so its next activation is above it
-    assert a.on_term(6) is None and a.term == 6
+    assert a.on_term(6, 0.3) is None and a.term == 6
     serve, t = a.on_client(5.0)
     assert serve and t is not None and a.term == 7
+
+
+def test_a_paused_broker_fenced_on_resume_does_not_take_over_at_once() -> None:
+    """Paused past its peer's timeout while the peer took over, it resumes and reads a
+    newer term, then the client requests that queued up meanwhile: they must not make
+    it take over again before its peer's beats could be read."""
+    a = primary()
+    a.on_peer(State.BACKUP, 0, 0.0)
+    assert a.active
+    t = a.on_term(2, 10.0)
+    assert t is not None and t.deactivated
+    assert a.on_client(10.01) == (False, None)
+    serve, t = a.on_client(10.0 + a.timeout + 0.01)  # the peer really is silent
+    assert serve and t is not None and t.activated and a.term == 3
 
 
 def test_never_two_active_brokers_in_one_term() -> None:
@@ -216,3 +230,19 @@ def test_never_two_active_brokers_in_one_term() -> None:
             for name, x in (("a", a), ("b", b)):
                 if x.active:
                     assert held.setdefault(x.term, name) == name
+
+
+def test_a_stale_passive_beat_read_after_a_pause_does_not_reactivate() -> None:
+    """The primary, paused, is replaced by the backup (term 2); resumed, it is fenced by
+    a shard's term 2, then reads the backup's beats queued during the pause: those sent
+    while the backup was still passive (term 1) must not make it take over."""
+    a = primary()
+    a.on_peer(State.BACKUP, 0, 0.0)
+    assert a.active and a.term == 1
+    t = a.on_term(2, 10.0)
+    assert t is not None and t.deactivated
+    assert a.on_peer(State.PASSIVE, 1, 10.0) is None and not a.active
+    assert a.on_peer(State.ACTIVE, 2, 10.01) is None and not a.active
+    # Both truly passive at the term both know: the primary takes over.
+    t = a.on_peer(State.PASSIVE, 2, 10.1)
+    assert t is not None and t.activated and a.term == 3

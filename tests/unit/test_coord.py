@@ -106,3 +106,23 @@ def test_release_does_not_count_and_strangers_cannot_finish() -> None:
 def test_invalid_jobs() -> None:
     with pytest.raises(ValueError):
         Job("j", n_records=0, per_task=1, epochs=1)
+
+
+def test_a_join_after_a_restore_starts_above_what_the_ticks_prove() -> None:
+    """A restored record may be older than what the workers saw (releases are not
+    written before they are sent): a tick that finishes step 7 proves step 6 was
+    committed, so a worker joining then starts at step 7, not at the record's."""
+    from zps.core.brokerstate import ClockRecord
+
+    rec = ClockRecord(
+        mode=Mode.SYNC,
+        tau=0,
+        workers=(("a", 2, False),),
+        committed=1,
+        committing=None,
+        commit_workers=("a",),
+    )
+    c = Clocks.from_record(rec)
+    assert Clocks.from_record(rec).join("b", Mode.SYNC, 0) == 2  # nothing heard yet
+    c.tick("a", Mode.SYNC, 0, 8)
+    assert c.join("b", Mode.SYNC, 0) == 7

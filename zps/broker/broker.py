@@ -50,7 +50,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, assert_never
 
 from zps import transport
@@ -163,30 +163,39 @@ class Broker:
         self.training = Training(self.state, self._send, self._send_durable)
         self._record: BrokerState | None = None  # the newest state record produced
         self._writer: StateWriter | None = None
+        self.pair: Pair | None = None
         if config.data_dir is not None:
             self._load_state(StateFile(config.data_dir))
         now = time.monotonic()
         self._part_states = [self.state.partition_state(p, now) for p in range(config.partitions)]
-        self.pair = Pair(self) if config.pair_role is not None else None
+        self._placements: list[str | None] = [None] * config.partitions  # logged warnings
+        if config.pair_role is not None:
+            self.pair = Pair(self)
 
     # -- the state that survives a restart ------------------------------------------
 
     def state_record(self) -> BrokerState:
         """The broker's state as one record: the one place it is built (for the state
         file, and for anything that mirrors this broker).  The version grows only
-        when the content changed."""
-        clocks, jobs = self.training.records()
+        when the content changed.  A standby of a pair records its active peer's
+        state (the last record received), so either broker restarts knowing it."""
         last = self._record
-        rec = BrokerState(
-            version=(last.version if last else 0) + 1,
-            n_partitions=self.state.n_partitions,
-            n_slots=self.state.n_slots,
-            replication=self.state.replication,
-            map_version=self.state.map_version,
-            partitions=self.state.records(),
-            clocks=clocks,
-            jobs=jobs,
-        )
+        version = (last.version if last else 0) + 1
+        mirrored = self.pair.mirrored() if self.pair is not None else None
+        if mirrored is not None:
+            rec = replace(mirrored, version=version)
+        else:
+            clocks, jobs = self.training.records()
+            rec = BrokerState(
+                version=version,
+                n_partitions=self.state.n_partitions,
+                n_slots=self.state.n_slots,
+                replication=self.state.replication,
+                map_version=self.state.map_version,
+                partitions=self.state.records(),
+                clocks=clocks,
+                jobs=jobs,
+            )
         if last is not None and rec.same_content(last):
             return last
         self._record = rec
@@ -250,6 +259,7 @@ class Broker:
         self._routes = [None] * cfg.partitions
         self._keys.clear()
         self._part_states = [self.state.partition_state(p, now) for p in range(cfg.partitions)]
+        self._placements = [None] * cfg.partitions
 
     async def republish(self) -> None:
         """Send the map to every node again (its version unchanged)."""
@@ -468,6 +478,14 @@ class Broker:
                 f" (primary {primary})" if primary and new in ("ok", "degraded") else "",
                 f": {why}" if why else "",
             )
+        for p, before in enumerate(self._placements):
+            warning = self.state.placement_warning(p)
+            if warning != before:
+                self._placements[p] = warning
+                if warning is not None:
+                    log.warning("partition %d: %s", p, warning)
+                else:
+                    log.info("partition %d: its copies are on distinct hosts (zones) again", p)
 
     # -- receiving -----------------------------------------------------------
 
@@ -791,6 +809,7 @@ class Broker:
             await self._publish_if_changed(before)
             if held:  # the start-up hold just ended: a sync commit may go out now
                 await self.training.on_map_change()
+            await self.training.on_timer()
             self._log_partition_states(now)
             if now - self._last_beat >= interval:
                 self._last_beat = now

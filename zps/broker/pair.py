@@ -15,10 +15,12 @@ Two brokers run as a primary/backup pair (``broker.pair_role``); the rules are
   shards are) and answers every client message ``PASSIVE`` unless the Binary
   Star rule lets it take over: it lost its peer *and* a client is asking.
 * takeover: the new active broker loads the last record it received
-  (partitions, epochs, LSN floors, map version), asks every shard it has heard
-  from to register again at once, and ends its start-up hold as soon as each
-  partition that held data has its primary back (the claims come within a
-  round trip), rather than after the whole grace period.
+  (partitions, epochs, LSN floors, map version, jobs; with none from the peer,
+  the one in its own data dir, where a standby also writes what it receives),
+  asks every shard it has heard from to register again at once, and ends its
+  start-up hold as soon as each partition that held data has its primary back
+  (the claims come within a round trip), rather than after the whole grace
+  period.
 * fencing: every control message the broker sends carries its term (see
   :meth:`zps.broker.broker.Broker._control`); shards and clients obey the
   broker with the highest term they have seen and report that term back, so
@@ -42,7 +44,6 @@ from zps import transport
 from zps.broker.acceptance import SHARD_PREFIX
 from zps.core.brokerstate import BrokerState, BrokerStateError
 from zps.core.bstar import BinaryStar, PairError, PairRole, State, Transition
-from zps.core.coord import Clocks, Job
 from zps.errors import ProtocolError
 from zps.ops.security import load_curve_keys
 from zps.protocol.codec import MsgType, Route, encode, unpack_route
@@ -81,8 +82,10 @@ class Pair:
         self.star = BinaryStar(self.role, timeout=self.timeout, now=time.monotonic())
         self.peer_endpoint: str | None = None  # what the peer socket bound
         self.bound = asyncio.Event()
-        #: The last record received from the active peer.
-        self.record: BrokerState | None = None
+        #: The last record received from the active peer; at start, what the broker
+        #: restored from its data dir (a pair restarted whole, or a primary that finds
+        #: no peer, takes over with it rather than with nothing).
+        self.record: BrokerState | None = broker._record
         self._sent: BrokerState | None = None
         self._sent_at = 0.0
         self._shards: set[bytes] = set()  # shard identities heard while passive
@@ -125,6 +128,10 @@ class Pair:
             "record_version": self.record.version if self.record else None,
             "refused": self.refused,
         }
+
+    def mirrored(self) -> BrokerState | None:
+        """What this broker's data dir should hold while it stands by: the peer's record."""
+        return None if self.star.active else self.record
 
     # -- admission (called first for every message the broker receives) ------
 
@@ -171,7 +178,7 @@ class Pair:
             return
         term = header.get("term") if isinstance(header, dict) else None
         if isinstance(term, int) and not isinstance(term, bool):
-            change = self.star.on_term(term)
+            change = self.star.on_term(term, now)
             if change is not None:
                 await self._changed(change, now)
 
@@ -290,6 +297,7 @@ class Pair:
                 self.record = BrokerState.from_bytes(transport.frame_bytes(frames[2]))
             except BrokerStateError as e:
                 raise ProtocolError(f"bad broker state from the peer: {e}") from e
+            self.broker._state_changed()  # into the data dir too
         self._peer_info = {"has_record": header.get("has_record")}
         try:
             change = self.star.on_peer(state, term, now)
@@ -318,6 +326,8 @@ class Pair:
             await self._take_over(now)
         elif change.deactivated:
             # Whatever it knew is stale now: it routes again only after a takeover.
+            # Until the peer's record comes, its own last one stands for it.
+            self.record = record_of(self.broker, 0)
             self.broker.reset_state(now, hold=self.broker.config.grace)
             self._sent = None
 
@@ -332,16 +342,16 @@ class Pair:
             try:
                 load_record(b, rec)
             except ValueError as e:
-                log.error("cannot take over the peer's state: %s", e)
+                log.error("cannot take over the recorded state: %s", e)
                 rec = None
         self._takeover_record = rec
         self.takeovers.append(now)
         log.warning(
             "broker pair: active at term %d with %s; asking %d shards to register",
             self.term,
-            f"the peer's state v{rec.version} (map v{rec.map_version})"
+            f"the recorded state v{rec.version} (map v{rec.map_version})"
             if rec
-            else "no state from the peer",
+            else "no recorded state",
             len(self._shards),
         )
         for ident in sorted(self._shards):
@@ -382,10 +392,6 @@ def record_of(broker: Broker, version: int) -> BrokerState:
 def load_record(broker: Broker, rec: BrokerState) -> None:
     """Take over a record from the peer (on a fresh state, before any shard registers)."""
     broker.state.restore(rec.map_version, rec.partitions)
-    training = broker.training
-    training.clocks = Clocks.from_record(rec.clocks)
-    training.jobs = {job.name: Job.from_record(job) for job in rec.jobs}
-    if rec.clocks.committing is not None:
-        # A sync commit was under way: send it again once the primaries are back
-        # (the shards answer a repeated commit from their dedup record).
-        training._commit_pending = set(range(broker.state.n_partitions))
+    # A sync commit under way is sent again once the primaries are back (the shards
+    # answer a repeated commit from their dedup record).
+    broker.training.restore(rec.clocks, rec.jobs)

@@ -24,6 +24,9 @@ log = logging.getLogger("zps.broker")
 
 Send = Callable[[list[Any]], Awaitable[bool]]
 
+#: After a restore, joins wait at most this long for the recorded sync workers' ticks.
+RESYNC_S = 3.0
+
 
 class Training:
     """``send_durable`` sends once the broker's state, as it is now, is on disk: task
@@ -38,7 +41,18 @@ class Training:
         self.jobs: dict[str, Job] = {}
         self._tick_waiters: dict[str, tuple[bytes, Route]] = {}
         self._task_waiters: list[tuple[bytes, str, Route, str]] = []
+        #: The last answer to each worker's 'next' call, by its request id: a call that
+        #: comes twice (queued by zmq while the broker was down, then re-sent by the
+        #: client on the new broker's map) gets the same task, not a second one that
+        #: its worker would never hear of and the job would wait for forever.
+        self._next_answers: dict[str, tuple[int, dict[str, Any]]] = {}
         self._commit_pending: set[int] = set()
+        #: sync, after a restore: the recorded workers not heard ticking yet, and the
+        #: joins held until they are (or RESYNC_S passed): a recorded committed step may
+        #: be older than what the workers saw, and their ticks tell (Clocks.proven).
+        self._unsynced: set[str] = set()
+        self._held_joins: list[tuple[bytes, str, Route, ClockRequest]] = []
+        self._resync_until = 0.0
 
     # -- what survives a restart -------------------------------------------------
 
@@ -54,6 +68,9 @@ class Training:
         self.jobs = {rec.name: Job.from_record(rec) for rec in jobs}
         if self.clocks.committing is not None:
             self._commit_pending = set(range(self.state.n_partitions))
+        if self.clocks.mode is Mode.SYNC and self.clocks.workers:
+            self._unsynced = set(self.clocks.workers)
+            self._resync_until = time.monotonic() + RESYNC_S
 
     async def _reply(self, ident: bytes, route: Route, header: dict[str, Any]) -> None:
         send = self.send_durable if route.mtype is MsgType.TASK else self.send
@@ -72,6 +89,8 @@ class Training:
         mode, tau = req.mode, req.tau
         try:
             match req.op:
+                case "join" if self._unsynced and time.monotonic() < self._resync_until:
+                    self._held_joins.append((ident, node, route, req))
                 case "join":
                     step = self.clocks.join(node, mode, tau)
                     log.info("worker %s joined %s training at step %d", node, mode.value, step)
@@ -81,12 +100,32 @@ class Training:
                     self.clocks.tick(node, mode, tau, req.finished)
                     self._tick_waiters[node] = (ident, route)
                     await self.advance()
+                    await self._synced(node)
                 case "leave":
                     self.clocks.leave(node)
                     await self._reply(ident, route, {"st": Status.OK.value})
                     await self.advance()
+                    await self._synced(node)
         except ValueError as e:  # the clock's rules (e.g. another mode than the others')
             await self._status(ident, route, Status.BAD_REQUEST, str(e))
+
+    async def _synced(self, node: str | None) -> None:
+        """``node`` was heard (or gone): answer the held joins once every recorded
+        worker was, or the wait is over."""
+        self._unsynced.discard(node or "")
+        if not self._held_joins:
+            return
+        if self._unsynced and time.monotonic() < self._resync_until:
+            return
+        self._unsynced.clear()
+        held, self._held_joins = self._held_joins, []
+        for ident, joiner, route, req in held:
+            await self.on_clock(ident, joiner, route, req)
+
+    async def on_timer(self) -> None:
+        """Called by the broker's timer: ends a wait for the recorded workers."""
+        if self._held_joins and time.monotonic() >= self._resync_until:
+            await self._synced(None)
 
     async def advance(self) -> None:
         """Release whoever may go on; start a sync commit when a step is complete."""
@@ -173,6 +212,8 @@ class Training:
             job = self.jobs.get(name)
             if job is None:
                 raise ValueError(f"unknown job {name!r} (create it first)")
+            if req.op == "next" and await self._repeated_next(ident, node, route):
+                return
             match req.op:
                 case "next" if not req.wait:
                     try:
@@ -180,8 +221,9 @@ class Training:
                     except JobFailed as e:
                         await self._status(ident, route, Status.JOB_FAILED, str(e))
                         return
-                    await self._reply(
+                    await self._answer_next(
                         ident,
+                        node,
                         route,
                         {
                             "st": Status.OK.value,
@@ -206,6 +248,20 @@ class Training:
         except ValueError as e:
             await self._status(ident, route, Status.BAD_REQUEST, str(e))
 
+    async def _repeated_next(self, ident: bytes, node: str, route: Route) -> bool:
+        """A 'next' call already answered (answer it the same) or parked (drop it)."""
+        last = self._next_answers.get(node)
+        if last is not None and last[0] == route.req_id:
+            await self._reply(ident, route, last[1])
+            return True
+        return any(w[1] == node and w[2].req_id == route.req_id for w in self._task_waiters)
+
+    async def _answer_next(
+        self, ident: bytes, node: str, route: Route, header: dict[str, Any]
+    ) -> None:
+        self._next_answers[node] = (route.req_id, header)
+        await self._reply(ident, route, header)
+
     async def _serve_tasks(self) -> None:
         """Answer parked 'next' requests that can be answered now."""
         still: list[tuple[bytes, str, Route, str]] = []
@@ -217,9 +273,10 @@ class Training:
                 await self._status(ident, route, Status.JOB_FAILED, str(e))
                 continue
             if task is not None:
-                await self._reply(ident, route, {"st": Status.OK.value, "task": task.to_wire()})
+                header = {"st": Status.OK.value, "task": task.to_wire()}
+                await self._answer_next(ident, node, route, header)
             elif job.complete:
-                await self._reply(ident, route, {"st": Status.OK.value, "task": None})
+                await self._answer_next(ident, node, route, {"st": Status.OK.value, "task": None})
             else:
                 still.append((ident, node, route, name))
         self._task_waiters = still
@@ -229,6 +286,8 @@ class Training:
     async def worker_gone(self, node: str) -> None:
         self._task_waiters = [w for w in self._task_waiters if w[1] != node]
         self._tick_waiters.pop(node, None)
+        self._next_answers.pop(node, None)
+        self._held_joins = [j for j in self._held_joins if j[1] != node]
         requeued = [(job.name, job.worker_gone(node)) for job in self.jobs.values()]
         for name, tasks in requeued:
             if tasks:
@@ -238,6 +297,7 @@ class Training:
         if node in self.clocks.workers:
             self.clocks.leave(node)
             await self.advance()
+        await self._synced(node)
         await self._serve_tasks()
 
     def status(self) -> dict[str, Any]:

@@ -128,7 +128,10 @@ class Connection:
         self._tasks: list[asyncio.Task[None]] = []
         self._queue: dict[int, list[_Op]] = collections.defaultdict(list)
         self._wake = asyncio.Event()
-        self._timer: asyncio.TimerHandle | None = None  # at the session's next wake-up
+        # At the session's next wake-up, ``_timer_at``.  A plain Handle when that time had
+        # passed (uvloop's call_at then schedules a call_soon, which has no when()).
+        self._timer: asyncio.Handle | None = None
+        self._timer_at = 0.0
         self._tick_at: float | None = None  # set when the session is due a tick
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop start() ran in
         self._closed = False
@@ -435,11 +438,12 @@ class Connection:
     def _schedule(self) -> None:
         """Have the flush loop tick the session at its next wake-up (if sooner than planned)."""
         at = self._session.next_wakeup()
-        if at is None or (self._timer is not None and self._timer.when() <= at):
+        if at is None or (self._timer is not None and self._timer_at <= at):
             return
         if self._timer is not None:
             self._timer.cancel()
         self._timer = (self._loop or asyncio.get_running_loop()).call_at(at, self._on_timer, at)
+        self._timer_at = at
 
     def _on_timer(self, at: float) -> None:
         self._timer = None

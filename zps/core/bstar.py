@@ -114,7 +114,7 @@ class BinaryStar:
             raise PairError("both brokers of the pair are configured primary")
         if state is State.BACKUP and self.role is PairRole.BACKUP:
             raise PairError("both brokers of the pair are configured backup")
-        mine = self.state
+        mine, known = self.state, self.term
         if term > self.term and mine is State.ACTIVE:
             return self._to(State.PASSIVE, term, f"the peer holds a newer term {term}")
         self.term = max(self.term, term)
@@ -126,7 +126,10 @@ class BinaryStar:
             case State.PASSIVE, State.PRIMARY | State.BACKUP:
                 # The peer restarted and lost its state; this broker has it.
                 return self._activate("the peer restarted")
-            case State.PASSIVE, State.PASSIVE if self.role is PairRole.PRIMARY:
+            case State.PASSIVE, State.PASSIVE if self.role is PairRole.PRIMARY and term >= known:
+                # A beat at an older term than this broker knows is stale (sent before
+                # the peer took over, read late by a broker that was paused): the peer's
+                # next beat, at the term it knows now, decides.
                 return self._activate("both were passive")
             case State.ACTIVE, State.ACTIVE:
                 # Equal terms cannot happen (parity); a lower peer term steps down there.
@@ -151,10 +154,15 @@ class BinaryStar:
             case _:
                 return False, None
 
-    def on_term(self, term: int) -> Transition | None:
-        """A shard or client has seen ``term``: a newer one fences this broker (rule 3)."""
+    def on_term(self, term: int, now: float) -> Transition | None:
+        """A shard or client has seen ``term``: a newer one fences this broker (rule 3).
+
+        A newer term means the peer took over: that counts as hearing from it, so a
+        broker that was paused (its peer clock stale, client requests queued up
+        meanwhile) does not take over again at once before its peer's beats are read."""
         if term <= self.term:
             return None
+        self._peer_expiry = max(self._peer_expiry, now + self.timeout)
         if self.state is State.ACTIVE:
             return self._to(State.PASSIVE, term, f"a newer term {term} is in use")
         self.term = term

@@ -709,7 +709,7 @@ class ClusterState:
                 "lsn": head,
                 "replicas": replicas,
                 "floor": {"epoch": part.floor_epoch, "lsn": part.floor_lsn},
-                "placement": self._placement_warning(p),
+                "placement": self.placement_warning(p),
             }
             if part.lost:
                 entry["awaiting"] = (
@@ -773,7 +773,7 @@ class ClusterState:
             "clients": clients,
         }
 
-    def _placement_warning(self, p: int) -> str | None:
+    def placement_warning(self, p: int) -> str | None:
         """Copies of ``p`` sharing a host (or a zone), or None."""
         copies = self._copies(p)
         for attr, what in (("host", "host"), ("zone", "zone")):

@@ -52,6 +52,10 @@ class Clocks:
         self.committed = -1  # sync: the last committed step
         self.committing: int | None = None  # sync: a commit in progress
         self.commit_workers: tuple[str, ...] = ()
+        #: sync: the last step a worker's tick proves committed (a tick that finishes
+        #: step c comes from a worker released into c, so c - 1 was committed).  A
+        #: restored record may be older than what the workers saw; joins start above it.
+        self.proven = -1
 
     def to_record(self) -> ClockRecord:
         return ClockRecord(
@@ -90,12 +94,14 @@ class Clocks:
         self._adopt(mode, tau)
         c = self.workers.setdefault(worker, _Clock(step=finished))
         c.step, c.waiting = max(c.step, finished), True
+        self.proven = max(self.proven, finished - 2)
 
     def join(self, worker: str, mode: Mode, tau: int) -> int:
         """A worker joins; returns the step it starts at (sync: the open step)."""
         self._adopt(mode, tau)
         if self.mode is Mode.SYNC:
-            start = self.committed + 1 if self.committing is None else self.committing + 1
+            last = self.committed if self.committing is None else self.committing
+            start = max(last, self.proven) + 1
         else:
             start = min((c.step for c in self.workers.values()), default=0)
         self.workers[worker] = _Clock(step=start)

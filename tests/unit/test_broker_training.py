@@ -1,0 +1,89 @@
+"""The broker's task calls answer a repeated request the same (no sockets).
+
+A client's call can reach a restarted broker twice: zmq queued the original while the
+broker was down and delivers it on reconnect, and the client re-sends it on the new
+broker's map.  A second 'next' must not hand the worker a second task it never hears
+of: the job would wait for that task forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from zps.broker.training import Training
+from zps.core.cluster import ClusterState
+from zps.protocol.codec import MsgType, Route, decode
+from zps.protocol.messages import JobSettings, TaskRequest
+
+CREATE = TaskRequest("create", "job", JobSettings(n_records=4, per_task=1))
+
+
+def next_(wait: bool = False) -> TaskRequest:
+    return TaskRequest("next", "job", wait=wait)
+
+
+def run(calls: list[tuple[str, int, TaskRequest]]) -> tuple[Training, list[tuple[int, Any]]]:
+    """Feed TASK calls (node, request id, request); returns the training state and the
+    (request id, task id or None) of every answer to a 'next'."""
+    answers: list[tuple[int, Any]] = []
+
+    async def send(frames: list[Any]) -> bool:
+        msg = decode(frames[1:])
+        if "task" in msg.header:
+            task = msg.header["task"]
+            answers.append((msg.route.req_id, task["task"] if task else None))
+        return True
+
+    t = Training(ClusterState(1), send)
+
+    async def scenario() -> None:
+        for node, req_id, req in calls:
+            await t.on_task(node.encode(), node, Route(MsgType.TASK, req_id=req_id), req)
+
+    asyncio.run(scenario())
+    return t, answers
+
+
+def test_a_next_call_that_comes_twice_gets_the_same_task() -> None:
+    t, answers = run([("w", 1, CREATE), ("w", 2, next_()), ("w", 2, next_()), ("w", 3, next_())])
+    (a, b, c) = answers
+    assert a == b and a[0] == 2  # the repeat: the same task again
+    assert c[0] == 3 and c[1] != a[1]  # a new call: the next task
+    assert sorted(tid for tid, (w, _) in t.jobs["job"].held.items()) == sorted([a[1], c[1]])
+
+
+def test_a_parked_next_call_that_comes_twice_waits_once() -> None:
+    one = TaskRequest("create", "job", JobSettings(n_records=1, per_task=1))
+    calls = [("a", 1, one), ("a", 2, next_()), ("b", 1, next_(wait=True))]
+    calls += [("b", 1, next_(wait=True)), ("a", 3, TaskRequest("release", "job", task=0))]
+    t, answers = run(calls)
+    assert answers == [(2, 0), (1, 0)]  # b got the released task once
+    assert {tid: w for tid, (w, _) in t.jobs["job"].held.items()} == {0: "b"}
+    assert t._task_waiters == []
+
+
+def test_a_restored_broker_holds_sync_joins_until_the_recorded_workers_tick() -> None:
+    """The record says step 1 is the last committed; worker a's re-sent tick says it
+    finished step 7.  A join that came first is answered only then, at step 7."""
+    from zps.core.brokerstate import ClockRecord
+    from zps.protocol.messages import ClockRequest, Mode
+
+    replies: list[tuple[bytes, dict[str, Any]]] = []
+
+    async def send(frames: list[Any]) -> bool:  # replies only: no shard, so no commits
+        replies.append((frames[0], decode(frames[1:]).header))
+        return True
+
+    async def scenario() -> None:
+        t = Training(ClusterState(1), send)
+        rec = ClockRecord(Mode.SYNC, 0, (("a", 2, False),), 1, None, ("a",))
+        t.restore(rec, ())
+        join = ClockRequest("join", Mode.SYNC)
+        await t.on_clock(b"b", "b", Route(MsgType.CLOCK, req_id=1), join)
+        assert replies == []  # held: a has not been heard yet
+        tick = ClockRequest("tick", Mode.SYNC, finished=8)
+        await t.on_clock(b"a", "a", Route(MsgType.CLOCK, req_id=9), tick)
+        assert (b"b", {"st": "OK", "step": 7}) in replies
+
+    asyncio.run(scenario())

@@ -1,0 +1,35 @@
+"""The client's session timer under uvloop: a wake-up already due must not break it.
+
+uvloop's ``call_at`` with a time already past schedules a plain ``Handle`` (no
+``when()``); the client used to read ``when()`` of its pending timer, so a second
+wake-up planned before the first had run raised AttributeError and killed the
+client's flush loop: every later call hung (seen as a worker stuck after a broker
+restart, whose re-sent calls made the session due at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from zps.client.connection import Connection
+
+uvloop = pytest.importorskip("uvloop")
+
+
+def test_a_wakeup_already_due_twice_is_scheduled_once() -> None:
+    async def scenario() -> tuple[float, float | None]:
+        conn = Connection("tcp://127.0.0.1:1")
+        now = asyncio.get_running_loop().time()
+        wakeups = iter([now - 1.0, now - 0.5, now - 2.0])
+        conn._session.next_wakeup = lambda: next(wakeups)  # type: ignore[method-assign]
+        conn._schedule()  # a Handle under uvloop: the time has passed
+        conn._schedule()  # later than the pending one: kept
+        conn._schedule()  # sooner: replaces it
+        await asyncio.sleep(0.01)
+        return now, conn._tick_at
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        now, tick_at = runner.run(scenario())
+    assert tick_at == now - 2.0  # only the soonest wake-up fired; the first was cancelled
