@@ -26,7 +26,7 @@ import os
 import socket
 import uuid
 from collections.abc import Awaitable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Self, TypeVar, assert_never
 
 import numpy as np
@@ -91,11 +91,15 @@ class _Op:
     arrays: dict[str, np.ndarray]
     future: asyncio.Future[dict[str, Any]]
     reply_bytes: int = 0  # the array bytes the reply will carry
+    #: The operation's cost: the larger of its request and its reply payload (read
+    #: several times per request, so computed once).
+    nbytes: int = field(init=False, default=0)
 
-    @property
-    def nbytes(self) -> int:
-        """The operation's cost: the larger of its request and its reply payload."""
-        return max(sum(a.nbytes for a in self.arrays.values()), self.reply_bytes)
+    def __post_init__(self) -> None:
+        size = 0
+        for a in self.arrays.values():
+            size += a.nbytes
+        self.nbytes = max(size, self.reply_bytes)
 
 
 #: What the session hands back for a request: its operations, or a broker call's future.
@@ -302,8 +306,9 @@ class Connection:
     ) -> asyncio.Future[dict[str, Any]]:
         if self._closed:
             raise ClosedError("the client was closed")
-        op = _Op(body, arrays, (self._loop or asyncio.get_running_loop()).create_future())
-        op.reply_bytes = reply_bytes
+        op = _Op(
+            body, arrays, (self._loop or asyncio.get_running_loop()).create_future(), reply_bytes
+        )
         # Calls are cut to the message budget; what still cannot fit would be cut off
         # by a socket's MAXMSGSIZE (a disconnect, then a timeout): refuse it here.
         if op.nbytes > self.config.max_message_bytes // 2:

@@ -43,6 +43,11 @@ WIRE_DTYPES: frozenset[str] = frozenset(
     {"float16", "float32", "float64", "int32", "int64", "uint8", "uint32", "uint64"}
 )
 
+#: The numpy dtype of each wire dtype name (a dict lookup per array, not np.dtype()).
+_WIRE_NP: dict[str, np.dtype[Any]] = {name: np.dtype(name) for name in WIRE_DTYPES}
+#: And back: the wire name of each native-order numpy dtype that may travel.
+_WIRE_NAMES: dict[np.dtype[Any], str] = {d: name for name, d in _WIRE_NP.items()}
+
 CODEC_RAW = 0
 CODEC_ZSTD = 1
 
@@ -180,7 +185,8 @@ class Encoder:
         arr = np.asarray(arr)
         if not arr.flags.c_contiguous:  # not ascontiguousarray always: it makes 0-d arrays 1-d
             arr = np.ascontiguousarray(arr)
-        dtype = arr.dtype.name
+        # A dict lookup first: dtype.name is a slow property in numpy 2.
+        dtype = _WIRE_NAMES.get(arr.dtype) or arr.dtype.name
         if dtype not in WIRE_DTYPES:
             raise ValueError(f"dtype {dtype} cannot be sent; use one of {sorted(WIRE_DTYPES)}")
         raw = arr.data.cast("B") if arr.size else b""
@@ -243,16 +249,15 @@ def array_from(desc: object, payloads: Sequence[BufferLike], *, max_bytes: int) 
         raise ProtocolError(
             f"array frame index {index!r} out of range (message has {len(payloads)} payload frames)"
         )
-    if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+    np_dtype = _WIRE_NP.get(dtype) if type(dtype) is str else None
+    if np_dtype is None:
         raise ProtocolError(f"array dtype {dtype!r} is not allowed")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > 8
-        or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape)
-    ):
+    if type(shape) is not list or len(shape) > 8:
         raise ProtocolError(f"array shape {shape!r} is invalid"[:200])
-    itemsize = np.dtype(dtype).itemsize
-    nbytes = math.prod(shape) * itemsize
+    for d in shape:  # a loop, not all() over a generator: this runs for every array
+        if type(d) is not int or not 0 <= d < 1 << 40:
+            raise ProtocolError(f"array shape {shape!r} is invalid"[:200])
+    nbytes = math.prod(shape) * np_dtype.itemsize
     if nbytes > max_bytes:
         raise ProtocolError(f"array of shape {shape} ({nbytes} bytes) exceeds limit {max_bytes}")
     frame = payloads[index]
@@ -285,6 +290,6 @@ def array_from(desc: object, payloads: Sequence[BufferLike], *, max_bytes: int) 
             )
     else:
         raise ProtocolError(f"unknown codec {codec!r}")
-    arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    arr = np.frombuffer(buf, dtype=np_dtype).reshape(shape)
     arr.flags.writeable = False  # a bytearray or writable frame must not make it writable
     return arr

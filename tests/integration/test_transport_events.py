@@ -1,0 +1,106 @@
+"""How a channel reads ZMQ_EVENTS: once per loop iteration after sends, never again while
+a reading still holds, and never at the cost of a message left unnoticed."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from zps import transport
+from zps.testing import free_port
+
+
+async def _pair(
+    name: bytes,
+) -> tuple[Any, transport.Channel, transport.Channel]:
+    ctx = transport.new_context()
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    router, _ = transport.router(ctx, addr, max_message_bytes=1 << 20)
+    dealer = transport.dealer(ctx, addr, name, max_message_bytes=1 << 20)
+    return ctx, router, dealer
+
+
+@pytest.mark.timeout(30)
+async def test_a_round_trip_reads_zmq_events_at_most_eight_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each reading is two system calls (zmq polls its mailbox and checks the pid); a
+    # check after every send and a second reading before every wait took 12.
+    ctx, router, dealer = await _pair(b"c-echo")
+    reads = 0
+    raw = transport._raw_get
+
+    def counted(sock: Any, option: int) -> Any:
+        nonlocal reads
+        reads += 1
+        return raw(sock, option)
+
+    async def echo(frames: transport.Frames) -> None:
+        transport.try_send(router, frames)
+
+    server = asyncio.create_task(transport.serve(router, echo, lambda f, e: None))
+    try:
+        for _ in range(50):  # connected, and every socket settled
+            await transport.send(dealer, [b"ping"])
+            assert await transport.recv_burst(dealer, timeout=5)
+        monkeypatch.setattr(transport, "_raw_get", counted)
+        n = 500
+        for _ in range(n):
+            await transport.send(dealer, [b"ping"])
+            burst = await transport.recv_burst(dealer, timeout=5)
+            assert len(burst) == 1
+        monkeypatch.setattr(transport, "_raw_get", raw)
+        assert reads <= 8 * n, f"{reads / n:.1f} ZMQ_EVENTS readings per round trip"
+    finally:
+        server.cancel()
+        transport.close(router)
+        transport.close(dealer)
+        transport.term(ctx)
+
+
+@pytest.mark.timeout(30)
+async def test_messages_arriving_while_a_channel_only_sends_are_all_received() -> None:
+    # A send may take the descriptor's notice of a message that arrived meanwhile; the
+    # channel must still see that message without any further traffic.
+    ctx, router, dealer = await _pair(b"c-busy")
+    got = 0
+    done = asyncio.Event()
+    n = 400
+
+    async def count(frames: transport.Frames) -> None:
+        nonlocal got
+        if transport.frame_bytes(frames[1]) == b"req":
+            got += 1
+            if got == n:
+                done.set()
+
+    server = asyncio.create_task(transport.serve(router, count, lambda f, e: None))
+    try:
+
+        async def chatter() -> None:  # the router sends all the while (once it knows the peer)
+            while not done.is_set():
+                for _ in range(20):
+                    transport.try_send(router, [b"c-busy", b"noise"])
+                await asyncio.sleep(0)
+
+        async def drain() -> None:
+            while not done.is_set():
+                await transport.recv_burst(dealer, timeout=0.1)
+
+        tasks = [asyncio.create_task(chatter()), asyncio.create_task(drain())]
+        for _ in range(n):
+            await transport.send(dealer, [b"req"])
+            await asyncio.sleep(0)
+        # The last request arrives with nothing sent to the router after it: only the
+        # channel's own readings can notice it.
+        await asyncio.wait_for(done.wait(), 10)
+        assert got == n
+        for t in tasks:
+            t.cancel()
+    finally:
+        server.cancel()
+        transport.close(router)
+        transport.close(dealer)
+        transport.term(ctx)
