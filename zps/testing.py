@@ -290,6 +290,28 @@ class LocalCluster:
 
 
 @dataclass
+class DataDirCluster(LocalCluster):
+    """A LocalCluster whose shards may each get a data dir (and other flags), and whose
+    broker can be started again on the same port."""
+
+    def start_shard(  # type: ignore[override]
+        self, data_dir: Path | None = None, extra: Sequence[str] = ()
+    ) -> Proc:
+        args = ["--data-dir", str(data_dir)] if data_dir is not None else []
+        return super().start_shard([*args, *extra])
+
+    def restart_broker(self) -> Proc:
+        """A fresh broker on the same port, with its default start-up hold (two liveness
+        timeouts), so it rebuilds its map from the restarted shards' claims."""
+        n = sum(p.name.startswith("broker") for p in self.procs)
+        return self.spawn(
+            f"broker{n}",
+            [sys.executable, "-m", "zps", "broker", "--bind", self.address,
+             "--partitions", str(self.partitions), "--replication", str(self.replication),
+             *self._hb()],
+        )  # fmt: skip
+
+
 class PairCluster(LocalCluster):
     """A :class:`LocalCluster` whose broker is a primary/backup pair (hot standby).
 

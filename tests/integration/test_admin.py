@@ -7,8 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import zps
 from zps.errors import BadRequestError, ShapeMismatchError, UnknownTableError
 from zps.init import Normal
 from zps.optim import SGD, Adam
-from zps.testing import LocalCluster, Proc, free_port
+from zps.testing import DataDirCluster, LocalCluster, free_port
 
 
 def test_admin_calls_blocking(cluster: LocalCluster) -> None:
@@ -93,26 +92,9 @@ HB = 0.1
 LIVENESS = 20
 
 
-class DataCluster(LocalCluster):
-    def start_shard(  # type: ignore[override]
-        self, data_dir: Path | None = None, extra: Sequence[str] = ()
-    ) -> Proc:
-        args = ["--data-dir", str(data_dir)] if data_dir is not None else []
-        return super().start_shard([*args, *extra])
-
-    def restart_broker(self) -> Proc:
-        n = sum(p.name.startswith("broker") for p in self.procs)
-        return self.spawn(
-            f"broker{n}",
-            [sys.executable, "-m", "zps", "broker", "--bind", self.address,
-             "--partitions", str(self.partitions), "--replication", str(self.replication),
-             *self._hb()],
-        )  # fmt: skip
-
-
 @pytest.fixture
-def data_cluster(tmp_path: Path) -> Iterator[DataCluster]:
-    c = DataCluster(
+def data_cluster(tmp_path: Path) -> Iterator[DataDirCluster]:
+    c = DataDirCluster(
         partitions=2, replication=2, heartbeat_interval=HB, liveness=LIVENESS, workdir=tmp_path
     )
     c.port = free_port()
@@ -134,7 +116,7 @@ def expect(ps: Any, dense: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> Non
 
 @pytest.mark.timeout(150)
 def test_values_set_survive_failover_and_a_restart_of_everything(
-    data_cluster: DataCluster, tmp_path: Path
+    data_cluster: DataDirCluster, tmp_path: Path
 ) -> None:
     c = data_cluster
     flags = ["--durability", "interval", "--checkpoint-interval", "0"]

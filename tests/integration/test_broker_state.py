@@ -27,29 +27,19 @@ import pytest
 import zps
 from zps.errors import ShardUnavailableError
 from zps.optim import SGD
-from zps.testing import ExactSumLoad, LocalCluster, Proc, free_port
+from zps.testing import DataDirCluster, ExactSumLoad, LocalCluster, Proc, free_port
 
 HERE = Path(__file__).resolve().parent
 HB, LIVENESS = 0.1, 10
 
 
-class StateCluster(LocalCluster):
-    """A LocalCluster whose shards may get a data dir (and other flags)."""
-
-    def start_shard(  # type: ignore[override]
-        self, data_dir: Path | None = None, extra: Sequence[str] = ()
-    ) -> Proc:
-        args = ["--data-dir", str(data_dir)] if data_dir is not None else []
-        return super().start_shard([*args, *extra])
-
-
 @pytest.fixture
-def make_cluster(tmp_path: Path) -> Iterator[Callable[..., StateCluster]]:
+def make_cluster(tmp_path: Path) -> Iterator[Callable[..., DataDirCluster]]:
     """Clusters (broker not started) in tmp_path, the broker's data dir included."""
-    made: list[StateCluster] = []
+    made: list[DataDirCluster] = []
 
-    def make(**kwargs: Any) -> StateCluster:
-        c = StateCluster(
+    def make(**kwargs: Any) -> DataDirCluster:
+        c = DataDirCluster(
             heartbeat_interval=HB,
             liveness=LIVENESS,
             workdir=tmp_path,
@@ -123,7 +113,7 @@ def lost_error(c: LocalCluster) -> str:
     "order", ["broker-empty-holders", "holders-broker-empty", "empty-broker-holders"]
 )
 def test_cold_start_never_resets_a_partition(
-    make_cluster: Callable[..., StateCluster], tmp_path: Path, order: str
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path, order: str
 ) -> None:
     c = make_cluster(partitions=2, replication=1)
     dirs = [tmp_path / "a", tmp_path / "b"]
@@ -178,7 +168,7 @@ def test_cold_start_never_resets_a_partition(
 
 
 def test_broker_sigkilled_under_load_restores_its_state(
-    make_cluster: Callable[..., StateCluster],
+    make_cluster: Callable[..., DataDirCluster],
 ) -> None:
     """Live shards re-claim what they serve; the epochs and map version go on from the
     record, exact sums hold, and an empty shard joining meanwhile stays a spare."""
@@ -222,7 +212,7 @@ def test_broker_sigkilled_under_load_restores_its_state(
 
 
 def test_reset_partition_takes_the_newest_surviving_copy(
-    make_cluster: Callable[..., StateCluster], tmp_path: Path
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path
 ) -> None:
     c = make_cluster(partitions=1, replication=1)
     data = tmp_path / "only"
@@ -322,7 +312,7 @@ def finish(p: subprocess.Popen[str], timeout: float = 60) -> dict[str, Any]:
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_job_survives_a_broker_restart(
-    make_cluster: Callable[..., StateCluster], mode: str
+    make_cluster: Callable[..., DataDirCluster], mode: str
 ) -> None:
     c = make_cluster(partitions=2, replication=1)
     c.start_broker()
@@ -357,7 +347,7 @@ def test_a_job_survives_a_broker_restart(
 
 
 def test_sync_steps_commit_exactly_once_across_a_broker_restart(
-    make_cluster: Callable[..., StateCluster],
+    make_cluster: Callable[..., DataDirCluster],
 ) -> None:
     c = make_cluster(partitions=2, replication=1)
     c.start_broker()

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -18,40 +17,19 @@ import pytest
 
 import zps
 from zps.optim import SGD
-from zps.testing import ExactSumLoad, LocalCluster, Proc, free_port
+from zps.testing import DataDirCluster, ExactSumLoad, Proc, free_port
 
 HB = 0.1
 #: 2 s of silence before a peer is dead: a loaded 2-core machine must not fake deaths.
 LIVENESS = 20
 
 
-class DurableCluster(LocalCluster):
-    """A LocalCluster whose shards get a data directory and durability flags."""
-
-    def start_shard(  # type: ignore[override]
-        self, data_dir: Path | None = None, extra: Sequence[str] = ()
-    ) -> Proc:
-        args = ["--data-dir", str(data_dir)] if data_dir is not None else []
-        return super().start_shard([*args, *extra])
-
-    def restart_broker(self) -> Proc:
-        """A fresh broker on the same port, with its default start-up hold (two liveness
-        timeouts), so it rebuilds its map from the restarted shards' claims."""
-        n = sum(p.name.startswith("broker") for p in self.procs)
-        return self.spawn(
-            f"broker{n}",
-            [sys.executable, "-m", "zps", "broker", "--bind", self.address,
-             "--partitions", str(self.partitions), "--replication", str(self.replication),
-             *self._hb()],
-        )  # fmt: skip
-
-
 @pytest.fixture
-def make_cluster(tmp_path: Path) -> Iterator[Callable[..., DurableCluster]]:
-    made: list[DurableCluster] = []
+def make_cluster(tmp_path: Path) -> Iterator[Callable[..., DataDirCluster]]:
+    made: list[DataDirCluster] = []
 
-    def make(**kwargs: object) -> DurableCluster:
-        c = DurableCluster(heartbeat_interval=HB, liveness=LIVENESS, workdir=tmp_path, **kwargs)  # type: ignore[arg-type]
+    def make(**kwargs: object) -> DataDirCluster:
+        c = DataDirCluster(heartbeat_interval=HB, liveness=LIVENESS, workdir=tmp_path, **kwargs)  # type: ignore[arg-type]
         c.port = free_port()
         made.append(c)
         return c
@@ -82,7 +60,7 @@ def restored_lsns(procs: Sequence[Proc]) -> list[tuple[int, int, int]]:
 
 
 def run_crash(
-    make_cluster: Callable[..., DurableCluster],
+    make_cluster: Callable[..., DataDirCluster],
     tmp_path: Path,
     durability: str,
     *,
@@ -140,7 +118,7 @@ def run_crash(
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("durability", ["fsync", "interval"])
 def test_sigkill_every_process_under_load_loses_no_acknowledged_push(
-    make_cluster: Callable[..., DurableCluster], tmp_path: Path, durability: str
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path, durability: str
 ) -> None:
     problems, load, restarted = run_crash(make_cluster, tmp_path, durability)
     assert not problems, "\n".join(problems)
@@ -154,7 +132,7 @@ def test_sigkill_every_process_under_load_loses_no_acknowledged_push(
 
 @pytest.mark.timeout(240)
 def test_the_replicas_own_logs_hold_every_acknowledged_push(
-    make_cluster: Callable[..., DurableCluster], tmp_path: Path
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path
 ) -> None:
     """The primaries' disks are lost with the processes: what the replicas acknowledged
     is in their logs (they acknowledge only what is on disk)."""
@@ -167,7 +145,7 @@ def test_the_replicas_own_logs_hold_every_acknowledged_push(
 
 @pytest.mark.timeout(120)
 def test_a_torn_last_record_is_cut_at_restart_and_only_it_is_lost(
-    make_cluster: Callable[..., DurableCluster], tmp_path: Path
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path
 ) -> None:
     c = make_cluster(partitions=1, replication=1)
     data = tmp_path / "data"

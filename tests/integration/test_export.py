@@ -19,13 +19,12 @@ import numpy as np
 import pytest
 
 import zps
-from tests.integration.test_admin import DataCluster
 from zps.core.routing import split_by_partition
 from zps.errors import TableConflictError
 from zps.init import Normal
 from zps.model.format import apply_delta
 from zps.optim import SGD, Adam
-from zps.testing import LocalCluster, free_port
+from zps.testing import DataDirCluster, LocalCluster, free_port
 
 HB = 0.1
 LIVENESS = 20
@@ -73,10 +72,10 @@ def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
 def two_clusters(tmp_path: Path) -> Any:
     made = []
 
-    def make(name: str, **kw: Any) -> DataCluster:
+    def make(name: str, **kw: Any) -> DataDirCluster:
         work = tmp_path / name
         work.mkdir()
-        c = DataCluster(heartbeat_interval=HB, liveness=LIVENESS, workdir=work, **kw)
+        c = DataDirCluster(heartbeat_interval=HB, liveness=LIVENESS, workdir=work, **kw)
         c.port = free_port()
         made.append(c)
         return c

@@ -16,7 +16,7 @@ import pytest
 
 import zps
 from zps.optim import SGD, Adagrad, Adam
-from zps.testing import LocalCluster, Proc, free_port
+from zps.testing import DataDirCluster, Proc, free_port
 
 HB = 0.1  # heartbeat interval of every process here
 #: silent heartbeats before a peer is dead: 2 s, so a loaded 2-core machine (other test
@@ -25,23 +25,13 @@ HB = 0.1  # heartbeat interval of every process here
 LIVENESS = 20
 
 
-class CkptCluster(LocalCluster):
-    """A LocalCluster whose shards get a data directory and checkpoint flags."""
-
-    def start_shard(  # type: ignore[override]
-        self, data_dir: Path | None = None, extra: Sequence[str] = ()
-    ) -> Proc:
-        args = ["--data-dir", str(data_dir)] if data_dir is not None else []
-        return super().start_shard([*args, *extra])
-
-
 @pytest.fixture
-def make_cluster(tmp_path: Path) -> Iterator[Callable[..., CkptCluster]]:
+def make_cluster(tmp_path: Path) -> Iterator[Callable[..., DataDirCluster]]:
     """Builds clusters (broker not started) in tmp_path; stops every process afterwards."""
-    made: list[CkptCluster] = []
+    made: list[DataDirCluster] = []
 
-    def make(**kwargs: object) -> CkptCluster:
-        c = CkptCluster(heartbeat_interval=HB, liveness=LIVENESS, workdir=tmp_path, **kwargs)  # type: ignore[arg-type]
+    def make(**kwargs: object) -> DataDirCluster:
+        c = DataDirCluster(heartbeat_interval=HB, liveness=LIVENESS, workdir=tmp_path, **kwargs)  # type: ignore[arg-type]
         c.port = free_port()
         made.append(c)
         return c
@@ -97,7 +87,7 @@ def written(proc: Proc) -> list[Path]:
 
 
 def test_sigterm_everything_then_restart_restores_identical_state(
-    make_cluster: Callable[..., CkptCluster], tmp_path: Path
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path
 ) -> None:
     c = make_cluster(partitions=2, replication=2)
     dirs = [tmp_path / f"data{i}" for i in range(4)]
@@ -193,7 +183,7 @@ def corrupt(path: Path, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])
 def test_corrupt_newest_checkpoint_is_skipped_and_the_previous_one_restored(
-    make_cluster: Callable[..., CkptCluster], tmp_path: Path, how: str
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path, how: str
 ) -> None:
     c = make_cluster(partitions=1, replication=1)
     data = tmp_path / "data"
@@ -231,7 +221,7 @@ def test_corrupt_newest_checkpoint_is_skipped_and_the_previous_one_restored(
 
 
 def test_checkpoints_by_update_count_while_running_and_pruned_to_keep(
-    make_cluster: Callable[..., CkptCluster], tmp_path: Path
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path
 ) -> None:
     c = make_cluster(partitions=1, replication=1)
     data = tmp_path / "data"
@@ -265,7 +255,7 @@ def test_checkpoints_by_update_count_while_running_and_pruned_to_keep(
 
 
 def test_checkpoint_by_interval_while_running(
-    make_cluster: Callable[..., CkptCluster], tmp_path: Path
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path
 ) -> None:
     c = make_cluster(partitions=1, replication=1)
     data = tmp_path / "data"
@@ -289,7 +279,7 @@ def test_checkpoint_by_interval_while_running(
 
 
 def test_restart_prefers_the_copy_with_the_newest_checkpoint(
-    make_cluster: Callable[..., CkptCluster], tmp_path: Path
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path
 ) -> None:
     c = make_cluster(partitions=1, replication=2)
     dir_a, dir_b = tmp_path / "a", tmp_path / "b"
@@ -337,7 +327,7 @@ def test_restart_prefers_the_copy_with_the_newest_checkpoint(
 
 @pytest.mark.parametrize("victim", ["replica", "primary"])
 def test_a_shard_sigtermed_alone_exits_after_its_final_checkpoint(
-    make_cluster: Callable[..., CkptCluster], tmp_path: Path, victim: str
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path, victim: str
 ) -> None:
     c = make_cluster(partitions=1, replication=2)
     c.start_broker()
