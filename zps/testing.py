@@ -289,7 +289,6 @@ class LocalCluster:
         self.stop()
 
 
-@dataclass
 class DataDirCluster(LocalCluster):
     """A LocalCluster whose shards may each get a data dir (and other flags), and whose
     broker can be started again on the same port."""
@@ -312,6 +311,7 @@ class DataDirCluster(LocalCluster):
         )  # fmt: skip
 
 
+@dataclass
 class PairCluster(LocalCluster):
     """A :class:`LocalCluster` whose broker is a primary/backup pair (hot standby).
 
