@@ -91,6 +91,11 @@ def _add_version(p: argparse.ArgumentParser) -> None:
     p.add_argument("--version", action="version", version=version_line(p.prog))
 
 
+def _add_broker(p: argparse.ArgumentParser) -> None:
+    """``--broker`` of the commands that talk to a running cluster."""
+    p.add_argument("--broker", help="broker endpoint (default: [worker] of the config)")
+
+
 def _add_common(p: argparse.ArgumentParser, *, heartbeat: bool = True) -> None:
     p.add_argument(
         "--config",
@@ -546,7 +551,7 @@ def server_parser() -> argparse.ArgumentParser:
         help="give a lost partition to its newest surviving copy (or an empty shard), "
         "accepting the loss of what its missing copies held",
     )
-    r.add_argument("--broker", help="broker endpoint (default: [worker] of the config)")
+    _add_broker(r)
     r.add_argument("--partition", type=int, required=True, help="the lost partition")
     r.add_argument(
         "--accept-data-loss",
@@ -562,7 +567,7 @@ def server_parser() -> argparse.ArgumentParser:
     ):
         dr = sub.add_parser(verb, help=what)
         dr.add_argument("node", metavar="NODE", help="the shard (s-NAME, or NAME)")
-        dr.add_argument("--broker", help="broker endpoint (default: [worker] of the config)")
+        _add_broker(dr)
         dr.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
         _add_common(dr, heartbeat=False)
 
@@ -571,7 +576,7 @@ def server_parser() -> argparse.ArgumentParser:
         help="have every partition's primary write a checkpoint now; prints each one's LSN "
         "and file (on the primary's host)",
     )
-    ck.add_argument("--broker", help="broker endpoint (default: [worker] of the config)")
+    _add_broker(ck)
     ck.add_argument("--json", action="store_true", help="machine-readable output")
     ck.add_argument(
         "--timeout", type=float, default=300.0, help="seconds to wait for the checkpoints"
@@ -583,7 +588,7 @@ def server_parser() -> argparse.ArgumentParser:
         help="write a model's values as .npy files and a JSON manifest: from a running "
         "cluster (--broker; training may go on) or offline from data dirs (--data-dir)",
     )
-    ex.add_argument("--broker", help="broker endpoint (default: [worker] of the config)")
+    _add_broker(ex)
     ex.add_argument(
         "--data-dir",
         nargs="+",
@@ -613,7 +618,7 @@ def server_parser() -> argparse.ArgumentParser:
         "import",
         help="create an export's tables in a cluster and set their values (warm start)",
     )
-    im.add_argument("--broker", help="broker endpoint (default: [worker] of the config)")
+    _add_broker(im)
     im.add_argument("--in", dest="in_dir", required=True, metavar="DIR", help="the export")
     im.add_argument(
         "--table", action="append", metavar="NAME", help="import only this table (repeatable)"
