@@ -1,8 +1,10 @@
-"""Builds the optional compiled kernel of the id index (``zps.store._probe``).
+"""Builds the optional compiled kernels: the id index's lookup (``zps.store._probe``),
+an embedding table's pull and push (``zps.store._kernel``).
 
-Everything else is in pyproject.toml.  The extension is optional: where it cannot be
-built (no compiler or no Python headers), the install goes on and zps uses the
-numpy version of the same lookup (``zps.store.index``), which gives the same results.
+Everything else is in pyproject.toml.  The extensions are optional: where one cannot be
+built (no compiler or no Python headers), the install goes on and zps uses the numpy
+version of the same work (``zps.store.index``, ``zps.store.tables``), which gives the
+same results.
 """
 
 from setuptools import Extension, setup
@@ -14,6 +16,22 @@ setup(
             ["zps/store/_probe.c"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        # An embedding table's pull and push (zps.store.tables); optional the same way.
+        # No floating-point contraction: the optimizer arithmetic must round exactly as
+        # numpy's does, one operation at a time.  No errno or trap semantics (zps uses
+        # neither), so sqrt and the branch-free selects vectorize; no value changes.
+        Extension(
+            "zps.store._kernel",
+            ["zps/store/_kernel.c"],
+            depends=["zps/store/_kernel_update.h"],
+            extra_compile_args=[
+                "-O3",
+                "-ffp-contract=off",
+                "-fno-math-errno",
+                "-fno-trapping-math",
+            ],
+            optional=True,
+        ),
     ]
 )

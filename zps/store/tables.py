@@ -14,12 +14,17 @@ Invariants:
 
 Pushes take ``(ids, grads)`` as received; duplicates are summed before the
 optimizer runs, so an id appearing twice in one push is updated once.
+
+Where the optional C kernel ``zps.store._kernel`` was built, an embedding table's pull
+and push run in it (:data:`KERNEL`), with bit for bit the numpy version's results:
+rows and state stay where they are, so exports, snapshots and checkpoints do not change.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 import sys
 from typing import Any
 
@@ -31,8 +36,14 @@ from zps.core.memo import IdsMemo
 from zps.core.rows import put_rows, take_rows
 from zps.errors import BadRequestError, ShapeMismatchError
 from zps.init import generate
+from zps.optim import FTRL, SGD, Adagrad, Adam, Momentum
 from zps.protocol.specs import DenseSpec, EmbeddingSpec
 from zps.store.index import IdIndex, as_ids
+
+try:  # the compiled pull and push, built by ``pip install`` where a C compiler is found
+    from zps.store import _kernel  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the build
+    _kernel = None
 
 __all__ = ["DenseTensor", "EmbeddingTable", "checksum_arrays"]
 
@@ -43,6 +54,13 @@ _UNSHARED = 3  # see DenseTensor.push
 #: An embedding table's bookkeeping columns when it admits or evicts rows (their names
 #: cannot be an optimizer's state: those are identifiers).
 TOUCHED, SEEN = "#touched", "#seen"
+#: Whether an embedding table's pull and push use the compiled kernel
+#: (``zps.store._kernel``: probe, gather, optimizer and scatter in one call, each row
+#: updated in place; bit for bit the numpy version's results).  ``ZPS_NO_KERNEL=1`` in
+#: the environment turns it off, as it does the index's compiled lookup.
+KERNEL = _kernel is not None and os.environ.get("ZPS_NO_KERNEL", "") in ("", "0")
+#: Adam's bias-correction tables (see :func:`_adam_tables`) start with this many steps.
+_ADAM_STEPS = 1024
 
 
 def checksum_arrays(arrays: dict[str, Array], h: Any = None) -> str:
@@ -81,6 +99,62 @@ def _float_grads(table: str, grads: object, shape: tuple[int, ...], dtype: np.dt
     return g
 
 
+_KernelOpt = tuple[int, float, float, float, float, float, float, int]
+
+
+def _kernel_opt(opt: object) -> _KernelOpt | None:
+    """An optimizer as the kernel's ``opt`` tuple: ``(kind, clip (0: none),
+    weight_decay, four hyperparameters, flag)``, the flag Momentum's ``nesterov`` (for
+    Adam, set with its tables); None if the kernel has no such kind."""
+    if _kernel is None:
+        return None
+    if isinstance(opt, SGD):
+        return (_kernel.SGD, opt.clip or 0.0, opt.weight_decay, opt.lr, 0.0, 0.0, 0.0, 0)
+    if isinstance(opt, Momentum):
+        return (
+            _kernel.MOMENTUM,
+            opt.clip or 0.0,
+            opt.weight_decay,
+            opt.lr,
+            opt.momentum,
+            0.0,
+            0.0,
+            int(opt.nesterov),
+        )
+    if isinstance(opt, Adagrad):
+        return (_kernel.ADAGRAD, opt.clip or 0.0, opt.weight_decay, opt.lr, opt.eps, 0.0, 0.0, 0)
+    if isinstance(opt, Adam):
+        return (
+            _kernel.ADAM,
+            opt.clip or 0.0,
+            opt.weight_decay,
+            opt.lr,
+            opt.beta1,
+            opt.beta2,
+            opt.eps,
+            0,
+        )
+    if isinstance(opt, FTRL):
+        return (_kernel.FTRL, opt.clip or 0.0, 0.0, opt.alpha, opt.beta, opt.l1, opt.l2, 0)
+    return None
+
+
+def _adam_tables(opt: Adam, steps: int, dtype: np.dtype[Any]) -> tuple[Array, Array, bool]:
+    """``1 - beta1**t`` and ``1 - beta2**t`` for steps ``t = 0 .. steps - 1``, computed
+    exactly as :meth:`zps.optim.Adam.apply` computes them for each row (the same numpy
+    call on a column of float steps), so the kernel's bias corrections are the same bits;
+    and whether they are saturated: both powers at the last step are below an eighth of
+    the dtype's epsilon, so ``1 - beta**t`` is exactly 1 there and at every later step
+    (then the tables stop growing, and the kernel uses their last entry)."""
+    t = np.arange(steps, dtype=dtype).reshape(-1, 1)
+    pow1 = np.power(opt.beta1, t, dtype=dtype)
+    pow2 = np.power(opt.beta2, t, dtype=dtype)
+    tiny = float(np.finfo(dtype).eps) / 8
+    saturated = bool(pow1[-1, 0] < tiny and pow2[-1, 0] < tiny)
+    bc1, bc2 = (1.0 - pow1).reshape(-1), (1.0 - pow2).reshape(-1)
+    return np.ascontiguousarray(bc1), np.ascontiguousarray(bc2), saturated
+
+
 def _load_array(
     table: str, data: dict[str, Array], key: str, shape: tuple[int, ...], dtype: np.dtype[Any]
 ) -> Array:
@@ -113,6 +187,13 @@ class EmbeddingTable:
         #: This table's pushes on this partition: the clock of ``ttl_steps`` and LRU.
         self._tick = 0
         self.evicted = 0  # rows evicted since this table was made or loaded (not replicated)
+        #: The compiled kernel's view of the optimizer (None: numpy only), its
+        #: duplicate-check marks (one per row; a push marks its rows with a new
+        #: generation) and, for Adam, its bias-correction tables by step.
+        self._kopt: _KernelOpt | None = _kernel_opt(spec.optimizer)
+        self._marks: npt.NDArray[np.uint32] = np.zeros(0, dtype=np.uint32)
+        self._gen = 0
+        self._bc: tuple[Array, Array] | None = None
         self._reset(0)
 
     def _reset(self, capacity: int) -> None:
@@ -175,6 +256,8 @@ class EmbeddingTable:
         same LSN, and evaluating on unseen ids costs no memory).
         """
         keys = as_ids(ids)
+        if KERNEL:
+            return self._pull_kernel(keys)
         pos = self._lookup(keys)
         missing = pos < 0
         out = take_rows(self._rows, np.maximum(pos, 0))  # absent ones are filled below
@@ -189,30 +272,145 @@ class EmbeddingTable:
         g = _float_grads(self.spec.name, grads, (keys.shape[0], self.spec.dim), self.dtype)
         if keys.size == 0:
             return
+        if KERNEL and self._kopt is not None:
+            self._push_kernel(keys, g)
+            return
         pos = self._lookup(keys)
         if bool((pos >= 0).all()) and self._distinct(pos):
             summed = g  # the common case: existing rows, each once
         else:
-            order = np.argsort(keys, kind="stable")
-            sorted_keys = keys[order]
-            starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
-            uniq = sorted_keys[starts]
-            summed = (
-                g[order] if uniq.size == keys.size else np.add.reduceat(g[order], starts, axis=0)
-            )
-            pos = self._positions(uniq)
+            pos, summed = self._summed(keys, g)
         if self._life:
             pos, summed = self._admit(pos, summed)
-            state = {k: take_rows(self._state[k], pos) for k in self._opt_keys}
-        else:
-            state = {k: take_rows(a, pos) for k, a in self._state.items()}
+        self._apply_numpy(pos, summed)
+        if self._life:
+            self._evict()
+
+    def _summed(self, keys: npt.NDArray[np.int64], g: Array) -> tuple[npt.NDArray[np.int64], Array]:
+        """Distinct positions (rows made for absent ids) and the gradients summed per id."""
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = keys[order]
+        starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
+        uniq = sorted_keys[starts]
+        summed = g[order] if uniq.size == keys.size else np.add.reduceat(g[order], starts, axis=0)
+        return self._positions(uniq), summed
+
+    def _apply_numpy(self, pos: npt.NDArray[np.int64], summed: Array) -> None:
+        """The optimizer on the rows at ``pos`` (distinct): gather, update, scatter."""
+        state = {k: take_rows(self._state[k], pos) for k in self._opt_keys}
         param = take_rows(self._rows, pos)
         self.spec.optimizer.apply(param, summed, state)
         put_rows(self._rows, pos, param)
         for k, a in state.items():
             put_rows(self._state[k], pos, a)
+
+    # -- the compiled kernel (zps/store/_kernel.c) --------------------------------
+    #
+    # The same steps as the numpy version above, with the same results: the probe,
+    # the duplicate check and the optimizer's update of each row in place are one
+    # call for a push of distinct existing rows (a training step's push, and every
+    # replica's re-run of it); a push naming absent or repeated ids takes the numpy
+    # path to its distinct positions and summed gradients, then the same update.
+
+    def _pull_kernel(self, keys: npt.NDArray[np.int64]) -> Array:
+        n = keys.shape[0]
+        out: Array = np.empty((n, self.spec.dim), dtype=self.dtype)
+        pos = self._recent.get(keys)
+        if pos is not None:
+            _kernel.gather(self._rows, pos, out)
+            return out
+        keys = np.ascontiguousarray(keys)
+        pos = np.empty(n, dtype=np.int64)
+        if _kernel.pull(self._index._slots, keys, self._rows, out, pos):
+            missing = pos < 0
+            s = self.spec
+            out[missing] = generate(s.init, s.seed, keys[missing], s.dim, self.dtype)
+        else:  # remembered, as :meth:`_lookup` does
+            pos.flags.writeable = False
+            self._recent.put(keys, pos)
+        return out
+
+    def _push_kernel(self, keys: npt.NDArray[np.int64], g: Array) -> None:
+        g = np.ascontiguousarray(g)
+        pos = self._recent.get(keys)
+        probe = pos is None
+        if pos is None:
+            keys = np.ascontiguousarray(keys)
+            pos = np.empty(keys.shape[0], dtype=np.int64)
+        status = self._kernel_call(keys, pos, probe, True, g, apply=not self._life)
+        if status == _kernel.OK and not self._life:
+            return  # the common case: existing rows, each once, updated
+        summed = g
+        if status in (_kernel.MISSING, _kernel.DUPLICATE):
+            pos, summed = self._summed(keys, g)
+        if self._life:
+            pos, summed = self._admit(pos, summed)
+        if self._kernel_call(None, pos, False, False, summed, apply=True) != _kernel.OK:
+            self._apply_numpy(pos, summed)  # Adam steps the kernel leaves to numpy
         if self._life:
             self._evict()
+
+    def _kernel_call(
+        self,
+        keys: npt.NDArray[np.int64] | None,
+        pos: npt.NDArray[np.int64],
+        probe: bool,
+        check: bool,
+        g: Array,
+        *,
+        apply: bool,
+    ) -> int:
+        """One ``_kernel.push``: probe (or take ``pos``), check for repeats (if
+        ``check``) and, if ``apply``, update.  A status other than OK changed nothing."""
+        marks, gen = self._next_marks() if check else (None, 0)
+        states = tuple(self._state[k] for k in self._opt_keys)
+        opt = self.spec.optimizer
+        if self._bc is None and isinstance(opt, Adam):
+            self._adam(opt, _ADAM_STEPS)
+        while True:
+            bc = self._bc or (None, None)
+            status = int(
+                _kernel.push(
+                    self._kopt,
+                    self._index._slots if probe else None,
+                    keys,
+                    pos,
+                    probe,
+                    marks,
+                    gen,
+                    g,
+                    self._rows,
+                    states,
+                    bc[0],
+                    bc[1],
+                    apply,
+                )
+            )
+            if status <= 0:
+                return status
+            # Adam: the tables of bias corrections must reach ``status`` steps; the
+            # positions are now known and distinct.
+            assert isinstance(opt, Adam) and self._bc is not None
+            self._adam(opt, max(status, 2 * self._bc[0].shape[0]))
+            probe, marks, gen = False, None, 0
+
+    def _adam(self, opt: Adam, steps: int) -> None:
+        """Adam's tables of bias corrections for the kernel, and its saturation flag."""
+        bc1, bc2, saturated = _adam_tables(opt, steps, self.dtype)
+        self._bc = (bc1, bc2)
+        assert self._kopt is not None
+        self._kopt = (*self._kopt[:7], int(saturated))
+
+    def _next_marks(self) -> tuple[npt.NDArray[np.uint32], int]:
+        """The duplicate-check marks and a generation no row is marked with yet."""
+        if self._marks.shape[0] < self._rows.shape[0]:
+            # all zero: older than any generation (they start at 1)
+            self._marks = np.zeros(self._rows.shape[0], dtype=np.uint32)
+        self._gen += 1
+        if self._gen > 0xFFFFFFFF:
+            self._marks[:] = 0
+            self._gen = 1
+        return self._marks, self._gen
 
     # -- lifecycle: admission and eviction --------------------------------------
     #
