@@ -1,0 +1,277 @@
+#!/usr/bin/env python3
+"""CPU per dense step of every process, with the shared-memory path on and off.
+
+    python bench/dense_cpu.py [--seconds 5] [--pairs 2] [--workers 2] [--pipelined]
+                              [--replication 1] [--ray]
+
+Starts a local cluster (2 partitions, ``--replication`` copies) and ``--workers``
+worker processes, each pulling and pushing one 16 MiB float32 tensor (plain SGD) in a
+loop, as ``bench/peers.py --only dense`` does; after a warm-up it counts the steps of
+``--seconds`` and the CPU time (user + system, ``/proc/PID/stat``) the broker, the
+shards and the workers spent meanwhile.  Each pair runs the path on, then off
+(``ZPS_NO_SHM=1`` for every process), back to back, each on a fresh cluster.
+
+``--ray`` adds, to each pair, Ray's actor PS doing the same steps (the dense step of
+``bench/peers.py``: a PS actor and ``--workers`` worker actors), with the CPU of every
+process of the Ray session (its raylet, GCS, actors), in a child process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+ELEMS = 4 << 20  # 16 MiB of float32
+
+WORKER = """
+import asyncio, sys, time
+import numpy as np
+import zps
+from zps.ops import malloc
+
+malloc.tune()
+
+async def main(address, seconds, pipelined, seed):
+    async with zps.connect(address) as ps:
+        await ps.create_dense("d", shape=(ELEMS,), optimizer=zps.optim.SGD(lr=0.01))
+        grad = np.random.default_rng(seed).standard_normal(ELEMS, dtype=np.float32) * 1e-3
+        values = np.empty(ELEMS, dtype=np.float32)
+
+        async def step():
+            await ps.pull_dense("d", out=values)
+            await ps.push_dense("d", grad, wait=not pipelined)
+
+        for _ in range(3):
+            await step()
+        print("READY", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        n, end, cpu = 0, time.monotonic() + seconds, time.process_time()
+        while time.monotonic() < end:
+            await step()
+            n += 1
+        await ps.flush()
+        print("STEPS", n, time.process_time() - cpu, flush=True)
+
+asyncio.run(main(sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])))
+""".replace("ELEMS", str(ELEMS))
+
+
+RAY = """
+import os, sys, time
+from pathlib import Path
+import numpy as np
+import ray
+
+ELEMS, SECONDS, WORKERS = ELEMS_, float(sys.argv[1]), int(sys.argv[2])
+TCK = os.sysconf("SC_CLK_TCK")
+
+def tree(root):
+    kids = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                kids.setdefault(ppid, []).append(int(d.name))
+            except OSError:
+                pass
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+def cpu(pids):
+    t = {}
+    for p in pids:
+        try:
+            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            t[p] = (int(f[11]) + int(f[12])) / TCK
+        except OSError:
+            pass
+    return t
+
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+         object_store_memory=512 << 20, logging_level="ERROR")
+
+@ray.remote(num_cpus=0)
+class PS:
+    def __init__(self):
+        self.dense = np.zeros(ELEMS, np.float32)
+    def pull_dense(self):
+        return self.dense
+    def push_dense(self, g):
+        self.dense -= np.float32(0.01) * g
+
+@ray.remote(num_cpus=0)
+class Worker:
+    def __init__(self, ps, seed):
+        self.ps = ps
+        self.g = np.random.default_rng(seed).standard_normal(ELEMS, dtype=np.float32) * 1e-3
+        self.values = np.empty(ELEMS, np.float32)
+    def step(self):
+        np.copyto(self.values, ray.get(self.ps.pull_dense.remote()))
+        ray.get(self.ps.push_dense.remote(self.g))
+    def run(self, seconds, start_at):
+        for _ in range(3):
+            self.step()
+        while time.time() < start_at:
+            time.sleep(0.001)
+        n, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            self.step()
+            n += 1
+        return n
+
+ps = PS.remote()
+ws = [Worker.remote(ps, i) for i in range(WORKERS)]
+ray.get([w.run.remote(0.5, 0) for w in ws])
+start_at = time.time() + 1.0
+futs = [w.run.remote(SECONDS, start_at) for w in ws]
+time.sleep(0.5)
+pids = tree(os.getpid())
+before = cpu(pids)
+while time.time() < start_at:
+    time.sleep(0.001)
+steps = sum(ray.get(futs))
+elapsed = time.time() - start_at
+after = cpu(pids)
+print("RESULT", steps, elapsed, sum(after[p] - before[p] for p in after if p in before), flush=True)
+ray.shutdown()
+""".replace("ELEMS_", str(ELEMS))
+
+
+def run_ray(args: argparse.Namespace) -> dict[str, float]:
+    out = subprocess.run(
+        [sys.executable, "-c", RAY, str(args.seconds), str(args.workers)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT")), None)
+    if line is None:
+        raise RuntimeError(f"the Ray run failed: {out.stderr[-2000:]}")
+    _, steps, elapsed, cpu = line.split()
+    return {"steps": int(steps), "seconds": float(elapsed), "total": float(cpu) / int(steps) * 1e3}
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(shm: bool, args: argparse.Namespace) -> dict[str, float]:
+    from zps.testing import LocalCluster
+
+    env = dict(os.environ)
+    env.pop("ZPS_NO_SHM", None)
+    if not shm:
+        env["ZPS_NO_SHM"] = "1"
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)  # the cluster's processes inherit it
+    try:
+        with LocalCluster(
+            partitions=2, shards=2 * args.replication, replication=args.replication
+        ) as c:
+            wenv = {**c.env()}
+            workers = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-c",
+                        WORKER,
+                        c.address,
+                        str(args.seconds),
+                        "1" if args.pipelined else "0",
+                        str(i),
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=wenv,
+                )
+                for i in range(args.workers)
+            ]
+            try:
+                for w in workers:
+                    assert w.stdout is not None
+                    line = w.stdout.readline()
+                    if line.strip() != "READY":
+                        raise RuntimeError(f"worker said {line!r}")
+                procs = {p.name: p.pid for p in c.procs if p.alive()}
+                c_names = set(procs)
+                before = {n: cpu_seconds(pid) for n, pid in procs.items()}
+                t0 = time.monotonic()
+                for w in workers:
+                    assert w.stdin is not None
+                    w.stdin.write("GO\n")
+                    w.stdin.flush()
+                steps = 0
+                worker_cpu: dict[str, float] = {}
+                for i, w in enumerate(workers):
+                    assert w.stdout is not None
+                    _, count, used = w.stdout.readline().split()
+                    steps += int(count)
+                    worker_cpu[f"worker{i}"] = float(used)
+                elapsed = time.monotonic() - t0
+                after = {n: cpu_seconds(pid) for n, pid in procs.items() if n in c_names}
+            finally:
+                for w in workers:
+                    w.kill()
+                    w.wait(10)
+            out: dict[str, float] = {"steps": steps, "seconds": elapsed}
+            for n in procs:
+                out[n] = (after[n] - before[n]) / steps * 1e3
+            for n, cpu in worker_cpu.items():
+                out[n] = cpu / steps * 1e3
+            out["total"] = sum(v for k, v in out.items() if k not in ("steps", "seconds"))
+            return out
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--replication", type=int, default=1)
+    ap.add_argument("--pipelined", action="store_true")
+    ap.add_argument("--ray", action="store_true", help="also Ray's actor PS, in each pair")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    results = []
+    for i in range(args.pairs):
+        for what in ("on", "off", "ray") if args.ray else ("on", "off"):
+            load = os.getloadavg()[0]
+            r = run_ray(args) if what == "ray" else run(what == "on", args)
+            r["load"] = load
+            results.append({**r, "what": what})
+            per = "  ".join(
+                f"{k} {v:.2f}" for k, v in r.items() if k not in ("steps", "seconds", "load")
+            )
+            label = {"on": "zps shm on ", "off": "zps shm off", "ray": "Ray        "}[what]
+            print(
+                f"pair {i} {label}  load {load:.1f}  "
+                f"{r['steps'] / r['seconds']:.1f} steps/s  "
+                f"({2 * ELEMS * 4 * r['steps'] / r['seconds'] / 1e9:.2f} GB/s)  "
+                f"CPU ms per step: {per}",
+                flush=True,
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,424 @@
+"""The same-host shared-memory path (zps.shm) with real processes: the same bits as
+inline frames, nothing left behind by SIGKILLed workers and shards, and inline
+frames whenever a peer cannot read the other's memory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from zps import shm
+from zps.client.client import Client, connect
+from zps.optim import SGD
+from zps.testing import DataDirCluster, LocalCluster, free_port
+
+pytestmark = pytest.mark.skipif(shm.host_key() is None, reason="no memfd or /proc here")
+
+ELEMS = 2 << 20  # 8 MiB of float32: 4 chunks of 2 MiB, above shm.MIN_BYTES
+LR = 0.25
+
+
+def _dev_shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _maps_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return ""
+
+
+def _wait_until(cond: object, timeout: float, what: str) -> None:
+    assert callable(cond)
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def no_shm_left() -> Iterator[None]:
+    """No segment in /dev/shm is left by the test's processes."""
+    before = _dev_shm()
+    yield
+    left = {n for n in _dev_shm() - before if "zps" in n}
+    assert not left, f"left in /dev/shm: {left}"
+
+
+async def _steps(ps: Client, name: str, grads: list[np.ndarray]) -> list[np.ndarray]:
+    """Push each gradient and pull after it: the values seen after every push."""
+    seen = []
+    out = np.empty(ELEMS, np.float32)
+    for g in grads:
+        await ps.push_dense(name, g)
+        seen.append((await ps.pull_dense(name, out=out)).copy())
+    return seen
+
+
+def _grads(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(ELEMS, dtype=np.float32) for _ in range(n)]
+
+
+@pytest.fixture
+def replicated() -> Iterator[LocalCluster]:
+    with LocalCluster(partitions=2, shards=4, replication=2) as c:
+        yield c
+
+
+async def test_shared_memory_gives_the_bits_of_inline_frames_through_failover(
+    replicated: LocalCluster, no_shm_left: None
+) -> None:
+    c = replicated
+    grads = _grads(6, 1)
+    async with (
+        connect(c.address, timeout=20) as fast,
+        connect(c.address, timeout=20, shm_bytes=0) as inline,
+    ):
+        assert fast._shm is not None and inline._shm is None
+        await fast.create_dense("a", (ELEMS,), optimizer=SGD(lr=LR))
+        await inline.create_dense("b", (ELEMS,), optimizer=SGD(lr=LR))
+        got = await _steps(fast, "a", grads[:3])
+        want = await _steps(inline, "b", grads[:3])
+        for x, y in zip(got, want, strict=True):
+            assert x.tobytes() == y.tobytes()
+        stats = fast._shm.stats()
+        assert stats["puts"] >= 6 and stats["reads"] >= 6  # both ways, every chunk
+        assert stats["refused"] == 0 and not fast._shm_refused
+        assert stats["live"] == 0  # every request's regions were freed once answered
+
+        # The replicas applied the primaries' own copies: after both primaries die, the
+        # promoted replicas hold the same bits, and carry on (alone: acks=1).
+        for p in (0, 1):
+            pid = c.shard_pid(p)
+            c.kill(pid, signal.SIGKILL)
+            c.wait_gone(pid)
+    async with (
+        connect(c.address, timeout=20, acks=1) as fast,
+        connect(c.address, timeout=20, shm_bytes=0, acks=1) as inline,
+    ):
+        out = np.empty(ELEMS, np.float32)
+        a, b = await fast.pull_dense("a", out=out), await inline.pull_dense("b")
+        assert a.tobytes() == b.tobytes() == want[-1].tobytes()
+        got = await _steps(fast, "a", grads[3:])
+        want = await _steps(inline, "b", grads[3:])
+        for x, y in zip(got, want, strict=True):
+            assert x.tobytes() == y.tobytes()
+        ref = np.zeros(ELEMS, np.float32)
+        for g in grads:
+            ref -= np.float32(LR) * g
+        np.testing.assert_allclose(got[-1], ref, rtol=1e-5, atol=1e-5)
+
+
+_WORKER = """
+import asyncio, sys
+import numpy as np
+import zps
+
+async def main(address):
+    async with zps.connect(address, timeout=20) as ps:
+        await ps.create_dense("w", shape=(ELEMS,), optimizer=zps.optim.SGD(lr=0.001))
+        g = np.ones(ELEMS, np.float32)
+        out = np.empty(ELEMS, np.float32)
+        while True:
+            await ps.push_dense("w", g, wait=False)
+            await ps.pull_dense("w", out=out)
+            print("STEP", flush=True)
+
+asyncio.run(main(sys.argv[1]))
+""".replace("ELEMS", str(ELEMS))
+
+
+async def test_sigkilled_worker_and_shard_mid_transfer_leave_nothing_behind(
+    replicated: LocalCluster, no_shm_left: None
+) -> None:
+    c = replicated
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _WORKER, c.address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=c.env(),
+        text=True,
+    )
+    try:
+        assert worker.stdout is not None
+        for _ in range(5):  # pushes and pulls in flight all the time
+            line = worker.stdout.readline().strip()
+            if line != "STEP":
+                worker.kill()
+                assert worker.stderr is not None
+                raise AssertionError(f"the worker failed: {worker.stderr.read()[-2000:]}")
+        primaries = [c.shard_pid(p) for p in (0, 1)]
+        _wait_until(
+            lambda: all(f"zps-{worker.pid}-client" in _maps_of(pid) for pid in primaries),
+            10,
+            "the shards to map the worker's memory",
+        )
+        worker.kill()
+        worker.wait(10)
+        # The shards let go of the dead worker's memory, so the kernel frees it.
+        _wait_until(
+            lambda: not any(f"zps-{worker.pid}-" in _maps_of(pid) for pid in primaries),
+            10,
+            "the shards to unmap a dead worker's memory",
+        )
+    finally:
+        worker.kill()
+        worker.wait(10)
+
+    grads = _grads(4, 2)
+    async with (
+        connect(c.address, timeout=20) as fast,
+        connect(c.address, timeout=20, shm_bytes=0) as inline,
+    ):
+        assert fast._shm is not None
+        await fast.create_dense("x", (ELEMS,), optimizer=SGD(lr=LR))
+        await inline.create_dense("y", (ELEMS,), optimizer=SGD(lr=LR))
+        await _steps(fast, "x", grads[:1])
+        await _steps(inline, "y", grads[:1])
+
+        # A primary SIGKILLed while pulls of its replies and pushes are in flight.
+        victim = c.shard_pid(0)
+        assert f"zps-{os.getpid()}-client" in _maps_of(victim)
+        out = np.empty(ELEMS, np.float32)
+
+        async def pulls() -> int:
+            n = 0
+            while not stop.is_set():
+                await fast.pull_dense("x", out=out)
+                n += 1
+            return n
+
+        stop = asyncio.Event()
+        task = asyncio.create_task(pulls())
+        await asyncio.sleep(0.2)
+        c.kill(victim, signal.SIGKILL)
+        await asyncio.to_thread(c.wait_gone, victim)
+        stop.set()
+        assert await asyncio.wait_for(task, 30) > 0
+
+        # This client lets go of the dead shard's memory.
+        end = time.monotonic() + 10
+        while f"zps-{victim}-shard" in _maps_of(os.getpid()):
+            assert time.monotonic() < end, "the client kept a dead shard's memory mapped"
+            await asyncio.sleep(0.05)
+    async with (
+        connect(c.address, timeout=20, acks=1) as fast,
+        connect(c.address, timeout=20, shm_bytes=0, acks=1) as inline,
+    ):
+        got = await _steps(fast, "x", grads[1:])
+        want = await _steps(inline, "y", grads[1:])
+        for x, y in zip(got, want, strict=True):
+            assert x.tobytes() == y.tobytes()
+
+
+async def test_pushes_through_shared_memory_apply_exactly_once_across_a_failover(
+    no_shm_left: None,
+) -> None:
+    """Pushes in flight when a primary is SIGKILLed are re-sent to the promoted replica,
+    naming the same regions of this client's memory: each applies once."""
+    with LocalCluster(partitions=2, shards=5, replication=2) as c:
+        async with connect(c.address, timeout=30) as ps:
+            assert ps._shm is not None
+            await ps.create_dense("e", (ELEMS,), optimizer=SGD(lr=1.0))
+            ones = np.ones(ELEMS, np.float32)
+            sent = 0
+            midway = asyncio.Event()
+
+            async def pushes(n: int) -> None:
+                nonlocal sent
+                for _ in range(n):
+                    await ps.push_dense("e", ones, wait=False)
+                    sent += 1
+                    if sent == 8:
+                        midway.set()
+
+            await pushes(5)
+            victim = c.shard_pid(0)
+            task = asyncio.create_task(pushes(20))
+            await asyncio.wait_for(midway.wait(), 30)
+            c.kill(victim, signal.SIGKILL)
+            await asyncio.wait_for(task, 60)
+            await ps.flush()
+            assert ps.stats.retries > 0  # some went again, to the new primary
+            got = await ps.pull_dense("e")
+            assert np.array_equal(got, np.full(ELEMS, -float(sent), np.float32)), (
+                f"{sent} pushes; values {np.unique(got)}"
+            )
+            assert ps._shm.stats()["puts"] > 0 and ps._shm.stats()["live"] == 0
+
+
+def test_the_log_holds_the_bytes_of_pushes_sent_through_shared_memory(tmp_path: Path) -> None:
+    """Every process SIGKILLed and started again on the same data dirs: the write-ahead
+    log replays the pushes with their bytes (the shard logs its own copy)."""
+    c = DataDirCluster(partitions=2, shards=0, workdir=tmp_path)
+    c.port = free_port()
+    dirs = [tmp_path / f"data{i}" for i in range(2)]
+    flags = ["--durability", "fsync", "--checkpoint-interval", "0", "--checkpoint-every", "100000"]
+    try:
+        c.start_broker()
+        for d in dirs:
+            c.start_shard(d, flags)
+        c.wait_healthy(30)
+
+        async def before() -> np.ndarray:
+            async with connect(c.address, timeout=20) as ps:
+                assert ps._shm is not None
+                await ps.create_dense("l", (ELEMS,), optimizer=SGD(lr=LR))
+                for g in _grads(3, 6):
+                    await ps.push_dense("l", g)
+                assert ps._shm.stats()["puts"] >= 6
+                return await ps.pull_dense("l")
+
+        want = asyncio.run(before())
+        for p in [p for p in c.procs if p.alive()]:
+            os.kill(p.pid, signal.SIGKILL)
+            p.popen.wait(10)
+        restarted = [c.start_shard(d, flags) for d in dirs]
+        c.restart_broker()
+        c.wait_healthy(60)
+
+        async def after() -> np.ndarray:
+            async with connect(c.address, timeout=20, shm_bytes=0) as ps:
+                return await ps.pull_dense("l")
+
+        assert asyncio.run(after()).tobytes() == want.tobytes()
+        assert all("logged" in p.log() for p in restarted), [p.log()[-800:] for p in restarted]
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def shards_without_shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalCluster]:
+    monkeypatch.setenv("ZPS_NO_SHM", "1")  # the shards' environment
+    with LocalCluster(partitions=2, shards=2) as c:
+        monkeypatch.delenv("ZPS_NO_SHM")
+        yield c
+
+
+async def test_a_shard_that_cannot_read_the_memory_gets_inline_frames(
+    shards_without_shm: LocalCluster, no_shm_left: None
+) -> None:
+    c = shards_without_shm
+    grads = _grads(3, 3)
+    async with (
+        connect(c.address, timeout=20) as fast,
+        connect(c.address, timeout=20, shm_bytes=0) as inline,
+    ):
+        assert fast._shm is not None
+        await fast.create_dense("a", (ELEMS,), optimizer=SGD(lr=LR))
+        await inline.create_dense("b", (ELEMS,), optimizer=SGD(lr=LR))
+        got = await _steps(fast, "a", grads)
+        want = await _steps(inline, "b", grads)
+        for x, y in zip(got, want, strict=True):
+            assert x.tobytes() == y.tobytes()
+        # Each primary refused once, then got inline frames; no reply came this way.
+        assert fast._shm_refused
+        assert fast._shm.stats()["reads"] == 0 and fast._shm.stats()["live"] == 0
+
+
+METRICS_PORT = free_port()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """One partition: every chunk on the one shard, whose metrics are at METRICS_PORT."""
+    with LocalCluster(
+        partitions=1, shards=1, shard_args=["--metrics-port", str(METRICS_PORT)]
+    ) as c:
+        yield c
+
+
+def _metric(name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert m is not None, f"no {name} in the shard's metrics"
+    return float(m.group(1))
+
+
+async def test_a_client_of_another_host_sends_and_gets_inline_frames(
+    cluster: LocalCluster,
+) -> None:
+    grads = _grads(2, 4)
+    async with (
+        connect(cluster.address, timeout=20) as other,
+        connect(cluster.address, timeout=20, shm_bytes=0) as inline,
+    ):
+        assert other._shm is not None
+        other._shm.host = "another-boot/1"  # what a client elsewhere would say
+        await other.create_dense("h1", (ELEMS,), optimizer=SGD(lr=LR))
+        await inline.create_dense("h2", (ELEMS,), optimizer=SGD(lr=LR))
+        got = await _steps(other, "h1", grads)
+        want = await _steps(inline, "h2", grads)
+        for x, y in zip(got, want, strict=True):
+            assert x.tobytes() == y.tobytes()
+        assert other._shm_refused and other._shm.stats()["reads"] == 0
+
+
+async def test_a_spent_budget_sends_the_rest_inline(cluster: LocalCluster) -> None:
+    grads = _grads(2, 7)
+    async with (
+        connect(cluster.address, timeout=20, shm_bytes=3 << 20) as small,
+        connect(cluster.address, timeout=20, shm_bytes=0) as inline,
+    ):
+        assert small._shm is not None
+        await small.create_dense("s1", (ELEMS,), optimizer=SGD(lr=LR))
+        await inline.create_dense("s2", (ELEMS,), optimizer=SGD(lr=LR))
+        got = await _steps(small, "s1", grads)
+        want = await _steps(inline, "s2", grads)
+        for x, y in zip(got, want, strict=True):
+            assert x.tobytes() == y.tobytes()
+        stats = small._shm.stats()
+        assert stats["puts"] >= 1 and stats["full"] >= 1 and stats["live"] == 0
+
+
+async def test_a_reply_region_that_cannot_be_read_is_asked_for_again(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grads = _grads(1, 5)
+    async with connect(cluster.address, timeout=20) as ps:
+        assert ps._shm is not None
+        await ps.create_dense("r", (ELEMS,), optimizer=SGD(lr=LR))
+        await ps.push_dense("r", grads[0])
+        want = (await ps.pull_dense("r")).copy()
+        mapper = ps._shm.mapper
+        real = mapper.read
+        failures = iter(
+            [
+                shm.ShmUnavailableError("reused", permanent=False),
+                shm.ShmUnavailableError("cannot open", permanent=True),
+            ]
+        )
+
+        def flaky(desc: list[int]) -> np.ndarray:
+            err = next(failures, None)
+            if err is not None:
+                raise err
+            return real(desc)
+
+        monkeypatch.setattr(mapper, "read", flaky)
+        got = await ps.pull_dense("r")  # retried, never the wrong bytes
+        assert got.tobytes() == want.tobytes()
+        assert not ps._shm_replies  # "cannot open": replies come inline from now on
+        reads = ps._shm.stats()["reads"]
+        assert (await ps.pull_dense("r")).tobytes() == want.tobytes()
+        assert ps._shm.stats()["reads"] == reads
+    # The shard's side, in its metrics: pushes read, replies sent, none inline for want of room.
+    assert _metric("zps_shard_shm_read_frames_total") >= 4
+    assert _metric("zps_shard_shm_sent_frames_total") >= 4
+    assert _metric("zps_shard_shm_full_total") == 0
+    assert _metric("zps_shard_shm_bytes") >= 0

@@ -1,0 +1,344 @@
+"""The same-host shared-memory path's parts (zps.shm): the arena, reading, the frames."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from zps import shm
+from zps.errors import ProtocolError
+from zps.protocol.codec import Encoder, MsgType, Route, array_from, decode
+
+pytestmark = pytest.mark.skipif(shm.host_key() is None, reason="no memfd or /proc here")
+
+MiB = 1 << 20
+
+
+def _data(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_arena_first_fit_free_and_budget() -> None:
+    arena = shm.Arena(4 * MiB, "t")
+    try:
+        a = arena.put(_data(MiB))
+        b = arena.put(_data(MiB, 1))
+        assert a is not None and b is not None
+        assert a[3] == 0 and b[3] > a[3]  # first fit, one after the other
+        assert arena.put(_data(3 * MiB)) is None  # no room: None, never a wait
+        assert arena.full == 1
+        assert arena.free(a[5]) and not arena.free(a[5])  # unknown tokens are ignored
+        c = arena.put(_data(MiB // 2))
+        assert c is not None and c[3] == 0  # the freed room is reused first
+        assert arena.live == 2
+    finally:
+        arena.close()
+
+
+def test_arena_reclaims_old_regions_only_when_allowed() -> None:
+    arena = shm.Arena(2 * MiB, "t", reclaim_after=1.0)
+    try:
+        a = arena.put(_data(MiB + MiB // 2), now=10.0)
+        assert a is not None
+        assert arena.put(_data(MiB), now=10.5) is None  # too young to reuse
+        b = arena.put(_data(MiB), now=11.0)
+        assert b is not None and arena.reclaimed == 1
+    finally:
+        arena.close()
+
+
+def test_trim_gives_the_pages_above_the_last_region_back() -> None:
+    arena = shm.Arena(8 * MiB, "t")
+    try:
+        a = arena.put(_data(MiB))
+        b = arena.put(_data(3 * MiB))
+        assert a is not None and b is not None
+        assert arena.trim() == 0  # everything below the top is in use
+        arena.free(b[5])
+        freed = arena.trim()
+        assert 3 * MiB - 4096 <= freed <= 3 * MiB and arena.touched < 2 * MiB
+        assert shm.Mapper().read(a).tobytes() == _data(MiB).tobytes()  # a is intact
+        c = arena.put(_data(2 * MiB, 1))  # the removed pages come back as needed
+        assert c is not None and shm.Mapper().read(c).tobytes() == _data(2 * MiB, 1).tobytes()
+    finally:
+        arena.close()
+
+
+def test_read_copies_the_bytes_out() -> None:
+    arena, mapper = shm.Arena(4 * MiB, "t"), shm.Mapper()
+    try:
+        data = _data(MiB + 7)
+        d = arena.put(data)
+        assert d is not None
+        got = mapper.read(d)
+        assert got.tobytes() == data.tobytes()
+        arena.free(d[5])
+        assert got.tobytes() == data.tobytes()  # a copy: the region's reuse cannot touch it
+    finally:
+        mapper.close()
+        arena.close()
+
+
+def test_a_freed_or_reused_region_is_refused_never_read() -> None:
+    arena, mapper = shm.Arena(4 * MiB, "t"), shm.Mapper()
+    try:
+        d = arena.put(_data(MiB))
+        assert d is not None
+        arena.free(d[5])
+        with pytest.raises(shm.ShmUnavailableError) as err:
+            mapper.read(d)
+        assert not err.value.permanent
+        e = arena.put(_data(MiB, 2))  # the same bytes, another token
+        assert e is not None and e[3] == d[3]
+        with pytest.raises(shm.ShmUnavailableError):
+            mapper.read(d)
+        assert mapper.read(e).tobytes() == _data(MiB, 2).tobytes()
+    finally:
+        mapper.close()
+        arena.close()
+
+
+def test_reuse_inside_an_old_region_is_seen_through_the_old_head() -> None:
+    """A new region that starts inside an old one's data: the old one's token is
+    cleared when it is freed, so its reader finds out."""
+    arena, mapper = shm.Arena(4 * MiB, "t"), shm.Mapper()
+    try:
+        small = arena.put(_data(1024))
+        big = arena.put(_data(2 * MiB))
+        assert small is not None and big is not None
+        arena.free(small[5])
+        arena.free(big[5])
+        inner = arena.put(_data(MiB, 3))  # from offset 0: over both old regions' bytes
+        assert inner is not None
+        with pytest.raises(shm.ShmUnavailableError):
+            mapper.read(big)
+    finally:
+        mapper.close()
+        arena.close()
+
+
+def test_descriptors_out_of_bounds_or_of_another_file_are_refused() -> None:
+    arena, mapper = shm.Arena(MiB, "t"), shm.Mapper()
+    try:
+        d = arena.put(_data(1000))
+        assert d is not None
+        with pytest.raises(ProtocolError):
+            mapper.read([d[0], d[1], d[2], MiB - 10, 1000, d[5]])
+        with pytest.raises(shm.ShmUnavailableError):
+            mapper.read([d[0], d[1], d[2] + 12345, 0, 1000, d[5]])  # another inode
+        with pytest.raises(shm.ShmUnavailableError):
+            mapper.read([d[0], 9999, d[2], 0, 1000, d[5]])  # no such fd
+    finally:
+        mapper.close()
+        arena.close()
+
+
+def test_a_descriptor_naming_a_pipe_neither_blocks_nor_reads_it() -> None:
+    r, w = os.pipe()
+    os.close(w)  # a reader of a pipe without a writer would wait for one
+    try:
+        ino = os.fstat(r).st_ino
+        with pytest.raises(shm.ShmUnavailableError):
+            shm.Mapper().read([os.getpid(), r, ino, 0, 10, 1])
+    finally:
+        os.close(r)
+
+
+def _request(*arrays: np.ndarray) -> tuple[list[Any], list[np.ndarray]]:
+    enc = Encoder()
+    ops = [
+        {"op": "push_dense", "t": "w", "chunk": i, "g": enc.array(a)} for i, a in enumerate(arrays)
+    ]
+    frames = enc.build(Route(MsgType.REQUEST, 0, 1, 7), {"cid": b"c", "seq": 1, "ops": ops})
+    return list(frames), list(arrays)
+
+
+def test_frames_round_trip_bit_identical_and_small_frames_stay_inline() -> None:
+    sender = shm.SharedMemory(8 * MiB, "s", min_bytes=MiB)
+    receiver = shm.SharedMemory(8 * MiB, "r", min_bytes=MiB)
+    try:
+        big = np.random.default_rng(1).standard_normal(MiB // 2).astype(np.float32)  # 2 MiB
+        small = np.arange(1000, dtype=np.float32)
+        frames, arrays = _request(big, small)
+        out, descs = sender.outbound(frames, reply_ok=True, done=[5, 6])
+        assert len(descs) == 1 and out[2] == b"" and out[3] is frames[3]
+        header = msgpack.unpackb(out[1])
+        assert header[shm.KEY]["r"] is True and header[shm.KEY]["done"] == [5, 6]
+        got = receiver.inbound(out, decode(out).header)
+        assert got.reply_ok and got.done == [5, 6]
+        msg = decode(got.frames)
+        assert shm.KEY not in msg.header and msg.header == got.header
+        for op, a in zip(msg.header["ops"], arrays, strict=True):
+            b = array_from(op["g"], msg.payloads, max_bytes=1 << 30)
+            assert b.dtype == a.dtype and b.tobytes() == a.tobytes()
+        # A re-send names the same regions and copies nothing.
+        again, same = sender.outbound(frames, reuse=descs)
+        assert same == descs and again[2] == b"" and sender.arena.puts == 1
+        assert (
+            decode(receiver.inbound(again, decode(again).header).frames).payloads[0]
+            == (decode(frames).payloads[0])
+        )
+        sender.free(shm.tokens(descs))
+        assert sender.arena.live == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_done_frees_the_receivers_regions() -> None:
+    sp = shm.SharedMemory(8 * MiB, "s", min_bytes=MiB)
+    try:
+        frames, _ = _request(np.zeros(MiB // 2, np.float32))
+        _, descs = sp.outbound(frames)
+        assert sp.arena.live == 1
+        plain, _ = _request(np.zeros(4, np.float32))
+        ask, _ = shm.SharedMemory(MiB, "c", min_bytes=MiB).outbound(plain, done=shm.tokens(descs))
+        sp.inbound(ask, decode(ask).header)
+        assert sp.arena.live == 0
+    finally:
+        sp.close()
+
+
+def test_nothing_to_say_leaves_the_frames_alone() -> None:
+    sp = shm.SharedMemory(8 * MiB, "s", min_bytes=MiB)
+    try:
+        frames, _ = _request(np.zeros(100, np.float32))
+        out, descs = sp.outbound(frames)
+        assert out == frames and descs == [] and sp._arena is None  # no memfd made
+        assert not sp.wants(frames)
+    finally:
+        sp.close()
+
+
+def test_a_full_budget_sends_inline() -> None:
+    sp = shm.SharedMemory(3 * MiB, "s", min_bytes=MiB)
+    try:
+        a = np.ones(MiB // 2, np.float32)  # 2 MiB each: the second does not fit
+        frames, _ = _request(a, a * 2)
+        out, descs = sp.outbound(frames)
+        assert len(descs) == 1 and out[2] == b"" and len(out[3]) == 2 * MiB
+        rx = shm.SharedMemory(MiB, "r")
+        msg = decode(rx.inbound(out, decode(out).header).frames)
+        b = array_from(msg.header["ops"][1]["g"], msg.payloads, max_bytes=1 << 30)
+        assert np.array_equal(b, a * 2)
+    finally:
+        sp.close()
+
+
+def test_another_host_or_the_path_off_refuses_descriptors() -> None:
+    sender = shm.SharedMemory(8 * MiB, "s", min_bytes=MiB, host="elsewhere/1")
+    try:
+        frames, _ = _request(np.zeros(MiB // 2, np.float32))
+        out, _ = sender.outbound(frames)
+        rx = shm.SharedMemory(MiB, "r")
+        with pytest.raises(shm.ShmUnavailableError) as err:
+            rx.inbound(out, decode(out).header)
+        assert err.value.permanent
+        with pytest.raises(shm.ShmUnavailableError) as err:
+            shm.OFF.inbound(out, decode(out).header)
+        assert err.value.permanent
+        # Without descriptors the path off only drops the key.
+        plain, _ = _request(np.zeros(4, np.float32))
+        ask, _ = sender.outbound(plain, reply_ok=True)
+        got = shm.OFF.inbound(ask, decode(ask).header)
+        assert not got.reply_ok and shm.KEY not in decode(got.frames).header
+    finally:
+        sender.close()
+
+
+@pytest.mark.parametrize(
+    "info",
+    [
+        "x",
+        {"h": "h", "d": "x"},
+        {"h": "h", "d": [[0, 1, 2]]},
+        {"h": "h", "d": [[0, 1, 2, 3, 4, 5, -1]]},
+        {"h": "h", "d": [[0, 1, 2, 3, 4, 5, True]]},
+        {"h": "h", "done": ["a"]},
+    ],
+)
+def test_malformed_descriptors_are_protocol_errors(info: object) -> None:
+    rx = shm.SharedMemory(MiB, "r", host="h")
+    frames, _ = _request(np.zeros(4, np.float32))
+    header = {**decode(frames).header, shm.KEY: info}
+    with pytest.raises(ProtocolError):
+        rx.inbound(frames, header)
+
+
+def test_a_frame_over_the_limit_is_refused_before_it_is_read() -> None:
+    tx = shm.SharedMemory(8 * MiB, "s", min_bytes=MiB)
+    rx = shm.SharedMemory(MiB, "r", max_frame_bytes=MiB)
+    try:
+        frames, _ = _request(np.zeros(MiB // 2, np.float32))  # 2 MiB
+        out, _ = tx.outbound(frames)
+        with pytest.raises(ProtocolError):
+            rx.inbound(out, decode(out).header)
+        assert rx.mapper.reads == 0
+    finally:
+        tx.close()
+
+
+def test_a_descriptor_must_name_an_empty_frame() -> None:
+    tx = shm.SharedMemory(8 * MiB, "s", min_bytes=MiB)
+    rx = shm.SharedMemory(MiB, "r")
+    try:
+        frames, _ = _request(np.zeros(MiB // 2, np.float32))
+        out, _ = tx.outbound(frames)
+        out[2] = frames[2]  # the bytes inline too: which to believe?
+        with pytest.raises(ProtocolError):
+            rx.inbound(out, decode(out).header)
+    finally:
+        tx.close()
+
+
+def test_disabled_by_env_and_by_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert shm.SharedMemory.create(0, "x") is None
+    monkeypatch.setenv("ZPS_NO_SHM", "1")
+    assert shm.SharedMemory.create(MiB, "x") is None
+    monkeypatch.setenv("ZPS_NO_SHM", "0")
+    sp = shm.SharedMemory.create(MiB, "x")
+    assert sp is not None
+    sp.close()
+
+
+_OWNER = """
+import sys, numpy as np
+from zps import shm
+a = shm.Arena(1 << 20, "owner")
+print(*a.put(np.arange(1000, dtype=np.uint8)), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_dead_owners_memory_is_unmapped_and_refused() -> None:
+    """The owner's memfd is in no directory; once it is SIGKILLed the reader drops its
+    mapping (so the kernel frees the memory) and refuses its descriptors."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    mapper = shm.Mapper()
+    try:
+        assert owner.stdout is not None
+        d = [int(x) for x in owner.stdout.readline().split()]
+        assert mapper.read(d).tobytes() == np.arange(1000, dtype=np.uint8).tobytes()
+        assert mapper.mapped == 1
+        assert not [n for n in os.listdir("/dev/shm") if f"zps-{owner.pid}" in n]
+        owner.kill()
+        owner.wait(10)
+        assert mapper.sweep() == 1 and mapper.mapped == 0
+        with pytest.raises(shm.ShmUnavailableError) as err:
+            mapper.read(d)
+        assert not err.value.permanent
+        maps = Path(f"/proc/{os.getpid()}/maps").read_text()
+        assert f"zps-{owner.pid}-owner" not in maps
+    finally:
+        owner.kill()
+        owner.wait(10)
+        mapper.close()

@@ -1,0 +1,571 @@
+"""Same-host shared memory for large payload frames.
+
+A message keeps its route and header frames and still goes through the broker; a
+payload frame of at least :data:`MIN_BYTES` whose sender and final receiver share a
+host travels as a region of the sender's shared memory instead, and the frame itself
+becomes empty.  The header then carries, under :data:`KEY`, a map::
+
+    {"h": host key, "d": [[frame, pid, fd, inode, offset, length, token], ...],
+     "r": true,            # (requests) the sender takes large reply frames this way
+     "done": [token, ...]} # (requests) reply regions of the receiver it has read
+
+Memory: each process has one arena, a ``memfd`` of at most its byte budget (pages
+are taken as they are first written).  A memfd has no name in ``/dev/shm``; a peer
+opens it as ``/proc/PID/fd/FD`` (the same host, pid namespace and user only) and
+checks its inode, and the kernel frees it once the owner has exited and no peer maps
+it, SIGKILL included: nothing is left behind to clean up.  Readers drop the
+mappings of owners that are gone (:meth:`Mapper.sweep`).
+
+Safety: every region starts with a 64-byte head holding its token; the owner writes
+a fresh token before the data and clears it before the region's bytes may be reused.
+A reader checks the token, copies the bytes out into its own memory, and checks the
+token again: a region reused meanwhile is refused (:class:`ShmUnavailableError`),
+never read as other data.  So a reader never keeps a view of another process's
+memory, and what it replicates or logs is its own copy.  The owner reuses a region
+when its reader said it is done (a client frees a request's regions once the request
+is answered; a shard frees a reply's once the client's next request says so, or
+after ``reclaim_after`` seconds), and when the budget is spent a frame simply goes
+inline: nothing ever waits for memory.
+
+``ZPS_NO_SHM=1`` in the environment turns the path off (as the ``shm_bytes = 0``
+settings do); so does a host without ``memfd_create`` or ``/proc``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import mmap
+import os
+import secrets
+import stat
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from zps.errors import ProtocolError, ZpsError
+from zps.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
+
+#: The header key of a message with payload frames in shared memory.
+KEY = "shm"
+#: Payload frames of at least this many bytes go through shared memory.
+MIN_BYTES = 1 << 20
+#: A region's head: magic, token, length (padded to 64 bytes).
+MAGIC = b"ZPSSHM01"
+HEAD = struct.Struct("<8sQQ")
+HEAD_BYTES = 64
+_TOKEN = struct.Struct("<Q")
+#: Mappings of peers' arenas a reader keeps at most.
+MAX_MAPPINGS = 64
+#: How often a reader looks for mappings of owners that are gone, at most.
+SWEEP_S = 1.0
+
+
+class ShmUnavailableError(ZpsError):
+    """A region named by a descriptor cannot be read (another host, the owner gone,
+    the region reused): the message must be sent again with inline frames."""
+
+    def __init__(self, message: str, *, permanent: bool) -> None:
+        super().__init__(message)
+        #: True: this peer cannot open the sender's memory at all (another host or
+        #: user); False: this one region is gone (re-sending it may work).
+        self.permanent = permanent
+
+
+def disabled_by_env() -> bool:
+    return os.environ.get("ZPS_NO_SHM", "") not in ("", "0")
+
+
+def host_key() -> str | None:
+    """Who can open whose memfds: the boot and the pid namespace (None: the path is
+    unavailable here)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    if not hasattr(os, "memfd_create"):
+        return None
+    return f"{boot}/{pidns}"
+
+
+@dataclass(slots=True)
+class _Region:
+    offset: int
+    size: int  # head and data, rounded up to 64 bytes
+    token: int
+    born: float
+
+
+def _round(n: int) -> int:
+    return (n + 63) & ~63
+
+
+class Arena:
+    """One process's shared memory for the payloads it sends (see the module notes).
+
+    ``put`` never blocks: it returns None when the budget has no room.  With
+    ``reclaim_after`` (seconds), a region older than that may be reused for a new one
+    without being freed first (its reader, if any, then finds it reused).
+    """
+
+    def __init__(self, budget: int, name: str, *, reclaim_after: float | None = None) -> None:
+        if budget <= 0:
+            raise ValueError(f"shared memory budget must be positive, got {budget}")
+        self.budget = budget
+        self.reclaim_after = reclaim_after
+        self.pid = os.getpid()
+        self.fd = os.memfd_create(f"zps-{self.pid}-{name}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, budget)
+            self._mm = mmap.mmap(self.fd, budget)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self.inode = os.fstat(self.fd).st_ino
+        self._view = np.frombuffer(self._mm, dtype=np.uint8)
+        self._offsets: list[int] = []  # live regions by offset, sorted
+        self._by_offset: dict[int, _Region] = {}
+        self._by_token: dict[int, _Region] = {}
+        self._tokens = itertools.count(secrets.randbits(62) | 1)
+        self.used = 0
+        self.touched = 0  # bytes from the start that may hold pages (see trim)
+        self.puts = 0
+        self.full = 0  # frames that went inline for want of room
+        self.reclaimed = 0  # regions reused after reclaim_after without a free
+
+    @property
+    def live(self) -> int:
+        return len(self._by_token)
+
+    def _fit(self, size: int) -> int | None:
+        """The lowest offset with ``size`` free bytes (first fit keeps the pages in use few)."""
+        start = 0
+        for off in self._offsets:
+            if off - start >= size:
+                return start
+            start = off + self._by_offset[off].size
+        return start if self.budget - start >= size else None
+
+    def _reclaim(self, now: float) -> bool:
+        if self.reclaim_after is None:
+            return False
+        old = [r for r in self._by_token.values() if now - r.born >= self.reclaim_after]
+        for r in old:
+            self._release(r)
+        self.reclaimed += len(old)
+        return bool(old)
+
+    def put(self, data: Any, now: float | None = None) -> list[int] | None:
+        """Copy ``data`` (a buffer) into a new region: ``[pid, fd, inode, offset, length,
+        token]`` for a descriptor, or None when the budget has no room."""
+        src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        src = src.reshape(-1).view(np.uint8)
+        length = src.size
+        size = _round(HEAD_BYTES + length)
+        off = self._fit(size)
+        if off is None:
+            now = time.monotonic() if now is None else now
+            if self._reclaim(now):
+                off = self._fit(size)
+            if off is None:
+                self.full += 1
+                return None
+        token = next(self._tokens) & ((1 << 64) - 1) or 1
+        region = _Region(off, size, token, time.monotonic() if now is None else now)
+        bisect.insort(self._offsets, off)
+        self._by_offset[off] = region
+        self._by_token[token] = region
+        self.used += size
+        self.touched = max(self.touched, off + size)
+        self.puts += 1
+        # The token first, then the data: a reader that saw any of the new bytes sees
+        # this token (or a later one) when it checks again.
+        HEAD.pack_into(self._mm, off, MAGIC, token, length)
+        self._view[off + HEAD_BYTES : off + HEAD_BYTES + length] = src
+        return [self.pid, self.fd, self.inode, off, length, token]
+
+    def free(self, token: int) -> bool:
+        """The reader is done with region ``token`` (unknown tokens are ignored)."""
+        region = self._by_token.get(token)
+        if region is None:
+            return False
+        self._release(region)
+        return True
+
+    def _release(self, region: _Region) -> None:
+        # Cleared before the bytes can be reused: a reader still copying finds out.
+        _TOKEN.pack_into(self._mm, region.offset + 8, 0)
+        del self._by_token[region.token]
+        del self._by_offset[region.offset]
+        self._offsets.remove(region.offset)
+        self.used -= region.size
+
+    def trim(self) -> int:
+        """Give the pages above the last region in use back to the kernel; the bytes."""
+        top = 0
+        if self._offsets:
+            last = self._by_offset[self._offsets[-1]]
+            top = last.offset + last.size
+        top = -(-top // mmap.PAGESIZE) * mmap.PAGESIZE
+        if top >= self.touched:
+            return 0
+        freed = self.touched - top
+        self._mm.madvise(mmap.MADV_REMOVE, top, freed)
+        self.touched = top
+        return freed
+
+    def close(self) -> None:
+        self._by_token.clear()
+        self._by_offset.clear()
+        self._offsets.clear()
+        del self._view
+        with contextlib.suppress(BufferError):  # a view is alive: it goes with the process
+            self._mm.close()
+        os.close(self.fd)
+
+
+class Mapper:
+    """A reader's mappings of its peers' arenas, by owner pid and memfd inode."""
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[int, int, int], mmap.mmap] = {}
+        self.swept = time.monotonic()
+        self.reads = 0
+        self.refused = 0
+
+    @property
+    def mapped(self) -> int:
+        return len(self._maps)
+
+    def _open(self, pid: int, fd: int, inode: int) -> mmap.mmap:
+        key = (pid, fd, inode)
+        mm = self._maps.get(key)
+        if mm is not None:
+            return mm
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            # Never blocks (a descriptor naming a pipe or a FIFO) nor takes a terminal.
+            f = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+        except FileNotFoundError:
+            raise ShmUnavailableError(
+                f"shared memory of process {pid} is gone (it exited)", permanent=False
+            ) from None
+        except OSError as e:
+            raise ShmUnavailableError(
+                f"cannot open shared memory {path}: {e.strerror}", permanent=True
+            ) from None
+        try:
+            st = os.fstat(f)
+            if st.st_ino != inode or not stat.S_ISREG(st.st_mode):
+                raise ShmUnavailableError(
+                    f"{path} is not the shared memory the message names (the process exited?)",
+                    permanent=False,
+                )
+            mm = mmap.mmap(f, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError as e:
+            raise ShmUnavailableError(
+                f"cannot map shared memory {path}: {e.strerror}", permanent=True
+            ) from None
+        finally:
+            os.close(f)
+        if len(self._maps) >= MAX_MAPPINGS:
+            self.sweep(force=True)
+            if len(self._maps) >= MAX_MAPPINGS:
+                _close(self._maps.pop(next(iter(self._maps))))
+        self._maps[key] = mm
+        return mm
+
+    def read(self, desc: Sequence[int]) -> np.ndarray:
+        """The bytes of the region ``desc`` names (``[pid, fd, inode, offset, length,
+        token]``), copied into this process's memory."""
+        now = time.monotonic()
+        if now - self.swept >= SWEEP_S:
+            self.sweep(now=now)
+        pid, fd, inode, offset, length, token = desc
+        mm = self._open(pid, fd, inode)
+        if offset + HEAD_BYTES + length > len(mm):
+            raise ProtocolError(
+                f"shared memory region [{offset}, +{length}) is outside the segment "
+                f"of {len(mm)} bytes"
+            )
+        magic, have, declared = HEAD.unpack_from(mm, offset)
+        if magic != MAGIC or have != token or declared != length:
+            self.refused += 1
+            raise ShmUnavailableError(
+                "the shared memory region was reused before it was read", permanent=False
+            )
+        out = np.empty(length, dtype=np.uint8)
+        out[:] = np.frombuffer(mm, dtype=np.uint8, count=length, offset=offset + HEAD_BYTES)
+        # The owner clears the token before reusing the bytes: unchanged, the copy is whole.
+        if _TOKEN.unpack_from(mm, offset + 8)[0] != token:
+            self.refused += 1
+            raise ShmUnavailableError(
+                "the shared memory region was reused while it was read", permanent=False
+            )
+        self.reads += 1
+        return out
+
+    def sweep(self, *, now: float | None = None, force: bool = False) -> int:
+        """Unmap the arenas of owners that are gone (so the kernel can free them)."""
+        self.swept = time.monotonic() if now is None else now
+        gone = []
+        for key in self._maps:
+            pid, fd, inode = key
+            try:
+                alive = os.stat(f"/proc/{pid}/fd/{fd}").st_ino == inode
+            except OSError:
+                alive = False
+            if not alive:
+                gone.append(key)
+        for key in gone:
+            _close(self._maps.pop(key))
+        return len(gone)
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            _close(mm)
+        self._maps.clear()
+
+
+def _close(mm: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # a view is still alive; unmapped when it goes
+        mm.close()
+
+
+def _descriptors(value: object) -> list[list[int]]:
+    if not isinstance(value, list) or len(value) > 4096:
+        raise ProtocolError("shared memory descriptors must be a list")
+    for d in value:
+        if (
+            not isinstance(d, list)
+            or len(d) != 7
+            or any(type(x) is not int or not 0 <= x < 1 << 64 for x in d)
+        ):
+            raise ProtocolError(f"bad shared memory descriptor {d!r}"[:200])
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """A message with its shared-memory frames read: ``frames`` as if sent inline (the
+    header without :data:`KEY`), and what the sender asked of this receiver."""
+
+    frames: list[Any]
+    header: dict[str, Any]  # the header without KEY
+    reply_ok: bool  # the sender takes large reply frames through shared memory
+    done: list[int]  # regions of this process's arena the sender has read
+
+
+class SharedMemory:
+    """One process's side of the path: its arena (made at first use), its mappings
+    of peers' arenas, and its host key."""
+
+    def __init__(
+        self,
+        budget: int,
+        name: str,
+        *,
+        reclaim_after: float | None = None,
+        min_bytes: int = MIN_BYTES,
+        max_frame_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        host: str | None = None,
+    ) -> None:
+        key = host or host_key()
+        if key is None:
+            raise ShmUnavailableError("shared memory is unavailable here", permanent=True)
+        self.host = key
+        self.budget = budget
+        self.name = name
+        self.reclaim_after = reclaim_after
+        self.min_bytes = min_bytes
+        #: The largest frame read from a peer's memory (as zmq's MAXMSGSIZE for a frame).
+        self.max_frame_bytes = max_frame_bytes
+        self.mapper = Mapper()
+        self._arena: Arena | None = None
+
+    @classmethod
+    def create(
+        cls,
+        budget: int,
+        name: str,
+        *,
+        reclaim_after: float | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> SharedMemory | None:
+        """The path, or None when it is off (``budget`` 0, ``ZPS_NO_SHM``) or unavailable."""
+        if budget <= 0 or disabled_by_env():
+            return None
+        try:
+            return cls(budget, name, reclaim_after=reclaim_after, max_frame_bytes=max_frame_bytes)
+        except ShmUnavailableError:
+            return None
+
+    @property
+    def arena(self) -> Arena:
+        if self._arena is None:
+            self._arena = Arena(self.budget, self.name, reclaim_after=self.reclaim_after)
+        return self._arena
+
+    def wants(self, frames: Sequence[Any]) -> bool:
+        """Whether any payload frame of ``[route, header, payloads...]`` is large enough."""
+        return any(_nbytes(f) >= self.min_bytes for f in frames[2:])
+
+    def outbound(
+        self,
+        frames: Sequence[Any],
+        *,
+        payloads: bool = True,
+        reuse: Sequence[list[int]] = (),
+        reply_ok: bool = False,
+        done: Sequence[int] = (),
+        now: float | None = None,
+    ) -> tuple[list[Any], list[list[int]]]:
+        """``[route, header, payloads...]`` with its large payload frames (``payloads``)
+        in shared memory, and the descriptors of the regions taken (free them with
+        :meth:`free` and :func:`tokens` once the receiver has read them).  ``reuse``:
+        the descriptors an earlier sending of the same frames took (a re-send copies
+        nothing again).  ``reply_ok`` and ``done`` go into the header for the receiver.
+        Frames the budget has no room for stay inline; with nothing to say, the frames
+        are returned as they are."""
+        descs: list[list[int]] = []
+        out = list(frames)
+        if payloads and reuse:
+            descs = list(reuse)
+            for d in descs:
+                out[2 + d[0]] = b""
+        elif payloads:
+            for i in range(2, len(out)):
+                f = out[i]
+                if _nbytes(f) < self.min_bytes:
+                    continue
+                region = self.arena.put(f, now)
+                if region is None:
+                    break  # the budget is spent: the rest go inline
+                descs.append([i - 2, *region])
+                out[i] = b""
+        if not descs and not reply_ok and not done:
+            return out, []
+        header = msgpack.unpackb(out[1], raw=False)
+        if not isinstance(header, dict):
+            raise ProtocolError("header must be a map")
+        info: dict[str, Any] = {"h": self.host}
+        if descs:
+            info["d"] = descs
+        if reply_ok:
+            info["r"] = True
+        if done:
+            info["done"] = list(done)
+        header[KEY] = info
+        out[1] = msgpack.packb(header, use_bin_type=True)
+        return out, descs
+
+    def inbound(self, frames: Sequence[Any], header: dict[str, Any]) -> Inbound:
+        """Read the shared-memory frames of a received ``[route, header, payloads...]``
+        whose decoded header is ``header`` (it has :data:`KEY`).  Raises
+        :class:`ShmUnavailableError` when a region cannot be read (nothing read is
+        used then), ProtocolError for a malformed descriptor."""
+        info = header.get(KEY)
+        if not isinstance(info, dict):
+            raise ProtocolError(f"header {KEY!r} must be a map")
+        done = info.get("done", [])
+        if not isinstance(done, list) or any(type(t) is not int for t in done):
+            raise ProtocolError("shared memory 'done' must be a list of tokens")
+        if self._arena is not None:
+            for t in done:
+                self._arena.free(t)
+        descs = _descriptors(info.get("d", []))
+        rest = {k: v for k, v in header.items() if k != KEY}
+        out = list(frames)
+        out[1] = msgpack.packb(rest, use_bin_type=True)
+        if descs:
+            if info.get("h") != self.host:
+                self.mapper.refused += 1
+                raise ShmUnavailableError(
+                    "the sender's shared memory is on another host", permanent=True
+                )
+            for d in descs:
+                i = 2 + d[0]
+                if i >= len(out) or _nbytes(out[i]) != 0:
+                    raise ProtocolError(f"shared memory descriptor names frame {d[0]}")
+                if d[5] > self.max_frame_bytes:
+                    raise ProtocolError(
+                        f"a shared memory frame of {d[5]} bytes exceeds {self.max_frame_bytes}"
+                    )
+                out[i] = self.mapper.read(d[1:]).data
+        return Inbound(out, rest, info.get("r") is True and info.get("h") == self.host, list(done))
+
+    def housekeeping(self, now: float | None = None) -> None:
+        """Drop mappings of peers that are gone (at most every :data:`SWEEP_S`); a
+        process calls it now and then, reading or not."""
+        now = time.monotonic() if now is None else now
+        if self.mapper.mapped and now - self.mapper.swept >= SWEEP_S:
+            self.mapper.sweep(now=now)
+
+    def trim(self) -> int:
+        """Give the unused pages of this process's arena back (a quiet moment)."""
+        return self._arena.trim() if self._arena is not None else 0
+
+    def free(self, tokens: Sequence[int]) -> None:
+        if self._arena is not None:
+            for t in tokens:
+                self._arena.free(t)
+
+    def stats(self) -> dict[str, int]:
+        a = self._arena
+        return {
+            "used": a.used if a else 0,
+            "live": a.live if a else 0,
+            "puts": a.puts if a else 0,
+            "full": a.full if a else 0,
+            "reclaimed": a.reclaimed if a else 0,
+            "reads": self.mapper.reads,
+            "refused": self.mapper.refused,
+            "mapped": self.mapper.mapped,
+        }
+
+    def close(self) -> None:
+        self.mapper.close()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+
+class _Off(SharedMemory):
+    """A process with the path off: refuses descriptors, ignores the rest."""
+
+    def __init__(self) -> None:
+        super().__init__(1, "off", host="off")
+
+    def inbound(self, frames: Sequence[Any], header: dict[str, Any]) -> Inbound:
+        info = header.get(KEY)
+        if isinstance(info, dict) and info.get("d"):
+            self.mapper.refused += 1
+            raise ShmUnavailableError("shared memory is off here", permanent=True)
+        got = super().inbound(frames, header)
+        return Inbound(got.frames, got.header, False, [])
+
+
+#: What a process with the path off uses to read a message that names shared memory.
+OFF = _Off()
+
+
+def tokens(descs: Sequence[list[int]]) -> list[int]:
+    """The region tokens of descriptors from :meth:`SharedMemory.outbound`."""
+    return [d[6] for d in descs]
+
+
+def _nbytes(f: Any) -> int:
+    if isinstance(f, bytes | bytearray):
+        return len(f)
+    try:
+        return memoryview(f).nbytes
+    except TypeError:
+        return len(f)
