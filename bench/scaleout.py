@@ -15,7 +15,12 @@ many worker hosts (its link is not shaped unless ``--client-rate`` says so).
 The broker's link is ``shaped`` (its host has the same link as every shard host) or
 ``fat`` (not shaped, as for a broker on a host with a much faster NIC), both by
 default; ``colocated`` runs the broker on the first shard host instead, sharing its
-link (as a routing broker on every shard host would).  Workloads, per step:
+link.  ``--routers`` adds routing brokers (``zps-server broker --follow``): ``1`` and
+``2`` start that many, ``each`` one per shard host; ``--router-place shard`` (default)
+runs router j on shard host j (round-robin when there are more routers than shard
+hosts), ``own`` on hosts of their own with shaped links.  The map then names each
+partition's router (the one on its primary's host) and the broker carries no data.
+Workloads, per step:
 
 - dense: ``pull_dense`` of a 16 MiB float32 tensor (SGD) then ``push_dense`` of a
   same-size gradient: 32 MiB of values;
@@ -106,7 +111,13 @@ async def client_main(args: dict[str, Any]) -> None:
         while True:  # every partition served before anything is created
             st = await ps.status()
             parts = st["partitions"]
-            if len(parts) == args["partitions"] and all(p["state"] == "ok" for p in parts):
+            routed = {p for r in st.get("routers", []) for p in r["partitions"]}
+            if (
+                len(parts) == args["partitions"]
+                and all(p["state"] == "ok" for p in parts)
+                and len(st.get("routers", [])) == args["routers"]
+                and (not args["routers"] or len(routed) == len(parts))
+            ):
                 break
             if time.monotonic() > deadline:
                 raise SystemExit(f"the cluster did not come up: {parts}")
@@ -136,7 +147,8 @@ async def client_main(args: dict[str, Any]) -> None:
             if line.strip() != "GO":
                 raise SystemExit(0)
             requests, retries = ps.stats.requests, ps.stats.retries
-            overloaded = (await ps.status())["broker"]["overloaded"]
+            broker = (await ps.status())["broker"]
+            overloaded, routed = broker["overloaded"], broker["routed"]
             stop = time.monotonic() + args["duration"]
             # Per task: when it started and when each step ended (CLOCK_MONOTONIC: the
             # parent reads the same clock).
@@ -150,9 +162,11 @@ async def client_main(args: dict[str, Any]) -> None:
                 "requests": ps.stats.requests - requests,
                 "retries": ps.stats.retries - retries,
                 "errors": work.errors,
-                # every client reads the broker's count over about the same time
-                "overloaded": (await ps.status())["broker"]["overloaded"] - overloaded,
             }
+            # every client reads the broker's counts over about the same time
+            after = (await ps.status())["broker"]
+            result["overloaded"] = after["overloaded"] - overloaded
+            result["broker_routed"] = after["routed"] - routed
             work.errors = []
             _emit("RESULT", result)
 
@@ -433,6 +447,9 @@ class Lab:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # Simulated hosts share this machine's memory, real ones would not: no same-host
+        # shared-memory payloads (zps.shm), every byte crosses the links.
+        env["ZPS_NO_SHM"] = "1"
         with open(log, "wb") as out:
             popen = subprocess.Popen(
                 ["ip", "netns", "exec", self.ns(node), *argv],  # execs: the pid is argv's
@@ -512,6 +529,12 @@ class Row:
     overloaded: int
     #: Calls that failed (each failed step is left out of the rate).
     errors: int
+    #: Requests the broker itself routed during the run (0 when routers carry them).
+    broker_routed: int = 0
+    routers: str = "0"
+    router_cores: float = 0.0
+    #: Routers on hosts of their own: the busiest router link's use.
+    router_util: float | None = None
     ratio: float | None = None
 
 
@@ -562,28 +585,51 @@ def start_cluster(
     for i in range(n_hosts):
         host = lab.hosts[f"s{i}"]
         argv = [sys.executable, "-m", "zps", "shard", "--broker", address, "--advertise-host",
-                host, "--replication-bind", f"tcp://{host}:0", *hb]  # fmt: skip
+                host, "--replication-bind", f"tcp://{host}:0", "--host", f"s{i}", *hb]  # fmt: skip
         shards.append(lab.spawn(f"shard{i}-{tag}", f"s{i}", argv))
     return broker, shards
 
 
-def measure(lab: Lab, opts: argparse.Namespace, n_hosts: int, broker_link: str) -> list[Row]:
-    """Start a broker and ``n_hosts`` shards, run every workload, stop them."""
+def start_routers(
+    lab: Lab, n_routers: int, n_hosts: int, place: str, tag: str, address: str, liveness: int
+) -> tuple[list[Proc], list[str]]:
+    """Routing brokers following ``address``: on the shard hosts, or on hosts of their own."""
+    hb = ["--heartbeat-interval", str(HEARTBEAT_S), "--liveness", str(liveness)]
+    routers, nodes = [], []
+    for j in range(n_routers):
+        node = f"s{j % n_hosts}" if place == "shard" else f"r{j}"
+        bind = f"tcp://{lab.hosts[node]}:{PORT + 1 + j}"
+        argv = [sys.executable, "-m", "zps", "broker", "--follow", address, "--bind", bind,
+                "--host", node, *hb]  # fmt: skip
+        routers.append(lab.spawn(f"router{j}-{tag}", node, argv))
+        nodes.append(node)
+    return routers, nodes
+
+
+def measure(
+    lab: Lab, opts: argparse.Namespace, n_hosts: int, broker_link: str, routers: str = "0"
+) -> list[Row]:
+    """Start a broker, ``n_hosts`` shards and the routers, run every workload, stop them."""
     rate = opts.rate if broker_link == "shaped" else None
     lab.shape("broker", rate, opts.delay_ms, opts.queue_ms)
     # colocated: the broker runs on the first shard host and shares its link.
     broker_node = "s0" if broker_link == "colocated" else "broker"
     address = f"tcp://{lab.hosts[broker_node]}:{PORT}"
-    tag = f"{n_hosts}-{broker_link}"
+    n_routers = n_hosts if routers == "each" else int(routers)
+    tag = f"{n_hosts}-{broker_link}-r{routers}"
     started: list[Proc] = []
     try:
         broker, shards = start_cluster(lab, n_hosts, tag, address, opts.liveness, broker_node)
-        started += [broker, *shards]
+        router_procs, router_nodes = start_routers(
+            lab, n_routers, n_hosts, opts.router_place, tag, address, opts.liveness
+        )
+        started += [broker, *shards, *router_procs]
         clients = []
         for n in range(opts.clients):
             args = {
                 "address": address,
                 "partitions": n_hosts,
+                "routers": n_routers,
                 "workloads": opts.workloads,
                 "duration": opts.duration,
                 "inflight": opts.inflight,
@@ -592,7 +638,8 @@ def measure(lab: Lab, opts: argparse.Namespace, n_hosts: int, broker_link: str) 
             argv = [sys.executable, __file__, "--child", json.dumps(args)]
             clients.append(lab.spawn(f"client{n}-{tag}", "client", argv, pipes=True))
         started += clients
-        nodes = ["broker", *(f"s{i}" for i in range(max(n_hosts, 1))), "client"]
+        own = [n for n in dict.fromkeys(router_nodes) if n.startswith("r")]
+        nodes = ["broker", *(f"s{i}" for i in range(max(n_hosts, 1))), *own, "client"]
         rows = []
         for kind in opts.workloads:
             for c in clients:
@@ -609,9 +656,15 @@ def measure(lab: Lab, opts: argparse.Namespace, n_hosts: int, broker_link: str) 
             results = [c.expect("RESULT", opts.duration + 120) for c in clients]
             for err in {e for r in results for e in r["errors"]}:
                 print(f"  ({n_hosts} hosts, {kind}) a call failed: {err}", file=sys.stderr)
-            rows.append(
-                make_row(opts, first, last, results, kind, n_hosts, broker_link, broker, shards)
+            row = make_row(opts, first, last, results, kind, n_hosts, broker_link, broker, shards)
+            row.routers = routers
+            row.router_cores = sum(
+                (last.cpu[p.name] - first.cpu[p.name]) / (last.at - first.at) for p in router_procs
             )
+            row.router_util = (
+                max(last.link_use(first, n, opts.rate) or 0.0 for n in own) if own else None
+            )
+            rows.append(row)
             print(fmt_row(rows[-1], os.cpu_count() or 1), flush=True)
         return rows
     finally:
@@ -664,12 +717,14 @@ def make_row(
         resent=sum(r["retries"] for r in results) / max(1, sum(r["requests"] for r in results)),
         overloaded=max(r["overloaded"] for r in results),
         errors=sum(len(r["errors"]) for r in results),
+        broker_routed=max(r.get("broker_routed", 0) for r in results),
     )
 
 
 COLUMNS = [
-    "shard hosts", "broker link", "workload", "GB/s", "M rows/s", "x 1 host",
-    "broker CPU (cores)", "zps CPU (cores)", "busy cores (machine)", "hottest shard CPU",
+    "shard hosts", "broker link", "routers", "workload", "GB/s", "M rows/s", "x 1 host",
+    "broker CPU (cores)", "router CPU (cores)", "broker routed", "router link use",
+    "zps CPU (cores)", "busy cores (machine)", "hottest shard CPU",
     "broker link use", "shard link use (mean)", "client link Gbit/s", "TCP retransmitted",
     "requests re-sent", "OVERLOADED", "caller errors",
 ]  # fmt: skip
@@ -683,11 +738,15 @@ def fmt_row(r: Row, ncpu: int) -> str:
     cells = [
         str(r.hosts),
         r.broker_link,
+        r.routers,
         r.workload,
         f"{r.gbps:.3f}",
         "-" if r.mrows is None else f"{r.mrows:.3f}",
         "-" if r.ratio is None else f"{r.ratio:.2f}x",
         f"{r.broker_cores:.2f} ({100 * r.broker_cores / max(r.busy_cores, 1e-9):.0f}% of busy)",
+        f"{r.router_cores:.2f}",
+        str(r.broker_routed),
+        pct(r.router_util),
         f"{r.own_cores:.2f}",
         f"{r.busy_cores:.2f} of {ncpu}",
         f"{r.shard_cores:.2f}",
@@ -739,6 +798,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="shaped (like every host), fat (not shaped), colocated (the broker on the first "
         "shard host, sharing its link); default shaped,fat",
     )
+    add(
+        "--routers",
+        default="0",
+        help="routing brokers per cluster, comma-separated runs: 0 (the broker routes), 1, 2, "
+        "each (one per shard host); default 0",
+    )
+    add(
+        "--router-place",
+        default="shard",
+        choices=("shard", "own"),
+        help="routers on the shard hosts (router j on host j) or on hosts of their own "
+        "(default shard)",
+    )
     add("--workloads", default="dense,sparse", help="dense and/or sparse (default both)")
     add("--duration", type=float, default=8.0, help="seconds per measurement (default 8)")
     add(
@@ -760,6 +832,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--workloads: dense and/or sparse")
     opts.hosts = [int(x) for x in opts.hosts.split(",")]
     opts.broker_link = [x for x in opts.broker_link.split(",") if x]
+    opts.routers = [x for x in opts.routers.split(",") if x]
+    if not opts.routers or not all(x == "each" or x.isdigit() for x in opts.routers):
+        ap.error("--routers: counts (0, 1, 2, ...) and/or each")
     if not opts.broker_link or not set(opts.broker_link) <= {"shaped", "fat", "colocated"}:
         ap.error("--broker-link: shaped, fat and/or colocated")
     return opts
@@ -778,6 +853,10 @@ def run(lab: Lab, opts: argparse.Namespace) -> list[Row]:
     for i in range(max(opts.hosts)):
         lab.node(f"s{i}", 11 + i)
         lab.shape(f"s{i}", opts.rate, opts.delay_ms, opts.queue_ms)
+    if opts.router_place == "own":
+        for j in range(max(max(opts.hosts) if r == "each" else int(r) for r in opts.routers)):
+            lab.node(f"r{j}", 21 + j)
+            lab.shape(f"r{j}", opts.rate, opts.delay_ms, opts.queue_ms)
     lab.node("client", 31)
     lab.shape("client", opts.client_rate, opts.delay_ms, opts.queue_ms)
     delay = f"{opts.delay_ms:g} ms" if lab.netem else "none (this kernel has no sch_netem)"
@@ -791,8 +870,9 @@ def run(lab: Lab, opts: argparse.Namespace) -> list[Row]:
     print(HEADER, flush=True)
     rows: list[Row] = []
     for broker_link in opts.broker_link:
-        for n in opts.hosts:
-            rows += measure(lab, opts, n, broker_link)
+        for routers in opts.routers:
+            for n in opts.hosts:
+                rows += measure(lab, opts, n, broker_link, routers)
     return rows
 
 
@@ -835,9 +915,11 @@ def main(argv: list[str] | None = None) -> int:
             left = [n for n in listed if n.startswith(lab.tag + "-")]
             if left:
                 print(f"scaleout: namespaces left behind: {left}", file=sys.stderr)
-    base = {(r.broker_link, r.workload): r.gbps for r in rows if r.hosts == min(opts.hosts)}
+    base = {
+        (r.broker_link, r.routers, r.workload): r.gbps for r in rows if r.hosts == min(opts.hosts)
+    }
     for r in rows:
-        b = base.get((r.broker_link, r.workload))
+        b = base.get((r.broker_link, r.routers, r.workload))
         r.ratio = r.gbps / b if b else None
     print(f"\nall rows, ratios to {min(opts.hosts)} shard host(s); "
           f"{time.monotonic() - t_start:.0f} s in all")  # fmt: skip
