@@ -1,5 +1,5 @@
 """Builds the optional compiled kernels: the id index's lookup (``zps.store._probe``),
-an embedding table's pull and push (``zps.store._kernel``).
+an embedding table's pull and push (``zps.store._kernel``) and more below.
 
 Everything else is in pyproject.toml.  The extensions are optional: where one cannot be
 built (no compiler or no Python headers), the install goes on and zps uses the numpy
@@ -31,6 +31,13 @@ setup(
                 "-fno-math-errno",
                 "-fno-trapping-math",
             ],
+            optional=True,
+        ),
+        # The client's row routing (zps.core.rows); optional the same way.
+        Extension(
+            "zps.core._rows",
+            ["zps/core/_rows.c"],
+            extra_compile_args=["-O3"],
             optional=True,
         ),
     ]

@@ -28,14 +28,10 @@ import numpy.typing as npt
 
 from zps.client.training import TrainingCalls
 from zps.core.batching import groups_by_bytes, row_runs, split_push
-from zps.core.hashing import name_hash
+from zps.core.hashing import mix64_int, name_hash
 from zps.core.memo import IdsMemo
-from zps.core.routing import (
-    chunk_partition,
-    dense_chunk_elems,
-    split_by_partition,
-)
-from zps.core.rows import put_rows, take_rows
+from zps.core.routing import chunk_partition, dense_chunk_elems
+from zps.core.rows import Split, put_rows, split_ids, take_rows
 from zps.errors import (
     BadRequestError,
     ProtocolError,
@@ -60,7 +56,8 @@ class Client(TrainingCalls):
     def __init__(self, address: str | Sequence[str], config: ClientConfig | None = None) -> None:
         super().__init__(address, config)
         self._specs: dict[str, DenseSpec | EmbeddingSpec] = {}
-        self._split_memo: IdsMemo[list[tuple[int, npt.NDArray[np.intp]]]] = IdsMemo(size=4)
+        self._split_memo: IdsMemo[Split] = IdsMemo(size=4)
+        self._row_bytes: dict[str, tuple[EmbeddingSpec, int]] = {}  # see _check_row
 
     # -- tables --------------------------------------------------------------
 
@@ -245,16 +242,22 @@ class Client(TrainingCalls):
             )
         await self._finish(futures, wait)
 
-    def _check_row(self, spec: EmbeddingSpec) -> None:
+    def _check_row(self, spec: EmbeddingSpec) -> int:
         """Calls are cut by rows: refuse, before sending anything, a table whose single
-        row (with its id) this client could not send or receive."""
-        nbytes = 8 + spec.dim * np.dtype(spec.dtype).itemsize
+        row (with its id) this client could not send or receive.  Returns the bytes of
+        a row (remembered for the spec: every row call asks)."""
+        known = self._row_bytes.get(spec.name)
+        if known is not None and known[0] is spec:
+            return known[1]
+        row_bytes = spec.dim * np.dtype(spec.dtype).itemsize
         limit = self.config.max_message_bytes // 2
-        if nbytes > limit:
+        if 8 + row_bytes > limit:
             raise BadRequestError(
-                f"table {spec.name!r} has rows of {nbytes} bytes; this client takes at "
+                f"table {spec.name!r} has rows of {8 + row_bytes} bytes; this client takes at "
                 f"most {limit} (half of client.max_message_bytes) in one message"
             )
+        self._row_bytes[spec.name] = (spec, row_bytes)
+        return row_bytes
 
     def _check_chunks(self, spec: DenseSpec) -> None:
         """A chunk travels whole in one message: refuse, before sending anything, a
@@ -280,16 +283,15 @@ class Client(TrainingCalls):
         spec = self._specs.get(name)
         if not isinstance(spec, EmbeddingSpec):
             spec = await self._embedding_spec(name)
-        self._check_row(spec)
+        row_bytes = self._check_row(spec)
         id_arr = _as_ids(ids)
-        parts = self._split(id_arr)
-        row_bytes = spec.dim * np.dtype(spec.dtype).itemsize
+        split = self._split(id_arr)
         budget = self.config.message_budget
-        if len(parts) == 1 and id_arr.size * max(row_bytes, 8) <= budget:
+        if len(split.parts) == 1 and id_arr.size * max(row_bytes, 8) <= budget:
             # one partition owns every id, one message: no gather, no scatter
             arr = (
                 await self._submit(
-                    parts[0][0],
+                    split.parts[0][0],
                     {"op": "pull_rows", "t": name},
                     {"ids": id_arr},
                     reply_bytes=id_arr.size * row_bytes,
@@ -300,26 +302,24 @@ class Client(TrainingCalls):
             return np.array(arr)  # writable, and not pinning the received frame
         rows = np.empty((id_arr.size, spec.dim), dtype=spec.dtype)
         # Per partition, runs of ids whose request (8 bytes an id) and reply (a row
-        # an id) each stay within the budget.
-        pieces = [
-            (p, pos[a:b])
-            for p, pos in parts
-            for a, b in row_runs(pos.size, max(row_bytes, 8), budget)
-        ]
+        # an id) each stay within the budget: [start, stop) of split.ids and split.order.
+        pieces = _runs(split, max(row_bytes, 8), budget)
         results = await self._gather(
-            self._submit(
-                p,
-                {"op": "pull_rows", "t": name},
-                {"ids": id_arr[pos]},
-                reply_bytes=pos.size * row_bytes,
-            )
-            for p, pos in pieces
+            [
+                self._submit(
+                    p,
+                    {"op": "pull_rows", "t": name},
+                    {"ids": split.ids[a:b]},
+                    reply_bytes=(b - a) * row_bytes,
+                )
+                for p, a, b in pieces
+            ]
         )
-        for (_, pos), result in zip(pieces, results, strict=True):
+        for (_, a, b), result in zip(pieces, results, strict=True):
             arr = result["arrays"]
-            if arr.shape != (pos.size, spec.dim):
+            if arr.shape != (b - a, spec.dim):
                 raise ProtocolError(f"pull_rows of {name!r} came back with shape {arr.shape}")
-            put_rows(rows, pos, arr)
+            put_rows(rows, split.order[a:b], arr)
         return rows
 
     async def push_rows(
@@ -341,16 +341,19 @@ class Client(TrainingCalls):
                 f"gradients for {name!r} have shape {g.shape}; expected "
                 f"({id_arr.size}, {spec.dim}) for {id_arr.size} ids of dim {spec.dim}"
             )
-        parts = self._split(id_arr)
+        split = self._split(id_arr)
         budget = self.config.message_budget
         futures: list[asyncio.Future[dict[str, Any]]] = []
-        for p, pos in parts:
-            if len(parts) == 1:  # one partition owns every id: the arrays as they are
+        # Every partition's gradients in one gather, each partition's a run of it.
+        by_part = g if len(split.parts) == 1 else take_rows(g, split.order)
+        for p, a, b in split.parts:
+            if len(split.parts) == 1:  # one partition owns every id: the arrays as they are
                 pieces = split_push(id_arr, g, budget)
                 if len(pieces) == 1:
                     pieces = [(_owned(id_arr, ids, wait), _owned(g, grads, wait))]
             else:
-                pieces = split_push(id_arr[pos], take_rows(g, pos), budget)
+                # split.ids is never written to (see _split): safe to send after return
+                pieces = split_push(split.ids[a:b], by_part[a:b], budget)
             # A push too large for one message goes as several (see split_push): each
             # has its own sequence number, so each is applied exactly once.
             futures.extend(
@@ -359,15 +362,20 @@ class Client(TrainingCalls):
             )
         await self._finish(futures, wait)
 
-    def _split(self, ids: npt.NDArray[np.int64]) -> list[tuple[int, npt.NDArray[np.intp]]]:
-        """split_by_partition, remembering the last answers: a training step pulls
-        a batch's rows and then pushes gradients for the same ids."""
+    def _split(self, ids: npt.NDArray[np.int64]) -> Split:
+        """The ids grouped by partition (:func:`zps.core.rows.split_ids`), remembering
+        the last answers: a training step pulls a batch's rows and then pushes
+        gradients for the same ids.  A split's arrays are shared by the calls that get
+        it: they are only read (and sent)."""
         cmap = self.cluster_map
-        parts = self._split_memo.get(ids, cmap)
-        if parts is None:
-            parts = split_by_partition(ids, cmap)
-            self._split_memo.put(ids, parts, cmap)
-        return parts
+        if ids.shape[0] == 1:  # one-row calls: in plain Python, without numpy rounds
+            p = cmap.slot_list[mix64_int(int(ids[0]) & _M64) % cmap.n_slots]
+            return Split(_ZERO, ids, [(p, 0, 1)])
+        split = self._split_memo.get(ids, cmap)
+        if split is None:
+            split = split_ids(ids, cmap.slot_map, cmap.n_partitions)
+            self._split_memo.put(ids, split, cmap)
+        return split
 
     # -- overlap ---------------------------------------------------------------
 
@@ -494,14 +502,13 @@ class Client(TrainingCalls):
             dup = int(uniq[np.argmax(counts > 1)])
             raise BadRequestError(f"set_rows of {name!r}: id {dup} appears more than once")
         row_bytes = 8 + spec.dim * np.dtype(spec.dtype).itemsize
+        split = self._split(id_arr)
+        by_part = take_rows(v, split.order)
         futures = [
             self._submit(
-                p,
-                {"op": "set_rows", "t": name},
-                {"ids": id_arr[pos[a:b]], "v": take_rows(v, pos[a:b])},
+                p, {"op": "set_rows", "t": name}, {"ids": split.ids[a:b], "v": by_part[a:b]}
             )
-            for p, pos in self._split(id_arr)
-            for a, b in row_runs(pos.size, row_bytes, self.config.message_budget)
+            for p, a, b in _runs(split, row_bytes, self.config.message_budget)
         ]
         await self._gather(futures)
 
@@ -602,6 +609,24 @@ class Client(TrainingCalls):
         n = self.cluster_map.n_partitions
         results = await self._gather(self._submit(p, {"op": "checksum"}, {}) for p in range(n))
         return {p: {"checksum": r["checksum"], "lsn": r["lsn"]} for p, r in enumerate(results)}
+
+
+_M64 = (1 << 64) - 1
+#: The positions of a one-id call.
+_ZERO = np.zeros(1, dtype=np.int64)
+_ZERO.flags.writeable = False
+
+
+def _runs(split: Split, row_bytes: int, budget: int) -> list[tuple[int, int, int]]:
+    """``(partition, start, stop)`` runs of ``split`` whose rows of ``row_bytes`` each
+    stay within ``budget`` bytes (a partition's run, or a cut of it)."""
+    out = []
+    for p, a, b in split.parts:
+        if (b - a) * row_bytes <= budget:
+            out.append((p, a, b))
+        else:
+            out.extend((p, a + x, a + y) for x, y in row_runs(b - a, row_bytes, budget))
+    return out
 
 
 def _chunk_bytes(spec: DenseSpec, chunk: int, itemsize: int) -> int:

@@ -171,13 +171,12 @@ class ClientSession(Generic[T]):
         req_id = next(self._req_ids)
         frames = encoder.build(Route(MsgType.REQUEST, partition, info.epoch, req_id), header)
         deadline = now + self.timeout
-        self._table[req_id] = _Request(token, partition, frames[1:], info.epoch, deadline)
+        req = self._table[req_id] = _Request(token, partition, frames[1:], info.epoch, deadline)
         self._deadlines[req_id] = deadline
-        self.stats.requests += 1
-        self.stats.ops += len(ops)
-        self.stats.by_partition[partition] += 1
-        req = self._table[req_id]
-        assert isinstance(req, _Request)
+        stats = self.stats
+        stats.requests += 1
+        stats.ops += len(ops)
+        stats.by_partition[partition] += 1
         if info.primary is None:  # failing over: wait for the new primary
             self._park(req_id, req, now)
             return []
@@ -284,13 +283,16 @@ class ClientSession(Generic[T]):
 
     def next_wakeup(self) -> float | None:
         """When :meth:`tick` has something to do next (None: nothing is timed)."""
-        self._drop_stale_due()
-        times = []
+        at = None
         if self._due:
-            times.append(self._due[0][0])
+            self._drop_stale_due()
+            if self._due:
+                at = self._due[0][0]
         if self._deadlines:
-            times.append(next(iter(self._deadlines.values())))
-        return min(times) if times else None
+            first = next(iter(self._deadlines.values()))
+            if at is None or first < at:
+                at = first
+        return at
 
     def unsent(self, req_id: int, now: float) -> None:
         """The driver could not hand ``req_id`` to a broker of the pair at once (its queue
