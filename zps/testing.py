@@ -219,6 +219,45 @@ class LocalCluster:
             f"timed out after {timeout:g}s waiting for {what}; last status: {last}\n{self.logs()}"
         )
 
+    def scale(
+        self,
+        partitions: int | None = None,
+        *,
+        cancel: bool = False,
+        timeout: float = 10.0,
+        max_slots: int = 0,
+        piece_bytes: int = 0,
+    ) -> dict[str, Any]:
+        """``zps-server scale``: ask the broker to reshard to ``partitions`` (or cancel the
+        move under way); the broker's answer (``{"ok", "msg"}``)."""
+        from zps.protocol.codec import MsgType
+        from zps.protocol.messages import StatusRequest
+
+        async def ask() -> dict[str, Any]:
+            request = StatusRequest(
+                scale=partitions,
+                scale_cancel=cancel,
+                scale_max_slots=max_slots,
+                scale_piece_bytes=piece_bytes,
+            )
+            async with connect(self.address, timeout=timeout, name="zps.testing") as ps:
+                report = await ps._broker_call(MsgType.STATUS, request.to_wire())
+            return dict(report["scale"])
+
+        return asyncio.run(ask())
+
+    def wait_resharded(self, partitions: int, timeout: float = 60.0) -> dict[str, Any]:
+        """Until the broker has no resharding under way and serves ``partitions``."""
+        return self.wait_for(
+            lambda s: (
+                (s.get("reshard") or {}).get("target") is None
+                and s["n_partitions"] == partitions
+                and all(p["state"] in ("ok", "degraded") for p in s["partitions"])
+            ),
+            timeout,
+            f"resharding to {partitions} partitions",
+        )
+
     def healthy(self, status: dict[str, Any]) -> bool:
         """Every partition has a primary and all its replicas in sync."""
         return all(

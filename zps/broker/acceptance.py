@@ -58,6 +58,8 @@ from zps.protocol.messages import (
 
 #: The pseudo client that commits sync steps; shards answer it through the broker.
 COMMIT_TARGET = b"\x00commit"
+#: The pseudo client that moves slots (live resharding, zps/broker/reshard.py).
+MOVE_TARGET = b"\x00move"
 
 #: Re-exported: a shard's identity starts with it.
 SHARD_PREFIX = membership.SHARD_PREFIX
@@ -119,6 +121,16 @@ class CommitReply:
 
 
 @dataclass(frozen=True, slots=True)
+class MoveReply:
+    """A shard's answer to a slot move's request (payloads: the arrays it carries)."""
+
+    route: Route
+    header: dict[str, Any]
+    payloads: list[BufferLike]
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
 class WrongVersion:
     """A message in another protocol version: answered VERSION_MISMATCH (in this one)."""
 
@@ -141,6 +153,7 @@ Verdict: TypeAlias = (
     | FromShard
     | ForwardReply
     | CommitReply
+    | MoveReply
     | WrongVersion
     | Reject
 )
@@ -197,6 +210,11 @@ def _from_shard(ident: bytes, frames: Sequence[BufferLike], members: Membership)
         if members.primary_of(reply.route.partition) != node:
             return Reject("a commit answer from a deposed primary", counter=None)
         return CommitReply(reply.route, reply.header)
+    if target == MOVE_TARGET:
+        reply = decode(frames[1:])
+        return MoveReply(
+            reply.route, reply.header, list(reply.payloads), ident.decode("utf-8", "replace")
+        )
     if target:
         if target.startswith(SHARD_PREFIX):
             return Reject("a reply addressed to a shard")

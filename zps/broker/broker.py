@@ -53,6 +53,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any, assert_never
 
+import numpy as np
+
 from zps import transport
 from zps.broker.acceptance import (
     BadClientRequest,
@@ -60,17 +62,20 @@ from zps.broker.acceptance import (
     ForwardReply,
     FromClient,
     FromShard,
+    MoveReply,
     Reject,
     RouteRequest,
     WrongVersion,
     accept,
 )
 from zps.broker.pair import Pair
+from zps.broker.reshard import Resharder
 from zps.broker.statefile import StateFile, StateWriter
 from zps.broker.training import Training
 from zps.core.brokerstate import BrokerState
 from zps.core.cluster import Assignment, Claim, ClusterState
 from zps.core.membership import FailureDetector, is_liveness, liveness_identity, speaks_for
+from zps.core.routing import default_slot_map
 from zps.errors import ConfigError, ProtocolError
 from zps.ops.config import BrokerConfig
 from zps.ops.metrics import (
@@ -164,11 +169,14 @@ class Broker:
         self._record: BrokerState | None = None  # the newest state record produced
         self._writer: StateWriter | None = None
         self.pair: Pair | None = None
+        self.reshard = Resharder(self)
         if config.data_dir is not None:
             self._load_state(StateFile(config.data_dir))
         now = time.monotonic()
-        self._part_states = [self.state.partition_state(p, now) for p in range(config.partitions)]
-        self._placements: list[str | None] = [None] * config.partitions  # logged warnings
+        n = self.state.n_partitions  # a resharded cluster's recorded count
+        self._part_states = [self.state.partition_state(p, now) for p in range(n)]
+        self._placements: list[str | None] = [None] * n  # logged warnings
+        self._routes = (self._routes + [None] * n)[:n]
         if config.pair_role is not None:
             self.pair = Pair(self)
 
@@ -195,21 +203,55 @@ class Broker:
                 partitions=self.state.records(),
                 clocks=clocks,
                 jobs=jobs,
+                **self.reshard_record(),
             )
         if last is not None and rec.same_content(last):
             return last
         self._record = rec
         return rec
 
+    def reshard_record(self) -> dict[str, Any]:
+        """The slot map (when not round-robin over the configured partitions) and the
+        resharding under way, for the state record."""
+        state = self.state
+        default = state.n_partitions == self.config.partitions and bool(
+            (state.slot_map == default_slot_map(state.n_slots, state.n_partitions)).all()
+        )
+        return {
+            "slot_map": b"" if default else state.slot_map.astype("<i4").tobytes(),
+            "reshard": self.reshard.record,
+        }
+
+    def restore_slots(self, rec: BrokerState) -> None:
+        """A recorded slot map (it brings its partition count) and resharding."""
+        if rec.slot_map:
+            slot_map = np.frombuffer(rec.slot_map, dtype="<i4").astype(np.int32)
+            self.state.restore(rec.map_version, rec.partitions, slot_map)
+            if hasattr(self, "_placements"):  # not at start: __init__ sizes them next
+                self._resize_lists(time.monotonic())
+        else:
+            self.state.restore(rec.map_version, rec.partitions)
+        self.reshard.restore(rec.reshard)
+
+    def _resize_lists(self, now: float) -> None:
+        n = self.state.n_partitions
+        self._routes = (self._routes + [None] * n)[:n]
+        self._part_states = (
+            self._part_states + [self.state.partition_state(p, now) for p in range(n)]
+        )[:n]
+        self._placements = (self._placements + [None] * n)[:n]
+
     def apply_state(self, rec: BrokerState) -> None:
         """Take over a recorded state (at start, before any node is known)."""
-        if (rec.n_partitions, rec.n_slots) != (self.config.partitions, self.config.slots):
+        if rec.slot_map and rec.n_slots == self.config.slots:
+            pass  # resharded: the record's partition count stands
+        elif (rec.n_partitions, rec.n_slots) != (self.config.partitions, self.config.slots):
             raise ConfigError(
                 f"the broker state (version {rec.version}) is of a cluster of "
                 f"{rec.n_partitions} partitions and {rec.n_slots} slots; this broker was "
                 f"given {self.config.partitions} partitions and {self.config.slots} slots"
             )
-        self.state.restore(rec.map_version, rec.partitions)
+        self.restore_slots(rec)
         self.training.restore(rec.clocks, rec.jobs)
         self._record = rec
         # The recorded workers are watched like any peer: one that never speaks to
@@ -260,6 +302,7 @@ class Broker:
         self._keys.clear()
         self._part_states = [self.state.partition_state(p, now) for p in range(cfg.partitions)]
         self._placements = [None] * cfg.partitions
+        self.reshard.restore(None)
 
     async def republish(self) -> None:
         """Send the map to every node again (its version unchanged)."""
@@ -317,6 +360,7 @@ class Broker:
                 ]
                 if self.pair is not None:
                     tasks.append(tg.create_task(self.pair.run(ctx)))
+                tasks.append(tg.create_task(self.reshard.run()))
                 if self._writer is not None:
                     self._writer.changed()  # the restored record, under this version
                     tasks.append(tg.create_task(self._writer.run()))
@@ -435,6 +479,8 @@ class Broker:
         if self.state.map_version == before:
             return
         self._state_changed()
+        if len(self._routes) != self.state.n_partitions:
+            self._resize_lists(time.monotonic())  # live resharding added or removed some
         for p in range(self.state.n_partitions):
             primary = self.state.primary_of(p)
             self._routes[p] = primary.encode() if primary else None
@@ -528,6 +574,8 @@ class Broker:
                 case ForwardReply(target):
                     self.stats.replies += 1
                     await self._send([target, *frames[2:]])
+                case MoveReply():
+                    self.reshard.on_reply(verdict)
                 case CommitReply(route, header):
                     await self.training.on_commit_reply(route, header)
                     self._state_changed()
@@ -609,6 +657,16 @@ class Broker:
         self, ident: bytes, node: str, route: Route, message: ClientControl, now: float
     ) -> None:
         match message:
+            case ClientHello(host, pid, name, version, router) if router:
+                # A routing broker (zps/broker/router.py): listed in the map, which it
+                # follows like a client.
+                if node not in self.state.routers:
+                    log.info("router %s joined at %s (%s pid %s)", node, router, host, pid)
+                self.state.register_router(node, endpoint=router, host=host, now=now, pid=pid)
+                self._versions[node] = version
+                await self._control(
+                    ident, MsgType.MAP, MapUpdate(self.state.map.to_wire()).to_wire()
+                )
             case ClientHello(host, pid, name, version):
                 self.state.register_client(node, host=host, pid=pid, name=name, now=now)
                 self._versions[node] = version
@@ -634,6 +692,18 @@ class Broker:
                     report["reset"] = result
                 if drained is not None:
                     report["drain"] = drained
+                if message.scale is not None or message.scale_cancel:
+                    report["scale"] = (
+                        self.reshard.cancel()
+                        if message.scale_cancel
+                        else self.reshard.request(
+                            message.scale or 0,
+                            now,
+                            max_slots=message.scale_max_slots,
+                            piece_bytes=message.scale_piece_bytes,
+                        )
+                    )
+                    report["reshard"] = self.reshard.status()
                 await self._control(ident, MsgType.STATUS, report, route.req_id)
             case ClockRequest():
                 await self.training.on_clock(ident, node, route, message)
@@ -923,6 +993,16 @@ class Broker:
         nodes = [*self.state.shards, *self.state.clients]
         report = self.state.status(now, {n: self.detector.last_seen(n) for n in nodes})
         report["training"] = self.training.status()
+        report["reshard"] = self.reshard.status()
+        report["routers"] = [
+            {
+                **r.to_wire(),
+                "partitions": [
+                    p for p, i in self.state.map.partitions.items() if i.router == r.endpoint
+                ],
+            }
+            for r in self.state.map.routers
+        ]
         for entry in (*report["shards"], *report["clients"]):
             entry["version"] = self._versions.get(entry["node"]) or None
         report["broker"] = {

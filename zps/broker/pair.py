@@ -129,6 +129,14 @@ class Pair:
             "refused": self.refused,
         }
 
+    def peer_holds_now(self) -> bool:
+        """Whether the standby holds this broker's state as it is now (live resharding
+        waits for it before fencing or publishing: a takeover must know the move)."""
+        sent = self._sent
+        if sent is None or self._peer_info.get("has_record") != sent.version:
+            return False
+        return record_of(self.broker, sent.version).same_content(sent)
+
     def mirrored(self) -> BrokerState | None:
         """What this broker's data dir should hold while it stands by: the peer's record."""
         return None if self.star.active else self.record
@@ -386,12 +394,13 @@ def record_of(broker: Broker, version: int) -> BrokerState:
         partitions=state.records(),
         clocks=training.clocks.to_record(),
         jobs=tuple(job.to_record() for job in training.jobs.values()),
+        **broker.reshard_record(),
     )
 
 
 def load_record(broker: Broker, rec: BrokerState) -> None:
     """Take over a record from the peer (on a fresh state, before any shard registers)."""
-    broker.state.restore(rec.map_version, rec.partitions)
+    broker.restore_slots(rec)
     # A sync commit under way is sent again once the primaries are back (the shards
     # answer a repeated commit from their dedup record).
     broker.training.restore(rec.clocks, rec.jobs)

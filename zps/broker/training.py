@@ -47,6 +47,8 @@ class Training:
         #: its worker would never hear of and the job would wait for forever.
         self._next_answers: dict[str, tuple[int, dict[str, Any]]] = {}
         self._commit_pending: set[int] = set()
+        #: Live resharding holds new sync commits while slots are being moved.
+        self.paused = False
         #: sync, after a restore: the recorded workers not heard ticking yet, and the
         #: joins held until they are (or RESYNC_S passed): a recorded committed step may
         #: be older than what the workers saw, and their ticks tell (Clocks.proven).
@@ -132,6 +134,8 @@ class Training:
         if self.clocks.mode is Mode.SYNC:
             # A tick for a step already committed (re-sent after a broker took over).
             await self._release(self.clocks.sync_released())
+            if self.paused:
+                return  # a slot move is being cut over: the commit waits for its end
             step = self.clocks.sync_ready()
             if step is not None:
                 self._commit_pending = set(range(self.state.n_partitions))
@@ -183,6 +187,10 @@ class Training:
         if not self._commit_pending:
             await self._release(self.clocks.sync_committed(step))
             await self.advance()
+
+    @property
+    def commit_in_flight(self) -> bool:
+        return bool(self._commit_pending) or self.clocks.committing is not None
 
     async def on_map_change(self) -> None:
         for p in sorted(self._commit_pending):

@@ -133,6 +133,9 @@ def broker_config(args: argparse.Namespace, settings: Settings) -> BrokerConfig:
         peer=args.peer,
         peer_bind=args.peer_bind,
         peer_timeout=args.peer_timeout,
+        follow=args.follow,
+        advertise=args.advertise,
+        host=args.host,
         heartbeat=_heartbeat(args, base.heartbeat),
         metrics=override(base.metrics, port=args.metrics_port, host=args.metrics_host),
     )
@@ -164,8 +167,13 @@ def shard_config(args: argparse.Namespace, settings: Settings) -> ShardConfig:
 
 async def _serve_broker(config: BrokerConfig) -> int:
     from zps.broker.broker import Broker
+    from zps.broker.router import Router
 
-    broker = Broker(config, notifier=Notifier.from_env(os.environ))
+    broker: Broker | Router
+    if config.follow is not None:
+        broker = Router(config, notifier=Notifier.from_env(os.environ))
+    else:
+        broker = Broker(config, notifier=Notifier.from_env(os.environ))
     _on_signals(broker.stop)
     await broker.run()
     return 0
@@ -220,6 +228,13 @@ async def _status(broker: str, client: ClientConfig, as_json: bool, check: bool 
             raise
         print(f"CRITICAL: broker {broker} unreachable: {e}")
         return CHECK_CRITICAL
+    if "router" in report and "partitions" not in report:
+        # A routing broker answers with its own report and the active broker's address.
+        print(json.dumps(report, indent=2, sort_keys=True, default=str) if as_json else (
+            f"{report.get('msg', '')}\n"
+            + "\n".join(f"  {k}: {v}" for k, v in sorted(report["router"].items()))
+        ))  # fmt: skip
+        return CHECK_CRITICAL if check else 0
     if as_json:
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
     if check:
@@ -258,6 +273,74 @@ async def _drain(broker: str, client: ClientConfig, node: str, *, undo: bool) ->
     result = report.get("drain") or {"ok": False, "msg": "the broker did not answer"}
     print(result["msg"], file=sys.stdout if result["ok"] else sys.stderr)
     return 0 if result["ok"] else 1
+
+
+async def _scale(
+    broker: str,
+    client: ClientConfig,
+    partitions: int | None,
+    *,
+    cancel: bool,
+    wait: float,
+    max_slots: int = 0,
+    piece_bytes: int = 0,
+) -> int:
+    """``zps-server scale``: ask the active broker to reshard (or cancel); with ``--wait``,
+    poll its report until the resharding is over."""
+    import asyncio
+    import time
+
+    from zps.client.client import connect
+    from zps.protocol.codec import MsgType
+    from zps.protocol.messages import StatusRequest
+
+    request = StatusRequest(
+        scale=partitions,
+        scale_cancel=cancel,
+        scale_max_slots=max_slots,
+        scale_piece_bytes=piece_bytes,
+    )
+    async with connect(broker, client) as ps:
+        report = await ps._broker_call(MsgType.STATUS, request.to_wire())
+        result = report.get("scale") or {"ok": False, "msg": "the broker did not answer"}
+        print(result["msg"], file=sys.stdout if result["ok"] else sys.stderr)
+        if not result["ok"]:
+            return 1
+        deadline = time.monotonic() + wait
+        while wait > 0:
+            reshard = report.get("reshard") or {}
+            if reshard.get("target") is None:
+                print(_slot_line(report))
+                return 0
+            if time.monotonic() > deadline:
+                print(
+                    f"still resharding after {wait:g}s: {_reshard_line(reshard)}", file=sys.stderr
+                )
+                return 1
+            await asyncio.sleep(0.5)
+            report = await ps.status()
+    return 0
+
+
+def _slot_line(report: dict[str, Any]) -> str:
+    slots = ", ".join(f"{p['partition']}: {p.get('slots', '?')}" for p in report["partitions"])
+    return f"{len(report['partitions'])} partitions (slots {slots})"
+
+
+def _reshard_line(r: dict[str, Any]) -> str:
+    move = r.get("move")
+    now = (
+        f"moving {move['slots']} slots {move['source']} -> {move['dest']} ({move['stage']}, "
+        f"{move.get('bytes', 0)} bytes copied)"
+        if move
+        else "planning"
+    )
+    return (
+        f"to {r['target']} partitions: {now}; {r['moves_done']} moves done "
+        f"({r['slots_moved']} slots, {r['bytes_moved']} bytes), longest fence "
+        f"{r['max_fenced_s']}s"
+        + (f"; last error: {r['last_error']}" if r.get("last_error") else "")
+    )
 
 
 async def _checkpoint(broker: str, client: ClientConfig, timeout: float, as_json: bool) -> int:
@@ -343,7 +426,7 @@ def format_status(report: dict[str, Any]) -> str:
         f"malformed {b.get('malformed')}  stale replies {b.get('stale_replies')}",
         *_pair_lines(report.get("pair")),
         "",
-        f"{'PART':>4}  {'EPOCH':>5}  {'STATE':<10}  {'PRIMARY':<16}  {'LSN':>9}  "
+        f"{'PART':>4}  {'EPOCH':>5}  {'STATE':<10}  {'PRIMARY':<16}  {'SLOTS':>5}  {'LSN':>9}  "
         "REPLICAS (in sync / lag)",
     ]
     for p in report.get("partitions", []):
@@ -355,7 +438,7 @@ def format_status(report: dict[str, Any]) -> str:
         )
         lines.append(
             f"{p['partition']:>4}  {p['epoch']:>5}  {p['state']:<10}  "
-            f"{p.get('primary') or '-':<16}  {lsn:>9}  {reps or '-'}"
+            f"{p.get('primary') or '-':<16}  {p.get('slots', '?'):>5}  {lsn:>9}  {reps or '-'}"
         )
         if p.get("awaiting"):
             held = ", ".join(
@@ -366,6 +449,14 @@ def format_status(report: dict[str, Any]) -> str:
                 f"      waiting for {p['awaiting']}"
                 + (f"; older copies held: {held}" if held else "")
             )
+    reshard = report.get("reshard") or {}
+    if reshard.get("target") is not None:
+        lines.append(f"RESHARDING {_reshard_line(reshard)}")
+    elif reshard.get("moves_done"):
+        lines.append(
+            f"resharded: {reshard['moves_done']} moves ({reshard['slots_moved']} slots, "
+            f"{reshard['bytes_moved']} bytes), longest fence {reshard['max_fenced_s']}s"
+        )
     for warning in report.get("placement_warnings", []):
         lines.append(f"WARNING: {warning}")
     lines += [
@@ -388,6 +479,12 @@ def format_status(report: dict[str, Any]) -> str:
             f"  {c['node']}  {c['host']} pid {c['pid']}  zps {c.get('version') or '?'}  "
             f"{c.get('name') or ''}"
         )
+    routers = report.get("routers", [])
+    if routers:
+        lines += ["", f"{len(routers)} routing broker(s)"]
+        for r in routers:
+            parts = ",".join(str(p) for p in r.get("partitions", [])) or "none"
+            lines.append(f"  {r['endpoint']}  host {r.get('host') or '?'}  partitions {parts}")
     return "\n".join(lines)
 
 
@@ -456,6 +553,22 @@ def server_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=f"pair: the peer counts as lost after this silence (default "
         f"{BrokerConfig.peer_timeout})",
+    )
+    b.add_argument(
+        "--follow",
+        metavar="PRIMARY[,BACKUP]",
+        help="run a routing broker: follow the map of this broker (or pair), route "
+        "pushes and pulls between clients and shards, own nothing (default: a full broker)",
+    )
+    b.add_argument(
+        "--advertise",
+        help="routing broker: its endpoint as clients and shards reach it (default: the "
+        "bound port at the local address on the route to the followed broker)",
+    )
+    b.add_argument(
+        "--host",
+        help="routing broker: the host it runs on, as shards name theirs (default: the "
+        "host name); partitions whose primary is on that host are routed by it",
     )
     b.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (default: none)")
     b.add_argument(
@@ -570,6 +683,42 @@ def server_parser() -> argparse.ArgumentParser:
         _add_broker(dr)
         dr.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
         _add_common(dr, heartbeat=False)
+
+    sc = sub.add_parser(
+        "scale",
+        help="change the number of partitions while training runs (live resharding), or "
+        "cancel the move under way",
+    )
+    _add_broker(sc)
+    sc_what = sc.add_mutually_exclusive_group(required=True)
+    sc_what.add_argument("--partitions", type=int, help="the partition count to reach")
+    sc_what.add_argument(
+        "--cancel",
+        action="store_true",
+        help="cancel the move under way (its source serves the slots again) and stop",
+    )
+    sc.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait up to this long for the resharding to finish (default: return at once)",
+    )
+    sc.add_argument(
+        "--max-slots-per-move",
+        type=int,
+        default=0,
+        help="slots fenced and copied at once (default 256 of 4096: the longest stall of "
+        "a caller of those slots grows with it)",
+    )
+    sc.add_argument(
+        "--piece-bytes",
+        type=int,
+        default=0,
+        help="bytes per copied piece (default 8 MiB)",
+    )
+    sc.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+    _add_common(sc, heartbeat=False)
 
     ck = sub.add_parser(
         "checkpoint",
@@ -730,6 +879,26 @@ def server_main(argv: Sequence[str] | None = None) -> int:
                         client,
                         node,
                         undo=args.command == "undrain",
+                    )
+                )
+            case "scale":
+                settings = _settings(args)
+                setup_logging(args.log_level or "warning")
+                client = replace(
+                    settings.client,
+                    connect_timeout=args.timeout,
+                    timeout=args.timeout,
+                    name="zps-server scale",
+                )
+                return run_async(
+                    _scale(
+                        args.broker or ",".join(settings.worker.endpoints),
+                        client,
+                        args.partitions,
+                        cancel=args.cancel,
+                        wait=args.wait,
+                        max_slots=args.max_slots_per_move,
+                        piece_bytes=args.piece_bytes,
                     )
                 )
             case "checkpoint" | "export" | "import":

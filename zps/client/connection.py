@@ -27,12 +27,13 @@ import socket
 import uuid
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Self, TypeVar, assert_never
+from typing import Any, Self, TypeVar, assert_never, cast
 
 import numpy as np
 import zmq.asyncio
 
-from zps import transport
+from zps import shm, transport
+from zps.client.routers import RouterTable
 from zps.client.session import (
     Action,
     BrokerChoice,
@@ -42,9 +43,12 @@ from zps.client.session import (
     Fail,
     Send,
 )
-from zps.core.batching import merge_row_ops, plan_batches
+from zps.core.batching import MERGEABLE, merge_row_ops, plan_batches
 from zps.core.routing import (
     ClusterMap,
+    Resplit,
+    join_resplit,
+    resplit,
 )
 from zps.errors import (
     BadRequestError,
@@ -68,6 +72,7 @@ from zps.protocol.codec import (
     array_from,
     decode,
     encode,
+    unpack_route,
 )
 from zps.protocol.messages import (
     BrokerToClient,
@@ -91,6 +96,7 @@ class _Op:
     arrays: dict[str, np.ndarray]
     future: asyncio.Future[dict[str, Any]]
     reply_bytes: int = 0  # the array bytes the reply will carry
+    partition: int = -1  # where it was last sent (an answer MOVED re-sends it)
     #: The operation's cost: the larger of its request and its reply payload (read
     #: several times per request, so computed once).
     nbytes: int = field(init=False, default=0)
@@ -102,8 +108,41 @@ class _Op:
         self.nbytes = max(size, self.reply_bytes)
 
 
+class _Background:
+    """A background call (``wait=False``): done once each of its operations is; the
+    first error among them is kept for the client's next call."""
+
+    __slots__ = ("conn", "failed", "left")
+
+    def __init__(self, conn: Connection, n: int) -> None:
+        self.conn = conn
+        self.left = n
+        self.failed = False
+
+    def done(self, fut: asyncio.Future[dict[str, Any]]) -> None:
+        if not self.failed and not fut.cancelled() and fut.exception() is not None:
+            self.failed = True  # the call's first error, as one awaited call would raise
+            if self.conn._bg_error is None:
+                self.conn._bg_error = fut.exception()
+        self.left -= 1
+        if self.left == 0:
+            self.conn._background_done(self)
+
+
 #: What the session hands back for a request: its operations, or a broker call's future.
 _Token = list[_Op] | asyncio.Future[dict[str, Any]]
+
+
+@dataclass(slots=True)
+class _ShmRequest:
+    """A request with frames large enough for shared memory (:mod:`zps.shm`)."""
+
+    token: list[_Op]
+    reply_ok: bool  # its reply may come through the shard's shared memory
+    #: Its payloads' regions, taken by its first sending through shared memory and
+    #: named again by every re-send (freeing them while a copy of the request may still
+    #: be queued for a shard would make that copy fail, and its retry the next one).
+    regions: list[list[int]] = field(default_factory=list)
 
 
 class Connection:
@@ -140,9 +179,26 @@ class Connection:
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop start() ran in
         self._closed = False
         self._started = False
-        self._background: set[asyncio.Task[Any]] = set()
+        self._background: set[_Background] = set()  # background calls in flight
+        self._bg_waiters: list[asyncio.Future[None]] = []  # for one of them to finish
         self._bg_error: BaseException | None = None
         self._mismatch: VersionMismatchError | None = None  # a broker of another version
+        self._moved_at = -1  # the map version of the last MOVED answer (live resharding)
+        # Routing brokers of the map (zps.client.routers): requests for a partition go to
+        # its router while that one answers.
+        self._routers = RouterTable(
+            failover_timeout=self.config.failover_timeout, interval=self.config.heartbeat.interval
+        )
+        self._router_socks: dict[str, tuple[transport.Channel, asyncio.Task[None] | None]] = {}
+        self._tg: asyncio.TaskGroup | None = None
+        # Same-host shared memory for large frames (zps.shm); None when off.
+        self._shm = shm.SharedMemory.create(
+            self.config.shm_bytes, "client", max_frame_bytes=self.config.max_message_bytes
+        )
+        self._shm_reqs: dict[int, _ShmRequest] = {}  # by request id
+        self._shm_done: dict[int, list[int]] = {}  # reply regions read, told per partition
+        self._shm_refused: set[str] = set()  # primaries that cannot open this client's memory
+        self._shm_replies = self._shm is not None  # False: this client cannot open theirs
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -178,7 +234,7 @@ class Connection:
             retry=self.config.failover_timeout / 10,
             now=self._now(),
         )
-        tg = await self._stack.enter_async_context(asyncio.TaskGroup())
+        tg = self._tg = await self._stack.enter_async_context(asyncio.TaskGroup())
         self._tasks = [
             *(tg.create_task(self._recv_loop(i)) for i in range(len(self._socks))),
             tg.create_task(self._flush_loop()),
@@ -232,8 +288,13 @@ class Connection:
         self._queue.clear()
         for sock in self._socks:
             transport.close(sock)
+        for sock, task in self._router_socks.values():
+            if task is not None:
+                transport.close(sock)
         if self._ctx is not None:
             transport.term(self._ctx)
+        if self._shm is not None:
+            self._shm.close()
 
     @property
     def cluster_map(self) -> ClusterMap:
@@ -252,15 +313,30 @@ class Connection:
                 await self._gather(futures)
             return
         while len(self._background) >= self.config.max_background:
-            await asyncio.wait(self._background, return_when=asyncio.FIRST_COMPLETED)
-        task = asyncio.get_running_loop().create_task(self._gather(futures))
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
+            await self._background_slot()
+        if futures:
+            call = _Background(self, len(futures))
+            self._background.add(call)
+            for fut in futures:
+                fut.add_done_callback(call.done)
 
-    def _background_done(self, task: asyncio.Task[Any]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._bg_error is None:
-            self._bg_error = task.exception()
+    def _background_done(self, call: _Background) -> None:
+        self._background.discard(call)
+        waiters, self._bg_waiters = self._bg_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    async def _background_slot(self) -> None:
+        """Wait until a background call finishes (its own future: a cancelled waiter
+        leaves the others waiting)."""
+        w: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._bg_waiters.append(w)
+        try:
+            await w
+        finally:
+            if w in self._bg_waiters:
+                self._bg_waiters.remove(w)
 
     def _raise_background(self) -> None:
         """An error of a background push is raised by the next call, once."""
@@ -271,7 +347,7 @@ class Connection:
     async def flush(self) -> None:
         """Wait for every background push; raise the first error among them."""
         while self._background:
-            await asyncio.wait(set(self._background))
+            await self._background_slot()
         self._raise_background()
 
     # -- calls the broker answers ----------------------------------------------
@@ -326,13 +402,39 @@ class Connection:
         tasks = list(futures)
         if len(tasks) == 1:  # the common small call: no gather machinery
             return [await tasks[0]]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:  # don't leave "exception never retrieved" behind
-                if isinstance(t, asyncio.Future) and t.done() and not t.cancelled():
-                    t.exception()
-            raise
+        for t in tasks:
+            if not isinstance(t, asyncio.Future):
+                return list(await asyncio.gather(*tasks))
+        # Futures of operations already submitted: as asyncio.gather (done when all are,
+        # or at the first failure; a cancelled caller cancels them), with one waiter.
+        futs = cast(list[asyncio.Future[T]], tasks)
+        failed: asyncio.Future[T] | None = None
+        left = 0
+        for f in futs:
+            if not f.done():
+                left += 1
+            elif failed is None and (f.cancelled() or f.exception() is not None):
+                failed = f
+        if left and failed is None:
+            join = _Join(futs[0].get_loop().create_future(), left)
+            for f in futs:
+                if not f.done():
+                    f.add_done_callback(join.done)
+            try:
+                await join.waiter
+            except BaseException:
+                for f in futs:
+                    f.cancel()
+                raise
+            failed = join.failed
+        if failed is not None:
+            for f in futs:  # no "exception never retrieved" left behind
+                if not f.done():
+                    f.add_done_callback(_retrieve)
+                elif not f.cancelled():
+                    f.exception()
+            failed.result()  # raises
+        return [f.result() for f in futs]
 
     def _now(self) -> float:
         return (self._loop or asyncio.get_running_loop()).time()
@@ -350,13 +452,31 @@ class Connection:
             max_bytes = min(self.config.batch_max_bytes, self.config.message_budget)
             for partition, queued_ops in queued.items():
                 ops = self._merge(queued_ops)
+                if len(ops) == 1:
+                    await self._send_request(partition, ops)
+                    continue
                 sizes = [op.nbytes for op in ops]
-                for a, b in plan_batches(sizes, self.config.batch_max_ops, max_bytes):
+                limit = max_bytes
+                if self._shm is not None and min(sizes) >= self._shm.min_bytes:
+                    # Each payload travels through shared memory: the message is small.
+                    limit = self.config.message_budget
+                for a, b in plan_batches(sizes, self.config.batch_max_ops, limit):
                     await self._send_request(partition, ops[a:b])
 
     def _merge(self, ops: list[_Op]) -> list[_Op]:
         """Row operations on one table become one operation (see batching.merge_row_ops)."""
         if len(ops) < 2:
+            return ops
+        keys: set[tuple[Any, ...]] = set()
+        for op in ops:  # the common case: no two row operations of a kind on one table
+            body = op.body
+            name = body.get("op")
+            if name in MERGEABLE:
+                key = (name, body.get("t"), body.get("step"))
+                if key in keys:
+                    break
+                keys.add(key)
+        else:
             return ops
         out = []
         loop = asyncio.get_running_loop()
@@ -381,11 +501,18 @@ class Connection:
         enc = Encoder(self._policy)
         bodies = []
         for op in ops:
+            op.partition = partition
             body = dict(op.body)
             for key, arr in op.arrays.items():
                 body[key] = enc.array(arr)
             bodies.append(body)
-        await self._apply(self._session.submit(partition, bodies, enc, ops, self._now()))
+        actions = self._session.submit(partition, bodies, enc, ops, self._now())
+        if self._shm is not None and any(op.nbytes >= self._shm.min_bytes for op in ops):
+            reply_ok = sum(op.reply_bytes for op in ops) >= self._shm.min_bytes
+            for a in actions:
+                if isinstance(a, Send) and a.req_id:
+                    self._shm_reqs[a.req_id] = _ShmRequest(ops, reply_ok)
+        await self._apply(actions)
 
     async def _apply(self, actions: list[Action[_Token]]) -> None:
         """Carry out what the session asked for, then set the timer for its next tick."""
@@ -398,21 +525,104 @@ class Connection:
 
     async def _transmit(self, send: Send) -> None:
         assert self._sock is not None
+        frames = send.frames
+        if self._shm_reqs and send.req_id in self._shm_reqs:
+            frames = self._shm_frames(send)
+        if self._routers.routes:
+            endpoint = self._routers.pick(send.frames, send.req_id)
+            if endpoint:  # the partition's routing broker; never waited on
+                if not transport.try_send(self._router_socks[endpoint][0], frames):
+                    self._session.unsent(send.req_id, self._now())
+                return
         if len(self._socks) > 1:
             # Never wait on one broker of a pair: it may be the one that died.
-            if not transport.try_send(self._sock, send.frames):
+            if not transport.try_send(self._sock, frames):
                 self._session.unsent(send.req_id, self._now())
             return
         try:
-            await transport.send(self._sock, send.frames)
+            await transport.send(self._sock, frames)
         except (ClosedError, BrokenError) as e:
             err = e if isinstance(e, ClosedError) else ClosedError(str(e))
             for action in self._session.abandon(send.req_id, err):
                 self._resolve(action)
 
+    def _shm_frames(self, send: Send) -> list[Any]:
+        """A request's frames with its large payloads in shared memory, unless its
+        partition's primary could not open them."""
+        assert self._shm is not None
+        req = self._shm_reqs[send.req_id]
+        partition = unpack_route(send.frames[0]).partition
+        cmap = self._session.map
+        info = cmap.partitions.get(partition) if cmap is not None else None
+        primary = info.primary if info is not None else None
+        frames, descs = self._shm.outbound(
+            send.frames,
+            payloads=primary is not None and primary not in self._shm_refused,
+            reuse=req.regions,
+            reply_ok=req.reply_ok and self._shm_replies,
+            done=self._shm_done.pop(partition, ()),
+        )
+        if descs and not req.regions:
+            req.regions = descs
+        return frames
+
+    def _shm_finished(self, action: Deliver[_Token] | Fail[_Token]) -> None:
+        """A request is over: the regions of its payloads may be reused."""
+        assert self._shm is not None
+        if isinstance(action, Deliver):
+            req = self._shm_reqs.pop(action.msg.route.req_id, None)
+        else:
+            req_id = next((r for r, q in self._shm_reqs.items() if q.token is action.token), None)
+            req = None if req_id is None else self._shm_reqs.pop(req_id)
+        if req is not None:
+            self._shm.free(shm.tokens(req.regions))
+
+    def _shm_reply(self, bufs: list[Any], msg: Message) -> Message:
+        """A reply whose large frames are in the shard's shared memory, copied here.  A
+        region that cannot be read makes it a refusal: the session asks again (inline,
+        if this client cannot open the shard's memory at all)."""
+        info = msg.header.get(shm.KEY)
+        descs = info.get("d") if isinstance(info, dict) else None
+        tokens = [d[6] for d in descs if isinstance(d, list) and len(d) == 7] if descs else []
+        if tokens:  # the shard may reuse them: told with the next request to the partition
+            done = self._shm_done.setdefault(msg.route.partition, [])
+            done.extend(tokens)
+            del done[:-256]
+        if self._shm is None:
+            raise ProtocolError("a reply in shared memory, which this client did not ask for")
+        try:
+            got = self._shm.inbound(bufs, msg.header)
+        except shm.ShmUnavailableError as e:
+            if e.permanent:
+                self._shm_replies = False
+            log.warning("re-sending request %d: %s", msg.route.req_id, e)
+            return Message(msg.route, {"st": "OVERLOADED", "msg": str(e)}, [])
+        return Message(msg.route, got.header, got.frames[2:])
+
+    def _shm_refusal(self, msg: Message) -> None:
+        """A primary could not read this client's shared memory: at all (``open``: it
+        gets inline frames from now on), or these regions (``gone``: the next sending
+        takes new ones)."""
+        if msg.header.get("noshm") == "gone":
+            req = self._shm_reqs.get(msg.route.req_id)
+            if req is not None and self._shm is not None:
+                self._shm.free(shm.tokens(req.regions))
+                req.regions = []
+            return
+        cmap = self._session.map
+        info = cmap.partitions.get(msg.route.partition) if cmap is not None else None
+        if info is not None and info.primary is not None:
+            log.info("shard %s cannot read this client's shared memory", info.primary)
+            self._shm_refused.add(info.primary)
+
     def _resolve(self, action: Deliver[_Token] | Fail[_Token]) -> None:
+        if self._shm_reqs:
+            self._shm_finished(action)
         token = action.token
         if isinstance(action, Fail):
+            if isinstance(token, list) and getattr(action.error, "code", "") == "MOVED":
+                self._moved(token)
+                return
             if isinstance(token, list):
                 for op in token:
                     if not op.future.done():
@@ -423,6 +633,26 @@ class Connection:
             self._deliver(token, action.msg)
         elif not token.done():
             token.set_result(action.msg.header)
+
+    def _moved(self, ops: list[_Op]) -> None:
+        """Live resharding: the partition no longer holds some slots of these operations
+        (nothing was applied): each is split again by the newest map and sent anew."""
+        cmap = self.cluster_map
+        if self._moved_at == cmap.version:  # the newer map is not here yet: ask for it
+            self._tasks = [t for t in self._tasks if not t.done()]
+            self._tasks.append(asyncio.ensure_future(self._hello()))
+        self._moved_at = cmap.version
+        for op in ops:
+            if op.future.done():
+                continue
+            plan = resplit(op.body, op.arrays, op.reply_bytes, cmap)
+            if plan is None:  # not on a slot (tables, describe...): where it was going
+                piece = self._submit(op.partition, op.body, op.arrays, reply_bytes=op.reply_bytes)
+                piece.add_done_callback(functools.partial(_pass_on, target=op.future))
+                continue
+            pieces = [self._submit(p, b, a, reply_bytes=r) for p, b, a, r in plan.pieces]
+            joined = asyncio.gather(*pieces)
+            joined.add_done_callback(functools.partial(_join_moved, target=op.future, plan=plan))
 
     def _deliver(self, ops: list[_Op], msg: Message) -> None:
         results = msg.header.get("res")
@@ -473,10 +703,74 @@ class Connection:
         while True:
             await asyncio.sleep(interval)
             await self._control(encode(Route(MsgType.HEARTBEAT), Heartbeat().to_wire()))
+            if self._shm is not None:  # unmap the memory of shards that are gone
+                self._shm.housekeeping()
+            if self._router_socks:
+                self._router_beats()
             # Also a tick: deadlines are checked at least this often.
             now = self._now()
             self._tick_at = now if self._tick_at is None else min(self._tick_at, now)
             self._wake.set()
+
+    def _follow_routers(self, cmap: ClusterMap) -> None:
+        """Connect to the routing brokers the map lists (and drop those it no longer does)."""
+        if self._tg is None or self._ctx is None or (not cmap.routers and not self._router_socks):
+            return
+        new, gone = self._routers.on_map(cmap, self._now())
+        for endpoint in gone:
+            sock, task = self._router_socks.pop(endpoint)
+            if task is not None:
+                task.cancel()
+                transport.close(sock)
+        keys = load_curve_keys(self.config.security) if new else None
+        for endpoint in new:
+            if endpoint in self.addresses:  # given as a broker: its socket serves both
+                self._router_socks[endpoint] = (self._socks[self.addresses.index(endpoint)], None)
+                continue
+            sock = transport.dealer(
+                self._ctx,
+                endpoint,
+                self.client_id,
+                max_message_bytes=self.config.max_message_bytes,
+                curve=keys,
+                server_public=keys.server_public if keys else None,
+            )
+            on_frames = functools.partial(self._on_router_message, endpoint)
+            task = self._tg.create_task(transport.serve(sock, on_frames, self._on_malformed))
+            self._router_socks[endpoint] = (sock, task)
+            self._tasks.append(task)
+
+    def _router_beats(self) -> None:
+        """Heartbeats to every routing broker (each echoes them), and fail over from one
+        silent for ``failover_timeout``: what was in flight through it, or for its
+        partitions, is sent again, to the broker."""
+        beat = encode(Route(MsgType.HEARTBEAT), Heartbeat().to_wire())
+        for sock, _ in self._router_socks.values():
+            transport.try_send(sock, beat)
+        now = self._now()
+        down, resend = self._routers.tick(now)
+        for endpoint in down:
+            log.warning(
+                "the routing broker at %s is silent; its requests go to the broker (%d "
+                "to send again)",
+                endpoint,
+                len(resend),
+            )
+        for req_id in resend:
+            self._session.unsent(req_id, now)
+        if resend:
+            self._schedule()
+
+    async def _on_router_message(self, endpoint: str, frames: transport.Frames) -> None:
+        if self._routers.heard(endpoint, self._now()):
+            log.info("the routing broker at %s answers again", endpoint)
+        bufs = [transport.frame_buffer(f) for f in frames]
+        msg = decode(bufs)
+        if msg.route.mtype is not MsgType.REPLY:
+            return  # its heartbeat echoes
+        if shm.KEY in msg.header:
+            msg = self._shm_reply(bufs, msg)
+        await self._dispatch(msg)
 
     async def _pair_loop(self) -> None:
         """Follow the active broker of the pair (see :class:`BrokerChoice`)."""
@@ -506,7 +800,12 @@ class Connection:
         )
 
     async def _on_message(self, index: int, frames: transport.Frames) -> None:
-        msg = decode([transport.frame_buffer(f) for f in frames])
+        bufs = [transport.frame_buffer(f) for f in frames]
+        msg = decode(bufs)
+        if shm.KEY in msg.header:
+            msg = self._shm_reply(bufs, msg)
+        if self._router_socks and self.addresses[index] in self._router_socks:
+            self._routers.heard(self.addresses[index], self._now())  # a router as broker
         choice = self._choice
         if choice is not None and choice.n > 1:
             now = self._now()
@@ -534,6 +833,10 @@ class Connection:
 
     async def _dispatch(self, msg: Message) -> None:
         if msg.route.mtype in _REPLIES:
+            if self._shm_reqs and "noshm" in msg.header:
+                self._shm_refusal(msg)
+            if self._routers.inflight:
+                self._routers.answered(msg.route.req_id)
             await self._apply(self._session.on_reply(msg, self._now()))
             return
         match _from_broker(msg.route.mtype, msg.header):
@@ -548,6 +851,7 @@ class Connection:
                 await self._apply(self._session.on_map(new, self._now()))
                 if self._session.map is not None:
                     self._map_event.set()
+                    self._follow_routers(self._session.map)
             case HelloAgain():  # the broker restarted and does not know us
                 await self._hello()
             case Heartbeat():
@@ -589,6 +893,63 @@ def _from_broker(mtype: MsgType, header: dict[str, Any]) -> BrokerToClient | Non
             return Heartbeat.parse(header)
         case _:
             return None
+
+
+def _pass_on(
+    piece: asyncio.Future[dict[str, Any]], *, target: asyncio.Future[dict[str, Any]]
+) -> None:
+    if target.done():
+        return
+    if piece.cancelled():
+        target.cancel()
+    elif (exc := piece.exception()) is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(piece.result())
+
+
+def _join_moved(
+    joined: asyncio.Future[list[dict[str, Any]]],
+    *,
+    target: asyncio.Future[dict[str, Any]],
+    plan: Resplit,
+) -> None:
+    """Hand an operation split again after ``MOVED`` the joined result of its pieces."""
+    if target.done():
+        return
+    if joined.cancelled():
+        target.cancel()
+    elif (exc := joined.exception()) is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(join_resplit(plan, joined.result()))
+
+
+class _Join:
+    """Wakes ``waiter`` once ``left`` futures are done, or at the first that failed."""
+
+    __slots__ = ("failed", "left", "waiter")
+
+    def __init__(self, waiter: asyncio.Future[None], left: int) -> None:
+        self.waiter = waiter
+        self.left = left
+        self.failed: asyncio.Future[Any] | None = None
+
+    def done(self, fut: asyncio.Future[Any]) -> None:
+        self.left -= 1
+        if self.failed is not None or self.waiter.done():
+            _retrieve(fut)  # the caller has its answer (or gave up)
+        elif fut.cancelled() or fut.exception() is not None:
+            self.failed = fut
+            self.waiter.set_result(None)
+        elif self.left == 0:
+            self.waiter.set_result(None)
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Mark a future's error as seen (its caller gave up on it)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _split_result(

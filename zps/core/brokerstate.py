@@ -26,11 +26,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from zps.protocol.messages import Mode
 
-#: The layout of :meth:`BrokerState.to_dict`; a reader refuses any other.
-FORMAT = 1
+#: The layout of :meth:`BrokerState.to_dict`; a reader refuses any other.  Format 2
+#: adds the slot map and the live resharding under way (format 1 is still read).
+FORMAT = 2
+_READS = (1, 2)
 _KIND = "zps-broker-state"
 
 
@@ -90,6 +93,22 @@ class JobRecord:
 
 
 @dataclass(frozen=True)
+class ReshardRecord:
+    """Live resharding under way: the partition count it goes to, and the move in
+    flight (if any): its slots, source, destination and how far it got (``copying``:
+    cancelled by a broker that takes over; ``copied``: the destination holds every
+    slot, so a broker that takes over completes it)."""
+
+    target: int
+    source: int = -1
+    dest: int = -1
+    slots: tuple[int, ...] = ()
+    stage: str = ""
+
+    STAGES = ("", "copying", "copied")
+
+
+@dataclass(frozen=True)
 class BrokerState:
     """Everything a broker persists (and would stream to a standby); see the rules."""
 
@@ -101,12 +120,17 @@ class BrokerState:
     partitions: tuple[PartitionRecord, ...]
     clocks: ClockRecord = field(default_factory=ClockRecord)
     jobs: tuple[JobRecord, ...] = ()
+    #: The slot -> partition map (``n_slots`` little-endian int32); empty: round-robin.
+    slot_map: bytes = b""
+    reshard: ReshardRecord | None = None
 
     def __post_init__(self) -> None:
         if len(self.partitions) != self.n_partitions:
             raise BrokerStateError(
                 f"partitions: {len(self.partitions)} records for {self.n_partitions} partitions"
             )
+        if self.slot_map and len(self.slot_map) != 4 * self.n_slots:
+            raise BrokerStateError(f"slot_map: {len(self.slot_map)} bytes for {self.n_slots} slots")
 
     def same_content(self, other: BrokerState | None) -> bool:
         """Equal but for the version (nothing new to write)."""
@@ -154,6 +178,18 @@ class BrokerState:
                 }
                 for j in self.jobs
             ],
+            "slot_map": self.slot_map,
+            "reshard": None
+            if self.reshard is None
+            else {
+                "target": self.reshard.target,
+                "move": [
+                    self.reshard.source,
+                    self.reshard.dest,
+                    list(self.reshard.slots),
+                    self.reshard.stage,
+                ],
+            },
         }
 
     def to_bytes(self) -> bytes:
@@ -172,9 +208,9 @@ class BrokerState:
         d = _map(data, "state")
         if d.get("kind") != _KIND:
             raise BrokerStateError(f"kind: not a zps broker state ({d.get('kind')!r})")
-        if d.get("format") != FORMAT:
+        if d.get("format") not in _READS:
             raise BrokerStateError(
-                f"format: {d.get('format')!r} (this zps reads format {FORMAT} only)"
+                f"format: {d.get('format')!r} (this zps reads formats {_READS} only)"
             )
         parts = []
         for i, raw in enumerate(_list(d.get("partitions"), "partitions")):
@@ -217,16 +253,46 @@ class BrokerState:
         if len({j.name for j in jobs}) != len(jobs):
             raise BrokerStateError("jobs: a job name appears twice")
         n_partitions = _int(d.get("n_partitions"), "n_partitions", lo=1)
+        n_slots = _int(d.get("n_slots"), "n_slots", lo=1)
+        slot_map = d.get("slot_map", b"")
+        if not isinstance(slot_map, bytes) or (slot_map and len(slot_map) != 4 * n_slots):
+            raise BrokerStateError(f"slot_map: {4 * n_slots} bytes (or none) expected")
+        if slot_map:
+            arr = np.frombuffer(slot_map, dtype="<i4")
+            if int(arr.min()) < 0 or int(arr.max()) >= n_partitions:
+                raise BrokerStateError(f"slot_map: names a partition outside 0..{n_partitions - 1}")
+        reshard = _reshard(d.get("reshard"), n_slots)
         return cls(
             version=_int(d.get("version"), "version"),
             n_partitions=n_partitions,
-            n_slots=_int(d.get("n_slots"), "n_slots", lo=1),
+            n_slots=n_slots,
             replication=_int(d.get("replication"), "replication", lo=1),
             map_version=_int(d.get("map_version"), "map_version"),
             partitions=tuple(parts),
             clocks=clocks,
             jobs=tuple(jobs),
+            slot_map=slot_map,
+            reshard=reshard,
         )
+
+
+def _reshard(raw: object, n_slots: int) -> ReshardRecord | None:
+    if raw is None:
+        return None
+    r = _map(raw, "reshard")
+    target = _int(r.get("target"), "reshard.target", lo=1)
+    move = _list(r.get("move"), "reshard.move")
+    if len(move) != 4:
+        raise BrokerStateError("reshard.move: [source, dest, slots, stage] expected")
+    source = _int(move[0], "reshard.move.source", lo=-1)
+    dest = _int(move[1], "reshard.move.dest", lo=-1)
+    slots = tuple(_int(s, "reshard.move.slots") for s in _list(move[2], "reshard.move.slots"))
+    if any(s >= n_slots for s in slots):
+        raise BrokerStateError(f"reshard.move.slots: a slot outside 0..{n_slots - 1}")
+    stage = _str(move[3], "reshard.move.stage")
+    if stage not in ReshardRecord.STAGES:
+        raise BrokerStateError(f"reshard.move.stage: {stage!r}")
+    return ReshardRecord(target, source, dest, slots, stage)
 
 
 def _without_floors(s: BrokerState) -> BrokerState:

@@ -34,11 +34,21 @@ sends what they return.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from zps.core.brokerstate import PartitionRecord
-from zps.core.routing import DEFAULT_SLOTS, ClusterMap, PartitionInfo, default_slot_map
+from zps.core.routing import (
+    DEFAULT_SLOTS,
+    ClusterMap,
+    PartitionInfo,
+    RouterInfo,
+    default_slot_map,
+)
 from zps.protocol.messages import Role
 
 
@@ -139,6 +149,9 @@ class ClusterState:
         self.slot_map = default_slot_map(n_slots, n_partitions)
         self.shards: dict[str, ShardNode] = {}
         self.clients: dict[str, ClientNode] = {}
+        #: Routing brokers (``zps-server broker --follow``): watched like clients, listed
+        #: in the map, each partition's requests sent to one (see ``_routers_of``).
+        self.routers: dict[str, RouterInfo] = {}
         self._parts = [_Partition() for _ in range(n_partitions)]
         self.map_version = 0
         self.failovers = 0
@@ -160,12 +173,23 @@ class ClusterState:
             out.append(PartitionRecord(part.epoch, part.floor_epoch, part.floor_lsn, hosts))
         return tuple(out)
 
-    def restore(self, map_version: int, partitions: tuple[PartitionRecord, ...]) -> None:
+    def restore(
+        self,
+        map_version: int,
+        partitions: tuple[PartitionRecord, ...],
+        slot_map: npt.NDArray[np.int32] | None = None,
+    ) -> None:
         """Take over what a previous broker recorded (before any shard registers).
 
         A partition that held data keeps its epoch and floor: after the start-up
-        hold it is lost unless a copy at least as new as its floor came back.
+        hold it is lost unless a copy at least as new as its floor came back.  A
+        recorded ``slot_map`` (live resharding) brings its partition count with it.
         """
+        if slot_map is not None:
+            if slot_map.shape != (self.n_slots,):
+                raise ValueError(f"the recorded slot map is not of {self.n_slots} slots")
+            self.slot_map = slot_map.astype(np.int32)
+            self._resize(len(partitions))
         if len(partitions) != self.n_partitions:
             raise ValueError(
                 f"the recorded state has {len(partitions)} partitions, this broker "
@@ -175,6 +199,52 @@ class ClusterState:
             part.epoch, part.floor_epoch, part.floor_lsn = rec.epoch, rec.floor_epoch, rec.floor_lsn
             part.hosts = rec.hosts
         self.map_version = max(self.map_version, map_version)
+        self._publish()
+
+    # -- live resharding (zps/broker/reshard.py drives it) -----------------------
+
+    def _resize(self, n: int) -> None:
+        while len(self._parts) < n:
+            self._parts.append(_Partition())
+        del self._parts[n:]
+        self.n_partitions = n
+
+    def spare_count(self) -> int:
+        return len(self._spares())
+
+    def grow(self, n: int, now: float) -> list[Assignment]:
+        """Add empty partitions up to ``n`` (they hold no slot until moves give them
+        some); spares become their primaries (and replicas) as for any empty one."""
+        if n <= self.n_partitions:
+            return []
+        self._resize(n)
+        self._publish()
+        return _merge(self._fill(now))
+
+    def shrink(self, n: int) -> list[Assignment]:
+        """Remove the partitions from ``n`` up, which must hold no slot: their shards
+        become spares."""
+        if n >= self.n_partitions:
+            return []
+        if int(self.slot_map.max()) >= n:
+            raise ValueError(f"partitions {n} and up still hold slots")
+        out: list[Assignment] = []
+        for p in range(n, self.n_partitions):
+            part = self._parts[p]
+            for node in [part.primary, *part.replicas]:
+                if node is not None and node in self.shards:
+                    out += self._demote(node, p)
+        self._resize(n)
+        self._publish()
+        return _merge(out)
+
+    def move_slots(self, slots: Sequence[int], dest: int) -> None:
+        """The cut-over of a move: ``slots`` belong to ``dest`` from the next map."""
+        if not 0 <= dest < self.n_partitions:
+            raise ValueError(f"no partition {dest}")
+        new = self.slot_map.copy()
+        new[np.asarray(slots, dtype=np.int64)] = dest
+        self.slot_map = new
         self._publish()
 
     # -- queries -------------------------------------------------------------
@@ -326,6 +396,17 @@ class ClusterState:
     def register_client(self, node_id: str, *, host: str, pid: int, name: str, now: float) -> None:
         self.clients[node_id] = ClientNode(node_id, host, pid, name, now)
 
+    def register_router(
+        self, node_id: str, *, endpoint: str, host: str, now: float, pid: int = 0
+    ) -> None:
+        """A routing broker announced itself: listed in the map from now on (and watched
+        like a client)."""
+        self.register_client(node_id, host=host, pid=pid, name="router", now=now)
+        info = RouterInfo(node_id, endpoint, host)
+        if self.routers.get(node_id) != info:
+            self.routers[node_id] = info
+            self._publish()
+
     def report(
         self,
         node_id: str,
@@ -373,6 +454,8 @@ class ClusterState:
     def node_gone(self, node_id: str, now: float = 0.0) -> list[Assignment]:
         """A node died or left; returns the assignments that follow (promotions)."""
         self.clients.pop(node_id, None)
+        if self.routers.pop(node_id, None) is not None:
+            self._publish()
         node = self.shards.pop(node_id, None)
         if node is None or node.partition is None:
             return self._fill(now) if node is not None else []
@@ -394,6 +477,8 @@ class ClusterState:
         """Time passes: ends the start-up hold (then fills what is still empty)."""
         if self._holding and not self.holding(now):
             self._holding = False
+            if self.routers:
+                self._publish()  # the partitions' routers, withheld during the hold
             return _merge(self._fill(now))
         if self.holding(now):
             return []
@@ -665,6 +750,7 @@ class ClusterState:
         self.map = self._build_map()
 
     def _build_map(self) -> ClusterMap:
+        routers = self._routers_of()
         parts = {
             p: PartitionInfo(
                 epoch=part.epoch,
@@ -672,10 +758,39 @@ class ClusterState:
                 replicas=tuple(part.replicas),
                 in_sync=tuple(sorted(part.in_sync)),
                 lost=part.lost,
+                router=routers[p],
             )
             for p, part in enumerate(self._parts)
         }
-        return ClusterMap(self.map_version, self.n_slots, self.slot_map, parts, self.incarnation)
+        return ClusterMap(
+            self.map_version,
+            self.n_slots,
+            self.slot_map,
+            parts,
+            self.incarnation,
+            tuple(self.routers[n] for n in sorted(self.routers)),
+        )
+
+    def _routers_of(self) -> list[str]:
+        """Each partition's router endpoint: a router on its primary's host (the hop
+        to the shard stays inside the host), else the routers in turn; none while
+        holding (requests then go to the broker, which holds them) or without routers."""
+        out = [""] * self.n_partitions
+        if not self.routers or self._holding:
+            return out
+        ordered = [self.routers[n] for n in sorted(self.routers)]
+        by_host: dict[str, RouterInfo] = {}
+        for r in ordered:
+            by_host.setdefault(r.host, r)
+        spread = 0
+        for p, part in enumerate(self._parts):
+            node = self.shards.get(part.primary) if part.primary else None
+            local = by_host.get(node.host) if node is not None and node.host else None
+            if local is None:
+                local = ordered[spread % len(ordered)]
+                spread += 1
+            out[p] = local.endpoint
+        return out
 
     def status(self, now: float, last_seen: dict[str, float | None]) -> dict[str, Any]:
         """A plain-data report for ``zps-server status``."""
@@ -703,6 +818,7 @@ class ClusterState:
             state = self.partition_state(p, now)
             entry: dict[str, Any] = {
                 "partition": p,
+                "slots": int((self.slot_map == p).sum()),
                 "epoch": part.epoch,
                 "state": state,
                 "primary": part.primary,

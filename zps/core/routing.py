@@ -45,15 +45,32 @@ class PartitionInfo:
     in_sync: tuple[str, ...] = ()
     #: No copy of the partition is left: requests fail instead of waiting.
     lost: bool = False
+    #: The endpoint of the routing broker its requests go to ("": the broker itself).
+    router: str = ""
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "epoch": self.epoch,
             "primary": self.primary,
             "replicas": list(self.replicas),
             "in_sync": list(self.in_sync),
             "lost": self.lost,
         }
+        if self.router:
+            out["router"] = self.router
+        return out
+
+
+@dataclass(frozen=True)
+class RouterInfo:
+    """A routing broker (``zps-server broker --follow``) the map lists."""
+
+    name: str
+    endpoint: str
+    host: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"name": self.name, "endpoint": self.endpoint, "host": self.host}
 
 
 @dataclass(frozen=True)
@@ -66,6 +83,8 @@ class ClusterMap:
     partitions: Mapping[int, PartitionInfo] = field(default_factory=dict)
     #: Which life of the broker made this map: versions restart at a new one.
     incarnation: str = ""
+    #: The routing brokers that route requests (see ``PartitionInfo.router``).
+    routers: tuple[RouterInfo, ...] = ()
 
     @property
     def n_partitions(self) -> int:
@@ -83,6 +102,7 @@ class ClusterMap:
             "slot_map": self.slot_map.astype("<i4").tobytes(),
             "partitions": {str(p): info.to_wire() for p, info in sorted(self.partitions.items())},
             "incarnation": self.incarnation,
+            **({"routers": [r.to_wire() for r in self.routers]} if self.routers else {}),
         }
 
     @staticmethod
@@ -113,7 +133,16 @@ class ClusterMap:
                     replicas=_names(info["replicas"]),
                     in_sync=_names(info["in_sync"]),
                     lost=info.get("lost", False) is True,
+                    router=_router_endpoint(info.get("router", "")),
                 )
+            routers = tuple(
+                RouterInfo(
+                    _router_endpoint(r["name"]),
+                    _router_endpoint(r["endpoint"]),
+                    _router_endpoint(r.get("host", "")),
+                )
+                for r in obj.get("routers", [])
+            )
             need(sorted(parts) == list(range(len(parts))), "partitions must be 0..n-1")
             need(
                 slot_map.size == 0
@@ -122,7 +151,13 @@ class ClusterMap:
             )
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise ProtocolError(f"malformed cluster map: {type(e).__name__} {e}") from None
-        return ClusterMap(version, n_slots, slot_map, parts, incarnation)
+        return ClusterMap(version, n_slots, slot_map, parts, incarnation, routers)
+
+
+def _router_endpoint(obj: object) -> str:
+    if not isinstance(obj, str):
+        raise ValueError("router fields must be strings")
+    return obj
 
 
 def _names(obj: object) -> tuple[str, ...]:
@@ -203,3 +238,72 @@ def dense_chunk_elems(
     per_part = -(-nbytes // max(n_partitions, 1))
     chunk_bytes = max(min_bytes, min(target_bytes, per_part))
     return max(1, chunk_bytes // itemsize)
+
+
+#: Row operations: ``ids`` and any array with one row per id are split by partition.
+ROW_OPS = frozenset({"push_rows", "pull_rows", "set_rows"})
+CHUNK_OPS = frozenset({"push_dense", "set_dense"})
+
+
+@dataclass(frozen=True)
+class Resplit:
+    """One operation split again by a newer map (after a ``MOVED`` answer): the pieces
+    to send (partition, body, arrays, reply bytes), and how to join their results."""
+
+    pieces: list[tuple[int, dict[str, Any], dict[str, npt.NDArray[Any]], int]]
+    #: pull_rows: each piece's positions in the original ids; pull_dense: its chunks.
+    positions: list[Any]
+    kind: str
+    n: int = 0
+    chunks: tuple[int, ...] = ()
+
+
+def resplit(
+    body: dict[str, Any], arrays: dict[str, npt.NDArray[Any]], reply_bytes: int, cmap: ClusterMap
+) -> Resplit | None:
+    """Split an operation refused ``MOVED`` by ``cmap`` (None: not a slot operation)."""
+    name = body.get("op")
+    if name in ROW_OPS and "ids" in arrays:
+        ids = arrays["ids"]
+        n = int(ids.shape[0])
+        pieces, positions = [], []
+        for p, pos in split_by_partition(ids, cmap):
+            sub = {k: (a[pos] if a.shape[:1] == (n,) else a) for k, a in arrays.items()}
+            pieces.append((p, dict(body), sub, reply_bytes * pos.size // max(n, 1)))
+            positions.append(pos)
+        return Resplit(pieces, positions, "rows" if name == "pull_rows" else "ok", n)
+    if name in CHUNK_OPS and isinstance(body.get("t"), str) and type(body.get("chunk")) is int:
+        p = chunk_partition(body["t"], body["chunk"], cmap)
+        return Resplit([(p, dict(body), arrays, reply_bytes)], [None], "ok")
+    chunks = body.get("chunks")
+    if name == "pull_dense" and isinstance(body.get("t"), str) and isinstance(chunks, list):
+        by_part: dict[int, list[int]] = {}
+        for c in chunks:
+            by_part.setdefault(chunk_partition(body["t"], c, cmap), []).append(c)
+        total = max(len(chunks), 1)
+        return Resplit(
+            [
+                (p, {**body, "chunks": cs}, {}, reply_bytes * len(cs) // total)
+                for p, cs in by_part.items()
+            ],
+            list(by_part.values()),
+            "chunks",
+            chunks=tuple(chunks),
+        )
+    return None
+
+
+def join_resplit(plan: Resplit, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The result of the original operation from its pieces' results (in order)."""
+    if plan.kind == "rows":
+        first = results[0]["arrays"]
+        rows = np.empty((plan.n, *first.shape[1:]), dtype=first.dtype)
+        for pos, res in zip(plan.positions, results, strict=True):
+            rows[pos] = res["arrays"]
+        return {"st": "OK", "arrays": rows}
+    if plan.kind == "chunks":
+        got: dict[int, Any] = {}
+        for cs, res in zip(plan.positions, results, strict=True):
+            got.update(zip(cs, res["arrays"], strict=True))
+        return {"st": "OK", "arrays": [got[c] for c in plan.chunks]}
+    return {"st": "OK"}

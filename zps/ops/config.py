@@ -249,6 +249,15 @@ class BrokerConfig:
     #: Seconds without a heartbeat from the peer before it counts as lost (the peers
     #: beat five times as often).
     peer_timeout: float = 0.5
+    #: A routing broker (zps/broker/router.py): the broker, or the pair, whose map it
+    #: follows ("tcp://a:5555" or "tcp://a:5555,tcp://b:5555"); None: a full broker.
+    follow: str | None = None
+    #: A routing broker's endpoint as clients and shards reach it (default: ``bind``
+    #: with the local address on the route to the followed broker) ...
+    advertise: str | None = None
+    #: ... and the host it runs on, as shards name theirs (``shard.host``; default:
+    #: the host name): a partition's requests go to the router on its primary's host.
+    host: str | None = None
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     security: Security = field(default_factory=Security)
     metrics: Metrics = field(default_factory=Metrics)
@@ -285,6 +294,12 @@ class BrokerConfig:
                 )
             _endpoint("broker", "peer_bind", self.peer_bind)
             _endpoint("broker", "peer", self.peer)
+        if self.follow is not None:
+            broker_endpoints(self.follow, "broker.follow")
+            if self.pair_role is not None:
+                raise ConfigError("a routing broker (broker.follow) cannot be one of a pair")
+        if self.advertise is not None:
+            _endpoint("broker", "advertise", self.advertise)
         if self.startup_grace is not None and (
             isinstance(self.startup_grace, bool)
             or not isinstance(self.startup_grace, int | float)
@@ -303,6 +318,11 @@ class BrokerConfig:
         if self.startup_grace is not None:
             return float(self.startup_grace)
         return 2 * self.heartbeat.interval * self.heartbeat.liveness
+
+    @property
+    def followed(self) -> tuple[str, ...]:
+        """A routing broker's followed broker (or pair); () for a full broker."""
+        return () if self.follow is None else broker_endpoints(self.follow, "broker.follow")
 
 
 @dataclass(frozen=True)
@@ -342,6 +362,9 @@ class ShardConfig:
     durability_interval: float = 0.1
     #: The write-ahead log begins a new file past this size (and at each checkpoint).
     wal_segment_bytes: int = 64 << 20
+    #: Shared memory for reply frames of 1 MiB and more to clients on this host, at
+    #: most this many bytes (:mod:`zps.shm`); 0 turns the path off both ways.
+    shm_bytes: int = 128 << 20
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     security: Security = field(default_factory=Security)
@@ -380,6 +403,7 @@ class ShardConfig:
             )
         _positive("shard", durability_interval=self.durability_interval)
         _integer("shard", 1 << 16, wal_segment_bytes=self.wal_segment_bytes)
+        _integer("shard", 0, shm_bytes=self.shm_bytes)
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -416,6 +440,9 @@ class ClientConfig:
     #: With a broker pair: seconds without a word from the current broker before the
     #: client turns to the other one.
     failover_timeout: float = 0.5
+    #: Shared memory for payload frames of 1 MiB and more to and from shards on this
+    #: host, at most this many bytes (:mod:`zps.shm`); 0 turns the path off.
+    shm_bytes: int = 128 << 20
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     security: Security = field(default_factory=Security)
 
@@ -440,6 +467,7 @@ class ClientConfig:
             batch_max_bytes=self.batch_max_bytes,
             message_budget=self.message_budget,
         )
+        _integer("client", 0, shm_bytes=self.shm_bytes)
         if self.message_budget > self.max_message_bytes // 2:
             raise ConfigError(
                 f"client.message_budget ({self.message_budget}) must be at most half of "

@@ -67,6 +67,9 @@ class Status(enum.StrEnum):
     VERSION_MISMATCH = "VERSION_MISMATCH"
     #: A standby broker of a pair: ask the other one (clients switch and retry).
     PASSIVE = "PASSIVE"
+    #: Live resharding: the partition no longer holds some slots of the request (not
+    #: applied); the client splits the call again by its newer map.
+    MOVED = "MOVED"
 
 
 # -- field readers: each returns a checked value or raises ProtocolError ----------
@@ -278,6 +281,9 @@ class ClientHello:
     name: str = ""
     #: The client's zps release (shown by ``zps-server status``); "" from older clients.
     version: str = ""
+    #: A routing broker's endpoint (``zps-server broker --follow``): it announces itself
+    #: to be listed in the map; "" for a client.
+    router: str = ""
 
     @classmethod
     def parse(cls, h: Header) -> ClientHello:
@@ -286,10 +292,19 @@ class ClientHello:
             pid=_opt_int(h, "pid", "HELLO pid", 0),
             name=_opt_str(h, "name", "HELLO name", ""),
             version=_opt_str(h, "version", "HELLO version", ""),
+            router=_opt_str(h, "router", "HELLO router", ""),
         )
 
     def to_wire(self) -> dict[str, Any]:
-        return {"host": self.host, "pid": self.pid, "name": self.name, "version": self.version}
+        out: dict[str, Any] = {
+            "host": self.host,
+            "pid": self.pid,
+            "name": self.name,
+            "version": self.version,
+        }
+        if self.router:
+            out["router"] = self.router
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,11 +336,25 @@ class StatusRequest:
     #: carries ``drain`` (``{"ok": bool, "msg": str}``).
     drain: str | None = None
     undrain: str | None = None
+    #: Live resharding: ``zps-server scale --partitions N`` (the report then carries
+    #: ``scale``, ``{"ok": bool, "msg": str}``), or ``--cancel``.
+    scale: int | None = None
+    scale_cancel: bool = False
+    #: Optional tuning of a scale: slots per move, bytes per copied piece (0: default).
+    scale_max_slots: int = 0
+    scale_piece_bytes: int = 0
 
     @classmethod
     def parse(cls, h: Header) -> StatusRequest:
         reset, drain, undrain = h.get("reset_partition"), h.get("drain"), h.get("undrain")
+        scale = h.get("scale")
         return cls(
+            scale=None if scale is None else _int(scale, "STATUS scale", hi=2**20),
+            scale_cancel=_bool(h.get("scale_cancel", False), "STATUS scale_cancel"),
+            scale_max_slots=_int(h.get("scale_max_slots", 0), "STATUS scale_max_slots", hi=2**20),
+            scale_piece_bytes=_int(
+                h.get("scale_piece_bytes", 0), "STATUS scale_piece_bytes", hi=2**30
+            ),
             reset_partition=None
             if reset is None
             else _int(reset, "STATUS reset_partition", hi=2**31 - 1),
@@ -343,6 +372,14 @@ class StatusRequest:
             h["drain"] = self.drain
         if self.undrain is not None:
             h["undrain"] = self.undrain
+        if self.scale is not None:
+            h["scale"] = self.scale
+        if self.scale_cancel:
+            h["scale_cancel"] = True
+        if self.scale_max_slots:
+            h["scale_max_slots"] = self.scale_max_slots
+        if self.scale_piece_bytes:
+            h["scale_piece_bytes"] = self.scale_piece_bytes
         return h
 
 

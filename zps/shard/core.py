@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+import zps.shard.slotops as slotops
 from zps.errors import (
     BadRequestError,
     ProtocolError,
@@ -58,8 +59,9 @@ from zps.store.snapshot import Snapshot
 from zps.store.stepbuf import Pending, StepBuffer
 from zps.store.tables import EmbeddingTable
 
-MUTATIONS = frozenset(
-    {"create", "push_dense", "push_rows", "commit", "drop", "set_dense", "set_rows"}
+MUTATIONS = (
+    frozenset({"create", "push_dense", "push_rows", "commit", "drop", "set_dense", "set_rows"})
+    | slotops.SLOT_MUTATIONS
 )
 #: Cuts of the partition (for an export) a shard holds at once; a new one drops the oldest.
 MAX_CUTS = 2
@@ -284,6 +286,9 @@ class ShardCore:
         self.checkpoint_enabled = False
         self.checkpointed: dict[str, Any] | None = None
         self.checkpoint_wanted: int | None = None
+        #: Live resharding: the slots this partition serves (None: every slot routed
+        #: here; see zps/shard/slotops.py).
+        self.slots: slotops.SlotState | None = None
 
     def assign(self, partition: int | None, epoch: int, *, primary: bool = True) -> None:
         """Hold ``partition`` at ``epoch`` (None: nothing), as primary or replica.
@@ -298,6 +303,7 @@ class ShardCore:
             self.dedup = self._new_dedup()
             self.steps = self._new_steps()
             self.lsn = 0
+            self.slots = None
         self.partition, self.epoch = partition, epoch
         self.primary = primary and partition is not None
 
@@ -324,6 +330,7 @@ class ShardCore:
             self.dedup.entries(),
             self.steps.export(),
             self.dedup.floors(),
+            None if self.slots is None else self.slots.to_wire(),
         )
 
     def load_snapshot(self, snap: Snapshot) -> None:
@@ -332,7 +339,9 @@ class ShardCore:
         store.load(snap.export)
         steps = self._new_steps()
         steps.load(snap.steps)
+        slots = None if snap.slots is None else slotops.SlotState.from_wire(snap.slots)
         self.store, self.steps = store, steps
+        self.slots = slots
         self.dedup.load(snap.dedup, snap.dedup_floors)
         self.partition, self.epoch, self.lsn = snap.partition, snap.epoch, snap.lsn
 
@@ -387,6 +396,12 @@ class ShardCore:
         ):
             self.stats.expired += 1
             cached = [_expired_status(key, floor)] * len(ops)
+        if cached is None and self.slots is not None:
+            # Slot ownership (live resharding), after the dedup lookup: a re-sent
+            # message applied before a fence is answered from its record above.
+            moved = slotops.check(self, ops, payloads)
+            if moved is not None:
+                return enc.build(reply_route, moved), False
         results: list[dict[str, Any]] = []
         recorded: list[dict[str, Any]] = []
         any_mutation = False
@@ -669,6 +684,10 @@ class ShardCore:
         tables: dict[str, Any] = {}
         for spec in self.store.specs():
             tables[spec.name] = self.store.table(spec.name).copy_values()
+        if self.slots is not None and self.slots.active:
+            # Live resharding: only the slots this partition owns (not rows it released
+            # and still holds, nor an import not yet served), so no id is cut twice.
+            slotops.owned_only(self.slots, tables)
         self._cut_counter += 1
         key = (self.epoch, self._cut_counter)
         self._cuts[key] = _Cut(self.lsn, {s.name: s for s in self.store.specs()}, tables)
@@ -814,6 +833,7 @@ _HANDLERS: dict[str, _Handler] = {
     "cut_read": ShardCore.op_cut_read,
     "cut_drop": ShardCore.op_cut_drop,
     "checkpoint": ShardCore.op_checkpoint,
+    **slotops.HANDLERS,
 }
 
 

@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 
 import zmq.asyncio
 
-from zps import transport
+from zps import shm, transport
 from zps.core.membership import liveness_identity
 from zps.core.routing import ClusterMap
 from zps.errors import ProtocolError
@@ -94,11 +94,16 @@ from zps.shard.durability import Durability
 from zps.shard.primary import REPLICATION_HWM, ReplicationStream, Reply
 from zps.shard.replica import Upstream
 from zps.shard.session import MapResult, ShardSession
+from zps.shard.slotops import SlotState
 from zps.store.snapshot import Snapshot
 from zps.transport import CurveKeys
 from zps.version import __version__
 
 log = logging.getLogger("zps.shard")
+
+
+#: Seconds after which a reply's shared-memory region may be reused unread.
+SHM_RECLAIM_S = 2.0
 
 
 def _mutates(header: dict[str, Any]) -> bool:
@@ -227,6 +232,21 @@ class ShardServer:
             segment_bytes=config.wal_segment_bytes,
         )
         self._checkpointing: asyncio.Task[None] | None = None
+        #: Same-host shared memory for large frames (zps.shm); None when off.
+        self._shm = shm.SharedMemory.create(
+            config.shm_bytes,
+            "shard",
+            reclaim_after=SHM_RECLAIM_S,
+            max_frame_bytes=config.max_message_bytes,
+        )
+        #: Routing brokers of the map (endpoint -> link, its reply allowance, its reader)
+        #: and, per client, the router link its last request came by (its replies go
+        #: back there; absent: through the broker).
+        self._routers: dict[
+            str, tuple[transport.Channel, transport.Outbound, asyncio.Task[None]]
+        ] = {}
+        self._via: dict[bytes, transport.Outbound] = {}
+        self._router_absent: dict[str, float] = {}  # endpoint -> since when unlisted
         self.core.checkpoint_enabled = self._checkpoints is not None
 
     @property
@@ -360,6 +380,9 @@ class ShardServer:
                 transport.close(sock)
             for beat in self._beats:
                 transport.close(beat)
+            for sock, out, _ in self._routers.values():
+                out.close()
+                transport.close(sock)
             if auth is not None:
                 auth.stop()
             self._close_upstream()
@@ -524,6 +547,33 @@ class ShardServer:
             "Requests refused OVERLOADED: the replies held for the broker filled their bound",
             self.overloaded,
         )
+        if self._shm is not None:
+            shm_stats = self._shm.stats()
+            yield gauge(
+                "zps_shard_shm_bytes",
+                "Shared memory held by reply frames clients have not yet read",
+                shm_stats["used"],
+            )
+            yield counter(
+                "zps_shard_shm_sent_frames",
+                "Reply frames sent through shared memory",
+                shm_stats["puts"],
+            )
+            yield counter(
+                "zps_shard_shm_read_frames",
+                "Request frames read from clients' shared memory",
+                shm_stats["reads"],
+            )
+            yield counter(
+                "zps_shard_shm_full",
+                "Reply frames sent inline because the shared memory budget was spent",
+                shm_stats["full"],
+            )
+            yield counter(
+                "zps_shard_shm_refused",
+                "Requests refused because a client's shared memory could not be read",
+                shm_stats["refused"],
+            )
         if self._stream is not None:
             sender = self._stream.snapshots
             yield counter("zps_shard_snapshots_sent", "Snapshot transfers begun", sender.started)
@@ -711,6 +761,10 @@ class ShardServer:
             )
             if tick.trim:  # a quiet interval after traffic: give freed buffers back
                 malloc.trim()
+                if self._shm is not None:
+                    self._shm.trim()
+            if self._shm is not None:  # unmap the memory of clients that are gone
+                self._shm.housekeeping()
             if tick.broker_lost_for is not None:
                 log.warning(
                     "no word from the broker for %.1fs; %s",
@@ -811,10 +865,89 @@ class ShardServer:
     def _on_map(self, cmap: ClusterMap) -> None:
         p = self.session.partition
         info = cmap.partitions.get(p) if p is not None else None
+        if info is not None and p == self.core.partition:
+            # The slots this partition serves, while no move involves it (live
+            # resharding: fences and imports are records of its stream).
+            owned = cmap.slot_map == p
+            if self.core.slots is None:
+                self.core.slots = SlotState.of(owned, cmap.version)
+            else:
+                self.core.slots.take_map(owned, cmap.version)
         if info is not None:
             self._apply_waiting(
                 self.session.on_map(info.epoch, set(info.in_sync), set(info.replicas))
             )
+        self._follow_routers(cmap)
+
+    def _follow_routers(self, cmap: ClusterMap) -> None:
+        """Keep a DEALER to every routing broker the map lists, for requests only
+        (control and the liveness link stay with the broker pair); a request that came
+        through one is answered through it."""
+        if self._ctx is None or self._tg is None:
+            return
+        wanted = {r.endpoint for r in cmap.routers}
+        now = time.monotonic()
+        for endpoint in self._routers:
+            if endpoint in wanted:
+                self._router_absent.pop(endpoint, None)
+            else:  # kept a while: its replies in flight still go out, it may come back
+                self._router_absent.setdefault(endpoint, now)
+        for endpoint in [e for e, t in self._router_absent.items() if now - t >= 60.0]:
+            del self._router_absent[endpoint]
+            sock, out, task = self._routers.pop(endpoint)
+            task.cancel()
+            out.close()
+            transport.close(sock)
+            self._via = {c: o for c, o in self._via.items() if o is not out}
+        cfg, keys, hb = self.config, self._keys, self.config.heartbeat
+        for endpoint in wanted - self._routers.keys():
+            sock = transport.dealer(
+                self._ctx,
+                endpoint,
+                self.node_id.encode(),
+                max_message_bytes=cfg.max_message_bytes,
+                curve=keys,
+                server_public=keys.server_public if keys else None,
+            )
+            out = transport.Outbound(
+                sock,
+                total_limit=cfg.reply_queue_bytes,
+                stall_timeout=2 * hb.interval * hb.liveness,
+                name=f"router link {endpoint}",
+            )
+            on_frames = functools.partial(self._on_router_frames, out=out)
+            task = self._tg.create_task(transport.serve(sock, on_frames, self._malformed))
+            self._routers[endpoint] = (sock, out, task)
+            log.info("connected to the routing broker at %s", endpoint)
+
+    async def _on_router_frames(self, frames: transport.Frames, out: transport.Outbound) -> None:
+        """A request a routing broker forwarded: the same checks as any (role, epoch,
+        lease); the reply goes back through that router."""
+        if len(frames) < 3:
+            raise ProtocolError(f"{len(frames)} frames from a routing broker")
+        source = transport.frame_bytes(frames[0])
+        if not source:
+            return  # routers send no control messages
+        try:
+            route = unpack_route(transport.frame_buffer(frames[1]))
+        except (KeyError, ValueError, TypeError, OverflowError) as e:
+            raise ProtocolError(str(e)) from e
+        held, cfg = out.held_bytes, self.config
+        if held > 0 and held + cfg.max_message_bytes > cfg.reply_queue_bytes:
+            # That router reads too slowly for another full reply: as _link_full does.
+            self.overloaded += 1
+            refusal = StatusReply(
+                Status.OVERLOADED,
+                f"shard {self.node_id}: replies held for "
+                "this routing broker fill shard.reply_queue_bytes; retry later",
+            )
+            reply_route = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
+            out.post([source, *encode(reply_route, refusal.to_wire())], cfg.reply_queue_bytes)
+            return
+        if len(self._via) > 65536:
+            self._via.clear()
+        self._via[source] = out
+        await self._request(source, route, frames[1:])
 
     def _settle(self) -> None:
         self._apply_waiting(self.session.settle())
@@ -864,6 +997,8 @@ class ShardServer:
             reply_route = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
             transport.try_send(sock, [source, *encode(reply_route, refusal.to_wire())])
             return
+        if self._via:
+            self._via.pop(source, None)  # answered through the broker again
         await self._request(source, route, frames[1:])
 
     async def _request(self, source: bytes, route: Route, frames: list[Any]) -> None:
@@ -871,8 +1006,22 @@ class ShardServer:
         bufs = [transport.frame_buffer(f) for f in frames]
         reply_route = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
         refusal = None
+        shm_reply = False
         try:
             msg = decode(bufs)
+            if shm.KEY in msg.header:
+                # Payloads in the client's shared memory: copied here first, so what is
+                # applied, logged and replicated is this process's own.
+                got = (self._shm or shm.OFF).inbound(bufs, msg.header)
+                frames = bufs = got.frames
+                msg = decode(bufs)
+                shm_reply = got.reply_ok
+        except shm.ShmUnavailableError as e:
+            # The client sends it again (inline, if this shard cannot open its memory).
+            refused = StatusReply(Status.OVERLOADED, f"shard {self.node_id}: {e}").to_wire()
+            refused["noshm"] = "open" if e.permanent else "gone"
+            self._post([source, *encode(reply_route, refused)])
+            return
         except ProtocolError as e:
             self.core.stats.malformed += 1
             refusal = StatusReply(Status.BAD_REQUEST, str(e))
@@ -917,6 +1066,8 @@ class ShardServer:
         t0 = time.perf_counter()
         reply, changed = self.core.handle_request(route, msg.header, msg.payloads)
         self._latency["write" if changed else "read"].observe(time.perf_counter() - t0)
+        if shm_reply and self._shm is not None and self._shm.wants(reply):
+            reply = self._shm.outbound(reply)[0]  # the client copies the large frames
         if not changed:
             size = transport.message_bytes(reply)
             if size > self.config.max_message_bytes - 4096:
@@ -982,8 +1133,9 @@ class ShardServer:
         """Send to the broker without waiting; held within ``reply_queue_bytes`` while its
         queue is full, dropped past that (the client's request times out or is retried)."""
         assert self._sock is not None and self._out is not None
-        if not self._sock.closed:
-            posted = self._out.post(frames, self.config.reply_queue_bytes)
+        out = self._via.get(frames[0], self._out) if self._via else self._out
+        if not out.ch.closed:
+            posted = out.post(frames, self.config.reply_queue_bytes)
             if posted is transport.Posted.DROPPED:
                 log.warning("dropped a reply: the broker link holds %d bytes", self._out.held_bytes)
 

@@ -36,6 +36,9 @@ class Snapshot:
     steps: dict[str, Any] = field(default_factory=lambda: {"committed": -1, "entries": []})
     #: Per client, the highest seq evicted from the dedup record (DedupCache.floors()).
     dedup_floors: list[tuple[bytes, int]] = field(default_factory=list)
+    #: Live resharding: the slots the partition serves, fences and imports included
+    #: (``zps.shard.slotops.SlotState.to_wire``); None: every slot routed to it.
+    slots: dict[str, Any] | None = None
 
 
 def encode_snapshot(enc: Encoder, snap: Snapshot) -> dict[str, Any]:
@@ -61,6 +64,8 @@ def encode_snapshot(enc: Encoder, snap: Snapshot) -> dict[str, Any]:
     }
     if snap.dedup_floors:
         header["dedup_floors"] = [[cid, seq] for cid, seq in snap.dedup_floors]
+    if snap.slots is not None:
+        header["slots"] = snap.slots
     return header
 
 
@@ -117,6 +122,9 @@ def decode_snapshot(
         step_state = {"committed": steps["committed"], "entries": pending}
     except (KeyError, TypeError, ValueError) as e:
         raise ProtocolError(f"snapshot step buffer is malformed: {e}") from None
+    slots = header.get("slots")
+    if slots is not None and not isinstance(slots, dict):
+        raise ProtocolError("snapshot slots must be a map")
     return Snapshot(
         partition,
         epoch,
@@ -125,6 +133,7 @@ def decode_snapshot(
         entries,
         step_state,
         [(f[0], f[1]) for f in floors],
+        slots,
     )
 
 

@@ -1,0 +1,302 @@
+"""Live resharding on a shard, without I/O: the ownership rule, the move operations
+(zps/shard/slotops.py, zps/store/slots.py), the client's re-split after MOVED
+(zps/core/routing.py) and the broker's records (cluster state, state record)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from zps.core.brokerstate import BrokerState, BrokerStateError, PartitionRecord, ReshardRecord
+from zps.core.cluster import ClusterState
+from zps.core.routing import ClusterMap, join_resplit, resplit, split_by_partition
+from zps.init import Zeros
+from zps.optim import Adagrad
+from zps.protocol.codec import Encoder, MsgType, Route, decode
+from zps.shard.core import ShardCore
+from zps.shard.slotops import SlotState
+from zps.store import DenseSpec, EmbeddingSpec
+from zps.store.slots import slots_of_ids
+
+N_SLOTS = 64
+EMB = EmbeddingSpec("emb", 4, "float32", Zeros(), Adagrad(lr=0.1), 3)
+DENSE = DenseSpec("w", (40,), "float32", Zeros(), Adagrad(lr=0.1), 1, 8)  # 5 chunks
+
+
+class Shard:
+    """A primary's core and a way to send it requests."""
+
+    def __init__(self, partition: int) -> None:
+        self.core = ShardCore()
+        self.core.assign(partition, 1)
+        self.partition = partition
+        self.seq = 0
+
+    def call(
+        self, ops: list[tuple[dict[str, Any], dict[str, np.ndarray]]], seq: int | None = None
+    ) -> tuple[dict[str, Any], list[Any]]:
+        enc = Encoder()
+        wire = [{**op, **{k: enc.array(v) for k, v in arrays.items()}} for op, arrays in ops]
+        if seq is None:
+            self.seq += 1
+            seq = self.seq
+        header = {"cid": b"c1", "seq": seq, "ops": wire}
+        frames = enc.build(Route(MsgType.REQUEST, self.partition, 1, seq), header)
+        msg = decode([bytes(f) for f in frames])
+        out = self.core.handle(msg.route, msg.header, msg.payloads)
+        reply = decode([bytes(f) for f in out])
+        return reply.header, list(reply.payloads)
+
+    def ok(self, ops: list[tuple[dict[str, Any], dict[str, np.ndarray]]]) -> dict[str, Any]:
+        header, payloads = self.call(ops)
+        assert header["st"] == "OK" and header["res"][0]["st"] == "OK", header
+        return {"res": header["res"][0], "payloads": payloads}
+
+
+def push(ids: np.ndarray, value: float = 1.0) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    g = np.full((ids.size, 4), value, dtype=np.float32)
+    return {"op": "push_rows", "t": "emb"}, {"ids": ids, "g": g}
+
+
+def pull(ids: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    return {"op": "pull_rows", "t": "emb"}, {"ids": ids}
+
+
+def common(slots: list[int], owned: list[int]) -> dict[str, Any]:
+    return {"slots": slots, "n_slots": N_SLOTS, "owned": owned, "version": 1}
+
+
+def test_verdicts() -> None:
+    owned = np.zeros(8, np.bool_)
+    owned[:4] = True
+    s = SlotState.of(owned)
+    assert s.verdict(np.array([0, 1])) is None
+    assert s.verdict(np.array([0, 5])) == "MOVED"
+    s.fenced[1] = True
+    assert s.verdict(np.array([0, 1])) == "NOT_PRIMARY"
+    s.importing[5] = True
+    assert s.verdict(np.array([0, 5])) == "NOT_PRIMARY"
+    assert s.verdict(np.array([6])) == "MOVED"
+    assert not s.take_map(owned, 9)  # a move involves it: the map waits
+    s.fenced[:] = s.importing[:] = False
+    assert s.take_map(~owned, 9) and s.verdict(np.array([0])) == "MOVED"
+
+
+def test_a_move_between_two_cores_keeps_values_state_and_exactly_once() -> None:
+    src, dst = Shard(0), Shard(1)
+    everything = list(range(N_SLOTS))
+    for shard in (src, dst):
+        shard.core.slots = SlotState.of(
+            np.ones(N_SLOTS, np.bool_) if shard is src else np.zeros(N_SLOTS, np.bool_)
+        )
+        shard.ok([({"op": "create", "spec": EMB.to_wire()}, {})])
+        shard.ok([({"op": "create", "spec": DENSE.to_wire()}, {})])
+    ids = np.arange(1, 2001, dtype=np.int64)
+    for v in (1.0, 2.0, 3.0):
+        src.ok([push(ids, v)])
+    for c in range(5):
+        src.ok([({"op": "push_dense", "t": "w", "chunk": c}, {"g": np.ones(8, np.float32)})])
+    moving = list(range(0, N_SLOTS, 2))
+    on = np.isin(slots_of_ids(ids, N_SLOTS), moving)
+    # A message applied before the fence, re-sent after it: answered from the dedup
+    # record, not refused and not applied again.
+    header, _ = src.call([push(ids[on][:5], 100.0)], seq=1000)
+    assert header["st"] == "OK"
+    before = src.ok([pull(ids)])
+
+    dst.ok([({"op": "slots_import", **common(moving, [])}, {})])
+    src.ok([({"op": "slots_fence", **common(moving, everything)}, {})])
+    header, _ = src.call([push(ids[on][:5], 7.0)])
+    assert header["st"] == "NOT_PRIMARY"  # fenced: not applied
+    header, _ = src.call([push(ids[on][:5], 100.0)], seq=1000)
+    assert header["st"] == "OK" and src.core.stats.duplicates == 1
+    manifest = src.ok([({"op": "slots_cut", "slots": moving}, {})])["res"]
+    for table in manifest["tables"]:
+        read: dict[str, Any] = {"op": "slots_cut_read", "t": table["spec"]["name"]}
+        extra: dict[str, Any] = {}
+        if "n" in table:
+            read |= {"start": 0, "count": table["n"]}
+        else:
+            read["chunks"] = extra["chunks"] = table["chunks"]
+        got = src.ok([(read, {})])
+        imp = {"op": "slots_import", **common(moving, []), "spec": table["spec"], **extra}
+        enc_op = {**imp, "a": got["res"]["a"]}
+        # Forward the payload frames as they are, as the broker does.
+        header = {"cid": b"broker", "seq": 1 + dst.seq, "ops": [enc_op]}
+        dst.seq += 1
+        frames = [
+            Route(MsgType.REQUEST, 1, 1, 5).pack(),
+            msgpack.packb(header, use_bin_type=True),
+            *got["payloads"],
+        ]
+        msg = decode([bytes(f) for f in frames])
+        reply = decode([bytes(f) for f in dst.core.handle(msg.route, msg.header, msg.payloads)])
+        assert reply.header["res"][0]["st"] == "OK", reply.header
+    header, _ = dst.call([pull(ids[on])])
+    assert header["st"] == "NOT_PRIMARY"  # importing: not served before the map says so
+    dst.ok([({"op": "slots_activate", **common(moving, [])}, {})])
+    src.ok([({"op": "slots_release", **common(moving, everything), "drop": False}, {})])
+    header, _ = src.call([pull(ids[on][:3])])
+    assert header["st"] == "MOVED"
+    # An export cut holds the owned slots only, released rows still held or not.
+    cut = src.ok([({"op": "cut"}, {})])["res"]
+    assert [t["n"] for t in cut["tables"] if t["spec"]["name"] == "emb"] == [int((~on).sum())]
+    assert src.ok([({"op": "slots_compact"}, {})])["res"]["dropped"] > 0
+
+    # Values and Adagrad state moved: the same push gives the same rows on either side.
+    def rows(shard: Shard, which: np.ndarray) -> np.ndarray:
+        from zps.protocol.codec import array_from
+
+        got = shard.ok([pull(which)])
+        return array_from(got["res"]["a"], got["payloads"], max_bytes=1 << 30)
+
+    from zps.protocol.codec import array_from
+
+    want = array_from(before["res"]["a"], before["payloads"], max_bytes=1 << 30)
+    np.testing.assert_array_equal(rows(dst, ids[on]), want[on])
+    np.testing.assert_array_equal(rows(src, ids[~on]), want[~on])
+    ref = Shard(0)
+    ref.ok([({"op": "create", "spec": EMB.to_wire()}, {})])
+    for v in (1.0, 2.0, 3.0):
+        ref.ok([push(ids, v)])
+    ref.call([push(ids[on][:5], 100.0)], seq=1000)
+    for shard, mask in ((dst, on), (src, ~on)):
+        shard.ok([push(ids[mask], 0.5)])
+        ref_rows_mask = ids[mask]
+        ref.ok([push(ref_rows_mask, 0.5)])
+        np.testing.assert_array_equal(rows(shard, ids[mask]), rows(ref, ids[mask]))
+    assert len(src.core.store.embedding("emb")) == int((~on).sum())
+
+
+def test_resplit_joins_pieces_in_the_callers_order() -> None:
+    cmap = ClusterMap(2, 16, (np.arange(16) % 4).astype(np.int32), {p: None for p in range(4)})  # type: ignore[misc]
+    ids = np.arange(100, 140, dtype=np.int64)
+    g = np.arange(40 * 2, dtype=np.float32).reshape(40, 2)
+    plan = resplit({"op": "push_rows", "t": "e"}, {"ids": ids, "g": g}, 0, cmap)
+    assert plan is not None
+    assert sorted(p for p, *_ in plan.pieces) == sorted(p for p, _ in split_by_partition(ids, cmap))
+    for _, _, arrays, _ in plan.pieces:
+        assert np.array_equal(arrays["g"], g[np.searchsorted(ids, arrays["ids"])])
+    pull_plan = resplit({"op": "pull_rows", "t": "e"}, {"ids": ids}, 40 * 8, cmap)
+    assert pull_plan is not None
+    results = [{"arrays": g[pos]} for pos in pull_plan.positions]
+    assert np.array_equal(join_resplit(pull_plan, results)["arrays"], g)
+    dense = resplit({"op": "pull_dense", "t": "w", "chunks": [0, 1, 2, 3, 4]}, {}, 0, cmap)
+    assert dense is not None
+    res = [{"arrays": [np.full(1, c) for c in cs]} for cs in dense.positions]
+    assert [int(a[0]) for a in join_resplit(dense, res)["arrays"]] == [0, 1, 2, 3, 4]
+    assert resplit({"op": "tables"}, {}, 0, cmap) is None
+
+
+def test_cluster_grows_moves_and_shrinks() -> None:
+    state = ClusterState(2, 16)
+    for i in range(4):
+        state.register_shard(f"s-{i}", host=f"h{i}", pid=i, address="", now=0.0)
+    assert state.spare_count() == 2
+    state.grow(4, 0.0)
+    assert state.n_partitions == 4 and state.spare_count() == 0
+    assert all(state.primary_of(p) for p in range(4))
+    state.move_slots([1, 3], 2)
+    assert state.map.slot_map[1] == 2 and state.status(0.0, {})["partitions"][2]["slots"] == 2
+    with pytest.raises(ValueError, match="still hold slots"):
+        state.shrink(2)
+    state.move_slots([1, 3], 1)
+    state.shrink(2)
+    assert state.n_partitions == 2 and state.spare_count() == 2
+    assert state.map.n_partitions == 2
+
+
+def test_the_state_record_keeps_the_slot_map_and_the_move() -> None:
+    slot_map = (np.arange(16) % 3).astype("<i4").tobytes()
+    rec = BrokerState(
+        1, 3, 16, 1, 7, (PartitionRecord(),) * 3, slot_map=slot_map,
+        reshard=ReshardRecord(4, 0, 3, (1, 2), "copied"),
+    )  # fmt: skip
+    assert BrokerState.from_bytes(rec.to_bytes()) == rec
+    bad = rec.to_dict()
+    bad["slot_map"] = (np.arange(16) % 5).astype("<i4").tobytes()
+    with pytest.raises(BrokerStateError, match="slot_map"):
+        BrokerState.from_dict(bad)
+    bad = rec.to_dict()
+    bad["reshard"]["move"][3] = "flying"
+    with pytest.raises(BrokerStateError, match="stage"):
+        BrokerState.from_dict(bad)
+
+
+def test_snapshots_and_checkpoints_carry_fences_and_imports() -> None:
+    from zps.shard.checkpoint import decode_checkpoint, encode_checkpoint
+
+    src = Shard(0)
+    src.core.slots = SlotState.of(np.ones(N_SLOTS, np.bool_), 3)
+    src.ok([({"op": "create", "spec": EMB.to_wire()}, {})])
+    src.ok([({"op": "slots_fence", **common([1, 2], list(range(N_SLOTS)))}, {})])
+    src.core.slots.importing[:] = False
+    data = b"".join(bytes(p) for p in encode_checkpoint(src.core.snapshot()))
+    copy = ShardCore()
+    copy.assign(0, 1, primary=False)
+    copy.load_snapshot(decode_checkpoint(data))
+    assert copy.slots is not None
+    assert copy.slots.fenced.tolist() == src.core.slots.fenced.tolist()
+    assert copy.slots.version == 3 and bool(copy.slots.owned.all())
+
+
+def test_sync_mode_gradients_move_with_their_slots() -> None:
+    """Gradients buffered for an uncommitted step travel with the slots: the commit
+    applies each once, at the destination for the moved rows, at the source for the rest."""
+    src, dst = Shard(0), Shard(1)
+    src.core.slots = SlotState.of(np.ones(N_SLOTS, np.bool_))
+    dst.core.slots = SlotState.of(np.zeros(N_SLOTS, np.bool_))
+    for shard in (src, dst):
+        shard.ok([({"op": "create", "spec": EMB.to_wire()}, {})])
+    ids = np.arange(1, 501, dtype=np.int64)
+    op, arrays = push(ids, 1.0)
+    src.ok([({**op, "step": 0}, arrays)])  # buffered until step 0 commits
+    moving = list(range(0, N_SLOTS, 2))
+    on = np.isin(slots_of_ids(ids, N_SLOTS), moving)
+    src.ok([({"op": "slots_fence", **common(moving, list(range(N_SLOTS)))}, {})])
+    manifest = src.ok([({"op": "slots_cut", "slots": moving}, {})])["res"]
+    assert manifest["steps"] == 1
+    got = src.ok([({"op": "slots_cut_read", "steps": True}, {})])
+    header = {
+        "cid": b"broker",
+        "seq": 99,
+        "ops": [
+            {
+                "op": "slots_import",
+                **common(moving, []),
+                "steps": True,
+                "a": got["res"]["a"],
+                "committed": manifest["committed"],
+            }
+        ],
+    }
+    frames = [
+        Route(MsgType.REQUEST, 1, 1, 5).pack(),
+        msgpack.packb(header, use_bin_type=True),
+        *got["payloads"],
+    ]
+    msg = decode([bytes(f) for f in frames])
+    reply = decode([bytes(f) for f in dst.core.handle(msg.route, msg.header, msg.payloads)])
+    assert reply.header["res"][0]["st"] == "OK", reply.header
+    dst.ok([({"op": "slots_activate", **common(moving, [])}, {})])
+    src.ok([({"op": "slots_release", **common(moving, list(range(N_SLOTS)))}, {})])
+    for shard in (src, dst):
+        shard.ok([({"op": "commit", "step": 0, "workers": [b"c1"]}, {})])
+    assert len(dst.core.store.embedding("emb")) == int(on.sum())
+    assert len(src.core.store.embedding("emb")) == int((~on).sum())
+    ref = Shard(0)
+    ref.ok([({"op": "create", "spec": EMB.to_wire()}, {})])
+    ref.ok([({**op, "step": 0}, arrays)])
+    ref.ok([({"op": "commit", "step": 0, "workers": [b"c1"]}, {})])
+    from zps.protocol.codec import array_from
+
+    def rows(shard: Shard, which: np.ndarray) -> np.ndarray:
+        got = shard.ok([pull(which)])
+        return array_from(got["res"]["a"], got["payloads"], max_bytes=1 << 30)
+
+    # Each row got step 0's gradient exactly once, wherever it lives now.
+    for shard, mask in ((dst, on), (src, ~on)):
+        np.testing.assert_array_equal(rows(shard, ids[mask]), rows(ref, ids[mask]))

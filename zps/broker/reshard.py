@@ -1,0 +1,651 @@
+"""Live resharding, driven by the active broker (the map's single owner).
+
+``zps-server scale --partitions N`` sets a target; the broker then, one move at a
+time (:func:`zps.core.reshard.plan_moves`, at most ``max_slots_per_move`` slots
+each):
+
+1. grows the cluster to N partitions first when scaling up (spares become their
+   primaries and replicas; too few spares: the command is refused, naming how
+   many are missing);
+2. records the move (``copying``) in its state record, on disk before anything
+   is fenced;
+3. marks the slots as importing at the destination, then *fences* them at the
+   source (``slots_fence``, a record of the source's stream: its replicas hold
+   it, and from then on it answers any request on those slots ``NOT_PRIMARY``,
+   unapplied, so clients retry);
+4. copies what is on the slots (rows with their optimizer state, dense chunks,
+   sync-mode gradients waiting for their step): the source's primary cuts them
+   (``slots_cut``), the broker reads the cut in pieces of at most ``piece_bytes``
+   and hands each to the destination's primary as ``slots_import``, a write of its
+   stream (replicated to its replicas, logged, acknowledged by every in-sync copy);
+5. records the move as ``copied`` (on disk), gives the slots to the destination in
+   the map and publishes it, activates them at the destination, and releases them
+   at the source (which drops their rows; a record of its stream too);
+6. when every move is done, removes the partitions past N when scaling down
+   (their shards become spares).
+
+A request routed by an older map to the source after the cut-over is answered
+``MOVED`` and re-split by the client; a message the source applied before the
+fence and re-sent is answered from its dedup record (looked up first).  Sync
+commits wait while a move is under way, so a step is applied exactly once, at the
+source before the fence or at the destination after the cut-over.
+
+Failures: a request of the move that fails (the source or destination failed
+over, a timeout) cancels the move (the source unfences, the destination drops
+what it imported) and the plan starts again from the current map.  A broker that
+takes over (restart, pair failover) finds the move in its state record: one
+``copying`` is cancelled, one ``copied`` is completed (the destination held every
+slot before the record said so).  ``zps-server scale --cancel`` cancels the move
+under way and drops the target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from zps.broker.acceptance import MOVE_TARGET, MoveReply
+from zps.core.brokerstate import ReshardRecord
+from zps.core.reshard import DEFAULT_MAX_SLOTS_PER_MOVE, plan_moves
+from zps.protocol.codec import BufferLike, MsgType, Route, encode
+
+if TYPE_CHECKING:
+    from zps.broker.broker import Broker
+
+log = logging.getLogger("zps.broker.reshard")
+
+#: Answers that mean "the partition is between primaries, or busy": the same request
+#: (same sequence number: the shard's dedup record keeps it exactly once) again.
+#: Pieces of a move's copy under way at once (read from the source, imported at the
+#: destination): reading the next overlaps importing this one.
+PIPELINE = 3
+_RETRY = frozenset({"NOT_PRIMARY", "STALE_EPOCH", "OVERLOADED", "NOT_ENOUGH_REPLICAS"})
+
+
+def _nop(what: str) -> None:
+    pass
+
+
+class MoveFailed(RuntimeError):
+    """A request of a move failed: the move is cancelled and planned again."""
+
+
+@dataclass
+class ReshardStats:
+    moves_done: int = 0
+    moves_cancelled: int = 0
+    slots_moved: int = 0
+    bytes_moved: int = 0
+    #: The longest time slots were fenced (from the fence to the destination serving).
+    max_fenced_s: float = 0.0
+    last_move_s: float = 0.0
+    last_error: str = ""
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Resharder:
+    """The broker's live resharding (see the module notes)."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        *,
+        max_slots_per_move: int = DEFAULT_MAX_SLOTS_PER_MOVE,
+        piece_bytes: int = 8 << 20,
+        request_timeout: float = 30.0,
+    ) -> None:
+        self.b = broker
+        self.max_slots = max_slots_per_move
+        self.piece_bytes = piece_bytes
+        self.request_timeout = request_timeout
+        self.record: ReshardRecord | None = None
+        self.stats = ReshardStats()
+        self.cid = b"\x00mv-" + uuid.uuid4().hex[:16].encode()
+        self._seqs = itertools.count(1)
+        self._req_ids = itertools.count(1)
+        self._futures: dict[int, asyncio.Future[MoveReply]] = {}
+        self._wake = asyncio.Event()
+        self._cancel = False
+        self._progress: dict[str, Any] = {}
+
+    # -- commands --------------------------------------------------------------
+
+    def restore(self, rec: ReshardRecord | None) -> None:
+        """A recorded resharding (broker start or takeover): resumed once routing."""
+        self.record = rec
+        self.cid = b"\x00mv-" + uuid.uuid4().hex[:16].encode()
+        if rec is not None:
+            self._wake.set()
+
+    def request(
+        self, target: int, now: float, *, max_slots: int = 0, piece_bytes: int = 0
+    ) -> dict[str, Any]:
+        """``zps-server scale --partitions target``: the answer for the operator
+        (``max_slots``: slots per move, ``piece_bytes``: bytes per copied piece; 0 keeps
+        the current settings)."""
+        state = self.b.state
+        if target < 1 or target > state.n_slots:
+            return {"ok": False, "msg": f"--partitions must be 1..{state.n_slots}"}
+        if self.b.config.data_dir is None and self.b.pair is None:
+            return {
+                "ok": False,
+                "msg": "this broker has no data dir: the slot map would not survive its "
+                "restart (start it with --data-dir to scale)",
+            }
+        if state.holding(now):
+            return {"ok": False, "msg": "the broker is collecting the shards' claims; ask again"}
+        if self.record is not None and self.record.target != target:
+            return {
+                "ok": False,
+                "msg": f"scaling to {self.record.target} partitions is under way; "
+                "cancel it first (zps-server scale --cancel)",
+            }
+        missing = [p for p in range(state.n_partitions) if state.primary_of(p) is None]
+        if missing:
+            return {"ok": False, "msg": f"partitions {missing} have no primary; scale later"}
+        if target > state.n_partitions:
+            need = target - state.n_partitions
+            spares = state.spare_count()
+            if spares < need:
+                return {
+                    "ok": False,
+                    "msg": f"scaling from {state.n_partitions} to {target} partitions needs "
+                    f"{need} spare shards for the new partitions' primaries "
+                    f"({need * state.replication} with replicas); {spares} registered: start "
+                    f"{need - spares} more shard(s) first",
+                }
+        old = state.n_partitions
+        self.max_slots = max_slots or self.max_slots
+        self.piece_bytes = max(4096, piece_bytes) if piece_bytes else self.piece_bytes
+        moves = plan_moves(
+            state.slot_map, target, old_partitions=old, max_slots_per_move=self.max_slots
+        )
+        self.record = ReshardRecord(target)
+        self._cancel = False
+        self.stats.last_error = ""
+        self.b._state_changed()
+        self._wake.set()
+        log.warning(
+            "scaling from %d to %d partitions: %d slots to move in %d moves",
+            old,
+            target,
+            moves.moved_slots,
+            len(moves.moves),
+        )
+        return {
+            "ok": True,
+            "msg": f"scaling from {old} to {target} partitions: {moves.moved_slots} slots "
+            f"in {len(moves.moves)} moves",
+        }
+
+    def cancel(self) -> dict[str, Any]:
+        """``zps-server scale --cancel``: undo the move under way, drop the target."""
+        if self.record is None:
+            return {"ok": False, "msg": "no resharding is under way"}
+        if self.record.stage == "copied":
+            return {
+                "ok": False,
+                "msg": "the move under way is being published (its copy is complete); "
+                "it cannot be cancelled: scale back afterwards",
+            }
+        self._cancel = True
+        self._wake.set()
+        for fut in self._futures.values():
+            if not fut.done():
+                fut.cancel()
+        return {"ok": True, "msg": "cancelling: the source unfences, the destination drops"}
+
+    def status(self) -> dict[str, Any] | None:
+        rec = self.record
+        s = self.stats
+        out: dict[str, Any] = {
+            "target": rec.target if rec else None,
+            "moves_done": s.moves_done,
+            "moves_cancelled": s.moves_cancelled,
+            "slots_moved": s.slots_moved,
+            "bytes_moved": s.bytes_moved,
+            "max_fenced_s": round(s.max_fenced_s, 3),
+            "last_move_s": round(s.last_move_s, 3),
+            "last_error": s.last_error,
+        }
+        if rec is not None and rec.stage:
+            out["move"] = {
+                "source": rec.source,
+                "dest": rec.dest,
+                "slots": len(rec.slots),
+                "stage": rec.stage,
+                **self._progress,
+            }
+        return out
+
+    def on_reply(self, reply: MoveReply) -> None:
+        fut = self._futures.get(reply.route.req_id)
+        if (
+            fut is not None
+            and not fut.done()
+            and self.b.state.primary_of(reply.route.partition) == reply.node
+        ):
+            fut.set_result(reply)
+
+    # -- the driver ------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.record is not None:
+                if not self._routing():
+                    await asyncio.sleep(0.2)
+                    continue
+                try:
+                    await self._step()
+                except asyncio.CancelledError:
+                    if not self._cancel:
+                        raise
+                    await self._failed("cancelled by an operator")
+                except MoveFailed as e:
+                    await self._failed(str(e))
+                except Exception as e:  # a bug, or an answer it cannot read: never the broker's end
+                    log.exception("slot move failed")
+                    await self._failed(f"{type(e).__name__}: {e}")
+
+    def _routing(self) -> bool:
+        b = self.b
+        if b.pair is not None and not b.pair.active:
+            return False
+        return not b.state.holding(time.monotonic())
+
+    async def _failed(self, why: str) -> None:
+        try:
+            await self._give_up(why)
+        finally:
+            # A sync commit held back by the move goes out now (after the undo).
+            self.b.training.paused = False
+            await self.b.training.advance()
+
+    async def _give_up(self, why: str) -> None:
+        rec = self.record
+        if rec is None:  # this broker stood down meanwhile (a pair): the other one drives
+            return
+        if rec.stage == "copied":
+            # The destination holds every slot: the move is completed, never undone
+            # (the map giving it the slots may be out already).
+            log.warning("completing the slot move %d -> %d: %s", rec.source, rec.dest, why)
+            self._cancel = False
+            await asyncio.sleep(0.2)
+            return
+        if not self._cancel:
+            log.error("slot move %d -> %d failed: %s; cancelling it", rec.source, rec.dest, why)
+            self.stats.last_error = why
+        try:
+            await self._undo(rec)
+        except MoveFailed as e:
+            log.error("cancelling the slot move failed: %s; trying again", e)
+            self.stats.last_error = str(e)
+            await asyncio.sleep(1.0)
+            return
+        if self._cancel:
+            log.warning("resharding to %d partitions cancelled by an operator", rec.target)
+            self._cancel = False
+            self._set(None)
+            state = self.b.state
+            # Partitions added for the target that got no slot yet go again.
+            holding = int(state.slot_map.max()) + 1
+            if holding < state.n_partitions:
+                before = state.map_version
+                await self.b._apply(state.shrink(holding))
+                await self.b._publish_if_changed(before)
+            await self._persisted()
+            try:
+                await self._compact(range(self.b.state.n_partitions))
+            except MoveFailed as e:
+                log.error("dropping the rows of released slots failed: %s", e)
+            return
+        await asyncio.sleep(1.0)
+
+    async def _step(self) -> None:
+        rec = self.record
+        assert rec is not None
+        if self._cancel:
+            raise MoveFailed("cancelled by an operator")
+        if rec.stage == "copied":
+            await self._finish(rec)
+            return
+        if rec.stage == "copying":  # a broker that took over: nobody is copying
+            await self._undo(rec)
+            return
+        state = self.b.state
+        if state.n_partitions < rec.target:
+            before = state.map_version
+            await self.b._apply(state.grow(rec.target, time.monotonic()))
+            self.b._state_changed()
+            await self.b._publish_if_changed(before)
+        if any(state.primary_of(p) is None for p in range(state.n_partitions)):
+            await asyncio.sleep(0.2)
+            return
+        plan = plan_moves(
+            state.slot_map,
+            rec.target,
+            old_partitions=state.n_partitions,
+            max_slots_per_move=self.max_slots,
+        )
+        if not plan.moves:
+            await self._compact(range(min(state.n_partitions, rec.target)))
+            if state.n_partitions > rec.target:
+                # The emptied partitions stay in the map a little longer: a request
+                # still in flight to one (parked by a fence) is answered MOVED there
+                # and re-split, instead of failing for want of a partition.
+                hb = self.b.config.heartbeat
+                await asyncio.sleep(max(1.0, 4 * hb.interval * hb.liveness / 2))
+                before = state.map_version
+                await self.b._apply(state.shrink(rec.target))
+                await self.b._publish_if_changed(before)
+            log.warning("resharding done: %d partitions", state.n_partitions)
+            self._set(None)
+            await self._persisted()
+            return
+        await self._move(plan.moves[0].source, plan.moves[0].dest, plan.moves[0].slots)
+        # A breath between moves, longer than a client's retry backoff (its heartbeat
+        # interval): a message refused during this move's fence is served before the next
+        # fence, instead of finding slots of the next move fenced in turn.
+        await asyncio.sleep(1.5 * self.b.config.heartbeat.interval)
+
+    async def _compact(self, partitions: range) -> None:
+        """Each source drops the rows of the slots it released (once, at the end: a
+        drop rewrites the partition's id index)."""
+        t0 = time.monotonic()
+        for p in partitions:
+            res, _ = await self._call(p, [{"op": "slots_compact"}], timeout=600.0)
+            if res.get("dropped"):
+                log.info(
+                    "partition %d dropped %d rows of the slots it gave away in %.2fs",
+                    p,
+                    res["dropped"],
+                    time.monotonic() - t0,
+                )
+
+    def _set(self, rec: ReshardRecord | None) -> None:
+        self.record = rec
+        self.b._state_changed()
+
+    async def _persisted(self) -> None:
+        """Wait until the state record as it is now is on disk (at once without one)."""
+        writer = self.b._writer
+        if writer is not None:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def written() -> None:
+                if not done.done():
+                    done.set_result(None)
+
+            writer.after_write(written)
+            await done
+        pair = self.b.pair
+        if pair is not None and pair.active:
+            # And in the standby's copy (it takes over with it), unless the peer is gone.
+            deadline = time.monotonic() + 4 * self.b.config.peer_timeout
+            while not pair.peer_holds_now() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+
+    def _owned(self, p: int) -> list[int]:
+        return [int(s) for s in np.flatnonzero(self.b.state.slot_map == p)]
+
+    def _common(self, p: int, slots: Sequence[int]) -> dict[str, Any]:
+        state = self.b.state
+        return {
+            "slots": list(slots),
+            "n_slots": state.n_slots,
+            "owned": self._owned(p),
+            "version": state.map_version,
+        }
+
+    async def _move(self, source: int, dest: int, slots: tuple[int, ...]) -> None:
+        rec = self.record
+        assert rec is not None
+        t0 = time.monotonic()
+        self._progress = {"bytes": 0, "started": round(time.time(), 3)}
+        self._set(replace(rec, source=source, dest=dest, slots=slots, stage="copying"))
+        marks = [("start", t0)]
+
+        def mark(what: str) -> None:
+            marks.append((what, time.monotonic()))
+
+        await self._persisted()  # before the fence: a broker taking over must know it
+        mark("recorded")
+        training = self.b.training
+        training.paused = True
+        try:
+            while training.commit_in_flight:
+                await asyncio.sleep(0.01)
+            await self._call(dest, [{"op": "slots_import", **self._common(dest, slots)}])
+            mark("import_begun")
+            fence = {"op": "slots_fence", **self._common(source, slots)}
+            await self._call(source, [fence])
+            fence_epoch = self.b.state.map.partitions[source].epoch
+            t_fence = time.monotonic()
+            mark("fenced")
+            self._progress["fenced_at"] = round(time.time(), 3)
+            moved = await self._copy(source, dest, slots)
+            if self.b.state.map.partitions[source].epoch != fence_epoch:
+                # The source failed over during the copy: its new primary must have held
+                # the fence all along (a replica that joined by snapshot during the move
+                # learnt its slots from the map, and may have taken writes on them).
+                res, _ = await self._call(source, [fence])
+                if not res.get("held"):
+                    raise MoveFailed("the source's new primary did not hold the fence")
+            mark("copied")
+            rec = self.record
+            assert rec is not None
+            copied = replace(rec, stage="copied")
+            self._set(copied)
+            await self._persisted()
+            mark("recorded_copied")
+            await self._finish(copied, mark)
+        finally:
+            training.paused = False
+        # Fenced: from the fence until the destination serves the slots.
+        fenced = dict(marks)["activated"] - t_fence
+        took = time.monotonic() - t0
+        s = self.stats
+        s.moves_done += 1
+        s.slots_moved += len(slots)
+        s.bytes_moved += moved
+        s.max_fenced_s = max(s.max_fenced_s, fenced)
+        s.last_move_s = took
+        s.history.append(
+            {
+                "source": source,
+                "dest": dest,
+                "slots": len(slots),
+                "bytes": moved,
+                "seconds": round(took, 3),
+                "fenced_s": round(fenced, 3),
+            }
+        )
+        del s.history[:-64]
+        log.info(
+            "moved %d slots (%d bytes) from partition %d to %d in %.2fs (fenced %.2fs): %s",
+            len(slots),
+            moved,
+            source,
+            dest,
+            took,
+            fenced,
+            " ".join(f"{w} {t - marks[i][1]:.3f}" for i, (w, t) in enumerate(marks[1:])),
+        )
+        await training.advance()
+
+    async def _copy(self, source: int, dest: int, slots: tuple[int, ...]) -> int:
+        """Read the source's cut in pieces and import each at the destination, up to
+        ``PIPELINE`` pieces under way at once (pieces are distinct rows or chunks: the
+        order they land in does not matter)."""
+        common = self._common(dest, slots)
+        manifest, _ = await self._call(source, [{"op": "slots_cut", "slots": list(slots)}])
+        budget = self.piece_bytes
+        reads: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (read op, import op)
+        for table in manifest.get("tables", []):
+            spec = table["spec"]
+            name = spec["name"]
+            base = {"op": "slots_import", **common, "spec": spec}
+            if "n" in table:
+                n, row = int(table["n"]), max(1, int(table["row_bytes"]))
+                per = max(1, budget // row)
+                for start in range(0, max(n, 1), per):  # one piece even when empty
+                    count = min(per, n - start)
+                    read = {"op": "slots_cut_read", "t": name, "start": start, "count": count}
+                    reads.append((read, base))
+            else:
+                groups: list[list[int]] = []
+                group: list[int] = []
+                size = 0
+                for c, sz in zip(table["chunks"], table["sizes"], strict=True):
+                    if group and size + sz > budget:
+                        groups.append(group)
+                        group, size = [], 0
+                    group.append(c)
+                    size += sz
+                groups.append(group)  # an empty one still creates the tensor there
+                for group in groups:
+                    read = {"op": "slots_cut_read", "t": name, "chunks": group}
+                    reads.append((read, {**base, "chunks": group}))
+        moved = landed = 0
+        window = asyncio.Semaphore(PIPELINE)
+
+        async def piece(read: dict[str, Any], base: dict[str, Any]) -> None:
+            nonlocal moved, landed
+            async with window:
+                res, payloads = await self._call(source, [read])
+                await self._call(dest, [{**base, "a": res["a"]}], payloads)
+            moved += sum(len(p) for p in payloads)
+            landed += 1
+            self._progress["bytes"] = moved
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for read, base in reads:
+                    tg.create_task(piece(read, base))
+        except* MoveFailed as group_error:
+            raise MoveFailed(str(group_error.exceptions[0])) from None
+        if self._cancel or landed != len(reads):
+            raise MoveFailed(f"the copy stopped after {landed} of {len(reads)} pieces")
+        if manifest.get("steps") or manifest.get("committed", -1) >= 0:
+            res, payloads = await self._call(source, [{"op": "slots_cut_read", "steps": True}])
+            op = {
+                "op": "slots_import",
+                **common,
+                "steps": True,
+                "a": res["a"],
+                "committed": manifest.get("committed", -1),
+            }
+            await self._call(dest, [op], payloads)
+        return moved
+
+    async def _finish(self, rec: ReshardRecord, mark: Callable[[str], None] = _nop) -> None:
+        """The copy is complete (recorded): publish, activate, release."""
+        state = self.b.state
+        slots = list(rec.slots)
+        if rec.dest >= state.n_partitions:
+            raise MoveFailed(f"partition {rec.dest} is gone")
+        if bool((state.slot_map[np.asarray(slots, dtype=np.int64)] != rec.dest).any()):
+            before = state.map_version
+            state.move_slots(slots, rec.dest)
+            self.b._state_changed()
+            await self._persisted()
+            mark("map_recorded")
+            await self.b._publish_if_changed(before)
+        await self._call(rec.dest, [{"op": "slots_activate", **self._common(rec.dest, slots)}])
+        mark("activated")
+        if rec.source < state.n_partitions:
+            release = {"op": "slots_release", **self._common(rec.source, slots), "drop": False}
+            await self._call(rec.source, [release])
+            mark("released")
+        cur = self.record
+        if cur is not None:
+            self._set(replace(cur, source=-1, dest=-1, slots=(), stage=""))
+        self._progress = {}
+
+    async def _undo(self, rec: ReshardRecord) -> None:
+        """Cancel the move of ``rec``: the source unfences, the destination drops."""
+        state = self.b.state
+        slots = list(rec.slots)
+        if slots and 0 <= rec.source < state.n_partitions:
+            await self._call(
+                rec.source, [{"op": "slots_unfence", **self._common(rec.source, slots)}]
+            )
+        if slots and 0 <= rec.dest < state.n_partitions:
+            await self._call(
+                rec.dest, [{"op": "slots_drop_import", **self._common(rec.dest, slots)}]
+            )
+        if slots:
+            self.stats.moves_cancelled += 1
+            log.warning(
+                "slot move of %d slots from %d to %d cancelled", len(slots), rec.source, rec.dest
+            )
+        cur = self.record
+        if cur is not None:
+            self._set(replace(cur, source=-1, dest=-1, slots=(), stage=""))
+        self._progress = {}
+        await self._persisted()
+
+    async def _call(
+        self,
+        p: int,
+        ops: list[dict[str, Any]],
+        payloads: Sequence[BufferLike] = (),
+        *,
+        timeout: float | None = None,
+    ) -> tuple[dict[str, Any], list[BufferLike]]:
+        """One request to partition ``p``'s primary, re-sent (same sequence number)
+        until it is answered; the first operation's result and the reply's arrays."""
+        header = {"cid": self.cid, "seq": next(self._seqs), "ops": ops}
+        state = self.b.state
+        limit = self.request_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        backoff = 0.02
+        what = f"{ops[0]['op']} on partition {p}"
+        last = "no answer"
+        while True:
+            if time.monotonic() > deadline:
+                raise MoveFailed(f"{what}: {last} after {limit:g}s")
+            primary = state.primary_of(p) if p < state.n_partitions else None
+            if primary is None or not self._routing():
+                await asyncio.sleep(0.1)
+                continue
+            epoch = state.map.partitions[p].epoch
+            req_id = next(self._req_ids)
+            fut: asyncio.Future[MoveReply] = asyncio.get_running_loop().create_future()
+            self._futures[req_id] = fut
+            route = Route(MsgType.REQUEST, p, epoch, req_id)
+            self.b._post([primary.encode(), MOVE_TARGET, *encode(route, header), *payloads])
+            try:
+                reply = await asyncio.wait_for(fut, min(5.0 if timeout is None else limit, limit))
+            except TimeoutError:
+                continue
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._cancel and (task is None or not task.cancelling()):
+                    raise MoveFailed("cancelled by an operator") from None
+                raise
+            finally:
+                self._futures.pop(req_id, None)
+            st = reply.header.get("st")
+            log.debug("%s: %s %s", what, st, reply.header.get("msg", ""))
+            if st in _RETRY:
+                last = f"{st} {reply.header.get('msg', '')}"
+                await asyncio.sleep(backoff)
+                backoff = min(0.5, backoff * 2)
+                continue
+            res = reply.header.get("res")
+            first = res[0] if isinstance(res, list) and res else None
+            if st != "OK" or not isinstance(first, dict) or first.get("st") != "OK":
+                detail = first if isinstance(first, dict) else reply.header
+                raise MoveFailed(f"{what}: {detail.get('st')} {detail.get('msg', '')}")
+            return first, list(reply.payloads)
