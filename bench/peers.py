@@ -24,6 +24,9 @@ configurations: 2 partitions x 1 copy with sequential pushes, 2 x 1 with
 pipelined pushes (``wait=False``), and 2 x 2 (replication 2, acks="all") with
 pipelined pushes.  The peers run their sparse step both ways too, and each zps
 row is compared with the peer's row of the same kind (sequential/pipelined).
+zps moves the dense chunks through same-host shared memory (zps/shm.py), as Ray
+does through its object store; ``ZPS_NO_SHM=1`` in the environment sends them
+inline over the sockets instead (every zps process started here inherits it).
 
 The peers are not zps dependencies; install them with
 
