@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,10 +29,43 @@ from zps.core.routing import partitions_of_ids
 from zps.errors import ZpsError, ZpsTimeoutError
 from zps.optim import SGD
 
+_handed_out: set[int] = set()
+
+
+def _port_range() -> range:
+    """Ports the kernel never picks for an unbound socket: outside its ephemeral range.
+
+    A port taken from the ephemeral range (``bind(0)``) can be given, a moment later,
+    to any outgoing connection as its local port, and the process that meant to bind it
+    then fails with "Address already in use".
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    below = range(max(1024, lo - 12000), lo)
+    above = range(hi + 1, 65536)
+    return below if len(below) >= len(above) else above
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on 127.0.0.1 that was free a moment ago, outside the kernel's
+    ephemeral range and not handed out before by this process."""
+    ports = _port_range()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(ports)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
