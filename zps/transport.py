@@ -35,12 +35,14 @@ import contextlib
 import enum
 import logging
 import os
+import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
@@ -710,3 +712,17 @@ def frame_bytes(frame: Any) -> bytes:
 def frame_buffer(frame: Any) -> memoryview:
     """A zero-copy view of a received frame."""
     return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+
+
+def local_address(endpoint: str) -> str:
+    """This host's address on the route to ``endpoint``'s host (no packet is sent): what a
+    process advertises for others to reach it at."""
+    host = urlsplit(endpoint).hostname or "127.0.0.1"
+    if host in ("*", "0.0.0.0", "localhost"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()

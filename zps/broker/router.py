@@ -92,26 +92,13 @@ class RouterStats:
     stale_maps: int = 0
 
 
-def local_address(endpoint: str) -> str:
-    """The local address on the route to ``endpoint``'s host (no packet is sent)."""
-    host = urlsplit(endpoint).hostname or "127.0.0.1"
-    if host in ("*", "0.0.0.0", "localhost"):
-        return "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return socket.gethostname()
-
-
 def advertised(bound: str, config: BrokerConfig) -> str:
     """The endpoint clients and shards reach the router at."""
     if config.advertise:
         return config.advertise
     parts = urlsplit(bound)
     if parts.hostname in ("0.0.0.0", "*", "::", None):
-        return f"tcp://{local_address(config.followed[0])}:{parts.port}"
+        return f"tcp://{transport.local_address(config.followed[0])}:{parts.port}"
     return bound
 
 

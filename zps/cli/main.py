@@ -811,6 +811,22 @@ def server_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _admin(
+    args: argparse.Namespace, *, connect_timeout: float | None = None
+) -> tuple[str, ClientConfig]:
+    """The broker endpoint(s) and client settings of a command that reaches a cluster
+    (status, drain, scale, checkpoint, ...), with its logging set up."""
+    settings = _settings(args)
+    setup_logging(args.log_level or "warning")
+    client = replace(
+        settings.client,
+        connect_timeout=args.timeout if connect_timeout is None else connect_timeout,
+        timeout=args.timeout,
+        name=f"zps-server {args.command}",
+    )
+    return args.broker or ",".join(settings.worker.endpoints), client
+
+
 def server_main(argv: Sequence[str] | None = None) -> int:
     args = server_parser().parse_args(argv)
     malloc.tune()
@@ -825,25 +841,17 @@ def server_main(argv: Sequence[str] | None = None) -> int:
                 setup_logging(args.log_level or "info")
                 return run_async(_serve_shard(shard_config(args, settings)))
             case "status":
-                settings = _settings(args)
-                setup_logging(args.log_level or "warning")
-                client = replace(
-                    settings.client,
-                    connect_timeout=args.timeout,
-                    timeout=args.timeout,
-                    name="zps-server status",
-                )
+                broker, client = _admin(args)
                 return run_async(
                     _status(
-                        args.broker or ",".join(settings.worker.endpoints),
+                        broker,
                         client,
                         args.json,
                         args.check,
                     )
                 )
             case "reset-partition":
-                settings = _settings(args)
-                setup_logging(args.log_level or "warning")
+                broker, client = _admin(args)
                 if not args.accept_data_loss:
                     print(
                         f"zps-server reset-partition: partition {args.partition} would be "
@@ -852,47 +860,23 @@ def server_main(argv: Sequence[str] | None = None) -> int:
                         file=sys.stderr,
                     )
                     return 2
-                client = replace(
-                    settings.client,
-                    connect_timeout=args.timeout,
-                    timeout=args.timeout,
-                    name="zps-server reset-partition",
-                )
-                return run_async(
-                    _reset_partition(
-                        args.broker or ",".join(settings.worker.endpoints), client, args.partition
-                    )
-                )
+                return run_async(_reset_partition(broker, client, args.partition))
             case "drain" | "undrain":
-                settings = _settings(args)
-                setup_logging(args.log_level or "warning")
-                client = replace(
-                    settings.client,
-                    connect_timeout=args.timeout,
-                    timeout=args.timeout,
-                    name=f"zps-server {args.command}",
-                )
+                broker, client = _admin(args)
                 node = args.node if args.node.startswith("s-") else f"s-{args.node}"
                 return run_async(
                     _drain(
-                        args.broker or ",".join(settings.worker.endpoints),
+                        broker,
                         client,
                         node,
                         undo=args.command == "undrain",
                     )
                 )
             case "scale":
-                settings = _settings(args)
-                setup_logging(args.log_level or "warning")
-                client = replace(
-                    settings.client,
-                    connect_timeout=args.timeout,
-                    timeout=args.timeout,
-                    name="zps-server scale",
-                )
+                broker, client = _admin(args)
                 return run_async(
                     _scale(
-                        args.broker or ",".join(settings.worker.endpoints),
+                        broker,
                         client,
                         args.partitions,
                         cancel=args.cancel,
@@ -902,15 +886,7 @@ def server_main(argv: Sequence[str] | None = None) -> int:
                     )
                 )
             case "checkpoint" | "export" | "import":
-                settings = _settings(args)
-                setup_logging(args.log_level or "warning")
-                broker = args.broker or ",".join(settings.worker.endpoints)
-                client = replace(
-                    settings.client,
-                    connect_timeout=min(args.timeout, 30.0),
-                    timeout=args.timeout,
-                    name=f"zps-server {args.command}",
-                )
+                broker, client = _admin(args, connect_timeout=min(args.timeout, 30.0))
                 if args.command == "checkpoint":
                     return run_async(_checkpoint(broker, client, args.timeout, args.json))
                 if args.command == "import":

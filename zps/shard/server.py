@@ -134,19 +134,6 @@ def _from_broker(mtype: MsgType, header: dict[str, Any]) -> BrokerToShard | None
             return None
 
 
-def advertise_host(broker: str) -> str:
-    """The local address on the route to the broker (no packet is sent)."""
-    host = urlsplit(broker).hostname or "127.0.0.1"
-    if host in ("*", "0.0.0.0", "localhost"):
-        return "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return socket.gethostname()
-
-
 def shard_node_id(config: ShardConfig, *, hostname: str, pid: int) -> str:
     """``s-NAME``: the configured name, else the host and the data dir (its name and a
     short hash of its whole path, so two dirs of one name differ), else the host and
@@ -306,7 +293,7 @@ class ShardServer:
         )
         port = urlsplit(bound).port
         brokers = cfg.endpoints
-        self.address = f"tcp://{cfg.advertise_host or advertise_host(brokers[0])}:{port}"
+        self.address = f"tcp://{cfg.advertise_host or transport.local_address(brokers[0])}:{port}"
         self._sock = transport.dealer(
             self._ctx,
             brokers[0],
