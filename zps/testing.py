@@ -218,7 +218,13 @@ class LocalCluster:
             self.start_broker()
             for _ in range(self.shards):
                 self.start_shard()
-            self.wait_healthy(timeout)
+            # Healthy, and every shard registered: spares too (a test that scales or
+            # fails over counts on them).
+            self.wait_for(
+                lambda s: self.healthy(s) and len(s["shards"]) >= self.shards,
+                timeout,
+                f"every partition fully replicated and all {self.shards} shards registered",
+            )
         except BaseException:
             self.stop()
             raise
