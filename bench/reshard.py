@@ -7,8 +7,9 @@ turn, each timed), runs ``zps-server scale --partitions --to``, and reports:
 
 - the time from the scale command to the last move published, the bytes the
   broker copied, the moves and the longest fence (slots refused while copied);
-- the probe's worst and 99th-percentile call before and during the moves (the
-  worst caller stall);
+- the probe's worst and 99th-percentile call before the moves, during them, and
+  during the end of the resharding (the sources dropping the rows they gave away)
+  (the worst caller stall);
 - the CPU seconds of the broker and each shard during the moves (/proc).
 
     .venv/bin/python bench/reshard.py --rows 8000000 --dim 32 --from 1 --to 2
@@ -130,8 +131,27 @@ def main() -> int:
                     piece_bytes=args.piece_bytes,
                 )
                 assert answer["ok"], answer
-                status = await asyncio.to_thread(c.wait_resharded, args.new, 3600)
+                marks: dict[str, float] = {}
+
+                def resharded(s: dict) -> bool:  # type: ignore[type-arg]
+                    r = s.get("reshard") or {}
+                    counts = [p["slots"] for p in s["partitions"]]
+                    if (
+                        "moved" not in marks
+                        and len(counts) == args.new
+                        and max(counts) - min(counts) <= 1
+                        and "move" not in r
+                    ):
+                        marks["moved"] = time.monotonic()  # the last move is published
+                    return (
+                        r.get("target") is None
+                        and s["n_partitions"] == args.new
+                        and all(p["state"] in ("ok", "degraded") for p in s["partitions"])
+                    )
+
+                status = await asyncio.to_thread(c.wait_for, resharded, 3600, "resharding")
                 took = time.monotonic() - t0
+                moved = marks.get("moved", t0 + took)
                 cpu1 = {n: cpu_seconds(pid) for n, pid in pids.items()}
                 await asyncio.sleep(2.0)
                 stop.set()
@@ -151,6 +171,21 @@ def main() -> int:
                     "slots": [p["slots"] for p in status["partitions"]],
                     "probe_before": summary(calls, 0, before_end),
                     "probe_during": summary(calls, t0, t0 + took),
+                    "probe_moves": summary(calls, t0, moved),
+                    "probe_end": summary(calls, moved, t0 + took),
+                    "end_s": round(t0 + took - moved, 2),
+                    # Calls slower than 0.2 s: (start after the scale command, seconds).
+                    "slow_calls": [
+                        (round(t - t0, 2), round(max(p, q), 3))
+                        for t, p, q in calls
+                        if t >= t0 and max(p, q) > 0.2
+                    ],
+                    "compact_steps": r.get("compact_steps"),
+                    "broker_log": [
+                        line[line.find("moved ") if "moved " in line else 0 :]
+                        for line in c.broker().log().splitlines()
+                        if "moved " in line or "gave away" in line
+                    ],
                     "cpu_s": {n: round(cpu1[n] - cpu0[n], 2) for n in pids},
                     "loadavg": os.getloadavg(),
                 }

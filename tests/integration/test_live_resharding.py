@@ -58,6 +58,9 @@ def test_scale_2_to_4_and_back_under_load_keeps_exact_sums(tmp_path: Path) -> No
         assert _slots(up) == [1024] * 4
         assert _slots(down) == [2048] * 2
         assert up["reshard"]["moves_done"] == 8  # 2048 slots in moves of 256
+        # The sources dropped the rows they gave away in steps (scan, index, copy: at
+        # least three each), serving between them.
+        assert up["reshard"]["compact_steps"] >= 2 * 3, up["reshard"]
         assert down["reshard"]["moves_done"] == 16
         assert load.total_pushes >= 300
 

@@ -300,3 +300,208 @@ def test_sync_mode_gradients_move_with_their_slots() -> None:
     # Each row got step 0's gradient exactly once, wherever it lives now.
     for shard, mask in ((dst, on), (src, ~on)):
         np.testing.assert_array_equal(rows(shard, ids[mask]), rows(ref, ids[mask]))
+
+
+def test_released_rows_are_dropped_in_steps_while_the_shard_serves() -> None:
+    """``slots_compact`` with ``rows``: the drop takes many bounded steps, the shard
+    serves pushes, new rows, pulls and snapshots between them, and every copy ends
+    with exactly the kept rows, current (a replica that follows the steps, and one
+    that joined by snapshot half-way, which the unbounded last call completes)."""
+    from zps.protocol.codec import array_from
+    from zps.store.slots import Compaction, chunk_slot
+
+    src, ref = Shard(0), Shard(0)
+    replica = ShardCore()
+    replica.assign(0, 1, primary=False)
+    late: ShardCore | None = None
+    everything = list(range(N_SLOTS))
+
+    def call(ops: list[tuple[dict[str, Any], dict[str, np.ndarray]]]) -> dict[str, Any]:
+        """A request to the primary, replicated to the replicas as a shard does."""
+        enc = Encoder()
+        wire = [{**op, **{k: enc.array(v) for k, v in arrays.items()}} for op, arrays in ops]
+        src.seq += 1
+        header = {"cid": b"c1", "seq": src.seq, "ops": wire}
+        msg = decode([bytes(f) for f in enc.build(Route(MsgType.REQUEST, 0, 1, 1), header)])
+        reply = decode([bytes(f) for f in src.core.handle(msg.route, msg.header, msg.payloads)])
+        assert reply.header["st"] == "OK" and reply.header["res"][0]["st"] == "OK", reply.header
+        for copy in (replica, late):
+            if copy is not None:
+                copy.apply_replicated(msg.header, msg.payloads)
+        return {"res": reply.header["res"][0], "payloads": list(reply.payloads)}
+
+    src.core.slots = SlotState.of(np.ones(N_SLOTS, np.bool_))
+    replica.load_snapshot(src.core.snapshot())
+    for shard_call in (call, ref.ok):
+        shard_call([({"op": "create", "spec": EMB.to_wire()}, {})])
+        shard_call([({"op": "create", "spec": DENSE.to_wire()}, {})])
+    ids = np.arange(1, 20_001, dtype=np.int64)
+    moving = list(range(0, N_SLOTS, 2))
+    kept = ids[~np.isin(slots_of_ids(ids, N_SLOTS), moving)]
+    call([push(ids, 1.0)])
+    ref.ok([push(kept, 1.0)])
+    for c in range(5):
+        g = {"g": np.ones(8, np.float32)}
+        call([({"op": "push_dense", "t": "w", "chunk": c}, g)])
+        if chunk_slot("w", c, N_SLOTS) not in moving:  # the reference: what stays
+            ref.ok([({"op": "push_dense", "t": "w", "chunk": c}, g)])
+    call([({"op": "slots_fence", **common(moving, everything)}, {})])
+    call([({"op": "slots_release", **common(moving, everything), "drop": False}, {})])
+    table = src.core.store.embedding("emb")
+    assert len(table) == ids.size  # released rows still held
+
+    rng = np.random.default_rng(3)
+    fresh = np.arange(100_000, 101_000, dtype=np.int64)
+    fresh = fresh[~np.isin(slots_of_ids(fresh, N_SLOTS), moving)]  # new rows, on kept slots
+    budget = 1000
+    steps = served = 0
+    done = False
+    while not done:
+        res = call([({"op": "slots_compact", "rows": budget}, {})])["res"]
+        steps += 1
+        done = res["done"]
+        if steps == 1:
+            # The first step dropped no embedding row: the table is still whole.
+            assert len(src.core.store.embedding("emb")) == ids.size
+        if not done:
+            assert src.core.slots is not None
+            comp = src.core.slots.compaction
+            assert isinstance(comp, Compaction) and comp.steps == steps
+        # Served between steps: pushes to kept rows (copied already or not), new rows
+        # on kept slots, pulls equal to the reference.
+        some = rng.choice(kept, 50, replace=False)
+        new = fresh[steps : steps + 1]
+        for shard_call in (call, ref.ok):
+            shard_call([push(some, float(steps))])
+            shard_call([push(new, 2.0)])
+        got, want = call([pull(some)]), ref.ok([pull(some)])
+        np.testing.assert_array_equal(
+            array_from(got["res"]["a"], got["payloads"], max_bytes=1 << 30),
+            array_from(want["res"]["a"], want["payloads"], max_bytes=1 << 30),
+        )
+        served += 1
+        if steps == 20:  # a replica joins by snapshot half-way
+            late = ShardCore()
+            late.assign(0, 1, primary=False)
+            late.load_snapshot(src.core.snapshot())
+    # Bounded steps: the scan, the index's fill and the copy, each a share at a time.
+    assert steps > ids.size // budget and served == steps
+    call([({"op": "slots_compact"}, {})])  # the last, unbounded: a no-op on the primary
+    assert late is not None
+    for store in (src.core.store, replica.store, late.store):
+        assert store.checksum() == ref.core.store.checksum()
+        assert len(store.embedding("emb")) == len(ref.core.store.embedding("emb"))
+
+
+def _copy_cut(src: Shard, dst: Shard, cut: dict[str, Any], moving: list[int]) -> dict[str, Any]:
+    """Take the source's cut ``cut`` and import every piece at the destination, as the
+    broker does (payload frames forwarded as they are); the manifest."""
+    manifest: dict[str, Any] = src.ok([(cut, {})])["res"]
+    for table in manifest.get("tables", []):
+        read: dict[str, Any] = {"op": "slots_cut_read", "t": table["spec"]["name"]}
+        extra: dict[str, Any] = {}
+        if "n" in table:
+            read |= {"start": 0, "count": table["n"]}
+        else:
+            read["chunks"] = extra["chunks"] = table["chunks"]
+        got = src.ok([(read, {})])
+        imp = {"op": "slots_import", **common(moving, []), "spec": table["spec"], **extra}
+        dst.seq += 1
+        header = {"cid": b"broker", "seq": dst.seq, "ops": [{**imp, "a": got["res"]["a"]}]}
+        frames = [
+            Route(MsgType.REQUEST, dst.partition, 1, 5).pack(),
+            msgpack.packb(header, use_bin_type=True),
+            *got["payloads"],
+        ]
+        msg = decode([bytes(f) for f in frames])
+        reply = decode([bytes(f) for f in dst.core.handle(msg.route, msg.header, msg.payloads)])
+        assert reply.header["res"][0]["st"] == "OK", reply.header
+    return manifest
+
+
+def test_catch_up_copies_only_the_rows_written_after_the_unfenced_copy() -> None:
+    """A move with catch-up: the slots are copied while the source serves them, and the
+    cut taken once they are fenced holds only the rows written since (new ones too);
+    the destination then holds what a never-moved table holds.  A new primary of the
+    source (no list of writes) refuses the fenced cut: the move is cancelled."""
+    from zps.protocol.codec import array_from
+
+    src, dst, ref = Shard(0), Shard(1), Shard(0)
+    everything = list(range(N_SLOTS))
+    src.core.slots = SlotState.of(np.ones(N_SLOTS, np.bool_))
+    dst.core.slots = SlotState.of(np.zeros(N_SLOTS, np.bool_))
+    for shard in (src, dst, ref):
+        shard.ok([({"op": "create", "spec": EMB.to_wire()}, {})])
+        shard.ok([({"op": "create", "spec": DENSE.to_wire()}, {})])
+    ids = np.arange(1, 3001, dtype=np.int64)
+    moving = list(range(0, N_SLOTS, 2))
+    on = np.isin(slots_of_ids(ids, N_SLOTS), moving)
+    for shard in (src, ref):
+        shard.ok([push(ids, 1.0)])
+        for c in range(5):
+            shard.ok([({"op": "push_dense", "t": "w", "chunk": c}, {"g": np.ones(8, np.float32)})])
+
+    dst.ok([({"op": "slots_import", **common(moving, [])}, {})])
+    track = {"op": "slots_cut", **common(moving, everything), "track": True}
+    first = _copy_cut(src, dst, track, moving)
+    assert first["rows"] == int(on.sum())
+    # Served during the copy: writes to 40 rows on the moving slots (twice to some),
+    # 5 new rows there, and rows elsewhere, which do not move.
+    written = ids[on][:40]
+    new = np.arange(10_001, 10_200, dtype=np.int64)
+    new = new[np.isin(slots_of_ids(new, N_SLOTS), moving)][:5]
+    for shard in (src, ref):
+        shard.ok([push(written, 2.0)])
+        shard.ok([push(written[:10], 3.0)])
+        shard.ok([push(new, 4.0)])
+        shard.ok([push(ids[~on][:100], 5.0)])
+        shard.ok([({"op": "push_dense", "t": "w", "chunk": 0}, {"g": np.ones(8, np.float32)})])
+
+    # A source that failed over holds no list of writes: the fenced cut is refused.
+    promoted = Shard(0)
+    promoted.core.load_snapshot(src.core.snapshot())
+    promoted.ok([({"op": "slots_fence", **common(moving, everything)}, {})])
+    header, _ = promoted.call([({"op": "slots_cut", "slots": moving, "delta": True}, {})])
+    assert header["res"][0]["st"] == "BAD_REQUEST", header
+
+    src.ok([({"op": "slots_fence", **common(moving, everything)}, {})])
+    delta = _copy_cut(src, dst, {"op": "slots_cut", "slots": moving, "delta": True}, moving)
+    # Only the rows written since the first copy, on the moving slots.
+    assert delta["rows"] == written.size + new.size
+    dst.ok([({"op": "slots_activate", **common(moving, [])}, {})])
+    src.ok([({"op": "slots_release", **common(moving, everything)}, {})])
+
+    def rows(shard: Shard, which: np.ndarray) -> np.ndarray:
+        got = shard.ok([pull(which)])
+        return array_from(got["res"]["a"], got["payloads"], max_bytes=1 << 30)
+
+    moved = np.concatenate([ids[on], new])
+    for shard in (dst, ref):
+        shard.ok([push(moved, 0.5)])  # the Adagrad state moved too
+    np.testing.assert_array_equal(rows(dst, moved), rows(ref, moved))
+    np.testing.assert_array_equal(rows(src, ids[~on]), rows(ref, ids[~on]))
+    assert len(dst.core.store.embedding("emb")) == moved.size
+    src_chunks = set(src.core.store.dense("w").chunks())
+    dst_chunks = set(dst.core.store.dense("w").chunks())
+    assert src_chunks | dst_chunks == set(range(5)) and not src_chunks & dst_chunks
+    for c in dst_chunks:
+        np.testing.assert_array_equal(
+            dst.core.store.dense("w").pull(c), ref.core.store.dense("w").pull(c)
+        )
+
+
+def test_a_table_rebuilt_during_the_unfenced_copy_makes_the_move_copy_again() -> None:
+    """Rows that go from the source during the first copy (a table dropped, or rows
+    evicted) would stay at the destination: the fenced cut answers ``rebuilt``."""
+    src = Shard(0)
+    src.core.slots = SlotState.of(np.ones(N_SLOTS, np.bool_))
+    src.ok([({"op": "create", "spec": EMB.to_wire()}, {})])
+    src.ok([push(np.arange(1, 101, dtype=np.int64))])
+    everything, moving = list(range(N_SLOTS)), list(range(0, N_SLOTS, 2))
+    src.ok([({"op": "slots_cut", **common(moving, everything), "track": True}, {})])
+    src.ok([({"op": "drop", "t": "emb"}, {})])
+    src.ok([({"op": "slots_fence", **common(moving, everything)}, {})])
+    res = src.ok([({"op": "slots_cut", "slots": moving, "delta": True}, {})])["res"]
+    assert res.get("rebuilt") is True
+    # Copied whole under the fence instead.
+    assert src.ok([({"op": "slots_cut", "slots": moving}, {})])["res"]["rows"] == 0

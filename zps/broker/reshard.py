@@ -9,20 +9,27 @@ each):
    many are missing);
 2. records the move (``copying``) in its state record, on disk before anything
    is fenced;
-3. marks the slots as importing at the destination, then *fences* them at the
-   source (``slots_fence``, a record of the source's stream: its replicas hold
-   it, and from then on it answers any request on those slots ``NOT_PRIMARY``,
-   unapplied, so clients retry);
-4. copies what is on the slots (rows with their optimizer state, dense chunks,
-   sync-mode gradients waiting for their step): the source's primary cuts them
-   (``slots_cut``), the broker reads the cut in pieces of at most ``piece_bytes``
-   and hands each to the destination's primary as ``slots_import``, a write of its
-   stream (replicated to its replicas, logged, acknowledged by every in-sync copy);
+3. marks the slots as importing at the destination and copies their embedding
+   rows while the source still serves them (catch-up: ``slots_cut`` with
+   ``track``; the source lists every row written from then on);
+4. *fences* the slots at the source (``slots_fence``, a record of the source's
+   stream: its replicas hold it, and from then on it answers any request on those
+   slots ``NOT_PRIMARY``, unapplied, so clients retry), then copies what changed
+   since the first copy (``slots_cut`` with ``delta``: the rows written, with their
+   optimizer state, every dense chunk and sync-mode gradient on the slots); each
+   copy: the source's primary cuts, the broker reads the cut in pieces of at most
+   ``piece_bytes`` and hands each to the destination's primary as ``slots_import``,
+   a write of its stream (replicated to its replicas, logged, acknowledged by every
+   in-sync copy).  A source whose primary changed meanwhile has no list of writes:
+   the move is cancelled; one whose table was rebuilt (eviction, a drop) answers
+   ``rebuilt``, and the move copies everything again under the fence;
 5. records the move as ``copied`` (on disk), gives the slots to the destination in
    the map and publishes it, activates them at the destination, and releases them
-   at the source (which drops their rows; a record of its stream too);
-6. when every move is done, removes the partitions past N when scaling down
-   (their shards become spares).
+   at the source (a record of its stream too);
+6. when every move is done, each source drops the released rows
+   (``slots_compact``, in steps of ``compact_rows`` rows' worth of work, so it
+   serves between them), and the partitions past N go when scaling down (their
+   shards become spares).
 
 A request routed by an older map to the source after the cut-over is answered
 ``MOVED`` and re-split by the client; a message the source applied before the
@@ -67,6 +74,9 @@ log = logging.getLogger("zps.broker.reshard")
 #: Pieces of a move's copy under way at once (read from the source, imported at the
 #: destination): reading the next overlaps importing this one.
 PIPELINE = 3
+#: Rows' worth of work per step of a drop of released rows (``slots_compact``): a few
+#: tens of milliseconds of a shard's event loop.
+COMPACT_ROWS = 131072
 _RETRY = frozenset({"NOT_PRIMARY", "STALE_EPOCH", "OVERLOADED", "NOT_ENOUGH_REPLICAS"})
 
 
@@ -86,6 +96,11 @@ class ReshardStats:
     bytes_moved: int = 0
     #: The longest time slots were fenced (from the fence to the destination serving).
     max_fenced_s: float = 0.0
+    #: Embedding rows the last move copied while its slots were fenced (with catch-up:
+    #: those written during the copy before the fence).
+    fenced_rows: int = 0
+    #: Steps of the drops of released rows (``slots_compact``, ``compact_rows`` each).
+    compact_steps: int = 0
     last_move_s: float = 0.0
     last_error: str = ""
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -101,8 +116,13 @@ class Resharder:
         max_slots_per_move: int = DEFAULT_MAX_SLOTS_PER_MOVE,
         piece_bytes: int = 8 << 20,
         request_timeout: float = 30.0,
+        compact_rows: int = COMPACT_ROWS,
+        catchup: bool = True,
     ) -> None:
         self.b = broker
+        #: Copy a move's slots before fencing them, then only what changed meanwhile.
+        self.catchup = catchup
+        self.compact_rows = compact_rows
         self.max_slots = max_slots_per_move
         self.piece_bytes = piece_bytes
         self.request_timeout = request_timeout
@@ -213,6 +233,8 @@ class Resharder:
             "slots_moved": s.slots_moved,
             "bytes_moved": s.bytes_moved,
             "max_fenced_s": round(s.max_fenced_s, 3),
+            "compact_steps": s.compact_steps,
+            "fenced_rows": s.fenced_rows,
             "last_move_s": round(s.last_move_s, 3),
             "last_error": s.last_error,
         }
@@ -360,16 +382,29 @@ class Resharder:
 
     async def _compact(self, partitions: range) -> None:
         """Each source drops the rows of the slots it released (once, at the end: a
-        drop rewrites the partition's id index)."""
-        t0 = time.monotonic()
+        drop rewrites the partition's id index), in steps of ``compact_rows`` rows'
+        worth of work, so the shard serves (and heartbeats) between them; then one
+        ``slots_compact`` without a bound, which leaves every copy of the partition
+        without those rows (nothing left to do on one that followed the steps)."""
         for p in partitions:
+            t0 = time.monotonic()
+            dropped = steps = 0
+            while True:
+                res, _ = await self._call(p, [{"op": "slots_compact", "rows": self.compact_rows}])
+                steps += 1
+                dropped += int(res.get("dropped", 0))
+                if res.get("done", True):
+                    break
             res, _ = await self._call(p, [{"op": "slots_compact"}], timeout=600.0)
-            if res.get("dropped"):
+            dropped += int(res.get("dropped", 0))
+            self.stats.compact_steps += steps
+            if dropped:
                 log.info(
-                    "partition %d dropped %d rows of the slots it gave away in %.2fs",
+                    "partition %d dropped %d rows of the slots it gave away in %.2fs (%d steps)",
                     p,
-                    res["dropped"],
+                    dropped,
                     time.monotonic() - t0,
+                    steps,
                 )
 
     def _set(self, rec: ReshardRecord | None) -> None:
@@ -427,13 +462,37 @@ class Resharder:
                 await asyncio.sleep(0.01)
             await self._call(dest, [{"op": "slots_import", **self._common(dest, slots)}])
             mark("import_begun")
+            moved = 0
+            if self.catchup:
+                # Catch-up: the rows as they are now, while the source serves them; it
+                # lists the rows written from then on (a source failover loses the
+                # list, and the move is cancelled at the fenced cut below).
+                track = {"op": "slots_cut", **self._common(source, slots), "track": True}
+                got = await self._copy(source, dest, slots, track)
+                assert got is not None
+                moved += got[0]
+                mark("copied_unfenced")
             fence = {"op": "slots_fence", **self._common(source, slots)}
             await self._call(source, [fence])
             fence_epoch = self.b.state.map.partitions[source].epoch
             t_fence = time.monotonic()
             mark("fenced")
             self._progress["fenced_at"] = round(time.time(), 3)
-            moved = await self._copy(source, dest, slots)
+            got = None
+            if self.catchup:
+                delta = {"op": "slots_cut", "slots": list(slots), "delta": True}
+                got = await self._copy(source, dest, slots, delta)
+                if got is None:  # a table was rebuilt meanwhile: copy everything again
+                    log.warning("slot move %d -> %d: copying the slots again", source, dest)
+                    common = self._common(dest, slots)
+                    await self._call(dest, [{"op": "slots_drop_import", **common}])
+                    await self._call(dest, [{"op": "slots_import", **common}])
+            if got is None:  # fence, then copy everything
+                full = {"op": "slots_cut", "slots": list(slots)}
+                got = await self._copy(source, dest, slots, full)
+            assert got is not None
+            moved += got[0]
+            fenced_rows = got[1]
             if self.b.state.map.partitions[source].epoch != fence_epoch:
                 # The source failed over during the copy: its new primary must have held
                 # the fence all along (a replica that joined by snapshot during the move
@@ -460,6 +519,7 @@ class Resharder:
         s.bytes_moved += moved
         s.max_fenced_s = max(s.max_fenced_s, fenced)
         s.last_move_s = took
+        s.fenced_rows = fenced_rows
         s.history.append(
             {
                 "source": source,
@@ -468,27 +528,35 @@ class Resharder:
                 "bytes": moved,
                 "seconds": round(took, 3),
                 "fenced_s": round(fenced, 3),
+                "fenced_rows": fenced_rows,
             }
         )
         del s.history[:-64]
         log.info(
-            "moved %d slots (%d bytes) from partition %d to %d in %.2fs (fenced %.2fs): %s",
+            "moved %d slots (%d bytes) from partition %d to %d in %.2fs (fenced %.2fs, "
+            "%d rows copied fenced): %s",
             len(slots),
             moved,
             source,
             dest,
             took,
             fenced,
+            fenced_rows,
             " ".join(f"{w} {t - marks[i][1]:.3f}" for i, (w, t) in enumerate(marks[1:])),
         )
         await training.advance()
 
-    async def _copy(self, source: int, dest: int, slots: tuple[int, ...]) -> int:
-        """Read the source's cut in pieces and import each at the destination, up to
-        ``PIPELINE`` pieces under way at once (pieces are distinct rows or chunks: the
-        order they land in does not matter)."""
+    async def _copy(
+        self, source: int, dest: int, slots: tuple[int, ...], cut: dict[str, Any]
+    ) -> tuple[int, int] | None:
+        """Take the source's cut (``cut``, a ``slots_cut``), read it in pieces and import
+        each at the destination, up to ``PIPELINE`` pieces under way at once (pieces are
+        distinct rows or chunks: the order they land in does not matter).  The bytes and
+        the embedding rows copied; None if the source answered ``rebuilt``."""
         common = self._common(dest, slots)
-        manifest, _ = await self._call(source, [{"op": "slots_cut", "slots": list(slots)}])
+        manifest, _ = await self._call(source, [cut])
+        if manifest.get("rebuilt"):
+            return None
         budget = self.piece_bytes
         reads: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (read op, import op)
         for table in manifest.get("tables", []):
@@ -546,7 +614,7 @@ class Resharder:
                 "committed": manifest.get("committed", -1),
             }
             await self._call(dest, [op], payloads)
-        return moved
+        return moved, int(manifest.get("rows", 0))
 
     async def _finish(self, rec: ReshardRecord, mark: Callable[[str], None] = _nop) -> None:
         """The copy is complete (recorded): publish, activate, release."""

@@ -16,13 +16,17 @@ are replicated and logged like writes, and a promoted replica or a restarted sha
 holds them.  The operations, all sent by the active broker:
 
 - ``slots_fence`` / ``slots_unfence`` (source): stop / resume serving the slots;
-- ``slots_cut`` (source, read): copy what is on the fenced slots, to be read in
-  pieces by ``slots_cut_read``;
+- ``slots_cut`` (source, read): copy what is on the slots, to be read in pieces by
+  ``slots_cut_read``: the rows of slots still served (``track``: the rows written
+  from then on are listed), then, fenced, those written since (``delta``), or
+  everything on fenced slots;
 - ``slots_import`` (destination): a piece of the copy (rows or chunks with their
   optimizer state), written and marked as importing;
 - ``slots_activate`` (destination): serve the imported slots from map ``version``;
-- ``slots_release`` (source): the map gave the slots away: drop their rows;
-- ``slots_drop_import`` (destination): a cancelled move: drop what was imported.
+- ``slots_release`` (source): the map gave the slots away: drop their rows (or
+  leave them to ``slots_compact``, which drops them in bounded steps);
+- ``slots_drop_import`` (destination): a cancelled move: drop what was imported;
+- ``slots_compact``: drop the rows of slots given away, a step at a time.
 
 No I/O.
 """
@@ -39,6 +43,8 @@ import numpy.typing as npt
 from zps.errors import BadRequestError, ProtocolError
 from zps.protocol.codec import BufferLike, Encoder, array_from
 from zps.store.slots import (
+    Compaction,
+    Tracker,
     chunk_slot,
     cut_slots,
     drop_slots,
@@ -86,6 +92,14 @@ class SlotState:
     #: The source's copy of fenced slots (not replicated: a new primary has none).
     cut: dict[str, Any] | None = field(default=None, repr=False)
     cut_slots: tuple[int, ...] = ()
+    #: The source's list of the rows written since it copied slots still served (a
+    #: move's catch-up; not replicated: a new primary has none, and the move is cancelled).
+    track: Tracker | None = field(default=None, repr=False)
+    track_slots: tuple[int, ...] = ()
+    #: The drop of released slots' rows under way (``slots_compact`` in steps), and the
+    #: slots a finished one left without rows (not replicated: each copy has its own).
+    compaction: Compaction | None = field(default=None, repr=False)
+    clean: npt.NDArray[np.bool_] | None = field(default=None, repr=False)
 
     @property
     def n_slots(self) -> int:
@@ -104,6 +118,8 @@ class SlotState:
         """A newer map while no move involves this partition: its slots are the map's."""
         if self.moving or version <= self.version or owned.shape != self.owned.shape:
             return False
+        if not np.array_equal(owned, self.owned):
+            self.clean = None
         self.owned = owned.copy()
         self.version = version
         return True
@@ -118,6 +134,11 @@ class SlotState:
         if (~owned & ~self.importing[slots]).any():
             return "MOVED"
         return "NOT_PRIMARY"
+
+    def stop_tracking(self) -> None:
+        if self.track is not None:
+            self.track.stop()
+        self.track, self.track_slots = None, ()
 
     def to_wire(self) -> dict[str, Any]:
         """For snapshots and checkpoints (replicated state: fences and imports too)."""
@@ -252,23 +273,55 @@ def op_slots_unfence(
     state = _state(core, op)
     state.fenced &= ~_slots(op, state.n_slots)
     state.cut, state.cut_slots = None, ()
+    state.stop_tracking()
     return OK
 
 
 def op_slots_cut(
     core: ShardCore, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
 ) -> dict[str, Any]:
-    """Copy what is on fenced slots (all of them must be fenced: nothing changes them)."""
-    state = core.slots
+    """Copy what is on the slots, to be read by ``slots_cut_read``:
+
+    - ``track``: slots still served (a move's catch-up, first stage): their embedding
+      rows now, and from now on a list of the rows written;
+    - ``delta`` (fenced slots, after ``track``): the rows written since, every dense
+      chunk and sync-mode gradient on the slots; or ``rebuilt`` (nothing cut) when a
+      table was rebuilt meanwhile (eviction, a drop): the copy must start again;
+    - neither (fenced slots): everything on them.
+    """
+    track, delta = op.get("track") is True, op.get("delta") is True
+    state = _state(core, op) if track else core.slots
     if state is None:
         raise BadRequestError("no slot is fenced on this partition")
     mask = _slots(op, state.n_slots)
-    if (mask & ~state.fenced).any():
-        raise BadRequestError("slots_cut: fence the slots first")
-    state.cut = cut_slots(core.store, mask)
-    state.cut["steps"] = _cut_steps(core, mask)
-    state.cut_slots = tuple(int(s) for s in np.flatnonzero(mask))
+    slots = tuple(int(s) for s in np.flatnonzero(mask))
+    if track:
+        if (mask & ~state.owned).any():
+            raise BadRequestError("slots_cut: only slots this partition owns")
+        state.stop_tracking()
+        state.cut = cut_slots(core.store, mask)
+        state.cut["steps"] = []
+        state.track, state.track_slots = Tracker(core.store), slots
+    else:
+        if (mask & ~state.fenced).any():
+            raise BadRequestError("slots_cut: fence the slots first")
+        changed = None
+        if delta:
+            if state.track is None or state.track_slots != slots:
+                raise BadRequestError(
+                    f"partition {core.partition} holds no list of the rows written to these "
+                    "slots (its primary changed): the move starts again"
+                )
+            changed = state.track.changed()
+            state.stop_tracking()
+            if changed is None:
+                state.cut, state.cut_slots = None, ()
+                return {"st": "OK", "rebuilt": True}
+        state.cut = cut_slots(core.store, mask, changed)
+        state.cut["steps"] = _cut_steps(core, mask)
+    state.cut_slots = slots
     tables = []
+    rows = 0
     for wire in state.cut["specs"]:
         data = state.cut["tables"][wire["name"]]
         if "ids" in data:
@@ -276,6 +329,7 @@ def op_slots_cut(
                 a.nbytes for k, a in data.items() if k not in ("ids", "rows")
             )
             n = int(data["ids"].shape[0])
+            rows += n
             tables.append({"spec": wire, "n": n, "row_bytes": 8 + row // max(n, 1)})
         else:
             sizes = [
@@ -283,13 +337,10 @@ def op_slots_cut(
                 for v, st in zip(data["values"], data["state"], strict=True)
             ]
             tables.append({"spec": wire, "chunks": data["chunks"].tolist(), "sizes": sizes})
-    return {
-        "st": "OK",
-        "tables": tables,
-        "lsn": core.lsn,
-        "steps": len(state.cut["steps"]),
-        "committed": core.steps.committed,
-    }
+    out = {"st": "OK", "tables": tables, "lsn": core.lsn, "rows": rows}
+    if not track:
+        out |= {"steps": len(state.cut["steps"]), "committed": core.steps.committed}
+    return out
 
 
 def _cut_steps(core: ShardCore, mask: npt.NDArray[np.bool_]) -> list[Pending]:
@@ -372,6 +423,7 @@ def op_slots_import(
     if (mask & state.owned).any():
         raise BadRequestError("a partition cannot import a slot it owns")
     state.importing |= mask
+    state.clean = None  # rows arrive on these slots
     spec, desc = op.get("spec"), op.get("a")
     limit = core.limits.max_array_bytes
     committed = op.get("committed")
@@ -432,6 +484,7 @@ def op_slots_release(
     state.fenced &= ~mask
     state.version = max(state.version, version)
     state.cut, state.cut_slots = None, ()
+    state.stop_tracking()
     return {"st": "OK", "dropped": dropped}
 
 
@@ -439,12 +492,32 @@ def op_slots_compact(
     core: ShardCore, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
 ) -> dict[str, Any]:
     """Drop every row and chunk on a slot this partition neither owns nor imports (what
-    releases without ``drop`` left behind)."""
+    releases without ``drop`` left behind).  ``rows`` > 0: one step of at most that many
+    rows' worth of work (:class:`~zps.store.slots.Compaction`; the answer says whether
+    it is ``done``), so the shard serves between steps; without: all that is left, at
+    once (each copy of the partition ends without those rows, wherever it was)."""
     state = core.slots
     if state is None:
-        return {"st": "OK", "dropped": 0, "changed": False}
-    dropped = drop_slots(core.store, ~state.owned & ~state.importing)
-    return {"st": "OK", "dropped": dropped}
+        return {"st": "OK", "dropped": 0, "done": True}
+    rows = op.get("rows", 0)
+    if type(rows) is not int:
+        raise BadRequestError("slots_compact: 'rows' must be an integer")
+    mask = ~state.owned & ~state.importing
+    if state.clean is not None and not bool((mask & ~state.clean).any()):
+        # Done already: rows reach a slot only while it is imported or owned, and
+        # either clears ``clean``.
+        state.compaction = None
+        return {"st": "OK", "dropped": 0, "done": True}
+    comp = state.compaction
+    if comp is None or not np.array_equal(comp.mask, mask):
+        if comp is not None:  # the slots changed meanwhile: start again
+            comp.abandon()
+        comp = state.compaction = Compaction(core.store, mask)
+    dropped, done = comp.step(rows)
+    if done:
+        state.compaction = None
+        state.clean = mask
+    return {"st": "OK", "dropped": dropped, "done": done, "steps": comp.steps}
 
 
 def op_slots_drop_import(

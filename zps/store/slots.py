@@ -12,7 +12,9 @@ that sits on it, with its optimizer state.
 - :func:`load_slots`: write rows and chunks with their state into a partition
   (the destination's side; absent tables are created from their specs).
 - :func:`drop_slots`: forget every row and chunk on a set of slots (the
-  source after the cut-over, or a destination whose import was cancelled).
+  source after the cut-over, or a destination whose import was cancelled), at once.
+- :class:`Compaction`: the same, a bounded number of rows per step, for the end of a
+  resharding (a shard serves between the steps).
 
 Pure functions over :class:`~zps.store.partition.PartitionStore`; no I/O.
 """
@@ -25,10 +27,12 @@ import numpy as np
 import numpy.typing as npt
 
 from zps.core.hashing import mix64, name_hash
+from zps.core.memo import IdsMemo
 from zps.errors import BadRequestError
 from zps.protocol.specs import DenseSpec, spec_from_wire
+from zps.store.index import EMPTY, IdIndex
 from zps.store.partition import PartitionStore
-from zps.store.tables import TOUCHED, Array, DenseTensor, EmbeddingTable
+from zps.store.tables import TOUCHED, Array, DenseTensor, EmbeddingTable, WriteLog
 
 
 def slots_of_ids(ids: npt.NDArray[np.int64], n_slots: int) -> npt.NDArray[np.int64]:
@@ -55,11 +59,16 @@ def _state_keys(table: EmbeddingTable) -> tuple[str, ...]:
     return tuple(table._widths)
 
 
-def cut_slots(store: PartitionStore, mask: npt.NDArray[np.bool_]) -> dict[str, Any]:
+def cut_slots(
+    store: PartitionStore,
+    mask: npt.NDArray[np.bool_],
+    changed: dict[str, npt.NDArray[np.int64]] | None = None,
+) -> dict[str, Any]:
     """Copies of everything on the slots of ``mask``: ``{"specs": [...], "tables":
     {name: arrays}}``; an embedding table's arrays are ``ids``, ``rows`` and one per
     state column, a dense tensor's ``chunks``, ``values`` and its state (as
-    :meth:`DenseTensor.export`, for the chunks on the slots only)."""
+    :meth:`DenseTensor.export`, for the chunks on the slots only).  ``changed``: of the
+    embedding tables it names, only the rows of those ids (that are on the slots)."""
     n_slots = mask.shape[0]
     specs: list[Any] = []
     tables: dict[str, Any] = {}
@@ -67,10 +76,21 @@ def cut_slots(store: PartitionStore, mask: npt.NDArray[np.bool_]) -> dict[str, A
         table = store.table(spec.name)
         specs.append(spec.to_wire())
         if isinstance(table, EmbeddingTable):
+            only = None if changed is None else changed.get(spec.name)
+            if only is not None:
+                only = only[mask[slots_of_ids(only, n_slots)]]
+                pos = table._index.lookup(only)
+                ids = only[pos >= 0]  # every one written is there (rows go only by eviction)
+                pos = pos[pos >= 0]
+            else:
+                n = len(table._index)
+                ids = table._index.ids()
+                pos = (
+                    np.flatnonzero(mask[slots_of_ids(ids, n_slots)]) if n else np.zeros(0, np.int64)
+                )
+                ids = ids[pos]
             n = len(table._index)
-            ids = table._index.ids()
-            pos = np.flatnonzero(mask[slots_of_ids(ids, n_slots)]) if n else np.zeros(0, np.intp)
-            out: dict[str, Any] = {"ids": ids[pos], "rows": table._rows[:n][pos]}
+            out: dict[str, Any] = {"ids": ids, "rows": table._rows[:n][pos]}
             for k in _state_keys(table):
                 out[k] = table._state[k][:n][pos]
             tables[spec.name] = out
@@ -112,6 +132,8 @@ def load_rows(store: PartitionStore, spec_wire: Any, data: dict[str, Array]) -> 
             raise BadRequestError(f"slot rows of {spec.name!r}: state {k!r} has a wrong shape")
     # Every row and state column of these ids is written below: new rows are not
     # initialised first (EmbeddingTable._positions would draw their initial values).
+    if table._dirty is not None:
+        table._note(ids)
     before = len(table._index)
     pos, n_new = table._index.get_or_insert(ids)
     if n_new:
@@ -164,4 +186,315 @@ def drop_slots(store: PartitionStore, mask: npt.NDArray[np.bool_]) -> int:
                     del table._values[c]
                     del table._state[c]
                     dropped += 1
+    return dropped
+
+
+# -- a move's catch-up ---------------------------------------------------------------
+
+
+class Tracker:
+    """The ids written to each embedding table of a partition since it was made: a
+    move copies the moving slots while the source serves them, then, once they are
+    fenced, only the rows written since (``EmbeddingTable._dirty`` lists them)."""
+
+    def __init__(self, store: PartitionStore) -> None:
+        self.store = store
+        self.tables: dict[str, tuple[EmbeddingTable, IdIndex, WriteLog]] = {}
+        for spec in store.specs():
+            table = store.table(spec.name)
+            if isinstance(table, EmbeddingTable):
+                log = WriteLog()
+                table._dirty = log
+                self.tables[spec.name] = (table, table._index, log)
+
+    def changed(self) -> dict[str, npt.NDArray[np.int64]] | None:
+        """The ids written to each table since, or None if a table was rebuilt (rows
+        evicted, the table dropped or loaded) or its list was lost: then a copy made
+        before is not a base to catch up from.  A table made since is not named (it is
+        copied whole)."""
+        out: dict[str, npt.NDArray[np.int64]] = {}
+        for name, (table, index, log) in self.tables.items():
+            current = self.store.table(name) if name in self.store else None
+            if current is not table or table._index is not index or table._dirty is not log:
+                return None
+            out[name] = log.take()
+        return out
+
+    def stop(self) -> None:
+        for table, _, log in self.tables.values():
+            if table._dirty is log:
+                table._dirty = None
+        self.tables.clear()
+
+
+# -- dropping in steps -------------------------------------------------------------
+#
+# Dropping the rows of some slots rewrites an embedding table: new arrays and a new id
+# index holding only the rows kept (:meth:`EmbeddingTable._compact`), seconds for
+# millions of rows, during which a shard would serve nothing.  :class:`Shrink` builds
+# the same new arrays and index a bounded number of rows per step, while the table
+# stays in use (its index and arrays answer every request until the last step swaps
+# the new ones in):
+#
+# 1. *scan*: which stored rows are kept (their slot is not dropped);
+# 2. *fill*: the new index's slots are cleared;
+# 3. *copy*: the kept rows, in storage order, go into the new index (so the i-th kept
+#    row gets position i) and the new arrays; rows added meanwhile (at the end of the
+#    table) are scanned and copied in turn; the last step swaps the new arrays in.
+#
+# A row copied and then written (a push, a set, an import) would be stale in the copy:
+# the table lists the ids of every write while a shrink is under way
+# (``EmbeddingTable._dirty``), and each step copies those rows again.  Everything is
+# in the table as it was until the swap, so a snapshot, a checkpoint or an export
+# taken between steps sees the table as it is (dropped rows are unreachable by the
+# ownership rule, kept rows current); a shrink is undone (started again) if the table
+# is rebuilt meanwhile (eviction, a load) or the slots to drop change.
+
+#: Work per unit of the step budget: ids hashed per row copied, index slots cleared.
+_SCAN_PER_ROW = 8
+_FILL_PER_ROW = 8
+
+
+class Shrink:
+    """Drop the rows on the slots of ``mask`` from ``table``, in steps."""
+
+    def __init__(self, table: EmbeddingTable, mask: npt.NDArray[np.bool_]) -> None:
+        self.table = table
+        self.mask = mask
+        self.index = table._index
+        self.n0 = len(self.index)
+        self.keep = np.empty(self.n0, dtype=np.bool_)
+        self.phase = "scan"
+        self.cursor = 0
+        self.steps = 0
+        self.new: IdIndex | None = None
+        self.slots: npt.NDArray[np.int64] | None = None
+        self.rows: Array | None = None
+        self.state: dict[str, Array] = {}
+        self.dirty = WriteLog()
+        table._dirty = self.dirty
+
+    @property
+    def valid(self) -> bool:
+        """The table was not rebuilt, and listed every write, since the shrink began
+        (else it starts again)."""
+        return self.table._index is self.index and self.table._dirty is self.dirty
+
+    def abandon(self) -> None:
+        if self.table._dirty is self.dirty:
+            self.table._dirty = None
+
+    def step(self, budget: int) -> tuple[int, bool]:
+        """At most ``budget`` rows' worth of work: (rows dropped, whether it is done)."""
+        self.steps += 1
+        if self.phase != "copy":  # nothing copied yet: no write can make a copy stale
+            self.dirty.clear()
+            self.dirty.n_ids = 0
+        if self.phase == "scan":
+            stop = min(self.n0, self.cursor + _SCAN_PER_ROW * budget)
+            ids = self.index._ids[self.cursor : stop]
+            self.keep[self.cursor : stop] = ~self.mask[slots_of_ids(ids, self.mask.shape[0])]
+            self.cursor = stop
+            if self.cursor < self.n0:
+                return 0, False
+            if bool(self.keep.all()):  # nothing on the dropped slots
+                self.table._dirty = None
+                return 0, True
+            n_keep = int(self.keep.sum())
+            room = n_keep + n_keep // 8 + 1024  # rows added meanwhile fit
+            cap = 16  # a load of at most 1/2, as IdIndex keeps (and some rows added)
+            while cap < 2 * (n_keep + n_keep // 64 + 1024):
+                cap *= 2
+            self.slots = np.empty((cap, 2), dtype=np.int64)  # cleared by the fill phase
+            self.rows = np.empty((room, self.table.spec.dim), dtype=self.table.dtype)
+            self.state = {
+                k: np.empty((room, w), dtype=self.table.dtype)
+                for k, w in self.table._widths.items()
+            }
+            self.phase, self.cursor = "fill", 0
+            return 0, False
+        if self.phase == "fill":
+            assert self.slots is not None
+            stop = min(self.slots.shape[0], self.cursor + _FILL_PER_ROW * budget)
+            self.slots[self.cursor : stop, 0] = EMPTY
+            self.slots[self.cursor : stop, 1] = -1
+            self.cursor = stop
+            if self.cursor < self.slots.shape[0]:
+                return 0, False
+            self.new = _index_over(self.slots)
+            self.phase, self.cursor = "copy", 0
+            return 0, False
+        return self._copy(budget)
+
+    def _copy(self, budget: int) -> tuple[int, bool]:
+        table, new = self.table, self.new
+        assert new is not None and self.rows is not None
+        n = len(self.index)  # rows added since the scan are copied too
+        stop = min(n, self.cursor + budget)
+        start = self.cursor
+        if stop <= self.n0:
+            keep = self.keep[start:stop]
+        else:  # rows added meanwhile: their slots now
+            added = self.index._ids[max(start, self.n0) : stop]
+            tail = ~self.mask[slots_of_ids(added, self.mask.shape[0])]
+            keep = np.concatenate([self.keep[start : self.n0], tail]) if start < self.n0 else tail
+        pos = np.flatnonzero(keep) + start
+        dropped = int(stop - start - pos.shape[0])
+        if pos.size:
+            w = len(new)
+            self._room(w + pos.shape[0])
+            new.insert(self.index._ids[pos])
+            self.rows[w : w + pos.shape[0]] = table._rows[pos]
+            for k, a in self.state.items():
+                a[w : w + pos.shape[0]] = table._state[k][pos]
+        self.cursor = stop
+        self._recopy()
+        if self.cursor < len(self.index):
+            return dropped, False
+        # Done: the new index and arrays take over.
+        table._index = new
+        table._rows = self.rows
+        table._state = self.state
+        table._recent = IdsMemo()
+        table._stamp = np.zeros(0, dtype=np.int32)
+        table._dirty = None
+        self.phase = "done"
+        return dropped, True
+
+    def _recopy(self) -> None:
+        """Copy again the rows written since they were copied."""
+        new = self.new
+        assert new is not None and self.rows is not None
+        if not self.dirty:
+            return
+        ids = self.dirty.take()
+        at = new.lookup(ids)
+        copied = at >= 0  # the others are copied later, or dropped
+        if not copied.any():
+            return
+        at = at[copied]
+        src = self.index.lookup(ids[copied])
+        self.rows[at] = self.table._rows[src]
+        for k, a in self.state.items():
+            a[at] = self.table._state[k][src]
+
+    def _room(self, need: int) -> None:
+        assert self.rows is not None
+        cap = self.rows.shape[0]
+        if need <= cap:
+            return
+        cap = max(need, cap + cap // 2)
+        n = len(self.new) if self.new is not None else 0
+        rows = np.empty((cap, self.rows.shape[1]), dtype=self.rows.dtype)
+        rows[:n] = self.rows[:n]
+        self.rows = rows
+        for k, old in list(self.state.items()):
+            grown = np.empty((cap, old.shape[1]), dtype=old.dtype)
+            grown[:n] = old[:n]
+            self.state[k] = grown
+
+
+def _index_over(slots: npt.NDArray[np.int64]) -> IdIndex:
+    """An empty :class:`IdIndex` over cleared ``slots`` (``(capacity, 2)``, every key
+    :data:`EMPTY`, every position -1), as ``IdIndex(capacity // 2)`` would make them."""
+    index = IdIndex()
+    index._slots = slots
+    index._records = slots.view(np.dtype((np.void, 16))).reshape(-1)
+    index._keys = slots[:, 0]
+    index._vals = slots[:, 1]
+    index._ids = np.empty(slots.shape[0] // 2, dtype=np.int64)
+    index._n = 0
+    return index
+
+
+class Compaction:
+    """Drop every row and chunk on the slots of ``mask`` from a partition, a bounded
+    number of rows per :meth:`step` (dense chunks, which are few, at the first)."""
+
+    #: A table rebuilt under a shrink this many times (eviction) is shrunk at once.
+    MAX_RESTARTS = 3
+
+    def __init__(self, store: PartitionStore, mask: npt.NDArray[np.bool_]) -> None:
+        self.store = store
+        self.mask = mask.copy()
+        self.started = False
+        self.shrinks: dict[str, Shrink] = {}
+        self.restarts: dict[str, int] = {}
+        self.steps = 0
+        self.dropped_at_once = 0
+
+    def abandon(self) -> None:
+        for s in self.shrinks.values():
+            s.abandon()
+        self.shrinks.clear()
+
+    def step(self, budget: int) -> tuple[int, bool]:
+        """(rows and chunks dropped, whether every table is done): one step of at most
+        ``budget`` rows' worth of work; ``budget`` <= 0: all that is left, at once."""
+        self.steps += 1
+        dropped = 0
+        if not self.started:
+            self.started = True
+            for spec in self.store.specs():
+                table = self.store.table(spec.name)
+                if isinstance(table, EmbeddingTable):
+                    if len(table):
+                        self.shrinks[spec.name] = Shrink(table, self.mask)
+                else:
+                    dropped += _drop_chunks(table, spec.name, self.mask)
+        unlimited = budget <= 0
+        for name in list(self.shrinks):
+            shrink = self._current(name)
+            dropped += self.dropped_at_once
+            self.dropped_at_once = 0
+            if shrink is None:
+                continue
+            while True:
+                got, done = shrink.step(1 << 62 if unlimited else budget)
+                dropped += got
+                if done:
+                    del self.shrinks[name]
+                    break
+                if not unlimited:
+                    return dropped, False
+            if not unlimited:  # one table's step at most
+                break
+        return dropped, not self.shrinks
+
+    def _current(self, name: str) -> Shrink | None:
+        """The shrink of table ``name``, started again if the table was rebuilt
+        meanwhile (None: nothing left to do there)."""
+        shrink = self.shrinks[name]
+        table = self.store.table(name) if name in self.store else None
+        if table is shrink.table and shrink.valid:
+            return shrink
+        shrink.abandon()
+        del self.shrinks[name]
+        if not isinstance(table, EmbeddingTable) or not len(table):
+            return None
+        n = self.restarts[name] = self.restarts.get(name, 0) + 1
+        if n > self.MAX_RESTARTS:  # rebuilt again and again (eviction): at once
+            self.dropped_at_once += _drop_rows(table, self.mask)
+            return None
+        shrink = self.shrinks[name] = Shrink(table, self.mask)
+        return shrink
+
+
+def _drop_rows(table: EmbeddingTable, mask: npt.NDArray[np.bool_]) -> int:
+    n = len(table._index)
+    if not n:
+        return 0
+    on = mask[slots_of_ids(table._index.ids(), mask.shape[0])]
+    if on.any():
+        table._compact(np.flatnonzero(~on))
+    return int(on.sum())
+
+
+def _drop_chunks(table: DenseTensor, name: str, mask: npt.NDArray[np.bool_]) -> int:
+    dropped = 0
+    for c in table.chunks():
+        if mask[chunk_slot(name, c, mask.shape[0])]:
+            del table._values[c]
+            del table._state[c]
+            dropped += 1
     return dropped

@@ -50,6 +50,27 @@ __all__ = ["DenseTensor", "EmbeddingTable", "checksum_arrays"]
 Array = npt.NDArray[Any]
 _GROWTH = 1.5
 _MIN_ROWS = 64
+#: Writes, and ids, a :class:`WriteLog` holds at most (then it is dropped).
+_MAX_DIRTY = 1 << 16
+_MAX_DIRTY_IDS = 1 << 22
+
+
+class WriteLog(list[npt.NDArray[np.int64]]):
+    """The ids of every write to an embedding table (push, set, slot import) since it
+    was attached (``EmbeddingTable._dirty``): for the drop of released rows in steps,
+    and a move's catch-up (zps/store/slots.py).  One that grows past ``_MAX_DIRTY``
+    writes or ``_MAX_DIRTY_IDS`` ids is detached (its user starts again)."""
+
+    n_ids = 0
+
+    def take(self) -> npt.NDArray[np.int64]:
+        """The distinct ids listed, and an empty list."""
+        out = np.unique(np.concatenate(self)) if self else np.zeros(0, dtype=np.int64)
+        self.clear()
+        self.n_ids = 0
+        return out
+
+
 _UNSHARED = 3  # see DenseTensor.push
 #: An embedding table's bookkeeping columns when it admits or evicts rows (their names
 #: cannot be an optimizer's state: those are identifiers).
@@ -194,6 +215,10 @@ class EmbeddingTable:
         self._marks: npt.NDArray[np.uint32] = np.zeros(0, dtype=np.uint32)
         self._gen = 0
         self._bc: tuple[Array, Array] | None = None
+        #: While the rows of released slots are dropped in steps, or a move copies slots
+        #: still served (zps/store/slots.py): the ids of every push, set and import, whose
+        #: rows are copied again.  None otherwise.
+        self._dirty: WriteLog | None = None
         self._reset(0)
 
     def _reset(self, capacity: int) -> None:
@@ -213,6 +238,15 @@ class EmbeddingTable:
     def nbytes(self) -> int:
         state = sum(a.nbytes for a in self._state.values())
         return int(self._rows.nbytes + state + self._index.nbytes)
+
+    def _note(self, keys: npt.NDArray[np.int64]) -> None:
+        """List the ids of a write (a list grown too long is detached: see WriteLog)."""
+        log = self._dirty
+        assert log is not None
+        log.append(keys.copy())
+        log.n_ids += keys.shape[0]
+        if len(log) > _MAX_DIRTY or log.n_ids > _MAX_DIRTY_IDS:
+            self._dirty = None
 
     def _grow(self, n: int, need: int) -> None:
         """Make room for ``need`` rows, keeping the first ``n``."""
@@ -272,6 +306,8 @@ class EmbeddingTable:
         g = _float_grads(self.spec.name, grads, (keys.shape[0], self.spec.dim), self.dtype)
         if keys.size == 0:
             return
+        if self._dirty is not None:
+            self._note(keys)
         if KERNEL and self._kopt is not None:
             self._push_kernel(keys, g)
             return
@@ -563,6 +599,8 @@ class EmbeddingTable:
         if uniq.shape[0] != keys.shape[0]:
             dup = int(uniq[np.argmax(counts > 1)])
             raise BadRequestError(f"table {name!r}: set_rows names id {dup} more than once")
+        if self._dirty is not None:
+            self._note(keys)
         pos = self._positions(keys)
         put_rows(self._rows, pos, np.ascontiguousarray(v))
         fresh = self.spec.optimizer.init_state(keys.shape[0], self.spec.dim, self.dtype)
