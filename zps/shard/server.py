@@ -635,8 +635,11 @@ class ShardServer:
             if not transport.try_send(sock, frames):
                 log.debug("dropped a %s to the broker: its queue is full", mtype.name)
 
-    def _link(self, endpoint: str) -> tuple[transport.Channel, transport.Outbound]:
-        """A DEALER to the other broker of a pair, with its own reply allowance."""
+    def _link(
+        self, endpoint: str, name: str = "broker link"
+    ) -> tuple[transport.Channel, transport.Outbound]:
+        """A DEALER to the other broker of a pair (or to a routing broker), with its own
+        reply allowance."""
         assert self._ctx is not None
         cfg, keys, hb = self.config, self._keys, self.config.heartbeat
         sock = transport.dealer(
@@ -651,7 +654,7 @@ class ShardServer:
             sock,
             total_limit=cfg.reply_queue_bytes,
             stall_timeout=2 * hb.interval * hb.liveness,
-            name="broker link",
+            name=name,
         )
         return sock, out
 
@@ -886,22 +889,8 @@ class ShardServer:
             out.close()
             transport.close(sock)
             self._via = {c: o for c, o in self._via.items() if o is not out}
-        cfg, keys, hb = self.config, self._keys, self.config.heartbeat
         for endpoint in wanted - self._routers.keys():
-            sock = transport.dealer(
-                self._ctx,
-                endpoint,
-                self.node_id.encode(),
-                max_message_bytes=cfg.max_message_bytes,
-                curve=keys,
-                server_public=keys.server_public if keys else None,
-            )
-            out = transport.Outbound(
-                sock,
-                total_limit=cfg.reply_queue_bytes,
-                stall_timeout=2 * hb.interval * hb.liveness,
-                name=f"router link {endpoint}",
-            )
+            sock, out = self._link(endpoint, f"router link {endpoint}")
             on_frames = functools.partial(self._on_router_frames, out=out)
             task = self._tg.create_task(transport.serve(sock, on_frames, self._malformed))
             self._routers[endpoint] = (sock, out, task)
