@@ -207,7 +207,10 @@ class Channel:
                 await self._readable.wait()
             else:
                 try:
-                    await asyncio.wait_for(self._readable.wait(), timeout)
+                    # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a
+                    # cancellation that lands as the event is set (a stop then never ends).
+                    async with asyncio.timeout(timeout):
+                        await self._readable.wait()
                 except TimeoutError:
                     return []
                 timeout = None  # woken: drain, without waiting again

@@ -694,7 +694,8 @@ class Resharder:
             route = Route(MsgType.REQUEST, p, epoch, req_id)
             self.b._post([primary.encode(), MOVE_TARGET, *encode(route, header), *payloads])
             try:
-                reply = await asyncio.wait_for(fut, min(5.0 if timeout is None else limit, limit))
+                async with asyncio.timeout(min(5.0 if timeout is None else limit, limit)):
+                    reply = await fut
             except TimeoutError:
                 continue
             except asyncio.CancelledError:

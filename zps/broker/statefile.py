@@ -152,7 +152,8 @@ class StateWriter:
                     if wait > 0:
                         self._urgent.clear()
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self._urgent.wait(), wait)
+                            async with asyncio.timeout(wait):
+                                await self._urgent.wait()
             waiters, self._waiters = self._waiters, []
             rec = self._produce()  # the newest: covers every waiter taken above
             new = self.written is None or rec.version != self.written.version

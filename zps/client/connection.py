@@ -244,7 +244,8 @@ class Connection:
             self._tasks.append(tg.create_task(self._pair_loop()))
         try:
             # The introduction is bounded too: a paused broker may not take it.
-            await asyncio.wait_for(self._introduce(), self.config.connect_timeout)
+            async with asyncio.timeout(self.config.connect_timeout):
+                await self._introduce()
         except TimeoutError:
             await self.close()
             raise ZpsTimeoutError(
@@ -269,9 +270,8 @@ class Connection:
         self._closed = True
         if self._sock is not None and not self._sock.closed:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    transport.send(self._sock, encode(Route(MsgType.BYE), Bye().to_wire())), 1.0
-                )
+                async with asyncio.timeout(1.0):
+                    await transport.send(self._sock, encode(Route(MsgType.BYE), Bye().to_wire()))
         for t in self._tasks:
             t.cancel()
         with contextlib.suppress(asyncio.CancelledError):

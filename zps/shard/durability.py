@@ -203,7 +203,8 @@ class Durability:
                     if self.mode == "interval" and self._wal is not None and self._wal.dirty:
                         timeout = max(0.0, self._last_sync + self.interval - time.monotonic())
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), timeout)
+                        async with asyncio.timeout(timeout):
+                            await self._wake.wait()
                     self._wake.clear()
                 batch, self._queue = self._queue, []
                 generation = self._generation

@@ -203,7 +203,8 @@ class SnapshotSender:
                 return False
             transfer.progress.clear()
             try:
-                await asyncio.wait_for(transfer.progress.wait(), self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    await transfer.progress.wait()
             except TimeoutError:
                 self._give_up(
                     node, transfer, f"no snapshot chunk acknowledged for {self.timeout:.0f}s"
