@@ -259,11 +259,12 @@ class Nemesis:
             replication=2,
             heartbeat_interval=args.heartbeat_interval,
             liveness=args.liveness,
-            log_level="warning",
+            log_level=args.log_level,
             shard_args=shard_args,
             workdir=self.root,
         )
         self.data_dirs: dict[int, Path] = {}  # shard pid -> its data directory
+        self._fresh_dirs = 0  # data directories made so far
         self.writers: list[Any] = []  # Proc
         self.t0 = 0.0
         self._monitor: Any = None  # a zps client for status calls
@@ -271,8 +272,9 @@ class Nemesis:
     # -- processes ---------------------------------------------------------
 
     def start_shard(self, data_dir: Path | None = None) -> None:
-        if data_dir is None:
-            data_dir = self.root / f"data{len(self.data_dirs)}"
+        if data_dir is None:  # a fresh one: never a live (or killed) shard's directory
+            data_dir = self.root / f"data{self._fresh_dirs}"
+            self._fresh_dirs += 1
         proc = self.cluster.start_shard(["--data-dir", str(data_dir)])
         self.data_dirs[proc.pid] = data_dir
 
@@ -857,6 +859,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--liveness", type=int, default=5)
     ap.add_argument("--json", help="also write the result here")
     ap.add_argument("--workdir", help="keep the logs and data here (default: a temporary dir)")
+    ap.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="of the broker and shards (their logs are in --workdir)",
+    )
     # Writer process mode (started by the coordinator).
     ap.add_argument("--writer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)

@@ -32,6 +32,10 @@ class ZpsTimeoutError(ZpsError, TimeoutError):
     """A request was not answered within its deadline."""
 
 
+class DataDirInUseError(ZpsError):
+    """Another live process holds the data directory (two owners would corrupt it)."""
+
+
 class JobFailedError(ZpsError):
     """A data-task job failed: one of its tasks failed more often than allowed."""
 

@@ -362,3 +362,35 @@ def test_a_shard_sigtermed_alone_exits_after_its_final_checkpoint(
         proc.popen.wait(5)
     assert code == 0, f"still running {time.monotonic() - t0:.1f}s after SIGTERM\n{proc.log()}"
     assert len(written(proc)) == 1
+
+
+# -- one process per data directory -----------------------------------------------
+
+
+def test_a_second_shard_on_a_data_dir_in_use_is_refused_and_the_first_keeps_serving(
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path
+) -> None:
+    c = make_cluster(partitions=1, replication=1)
+    data = tmp_path / "data"
+    c.start_broker()
+    first = c.start_shard(data, ["--checkpoint-interval", "0"])
+    c.wait_healthy(30)
+    with zps.connect_sync(c.address, timeout=20) as ps:
+        ps.create_dense("w", shape=(4,), dtype="float64", optimizer=SGD(lr=1.0))
+        ps.push_dense("w", np.ones(4))
+        second = c.start_shard(data)
+        assert second.popen.wait(30) == 1, second.log()
+        log = second.log()
+        assert f"data directory {data} is in use by s-" in log, log
+        assert f"(pid {first.pid})" in log, log
+        # The first shard was not displaced: it still serves, and it is still the primary.
+        ps.push_dense("w", np.ones(4))
+        np.testing.assert_array_equal(ps.pull_dense("w"), np.full(4, -2.0))
+        assert first.alive() and c.shard_pid(0) == first.pid
+    # Its end frees the directory: a shard started there now restores the partition.
+    assert terminate([first]) == {first.name: 0}
+    third = c.start_shard(data)
+    c.wait_healthy(30)
+    assert c.shard_pid(0) == third.pid
+    with zps.connect_sync(c.address, timeout=20) as ps:
+        np.testing.assert_array_equal(ps.pull_dense("w"), np.full(4, -2.0))

@@ -78,6 +78,7 @@ from zps.core.membership import FailureDetector, is_liveness, liveness_identity,
 from zps.core.routing import default_slot_map
 from zps.errors import ConfigError, ProtocolError
 from zps.ops.config import BrokerConfig
+from zps.ops.datadir import DataDirLock, lock_data_dir
 from zps.ops.metrics import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -170,7 +171,10 @@ class Broker:
         self._writer: StateWriter | None = None
         self.pair: Pair | None = None
         self.reshard = Resharder(self)
+        #: The data dir, held for this process's life (a second broker on it is refused).
+        self._lock: DataDirLock | None = None
         if config.data_dir is not None:
+            self._lock = lock_data_dir(config.data_dir, f"broker {config.bind}")
             self._load_state(StateFile(config.data_dir))
         now = time.monotonic()
         n = self.state.n_partitions  # a resharded cluster's recorded count
@@ -376,6 +380,8 @@ class Broker:
                 auth.stop()
             transport.close(self._sock)
             transport.term(ctx)
+            if self._lock is not None:
+                self._lock.release()
             log.info("broker stopped")
 
     # -- sending -------------------------------------------------------------

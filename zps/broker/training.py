@@ -171,7 +171,10 @@ class Training:
             ],
         }
         route = Route(MsgType.REQUEST, p, epoch, step)
-        await self.send([primary.encode(), COMMIT_TARGET, *encode(route, header)])
+        # Durable first: a shard must not commit a step that a restarted broker (from its
+        # data dir) would not know was being committed; it would release the workers
+        # into that step again, and their pushes for it would be refused.
+        await self.send_durable([primary.encode(), COMMIT_TARGET, *encode(route, header)])
 
     async def on_commit_reply(self, route: Route, h: dict[str, Any]) -> None:
         step = self.clocks.committing

@@ -52,6 +52,7 @@ from zps.core.routing import ClusterMap
 from zps.errors import ProtocolError
 from zps.ops import malloc
 from zps.ops.config import ShardConfig
+from zps.ops.datadir import lock_data_dir
 from zps.ops.metrics import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -251,11 +252,17 @@ class ShardServer:
 
     async def run(self) -> None:
         """Serve until :meth:`stop`; sockets are closed on the way out."""
-        self.metrics.start()  # first: a port in use is an error before anything is bound
+        # Before anything is read from it: a second process on this data dir is refused.
+        lock = lock_data_dir(self.config.data_dir, self.node_id) if self.config.data_dir else None
         try:
-            await self._run()
+            self.metrics.start()  # a port in use is an error before anything is bound
+            try:
+                await self._run()
+            finally:
+                self.metrics.stop()
         finally:
-            self.metrics.stop()
+            if lock is not None:
+                lock.release()
 
     async def _run(self) -> None:
         cfg = self.config
