@@ -15,9 +15,9 @@ from zps.ops.datadir import lock_data_dir
 
 def test_a_held_directory_is_refused_naming_its_holder(tmp_path: Path) -> None:
     d = tmp_path / "data"
-    with lock_data_dir(d, "shard s-a"):
-        with pytest.raises(DataDirInUseError, match=rf"in use by shard s-a \(pid {os.getpid()}\)"):
-            lock_data_dir(d, "shard s-b")
+    held = rf"in use by shard s-a \(pid {os.getpid()}\)"
+    with lock_data_dir(d, "shard s-a"), pytest.raises(DataDirInUseError, match=held):
+        lock_data_dir(d, "shard s-b")
     # Released: the next owner takes it and is named in the file.
     with lock_data_dir(d, "shard s-b"):
         assert (d / "LOCK").read_text() == f"shard s-b (pid {os.getpid()})\n"
