@@ -383,9 +383,10 @@ def test_shard_names_are_stable_and_a_restart_replaces_the_earlier_process(
         assert wait_log(first, r"shard s-alpha \(pid \d+\) connecting")
         # The process hangs (its connection stays up) and a new one starts under its
         # name, well within the liveness timeout: the broker takes the new one for a
-        # restart and drops the earlier at once.
+        # restart and drops the earlier at once.  (On a directory of its own: the stopped
+        # process still holds its data dir, and a second process there is refused.)
         c.kill(first.pid, signal.SIGSTOP)
-        again = c.start_shard(["--name", "alpha", "--data-dir", str(tmp_path / "a")])
+        again = c.start_shard(["--name", "alpha", "--data-dir", str(tmp_path / "a2")])
         status = c.wait_for(
             lambda s: c.healthy(s) and again.pid in {x["pid"] for x in s["shards"]},
             8,
