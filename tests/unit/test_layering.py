@@ -95,6 +95,7 @@ LAYERS: dict[str, str] = {
     # operations
     "zps.ops": "ops",
     "zps.ops.config": "ops",
+    "zps.ops.datadir": "ops",
     "zps.ops.logs": "ops",
     "zps.ops.malloc": "ops",
     "zps.ops.meter": "ops",
