@@ -173,7 +173,7 @@ def test_a_sync_job_commits_every_step_once_across_a_failover(pair: PairCluster)
         results = []
         for w in ws:
             out, err = w.communicate(timeout=120)
-            assert w.returncode == 0, err[-3000:]
+            assert w.returncode == 0, f"{err[-3000:]}\n{pair.logs()}"
             results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for w in ws:

@@ -87,3 +87,61 @@ def test_a_restored_broker_holds_sync_joins_until_the_recorded_workers_tick() ->
         assert (b"b", {"st": "OK", "step": 7}) in replies
 
     asyncio.run(scenario())
+
+
+class _OnePrimary:
+    """The cluster state a sync commit needs: partition 0's primary is s-a, at epoch 1."""
+
+    n_partitions = 1
+
+    class map:  # stands for ClusterState.map
+        partitions = {0: type("Info", (), {"epoch": 1})()}
+
+    def primary_of(self, partition: int) -> str | None:
+        return "s-a"
+
+    def holding(self, now: float) -> bool:
+        return False
+
+
+def test_a_commit_refused_for_a_passing_reason_is_sent_again_not_counted_done(
+    monkeypatch: Any,
+) -> None:
+    """A primary that refuses a commit (NOT_ENOUGH_REPLICAS: its replica is resyncing
+    after a broker takeover) applied nothing.  Counting that as done released the workers
+    into the next step, and the step's gradients were dropped with the buffer."""
+    from zps.broker import training as training_mod
+    from zps.protocol.messages import ClockRequest, Mode
+
+    commits: list[int] = []  # the step of each commit sent to the shard
+    released: list[tuple[bytes, int]] = []  # (worker, step) of each tick answered
+    clock = [100.0]
+    monkeypatch.setattr(training_mod.time, "monotonic", lambda: clock[0])
+
+    async def send(frames: list[Any]) -> bool:
+        if frames[0] == b"s-a":
+            commits.append(decode(frames[2:]).header["ops"][0]["step"])
+        else:
+            released.append((frames[0], decode(frames[1:]).header["step"]))
+        return True
+
+    async def scenario() -> None:
+        t = Training(_OnePrimary(), send)  # type: ignore[arg-type]
+        tick = ClockRequest("tick", Mode.SYNC, finished=1)
+        for w in ("a", "b"):
+            await t.on_clock(w.encode(), w, Route(MsgType.CLOCK, req_id=1), tick)
+        assert commits == [0] and released == []
+        refused = {"st": "NOT_ENOUGH_REPLICAS", "msg": "1 of the 2 copies are in sync"}
+        await t.on_commit_reply(Route(MsgType.REPLY, 0, 1, 0), refused)
+        assert released == [] and t.commit_in_flight  # not done: nothing was applied
+        await t.on_timer()
+        assert commits == [0]  # not yet due
+        clock[0] += training_mod.COMMIT_RETRY_S
+        await t.on_timer()
+        assert commits == [0, 0]  # sent again
+        ok = {"st": "OK", "res": [{"st": "OK", "changed": True, "committed": 0}]}
+        await t.on_commit_reply(Route(MsgType.REPLY, 0, 1, 0), ok)
+        assert sorted(released) == [(b"a", 1), (b"b", 1)]
+        assert not t.commit_in_flight
+
+    asyncio.run(scenario())

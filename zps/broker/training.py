@@ -27,6 +27,14 @@ Send = Callable[[list[Any]], Awaitable[bool]]
 #: After a restore, joins wait at most this long for the recorded sync workers' ticks.
 RESYNC_S = 3.0
 
+#: A primary's refusals of a commit that pass: the commit is sent again (it is applied
+#: once: the shard's dedup record and step buffer answer a repeat).
+_COMMIT_RETRY = frozenset(
+    {Status.NOT_PRIMARY, Status.STALE_EPOCH, Status.OVERLOADED, Status.NOT_ENOUGH_REPLICAS}
+)
+#: How long after such a refusal the commit goes again (the broker's timer checks).
+COMMIT_RETRY_S = 0.1
+
 
 class Training:
     """``send_durable`` sends once the broker's state, as it is now, is on disk: task
@@ -47,6 +55,9 @@ class Training:
         #: its worker would never hear of and the job would wait for forever.
         self._next_answers: dict[str, tuple[int, dict[str, Any]]] = {}
         self._commit_pending: set[int] = set()
+        #: Partitions whose primary refused the commit for a passing reason, and when
+        #: to send it again (see on_commit_reply).
+        self._commit_retry: dict[int, float] = {}
         #: Live resharding holds new sync commits while slots are being moved.
         self.paused = False
         #: sync, after a restore: the recorded workers not heard ticking yet, and the
@@ -125,7 +136,15 @@ class Training:
             await self.on_clock(ident, joiner, route, req)
 
     async def on_timer(self) -> None:
-        """Called by the broker's timer: ends a wait for the recorded workers."""
+        """Called by the broker's timer: sends refused commits again when due, and ends
+        a wait for the recorded workers."""
+        if self._commit_retry:
+            now = time.monotonic()
+            for p, due in list(self._commit_retry.items()):
+                if due <= now:
+                    del self._commit_retry[p]
+                    if p in self._commit_pending:
+                        await self._send_commit(p)
         if self._held_joins and time.monotonic() >= self._resync_until:
             await self._synced(None)
 
@@ -183,9 +202,21 @@ class Training:
         res = h.get("res")
         first = res[0] if isinstance(res, list) and res else None
         if h.get("st") != Status.OK or not isinstance(first, dict) or first.get("st") != Status.OK:
-            if h.get("st") in (Status.NOT_PRIMARY, Status.STALE_EPOCH):
-                return  # re-sent to the new primary when the map changes
+            if h.get("st") in _COMMIT_RETRY:
+                # Nothing was applied, and the refusal passes (a copy resyncing after a
+                # broker takeover, a full link, a lease the new broker has yet to renew):
+                # sent again shortly, and to a new primary as soon as the map changes.
+                # Counting it done would release the workers and drop their gradients.
+                log.info(
+                    "commit of step %d on partition %d refused (%s): sending it again",
+                    step,
+                    route.partition,
+                    h.get("msg") or h.get("st"),
+                )
+                self._commit_retry.setdefault(route.partition, time.monotonic() + COMMIT_RETRY_S)
+                return
             log.error("commit of step %d on partition %d failed: %s", step, route.partition, h)
+        self._commit_retry.pop(route.partition, None)
         self._commit_pending.discard(route.partition)
         if not self._commit_pending:
             await self._release(self.clocks.sync_committed(step))
