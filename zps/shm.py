@@ -42,7 +42,7 @@ import secrets
 import stat
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -283,9 +283,11 @@ class Mapper:
         self._maps[key] = mm
         return mm
 
-    def read(self, desc: Sequence[int]) -> np.ndarray:
+    def read(self, desc: Sequence[int], into: np.ndarray | None = None) -> np.ndarray:
         """The bytes of the region ``desc`` names (``[pid, fd, inode, offset, length,
-        token]``), copied into this process's memory."""
+        token]``), copied into this process's memory: into ``into`` (a writable uint8
+        array of exactly that length: where the caller wants them, one copy fewer),
+        else a fresh array."""
         now = time.monotonic()
         if now - self.swept >= SWEEP_S:
             self.sweep(now=now)
@@ -302,7 +304,7 @@ class Mapper:
             raise ShmUnavailableError(
                 "the shared memory region was reused before it was read", permanent=False
             )
-        out = np.empty(length, dtype=np.uint8)
+        out = into if into is not None and into.nbytes == length else np.empty(length, np.uint8)
         out[:] = np.frombuffer(mm, dtype=np.uint8, count=length, offset=offset + HEAD_BYTES)
         # The owner clears the token before reusing the bytes: unchanged, the copy is whole.
         if _TOKEN.unpack_from(mm, offset + 8)[0] != token:
@@ -467,11 +469,18 @@ class SharedMemory:
         out[1] = msgpack.packb(header, use_bin_type=True)
         return out, descs
 
-    def inbound(self, frames: Sequence[Any], header: dict[str, Any]) -> Inbound:
+    def inbound(
+        self,
+        frames: Sequence[Any],
+        header: dict[str, Any],
+        into: Mapping[int, np.ndarray] | None = None,
+    ) -> Inbound:
         """Read the shared-memory frames of a received ``[route, header, payloads...]``
-        whose decoded header is ``header`` (it has :data:`KEY`).  Raises
-        :class:`ShmUnavailableError` when a region cannot be read (nothing read is
-        used then), ProtocolError for a malformed descriptor."""
+        whose decoded header is ``header`` (it has :data:`KEY`).  ``into``: where the
+        caller wants payload ``i``'s bytes (a uint8 array of its length; others, and
+        other lengths, get fresh arrays).  Raises :class:`ShmUnavailableError` when a
+        region cannot be read (nothing read is used then; an ``into`` array may hold
+        part of it), ProtocolError for a malformed descriptor."""
         info = header.get(KEY)
         if not isinstance(info, dict):
             raise ProtocolError(f"header {KEY!r} must be a map")
@@ -499,7 +508,7 @@ class SharedMemory:
                     raise ProtocolError(
                         f"a shared memory frame of {d[5]} bytes exceeds {self.max_frame_bytes}"
                     )
-                out[i] = self.mapper.read(d[1:]).data
+                out[i] = self.mapper.read(d[1:], into.get(d[0]) if into else None).data
         return Inbound(out, rest, info.get("r") is True and info.get("h") == self.host, list(done))
 
     def housekeeping(self, now: float | None = None) -> None:
@@ -544,7 +553,12 @@ class _Off(SharedMemory):
     def __init__(self) -> None:
         super().__init__(1, "off", host="off")
 
-    def inbound(self, frames: Sequence[Any], header: dict[str, Any]) -> Inbound:
+    def inbound(
+        self,
+        frames: Sequence[Any],
+        header: dict[str, Any],
+        into: Mapping[int, np.ndarray] | None = None,
+    ) -> Inbound:
         info = header.get(KEY)
         if isinstance(info, dict) and info.get("d"):
             self.mapper.refused += 1

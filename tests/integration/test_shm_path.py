@@ -404,11 +404,11 @@ async def test_a_reply_region_that_cannot_be_read_is_asked_for_again(
             ]
         )
 
-        def flaky(desc: list[int]) -> np.ndarray:
+        def flaky(desc: list[int], into: np.ndarray | None = None) -> np.ndarray:
             err = next(failures, None)
             if err is not None:
                 raise err
-            return real(desc)
+            return real(desc, into)
 
         monkeypatch.setattr(mapper, "read", flaky)
         got = await ps.pull_dense("r")  # retried, never the wrong bytes
@@ -422,3 +422,40 @@ async def test_a_reply_region_that_cannot_be_read_is_asked_for_again(
     assert _metric("zps_shard_shm_sent_frames_total") >= 4
     assert _metric("zps_shard_shm_full_total") == 0
     assert _metric("zps_shard_shm_bytes") >= 0
+
+
+async def test_a_pulled_tensor_is_read_from_shared_memory_straight_into_its_place(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each chunk of a dense pull that comes through shared memory is copied once, into
+    the result (or ``out=``), not into a fresh array and then again."""
+    grads = _grads(2, 11)
+    async with (
+        connect(cluster.address, timeout=20) as fast,
+        connect(cluster.address, timeout=20, shm_bytes=0) as inline,
+    ):
+        assert fast._shm is not None
+        await fast.create_dense("d1", (ELEMS,), optimizer=SGD(lr=LR))
+        await inline.create_dense("d2", (ELEMS,), optimizer=SGD(lr=LR))
+        for g in grads:
+            await fast.push_dense("d1", g)
+            await inline.push_dense("d2", g)
+        mapper = fast._shm.mapper
+        real = mapper.read
+        targets: list[np.ndarray | None] = []
+
+        def recording(desc: list[int], into: np.ndarray | None = None) -> np.ndarray:
+            targets.append(into)
+            return real(desc, into)
+
+        monkeypatch.setattr(mapper, "read", recording)
+        want = await inline.pull_dense("d2")
+        out = np.full(ELEMS, np.nan, np.float32)
+        got = await fast.pull_dense("d1", out=out)
+        assert got is out and out.tobytes() == want.tobytes()
+        assert len(targets) >= 2  # every chunk (both partitions) came through the memory
+        assert all(t is not None and np.shares_memory(t, out) for t in targets), targets
+        targets.clear()
+        fresh = await fast.pull_dense("d1")
+        assert fresh.tobytes() == want.tobytes() and not np.shares_memory(fresh, out)
+        assert targets and all(t is not None and np.shares_memory(t, fresh) for t in targets)

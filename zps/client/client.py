@@ -203,16 +203,24 @@ class Client(TrainingCalls):
             sizes = [_chunk_bytes(spec, c, itemsize) for c in chunks]
             for a, b in groups_by_bytes(sizes, self.config.message_budget):
                 groups.append((p, chunks[a:b], sum(sizes[a:b])))
+        # Each chunk's place in the result: a reply through shared memory is copied
+        # there directly (one copy instead of two for a large tensor).
+        places = [[flat[slice(*spec.chunk_range(c))] for c in chunks] for _, chunks, _ in groups]
         futures = [
-            self._submit(p, {"op": "pull_dense", "t": name, "chunks": chunks}, {}, reply_bytes=n)
-            for p, chunks, n in groups
+            self._submit(
+                p, {"op": "pull_dense", "t": name, "chunks": chunks}, {}, reply_bytes=n, into=into
+            )
+            for (p, chunks, n), into in zip(groups, places, strict=True)
         ]
-        for (_, chunks, _), result in zip(groups, await self._gather(futures), strict=True):
-            for c, arr in zip(chunks, result["arrays"], strict=True):
-                start, stop = spec.chunk_range(c)
-                if arr.shape != (stop - start,):
-                    raise ProtocolError(f"chunk {c} of {name!r} came back with shape {arr.shape}")
-                flat[start:stop] = arr
+        results = await self._gather(futures)
+        for (_, chunks, _), into, result in zip(groups, places, results, strict=True):
+            for c, arr, place in zip(chunks, result["arrays"], into, strict=True):
+                if arr.shape != place.shape or arr.dtype != place.dtype:
+                    raise ProtocolError(
+                        f"chunk {c} of {name!r} came back as {arr.dtype}{list(arr.shape)}"
+                    )
+                if arr.ctypes.data != place.ctypes.data:  # not already there
+                    place[:] = arr
         return out if out is not None else flat.reshape(spec.shape)
 
     async def push_dense(self, name: str, grad: npt.ArrayLike, *, wait: bool = True) -> None:

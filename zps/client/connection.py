@@ -97,6 +97,9 @@ class _Op:
     future: asyncio.Future[dict[str, Any]]
     reply_bytes: int = 0  # the array bytes the reply will carry
     partition: int = -1  # where it was last sent (an answer MOVED re-sends it)
+    #: Where the caller wants the reply's arrays, in order (a pulled tensor's pieces):
+    #: those that come through shared memory are copied there directly.
+    into: list[np.ndarray] | None = None
     #: The operation's cost: the larger of its request and its reply payload (read
     #: several times per request, so computed once).
     nbytes: int = field(init=False, default=0)
@@ -106,6 +109,11 @@ class _Op:
         for a in self.arrays.values():
             size += a.nbytes
         self.nbytes = max(size, self.reply_bytes)
+
+
+def _bytes_of(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous array's bytes, as a flat uint8 view (for :meth:`shm.Mapper.read`)."""
+    return a.reshape(-1).view(np.uint8)
 
 
 class _Background:
@@ -379,12 +387,12 @@ class Connection:
         arrays: dict[str, np.ndarray],
         *,
         reply_bytes: int = 0,
+        into: list[np.ndarray] | None = None,
     ) -> asyncio.Future[dict[str, Any]]:
         if self._closed:
             raise ClosedError("the client was closed")
-        op = _Op(
-            body, arrays, (self._loop or asyncio.get_running_loop()).create_future(), reply_bytes
-        )
+        loop = self._loop or asyncio.get_running_loop()
+        op = _Op(body, arrays, loop.create_future(), reply_bytes, into=into)
         # Calls are cut to the message budget; what still cannot fit would be cut off
         # by a socket's MAXMSGSIZE (a disconnect, then a timeout): refuse it here.
         if op.nbytes > self.config.max_message_bytes // 2:
@@ -590,8 +598,15 @@ class Connection:
             del done[:-256]
         if self._shm is None:
             raise ProtocolError("a reply in shared memory, which this client did not ask for")
+        # A lone operation that names where its arrays go: payload i is its i-th array.
+        # Only while the request is unanswered (the entry goes with its answer), so a
+        # late duplicate never writes into an array already handed back.
+        req = self._shm_reqs.get(msg.route.req_id)
+        into = None
+        if req is not None and len(req.token) == 1 and req.token[0].into is not None:
+            into = {i: _bytes_of(a) for i, a in enumerate(req.token[0].into)}
         try:
-            got = self._shm.inbound(bufs, msg.header)
+            got = self._shm.inbound(bufs, msg.header, into)
         except shm.ShmUnavailableError as e:
             if e.permanent:
                 self._shm_replies = False
