@@ -53,7 +53,7 @@ from zps.store.slots import (
     slot_mask,
     slots_of_ids,
 )
-from zps.store.stepbuf import Pending
+from zps.store.stepbuf import Pending, is_entry
 
 if TYPE_CHECKING:
     from zps.shard.core import ShardCore
@@ -538,14 +538,7 @@ def _import_steps(
         raise BadRequestError("slots_import of steps needs 'a', a list of entries")
     entries = []
     for e in desc:
-        if not (
-            isinstance(e, list)
-            and len(e) == 6
-            and type(e[0]) is int
-            and isinstance(e[1], bytes)
-            and isinstance(e[2], str)
-            and type(e[3]) is int
-        ):
+        if not is_entry(e):
             raise BadRequestError("slots_import: a malformed step entry")
         ids = None if e[4] is None else np.array(array_from(e[4], payloads, max_bytes=limit))
         grad = np.array(array_from(e[5], payloads, max_bytes=limit))

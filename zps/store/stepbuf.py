@@ -35,6 +35,19 @@ from zps.store import PartitionStore
 ENTRY_OVERHEAD = 300
 
 
+def is_entry(e: object) -> bool:
+    """``e`` has the shape of an exported entry, ``[step, cid, table, chunk, ids, grad]``
+    (the arrays, in whatever form they travel, are the caller's to check)."""
+    return (
+        isinstance(e, list)
+        and len(e) == 6
+        and type(e[0]) is int
+        and isinstance(e[1], bytes)
+        and isinstance(e[2], str)
+        and type(e[3]) is int
+    )
+
+
 @dataclass(frozen=True)
 class Pending:
     step: int
@@ -119,12 +132,7 @@ class StepBuffer:
         loaded = []
         for e in entries:
             if not (
-                isinstance(e, list)
-                and len(e) == 6
-                and type(e[0]) is int
-                and isinstance(e[1], bytes)
-                and isinstance(e[2], str)
-                and type(e[3]) is int
+                is_entry(e)
                 and (e[4] is None or isinstance(e[4], np.ndarray))
                 and isinstance(e[5], np.ndarray)
             ):
