@@ -177,13 +177,18 @@ async def test_min_in_sync_refuses_acks_all_with_too_few_copies_not_acks_one() -
 BIG = 131_072  # float64 values: 1 MiB per push, so a paused reader's socket buffers fill
 
 
-async def test_a_replica_with_another_history_is_in_sync_only_from_the_new_snapshot() -> None:
+async def test_a_replica_with_another_history_is_in_sync_only_from_the_new_snapshot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Replication 3.  Replica A is paused while the primary P streams to B; P and B are
     paused too and A, behind both, is promoted.  P and B come back as A's replicas holding
     a longer, different history.  They count as in sync only once they loaded A's snapshot,
     so acks="all" writes never rest on their old LSNs: with both paused again and A killed,
     every acknowledged write is on the replica promoted next, and the copies converge."""
     # A liveness timeout of 3 s: A's pause (while 24 MiB go by) must stay shorter.
+    # The stream inline (no shared memory): A must fall behind while paused, which
+    # needs its socket buffers to fill; through P's memory, zmq would queue it all.
+    monkeypatch.setenv("ZPS_NO_SHM", "1")
     with LocalCluster(
         partitions=1, shards=3, replication=3, heartbeat_interval=HB, liveness=30
     ) as c:

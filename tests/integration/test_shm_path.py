@@ -459,3 +459,125 @@ async def test_a_pulled_tensor_is_read_from_shared_memory_straight_into_its_plac
         fresh = await fast.pull_dense("d1")
         assert fresh.tobytes() == want.tobytes() and not np.shares_memory(fresh, out)
         assert targets and all(t is not None and np.shares_memory(t, fresh) for t in targets)
+
+
+# ---- the replication stream through the primary's shared memory ---------------------
+
+
+def _metric_at(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert m is not None, f"no {name} in the metrics at port {port}"
+    return float(m.group(1))
+
+
+@pytest.fixture
+def one_partition(tmp_path: Path) -> Iterator[LocalCluster]:
+    """A broker for one partition of two copies; the test starts the shards."""
+    c = LocalCluster(partitions=1, shards=0, replication=2, workdir=tmp_path)
+    c.port = free_port()
+    try:
+        c.start_broker()
+        yield c
+    finally:
+        c.stop()
+
+
+def _pair(c: LocalCluster, ports: list[int]) -> tuple[int, int]:
+    """Start two shards of one partition (metrics at ``ports``); (primary's port,
+    replica's port) once both copies are in sync."""
+    procs = [c.start_shard(["--metrics-port", str(p)]) for p in ports]
+    c.wait_healthy(30)
+    primary = c.shard_pid(0)
+    by_pid = {p.pid: port for p, port in zip(procs, ports, strict=True)}
+    return by_pid[primary], next(v for k, v in by_pid.items() if k != primary)
+
+
+async def test_the_replication_stream_goes_through_shared_memory_with_the_same_bits(
+    one_partition: LocalCluster, no_shm_left: None
+) -> None:
+    """A replica on its primary's host reads the pushes' large frames from the
+    primary's memory; promoted, it holds the bits an inline stream gives, and every
+    region of the stream is freed once acknowledged."""
+    ports = [free_port(), free_port()]
+    c = one_partition
+    primary_port, replica_port = _pair(c, ports)
+    grads = _grads(4, 21)
+    async with (
+        connect(c.address, timeout=20) as fast,
+        connect(c.address, timeout=20, shm_bytes=0) as inline,
+    ):
+        await fast.create_dense("a", (ELEMS,), optimizer=SGD(lr=LR))
+        await inline.create_dense("b", (ELEMS,), optimizer=SGD(lr=LR))
+        got = await _steps(fast, "a", grads)  # acks="all": the replica holds each
+        want = await _steps(inline, "b", grads)
+    sent = _metric_at(primary_port, "zps_shard_replication_shm_messages_total")
+    # Both tables' pushes (inline from the client or not) go to the replica this way.
+    assert sent >= 2 * len(grads), sent
+    assert _metric_at(replica_port, "zps_shard_shm_read_frames_total") >= sent
+    assert _metric_at(primary_port, "zps_shard_replication_shm_bytes") == 0
+    c.kill(c.shard_pid(0), signal.SIGKILL)
+    async with connect(c.address, timeout=20, acks=1, shm_bytes=0) as ps:
+        assert (await ps.pull_dense("a")).tobytes() == got[-1].tobytes()
+        assert (await ps.pull_dense("b")).tobytes() == want[-1].tobytes()
+    assert got[-1].tobytes() == want[-1].tobytes()
+
+
+async def test_a_replica_without_shared_memory_gets_the_stream_inline(
+    one_partition: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ports = [free_port(), free_port()]
+    c = one_partition
+    c.start_shard(["--metrics-port", str(ports[0])])
+    c.wait_for(lambda s: len(s["shards"]) == 1, 30, "the first shard, the primary")
+    monkeypatch.setenv("ZPS_NO_SHM", "1")  # the replica's environment only
+    c.start_shard(["--metrics-port", str(ports[1])])
+    monkeypatch.delenv("ZPS_NO_SHM")
+    c.wait_healthy(30)
+    grads = _grads(3, 22)
+    async with connect(c.address, timeout=20) as ps:
+        await ps.create_dense("a", (ELEMS,), optimizer=SGD(lr=LR))
+        got = await _steps(ps, "a", grads)
+        assert ps._shm is not None and ps._shm.stats()["puts"] > 0
+    assert _metric_at(ports[0], "zps_shard_replication_shm_messages_total") == 0
+    c.kill(c.shard_pid(0), signal.SIGKILL)
+    async with connect(c.address, timeout=20, acks=1) as ps:
+        assert (await ps.pull_dense("a")).tobytes() == got[-1].tobytes()
+
+
+async def test_a_paused_replica_of_a_shared_memory_stream_resyncs_to_the_same_bits(
+    one_partition: LocalCluster, no_shm_left: None
+) -> None:
+    """SIGSTOPped while the stream goes through its primary's memory: the primary drops
+    it and frees its regions (what zmq still holds for it names regions freed or
+    reused, which it refuses to read); continued, it resyncs and holds the primary's
+    bits."""
+    ports = [free_port(), free_port()]
+    c = one_partition
+    primary_port, _ = _pair(c, ports)
+    replica = next(p for p in c.procs if p.name.startswith("shard") and p.pid != c.shard_pid(0))
+    grads = _grads(3, 23)
+    async with connect(c.address, timeout=30, acks=1) as ps:
+        await ps.create_dense("a", (ELEMS,), optimizer=SGD(lr=LR))
+        await _steps(ps, "a", grads[:1])
+        c.kill(replica.pid, signal.SIGSTOP)
+        try:
+            for _ in range(12):
+                await ps.push_dense("a", grads[1])
+            # The primary gives up on it (its stall timeout) and frees its regions.
+            _wait_until(
+                lambda: _metric_at(primary_port, "zps_shard_replication_shm_bytes") == 0,
+                30,
+                "the paused replica's regions to be freed",
+            )
+            for _ in range(4):
+                await ps.push_dense("a", grads[2])
+        finally:
+            c.kill(replica.pid, signal.SIGCONT)
+        c.wait_healthy(60)  # back in sync
+        want = await ps.pull_dense("a")
+    assert _metric_at(primary_port, "zps_shard_replication_shm_messages_total") > 0
+    c.kill(c.shard_pid(0), signal.SIGKILL)
+    async with connect(c.address, timeout=20, acks=1, shm_bytes=0) as ps:
+        assert (await ps.pull_dense("a")).tobytes() == want.tobytes()

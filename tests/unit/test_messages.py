@@ -94,6 +94,7 @@ RECORDS: list[Any] = [
     HelloAgain(),
     Subscribe(None, 0),
     Subscribe(3, 5, abandoned=2),
+    Subscribe(3, 5, host="boot-id/4026531836"),
     StreamAck(10, 2),
     StreamAck(10, 2, base=-1),
     StreamAck(12, 2, base=8),
@@ -166,6 +167,7 @@ def test_the_wire_keys_stay_those_the_peers_speak() -> None:
     # between shards: replicas and primaries of different versions talk these
     assert Subscribe(1, 2).to_wire() == {"partition": 1, "epoch": 2}
     assert set(Subscribe(1, 2, 7).to_wire()) == {"partition", "epoch", "abandoned"}
+    assert Subscribe(1, 2, host="h").to_wire() == {"partition": 1, "epoch": 2, "host": "h"}
     assert StreamAck(5, 2, 3).to_wire() == {"lsn": 5, "epoch": 2, "base": 3}
     assert Replicate(4, 5).to_wire() == {"prev": 4, "lsn": 5}
     assert set(SnapshotChunk(1, 0, 1, 1, 1, 0).to_wire()) == {
@@ -230,6 +232,8 @@ def test_missing_optional_fields_take_their_defaults() -> None:
         (Subscribe.parse, {"partition": 0}, "epoch"),
         (Subscribe.parse, {"partition": "0", "epoch": 1}, "partition"),
         (Subscribe.parse, {"partition": 0, "epoch": 1, "abandoned": 1.5}, "abandoned"),
+        (Subscribe.parse, {"partition": 0, "epoch": 1, "host": 7}, "host"),
+        (Subscribe.parse, {"partition": 0, "epoch": 1, "host": "h" * 300}, "host"),
         (StreamAck.parse, {"epoch": 1}, "lsn"),
         (StreamAck.parse, {"lsn": True, "epoch": 1}, "lsn"),
         (StreamAck.parse, {"lsn": 3}, "epoch"),

@@ -644,25 +644,33 @@ class HelloAgain:
 class Subscribe:
     """SUBSCRIBE, replica -> primary: send me ``partition`` at ``epoch`` (a snapshot, then
     the stream).  ``abandoned`` names a snapshot transfer the replica gave up, to be
-    replaced by a new one."""
+    replaced by a new one.  ``host``: the replica's shared-memory host key
+    (:func:`zps.shm.host_key`), when it reads large stream frames from the primary's
+    shared memory; absent, every frame comes inline."""
 
     partition: int | None
     epoch: int
     abandoned: int | None = None
+    host: str | None = None
 
     @classmethod
     def parse(cls, h: Header) -> Subscribe:
-        partition, abandoned = h.get("partition"), h.get("abandoned")
+        partition, abandoned, host = h.get("partition"), h.get("abandoned"), h.get("host")
+        if host is not None and (not isinstance(host, str) or len(host) > 256):
+            raise ProtocolError("SUBSCRIBE host must be a string of at most 256 characters")
         return cls(
             partition=None if partition is None else _int(partition, "SUBSCRIBE partition"),
             epoch=_int(_field(h, "epoch", "SUBSCRIBE"), "SUBSCRIBE epoch"),
             abandoned=None if abandoned is None else _int(abandoned, "SUBSCRIBE abandoned"),
+            host=host,
         )
 
     def to_wire(self) -> dict[str, Any]:
         h: dict[str, Any] = {"partition": self.partition, "epoch": self.epoch}
         if self.abandoned is not None:
             h["abandoned"] = self.abandoned
+        if self.host is not None:
+            h["host"] = self.host
         return h
 
 

@@ -11,18 +11,27 @@ The primary never waits on a follower: what zmq cannot take for one at once is
 held for it (:class:`~zps.transport.Outbound`), within ``queue_bytes`` of stream
 beyond the snapshot it was sent; a follower past that bound is dropped, and the
 session reports it out of sync.
+
+A follower on this host (its SUBSCRIBE names this process's shared-memory host key)
+gets the large payload frames through this process's arena (:mod:`zps.shm`): each
+such message's frames are copied there once, whoever follows, and the region is
+freed when every follower it went to has acknowledged its LSN or left.  A region
+the follower finds reused (it was reclaimed, see ``SHM_RECLAIM_S``) makes it resync;
+what it reads is never another message's bytes.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, assert_never
 
 import msgpack
 
-from zps import transport
+from zps import shm, transport
 from zps.errors import ProtocolError
 from zps.protocol.codec import MsgType, Route, decode, encode
 from zps.protocol.messages import (
@@ -45,6 +54,18 @@ Reply = tuple[bytes, list[Any]]  # (client identity, reply frames)
 #: Messages zmq queues per follower before :class:`~zps.transport.Outbound` holds them
 #: (counted in bytes): keeps the bytes zmq itself may pin for a stalled follower small.
 REPLICATION_HWM = 64
+
+
+@dataclass(slots=True)
+class _SharedFrames:
+    """Regions of the arena holding one stream message's large frames, until every
+    follower it went to (``readers``) acknowledged ``lsn`` or left."""
+
+    lsn: int
+    tokens: list[int]
+    nbytes: int
+    readers: set[str]
+    born: float
 
 
 def _from_replica(mtype: MsgType, header: dict[str, Any]) -> FromReplica | None:
@@ -72,6 +93,7 @@ class ReplicationStream:
         report: Callable[[], None],
         queue_bytes: int,
         stall_timeout: float,
+        shared: shm.SharedMemory | None = None,
     ) -> None:
         self.session = session
         self.core = core
@@ -86,6 +108,15 @@ class ReplicationStream:
         self._settle = settle  # re-decide what waiting writes wait for (a follower left)
         self._report = report  # tell the broker the in-sync set at once
         self.snapshots = SnapshotSender(session, core, post=self._post, drop=self.drop)
+        #: Same-host shared memory for large stream frames (None: every frame inline),
+        #: the followers that read it, and the regions they have still to read.
+        self.shm = shared
+        self.shm_followers: set[str] = set()
+        self._shared: collections.deque[_SharedFrames] = collections.deque()
+        self.shared_bytes = 0
+        self.shared_messages = 0  # stream messages whose large frames went this way
+        #: At most this much of the arena holds stream frames; the rest is the replies'.
+        self.shared_limit = shared.budget // 2 if shared is not None else 0
 
     async def serve(self) -> None:
         """Handle SUBSCRIBE and ACK until the ROUTER closes."""
@@ -94,6 +125,7 @@ class ReplicationStream:
         finally:
             self.snapshots.close()
             self.out.close()
+            self._release_shared(lambda entry: True)
 
     def _malformed(self, frames: transport.Frames, e: ProtocolError) -> None:
         self.core.stats.malformed += 1
@@ -138,14 +170,81 @@ class ReplicationStream:
             return
         route = Route(MsgType.REPLICATE, self.core.partition or 0, self.core.epoch, 0)
         head = msgpack.packb(Replicate(prev, self.core.lsn).to_wire())
+        message = [route.pack(), head, *frames[1:]]
+        shared = self._share(message)
         for node in list(self.session.followers):
-            posted = self.out.post(
-                [node.encode(), route.pack(), head, *frames[1:]], self._limit(node)
-            )
+            out = shared if shared is not None and node in self.shm_followers else message
+            posted = self.out.post([node.encode(), *out], self._limit(node))
             if posted is transport.Posted.DROPPED:
                 self.drop(node, f"more than {self.queue_bytes} bytes of stream unread")
             elif posted is transport.Posted.UNROUTABLE:
                 self.drop(node, "its connection is gone")
+
+    def _share(self, message: list[Any]) -> list[Any] | None:
+        """``message`` with its large payload frames in this process's arena, for the
+        followers on this host; None when none follows this way, no frame is large
+        enough, or the stream's share of the arena is spent (then all go inline)."""
+        sm = self.shm
+        if sm is None or not self.shm_followers or not sm.wants(message):
+            return None
+        # In-sync followers only: one still loading a snapshot may take longer than
+        # the stall timeout to read its stream, so its frames wait inline, bounded
+        # as before (the Outbound's allowance).
+        readers = self.shm_followers & self.session.local_in_sync
+        size = transport.message_bytes(message[2:])  # at most this goes to the arena
+        if not readers or self.shared_bytes + size > self.shared_limit:
+            return None
+        out, descs = sm.outbound(message)
+        if not descs:
+            return None
+        nbytes = sum(d[5] for d in descs)
+        entry = _SharedFrames(self.core.lsn, shm.tokens(descs), nbytes, readers, time.monotonic())
+        self._shared.append(entry)
+        self.shared_bytes += nbytes
+        self.shared_messages += 1
+        return out
+
+    def expire_shared(self, now: float) -> None:
+        """Drop the followers that have not acknowledged a message whose frames have
+        waited in shared memory for the stall timeout: zmq takes descriptors without
+        filling, so this is what the Outbound's stall timeout is for inline frames."""
+        while self._shared and now - self._shared[0].born > self.out.stall_timeout:
+            entry = self._shared[0]
+            for node in sorted(entry.readers):
+                self.drop(node, f"stream in shared memory unread for {self.out.stall_timeout}s")
+            if self._shared and self._shared[0] is entry:  # no reader left: freed by drop
+                break
+
+    def _read(self, node: str, lsn: int) -> None:
+        """``node`` acknowledged ``lsn``: the regions of messages up to it are read."""
+        for entry in self._shared:
+            if entry.lsn > lsn:
+                break
+            entry.readers.discard(node)
+        self._release_shared(lambda entry: not entry.readers, front=True)
+
+    def _release_shared(self, done: Callable[[_SharedFrames], bool], front: bool = False) -> None:
+        """Free the regions of entries ``done`` says are finished (from the front only,
+        with ``front``: regions are freed in LSN order as acknowledgements arrive)."""
+        kept: collections.deque[_SharedFrames] = collections.deque()
+        while self._shared:
+            entry = self._shared.popleft()
+            if not done(entry):
+                if front:
+                    self._shared.appendleft(entry)
+                    return
+                kept.append(entry)
+                continue
+            self.shared_bytes -= entry.nbytes
+            if self.shm is not None:
+                self.shm.free(entry.tokens)
+        self._shared = kept
+
+    def _forget_reader(self, node: str) -> None:
+        self.shm_followers.discard(node)
+        for entry in self._shared:
+            entry.readers.discard(node)
+        self._release_shared(lambda entry: not entry.readers)
 
     def _post(self, node: str, frames: list[Any]) -> bool:
         posted = self.out.post([node.encode(), *frames], self._limit(node))
@@ -162,6 +261,7 @@ class ReplicationStream:
         """Stop streaming to ``node`` (it must resubscribe) and report the smaller set."""
         self.snapshots.cancel(node)
         self.out.forget(node.encode())
+        self._forget_reader(node)
         if self.session.follower_gone(node):
             self.dropped += 1
             log.warning("stopped streaming to replica %s: %s", node, why)
@@ -177,6 +277,10 @@ class ReplicationStream:
         if not self.session.accepts_subscription(node, sub.partition, sub.epoch):
             self._bye(node, f"not the primary of partition {sub.partition} at epoch {sub.epoch}")
             return
+        if self.shm is not None and sub.host == self.shm.host:
+            self.shm_followers.add(node)
+        else:
+            self._forget_reader(node)  # it asked for the stream inline
         if not self.snapshots.subscribe(node, sub.abandoned):
             return  # its snapshot is on its way (zps.shard.snapshots)
         self.out.forget(node.encode())  # what was held for an earlier subscription
@@ -192,6 +296,8 @@ class ReplicationStream:
             self.drop(node, "no longer a replica of this partition")
             return
         result = self.session.acked(node, ack.lsn, ack.epoch, now, ack.base)
+        if self._shared:
+            self._read(node, ack.lsn)
         if result.in_sync:
             log.info("replica %s is in sync at LSN %d", node, self.session.followers[node].acked)
             self._report()  # tell the broker now, not at the next beat

@@ -12,6 +12,12 @@ With a write-ahead log (:mod:`zps.shard.durability`), a replica keeps its own:
 a loaded snapshot is written as a checkpoint first (the log's base), and every
 message applied is logged.  It acknowledges only what its log holds (on disk in
 ``fsync`` mode), so the primary's ``acks="all"`` counts logged copies.
+
+With shared memory on (:mod:`zps.shm`), a replica on its primary's host says so in
+its SUBSCRIBE, and the primary's large stream frames come as descriptors of its
+arena: the replica copies them into its own memory before anything is applied.  A
+region it cannot read makes it resync (a snapshot, as for a gap); one it can never
+read (another host or user) makes it ask for the stream inline from then on.
 """
 
 from __future__ import annotations
@@ -22,10 +28,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from zps import transport
+from zps import shm, transport
 from zps.core.replication import StreamCheck, check_stream
 from zps.errors import ProtocolError, ZpsError
-from zps.protocol.codec import BufferLike, MsgType, Route, decode, encode
+from zps.protocol.codec import BufferLike, Message, MsgType, Route, decode, encode
 from zps.protocol.messages import (
     Bye,
     Replicate,
@@ -61,6 +67,7 @@ class Upstream:
         max_message_bytes: int,
         durability: Durability | None = None,
         checkpoints: CheckpointStore | None = None,
+        shared: shm.SharedMemory | None = None,
     ) -> None:
         self.session = session
         self.core = core
@@ -79,6 +86,8 @@ class Upstream:
             durability if durability is not None and durability.mode != "none" else None
         )
         self._checkpoints = checkpoints if self._durability is not None else None
+        #: Large stream frames through the primary's shared memory (None: inline).
+        self.shm = shared
 
     async def run(self) -> None:
         """Subscribe to the primary, load its snapshot, then apply its stream."""
@@ -131,7 +140,8 @@ class Upstream:
             log.warning("snapshot %d stalled; asking for a new one", self._assembly.snapshot_id)
             self._abandon()
         if self.session.subscribe_due(now):
-            sub = Subscribe(self.session.partition, self.session.epoch, self._abandoned)
+            host = self.shm.host if self.shm is not None else None
+            sub = Subscribe(self.session.partition, self.session.epoch, self._abandoned, host)
             await transport.send(self.channel, encode(Route(MsgType.SUBSCRIBE), sub.to_wire()))
             self.session.subscribe_sent(time.monotonic())
 
@@ -146,7 +156,13 @@ class Upstream:
 
     async def _handle(self, frames: transport.Frames) -> None:
         try:
-            msg = decode([transport.frame_buffer(f) for f in frames])
+            bufs = [transport.frame_buffer(f) for f in frames]
+            msg = decode(bufs)
+            if msg.route.mtype is MsgType.REPLICATE and shm.KEY in msg.header:
+                read = self._read_shared(bufs, msg.header)
+                if read is None:
+                    return
+                msg = read
             match msg.route.mtype:
                 case MsgType.SNAPSHOT_CHUNK if not self.session.synced:
                     await self._on_chunk(msg.route, msg.header, msg.payloads)
@@ -162,6 +178,23 @@ class Upstream:
             raise
         except ZpsError as e:
             raise ProtocolError(str(e)) from e
+
+    def _read_shared(self, bufs: list[Any], header: dict[str, Any]) -> Message | None:
+        """A stream message with its frames copied out of the primary's shared memory;
+        None (and a resync) when they cannot be read."""
+        try:
+            got = (self.shm or shm.OFF).inbound(bufs, header)
+        except shm.ShmUnavailableError as e:
+            if e.permanent:
+                self.shm = None  # the next SUBSCRIBE asks for every frame inline
+            if self.session.synced or self._assembly is not None:  # once per resync
+                log.warning("could not read a stream message from shared memory (%s): resync", e)
+            if self._assembly is not None:
+                self._abandon()
+            else:
+                self.session.resync()
+            return None
+        return decode(got.frames)
 
     def _abandon(self) -> None:
         if self._assembly is not None:

@@ -297,6 +297,7 @@ class ShardServer:
             report=self._report,
             queue_bytes=cfg.replication.follower_queue_bytes,
             stall_timeout=2 * hb.interval * hb.liveness,
+            shared=self._shm,
         )
         port = urlsplit(bound).port
         brokers = cfg.endpoints
@@ -545,17 +546,17 @@ class ShardServer:
             shm_stats = self._shm.stats()
             yield gauge(
                 "zps_shard_shm_bytes",
-                "Shared memory held by reply frames clients have not yet read",
+                "Shared memory held by frames clients and replicas have not yet read",
                 shm_stats["used"],
             )
             yield counter(
                 "zps_shard_shm_sent_frames",
-                "Reply frames sent through shared memory",
+                "Reply and replication frames sent through shared memory",
                 shm_stats["puts"],
             )
             yield counter(
                 "zps_shard_shm_read_frames",
-                "Request frames read from clients' shared memory",
+                "Request and replication frames read from peers' shared memory",
                 shm_stats["reads"],
             )
             yield counter(
@@ -574,6 +575,17 @@ class ShardServer:
             yield counter(
                 "zps_shard_snapshot_chunks_sent", "Snapshot chunks sent", sender.chunks_sent
             )
+            if self._shm is not None:
+                yield counter(
+                    "zps_shard_replication_shm_messages",
+                    "Replication messages whose large frames went through shared memory",
+                    self._stream.shared_messages,
+                )
+                yield gauge(
+                    "zps_shard_replication_shm_bytes",
+                    "Shared memory held by replication frames not yet acknowledged",
+                    self._stream.shared_bytes,
+                )
         lag = GaugeMetricFamily(
             "zps_shard_replica_lag_updates",
             "Updates this primary applied that the replica has not acknowledged",
@@ -773,6 +785,8 @@ class ShardServer:
             if tick.lagging and self._stream is not None:
                 for node in tick.lagging:
                     self._stream.drop(node, "no acknowledgement for a liveness timeout")
+            if self._stream is not None:
+                self._stream.expire_shared(time.monotonic())
             if self.core.checkpoint_wanted is not None and not tick.checkpoint:
                 self._start_checkpoint()  # an operator's "zps-server checkpoint"
             if tick.checkpoint:
@@ -1151,6 +1165,7 @@ class ShardServer:
             max_message_bytes=self.config.max_message_bytes,
             durability=self.durability,
             checkpoints=self._checkpoints,
+            shared=self._shm,
         )
         self._upstream_task = self._tg.create_task(self._upstream.run())
         log.info("following the primary at %s (epoch %d)", address, epoch)
