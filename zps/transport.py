@@ -115,6 +115,12 @@ class Channel:
         # one check per loop iteration (not per send) settles it.
         self._stale = False
         self._recheck = False
+        # The reader's timed wait (see _wait_until): one timer for many waits.
+        self._deadline = 0.0
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._timed_waiting = False
+        self._timed_out = False
         self._loop.add_reader(self._fd, self._check)
         self._loop.call_soon(self._check)  # messages may be queued already
 
@@ -161,7 +167,9 @@ class Channel:
         return frames
 
     async def recv_burst(self, timeout: float | None = None) -> list[Frames]:
-        """Every queued message (at most DRAIN_BATCH), waiting for the first."""
+        """Every queued message (at most DRAIN_BATCH), waiting for the first; with
+        ``timeout`` (seconds), an empty list if none came by then."""
+        deadline = None if timeout is None else self._loop.time() + timeout
         while True:
             if self.sock.closed:
                 raise ClosedError("socket closed")
@@ -203,17 +211,48 @@ class Channel:
                 self._check()
                 if self._readable.is_set():
                     continue
-            if timeout is None:
+            if deadline is None:
                 await self._readable.wait()
-            else:
-                try:
-                    # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a
-                    # cancellation that lands as the event is set (a stop then never ends).
-                    async with asyncio.timeout(timeout):
-                        await self._readable.wait()
-                except TimeoutError:
-                    return []
-                timeout = None  # woken: drain, without waiting again
+            elif not await self._wait_until(deadline):
+                return []
+
+    async def _wait_until(self, deadline: float) -> bool:
+        """Wait until readable (True) or until ``deadline`` (loop time; False).
+
+        A wait only records its deadline: one timer, armed at the first, serves the
+        waits after it (when it fires before the current deadline, it is armed again
+        for that), so a message that arrives in time costs no timer.  (asyncio.timeout
+        would make and cancel a timer per wait, 7 us here; and not wait_for: on Python
+        3.11 it swallows a cancellation that lands as the event is set.)  Plain
+        ``Event.wait``: a cancellation always propagates."""
+        loop = self._loop
+        self._deadline = deadline
+        if self._deadline_timer is None or self._timer_at > deadline:
+            if self._deadline_timer is not None:
+                self._deadline_timer.cancel()
+            self._timer_at = deadline
+            self._deadline_timer = loop.call_at(deadline, self._on_deadline)
+        self._timed_out = False
+        self._timed_waiting = True
+        try:
+            await self._readable.wait()
+        finally:
+            self._timed_waiting = False
+        if self._timed_out:
+            self._timed_out = False
+            return False
+        return True
+
+    def _on_deadline(self) -> None:
+        self._deadline_timer = None
+        if not self._timed_waiting:
+            return  # armed again by the next timed wait
+        if self._loop.time() < self._deadline:  # a later wait's deadline
+            self._timer_at = self._deadline
+            self._deadline_timer = self._loop.call_at(self._deadline, self._on_deadline)
+            return
+        self._timed_out = True
+        self._readable.set()
 
     def send_nowait(self, frames: Sequence[Any]) -> bool:
         """Send at once; False if a ROUTER has no route to the peer; raises zmq.Again
@@ -283,6 +322,9 @@ class Channel:
 
     def close(self) -> None:
         self._outbox.clear()
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
         with contextlib.suppress(Exception):
             self._loop.remove_reader(self._fd)
         with contextlib.suppress(zmq.ZMQError):

@@ -37,3 +37,77 @@ async def test_a_cancel_that_lands_with_a_wake_up_ends_the_receive() -> None:
         a.close(0)
         b.close(0)
         ctx.term()
+
+
+# ---- the timed wait: one timer for many waits ----------------------------------------
+
+
+@pytest.fixture
+async def pair() -> object:
+    ctx = transport.new_context()
+    a = ctx.socket(zmq.PAIR)
+    a.bind("inproc://timed")
+    b = ctx.socket(zmq.PAIR)
+    b.connect("inproc://timed")
+    ch = transport.Channel(a)
+    try:
+        yield ch, b
+    finally:
+        ch.close()
+        b.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(30)
+async def test_a_timed_receive_returns_nothing_at_its_deadline_not_before(pair: object) -> None:
+    ch, _ = pair  # type: ignore[misc]
+    loop = asyncio.get_running_loop()
+    for timeout in (0.05, 0.2, 0.02):  # a shorter deadline after a longer one too
+        t0 = loop.time()
+        assert await ch.recv_burst(timeout) == []
+        assert timeout - 0.002 <= loop.time() - t0 < timeout + 2.0
+
+
+@pytest.mark.timeout(30)
+async def test_a_wait_after_a_message_keeps_its_own_deadline(pair: object) -> None:
+    """The timer armed for the first wait fires during the second: it is armed again
+    for the second's deadline instead of ending it early."""
+    ch, peer = pair  # type: ignore[misc]
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.05, peer.send, b"one")
+    assert [bytes(f[0]) for f in await ch.recv_burst(0.1)] == [b"one"]
+    t0 = loop.time()
+    assert await ch.recv_burst(0.1) == []  # its timer fired at the first deadline first
+    assert loop.time() - t0 >= 0.1 - 0.002
+
+
+@pytest.mark.timeout(30)
+async def test_a_wake_up_without_a_message_does_not_lose_the_deadline(pair: object) -> None:
+    ch, _ = pair  # type: ignore[misc]
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.02, ch._readable.set)  # woken, nothing queued
+    t0 = loop.time()
+    assert await ch.recv_burst(0.1) == []
+    assert 0.1 - 0.002 <= loop.time() - t0 < 2.0
+
+
+@pytest.mark.timeout(30)
+async def test_messages_in_time_make_no_timer_per_wait(pair: object) -> None:
+    ch, peer = pair  # type: ignore[misc]
+    loop = asyncio.get_running_loop()
+    made = 0
+    real = loop.call_at
+
+    def counting(*args: object) -> asyncio.TimerHandle:
+        nonlocal made
+        made += 1
+        return real(*args)  # type: ignore[arg-type]
+
+    loop.call_at = counting  # type: ignore[method-assign]
+    try:
+        for i in range(200):
+            loop.call_soon(peer.send, b"%d" % i)  # once the reader waits
+            assert len(await ch.recv_burst(5.0)) == 1
+    finally:
+        del loop.call_at
+    assert made <= 1, made
