@@ -1,7 +1,7 @@
 """Nemesis run: a random mix of faults under load for a set time, then exact sums.
 
     python bench/nemesis.py [--seconds 60] [--seed 1] [--kinds kill,pause,flood]
-                            [--big-mb 300] [--json out.json]
+                            [--big-mb 300] [--dense] [--json out.json]
 
 Starts a local cluster (2 partitions x 2 copies plus a spare shard, each shard
 with its own data directory) and a few writer clients, each a separate process
@@ -26,6 +26,13 @@ injected at random (the schedule is reproducible with ``--seed``):
     (only with ``--big-mb``) one partition is made that large and every shard
     checkpoints every ``--checkpoint-interval`` seconds; the count is the
     checkpoints written during the run.
+
+With ``--dense``, each writer also pushes a 2 MiB float64 dense tensor of its own
+(chunks of 1 MiB and more: they travel through shared memory, client to primary and
+primary to replica): push ``k``'s gradient is 1 everywhere plus ``DENSE_MARK`` at
+offset ``k`` of every block of ``DENSE_BLOCK`` elements, so each block tells how many
+pushes it received and, at offset ``k``, how many times push ``k`` was applied,
+whatever chunk it is in.
 
 At the end every process is resumed, the writers stop, and every ledger row is
 read back: an acknowledged push must be applied exactly once ("lost" when it
@@ -67,6 +74,11 @@ DIM = 4
 SHARED_ROWS = 16
 LEDGER_BASE = 1 << 40  # ledger ids: far from the shared rows
 LEDGER_SPAN = 1 << 32  # per writer process
+DENSE_TABLE = "nemesis-dense-{}"  # one per writer process
+DENSE_ELEMS = 1 << 18  # float64: 2 MiB, a chunk of 1 MiB per partition
+DENSE_BLOCK = 4096  # elements: every chunk holds whole blocks, so every marker
+DENSE_MARK = float(1 << 30)  # far above any count of pushes: both read back exactly
+DENSE = -1  # the "partition" of a dense push in the logs
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -157,6 +169,26 @@ async def writer_main(args: argparse.Namespace) -> int:
                 continue
             record("A", p, k, f"{sent:.6f}", f"{time.monotonic():.6f}")
 
+    async def run_dense(ps: Any, state: dict[str, Any]) -> None:
+        """Dense pushes, each marked at its own offset of every block (module notes)."""
+        name = DENSE_TABLE.format(c)
+        while not stop.is_set() and state["k"][DENSE] < DENSE_BLOCK:
+            k = state["k"][DENSE]
+            state["k"][DENSE] += 1
+            grad = np.ones(DENSE_ELEMS)
+            grad[k::DENSE_BLOCK] += DENSE_MARK
+            sent = time.monotonic()
+            record("S", DENSE, k, k, 1, f"{sent:.6f}")
+            try:
+                await ps.push_dense(name, grad)
+            except Exception as e:  # the outcome of this push is unknown
+                record("E", DENSE, k, type(e).__name__, f"{time.monotonic():.6f}")
+                if type(e).__name__ in ("ClosedError", "BrokenError"):
+                    raise
+                await asyncio.sleep(0.05)
+                continue
+            record("A", DENSE, k, f"{sent:.6f}", f"{time.monotonic():.6f}")
+
     dog = asyncio.create_task(watchdog())
     state: dict[str, Any] = {"k": collections.Counter()}
     try:
@@ -176,7 +208,8 @@ async def writer_main(args: argparse.Namespace) -> int:
                     state["shared"] = [shared_ids(c, p, cmap) for p in range(n)]
                     state["ledger"] = [LedgerIds(c, p, cmap) for p in range(n)]
                 await asyncio.gather(
-                    *(run_partition(ps, p, state) for p in range(len(state["shared"])))
+                    *(run_partition(ps, p, state) for p in range(len(state["shared"]))),
+                    *([run_dense(ps, state)] if args.dense else []),
                 )
             except Exception as e:  # reconnect: a closed client, a failed connect
                 record("X", type(e).__name__, f"{time.monotonic():.6f}")
@@ -306,6 +339,7 @@ class Nemesis:
                         str(self.args.client_timeout),
                         "--until",
                         str(until),
+                        *(["--dense"] if self.args.dense else []),
                     ],
                 )
             )
@@ -558,6 +592,13 @@ class Nemesis:
         async def create() -> None:
             async with zps.connect(self.cluster.address, timeout=30) as ps:
                 await ps.create_embedding(TABLE, dim=DIM, dtype="float64", optimizer=SGD(lr=1.0))
+                for c in range(self.args.clients if self.args.dense else 0):
+                    await ps.create_dense(
+                        DENSE_TABLE.format(c),
+                        shape=(DENSE_ELEMS,),
+                        dtype="float64",
+                        optimizer=SGD(lr=1.0),
+                    )
 
         await asyncio.wait_for(create(), 60)
         if self.args.big_mb > 0:
@@ -633,6 +674,17 @@ class Nemesis:
             async with zps.connect(self.cluster.address, timeout=30, connect_timeout=10) as ps:
                 cmap = ps.cluster_map
                 unreadable = []
+                for c in range(self.args.clients if self.args.dense else 0):
+                    mine = [p for p in pushes if p.partition == DENSE and p.client == c]
+                    try:
+                        await self._verify_dense(ps, c, mine, v)
+                    except Exception as e:
+                        unreadable.append(DENSE)
+                        acked = sum(p.acked is not None for p in mine)
+                        v["problems"].append(
+                            f"writer {c}'s dense tensor could not be read ({e!r}): "
+                            f"{acked} acknowledged writes unchecked"
+                        )
                 for part in range(cmap.n_partitions):
                     mine = [p for p in pushes if p.partition == part]
                     try:
@@ -648,6 +700,44 @@ class Nemesis:
         except Exception as e:
             v["problems"].append(f"the final check failed: {e!r}")
         return v
+
+    async def _verify_dense(self, ps: Any, c: int, pushes: list[Push], v: dict[str, Any]) -> None:
+        """Each block of writer ``c``'s tensor: how many times each push was applied (the
+        marks at its offset) and how many pushes it got (the rest), which must agree."""
+        values = await ps.pull_dense(DENSE_TABLE.format(c))
+        neg = -values.reshape(-1, DENSE_BLOCK)  # a row per block
+        times = np.floor(neg / DENSE_MARK)
+        counts = neg - times * DENSE_MARK
+        pushed = {p.k: p for p in pushes}
+        bad = [
+            b
+            for b in range(neg.shape[0])
+            if not np.all(counts[b] == counts[b, 0]) or counts[b, 0] != times[b].sum()
+        ]
+        if bad:
+            v["bad_ledger_rows"] += len(bad)
+            v["problems"].append(
+                f"writer {c}'s dense tensor: blocks {bad[:5]} disagree with their marks"
+            )
+        for k in range(DENSE_BLOCK):
+            applied = set(times[:, k].tolist())
+            push = pushed.get(k)
+            if push is None:
+                if applied != {0.0}:
+                    v["doubled"] += 1
+                    v["problems"].append(f"writer {c}: dense push {k}, never sent, applied")
+                continue
+            if max(applied) > 1:
+                v["doubled"] += 1
+                v["problems"].append(f"applied {sorted(applied)} times (by block): {push}")
+            elif push.acked is not None and applied != {1.0}:
+                v["lost"] += 1  # all of it, or the chunk of some partition
+                v["problems"].append(f"acknowledged, applied {sorted(applied)} by block: {push}")
+            elif push.acked is None and 1.0 in applied:
+                # A failed call may be applied on one partition and not on the other.
+                v["applied_unacknowledged"] += 1
+            elif push.acked is None:
+                v["unacknowledged_not_applied"] += 1
 
     async def _verify_partition(
         self, ps: Any, part: int, pushes: list[Push], v: dict[str, Any]
@@ -761,6 +851,8 @@ class Nemesis:
             "heartbeat_interval_s": self.args.heartbeat_interval,
             "liveness": self.args.liveness,
             "big_mb": self.args.big_mb,
+            "dense": self.args.dense,
+            "dense_acknowledged": sum(p.acked is not None for p in pushes if p.partition == DENSE),
             "faults_by_kind": dict(counts),
             "skipped": dict(self.run.skipped),
             "faults": [vars(f) for f in self.run.faults],
@@ -817,6 +909,7 @@ def print_table(r: dict[str, Any]) -> None:
         ("write latency max (s)", r["write_latency_max_s"]),
         ("pushes sent", r["pushes_sent"]),
         ("acknowledged writes", r["acknowledged"]),
+        ("  of them dense (2 MiB, shared memory)", r["dense_acknowledged"]),
         ("lost (acknowledged, missing)", r["lost"] if r["checked"] else "unchecked"),
         ("doubled (applied twice)", r["doubled"] if r["checked"] else "unchecked"),
         ("applied, unacknowledged (allowed)", r["applied_unacknowledged"]),
@@ -854,6 +947,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--checkpoint-interval", type=float, default=3.0)
     ap.add_argument("--clients", type=int, default=3, help="writer processes")
+    ap.add_argument(
+        "--dense",
+        action="store_true",
+        help="each writer also pushes a 2 MiB dense tensor (through shared memory)",
+    )
     ap.add_argument("--client-timeout", type=float, default=10.0, help="per-request timeout")
     ap.add_argument("--heartbeat-interval", type=float, default=0.2)
     ap.add_argument("--liveness", type=int, default=5)

@@ -1,4 +1,5 @@
-"""bench/nemesis.py end to end: a short run of shard kills passes its own exact-sum check."""
+"""bench/nemesis.py end to end: a short run of shard kills passes its own exact-sum check,
+dense pushes through shared memory (client to primary, primary to replica) included."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def test_a_short_kill_run_loses_nothing_acknowledged(tmp_path: Path) -> None:
             "kill",
             "--liveness",
             "10",
+            "--dense",
             "--json",
             str(out),
         ],
@@ -46,3 +48,4 @@ def test_a_short_kill_run_loses_nothing_acknowledged(tmp_path: Path) -> None:
     assert r["lost"] == 0 and r["doubled"] == 0
     assert r["faults_by_kind"]["kill"] >= 1
     assert r["acknowledged"] > 0
+    assert r["dense_acknowledged"] > 0

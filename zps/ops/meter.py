@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 
-__all__ = ["LATENCY_BUCKETS", "ClientMeter"]
+__all__ = ["LATENCY_BUCKETS", "ClientMeter", "LatencyHistogram"]
 
 #: Request latency buckets (upper bounds, seconds): from tens of microseconds to seconds.
 LATENCY_BUCKETS = (
@@ -41,15 +41,40 @@ LATENCY_BUCKETS = (
 )
 
 
+class LatencyHistogram:
+    """Latencies in fixed buckets, updated by one thread (a bisection and two additions:
+    no lock and no Prometheus object on the hot path), read from any (see the module
+    notes)."""
+
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = buckets
+        #: Observations in each bucket (not cumulative); the last is +Inf.
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+    def cumulative(self) -> tuple[list[tuple[str, float]], float]:
+        """Cumulative buckets as ``[(le, count), ..., ("+Inf", total)]`` and the sum."""
+        counts = list(self.counts)
+        total = self.sum
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, n in zip((*map(repr, self.bounds), "+Inf"), counts, strict=True):
+            running += n
+            out.append((bound, float(running)))
+        return out, total
+
+
 class ClientMeter:
     """Counters of one client: request messages, their latency, operations by kind,
     bytes in flight, broker calls in progress, and the training step's clock."""
 
     def __init__(self, now: float, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
-        self.bounds = buckets
-        #: Requests whose latency fell in each bucket (not cumulative); the last is +Inf.
-        self.latency_counts = [0] * (len(buckets) + 1)
-        self.latency_sum = 0.0
+        #: Time from sending each request message to its outcome.
+        self.request_latency = LatencyHistogram(buckets)
         #: Operations sent, by operation (``push_rows``, ``pull_dense``, ...).
         self.operations: dict[str, int] = {}
         #: Array bytes of the operations sent (requests and their expected replies: the
@@ -80,8 +105,7 @@ class ClientMeter:
 
     def request_done(self, nbytes: int, seconds: float, now: float) -> None:
         """The outcome of a request sent ``seconds`` ago (answered or failed)."""
-        self.latency_counts[bisect.bisect_left(self.bounds, seconds)] += 1
-        self.latency_sum += seconds
+        self.request_latency.observe(seconds)
         self.inflight -= 1
         self.inflight_bytes -= nbytes
         self.last_progress = now
@@ -114,12 +138,5 @@ class ClientMeter:
         return self.last_progress, self.inflight > 0 or self.calls > 0
 
     def latency(self) -> tuple[list[tuple[str, float]], float]:
-        """Cumulative buckets as ``[(le, count), ..., ("+Inf", total)]`` and the sum."""
-        counts = list(self.latency_counts)
-        total = self.latency_sum
-        out: list[tuple[str, float]] = []
-        running = 0
-        for bound, n in zip((*map(repr, self.bounds), "+Inf"), counts, strict=True):
-            running += n
-            out.append((bound, float(running)))
-        return out, total
+        """The request latencies: cumulative buckets and the sum."""
+        return self.request_latency.cumulative()

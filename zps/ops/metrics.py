@@ -38,7 +38,6 @@ from typing import Any
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
-    Histogram,
     ProcessCollector,
     generate_latest,
 )
@@ -52,7 +51,7 @@ from prometheus_client.registry import Collector
 
 from zps.errors import ZpsError
 from zps.ops.config import Metrics
-from zps.ops.meter import LATENCY_BUCKETS, ClientMeter
+from zps.ops.meter import LATENCY_BUCKETS, ClientMeter, LatencyHistogram
 from zps.protocol.codec import PROTOCOL_VERSION
 from zps.version import __version__
 
@@ -61,12 +60,14 @@ __all__ = [
     "LOOP_MAX_AGE_S",
     "CounterMetricFamily",
     "GaugeMetricFamily",
+    "LatencyHistogram",
     "Metric",
     "MetricsServer",
     "client_families",
     "counter",
     "gauge",
     "labelled",
+    "request_seconds",
 ]
 
 log = logging.getLogger("zps.metrics")
@@ -116,6 +117,17 @@ def _build_info() -> Iterable[Metric]:
         1,
         {"version": __version__, "protocol": str(PROTOCOL_VERSION)},
     )
+
+
+def request_seconds(by_kind: dict[str, LatencyHistogram]) -> Metric:
+    """``zps_request_seconds{kind}``: a shard's time to handle one request message."""
+    family = HistogramMetricFamily(
+        "zps_request_seconds", "Time to handle one request message", labels=["kind"]
+    )
+    for kind, hist in by_kind.items():
+        buckets, total = hist.cumulative()
+        family.add_metric([kind], buckets, total)
+    return family
 
 
 def client_families(
@@ -263,24 +275,10 @@ class MetricsServer:
         self.registry.register(_Callback(collect))
         self.registry.register(_Callback(_build_info))
         ProcessCollector(registry=self.registry)
-        self._request_seconds: Histogram | None = None
         self.readiness = ready
         self.loop_stamp: float | None = None
         self._server: _HttpServer | None = None
         self._thread: threading.Thread | None = None
-
-    def request_seconds(self) -> Histogram:
-        """The request latency histogram (by ``kind``), registered on first use, so a
-        process that handles no requests (the broker) exports none."""
-        if self._request_seconds is None:
-            self._request_seconds = Histogram(
-                "zps_request_seconds",
-                "Time to handle one request message",
-                ["kind"],
-                buckets=LATENCY_BUCKETS,
-                registry=self.registry,
-            )
-        return self._request_seconds
 
     @property
     def port(self) -> int | None:

@@ -56,11 +56,13 @@ from zps.ops.datadir import lock_data_dir
 from zps.ops.metrics import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    LatencyHistogram,
     Metric,
     MetricsServer,
     counter,
     gauge,
     labelled,
+    request_seconds,
 )
 from zps.ops.security import load_curve_keys, load_key_roles, warn_if_exposed
 from zps.ops.systemd import Notifier
@@ -164,8 +166,8 @@ class ShardServer:
         self.config = config
         self.notifier = notifier or Notifier()
         self.metrics = MetricsServer(config.metrics, self._collect, ready=self._ready)
-        latency = self.metrics.request_seconds()
-        self._latency = {k: latency.labels(kind=k) for k in ("read", "write")}
+        #: Time to handle a request, by kind (read, write): zps_request_seconds.
+        self._latency = {k: LatencyHistogram() for k in ("read", "write")}
         self.checkpoints_written = 0
         self.checkpoint_failures = 0
         self._checkpoint_seconds: float | None = None  # the last write took
@@ -493,6 +495,7 @@ class ShardServer:
     def _collect(self) -> Iterable[Metric]:
         s, core = self.core.stats, self.core
         yield counter("zps_shard_requests", "Request messages handled", s.requests)
+        yield request_seconds(self._latency)
         yield labelled(
             CounterMetricFamily,
             "zps_shard_ops",
