@@ -171,43 +171,53 @@ class ReplicationStream:
         route = Route(MsgType.REPLICATE, self.core.partition or 0, self.core.epoch, 0)
         head = msgpack.packb(Replicate(prev, self.core.lsn).to_wire())
         message = [route.pack(), head, *frames[1:]]
-        shared = self._share(message)
+        shared, readers = self._share(message)
         for node in list(self.session.followers):
-            out = shared if shared is not None and node in self.shm_followers else message
+            out = shared if node in readers else message
             posted = self.out.post([node.encode(), *out], self._limit(node))
             if posted is transport.Posted.DROPPED:
                 self.drop(node, f"more than {self.queue_bytes} bytes of stream unread")
             elif posted is transport.Posted.UNROUTABLE:
                 self.drop(node, "its connection is gone")
 
-    def _share(self, message: list[Any]) -> list[Any] | None:
-        """``message`` with its large payload frames in this process's arena, for the
-        followers on this host; None when none follows this way, no frame is large
-        enough, or the stream's share of the arena is spent (then all go inline)."""
+    def _share(self, message: list[Any]) -> tuple[list[Any], set[str]]:
+        """``message`` with its large payload frames in this process's arena, and the
+        followers to send it that way (the region waits for them); no followers when
+        none reads this way, no frame is large enough, or the stream's share of the
+        arena is spent (then all go inline)."""
         sm = self.shm
         if sm is None or not self.shm_followers or not sm.wants(message):
-            return None
+            return message, set()
         # In-sync followers only: one still loading a snapshot may take longer than
         # the stall timeout to read its stream, so its frames wait inline, bounded
         # as before (the Outbound's allowance).
         readers = self.shm_followers & self.session.local_in_sync
         size = transport.message_bytes(message[2:])  # at most this goes to the arena
         if not readers or self.shared_bytes + size > self.shared_limit:
-            return None
+            return message, set()
         out, descs = sm.outbound(message)
         if not descs:
-            return None
+            return message, set()
         nbytes = sum(d[5] for d in descs)
         entry = _SharedFrames(self.core.lsn, shm.tokens(descs), nbytes, readers, time.monotonic())
         self._shared.append(entry)
         self.shared_bytes += nbytes
         self.shared_messages += 1
-        return out
+        return out, readers
 
     def expire_shared(self, now: float) -> None:
         """Drop the followers that have not acknowledged a message whose frames have
         waited in shared memory for the stall timeout: zmq takes descriptors without
-        filling, so this is what the Outbound's stall timeout is for inline frames."""
+        filling, so this is what the Outbound's stall timeout is for inline frames.
+        Readers that are no longer followers (this shard stepped down, or the session
+        let them go) are forgotten at once."""
+        if not self._shared:
+            return
+        readers: set[str] = set()
+        for entry in self._shared:
+            readers |= entry.readers
+        for node in readers - self.session.followers.keys():
+            self._forget_reader(node)
         while self._shared and now - self._shared[0].born > self.out.stall_timeout:
             entry = self._shared[0]
             for node in sorted(entry.readers):
