@@ -2,7 +2,7 @@
 """CPU per dense step of every process, with the shared-memory path on and off.
 
     python bench/dense_cpu.py [--seconds 5] [--pairs 2] [--workers 2] [--pipelined]
-                              [--replication 1] [--ray]
+                              [--replication 1] [--ray] [--sparse]
 
 Starts a local cluster (2 partitions, ``--replication`` copies) and ``--workers``
 worker processes, each pulling and pushing one 16 MiB float32 tensor (plain SGD) in a
@@ -14,6 +14,10 @@ shards and the workers spent meanwhile.  Each pair runs the path on, then off
 ``--ray`` adds, to each pair, Ray's actor PS doing the same steps (the dense step of
 ``bench/peers.py``: a PS actor and ``--workers`` worker actors), with the CPU of every
 process of the Ray session (its raylet, GCS, actors), in a child process.
+
+``--sparse``: the sparse step of ``bench/peers.py`` instead (a 1,000,000 x 32 float32
+table, SGD; pull 4,096 unique Zipf ids from a pool of 64 precomputed batches, push
+their gradients), each pair one run (its frames are below the shared-memory size).
 """
 
 from __future__ import annotations
@@ -63,6 +67,58 @@ async def main(address, seconds, pipelined, seed):
 
 asyncio.run(main(sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])))
 """.replace("ELEMS", str(ELEMS))
+
+ROWS, DIM, BATCH = 1_000_000, 32, 4096
+
+SPARSE_WORKER = (
+    """
+import asyncio, sys, time
+import numpy as np
+import zps
+from zps.ops import malloc
+
+malloc.tune()
+
+def zipf_ids(rng, n=BATCH):
+    # As bench/zps_bench.py: Zipf(a=1.2) draws mod ROWS, first occurrences, n unique.
+    draws = np.empty(0, dtype=np.int64)
+    while True:
+        draws = np.concatenate([draws, rng.zipf(1.2, 4 * n).astype(np.int64) % ROWS])
+        uniq, first = np.unique(draws, return_index=True)
+        if uniq.size >= n:
+            return uniq[np.argsort(first)][:n].copy()
+
+async def main(address, seconds, pipelined, seed):
+    rng = np.random.default_rng(seed)
+    async with zps.connect(address) as ps:
+        await ps.create_embedding(
+            "s", dim=DIM, init=zps.init.Uniform(-0.01, 0.01), optimizer=zps.optim.SGD(lr=0.05)
+        )
+        pool = [zipf_ids(rng) for _ in range(64)]
+        grads = rng.standard_normal((BATCH, DIM), dtype=np.float32) * np.float32(1e-2)
+        it = iter(range(1 << 62))
+
+        async def step():
+            ids = pool[next(it) % len(pool)]
+            await ps.pull_rows("s", ids)
+            await ps.push_rows("s", ids, grads, wait=not pipelined)
+
+        for _ in range(len(pool)):
+            await step()
+        print("READY", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        n, end, cpu = 0, time.monotonic() + seconds, time.process_time()
+        while time.monotonic() < end:
+            await step()
+            n += 1
+        await ps.flush()
+        print("STEPS", n, time.process_time() - cpu, flush=True)
+
+asyncio.run(main(sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])))
+""".replace("ROWS", str(ROWS))
+    .replace("DIM", str(DIM))
+    .replace("BATCH", str(BATCH))
+)
 
 
 RAY = """
@@ -189,7 +245,7 @@ def run(shm: bool, args: argparse.Namespace) -> dict[str, float]:
                     [
                         sys.executable,
                         "-c",
-                        WORKER,
+                        SPARSE_WORKER if args.sparse else WORKER,
                         c.address,
                         str(args.seconds),
                         "1" if args.pipelined else "0",
@@ -249,11 +305,15 @@ def main() -> None:
     ap.add_argument("--replication", type=int, default=1)
     ap.add_argument("--pipelined", action="store_true")
     ap.add_argument("--ray", action="store_true", help="also Ray's actor PS, in each pair")
+    ap.add_argument("--sparse", action="store_true", help="the sparse step instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     results = []
+    if args.sparse and args.ray:
+        ap.error("--ray runs the dense step only")
+    kinds = ("on",) if args.sparse else ("on", "off", "ray") if args.ray else ("on", "off")
     for i in range(args.pairs):
-        for what in ("on", "off", "ray") if args.ray else ("on", "off"):
+        for what in kinds:
             load = os.getloadavg()[0]
             r = run_ray(args) if what == "ray" else run(what == "on", args)
             r["load"] = load
@@ -262,11 +322,15 @@ def main() -> None:
                 f"{k} {v:.2f}" for k, v in r.items() if k not in ("steps", "seconds", "load")
             )
             label = {"on": "zps shm on ", "off": "zps shm off", "ray": "Ray        "}[what]
+            rate = r["steps"] / r["seconds"]
+            moved = (
+                f"{BATCH * rate / 1e6:.2f}M rows/s"
+                if args.sparse
+                else f"{2 * ELEMS * 4 * rate / 1e9:.2f} GB/s"
+            )
             print(
-                f"pair {i} {label}  load {load:.1f}  "
-                f"{r['steps'] / r['seconds']:.1f} steps/s  "
-                f"({2 * ELEMS * 4 * r['steps'] / r['seconds'] / 1e9:.2f} GB/s)  "
-                f"CPU ms per step: {per}",
+                f"{'run' if args.sparse else 'pair'} {i} {'zps' if args.sparse else label}  "
+                f"load {load:.1f}  {rate:.1f} steps/s  ({moved})  CPU ms per step: {per}",
                 flush=True,
             )
     if args.json:
