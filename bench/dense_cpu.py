@@ -36,7 +36,8 @@ if str(ROOT) not in sys.path:
 
 ELEMS = 4 << 20  # 16 MiB of float32
 
-WORKER = """
+#: A worker process: ``prepare`` (one of the two below) makes the table and the step.
+HARNESS = """
 import asyncio, sys, time
 import numpy as np
 import zps
@@ -44,17 +45,12 @@ from zps.ops import malloc
 
 malloc.tune()
 
+PREPARE
+
 async def main(address, seconds, pipelined, seed):
     async with zps.connect(address) as ps:
-        await ps.create_dense("d", shape=(ELEMS,), optimizer=zps.optim.SGD(lr=0.01))
-        grad = np.random.default_rng(seed).standard_normal(ELEMS, dtype=np.float32) * 1e-3
-        values = np.empty(ELEMS, dtype=np.float32)
-
-        async def step():
-            await ps.pull_dense("d", out=values)
-            await ps.push_dense("d", grad, wait=not pipelined)
-
-        for _ in range(3):
+        step, warmup = await prepare(ps, np.random.default_rng(seed), pipelined)
+        for _ in range(warmup):
             await step()
         print("READY", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
@@ -66,19 +62,25 @@ async def main(address, seconds, pipelined, seed):
         print("STEPS", n, time.process_time() - cpu, flush=True)
 
 asyncio.run(main(sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])))
+"""
+
+DENSE = """
+async def prepare(ps, rng, pipelined):
+    await ps.create_dense("d", shape=(ELEMS,), optimizer=zps.optim.SGD(lr=0.01))
+    grad = rng.standard_normal(ELEMS, dtype=np.float32) * 1e-3
+    values = np.empty(ELEMS, dtype=np.float32)
+
+    async def step():
+        await ps.pull_dense("d", out=values)
+        await ps.push_dense("d", grad, wait=not pipelined)
+
+    return step, 3
 """.replace("ELEMS", str(ELEMS))
 
 ROWS, DIM, BATCH = 1_000_000, 32, 4096
 
-SPARSE_WORKER = (
+SPARSE = (
     """
-import asyncio, sys, time
-import numpy as np
-import zps
-from zps.ops import malloc
-
-malloc.tune()
-
 def zipf_ids(rng, n=BATCH):
     # As bench/zps_bench.py: Zipf(a=1.2) draws mod ROWS, first occurrences, n unique.
     draws = np.empty(0, dtype=np.int64)
@@ -88,33 +90,20 @@ def zipf_ids(rng, n=BATCH):
         if uniq.size >= n:
             return uniq[np.argsort(first)][:n].copy()
 
-async def main(address, seconds, pipelined, seed):
-    rng = np.random.default_rng(seed)
-    async with zps.connect(address) as ps:
-        await ps.create_embedding(
-            "s", dim=DIM, init=zps.init.Uniform(-0.01, 0.01), optimizer=zps.optim.SGD(lr=0.05)
-        )
-        pool = [zipf_ids(rng) for _ in range(64)]
-        grads = rng.standard_normal((BATCH, DIM), dtype=np.float32) * np.float32(1e-2)
-        it = iter(range(1 << 62))
+async def prepare(ps, rng, pipelined):
+    await ps.create_embedding(
+        "s", dim=DIM, init=zps.init.Uniform(-0.01, 0.01), optimizer=zps.optim.SGD(lr=0.05)
+    )
+    pool = [zipf_ids(rng) for _ in range(64)]
+    grads = rng.standard_normal((BATCH, DIM), dtype=np.float32) * np.float32(1e-2)
+    it = iter(range(1 << 62))
 
-        async def step():
-            ids = pool[next(it) % len(pool)]
-            await ps.pull_rows("s", ids)
-            await ps.push_rows("s", ids, grads, wait=not pipelined)
+    async def step():
+        ids = pool[next(it) % len(pool)]
+        await ps.pull_rows("s", ids)
+        await ps.push_rows("s", ids, grads, wait=not pipelined)
 
-        for _ in range(len(pool)):
-            await step()
-        print("READY", flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-        n, end, cpu = 0, time.monotonic() + seconds, time.process_time()
-        while time.monotonic() < end:
-            await step()
-            n += 1
-        await ps.flush()
-        print("STEPS", n, time.process_time() - cpu, flush=True)
-
-asyncio.run(main(sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])))
+    return step, len(pool)
 """.replace("ROWS", str(ROWS))
     .replace("DIM", str(DIM))
     .replace("BATCH", str(BATCH))
@@ -245,7 +234,7 @@ def run(shm: bool, args: argparse.Namespace) -> dict[str, float]:
                     [
                         sys.executable,
                         "-c",
-                        SPARSE_WORKER if args.sparse else WORKER,
+                        HARNESS.replace("PREPARE", SPARSE if args.sparse else DENSE),
                         c.address,
                         str(args.seconds),
                         "1" if args.pipelined else "0",

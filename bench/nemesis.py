@@ -50,6 +50,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -674,26 +675,29 @@ class Nemesis:
             async with zps.connect(self.cluster.address, timeout=30, connect_timeout=10) as ps:
                 cmap = ps.cluster_map
                 unreadable = []
-                for c in range(self.args.clients if self.args.dense else 0):
-                    mine = [p for p in pushes if p.partition == DENSE and p.client == c]
+                checks = [
+                    (
+                        f"writer {c}'s dense tensor",
+                        functools.partial(self._verify_dense, ps, c),
+                        [p for p in pushes if p.partition == DENSE and p.client == c],
+                    )
+                    for c in range(self.args.clients if self.args.dense else 0)
+                ] + [
+                    (
+                        f"partition {part}",
+                        functools.partial(self._verify_partition, ps, part),
+                        [p for p in pushes if p.partition == part],
+                    )
+                    for part in range(cmap.n_partitions)
+                ]
+                for what, check, mine in checks:
                     try:
-                        await self._verify_dense(ps, c, mine, v)
+                        await check(mine, v)
                     except Exception as e:
-                        unreadable.append(DENSE)
+                        unreadable.append(what)
                         acked = sum(p.acked is not None for p in mine)
                         v["problems"].append(
-                            f"writer {c}'s dense tensor could not be read ({e!r}): "
-                            f"{acked} acknowledged writes unchecked"
-                        )
-                for part in range(cmap.n_partitions):
-                    mine = [p for p in pushes if p.partition == part]
-                    try:
-                        await self._verify_partition(ps, part, mine, v)
-                    except Exception as e:
-                        unreadable.append(part)
-                        acked = sum(p.acked is not None for p in mine)
-                        v["problems"].append(
-                            f"partition {part} could not be read ({e!r}): "
+                            f"{what} could not be read ({e!r}): "
                             f"{acked} acknowledged writes unchecked"
                         )
                 v["checked"] = not unreadable

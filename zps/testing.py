@@ -11,12 +11,14 @@ import asyncio
 import contextlib
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +49,19 @@ def _port_range() -> range:
     below = range(max(1024, lo - 12000), lo)
     above = range(hi + 1, 65536)
     return below if len(below) >= len(above) else above
+
+
+def scrape_metric(port: int, name: str, default: float | None = None) -> float:
+    """The value of the series ``name`` (unlabelled; a counter's ``_total`` may be left
+    off) at the metrics endpoint of 127.0.0.1:``port``; ``default`` when it is absent
+    (None: an AssertionError saying so)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{re.escape(name)}(?:_total)? (\S+)$", text, re.MULTILINE)
+    if m is None:
+        assert default is not None, f"no {name} in the metrics at port {port}"
+        return default
+    return float(m.group(1))
 
 
 def free_port() -> int:

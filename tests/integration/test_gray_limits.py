@@ -7,9 +7,7 @@ an error naming the limit; a shard whose broker link is full refuses requests
 from __future__ import annotations
 
 import asyncio
-import re
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ from zps.protocol.codec import (
 )
 from zps.protocol.messages import Assign, LeaseEcho, Role
 from zps.protocol.specs import EmbeddingSpec
-from zps.testing import LocalCluster, free_port
+from zps.testing import LocalCluster, free_port, scrape_metric
 
 DIM = 32
 #: float32 rows of DIM: 128 bytes a row.
@@ -183,13 +181,6 @@ async def test_a_reply_over_the_limit_is_refused_and_the_shard_stays(one: LocalC
 # -- the shard's link to the broker ---------------------------------------------------
 
 
-def _metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
-
-
 class FakeBroker:
     """A ROUTER that registers one shard as primary of partition 0, renews its lease
     while asked to, and otherwise reads only when told (a broker that stops reading)."""
@@ -278,22 +269,22 @@ def test_a_shard_whose_broker_stops_reading_refuses_requests_within_its_bound(
         echoes = broker.echoes
         broker.serve_until(lambda: broker.echoes > echoes, 5)
         n, ids = 3000, np.arange(128, dtype=np.int64)  # 16 KiB a reply: 47 MiB in all
-        taken = _metric(mport, "zps_shard_requests_total")
+        taken = scrape_metric(mport, "zps_shard_requests_total", 0.0)
         for req_id in range(2, n + 2):
             broker.request(req_id, [{"op": "pull_rows", "t": "flood", "ids": ids}])
         deadline = time.monotonic() + 30
         while (
-            _metric(mport, "zps_shard_requests_total")
-            + _metric(mport, "zps_shard_overloaded_total")
+            scrape_metric(mport, "zps_shard_requests_total", 0.0)
+            + scrape_metric(mport, "zps_shard_overloaded_total", 0.0)
             < taken + n
         ):
             assert proc.alive() and time.monotonic() < deadline, (
                 "the shard stopped taking requests",
-                _metric(mport, "zps_shard_requests_total") - taken,
-                _metric(mport, "zps_shard_overloaded_total"),
+                scrape_metric(mport, "zps_shard_requests_total", 0.0) - taken,
+                scrape_metric(mport, "zps_shard_overloaded_total", 0.0),
             )
             time.sleep(0.05)
-        overloaded = _metric(mport, "zps_shard_overloaded_total")
+        overloaded = scrape_metric(mport, "zps_shard_overloaded_total", 0.0)
         broker.serve_until(lambda: all(i in broker.replies for i in range(2, n + 2)), 30)
         # Whatever arrives next (heartbeats) is not a reply: nothing was answered twice.
         assert all(len(broker.replies[i]) == 1 for i in range(2, n + 2))

@@ -10,9 +10,7 @@ the shard's Prometheus endpoint and from /proc.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ import zmq
 import zps
 from zps.optim import SGD
 from zps.protocol.codec import ROUTE, CompressPolicy, Encoder, MsgType, Route, unpack_route
-from zps.testing import LocalCluster, free_port
+from zps.testing import LocalCluster, free_port, scrape_metric
 
 EMB = "gray-emb"
 DIM = 4
@@ -42,14 +40,6 @@ def rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise AssertionError(f"no VmRSS for pid {pid}")
-
-
-def metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    assert m is not None, f"no metric {name}"
-    return float(m.group(1))
 
 
 class RawClient:
@@ -170,8 +160,8 @@ async def test_dedup_memory_stays_within_its_byte_bound_and_retries_apply_once(
         stats = await asyncio.to_thread(shard_stats, c)
         assert 0 < stats["dedup_bytes"] <= DEDUP_BOUND, stats
         assert stats["duplicates"] == 6 * 3, stats
-        assert 0 < metric(mport, "zps_shard_dedup_bytes") <= DEDUP_BOUND
-        assert metric(mport, "zps_shard_dedup_evicted_total") > 0
+        assert 0 < scrape_metric(mport, "zps_shard_dedup_bytes") <= DEDUP_BOUND
+        assert scrape_metric(mport, "zps_shard_dedup_evicted_total") > 0
         assert grew < RSS_GROWTH_MB, f"the shard grew by {grew:.0f} MB under {N_BIG} big messages"
 
 
@@ -220,7 +210,7 @@ async def test_sync_pushes_for_far_future_steps_are_refused_and_nothing_is_lost(
                 lambda s: 3 << 20 <= s["step_bytes"] <= buffer_bound,
                 "the step buffer to hold the accepted push",
             )
-            assert 3 << 20 <= metric(mport, "zps_shard_step_buffer_bytes") <= buffer_bound
+            assert 3 << 20 <= scrape_metric(mport, "zps_shard_step_buffer_bytes") <= buffer_bound
             # The shard keeps serving: the worker trains on, every push of it counts.
             for _ in range(3):
                 await ps.push_dense("w", np.ones(16))

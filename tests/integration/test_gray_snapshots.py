@@ -11,7 +11,6 @@ import json
 import re
 import signal
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from zps.optim import Adagrad
 from zps.shard.checkpoint import CheckpointStore
 from zps.store.snapshot import Snapshot
 from zps.store.tables import checksum_arrays
-from zps.testing import LocalCluster, Proc, free_port
+from zps.testing import LocalCluster, Proc, free_port, scrape_metric
 
 HB = 0.1
 #: A shard silent for 5 s is declared dead: generous, as building the table makes the
@@ -51,14 +50,6 @@ def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
         yield c
     finally:
         c.stop()
-
-
-def metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    m = re.search(rf"^{name}(?:_total)? ([0-9.e+]+)$", text, re.M)
-    assert m, f"no {name} in the metrics"
-    return float(m.group(1))
 
 
 def rss(pid: int) -> int:
@@ -150,7 +141,7 @@ async def test_checkpoints_of_a_large_partition_never_delay_heartbeats(
     written = r"checkpoint of partition 0 at LSN \d+ written"
     async with zps.connect(c.address, acks=1) as ps:
         await build(ps)
-        assert metric(mport, "zps_shard_bytes") >= 300e6
+        assert scrape_metric(mport, "zps_shard_bytes") >= 300e6
         part = (await ps.status())["partitions"][0]
         epoch, node = part["epoch"], part["primary"]
         first = count(shard, written)
@@ -212,8 +203,8 @@ async def test_a_replica_joining_a_large_partition_gets_one_chunked_snapshot(
                 await in_sync
         in_sync.result()
         growth = peak_rss(primary.pid) - steady
-        assert metric(mport, "zps_shard_snapshots_sent") == 1
-        chunks = metric(mport, "zps_shard_snapshot_chunks_sent")
+        assert scrape_metric(mport, "zps_shard_snapshots_sent") == 1
+        chunks = scrape_metric(mport, "zps_shard_snapshot_chunks_sent")
         assert chunks >= PARTITION_BYTES / (8 << 20)  # bounded chunks, no whole-partition frame
         # One copy of the partition, plus chunks in flight and working room.
         assert growth < PARTITION_BYTES + (128 << 20), f"primary grew by {growth / 1e6:.0f} MB"

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import pytest
 from zps import shm
 from zps.client.client import Client, connect
 from zps.optim import SGD
-from zps.testing import DataDirCluster, LocalCluster, free_port
+from zps.testing import DataDirCluster, LocalCluster, free_port, scrape_metric
 
 pytestmark = pytest.mark.skipif(shm.host_key() is None, reason="no memfd or /proc here")
 
@@ -343,11 +341,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 def _metric(name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    assert m is not None, f"no {name} in the shard's metrics"
-    return float(m.group(1))
+    return scrape_metric(METRICS_PORT, name)
 
 
 async def test_a_client_of_another_host_sends_and_gets_inline_frames(
@@ -464,14 +458,6 @@ async def test_a_pulled_tensor_is_read_from_shared_memory_straight_into_its_plac
 # ---- the replication stream through the primary's shared memory ---------------------
 
 
-def _metric_at(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    assert m is not None, f"no {name} in the metrics at port {port}"
-    return float(m.group(1))
-
-
 @pytest.fixture
 def one_partition(tmp_path: Path) -> Iterator[LocalCluster]:
     """A broker for one partition of two copies; the test starts the shards."""
@@ -512,11 +498,11 @@ async def test_the_replication_stream_goes_through_shared_memory_with_the_same_b
         await inline.create_dense("b", (ELEMS,), optimizer=SGD(lr=LR))
         got = await _steps(fast, "a", grads)  # acks="all": the replica holds each
         want = await _steps(inline, "b", grads)
-    sent = _metric_at(primary_port, "zps_shard_replication_shm_messages_total")
+    sent = scrape_metric(primary_port, "zps_shard_replication_shm_messages_total")
     # Both tables' pushes (inline from the client or not) go to the replica this way.
     assert sent >= 2 * len(grads), sent
-    assert _metric_at(replica_port, "zps_shard_shm_read_frames_total") >= sent
-    assert _metric_at(primary_port, "zps_shard_replication_shm_bytes") == 0
+    assert scrape_metric(replica_port, "zps_shard_shm_read_frames_total") >= sent
+    assert scrape_metric(primary_port, "zps_shard_replication_shm_bytes") == 0
     c.kill(c.shard_pid(0), signal.SIGKILL)
     async with connect(c.address, timeout=20, acks=1, shm_bytes=0) as ps:
         assert (await ps.pull_dense("a")).tobytes() == got[-1].tobytes()
@@ -540,7 +526,7 @@ async def test_a_replica_without_shared_memory_gets_the_stream_inline(
         await ps.create_dense("a", (ELEMS,), optimizer=SGD(lr=LR))
         got = await _steps(ps, "a", grads)
         assert ps._shm is not None and ps._shm.stats()["puts"] > 0
-    assert _metric_at(ports[0], "zps_shard_replication_shm_messages_total") == 0
+    assert scrape_metric(ports[0], "zps_shard_replication_shm_messages_total") == 0
     c.kill(c.shard_pid(0), signal.SIGKILL)
     async with connect(c.address, timeout=20, acks=1) as ps:
         assert (await ps.pull_dense("a")).tobytes() == got[-1].tobytes()
@@ -567,7 +553,7 @@ async def test_a_paused_replica_of_a_shared_memory_stream_resyncs_to_the_same_bi
                 await ps.push_dense("a", grads[1])
             # The primary gives up on it (its stall timeout) and frees its regions.
             _wait_until(
-                lambda: _metric_at(primary_port, "zps_shard_replication_shm_bytes") == 0,
+                lambda: scrape_metric(primary_port, "zps_shard_replication_shm_bytes") == 0,
                 30,
                 "the paused replica's regions to be freed",
             )
@@ -577,7 +563,7 @@ async def test_a_paused_replica_of_a_shared_memory_stream_resyncs_to_the_same_bi
             c.kill(replica.pid, signal.SIGCONT)
         c.wait_healthy(60)  # back in sync
         want = await ps.pull_dense("a")
-    assert _metric_at(primary_port, "zps_shard_replication_shm_messages_total") > 0
+    assert scrape_metric(primary_port, "zps_shard_replication_shm_messages_total") > 0
     c.kill(c.shard_pid(0), signal.SIGKILL)
     async with connect(c.address, timeout=20, acks=1, shm_bytes=0) as ps:
         assert (await ps.pull_dense("a")).tobytes() == want.tobytes()

@@ -8,42 +8,20 @@ loop swallowed its stop kept serving after SIGTERM until it was killed.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import zmq
 
 from zps import transport
 
-
-@pytest.mark.timeout(30)
-async def test_a_cancel_that_lands_with_a_wake_up_ends_the_receive() -> None:
-    ctx = transport.new_context()
-    a = ctx.socket(zmq.PAIR)
-    a.bind("inproc://cancel")
-    b = ctx.socket(zmq.PAIR)
-    b.connect("inproc://cancel")
-    ch = transport.Channel(a)
-    try:
-        for _ in range(50):
-            task = asyncio.create_task(ch.recv_burst(0.5))
-            await asyncio.sleep(0)  # parked in the timed wait
-            await asyncio.sleep(0)
-            ch._readable.set()  # the reader's wake-up ...
-            task.cancel()  # ... and the stop, in one loop iteration
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            ch._readable.clear()
-    finally:
-        a.close(0)
-        b.close(0)
-        ctx.term()
-
-
-# ---- the timed wait: one timer for many waits ----------------------------------------
+Pair = tuple[transport.Channel, "zmq.Socket[Any]"]
 
 
 @pytest.fixture
-async def pair() -> object:
+async def pair() -> AsyncIterator[Pair]:
+    """A channel on one end of an inproc PAIR, and the other end, blocking."""
     ctx = transport.new_context()
     a = ctx.socket(zmq.PAIR)
     a.bind("inproc://timed")
@@ -59,8 +37,25 @@ async def pair() -> object:
 
 
 @pytest.mark.timeout(30)
-async def test_a_timed_receive_returns_nothing_at_its_deadline_not_before(pair: object) -> None:
-    ch, _ = pair  # type: ignore[misc]
+async def test_a_cancel_that_lands_with_a_wake_up_ends_the_receive(pair: Pair) -> None:
+    ch, _ = pair
+    for _ in range(50):
+        task = asyncio.create_task(ch.recv_burst(0.5))
+        await asyncio.sleep(0)  # parked in the timed wait
+        await asyncio.sleep(0)
+        ch._readable.set()  # the reader's wake-up ...
+        task.cancel()  # ... and the stop, in one loop iteration
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        ch._readable.clear()
+
+
+# ---- the timed wait: one timer for many waits ----------------------------------------
+
+
+@pytest.mark.timeout(30)
+async def test_a_timed_receive_returns_nothing_at_its_deadline_not_before(pair: Pair) -> None:
+    ch, _ = pair
     loop = asyncio.get_running_loop()
     for timeout in (0.05, 0.2, 0.02):  # a shorter deadline after a longer one too
         t0 = loop.time()
@@ -69,10 +64,10 @@ async def test_a_timed_receive_returns_nothing_at_its_deadline_not_before(pair: 
 
 
 @pytest.mark.timeout(30)
-async def test_a_wait_after_a_message_keeps_its_own_deadline(pair: object) -> None:
+async def test_a_wait_after_a_message_keeps_its_own_deadline(pair: Pair) -> None:
     """The timer armed for the first wait fires during the second: it is armed again
     for the second's deadline instead of ending it early."""
-    ch, peer = pair  # type: ignore[misc]
+    ch, peer = pair
     loop = asyncio.get_running_loop()
     loop.call_later(0.05, peer.send, b"one")
     assert [bytes(f[0]) for f in await ch.recv_burst(0.1)] == [b"one"]
@@ -82,8 +77,8 @@ async def test_a_wait_after_a_message_keeps_its_own_deadline(pair: object) -> No
 
 
 @pytest.mark.timeout(30)
-async def test_a_wake_up_without_a_message_does_not_lose_the_deadline(pair: object) -> None:
-    ch, _ = pair  # type: ignore[misc]
+async def test_a_wake_up_without_a_message_does_not_lose_the_deadline(pair: Pair) -> None:
+    ch, _ = pair
     loop = asyncio.get_running_loop()
     loop.call_later(0.02, ch._readable.set)  # woken, nothing queued
     t0 = loop.time()
@@ -92,8 +87,8 @@ async def test_a_wake_up_without_a_message_does_not_lose_the_deadline(pair: obje
 
 
 @pytest.mark.timeout(30)
-async def test_messages_in_time_make_no_timer_per_wait(pair: object) -> None:
-    ch, peer = pair  # type: ignore[misc]
+async def test_messages_in_time_make_no_timer_per_wait(pair: Pair) -> None:
+    ch, peer = pair
     loop = asyncio.get_running_loop()
     made = 0
     real = loop.call_at
