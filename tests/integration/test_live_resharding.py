@@ -468,3 +468,6 @@ def test_broker_pair_takeover_mid_move_keeps_exact_sums(tmp_path: Path) -> None:
         assert not problems, "\n".join(problems) + c.logs()
         assert _slots(done) == [2048, 2048]
         assert done["reshard"]["moves_cancelled"] == 1, done["reshard"]
+        # The killed peer holds no copy to wait for: no move's fence waits for it (it
+        # waited 4 x peer_timeout for each record, holding every fence for 4 s).
+        assert done["reshard"]["max_fenced_s"] < 2.0, done["reshard"]

@@ -137,6 +137,10 @@ class Pair:
             return False
         return record_of(self.broker, sent.version).same_content(sent)
 
+    def peer_alive(self, now: float) -> bool:
+        """Whether the peer broker was heard within the peer timeout."""
+        return self.star.peer_alive(now) and self.star.peer_state is not None
+
     def mirrored(self) -> BrokerState | None:
         """What this broker's data dir should hold while it stands by: the peer's record."""
         return None if self.star.active else self.record

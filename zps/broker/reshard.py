@@ -425,9 +425,15 @@ class Resharder:
             await done
         pair = self.b.pair
         if pair is not None and pair.active:
-            # And in the standby's copy (it takes over with it), unless the peer is gone.
+            # And in the standby's copy (it takes over with it), unless the peer is gone:
+            # a dead peer takes nothing over (it stands by when it comes back, and is
+            # sent the state then), and waiting for it would hold every move's fence.
             deadline = time.monotonic() + 4 * self.b.config.peer_timeout
-            while not pair.peer_holds_now() and time.monotonic() < deadline:
+            while (
+                not pair.peer_holds_now()
+                and pair.peer_alive(time.monotonic())
+                and time.monotonic() < deadline
+            ):
                 await asyncio.sleep(0.01)
 
     def _owned(self, p: int) -> list[int]:
