@@ -145,6 +145,19 @@ def test_pushes_and_pulls_go_through_the_routers(cluster: RouterCluster) -> None
         assert report["listed"] and len(report["partitions"]) == 1, report
 
 
+def test_a_shard_linked_to_routers_stops_on_sigterm(cluster: RouterCluster) -> None:
+    """A shard reads each routing broker's link in a task of its own: a graceful stop
+    ends those too (they kept the shard alive until it was killed)."""
+    run_load(cluster)
+    shards = [p for p in cluster.procs if p.name.startswith("shard")]
+    assert len(shards) == 2
+    for shard in shards:
+        shard.popen.terminate()
+    for shard in shards:
+        assert shard.popen.wait(10) == 0, shard.log()[-2000:]
+        assert "stopped" in shard.log()
+
+
 def test_a_router_killed_then_one_paused_under_load(cluster: RouterCluster) -> None:
     # Writers stall at most about client.failover_timeout (0.5 s) plus a retry: 5 s
     # shows a caller stuck on a dead router (its requests would wait out 30 s).

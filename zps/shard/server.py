@@ -367,6 +367,8 @@ class ShardServer:
                 await self._leave()
                 for t in tasks:
                     t.cancel()
+                for _, _, reader in self._routers.values():  # made as routers came
+                    reader.cancel()
         finally:
             if self._out is not None:
                 self._out.close()
