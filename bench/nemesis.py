@@ -147,6 +147,21 @@ async def writer_main(args: argparse.Namespace) -> int:
     def record(*fields: object) -> None:
         out.write(" ".join(str(f) for f in fields) + "\n")
 
+    async def logged(p: int, k: int, lid: int, value: int, push: Any) -> None:
+        """Log push ``k`` to ``p`` before it is sent (``push``, a coroutine) and its
+        outcome after; a closed or broken client is raised (the writer reconnects)."""
+        sent = time.monotonic()
+        record("S", p, k, lid, value, f"{sent:.6f}")
+        try:
+            await push
+        except Exception as e:  # the outcome of this push is unknown
+            record("E", p, k, type(e).__name__, f"{time.monotonic():.6f}")
+            if type(e).__name__ in ("ClosedError", "BrokenError"):
+                raise
+            await asyncio.sleep(0.05)
+            return
+        record("A", p, k, f"{sent:.6f}", f"{time.monotonic():.6f}")
+
     async def run_partition(ps: Any, p: int, state: dict[str, Any]) -> None:
         rows = state["shared"][p]
         ledger: LedgerIds = state["ledger"][p]
@@ -158,17 +173,7 @@ async def writer_main(args: argparse.Namespace) -> int:
             ids = np.concatenate([rows, np.array([lid], dtype=np.int64)])
             grads = np.full((ids.size, DIM), value)
             grads[-1] = (1.0, value, 0.0, 0.0)
-            sent = time.monotonic()
-            record("S", p, k, lid, int(value), f"{sent:.6f}")
-            try:
-                await ps.push_rows(TABLE, ids, grads)
-            except Exception as e:  # the outcome of this push is unknown
-                record("E", p, k, type(e).__name__, f"{time.monotonic():.6f}")
-                if type(e).__name__ in ("ClosedError", "BrokenError"):
-                    raise
-                await asyncio.sleep(0.05)
-                continue
-            record("A", p, k, f"{sent:.6f}", f"{time.monotonic():.6f}")
+            await logged(p, k, lid, int(value), ps.push_rows(TABLE, ids, grads))
 
     async def run_dense(ps: Any, state: dict[str, Any]) -> None:
         """Dense pushes, each marked at its own offset of every block (module notes)."""
@@ -178,17 +183,7 @@ async def writer_main(args: argparse.Namespace) -> int:
             state["k"][DENSE] += 1
             grad = np.ones(DENSE_ELEMS)
             grad[k::DENSE_BLOCK] += DENSE_MARK
-            sent = time.monotonic()
-            record("S", DENSE, k, k, 1, f"{sent:.6f}")
-            try:
-                await ps.push_dense(name, grad)
-            except Exception as e:  # the outcome of this push is unknown
-                record("E", DENSE, k, type(e).__name__, f"{time.monotonic():.6f}")
-                if type(e).__name__ in ("ClosedError", "BrokenError"):
-                    raise
-                await asyncio.sleep(0.05)
-                continue
-            record("A", DENSE, k, f"{sent:.6f}", f"{time.monotonic():.6f}")
+            await logged(DENSE, k, k, 1, ps.push_dense(name, grad))
 
     dog = asyncio.create_task(watchdog())
     state: dict[str, Any] = {"k": collections.Counter()}
