@@ -5,13 +5,15 @@ frames whenever a peer cannot read the other's memory."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -66,6 +68,33 @@ async def _steps(ps: Client, name: str, grads: list[np.ndarray]) -> list[np.ndar
     return seen
 
 
+@contextlib.asynccontextmanager
+async def _side_by_side(
+    address: str, names: tuple[str, str], **options: Any
+) -> AsyncIterator[tuple[Client, Client]]:
+    """A client through shared memory (with ``options``) and one with it off, each with a
+    dense table of its own (``names``: the first's, the second's)."""
+    async with (
+        connect(address, timeout=20, **options) as fast,
+        connect(address, timeout=20, shm_bytes=0) as inline,
+    ):
+        assert fast._shm is not None
+        await fast.create_dense(names[0], (ELEMS,), optimizer=SGD(lr=LR))
+        await inline.create_dense(names[1], (ELEMS,), optimizer=SGD(lr=LR))
+        yield fast, inline
+
+
+async def _alike(
+    fast: Client, inline: Client, names: tuple[str, str], grads: list[np.ndarray]
+) -> list[np.ndarray]:
+    """The same steps on both tables: the values seen after each, the same bits."""
+    got = await _steps(fast, names[0], grads)
+    want = await _steps(inline, names[1], grads)
+    for x, y in zip(got, want, strict=True):
+        assert x.tobytes() == y.tobytes()
+    return got
+
+
 def _grads(n: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(ELEMS, dtype=np.float32) for _ in range(n)]
@@ -82,17 +111,9 @@ async def test_shared_memory_gives_the_bits_of_inline_frames_through_failover(
 ) -> None:
     c = replicated
     grads = _grads(6, 1)
-    async with (
-        connect(c.address, timeout=20) as fast,
-        connect(c.address, timeout=20, shm_bytes=0) as inline,
-    ):
-        assert fast._shm is not None and inline._shm is None
-        await fast.create_dense("a", (ELEMS,), optimizer=SGD(lr=LR))
-        await inline.create_dense("b", (ELEMS,), optimizer=SGD(lr=LR))
-        got = await _steps(fast, "a", grads[:3])
-        want = await _steps(inline, "b", grads[:3])
-        for x, y in zip(got, want, strict=True):
-            assert x.tobytes() == y.tobytes()
+    async with _side_by_side(c.address, ("a", "b")) as (fast, inline):
+        assert inline._shm is None
+        got = await _alike(fast, inline, ("a", "b"), grads[:3])
         stats = fast._shm.stats()
         assert stats["puts"] >= 6 and stats["reads"] >= 6  # both ways, every chunk
         assert stats["refused"] == 0 and not fast._shm_refused
@@ -110,11 +131,8 @@ async def test_shared_memory_gives_the_bits_of_inline_frames_through_failover(
     ):
         out = np.empty(ELEMS, np.float32)
         a, b = await fast.pull_dense("a", out=out), await inline.pull_dense("b")
-        assert a.tobytes() == b.tobytes() == want[-1].tobytes()
-        got = await _steps(fast, "a", grads[3:])
-        want = await _steps(inline, "b", grads[3:])
-        for x, y in zip(got, want, strict=True):
-            assert x.tobytes() == y.tobytes()
+        assert a.tobytes() == b.tobytes() == got[-1].tobytes()
+        got = await _alike(fast, inline, ("a", "b"), grads[3:])
         ref = np.zeros(ELEMS, np.float32)
         for g in grads:
             ref -= np.float32(LR) * g
@@ -178,13 +196,7 @@ async def test_sigkilled_worker_and_shard_mid_transfer_leave_nothing_behind(
         worker.wait(10)
 
     grads = _grads(4, 2)
-    async with (
-        connect(c.address, timeout=20) as fast,
-        connect(c.address, timeout=20, shm_bytes=0) as inline,
-    ):
-        assert fast._shm is not None
-        await fast.create_dense("x", (ELEMS,), optimizer=SGD(lr=LR))
-        await inline.create_dense("y", (ELEMS,), optimizer=SGD(lr=LR))
+    async with _side_by_side(c.address, ("x", "y")) as (fast, inline):
         await _steps(fast, "x", grads[:1])
         await _steps(inline, "y", grads[:1])
 
@@ -217,10 +229,7 @@ async def test_sigkilled_worker_and_shard_mid_transfer_leave_nothing_behind(
         connect(c.address, timeout=20, acks=1) as fast,
         connect(c.address, timeout=20, shm_bytes=0, acks=1) as inline,
     ):
-        got = await _steps(fast, "x", grads[1:])
-        want = await _steps(inline, "y", grads[1:])
-        for x, y in zip(got, want, strict=True):
-            assert x.tobytes() == y.tobytes()
+        await _alike(fast, inline, ("x", "y"), grads[1:])
 
 
 async def test_pushes_through_shared_memory_apply_exactly_once_across_a_failover(
@@ -312,17 +321,8 @@ async def test_a_shard_that_cannot_read_the_memory_gets_inline_frames(
 ) -> None:
     c = shards_without_shm
     grads = _grads(3, 3)
-    async with (
-        connect(c.address, timeout=20) as fast,
-        connect(c.address, timeout=20, shm_bytes=0) as inline,
-    ):
-        assert fast._shm is not None
-        await fast.create_dense("a", (ELEMS,), optimizer=SGD(lr=LR))
-        await inline.create_dense("b", (ELEMS,), optimizer=SGD(lr=LR))
-        got = await _steps(fast, "a", grads)
-        want = await _steps(inline, "b", grads)
-        for x, y in zip(got, want, strict=True):
-            assert x.tobytes() == y.tobytes()
+    async with _side_by_side(c.address, ("a", "b")) as (fast, inline):
+        await _alike(fast, inline, ("a", "b"), grads)
         # Each primary refused once, then got inline frames; no reply came this way.
         assert fast._shm_refused
         assert fast._shm.stats()["reads"] == 0 and fast._shm.stats()["live"] == 0
@@ -348,34 +348,16 @@ async def test_a_client_of_another_host_sends_and_gets_inline_frames(
     cluster: LocalCluster,
 ) -> None:
     grads = _grads(2, 4)
-    async with (
-        connect(cluster.address, timeout=20) as other,
-        connect(cluster.address, timeout=20, shm_bytes=0) as inline,
-    ):
-        assert other._shm is not None
+    async with _side_by_side(cluster.address, ("h1", "h2")) as (other, inline):
         other._shm.host = "another-boot/1"  # what a client elsewhere would say
-        await other.create_dense("h1", (ELEMS,), optimizer=SGD(lr=LR))
-        await inline.create_dense("h2", (ELEMS,), optimizer=SGD(lr=LR))
-        got = await _steps(other, "h1", grads)
-        want = await _steps(inline, "h2", grads)
-        for x, y in zip(got, want, strict=True):
-            assert x.tobytes() == y.tobytes()
+        await _alike(other, inline, ("h1", "h2"), grads)
         assert other._shm_refused and other._shm.stats()["reads"] == 0
 
 
 async def test_a_spent_budget_sends_the_rest_inline(cluster: LocalCluster) -> None:
     grads = _grads(2, 7)
-    async with (
-        connect(cluster.address, timeout=20, shm_bytes=3 << 20) as small,
-        connect(cluster.address, timeout=20, shm_bytes=0) as inline,
-    ):
-        assert small._shm is not None
-        await small.create_dense("s1", (ELEMS,), optimizer=SGD(lr=LR))
-        await inline.create_dense("s2", (ELEMS,), optimizer=SGD(lr=LR))
-        got = await _steps(small, "s1", grads)
-        want = await _steps(inline, "s2", grads)
-        for x, y in zip(got, want, strict=True):
-            assert x.tobytes() == y.tobytes()
+    async with _side_by_side(cluster.address, ("s1", "s2"), shm_bytes=3 << 20) as (small, inline):
+        await _alike(small, inline, ("s1", "s2"), grads)
         stats = small._shm.stats()
         assert stats["puts"] >= 1 and stats["full"] >= 1 and stats["live"] == 0
 
@@ -424,13 +406,7 @@ async def test_a_pulled_tensor_is_read_from_shared_memory_straight_into_its_plac
     """Each chunk of a dense pull that comes through shared memory is copied once, into
     the result (or ``out=``), not into a fresh array and then again."""
     grads = _grads(2, 11)
-    async with (
-        connect(cluster.address, timeout=20) as fast,
-        connect(cluster.address, timeout=20, shm_bytes=0) as inline,
-    ):
-        assert fast._shm is not None
-        await fast.create_dense("d1", (ELEMS,), optimizer=SGD(lr=LR))
-        await inline.create_dense("d2", (ELEMS,), optimizer=SGD(lr=LR))
+    async with _side_by_side(cluster.address, ("d1", "d2")) as (fast, inline):
         for g in grads:
             await fast.push_dense("d1", g)
             await inline.push_dense("d2", g)
@@ -490,14 +466,8 @@ async def test_the_replication_stream_goes_through_shared_memory_with_the_same_b
     c = one_partition
     primary_port, replica_port = _pair(c, ports)
     grads = _grads(4, 21)
-    async with (
-        connect(c.address, timeout=20) as fast,
-        connect(c.address, timeout=20, shm_bytes=0) as inline,
-    ):
-        await fast.create_dense("a", (ELEMS,), optimizer=SGD(lr=LR))
-        await inline.create_dense("b", (ELEMS,), optimizer=SGD(lr=LR))
-        got = await _steps(fast, "a", grads)  # acks="all": the replica holds each
-        want = await _steps(inline, "b", grads)
+    async with _side_by_side(c.address, ("a", "b")) as (fast, inline):
+        got = await _alike(fast, inline, ("a", "b"), grads)  # acks="all": replicas hold each
     sent = scrape_metric(primary_port, "zps_shard_replication_shm_messages_total")
     # Both tables' pushes (inline from the client or not) go to the replica this way.
     assert sent >= 2 * len(grads), sent
@@ -506,8 +476,7 @@ async def test_the_replication_stream_goes_through_shared_memory_with_the_same_b
     c.kill(c.shard_pid(0), signal.SIGKILL)
     async with connect(c.address, timeout=20, acks=1, shm_bytes=0) as ps:
         assert (await ps.pull_dense("a")).tobytes() == got[-1].tobytes()
-        assert (await ps.pull_dense("b")).tobytes() == want[-1].tobytes()
-    assert got[-1].tobytes() == want[-1].tobytes()
+        assert (await ps.pull_dense("b")).tobytes() == got[-1].tobytes()
 
 
 async def test_a_replica_without_shared_memory_gets_the_stream_inline(
