@@ -453,8 +453,11 @@ class Broker:
         await self._send([*prefix, *encode(Route(mtype, req_id=req_id), header)])
 
     async def _reply_error(self, client: bytes, route: Route, code: Status, message: str) -> None:
+        self._refuse(client, route, code, message)
+
+    def _refuse(self, client: bytes, route: Route, code: Status, message: str) -> None:
         reply = Route(MsgType.REPLY, route.partition, route.epoch, route.req_id)
-        await self._send([client, *encode(reply, StatusReply(code, message).to_wire())])
+        self._post([client, *encode(reply, StatusReply(code, message).to_wire())])
 
     async def _apply(self, assignments: list[Assignment]) -> None:
         for a in assignments:
@@ -547,6 +550,7 @@ class Broker:
             self._sock,
             self._on_message,
             self._on_malformed,
+            fast=self._forward,
             on_burst=self._alive,
             idle=self.config.heartbeat.interval,
             on_idle=self._on_idle,
@@ -598,6 +602,39 @@ class Broker:
                     assert_never(verdict)
         finally:
             await self._publish_if_changed(before)
+
+    def _forward(self, frames: transport.Frames) -> bool:
+        """The data path, run in the socket's reader callback (see transport.serve): a
+        client's REQUEST routed to its primary, a shard's reply forwarded to its client,
+        exactly as :meth:`_on_message` would.  False for anything else, or when this
+        broker is not a pair's active one: :meth:`_on_message` handles it."""
+        if len(frames) < 3:
+            return False
+        pair = self.pair
+        if pair is not None and not pair.star.active:
+            return False  # admit() answers, or takes over: not here
+        ident = transport.frame_bytes(frames[0])
+        if ident.startswith(b"s-"):
+            if not len(frames[1]):
+                return False  # a shard's control message
+        elif is_liveness(ident):
+            return False
+        node = ident.decode("utf-8", "replace")
+        if self._roles is not None and not self._authorised(ident, node, frames[1]):
+            return True  # dropped, counted
+        now = time.monotonic()
+        verdict = accept(ident, [transport.frame_buffer(f) for f in frames[1:]], self.state)
+        match verdict:
+            case RouteRequest(route):
+                self.detector.seen(node, now)
+                self._route_now(ident, route, frames, now)
+            case ForwardReply(target):
+                self.detector.seen(node, now)
+                self.stats.replies += 1
+                self._post([target, *frames[2:]])
+            case _:
+                return False  # _on_message takes it from the start (accept again)
+        return True
 
     def _authorised(self, ident: bytes, node: str, frame: Any) -> bool:
         """CURVE roles: a shard identity (``s-...``, or its liveness link's ``h-s-...``)
@@ -729,6 +766,9 @@ class Broker:
     async def _route_request(
         self, ident: bytes, route: Route, frames: list[Any], now: float
     ) -> None:
+        self._route_now(ident, route, frames, now)
+
+    def _route_now(self, ident: bytes, route: Route, frames: list[Any], now: float) -> None:
         p = route.partition
         target = self._routes[p] if 0 <= p < len(self._routes) else None
         if self.state.holding(now) and 0 <= p < len(self._routes):
@@ -737,7 +777,7 @@ class Broker:
             target = None
         if target is None:
             if 0 <= p < len(self._routes) and self.state.holding(now):
-                await self._reply_error(
+                self._refuse(
                     ident,
                     route,
                     Status.NOT_PRIMARY,
@@ -760,14 +800,14 @@ class Broker:
                     else "not yet assigned to a shard"
                 )
                 message = f"partition {p} has no live shard ({why})"
-            await self._reply_error(ident, route, Status.SHARD_UNAVAILABLE, message)
+            self._refuse(ident, route, Status.SHARD_UNAVAILABLE, message)
             return
         posted = self._post([target, ident, *frames[1:]])
         if posted is transport.Posted.DROPPED:
             # The primary's queue is full: the client retries with backoff, the
             # broker carries on with everyone else.
             self.stats.overloaded += 1
-            await self._reply_error(
+            self._refuse(
                 ident,
                 route,
                 Status.OVERLOADED,
@@ -778,7 +818,7 @@ class Broker:
         if posted is transport.Posted.UNROUTABLE:
             # Its connection is gone; the heartbeat detector will promote a
             # replica (or declare the partition lost) and the client retries then.
-            await self._reply_error(
+            self._refuse(
                 ident, route, Status.NOT_PRIMARY, f"the primary of partition {p} is unreachable"
             )
 

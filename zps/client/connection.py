@@ -179,6 +179,7 @@ class Connection:
         self._tasks: list[asyncio.Task[None]] = []
         self._queue: dict[int, list[_Op]] = collections.defaultdict(list)
         self._wake = asyncio.Event()
+        self._resend: list[Send] = []  # re-sends a reply asked for, for the flush loop
         # At the session's next wake-up, ``_timer_at``.  A plain Handle when that time had
         # passed (uvloop's call_at then schedules a call_soon, which has no when()).
         self._timer: asyncio.Handle | None = None
@@ -451,6 +452,9 @@ class Connection:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self._resend:
+                resend, self._resend = self._resend, []
+                await self._apply(list(resend))
             if self._tick_at is not None:
                 # The timer may fire a hair early: the session is told the time it asked for.
                 now = max(self._now(), self._tick_at)
@@ -811,8 +815,42 @@ class Connection:
 
     async def _recv_loop(self, index: int = 0) -> None:
         await transport.serve(
-            self._socks[index], functools.partial(self._on_message, index), self._on_malformed
+            self._socks[index],
+            functools.partial(self._on_message, index),
+            self._on_malformed,
+            fast=functools.partial(self._on_reply, index),
         )
+
+    def _on_reply(self, index: int, frames: transport.Frames) -> bool:
+        """A reply matched and its caller answered at once, in the socket's reader
+        callback (see transport.serve), as :meth:`_on_message` would.  False for
+        anything else, and with a broker pair or routing brokers (whose answers say
+        more than the reply): :meth:`_on_message` handles it."""
+        choice = self._choice
+        if (choice is not None and choice.n > 1) or self._router_socks:
+            return False
+        bufs = [transport.frame_buffer(f) for f in frames]
+        msg = decode(bufs)
+        if msg.route.mtype not in _REPLIES:
+            return False  # a map, a heartbeat: decoded again there (they are few)
+        if shm.KEY in msg.header:
+            msg = self._shm_reply(bufs, msg)
+        self._on_answer(msg)
+        actions = self._session.on_reply(msg, self._now())
+        for action in actions:
+            if isinstance(action, Send):
+                self._resend.append(action)  # the flush loop sends it (it may wait)
+                self._wake.set()
+            else:
+                self._resolve(action)
+        self._schedule()
+        return True
+
+    def _on_answer(self, msg: Message) -> None:
+        if self._shm_reqs and "noshm" in msg.header:
+            self._shm_refusal(msg)
+        if self._routers.inflight:
+            self._routers.answered(msg.route.req_id)
 
     async def _on_message(self, index: int, frames: transport.Frames) -> None:
         bufs = [transport.frame_buffer(f) for f in frames]
@@ -848,10 +886,7 @@ class Connection:
 
     async def _dispatch(self, msg: Message) -> None:
         if msg.route.mtype in _REPLIES:
-            if self._shm_reqs and "noshm" in msg.header:
-                self._shm_refusal(msg)
-            if self._routers.inflight:
-                self._routers.answered(msg.route.req_id)
+            self._on_answer(msg)
             await self._apply(self._session.on_reply(msg, self._now()))
             return
         match _from_broker(msg.route.mtype, msg.header):

@@ -121,7 +121,7 @@ class ReplicationStream:
     async def serve(self) -> None:
         """Handle SUBSCRIBE and ACK until the ROUTER closes."""
         try:
-            await transport.serve(self.channel, self._handle, self._malformed)
+            await transport.serve(self.channel, self._handle, self._malformed, fast=self._take)
         finally:
             self.snapshots.close()
             self.out.close()
@@ -132,6 +132,10 @@ class ReplicationStream:
         log.warning("dropped a bad replication message: %s", e)
 
     async def _handle(self, frames: transport.Frames) -> None:
+        self._take(frames)
+
+    def _take(self, frames: transport.Frames) -> bool:
+        """Every message, handled at once (in the reader callback: see transport.serve)."""
         try:
             node = transport.frame_bytes(frames[0]).decode()
             msg = decode([transport.frame_buffer(f) for f in frames[1:]])
@@ -139,7 +143,7 @@ class ReplicationStream:
                 message = _from_replica(msg.route.mtype, msg.header)
             except ProtocolError:
                 self._unreadable(node, msg.route.mtype, msg.header)
-                return
+                return True
             match message:
                 case Subscribe() as sub:
                     self._subscribe(node, sub, time.monotonic())
@@ -153,6 +157,7 @@ class ReplicationStream:
                     assert_never(unknown)
         except (UnicodeDecodeError, ValueError, TypeError) as e:
             raise ProtocolError(str(e)) from e
+        return True
 
     def _unreadable(self, node: str, mtype: MsgType, h: dict[str, Any]) -> None:
         """A SUBSCRIBE, ACK or SNAPSHOT_ACK whose header its record refuses: not

@@ -339,6 +339,7 @@ class ShardServer:
                             self._sock,
                             self._on_broker_frames,
                             self._malformed,
+                            fast=self._on_broker_request,
                             on_burst=self._broker_seen,
                         )
                     ),
@@ -351,7 +352,11 @@ class ShardServer:
                 for i, (sock, _) in enumerate(self._links[1:], 1):
                     on_frames = functools.partial(self._on_broker_frames, link=i)
                     serve = transport.serve(
-                        sock, on_frames, self._malformed, on_burst=self._broker_seen
+                        sock,
+                        on_frames,
+                        self._malformed,
+                        fast=functools.partial(self._on_broker_request, link=i),
+                        on_burst=self._broker_seen,
                     )
                     tasks.append(tg.create_task(serve))
                 for i, beat in enumerate(self._beats):
@@ -949,7 +954,7 @@ class ShardServer:
         if len(self._via) > 65536:
             self._via.clear()
         self._via[source] = out
-        await self._request(source, route, frames[1:])
+        self._request(source, route, frames[1:])
 
     def _settle(self) -> None:
         self._apply_waiting(self.session.settle())
@@ -980,16 +985,27 @@ class ShardServer:
             log.warning("dropped a bad message (%s): %s", "request" if source else "control", e)
 
     async def _on_broker_frames(self, frames: transport.Frames, link: int = 0) -> None:
+        if self._on_broker_request(frames, link):
+            return
+        try:
+            route = unpack_route(transport.frame_buffer(frames[1]))
+            msg = decode([transport.frame_buffer(f) for f in frames[1:]])
+            if not self._fenced(link, msg.header):
+                await self._on_broker(route, msg.header)
+        except (KeyError, ValueError, TypeError, OverflowError) as e:
+            raise ProtocolError(str(e)) from e
+
+    def _on_broker_request(self, frames: transport.Frames, link: int = 0) -> bool:
+        """A client's request the broker routed here, handled at once; False for the
+        broker's own control messages (the serving task's).  Run in the link's reader
+        callback (see transport.serve)."""
         if len(frames) < 3:
             raise ProtocolError(f"{len(frames)} frames from the broker")
         source = transport.frame_bytes(frames[0])
+        if not source:
+            return False
         try:
             route = unpack_route(transport.frame_buffer(frames[1]))
-            if not source:
-                msg = decode([transport.frame_buffer(f) for f in frames[1:]])
-                if not self._fenced(link, msg.header):
-                    await self._on_broker(route, msg.header)
-                return
         except (KeyError, ValueError, TypeError, OverflowError) as e:
             raise ProtocolError(str(e)) from e
         if link != self._current:
@@ -998,12 +1014,13 @@ class ShardServer:
             refusal = StatusReply(Status.NOT_PRIMARY, "routed by a broker that was replaced")
             reply_route = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
             transport.try_send(sock, [source, *encode(reply_route, refusal.to_wire())])
-            return
+            return True
         if self._via:
             self._via.pop(source, None)  # answered through the broker again
-        await self._request(source, route, frames[1:])
+        self._request(source, route, frames[1:])
+        return True
 
-    async def _request(self, source: bytes, route: Route, frames: list[Any]) -> None:
+    def _request(self, source: bytes, route: Route, frames: list[Any]) -> None:
         assert self._sock is not None and self._stream is not None
         bufs = [transport.frame_buffer(f) for f in frames]
         reply_route = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
