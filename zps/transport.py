@@ -825,6 +825,16 @@ async def send(ch: Channel, frames: Sequence[Any]) -> bool:
     return await ch.send(frames)
 
 
+def send_if_room(ch: Channel, frames: Sequence[Any]) -> bool:
+    """Send at once if the peer's queue has room; False (nothing sent) if it is full.
+    Raises ClosedError or BrokenError as :func:`send` does."""
+    try:
+        ch.send_nowait(frames)
+    except zmq.Again:
+        return False
+    return True
+
+
 def try_send(ch: Channel, frames: Sequence[Any]) -> bool:
     """Send only if it can go at once; False if the peer's queue is full, the peer
     is unknown, or the socket is closed."""

@@ -79,3 +79,45 @@ async def test_unanswered_request_times_out_with_a_clear_error(fresh_cluster: Lo
             c.kill(broker.pid, signal.SIGCONT)
         # the broker is back: the same client works again
         assert (await ps.pull_dense("d")).shape == (10,)
+
+
+async def test_sends_a_full_queue_held_back_all_arrive_in_order(
+    fresh_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broker that stops reading fills the client's queue to it: the client holds
+    the sends back (its flush task waits for room) and, once the broker reads again,
+    every one arrives; none is lost or applied twice."""
+    c = fresh_cluster
+    broker = next(p for p in c.procs if p.name == "broker")
+    dealer = zps.transport.dealer
+    # A queue of 4 messages (the default is 1000): full after the kernel's buffers.
+    monkeypatch.setattr(zps.transport, "dealer", lambda *a, **k: dealer(*a, **{**k, "hwm": 4}))
+    dim = 16_384  # 64 KiB a row: a message per push, the buffers fill in a few hundred
+    rng = np.random.default_rng(7)
+    async with zps.connect(c.address, timeout=60.0, shm_bytes=0, compress=False) as ps:
+        await ps.create_embedding("held", dim=dim, optimizer=SGD(lr=1.0))
+        ids = np.arange(4, dtype=np.int64)
+        before = await ps.pull_rows("held", ids)
+        total = np.zeros((4, dim), np.float32)
+        pushes = []
+        c.kill(broker.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 20
+            while not ps._blocked or len(pushes) < 20:
+                assert time.monotonic() < deadline, "the client's queue never filled"
+                i = len(pushes) % 4
+                g = rng.standard_normal((1, dim)).astype(np.float32)
+                total[i] += g[0]
+                pushes.append(asyncio.ensure_future(ps.push_rows("held", ids[i : i + 1], g)))
+                await asyncio.sleep(0)  # its own loop turn: a message of its own
+            for _ in range(20):  # more behind the held-back ones
+                g = rng.standard_normal((1, dim)).astype(np.float32)
+                total[0] += g[0]
+                pushes.append(asyncio.ensure_future(ps.push_rows("held", ids[:1], g)))
+                await asyncio.sleep(0)
+        finally:
+            c.kill(broker.pid, signal.SIGCONT)
+        await asyncio.wait_for(asyncio.gather(*pushes), 30)
+        assert not ps._blocked
+        after = await ps.pull_rows("held", ids)
+    np.testing.assert_allclose(after, before - total, rtol=1e-4, atol=1e-3)

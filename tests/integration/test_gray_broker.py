@@ -192,7 +192,7 @@ CLIENT = textwrap.dedent(
     from zps import transport
 
     sent = 0
-    _send = transport.send
+    _send, _send_if_room = transport.send, transport.send_if_room
 
     async def counted(ch, frames):
         global sent
@@ -200,7 +200,14 @@ CLIENT = textwrap.dedent(
         sent += 1
         return ok
 
-    transport.send = counted  # the client's requests go out through transport.send
+    def counted_if_room(ch, frames):
+        global sent
+        ok = _send_if_room(ch, frames)
+        sent += ok
+        return ok
+
+    # The client's requests go out through these two (the second when the queue is full).
+    transport.send, transport.send_if_room = counted, counted_if_room
 
     # A host with modest socket buffers (Linux lets a receive buffer grow to 32 MiB,
     # which would hide the replies due in the kernel rather than at the broker).

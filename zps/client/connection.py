@@ -178,8 +178,11 @@ class Connection:
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
         self._queue: dict[int, list[_Op]] = collections.defaultdict(list)
-        self._wake = asyncio.Event()
-        self._resend: list[Send] = []  # re-sends a reply asked for, for the flush loop
+        self._wake = asyncio.Event()  # the flush task has sends held back to carry out
+        self._flush_pending = False  # a flush is scheduled (call_soon) for queued operations
+        # Sends the socket's queue had no room for, with their frames, in order: the flush
+        # task waits for room and sends them; later sends queue behind them.
+        self._blocked: collections.deque[tuple[Send, list[Any]]] = collections.deque()
         # At the session's next wake-up, ``_timer_at``.  A plain Handle when that time had
         # passed (uvloop's call_at then schedules a call_soon, which has no when()).
         self._timer: asyncio.Handle | None = None
@@ -370,7 +373,7 @@ class Connection:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         req_id, actions = self._session.call(mtype, header, fut, self._now(), forever=forever)
         try:
-            await self._apply(actions)
+            self._apply(actions)
             return await fut
         finally:  # answered, failed, or the caller gave up: the session forgets the call
             self._session.abandon(req_id, ClosedError("the call was cancelled"))
@@ -403,8 +406,9 @@ class Connection:
             )
         fut = op.future
         self._queue[partition].append(op)
-        if not self._wake.is_set():
-            self._wake.set()
+        if not self._flush_pending:  # after the caller's turn: what it queues goes together
+            self._flush_pending = True
+            loop.call_soon(self._flush_soon)
         return fut
 
     async def _gather(self, futures: Iterable[Awaitable[T]]) -> list[T]:
@@ -448,32 +452,47 @@ class Connection:
     def _now(self) -> float:
         return (self._loop or asyncio.get_running_loop()).time()
 
+    def _flush_soon(self) -> None:
+        self._flush_pending = False
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send what is due: the session's tick, then each partition's queued operations,
+        coalesced.  Runs in a loop callback, without waiting: a send the socket's queue has
+        no room for is held back, with every later one, for the flush task."""
+        if self._blocked:
+            self._wake.set()  # the flush task sends those first, then flushes
+            return
+        if self._tick_at is not None:
+            # The timer may fire a hair early: the session is told the time it asked for.
+            now = max(self._now(), self._tick_at)
+            self._tick_at = None
+            self._apply(self._session.tick(now))
+        queued, self._queue = self._queue, collections.defaultdict(list)
+        max_bytes = min(self.config.batch_max_bytes, self.config.message_budget)
+        for partition, queued_ops in queued.items():
+            ops = self._merge(queued_ops)
+            if len(ops) == 1:
+                self._send_request(partition, ops)
+                continue
+            sizes = [op.nbytes for op in ops]
+            limit = max_bytes
+            if self._shm is not None and min(sizes) >= self._shm.min_bytes:
+                # Each payload travels through shared memory: the message is small.
+                limit = self.config.message_budget
+            for a, b in plan_batches(sizes, self.config.batch_max_ops, limit):
+                self._send_request(partition, ops[a:b])
+
     async def _flush_loop(self) -> None:
+        """Sends what a full queue held back, in order, as room comes; then flushes."""
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self._resend:
-                resend, self._resend = self._resend, []
-                await self._apply(list(resend))
-            if self._tick_at is not None:
-                # The timer may fire a hair early: the session is told the time it asked for.
-                now = max(self._now(), self._tick_at)
-                self._tick_at = None
-                await self._apply(self._session.tick(now))
-            queued, self._queue = self._queue, collections.defaultdict(list)
-            max_bytes = min(self.config.batch_max_bytes, self.config.message_budget)
-            for partition, queued_ops in queued.items():
-                ops = self._merge(queued_ops)
-                if len(ops) == 1:
-                    await self._send_request(partition, ops)
-                    continue
-                sizes = [op.nbytes for op in ops]
-                limit = max_bytes
-                if self._shm is not None and min(sizes) >= self._shm.min_bytes:
-                    # Each payload travels through shared memory: the message is small.
-                    limit = self.config.message_budget
-                for a, b in plan_batches(sizes, self.config.batch_max_ops, limit):
-                    await self._send_request(partition, ops[a:b])
+            while self._blocked:
+                send, frames = self._blocked[0]
+                await self._send_waiting(send, frames)
+                self._blocked.popleft()
+            self._flush()
 
     def _merge(self, ops: list[_Op]) -> list[_Op]:
         """Row operations on one table become one operation (see batching.merge_row_ops)."""
@@ -509,7 +528,7 @@ class Connection:
             out.append(_Op(m.body, m.arrays, fut, reply))
         return out
 
-    async def _send_request(self, partition: int, ops: list[_Op]) -> None:
+    def _send_request(self, partition: int, ops: list[_Op]) -> None:
         enc = Encoder(self._policy)
         bodies = []
         for op in ops:
@@ -524,18 +543,19 @@ class Connection:
             for a in actions:
                 if isinstance(a, Send) and a.req_id:
                     self._shm_reqs[a.req_id] = _ShmRequest(ops, reply_ok)
-        await self._apply(actions)
+        self._apply(actions)
 
-    async def _apply(self, actions: list[Action[_Token]]) -> None:
+    def _apply(self, actions: list[Action[_Token]]) -> None:
         """Carry out what the session asked for, then set the timer for its next tick."""
         for action in actions:
             if isinstance(action, Send):
-                await self._transmit(action)
+                self._transmit(action)
             else:
                 self._resolve(action)
         self._schedule()
 
-    async def _transmit(self, send: Send) -> None:
+    def _transmit(self, send: Send) -> None:
+        """Send at once, or hold the send back for the flush task (see :meth:`_flush`)."""
         assert self._sock is not None
         frames = send.frames
         if self._shm_reqs and send.req_id in self._shm_reqs:
@@ -551,12 +571,27 @@ class Connection:
             if not transport.try_send(self._sock, frames):
                 self._session.unsent(send.req_id, self._now())
             return
+        if self._blocked:  # behind sends waiting for room: in order
+            self._blocked.append((send, frames))
+            return
+        try:
+            if not transport.send_if_room(self._sock, frames):
+                self._blocked.append((send, frames))  # the flush task waits for room
+                self._wake.set()
+        except (ClosedError, BrokenError) as e:
+            self._abandon(send, e)
+
+    async def _send_waiting(self, send: Send, frames: list[Any]) -> None:
+        assert self._sock is not None
         try:
             await transport.send(self._sock, frames)
         except (ClosedError, BrokenError) as e:
-            err = e if isinstance(e, ClosedError) else ClosedError(str(e))
-            for action in self._session.abandon(send.req_id, err):
-                self._resolve(action)
+            self._abandon(send, e)
+
+    def _abandon(self, send: Send, e: ClosedError | BrokenError) -> None:
+        err = e if isinstance(e, ClosedError) else ClosedError(str(e))
+        for action in self._session.abandon(send.req_id, err):
+            self._resolve(action)
 
     def _shm_frames(self, send: Send) -> list[Any]:
         """A request's frames with its large payloads in shared memory, unless its
@@ -690,7 +725,7 @@ class Connection:
                 op.future.set_exception(e)
 
     def _schedule(self) -> None:
-        """Have the flush loop tick the session at its next wake-up (if sooner than planned)."""
+        """Have the flush tick the session at its next wake-up (if sooner than planned)."""
         at = self._session.next_wakeup()
         if at is None or (self._timer is not None and self._timer_at <= at):
             return
@@ -702,7 +737,7 @@ class Connection:
     def _on_timer(self, at: float) -> None:
         self._timer = None
         self._tick_at = at if self._tick_at is None else min(self._tick_at, at)
-        self._wake.set()
+        self._flush()
 
     async def _hello(self) -> None:
         assert self._sock is not None
@@ -729,7 +764,7 @@ class Connection:
             # Also a tick: deadlines are checked at least this often.
             now = self._now()
             self._tick_at = now if self._tick_at is None else min(self._tick_at, now)
-            self._wake.set()
+            self._flush()
 
     def _follow_routers(self, cmap: ClusterMap) -> None:
         """Connect to the routing brokers the map lists (and drop those it no longer does)."""
@@ -836,14 +871,7 @@ class Connection:
         if shm.KEY in msg.header:
             msg = self._shm_reply(bufs, msg)
         self._on_answer(msg)
-        actions = self._session.on_reply(msg, self._now())
-        for action in actions:
-            if isinstance(action, Send):
-                self._resend.append(action)  # the flush loop sends it (it may wait)
-                self._wake.set()
-            else:
-                self._resolve(action)
-        self._schedule()
+        self._apply(self._session.on_reply(msg, self._now()))
         return True
 
     def _on_answer(self, msg: Message) -> None:
@@ -887,7 +915,7 @@ class Connection:
     async def _dispatch(self, msg: Message) -> None:
         if msg.route.mtype in _REPLIES:
             self._on_answer(msg)
-            await self._apply(self._session.on_reply(msg, self._now()))
+            self._apply(self._session.on_reply(msg, self._now()))
             return
         match _from_broker(msg.route.mtype, msg.header):
             case MapUpdate(m):
@@ -898,7 +926,7 @@ class Connection:
                         "the broker restarted; re-sending %d unanswered requests",
                         len(self._session),
                     )
-                await self._apply(self._session.on_map(new, self._now()))
+                self._apply(self._session.on_map(new, self._now()))
                 if self._session.map is not None:
                     self._map_event.set()
                     self._follow_routers(self._session.map)

@@ -57,7 +57,7 @@ class TrainingCalls(Connection):
 
     # -- what the meter counts -----------------------------------------------
 
-    async def _send_request(self, partition: int, ops: list[_Op]) -> None:
+    def _send_request(self, partition: int, ops: list[_Op]) -> None:
         now = time.monotonic()
         nbytes = 0
         names = []
@@ -67,7 +67,7 @@ class TrainingCalls(Connection):
         self.meter.request_sent(names, nbytes, now)
         # One reply (or failure) settles every operation of a message together.
         ops[0].future.add_done_callback(functools.partial(self._request_done, nbytes, now))
-        await super()._send_request(partition, ops)
+        super()._send_request(partition, ops)
 
     def _request_done(self, nbytes: int, sent: float, _: object) -> None:
         now = time.monotonic()
