@@ -9,31 +9,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
-import zmq
 
-from zps import transport
-
-Pair = tuple[transport.Channel, "zmq.Socket[Any]"]
+from tests.unit.channel_pair import Pair, channel_pair
 
 
 @pytest.fixture
 async def pair() -> AsyncIterator[Pair]:
     """A channel on one end of an inproc PAIR, and the other end, blocking."""
-    ctx = transport.new_context()
-    a = ctx.socket(zmq.PAIR)
-    a.bind("inproc://timed")
-    b = ctx.socket(zmq.PAIR)
-    b.connect("inproc://timed")
-    ch = transport.Channel(a)
-    try:
-        yield ch, b
-    finally:
-        ch.close()
-        b.close(0)
-        ctx.term()
+    async with channel_pair() as p:
+        yield p
 
 
 @pytest.mark.timeout(30)

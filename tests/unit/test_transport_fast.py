@@ -18,27 +18,16 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.unit.channel_pair import Pair, channel_pair
 from zps import transport
 from zps.errors import ProtocolError
-
-Pair = tuple[transport.Channel, "zmq.Socket[Any]"]
 
 
 @pytest.fixture
 async def pair() -> AsyncIterator[Pair]:
     """A channel on one end of an inproc PAIR, and the other end, blocking."""
-    ctx = transport.new_context()
-    a = ctx.socket(zmq.PAIR)
-    a.bind("inproc://fast")
-    b = ctx.socket(zmq.PAIR)
-    b.connect("inproc://fast")
-    ch = transport.Channel(a)
-    try:
-        yield ch, b
-    finally:
-        ch.close()
-        b.close(0)
-        ctx.term()
+    async with channel_pair() as p:
+        yield p
 
 
 class Recorder:
