@@ -826,8 +826,9 @@ async def send(ch: Channel, frames: Sequence[Any]) -> bool:
 
 
 def send_if_room(ch: Channel, frames: Sequence[Any]) -> bool:
-    """Send at once if the peer's queue has room; False (nothing sent) if it is full.
-    Raises ClosedError or BrokenError as :func:`send` does."""
+    """A DEALER's send, at once if its peer's queue has room; False (nothing sent) if it
+    is full.  Raises ClosedError or BrokenError as :func:`send` does.  (A ROUTER's message
+    for an unknown peer is dropped unreported: use :func:`send` or :func:`try_send`.)"""
     try:
         ch.send_nowait(frames)
     except zmq.Again:
