@@ -431,6 +431,46 @@ async def test_a_pulled_tensor_is_read_from_shared_memory_straight_into_its_plac
         assert targets and all(t is not None and np.shares_memory(t, fresh) for t in targets)
 
 
+async def test_a_pull_sharing_its_request_with_a_pipelined_push_lands_in_its_place(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pipelined step: a push that does not wait, then the next pull, in one loop turn.
+    Both go to each partition in one request, and the pull's chunks still come from
+    shared memory straight into their place (the push's result has no arrays)."""
+    grads = _grads(3, 12)
+    async with _side_by_side(cluster.address, ("d1", "d2")) as (fast, inline):
+        await fast.push_dense("d1", grads[0])
+        await inline.push_dense("d2", grads[0])
+        mapper = fast._shm.mapper
+        real_read = mapper.read
+        targets: list[np.ndarray | None] = []
+        sizes: list[int] = []
+        real_send = fast._send_request
+
+        def recording(desc: list[int], into: np.ndarray | None = None) -> np.ndarray:
+            targets.append(into)
+            return real_read(desc, into)
+
+        def sending(partition: int, ops: list[Any]) -> None:
+            sizes.append(len(ops))
+            real_send(partition, ops)
+
+        monkeypatch.setattr(mapper, "read", recording)
+        monkeypatch.setattr(fast, "_send_request", sending)
+        out = np.full(ELEMS, np.nan, np.float32)
+        for g in grads[1:]:
+            await fast.push_dense("d1", g, wait=False)
+            got = await fast.pull_dense("d1", out=out)
+            await inline.push_dense("d2", g)
+            want = await inline.pull_dense("d2")
+            assert got is out and out.tobytes() == want.tobytes()
+        await fast.flush()
+        assert sizes and min(sizes) >= 2, sizes  # each push shared a request with a pull
+        pulled = [t for t in targets if t is not None and np.shares_memory(t, out)]
+        assert len(pulled) >= 4, targets  # both partitions' chunks, in both steps
+        assert all(t is None or np.shares_memory(t, out) for t in targets)
+
+
 # ---- the replication stream through the primary's shared memory ---------------------
 
 

@@ -116,6 +116,24 @@ def _bytes_of(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
+def _places(ops: list[_Op], header: dict[str, Any]) -> dict[int, np.ndarray] | None:
+    """Where a reply's payload frames go, by frame: the i-th array of an operation's
+    result to its i-th place (``_Op.into``).  What the reply names otherwise (or a frame
+    of another length, see :meth:`shm.SharedMemory.inbound`) gets a fresh array."""
+    results = header.get("res")
+    if not isinstance(results, list) or len(results) != len(ops):
+        return None
+    into: dict[int, np.ndarray] = {}
+    for op, res in zip(ops, results, strict=True):
+        descs = res.get("a") if op.into is not None and isinstance(res, dict) else None
+        if not isinstance(descs, list):
+            continue
+        for desc, place in zip(descs, op.into or (), strict=False):
+            if isinstance(desc, list) and desc and type(desc[0]) is int:
+                into.setdefault(desc[0], _bytes_of(place))
+    return into or None
+
+
 class _Background:
     """A background call (``wait=False``): done once each of its operations is; the
     first error among them is kept for the client's next call."""
@@ -637,13 +655,12 @@ class Connection:
             del done[:-256]
         if self._shm is None:
             raise ProtocolError("a reply in shared memory, which this client did not ask for")
-        # A lone operation that names where its arrays go: payload i is its i-th array.
+        # Operations that name where their arrays go (a pulled tensor's pieces), alone
+        # or sharing the request with others (a pipelined push and the next pull).
         # Only while the request is unanswered (the entry goes with its answer), so a
         # late duplicate never writes into an array already handed back.
         req = self._shm_reqs.get(msg.route.req_id)
-        into = None
-        if req is not None and len(req.token) == 1 and req.token[0].into is not None:
-            into = {i: _bytes_of(a) for i, a in enumerate(req.token[0].into)}
+        into = _places(req.token, msg.header) if req is not None else None
         try:
             got = self._shm.inbound(bufs, msg.header, into)
         except shm.ShmUnavailableError as e:
