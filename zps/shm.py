@@ -34,6 +34,7 @@ settings do); so does a host without ``memfd_create`` or ``/proc``.
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import itertools
 import mmap
@@ -42,6 +43,7 @@ import secrets
 import stat
 import struct
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +133,7 @@ class Arena:
             raise
         self.inode = os.fstat(self.fd).st_ino
         self._view = np.frombuffer(self._mm, dtype=np.uint8)
+        self._bytes = memoryview(self._mm)
         self._offsets: list[int] = []  # live regions by offset, sorted
         self._by_offset: dict[int, _Region] = {}
         self._by_token: dict[int, _Region] = {}
@@ -192,6 +195,10 @@ class Arena:
         self._view[off + HEAD_BYTES : off + HEAD_BYTES + length] = src
         return [self.pid, self.fd, self.inode, off, length, token]
 
+    def data(self, offset: int, length: int) -> memoryview:
+        """The data bytes of the region at ``offset`` (its head left out), writable."""
+        return self._bytes[offset + HEAD_BYTES : offset + HEAD_BYTES + length]
+
     def free(self, token: int) -> bool:
         """The reader is done with region ``token`` (unknown tokens are ignored)."""
         region = self._by_token.get(token)
@@ -228,6 +235,7 @@ class Arena:
         self._offsets.clear()
         del self._view
         with contextlib.suppress(BufferError):  # a view is alive: it goes with the process
+            self._bytes.release()
             self._mm.close()
         os.close(self.fd)
 
@@ -392,6 +400,10 @@ class SharedMemory:
         self.max_frame_bytes = max_frame_bytes
         self.mapper = Mapper()
         self._arena: Arena | None = None
+        #: Regions :meth:`stage` made, by the address of their data, and those whose
+        #: copy is gone (a finalizer's note, maybe from another thread: see _unstage).
+        self._staged: dict[int, list[int]] = {}
+        self._unstaged: collections.deque[tuple[int, int]] = collections.deque()
 
     @classmethod
     def create(
@@ -416,6 +428,43 @@ class SharedMemory:
             self._arena = Arena(self.budget, self.name, reclaim_after=self.reclaim_after)
         return self._arena
 
+    def stage(self, data: np.ndarray) -> np.ndarray | None:
+        """A copy of ``data`` (1-D, C-contiguous) in a new region of the arena, or None
+        when the budget has no room.  Sent as a payload frame, the copy goes with no
+        further copy: :meth:`outbound` names its region.  The region lives as long as
+        the copy does (anything that refers to it: the caller's operation, a request
+        kept for re-sending, a frame zmq has not sent), and is freed after."""
+        self._unstage()
+        region = self.arena.put(data)
+        if region is None:
+            return None
+        _, _, _, offset, length, token = region
+        copy = np.frombuffer(self.arena.data(offset, length), dtype=data.dtype)
+        self._staged[copy.ctypes.data] = region
+        # Views of ``copy`` keep it alive (their base is ``copy``: its own base is a
+        # memoryview, so numpy does not look past it).  The finalizer may run in
+        # pyzmq's garbage-collection thread: it only leaves a note.
+        weakref.finalize(copy, self._unstaged.append, (copy.ctypes.data, token))
+        return copy
+
+    def _unstage(self) -> None:
+        """Free the regions of staged copies that are gone."""
+        while self._unstaged:
+            address, token = self._unstaged.popleft()
+            region = self._staged.get(address)
+            if region is not None and region[5] == token:
+                del self._staged[address]
+            if self._arena is not None:
+                self._arena.free(token)
+
+    def _staged_region(self, frame: Any) -> list[int] | None:
+        """The region of a frame that is exactly a staged copy's bytes (None: not one)."""
+        if not self._staged:
+            return None
+        data = np.frombuffer(frame, dtype=np.uint8)
+        region = self._staged.get(data.ctypes.data)
+        return region if region is not None and region[4] == data.nbytes else None
+
     def wants(self, frames: Sequence[Any]) -> bool:
         """Whether any payload frame of ``[route, header, payloads...]`` is large enough."""
         return any(_nbytes(f) >= self.min_bytes for f in frames[2:])
@@ -438,29 +487,39 @@ class SharedMemory:
         Frames the budget has no room for stay inline; with nothing to say, the frames
         are returned as they are."""
         descs: list[list[int]] = []
+        staged: list[list[int]] = []  # regions of staged copies: freed when those go
         out = list(frames)
-        if payloads and reuse:
+        self._unstage()
+        if payloads:
             descs = list(reuse)
             for d in descs:
                 out[2 + d[0]] = b""
-        elif payloads:
+            full = bool(reuse)  # a re-send copies nothing again
             for i in range(2, len(out)):
                 f = out[i]
                 if _nbytes(f) < self.min_bytes:
                     continue
+                region = self._staged_region(f)
+                if region is not None:
+                    staged.append([i - 2, *region])
+                    out[i] = b""
+                    continue
+                if full:
+                    continue
                 region = self.arena.put(f, now)
                 if region is None:
-                    break  # the budget is spent: the rest go inline
+                    full = True  # the budget is spent: the rest go inline
+                    continue
                 descs.append([i - 2, *region])
                 out[i] = b""
-        if not descs and not reply_ok and not done:
+        if not descs and not staged and not reply_ok and not done:
             return out, []
         header = msgpack.unpackb(out[1], raw=False)
         if not isinstance(header, dict):
             raise ProtocolError("header must be a map")
         info: dict[str, Any] = {"h": self.host}
-        if descs:
-            info["d"] = descs
+        if descs or staged:
+            info["d"] = descs + staged
         if reply_ok:
             info["r"] = True
         if done:

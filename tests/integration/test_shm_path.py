@@ -431,6 +431,33 @@ async def test_a_pulled_tensor_is_read_from_shared_memory_straight_into_its_plac
         assert targets and all(t is not None and np.shares_memory(t, fresh) for t in targets)
 
 
+async def test_a_push_that_does_not_wait_is_copied_once_into_shared_memory(
+    cluster: LocalCluster,
+) -> None:
+    """``wait=False`` copies the gradient (the caller may reuse its buffer at once):
+    into this client's arena, from where it is sent with no second copy; the regions
+    are freed once the pushes are over."""
+    grads = _grads(3, 13)
+    async with _side_by_side(cluster.address, ("d1", "d2")) as (fast, inline):
+        sm = fast._shm
+        chunks = ELEMS * 4 // (2 << 20)
+        for g in grads:
+            buf = g.copy()
+            puts = sm.arena.puts
+            await fast.push_dense("d1", buf, wait=False)
+            # One region per chunk, made by the push itself: none by the sending.
+            assert len(sm._staged) == chunks and sm.arena.puts == puts + chunks
+            buf[:] = np.nan  # the caller's buffer, reused at once
+            await fast.flush()
+            await inline.push_dense("d2", g)
+        got = await fast.pull_dense("d1")
+        want = await inline.pull_dense("d2")
+        assert got.tobytes() == want.tobytes()
+        assert sm.arena.puts == 3 * chunks  # the pulls' replies came the other way
+        await fast.pull_dense("d1")  # a call after the pushes were answered frees them
+        assert not sm._staged and sm.arena.live == 0, sm.stats()
+
+
 async def test_a_pull_sharing_its_request_with_a_pipelined_push_lands_in_its_place(
     cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,70 @@ def test_frames_round_trip_bit_identical_and_small_frames_stay_inline() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_staged_copy_is_sent_from_its_region_and_freed_when_it_goes() -> None:
+    sender = shm.SharedMemory(16 * MiB, "s", min_bytes=MiB)
+    receiver = shm.SharedMemory(MiB, "r", min_bytes=MiB)
+    try:
+        src = np.random.default_rng(2).standard_normal(MiB).astype(np.float32)  # 4 MiB
+        copy = sender.stage(src[: MiB // 2])
+        assert copy is not None and copy.tobytes() == src[: MiB // 2].tobytes()
+        assert sender.arena.puts == 1 and sender.arena.live == 1
+        src[:] = 0  # the caller's buffer, reused at once: the copy is not
+        other = np.ones(MiB // 2, np.float32)  # not staged: copied into a region of its own
+        frames, arrays = _request(copy, other)
+        out, descs = sender.outbound(frames)
+        assert out[2] == b"" and out[3] == b""
+        assert sender.arena.puts == 2  # the staged copy was not copied again
+        assert [d[0] for d in descs] == [1]  # only the region outbound took is the caller's
+        msg = decode(receiver.inbound(out, decode(out).header).frames)
+        got = array_from(msg.header["ops"][0]["g"], msg.payloads, max_bytes=1 << 30)
+        assert got.tobytes() == copy.tobytes()
+        # A re-send names the staged region again, and the other by ``reuse``.
+        again, same = sender.outbound(frames, reuse=descs)
+        assert again[2] == b"" and again[3] == b"" and same == descs
+        assert sender.arena.puts == 2
+        sender.free(shm.tokens(descs))
+        # The region lives while anything refers to the copy's bytes (a slice, a frame).
+        piece = copy[10:20]
+        del copy, frames, arrays, out, again, msg, got
+        sender.outbound(_request(np.zeros(4, np.float32))[0])  # notes are handled here
+        assert sender.arena.live == 1
+        assert piece.base is not None and not np.any(np.isnan(piece))
+        del piece
+        sender.outbound(_request(np.zeros(4, np.float32))[0])
+        assert sender.arena.live == 0 and not sender._staged
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_staged_copy_dropped_in_another_thread_is_freed_by_the_owner() -> None:
+    """pyzmq drops a zero-copy frame's buffer in its own thread: the finalizer only
+    leaves a note, and the arena is changed in the owner's thread."""
+    sp = shm.SharedMemory(8 * MiB, "s", min_bytes=MiB)
+    try:
+        holder = [sp.stage(np.ones(MiB // 2, np.float32))]
+        assert holder[0] is not None and sp.arena.live == 1
+        t = threading.Thread(target=holder.clear)
+        t.start()
+        t.join(10)
+        assert sp.arena.live == 1 and len(sp._unstaged) == 1  # noted, not yet freed
+        again = sp.stage(np.ones(MiB // 2, np.float32))  # the owner's next call frees it
+        assert again is not None and sp.arena.live == 1 and len(sp._staged) == 1
+    finally:
+        sp.close()
+
+
+def test_a_full_budget_stages_nothing() -> None:
+    sp = shm.SharedMemory(3 * MiB, "s", min_bytes=MiB)
+    try:
+        a = sp.stage(np.ones(MiB // 2, np.float32))
+        assert a is not None
+        assert sp.stage(np.ones(MiB // 2, np.float32)) is None  # the caller copies it itself
+    finally:
+        sp.close()
 
 
 def test_done_frees_the_receivers_regions() -> None:

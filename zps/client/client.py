@@ -237,15 +237,17 @@ class Client(TrainingCalls):
             raise ShapeMismatchError(
                 f"gradient for {name!r} has shape {g.shape}; the tensor has shape {spec.shape}"
             )
-        flat = _owned(g.reshape(-1), grad, wait)
+        flat = g.reshape(-1)
+        copy = _must_copy(flat, grad, wait)
         futures = []
         for c in range(spec.n_chunks):
             start, stop = spec.chunk_range(c)
+            piece = self._own(flat[start:stop]) if copy else flat[start:stop]
             futures.append(
                 self._submit(
                     chunk_partition(name, c, self.cluster_map),
                     self._tagged({"op": "push_dense", "t": name, "chunk": c}),
-                    {"g": flat[start:stop]},
+                    {"g": piece},
                 )
             )
         await self._finish(futures, wait)
@@ -657,16 +659,21 @@ def _as_ids(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def _owned(arr: np.ndarray, given: object, wait: bool) -> np.ndarray:
-    """``arr``, copied if it may be the caller's memory and the call returns before
-    the message is sent (``wait=False``): the caller may reuse its buffer at once."""
+def _must_copy(arr: np.ndarray, given: object, wait: bool) -> bool:
+    """Whether ``arr`` may be the caller's memory while the call returns before the
+    message is sent (``wait=False``): the caller may reuse its buffer at once."""
     if wait or isinstance(given, list | tuple | int | float):
-        return arr  # waited for, or built from Python values: nobody else holds it
+        return False  # waited for, or built from Python values: nobody else holds it
     try:
         src = np.asarray(given)  # a view for numpy arrays and CPU tensors
     except Exception:
-        return arr.copy()
-    return arr.copy() if np.may_share_memory(arr, src) else arr
+        return True
+    return bool(np.may_share_memory(arr, src))
+
+
+def _owned(arr: np.ndarray, given: object, wait: bool) -> np.ndarray:
+    """``arr``, copied if :func:`_must_copy` says so."""
+    return arr.copy() if _must_copy(arr, given, wait) else arr
 
 
 def _check_finite(arr: np.ndarray, what: str) -> None:

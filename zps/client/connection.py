@@ -429,6 +429,16 @@ class Connection:
             loop.call_soon(self._flush_soon)
         return fut
 
+    def _own(self, arr: np.ndarray) -> np.ndarray:
+        """A copy of ``arr`` (1-D) that only this client holds, for a call that returns
+        before it is sent.  One large enough for shared memory is copied into this
+        process's arena: sent from there, it is not copied a second time."""
+        if self._shm is not None and arr.nbytes >= self._shm.min_bytes:
+            staged = self._shm.stage(arr)
+            if staged is not None:
+                return staged
+        return arr.copy()
+
     async def _gather(self, futures: Iterable[Awaitable[T]]) -> list[T]:
         tasks = list(futures)
         if len(tasks) == 1:  # the common small call: no gather machinery
