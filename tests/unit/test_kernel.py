@@ -1,7 +1,8 @@
 """An embedding table's compiled pull and push (``zps.store._kernel``, optional) against
 the numpy version: the same pulls and bit for bit the same rows and optimizer state,
 for every optimizer, both dtypes, duplicate and absent ids, admission and eviction, and
-on replicas re-running a primary's pushes whichever version each side runs."""
+on replicas re-running a primary's pushes whichever version each side runs.  A dense
+tensor's chunk updates, which use the kernel's update too, likewise."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ import pytest
 from zps.init import Normal, Uniform
 from zps.optim import FTRL, SGD, Adagrad, Adam, Momentum, Optimizer
 from zps.protocol.codec import CompressPolicy, Encoder, MsgType, Route, decode
-from zps.protocol.specs import EmbeddingSpec
+from zps.protocol.specs import DenseSpec, EmbeddingSpec
 from zps.shard.core import ShardCore
 from zps.store import tables
-from zps.store.tables import EmbeddingTable
+from zps.store.tables import DenseTensor, EmbeddingTable
 
 KERNEL: Any = tables._kernel  # type: ignore[attr-defined]
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,6 +152,41 @@ def test_kernel_matches_numpy_bit_for_bit(opt: Optimizer, dtype: str, spy: Spy) 
     assert calls["push probe=True check=True apply=True -> -1"]
     assert calls["push probe=True check=True apply=True -> -2"]
     assert calls["push probe=False check=False apply=True -> 0"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPT_IDS)
+def test_dense_chunks_match_numpy_bit_for_bit(opt: Optimizer, dtype: str, spy: Spy) -> None:
+    """Chunks of a dense tensor (the last one short), pushed with large, small and
+    clipped gradients, and pulled between pushes (a pulled view still out makes the
+    update go to a copy)."""
+    spec = DenseSpec("d", (1000,), dtype, Normal(0.0, 0.1), opt, 5, 384)
+    rng = np.random.default_rng(3)
+    pushes = [
+        (c, rng.normal(0.0, scale, spec.chunk_range(c)[1] - spec.chunk_range(c)[0]).astype(dtype))
+        for scale in (1.0, 0.01, 10.0, 1.0)
+        for c in range(spec.n_chunks)
+    ]
+
+    def run(flag: bool) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+        tables.KERNEL = flag
+        t = DenseTensor(spec)
+        pulled = []
+        for c, g in pushes:
+            view = t.pull(c)  # held across the push: the push must not change it
+            t.push(c, g)
+            pulled.append(view.copy())
+            assert same_bits(view, pulled[-1])
+        return t.export(), pulled
+
+    got, got_pulls = run(True)
+    kernel_pushes = sum(n for k, n in spy.calls.items() if k.startswith("push"))
+    want, want_pulls = run(False)
+    assert_same_export(got, want)
+    for a, b in zip(got_pulls, want_pulls, strict=True):
+        assert same_bits(a, b)
+    # Every chunk update ran in the kernel, but Adam's (its steps stay with numpy).
+    assert kernel_pushes == (0 if isinstance(opt, Adam) else len(pushes))
 
 
 @pytest.mark.parametrize(

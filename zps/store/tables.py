@@ -72,6 +72,7 @@ class WriteLog(list[npt.NDArray[np.int64]]):
 
 
 _UNSHARED = 3  # see DenseTensor.push
+_ROW0 = np.zeros(1, dtype=np.int64)  # a dense chunk's one row, for the kernel
 #: An embedding table's bookkeeping columns when it admits or evicts rows (their names
 #: cannot be an optimizer's state: those are identifiers).
 TOUCHED, SEEN = "#touched", "#seen"
@@ -681,6 +682,15 @@ class DenseTensor:
         # step per chunk update, as a dense tensor's optimizer should.
         self._values: dict[int, Array] = {}
         self._state: dict[int, dict[str, Array]] = {}
+        #: The compiled kernel's view of the optimizer, for a chunk's update in one
+        #: pass with no temporary array (None: numpy; Adam's steps stay with numpy).
+        opt = spec.optimizer
+        self._kopt = (
+            _kernel_opt(opt)
+            if KERNEL and not isinstance(opt, Adam) and self.dtype in (np.float32, np.float64)
+            else None
+        )
+        self._kstate = tuple(opt.state_widths(1))
 
     def __len__(self) -> int:
         """Number of chunks materialised here."""
@@ -736,7 +746,15 @@ class DenseTensor:
         # goes to a copy, and the view keeps the values it was taken with.
         if sys.getrefcount(values) > _UNSHARED:
             values = self._values[chunk] = values.copy()
-        self.spec.optimizer.apply(values, g.reshape(1, -1), self._state[chunk])
+        state = self._state[chunk]
+        if self._kopt is not None:
+            # The whole chunk as one row of the kernel's table (bit for bit numpy's).
+            states = tuple(state[k] for k in self._kstate)
+            g = np.ascontiguousarray(g).reshape(1, -1)
+            _kernel.push(self._kopt, None, None, _ROW0, False, None, 0, g, values, states,
+                         None, None, True)  # fmt: skip
+        else:
+            self.spec.optimizer.apply(values, g.reshape(1, -1), state)
 
     def copy_values(self) -> dict[int, Array]:
         """A copy of every stored chunk's values (1-D), by chunk index."""
