@@ -104,6 +104,7 @@ class _Region:
     size: int  # head and data, rounded up to 64 bytes
     token: int
     born: float
+    pinned: bool = False  # never reclaimed (see Arena.take)
 
 
 def _round(n: int) -> int:
@@ -160,7 +161,11 @@ class Arena:
     def _reclaim(self, now: float) -> bool:
         if self.reclaim_after is None:
             return False
-        old = [r for r in self._by_token.values() if now - r.born >= self.reclaim_after]
+        old = [
+            r
+            for r in self._by_token.values()
+            if now - r.born >= self.reclaim_after and not r.pinned
+        ]
         for r in old:
             self._release(r)
         self.reclaimed += len(old)
@@ -171,7 +176,18 @@ class Arena:
         token]`` for a descriptor, or None when the budget has no room."""
         src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
         src = src.reshape(-1).view(np.uint8)
-        length = src.size
+        region = self.take(src.size, now)
+        if region is not None:
+            off = region[3]
+            self._view[off + HEAD_BYTES : off + HEAD_BYTES + src.size] = src
+        return region
+
+    def take(
+        self, length: int, now: float | None = None, *, pinned: bool = False
+    ) -> list[int] | None:
+        """A new region of ``length`` bytes, for the caller to write (see :meth:`data`):
+        its descriptor as :meth:`put`'s, or None.  A ``pinned`` region is never
+        reclaimed: only :meth:`free` gives it back."""
         size = _round(HEAD_BYTES + length)
         off = self._fit(size)
         if off is None:
@@ -182,7 +198,7 @@ class Arena:
                 self.full += 1
                 return None
         token = next(self._tokens) & ((1 << 64) - 1) or 1
-        region = _Region(off, size, token, time.monotonic() if now is None else now)
+        region = _Region(off, size, token, time.monotonic() if now is None else now, pinned)
         bisect.insort(self._offsets, off)
         self._by_offset[off] = region
         self._by_token[token] = region
@@ -192,7 +208,6 @@ class Arena:
         # The token first, then the data: a reader that saw any of the new bytes sees
         # this token (or a later one) when it checks again.
         HEAD.pack_into(self._mm, off, MAGIC, token, length)
-        self._view[off + HEAD_BYTES : off + HEAD_BYTES + length] = src
         return [self.pid, self.fd, self.inode, off, length, token]
 
     def data(self, offset: int, length: int) -> memoryview:
@@ -403,6 +418,9 @@ class SharedMemory:
         #: Regions :meth:`stage` made, by the address of their data, and those whose
         #: copy is gone (a finalizer's note, maybe from another thread: see _unstage).
         self._staged: dict[int, list[int]] = {}
+        self._staged_tokens: set[int] = set()
+        self.reserved = 0  # regions made by reserve
+        self.named = 0  # frames outbound named in such a region instead of copying
         self._unstaged: collections.deque[tuple[int, int]] = collections.deque()
 
     @classmethod
@@ -428,23 +446,37 @@ class SharedMemory:
             self._arena = Arena(self.budget, self.name, reclaim_after=self.reclaim_after)
         return self._arena
 
-    def stage(self, data: np.ndarray) -> np.ndarray | None:
-        """A copy of ``data`` (1-D, C-contiguous) in a new region of the arena, or None
-        when the budget has no room.  Sent as a payload frame, the copy goes with no
-        further copy: :meth:`outbound` names its region.  The region lives as long as
-        the copy does (anything that refers to it: the caller's operation, a request
-        kept for re-sending, a frame zmq has not sent), and is freed after."""
+    def reserve(self, length: int) -> np.ndarray | None:
+        """A new region of ``length`` bytes of the arena, as a writable uint8 array (its
+        bytes not yet written), or None when the budget has no room.  Sent as a payload
+        frame, the array's bytes go with no copy: :meth:`outbound` names its region.
+        The region lives as long as the array does (anything that refers to it or to a
+        view of it: an operation, a request kept for re-sending, a frame zmq has not
+        sent, a stream message a follower has not read), and is freed after; it is
+        never reclaimed, nor freed by :meth:`free`."""
         self._unstage()
-        region = self.arena.put(data)
+        region = self.arena.take(length, pinned=True)
         if region is None:
             return None
-        _, _, _, offset, length, token = region
-        copy = np.frombuffer(self.arena.data(offset, length), dtype=data.dtype)
-        self._staged[copy.ctypes.data] = region
-        # Views of ``copy`` keep it alive (their base is ``copy``: its own base is a
-        # memoryview, so numpy does not look past it).  The finalizer may run in
-        # pyzmq's garbage-collection thread: it only leaves a note.
-        weakref.finalize(copy, self._unstaged.append, (copy.ctypes.data, token))
+        token = region[5]
+        self.reserved += 1
+        buf = np.frombuffer(self.arena.data(region[3], length), dtype=np.uint8)
+        self._staged[buf.ctypes.data] = region
+        self._staged_tokens.add(token)
+        # Views of ``buf`` keep it alive (their base is ``buf``: its own base is a
+        # memoryview, so numpy looks no further).  The finalizer may run in pyzmq's
+        # garbage-collection thread: it only leaves a note (see _unstage).
+        weakref.finalize(buf, self._unstaged.append, (buf.ctypes.data, token))
+        return buf
+
+    def stage(self, data: np.ndarray) -> np.ndarray | None:
+        """A copy of ``data`` (1-D, C-contiguous) in a region of the arena (see
+        :meth:`reserve`), or None when the budget has no room."""
+        buf = self.reserve(data.nbytes)
+        if buf is None:
+            return None
+        copy = buf.view(data.dtype)
+        copy[:] = data
         return copy
 
     def _unstage(self) -> None:
@@ -454,6 +486,7 @@ class SharedMemory:
             region = self._staged.get(address)
             if region is not None and region[5] == token:
                 del self._staged[address]
+            self._staged_tokens.discard(token)
             if self._arena is not None:
                 self._arena.free(token)
 
@@ -481,13 +514,13 @@ class SharedMemory:
     ) -> tuple[list[Any], list[list[int]]]:
         """``[route, header, payloads...]`` with its large payload frames (``payloads``)
         in shared memory, and the descriptors of the regions taken (free them with
-        :meth:`free` and :func:`tokens` once the receiver has read them).  ``reuse``:
+        :meth:`free` and :func:`tokens` once the receiver has read them; a frame that is
+        a :meth:`reserve` region's bytes is named as it is, not copied).  ``reuse``:
         the descriptors an earlier sending of the same frames took (a re-send copies
         nothing again).  ``reply_ok`` and ``done`` go into the header for the receiver.
         Frames the budget has no room for stay inline; with nothing to say, the frames
         are returned as they are."""
         descs: list[list[int]] = []
-        staged: list[list[int]] = []  # regions of staged copies: freed when those go
         out = list(frames)
         self._unstage()
         if payloads:
@@ -501,8 +534,9 @@ class SharedMemory:
                     continue
                 region = self._staged_region(f)
                 if region is not None:
-                    staged.append([i - 2, *region])
+                    descs.append([i - 2, *region])
                     out[i] = b""
+                    self.named += 1
                     continue
                 if full:
                     continue
@@ -512,14 +546,14 @@ class SharedMemory:
                     continue
                 descs.append([i - 2, *region])
                 out[i] = b""
-        if not descs and not staged and not reply_ok and not done:
+        if not descs and not reply_ok and not done:
             return out, []
         header = msgpack.unpackb(out[1], raw=False)
         if not isinstance(header, dict):
             raise ProtocolError("header must be a map")
         info: dict[str, Any] = {"h": self.host}
-        if descs or staged:
-            info["d"] = descs + staged
+        if descs:
+            info["d"] = descs
         if reply_ok:
             info["r"] = True
         if done:
@@ -533,11 +567,15 @@ class SharedMemory:
         frames: Sequence[Any],
         header: dict[str, Any],
         into: Mapping[int, np.ndarray] | None = None,
+        *,
+        stage: bool = False,
     ) -> Inbound:
         """Read the shared-memory frames of a received ``[route, header, payloads...]``
         whose decoded header is ``header`` (it has :data:`KEY`).  ``into``: where the
         caller wants payload ``i``'s bytes (a uint8 array of its length; others, and
-        other lengths, get fresh arrays).  Raises :class:`ShmUnavailableError` when a
+        other lengths, get fresh arrays).  ``stage``: the others go into regions of this
+        process's own arena where there is room (:meth:`reserve`), to be sent on with no
+        further copy.  Raises :class:`ShmUnavailableError` when a
         region cannot be read (nothing read is used then; an ``into`` array may hold
         part of it), ProtocolError for a malformed descriptor."""
         info = header.get(KEY)
@@ -546,9 +584,7 @@ class SharedMemory:
         done = info.get("done", [])
         if not isinstance(done, list) or any(type(t) is not int for t in done):
             raise ProtocolError("shared memory 'done' must be a list of tokens")
-        if self._arena is not None:
-            for t in done:
-                self._arena.free(t)
+        self.free(done)
         descs = _descriptors(info.get("d", []))
         rest = {k: v for k, v in header.items() if k != KEY}
         out = list(frames)
@@ -567,12 +603,16 @@ class SharedMemory:
                     raise ProtocolError(
                         f"a shared memory frame of {d[5]} bytes exceeds {self.max_frame_bytes}"
                     )
-                out[i] = self.mapper.read(d[1:], into.get(d[0]) if into else None).data
+                target = into.get(d[0]) if into else None
+                if target is None and stage and d[5] >= self.min_bytes:
+                    target = self.reserve(d[5])
+                out[i] = self.mapper.read(d[1:], target).data
         return Inbound(out, rest, info.get("r") is True and info.get("h") == self.host, list(done))
 
     def housekeeping(self, now: float | None = None) -> None:
         """Drop mappings of peers that are gone (at most every :data:`SWEEP_S`); a
         process calls it now and then, reading or not."""
+        self._unstage()
         now = time.monotonic() if now is None else now
         if self.mapper.mapped and now - self.mapper.swept >= SWEEP_S:
             self.mapper.sweep(now=now)
@@ -582,9 +622,12 @@ class SharedMemory:
         return self._arena.trim() if self._arena is not None else 0
 
     def free(self, tokens: Sequence[int]) -> None:
+        """The receiver is done with these regions (those of :meth:`reserve` go with
+        their arrays instead)."""
         if self._arena is not None:
             for t in tokens:
-                self._arena.free(t)
+                if t not in self._staged_tokens:
+                    self._arena.free(t)
 
     def stats(self) -> dict[str, int]:
         a = self._arena
@@ -594,6 +637,8 @@ class SharedMemory:
             "puts": a.puts if a else 0,
             "full": a.full if a else 0,
             "reclaimed": a.reclaimed if a else 0,
+            "reserved": self.reserved,
+            "named": self.named,
             "reads": self.mapper.reads,
             "refused": self.mapper.refused,
             "mapped": self.mapper.mapped,
@@ -617,6 +662,8 @@ class _Off(SharedMemory):
         frames: Sequence[Any],
         header: dict[str, Any],
         into: Mapping[int, np.ndarray] | None = None,
+        *,
+        stage: bool = False,
     ) -> Inbound:
         info = header.get(KEY)
         if isinstance(info, dict) and info.get("d"):

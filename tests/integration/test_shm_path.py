@@ -538,6 +538,10 @@ async def test_the_replication_stream_goes_through_shared_memory_with_the_same_b
     sent = scrape_metric(primary_port, "zps_shard_replication_shm_messages_total")
     # Both tables' pushes (inline from the client or not) go to the replica this way.
     assert sent >= 2 * len(grads), sent
+    # Those from the client's shared memory were read into the primary's and streamed
+    # from there: each of their 2 MiB chunks, with no copy for the stream.
+    chunks = ELEMS * 4 // (2 << 20)
+    assert scrape_metric(primary_port, "zps_shard_shm_staged_frames_total") >= chunks * len(grads)
     assert scrape_metric(replica_port, "zps_shard_shm_read_frames_total") >= sent
     assert scrape_metric(primary_port, "zps_shard_replication_shm_bytes") == 0
     c.kill(c.shard_pid(0), signal.SIGKILL)

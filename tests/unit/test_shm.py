@@ -207,7 +207,7 @@ def test_a_staged_copy_is_sent_from_its_region_and_freed_when_it_goes() -> None:
         out, descs = sender.outbound(frames)
         assert out[2] == b"" and out[3] == b""
         assert sender.arena.puts == 2  # the staged copy was not copied again
-        assert [d[0] for d in descs] == [1]  # only the region outbound took is the caller's
+        assert [d[0] for d in descs] == [0, 1]
         msg = decode(receiver.inbound(out, decode(out).header).frames)
         got = array_from(msg.header["ops"][0]["g"], msg.payloads, max_bytes=1 << 30)
         assert got.tobytes() == copy.tobytes()
@@ -215,7 +215,8 @@ def test_a_staged_copy_is_sent_from_its_region_and_freed_when_it_goes() -> None:
         again, same = sender.outbound(frames, reuse=descs)
         assert again[2] == b"" and again[3] == b"" and same == descs
         assert sender.arena.puts == 2
-        sender.free(shm.tokens(descs))
+        sender.free(shm.tokens(descs))  # the staged region goes with its copy, not here
+        assert sender.arena.live == 1
         # The region lives while anything refers to the copy's bytes (a slice, a frame).
         piece = copy[10:20]
         del copy, frames, arrays, out, again, msg, got
@@ -245,6 +246,34 @@ def test_a_staged_copy_dropped_in_another_thread_is_freed_by_the_owner() -> None
         assert again is not None and sp.arena.live == 1 and len(sp._staged) == 1
     finally:
         sp.close()
+
+
+def test_frames_read_with_stage_are_sent_on_with_no_copy() -> None:
+    """A primary reads a write's frames from a client's memory into its own arena, and
+    streams them to a replica from there."""
+    client = shm.SharedMemory(8 * MiB, "c", min_bytes=MiB)
+    primary = shm.SharedMemory(8 * MiB, "p", min_bytes=MiB, reclaim_after=0.5)
+    replica = shm.SharedMemory(MiB, "r", min_bytes=MiB)
+    try:
+        big = np.random.default_rng(4).standard_normal(MiB // 2).astype(np.float32)
+        frames, _ = _request(big, np.arange(10, dtype=np.float32))
+        sent, _ = client.outbound(frames)
+        got = primary.inbound(sent, decode(sent).header, stage=True)
+        assert primary.reserved == 1 and primary.arena.puts == 1
+        stream, descs = primary.outbound(got.frames)
+        assert stream[2] == b"" and primary.arena.puts == 1 and primary.named == 1
+        # Never reclaimed while in use, however old, nor freed by a reader's "done".
+        assert primary.arena.put(np.zeros(7 * MiB, np.uint8), now=1e12) is None
+        primary.free(shm.tokens(descs))
+        msg = decode(replica.inbound(stream, decode(stream).header).frames)
+        g = array_from(msg.header["ops"][0]["g"], msg.payloads, max_bytes=1 << 30)
+        assert g.tobytes() == big.tobytes()
+        del got, stream, msg
+        primary.housekeeping()
+        assert primary.arena.live == 0
+    finally:
+        for sm in (client, primary, replica):
+            sm.close()
 
 
 def test_a_full_budget_stages_nothing() -> None:

@@ -14,8 +14,10 @@ session reports it out of sync.
 
 A follower on this host (its SUBSCRIBE names this process's shared-memory host key)
 gets the large payload frames through this process's arena (:mod:`zps.shm`): each
-such message's frames are copied there once, whoever follows, and the region is
-freed when every follower it went to has acknowledged its LSN or left.  A region
+such message's frames are copied there once, whoever follows (a write whose frames
+came through a client's shared memory was read straight into the arena, see
+``stages_writes``: no copy at all), and the region is freed when every follower it
+went to has acknowledged its LSN or left.  A region
 the follower finds reused (it was reclaimed, see ``SHM_RECLAIM_S``) makes it resync;
 what it reads is never another message's bytes.
 """
@@ -66,6 +68,9 @@ class _SharedFrames:
     nbytes: int
     readers: set[str]
     born: float
+    #: The message as received: frames read into regions of the arena (see
+    #: ``stages_writes``) live as long as something refers to them.
+    frames: list[Any]
 
 
 def _from_replica(mtype: MsgType, header: dict[str, Any]) -> FromReplica | None:
@@ -185,6 +190,18 @@ class ReplicationStream:
             elif posted is transport.Posted.UNROUTABLE:
                 self.drop(node, "its connection is gone")
 
+    @property
+    def stages_writes(self) -> bool:
+        """Whether a write's large frames, read from a client's shared memory, should go
+        straight into this process's arena: in-sync followers read the stream from there,
+        and the stream's share of the arena has room.  The write is then applied from
+        those bytes and streamed with no copy of its own."""
+        return (
+            self.shm is not None
+            and self.shared_bytes < self.shared_limit
+            and not self.shm_followers.isdisjoint(self.session.local_in_sync)
+        )
+
     def _share(self, message: list[Any]) -> tuple[list[Any], set[str]]:
         """``message`` with its large payload frames in this process's arena, and the
         followers to send it that way (the region waits for them); no followers when
@@ -204,7 +221,9 @@ class ReplicationStream:
         if not descs:
             return message, set()
         nbytes = sum(d[5] for d in descs)
-        entry = _SharedFrames(self.core.lsn, shm.tokens(descs), nbytes, readers, time.monotonic())
+        entry = _SharedFrames(
+            self.core.lsn, shm.tokens(descs), nbytes, readers, time.monotonic(), message
+        )
         self._shared.append(entry)
         self.shared_bytes += nbytes
         self.shared_messages += 1

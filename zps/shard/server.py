@@ -565,6 +565,12 @@ class ShardServer:
                 shm_stats["puts"],
             )
             yield counter(
+                "zps_shard_shm_staged_frames",
+                "Write frames read from a client's shared memory into this shard's own and "
+                "streamed to replicas from there, with no copy of their own",
+                shm_stats["named"],
+            )
+            yield counter(
                 "zps_shard_shm_read_frames",
                 "Request and replication frames read from peers' shared memory",
                 shm_stats["reads"],
@@ -1030,8 +1036,10 @@ class ShardServer:
             msg = decode(bufs)
             if shm.KEY in msg.header:
                 # Payloads in the client's shared memory: copied here first, so what is
-                # applied, logged and replicated is this process's own.
-                got = (self._shm or shm.OFF).inbound(bufs, msg.header)
+                # applied, logged and replicated is this process's own (a write's into
+                # this process's arena, when followers read the stream from there).
+                stage = self._stream.stages_writes and _mutates(msg.header)
+                got = (self._shm or shm.OFF).inbound(bufs, msg.header, stage=stage)
                 frames = bufs = got.frames
                 msg = decode(bufs)
                 shm_reply = got.reply_ok
