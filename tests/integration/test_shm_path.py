@@ -607,3 +607,35 @@ async def test_a_paused_replica_of_a_shared_memory_stream_resyncs_to_the_same_bi
     c.kill(c.shard_pid(0), signal.SIGKILL)
     async with connect(c.address, timeout=20, acks=1, shm_bytes=0) as ps:
         assert (await ps.pull_dense("a")).tobytes() == want.tobytes()
+
+
+async def test_pushes_that_do_not_wait_survive_the_primarys_sigkill_exactly_once(
+    no_shm_left: None,
+) -> None:
+    """Pipelined pushes, each copied into the client's shared memory (and read by the
+    primary straight into its own, for the replica), some still unanswered when the
+    primary is SIGKILLed: re-sent from the client's regions to the promoted replica,
+    each is applied once, bit for bit; the caller's buffer was reused after every call;
+    and every region is freed once the pushes are over."""
+    with LocalCluster(partitions=1, shards=3, replication=2) as c:  # a spare refills
+        c.wait_healthy(30)
+        grads = _grads(10, 25)
+        async with connect(c.address, timeout=30) as ps:
+            await ps.create_dense("a", (ELEMS,), optimizer=SGD(lr=LR))
+            want = await ps.pull_dense("a")
+            primary = c.shard_pid(0)
+            buf = np.empty(ELEMS, np.float32)
+            for i, g in enumerate(grads):
+                buf[:] = g
+                await ps.push_dense("a", buf, wait=False)
+                buf[:] = np.nan  # the caller's buffer, reused at once
+                want -= LR * g
+                if i == 4:
+                    c.kill(primary, signal.SIGKILL)
+            await ps.flush()
+            assert ps.stats.retries > 0  # some were sent again, to the promoted replica
+            assert ps._shm is not None and ps._shm.stats()["reserved"] >= len(grads)
+            got = await ps.pull_dense("a")
+            assert c.shard_pid(0) != primary
+            assert got.tobytes() == want.tobytes()
+            assert not ps._shm._staged and ps._shm.arena.live == 0, ps._shm.stats()
