@@ -22,10 +22,17 @@ static inline T CAT(effective, SUF)(T g, T p, T lo, T hi, int has_wd, T wd)
     return g;
 }
 
-/* Prefetch the bytes [p, p + len) (every cache line of a row), for writing. */
+/* Prefetch the bytes [p, p + len) (every cache line of a row), for writing.  Only the
+ * first PREFETCH_MAX bytes of a longer row (a dense chunk is one row of megabytes): the
+ * hardware's own prefetcher follows a long sequential run. */
+#ifndef PREFETCH_MAX
+#define PREFETCH_MAX 4096
+#endif
 static inline void CAT(prefetch_row, SUF)(const T *p, Py_ssize_t len)
 {
     const char *c = (const char *)p;
+    if (len > PREFETCH_MAX)
+        len = PREFETCH_MAX;
     for (Py_ssize_t b = 0; b < len; b += 64)
         __builtin_prefetch(c + b, 1);
 }
