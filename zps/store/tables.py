@@ -16,8 +16,9 @@ Pushes take ``(ids, grads)`` as received; duplicates are summed before the
 optimizer runs, so an id appearing twice in one push is updated once.
 
 Where the optional C kernel ``zps.store._kernel`` was built, an embedding table's pull
-and push run in it (:data:`KERNEL`), with bit for bit the numpy version's results:
-rows and state stay where they are, so exports, snapshots and checkpoints do not change.
+and push run in it (:data:`KERNEL`), and so does a dense chunk's update (but Adam's),
+with bit for bit the numpy version's results: rows and state stay where they are, so
+exports, snapshots and checkpoints do not change.
 """
 
 from __future__ import annotations
