@@ -282,6 +282,27 @@ def test_a_pulled_dense_chunk_keeps_its_values_while_held() -> None:
     np.testing.assert_allclose(t.pull(0), before - 1.0)
 
 
+def test_a_chunk_set_or_imported_keeps_a_held_pull_too() -> None:
+    # A chunk written by set_chunk, or by a slot move's import, is stored owning its
+    # memory too: a view lent to a reply counts as a reference to it.
+    from zps.store.slots import load_chunks
+
+    spec = dense_spec(size=16, chunk=8)
+    for how in ("set", "import"):
+        store = PartitionStore()
+        store.create(spec)
+        t = store.dense(spec.name)
+        if how == "set":
+            t.set_chunk(0, np.arange(8.0))
+        else:
+            load_chunks(store, spec.to_wire(), [0], [np.arange(8.0)], [{}])
+        held = t.pull(0)
+        before = held.copy()
+        t.push(0, np.ones(8))
+        np.testing.assert_array_equal(held, before, err_msg=how)
+        np.testing.assert_allclose(t.pull(0), before - 0.5, err_msg=how)
+
+
 def test_dense_adam_counts_one_step_per_chunk_update() -> None:
     spec = dense_spec(Adam(lr=0.1), size=6, chunk=6)
     t = DenseTensor(spec)

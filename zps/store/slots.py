@@ -157,7 +157,8 @@ def load_chunks(
     table = store.dense(spec.name)
     for c, v, st in zip(chunks, values, state, strict=True):
         start, stop = spec.chunk_range(c)
-        arr = np.array(v, dtype=table.dtype).reshape(1, -1)
+        # Owning its memory, as DenseTensor.push's copy-on-write check needs.
+        arr = np.array(np.asarray(v).reshape(1, -1), dtype=table.dtype)
         if arr.shape[1] != stop - start:
             raise BadRequestError(f"dense chunk {c} of {spec.name!r}: {arr.shape[1]} values")
         table._values[c] = arr

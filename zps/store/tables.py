@@ -776,8 +776,9 @@ class DenseTensor:
             raise BadRequestError(f"dense tensor {name!r}: values must be numeric, got {v.dtype}")
         if v.size and not bool(np.isfinite(v).all()):
             raise BadRequestError(f"dense tensor {name!r}: values contain NaN or infinity")
-        # A new array: a view of the old one lent to a reply keeps its values.
-        self._values[chunk] = np.array(v, dtype=self.dtype).reshape(1, -1)
+        # A new array, owning its memory: a view of the old one lent to a reply keeps its
+        # values, and a view of this one counts as a reference to it (see push).
+        self._values[chunk] = np.array(v.reshape(1, -1), dtype=self.dtype)
         self._state[chunk] = self.spec.optimizer.init_state(1, stop - start, self.dtype)
 
     def export(self) -> dict[str, Array]:
