@@ -639,3 +639,44 @@ async def test_pushes_that_do_not_wait_survive_the_primarys_sigkill_exactly_once
             assert c.shard_pid(0) != primary
             assert got.tobytes() == want.tobytes()
             assert not ps._shm._staged and ps._shm.arena.live == 0, ps._shm.stats()
+
+
+async def test_a_cancelled_pull_never_writes_into_its_out_later(
+    fresh_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pull_dense(out=...)`` cancelled while its shards are paused: the replies that
+    come once they continue are read into fresh arrays, never into ``out``, which the
+    caller owns again."""
+    c = fresh_cluster
+    async with connect(c.address, timeout=20) as ps:
+        assert ps._shm is not None
+        await ps.create_dense("d", (ELEMS,), optimizer=SGD(lr=LR))
+        await ps.push_dense("d", _grads(1, 26)[0])
+        want = await ps.pull_dense("d")
+        mapper = ps._shm.mapper
+        real = mapper.read
+        targets: list[np.ndarray | None] = []
+
+        def recording(desc: list[int], into: np.ndarray | None = None) -> np.ndarray:
+            targets.append(into)
+            return real(desc, into)
+
+        monkeypatch.setattr(mapper, "read", recording)
+        out = np.full(ELEMS, np.nan, np.float32)
+        pids = [c.shard_pid(0), c.shard_pid(1)]
+        for pid in pids:
+            c.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(ps.pull_dense("d", out=out), 0.3)
+        finally:
+            for pid in pids:
+                c.kill(pid, signal.SIGCONT)
+        chunks = ELEMS * 4 // (2 << 20)
+        deadline = time.monotonic() + 20
+        while len(targets) < chunks:  # the late replies, read as they come
+            assert time.monotonic() < deadline, targets
+            await asyncio.sleep(0.01)
+        assert all(t is None or not np.shares_memory(t, out) for t in targets)
+        assert np.isnan(out).all()
+        assert (await ps.pull_dense("d")).tobytes() == want.tobytes()

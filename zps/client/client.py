@@ -212,7 +212,12 @@ class Client(TrainingCalls):
             )
             for (p, chunks, n), into in zip(groups, places, strict=True)
         ]
-        results = await self._gather(futures)
+        try:
+            results = await self._gather(futures)
+        except BaseException:
+            for f in futures:  # no late reply of this call writes into ``out`` now
+                f.cancel()
+            raise
         for (_, chunks, _), into, result in zip(groups, places, results, strict=True):
             for c, arr, place in zip(chunks, result["arrays"], into, strict=True):
                 if arr.shape != place.shape or arr.dtype != place.dtype:

@@ -118,14 +118,17 @@ def _bytes_of(a: np.ndarray) -> np.ndarray:
 
 def _places(ops: list[_Op], header: dict[str, Any]) -> dict[int, np.ndarray] | None:
     """Where a reply's payload frames go, by frame: the i-th array of an operation's
-    result to its i-th place (``_Op.into``).  What the reply names otherwise (or a frame
-    of another length, see :meth:`shm.SharedMemory.inbound`) gets a fresh array."""
+    result to its i-th place (``_Op.into``), while the operation's call still waits for
+    it.  What the reply names otherwise (or a frame of another length, see
+    :meth:`shm.SharedMemory.inbound`) gets a fresh array."""
     results = header.get("res")
     if not isinstance(results, list) or len(results) != len(ops):
         return None
     into: dict[int, np.ndarray] = {}
     for op, res in zip(ops, results, strict=True):
-        descs = res.get("a") if op.into is not None and isinstance(res, dict) else None
+        if op.into is None or op.future.done():  # a call cancelled or failed: not its places
+            continue
+        descs = res.get("a") if isinstance(res, dict) else None
         if not isinstance(descs, list):
             continue
         for desc, place in zip(descs, op.into or (), strict=False):
