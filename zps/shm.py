@@ -568,14 +568,14 @@ class SharedMemory:
         header: dict[str, Any],
         into: Mapping[int, np.ndarray] | None = None,
         *,
-        stage: bool = False,
+        stage: int = 0,
     ) -> Inbound:
         """Read the shared-memory frames of a received ``[route, header, payloads...]``
         whose decoded header is ``header`` (it has :data:`KEY`).  ``into``: where the
         caller wants payload ``i``'s bytes (a uint8 array of its length; others, and
-        other lengths, get fresh arrays).  ``stage``: the others go into regions of this
-        process's own arena where there is room (:meth:`reserve`), to be sent on with no
-        further copy.  Raises :class:`ShmUnavailableError` when a
+        other lengths, get fresh arrays).  ``stage``: up to that many bytes of the others
+        go into regions of this process's own arena (:meth:`reserve`), to be sent on with
+        no further copy.  Raises :class:`ShmUnavailableError` when a
         region cannot be read (nothing read is used then; an ``into`` array may hold
         part of it), ProtocolError for a malformed descriptor."""
         info = header.get(KEY)
@@ -604,8 +604,10 @@ class SharedMemory:
                         f"a shared memory frame of {d[5]} bytes exceeds {self.max_frame_bytes}"
                     )
                 target = into.get(d[0]) if into else None
-                if target is None and stage and d[5] >= self.min_bytes:
+                if target is None and self.min_bytes <= d[5] <= stage:
                     target = self.reserve(d[5])
+                    if target is not None:
+                        stage -= d[5]
                 out[i] = self.mapper.read(d[1:], target).data
         return Inbound(out, rest, info.get("r") is True and info.get("h") == self.host, list(done))
 
@@ -663,7 +665,7 @@ class _Off(SharedMemory):
         header: dict[str, Any],
         into: Mapping[int, np.ndarray] | None = None,
         *,
-        stage: bool = False,
+        stage: int = 0,
     ) -> Inbound:
         info = header.get(KEY)
         if isinstance(info, dict) and info.get("d"):

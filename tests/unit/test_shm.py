@@ -258,7 +258,9 @@ def test_frames_read_with_stage_are_sent_on_with_no_copy() -> None:
         big = np.random.default_rng(4).standard_normal(MiB // 2).astype(np.float32)
         frames, _ = _request(big, np.arange(10, dtype=np.float32))
         sent, _ = client.outbound(frames)
-        got = primary.inbound(sent, decode(sent).header, stage=True)
+        assert primary.inbound(sent, decode(sent).header, stage=MiB).frames[2] != b""
+        assert primary.reserved == 0  # 2 MiB: more than the room given
+        got = primary.inbound(sent, decode(sent).header, stage=4 * MiB)
         assert primary.reserved == 1 and primary.arena.puts == 1
         stream, descs = primary.outbound(got.frames)
         assert stream[2] == b"" and primary.arena.puts == 1 and primary.named == 1

@@ -201,3 +201,19 @@ async def test_the_stream_keeps_to_half_the_arena(rig: Rig) -> None:
     assert sizes == [0] * fits + [BIG] * 3  # past the stream's share: inline
     assert rig.stream.shared_bytes <= rig.stream.shared_limit
     assert rig.live == fits
+
+
+async def test_writes_are_staged_only_for_readers_all_in_sync_and_within_the_share(
+    rig: Rig,
+) -> None:
+    """A primary reads a write's frames into its arena (to stream them with no copy)
+    only while every follower reads from there in sync, up to what is left of the
+    stream's share: an inline follower's queue would pin them."""
+    assert rig.stream.stage_room() == 0  # r3 reads the stream inline
+    rig.stream.drop("r3", "test")
+    room = rig.stream.stage_room()
+    assert room == rig.stream.shared_limit
+    rig.write(b"x" * BIG)  # waiting in the arena for r1 and r2
+    assert rig.stream.stage_room() == room - BIG
+    rig.session.subscribed("r2", 5, 0.0)  # loading a snapshot: not in sync
+    assert rig.stream.stage_room() == 0

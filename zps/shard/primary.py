@@ -16,7 +16,7 @@ A follower on this host (its SUBSCRIBE names this process's shared-memory host k
 gets the large payload frames through this process's arena (:mod:`zps.shm`): each
 such message's frames are copied there once, whoever follows (a write whose frames
 came through a client's shared memory was read straight into the arena, see
-``stages_writes``: no copy at all), and the region is freed when every follower it
+``stage_room``: no copy at all), and the region is freed when every follower it
 went to has acknowledged its LSN or left.  A region
 the follower finds reused (it was reclaimed, see ``SHM_RECLAIM_S``) makes it resync;
 what it reads is never another message's bytes.
@@ -69,7 +69,7 @@ class _SharedFrames:
     readers: set[str]
     born: float
     #: The message as received: frames read into regions of the arena (see
-    #: ``stages_writes``) live as long as something refers to them.
+    #: ``stage_room``) live as long as something refers to them.
     frames: list[Any]
 
 
@@ -190,17 +190,19 @@ class ReplicationStream:
             elif posted is transport.Posted.UNROUTABLE:
                 self.drop(node, "its connection is gone")
 
-    @property
-    def stages_writes(self) -> bool:
-        """Whether a write's large frames, read from a client's shared memory, should go
-        straight into this process's arena: in-sync followers read the stream from there,
-        and the stream's share of the arena has room.  The write is then applied from
-        those bytes and streamed with no copy of its own."""
-        return (
-            self.shm is not None
-            and self.shared_bytes < self.shared_limit
-            and not self.shm_followers.isdisjoint(self.session.local_in_sync)
-        )
+    def stage_room(self) -> int:
+        """How many bytes of a write's large frames, read from a client's shared memory,
+        should go straight into this process's arena (0: none).  Some, when every
+        follower reads the stream from there in sync (an inline follower's queue would
+        pin them), up to what is left of the stream's share.  The write is then applied
+        from those bytes and streamed with no copy of its own."""
+        followers = self.session.followers
+        if self.shm is None or not followers:
+            return 0
+        readers = self.shm_followers & self.session.local_in_sync
+        if any(node not in readers for node in followers):
+            return 0
+        return max(0, self.shared_limit - self.shared_bytes)
 
     def _share(self, message: list[Any]) -> tuple[list[Any], set[str]]:
         """``message`` with its large payload frames in this process's arena, and the

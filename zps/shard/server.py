@@ -1038,7 +1038,7 @@ class ShardServer:
                 # Payloads in the client's shared memory: copied here first, so what is
                 # applied, logged and replicated is this process's own (a write's into
                 # this process's arena, when followers read the stream from there).
-                stage = self._stream.stages_writes and _mutates(msg.header)
+                stage = self._stream.stage_room() if _mutates(msg.header) else 0
                 got = (self._shm or shm.OFF).inbound(bufs, msg.header, stage=stage)
                 frames = bufs = got.frames
                 msg = decode(bufs)
