@@ -131,7 +131,7 @@ def _places(ops: list[_Op], header: dict[str, Any]) -> dict[int, np.ndarray] | N
         descs = res.get("a") if isinstance(res, dict) else None
         if not isinstance(descs, list):
             continue
-        for desc, place in zip(descs, op.into or (), strict=False):
+        for desc, place in zip(descs, op.into, strict=False):
             if isinstance(desc, list) and desc and type(desc[0]) is int:
                 into.setdefault(desc[0], _bytes_of(place))
     return into or None

@@ -74,6 +74,7 @@ class WriteLog(list[npt.NDArray[np.int64]]):
 
 _UNSHARED = 3  # see DenseTensor.push
 _ROW0 = np.zeros(1, dtype=np.int64)  # a dense chunk's one row, for the kernel
+_ROW0.setflags(write=False)
 #: An embedding table's bookkeeping columns when it admits or evicts rows (their names
 #: cannot be an optimizer's state: those are identifiers).
 TOUCHED, SEEN = "#touched", "#seen"
