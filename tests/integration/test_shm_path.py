@@ -84,6 +84,22 @@ async def _side_by_side(
         yield fast, inline
 
 
+def _record_reads(ps: Client, monkeypatch: pytest.MonkeyPatch) -> list[np.ndarray | None]:
+    """Where each read from a shard's shared memory goes (``into``, None: a fresh
+    array), from now on, for the client ``ps``."""
+    assert ps._shm is not None
+    mapper = ps._shm.mapper
+    real = mapper.read
+    targets: list[np.ndarray | None] = []
+
+    def recording(desc: list[int], into: np.ndarray | None = None) -> np.ndarray:
+        targets.append(into)
+        return real(desc, into)
+
+    monkeypatch.setattr(mapper, "read", recording)
+    return targets
+
+
 async def _alike(
     fast: Client, inline: Client, names: tuple[str, str], grads: list[np.ndarray]
 ) -> list[np.ndarray]:
@@ -410,15 +426,7 @@ async def test_a_pulled_tensor_is_read_from_shared_memory_straight_into_its_plac
         for g in grads:
             await fast.push_dense("d1", g)
             await inline.push_dense("d2", g)
-        mapper = fast._shm.mapper
-        real = mapper.read
-        targets: list[np.ndarray | None] = []
-
-        def recording(desc: list[int], into: np.ndarray | None = None) -> np.ndarray:
-            targets.append(into)
-            return real(desc, into)
-
-        monkeypatch.setattr(mapper, "read", recording)
+        targets = _record_reads(fast, monkeypatch)
         want = await inline.pull_dense("d2")
         out = np.full(ELEMS, np.nan, np.float32)
         got = await fast.pull_dense("d1", out=out)
@@ -468,21 +476,14 @@ async def test_a_pull_sharing_its_request_with_a_pipelined_push_lands_in_its_pla
     async with _side_by_side(cluster.address, ("d1", "d2")) as (fast, inline):
         await fast.push_dense("d1", grads[0])
         await inline.push_dense("d2", grads[0])
-        mapper = fast._shm.mapper
-        real_read = mapper.read
-        targets: list[np.ndarray | None] = []
+        targets = _record_reads(fast, monkeypatch)
         sizes: list[int] = []
         real_send = fast._send_request
-
-        def recording(desc: list[int], into: np.ndarray | None = None) -> np.ndarray:
-            targets.append(into)
-            return real_read(desc, into)
 
         def sending(partition: int, ops: list[Any]) -> None:
             sizes.append(len(ops))
             real_send(partition, ops)
 
-        monkeypatch.setattr(mapper, "read", recording)
         monkeypatch.setattr(fast, "_send_request", sending)
         out = np.full(ELEMS, np.nan, np.float32)
         for g in grads[1:]:
@@ -653,15 +654,7 @@ async def test_a_cancelled_pull_never_writes_into_its_out_later(
         await ps.create_dense("d", (ELEMS,), optimizer=SGD(lr=LR))
         await ps.push_dense("d", _grads(1, 26)[0])
         want = await ps.pull_dense("d")
-        mapper = ps._shm.mapper
-        real = mapper.read
-        targets: list[np.ndarray | None] = []
-
-        def recording(desc: list[int], into: np.ndarray | None = None) -> np.ndarray:
-            targets.append(into)
-            return real(desc, into)
-
-        monkeypatch.setattr(mapper, "read", recording)
+        targets = _record_reads(ps, monkeypatch)
         out = np.full(ELEMS, np.nan, np.float32)
         pids = [c.shard_pid(0), c.shard_pid(1)]
         for pid in pids:
