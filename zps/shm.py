@@ -197,7 +197,7 @@ class Arena:
             if off is None:
                 self.full += 1
                 return None
-        token = next(self._tokens) & ((1 << 64) - 1) or 1
+        token = self._next_token()
         region = _Region(off, size, token, time.monotonic() if now is None else now, pinned)
         bisect.insort(self._offsets, off)
         self._by_offset[off] = region
@@ -209,6 +209,21 @@ class Arena:
         # this token (or a later one) when it checks again.
         HEAD.pack_into(self._mm, off, MAGIC, token, length)
         return [self.pid, self.fd, self.inode, off, length, token]
+
+    def _next_token(self) -> int:
+        return next(self._tokens) & ((1 << 64) - 1) or 1
+
+    def retoken(self, token: int) -> int | None:
+        """Give region ``token`` a new token, before its owner changes its bytes in
+        place: a reader told the old one finds it changed, as if the region had been
+        reused (None: no such region)."""
+        region = self._by_token.pop(token, None)
+        if region is None:
+            return None
+        region.token = self._next_token()
+        self._by_token[region.token] = region
+        _TOKEN.pack_into(self._mm, region.offset + 8, region.token)
+        return region.token
 
     def data(self, offset: int, length: int) -> memoryview:
         """The data bytes of the region at ``offset`` (its head left out), writable."""
@@ -415,13 +430,27 @@ class SharedMemory:
         self.max_frame_bytes = max_frame_bytes
         self.mapper = Mapper()
         self._arena: Arena | None = None
-        #: Regions :meth:`stage` made, by the address of their data, and those whose
-        #: copy is gone (a finalizer's note, maybe from another thread: see _unstage).
+        #: Regions :meth:`reserve` made, by the address of their data and by token (one
+        #: descriptor list each, its token changed in place by a retoken), and those
+        #: whose array is gone (a finalizer's note, maybe from another thread: see
+        #: _unstage).
         self._staged: dict[int, list[int]] = {}
-        self._staged_tokens: set[int] = set()
+        self._staged_tokens: dict[int, list[int]] = {}
         self.reserved = 0  # regions made by reserve
         self.named = 0  # frames outbound named in such a region instead of copying
-        self._unstaged: collections.deque[tuple[int, int]] = collections.deque()
+        self._unstaged: collections.deque[tuple[int, list[int], int]] = collections.deque()
+        #: Regions of :meth:`reserve_array` arrays (a shard's dense values): their
+        #: bytes, and at most this many (the rest of the arena is for frames).
+        self.array_bytes = 0
+        self.array_limit = budget // 4
+        #: Reserved regions named in replies (``lend_to``), by the token the reader was
+        #: told: (reader, when, the frame), oldest first.  The frame keeps its array
+        #: referred to, so its owner changes a copy instead (see DenseTensor.push),
+        #: until the reader says it is done or ``reclaim_after`` passes.
+        self._lent: dict[int, collections.deque[tuple[bytes, float, Any]]] = {}
+        self.lent = 0  # reply frames named in a reserved region instead of copied
+        self.expired = 0  # loans ended by reclaim_after, the reader not done
+        self.retokened = 0  # regions whose token changed for that
 
     @classmethod
     def create(
@@ -454,20 +483,41 @@ class SharedMemory:
         view of it: an operation, a request kept for re-sending, a frame zmq has not
         sent, a stream message a follower has not read), and is freed after; it is
         never reclaimed, nor freed by :meth:`free`."""
+        return self._reserve((length,), np.dtype(np.uint8), counted=False)
+
+    def reserve_array(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
+        """A new C-contiguous array in the arena, for a shard's dense values: as
+        :meth:`reserve`, within :attr:`array_limit` bytes of such arrays.  A reply
+        naming it lends it (``outbound(lend_to=)``): while lent, the array is referred
+        to, so its owner writes a copy rather than change it (see DenseTensor.push)."""
+        dt = np.dtype(dtype)
+        length = int(np.prod(shape)) * dt.itemsize
+        self._unstage()  # arrays gone give their room back first
+        if self.array_bytes + length > self.array_limit:
+            return None
+        return self._reserve(shape, dt, counted=True)
+
+    def _reserve(
+        self, shape: tuple[int, ...], dtype: np.dtype[Any], *, counted: bool
+    ) -> np.ndarray | None:
         self._unstage()
+        length = int(np.prod(shape)) * dtype.itemsize
         region = self.arena.take(length, pinned=True)
         if region is None:
             return None
-        token = region[5]
         self.reserved += 1
-        buf = np.frombuffer(self.arena.data(region[3], length), dtype=np.uint8)
-        self._staged[buf.ctypes.data] = region
-        self._staged_tokens.add(token)
-        # Views of ``buf`` keep it alive (their base is ``buf``: its own base is a
-        # memoryview, so numpy looks no further).  The finalizer may run in pyzmq's
-        # garbage-collection thread: it only leaves a note (see _unstage).
-        weakref.finalize(buf, self._unstaged.append, (buf.ctypes.data, token))
-        return buf
+        # Its base is the memoryview, so numpy looks no further: views of it have it
+        # as their base and keep it alive (and count as references to it).
+        arr = np.ndarray(shape, dtype, buffer=self.arena.data(region[3], length))
+        address = arr.ctypes.data
+        self._staged[address] = region
+        self._staged_tokens[region[5]] = region
+        # The finalizer may run in pyzmq's garbage-collection thread: it only leaves a
+        # note (see _unstage).
+        size = length if counted else 0
+        self.array_bytes += size
+        weakref.finalize(arr, self._unstaged.append, (address, region, size))
+        return arr
 
     def stage(self, data: np.ndarray) -> np.ndarray | None:
         """A copy of ``data`` (1-D, C-contiguous) in a region of the arena (see
@@ -480,13 +530,14 @@ class SharedMemory:
         return copy
 
     def _unstage(self) -> None:
-        """Free the regions of staged copies that are gone."""
+        """Free the regions of reserved arrays that are gone."""
         while self._unstaged:
-            address, token = self._unstaged.popleft()
-            region = self._staged.get(address)
-            if region is not None and region[5] == token:
+            address, region, counted = self._unstaged.popleft()
+            token = region[5]  # the current one (see _retoken)
+            if self._staged.get(address) is region:
                 del self._staged[address]
-            self._staged_tokens.discard(token)
+            self._staged_tokens.pop(token, None)
+            self.array_bytes -= counted
             if self._arena is not None:
                 self._arena.free(token)
 
@@ -511,11 +562,14 @@ class SharedMemory:
         reply_ok: bool = False,
         done: Sequence[int] = (),
         now: float | None = None,
+        lend_to: bytes | None = None,
     ) -> tuple[list[Any], list[list[int]]]:
         """``[route, header, payloads...]`` with its large payload frames (``payloads``)
         in shared memory, and the descriptors of the regions taken (free them with
         :meth:`free` and :func:`tokens` once the receiver has read them; a frame that is
-        a :meth:`reserve` region's bytes is named as it is, not copied).  ``reuse``:
+        a :meth:`reserve` region's bytes is named as it is, not copied; with
+        ``lend_to``, the reader, it is kept referred to until that reader's ``done``
+        names it, or ``reclaim_after`` passes and its token changes).  ``reuse``:
         the descriptors an earlier sending of the same frames took (a re-send copies
         nothing again).  ``reply_ok`` and ``done`` go into the header for the receiver.
         Frames the budget has no room for stay inline; with nothing to say, the frames
@@ -537,6 +591,12 @@ class SharedMemory:
                     descs.append([i - 2, *region])
                     out[i] = b""
                     self.named += 1
+                    if lend_to is not None:
+                        when = time.monotonic() if now is None else now
+                        self._lent.setdefault(region[5], collections.deque()).append(
+                            (lend_to, when, f)
+                        )
+                        self.lent += 1
                     continue
                 if full:
                     continue
@@ -569,9 +629,11 @@ class SharedMemory:
         into: Mapping[int, np.ndarray] | None = None,
         *,
         stage: int = 0,
+        reader: bytes = b"",
     ) -> Inbound:
         """Read the shared-memory frames of a received ``[route, header, payloads...]``
-        whose decoded header is ``header`` (it has :data:`KEY`).  ``into``: where the
+        whose decoded header is ``header`` (it has :data:`KEY`), from ``reader`` (whose
+        ``done`` ends its loans, see :meth:`outbound`).  ``into``: where the
         caller wants payload ``i``'s bytes (a uint8 array of its length; others, and
         other lengths, get fresh arrays).  ``stage``: up to that many bytes of the others
         go into regions of this process's own arena (:meth:`reserve`), to be sent on with
@@ -584,7 +646,7 @@ class SharedMemory:
         done = info.get("done", [])
         if not isinstance(done, list) or any(type(t) is not int for t in done):
             raise ProtocolError("shared memory 'done' must be a list of tokens")
-        self.free(done)
+        self.free(done, reader=reader)
         descs = _descriptors(info.get("d", []))
         rest = {k: v for k, v in header.items() if k != KEY}
         out = list(frames)
@@ -616,6 +678,7 @@ class SharedMemory:
         process calls it now and then, reading or not."""
         self._unstage()
         now = time.monotonic() if now is None else now
+        self._expire_loans(now)
         if self.mapper.mapped and now - self.mapper.swept >= SWEEP_S:
             self.mapper.sweep(now=now)
 
@@ -623,13 +686,52 @@ class SharedMemory:
         """Give the unused pages of this process's arena back (a quiet moment)."""
         return self._arena.trim() if self._arena is not None else 0
 
-    def free(self, tokens: Sequence[int]) -> None:
-        """The receiver is done with these regions (those of :meth:`reserve` go with
-        their arrays instead)."""
-        if self._arena is not None:
-            for t in tokens:
-                if t not in self._staged_tokens:
-                    self._arena.free(t)
+    def free(self, tokens: Sequence[int], *, reader: bytes = b"") -> None:
+        """The receiver (``reader``) is done with these regions: a region it was lent
+        ends that loan (the oldest, if it had several); one of :meth:`reserve` goes
+        with its array instead."""
+        if self._arena is None:
+            return
+        for t in tokens:
+            loans = self._lent.get(t)
+            if loans is not None:
+                for i, loan in enumerate(loans):
+                    if loan[0] == reader:
+                        del loans[i]
+                        break
+                if not loans:
+                    del self._lent[t]
+            elif t not in self._staged_tokens:
+                self._arena.free(t)
+
+    def _expire_loans(self, now: float) -> None:
+        """End the loans older than ``reclaim_after``: an array still held (a tensor's
+        values) gets a new token before its owner may change it in place, so a reader
+        that took that long finds its region changed and asks again."""
+        if self.reclaim_after is None or not self._lent:
+            return
+        cutoff = now - self.reclaim_after
+        stale = []
+        for token, loans in self._lent.items():
+            if loans[0][1] > cutoff:
+                continue
+            while loans and loans[0][1] <= cutoff:
+                loans.popleft()
+                self.expired += 1
+            stale.append(token)
+        for token in stale:
+            if not self._lent[token]:
+                del self._lent[token]
+        self._unstage()
+        for token in stale:
+            region = self._staged_tokens.pop(token, None)
+            if region is None or self._arena is None:
+                continue  # its array is gone: freed, its token cleared
+            new = self._arena.retoken(token)
+            if new is not None:
+                region[5] = new
+                self._staged_tokens[new] = region
+                self.retokened += 1
 
     def stats(self) -> dict[str, int]:
         a = self._arena
@@ -641,6 +743,11 @@ class SharedMemory:
             "reclaimed": a.reclaimed if a else 0,
             "reserved": self.reserved,
             "named": self.named,
+            "lent": self.lent,
+            "loans": sum(len(v) for v in self._lent.values()),
+            "expired": self.expired,
+            "retokened": self.retokened,
+            "array_bytes": self.array_bytes,
             "reads": self.mapper.reads,
             "refused": self.mapper.refused,
             "mapped": self.mapper.mapped,
@@ -666,6 +773,7 @@ class _Off(SharedMemory):
         into: Mapping[int, np.ndarray] | None = None,
         *,
         stage: int = 0,
+        reader: bytes = b"",
     ) -> Inbound:
         info = header.get(KEY)
         if isinstance(info, dict) and info.get("d"):

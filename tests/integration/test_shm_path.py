@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 
 from zps import shm
 from zps.client.client import Client, connect
+from zps.init import Zeros
 from zps.optim import SGD
 from zps.testing import DataDirCluster, LocalCluster, free_port, scrape_metric
 
@@ -673,3 +675,176 @@ async def test_a_cancelled_pull_never_writes_into_its_out_later(
         assert all(t is None or not np.shares_memory(t, out) for t in targets)
         assert np.isnan(out).all()
         assert (await ps.pull_dense("d")).tobytes() == want.tobytes()
+
+
+LEND_METRICS = free_port()
+
+
+@pytest.fixture
+def lending() -> Iterator[LocalCluster]:
+    """One shard holding every chunk, its metrics at LEND_METRICS, its arena's room
+    for dense values unspent by other tests."""
+    with LocalCluster(
+        partitions=1, shards=1, shard_args=["--metrics-port", str(LEND_METRICS)]
+    ) as c:
+        yield c
+
+
+def _lend_metric(name: str) -> float:
+    return scrape_metric(LEND_METRICS, name)
+
+
+async def test_two_workers_pulling_lent_chunks_see_whole_versions(lending: LocalCluster) -> None:
+    """A pull's reply names the chunks' values in the shard's memory (no copy) and a
+    push meanwhile updates a new copy.  Two workers pushing and pulling at once, each
+    reading while the other's pushes are applied: every pull is one whole version (a
+    chunk changed under a read would mix two), and the sum is exact."""
+    steps, ones = 40, np.ones(ELEMS, np.float32)
+    async with (
+        connect(lending.address, timeout=20) as a,
+        connect(lending.address, timeout=20) as b,
+    ):
+        await a.create_dense("whole", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
+
+        async def worker(ps: Client) -> list[float]:
+            out, seen = np.empty(ELEMS, np.float32), []
+            for _ in range(steps):
+                await ps.push_dense("whole", ones, wait=False)
+                got = await ps.pull_dense("whole", out=out)
+                assert got.min() == got.max(), "a pull mixed two versions"
+                seen.append(float(got[0]))
+            await ps.flush()
+            return seen
+
+        seen = await asyncio.gather(worker(a), worker(b))
+        final = await a.pull_dense("whole")
+    assert (final == -LR * 2 * steps).all()
+    for s in seen:  # each worker's own pushes are applied in order: never a step back
+        assert all(y < x for x, y in itertools.pairwise(s))
+    assert _lend_metric("zps_shard_shm_lent_frames_total") >= 2 * steps * 4
+    assert _lend_metric("zps_shard_shm_full_total") == 0
+
+
+async def test_a_worker_that_never_says_it_is_done_pins_a_chunk_for_seconds_only(
+    lending: LocalCluster,
+) -> None:
+    """A reader tells the shard it is done with a lent chunk in its next request to
+    the partition.  One that sends none (paused, hung, its reply dropped) keeps the
+    old version alive for ``reclaim_after`` at most: other workers' pushes go on
+    meanwhile (to a new copy), then the loan ends and the old version is freed."""
+    ones = np.ones(ELEMS, np.float32)
+    nbytes = ELEMS * 4
+    async with (
+        connect(lending.address, timeout=20) as slow,
+        connect(lending.address, timeout=20) as fast,
+    ):
+        await fast.create_dense("pin", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
+        await fast.push_dense("pin", ones)  # the chunks now live in the shard's arena
+        assert _lend_metric("zps_shard_shm_dense_bytes") == nbytes
+        expired = _lend_metric("zps_shard_shm_loans_expired_total")
+        await slow.pull_dense("pin")  # lent to a worker that says nothing more
+        for _ in range(3):
+            await fast.push_dense("pin", ones)  # the first to a copy, then in place
+        assert _lend_metric("zps_shard_shm_dense_bytes") == 2 * nbytes
+        _wait_until(
+            lambda: _lend_metric("zps_shard_shm_dense_bytes") == nbytes,
+            10,
+            "the old version freed once its loan expired",
+        )
+        assert _lend_metric("zps_shard_shm_loans_expired_total") == expired + 4
+        got = await slow.pull_dense("pin")
+        assert (got == -LR * 4).all()
+
+
+_READER = """
+import asyncio, os, signal, sys
+import numpy as np
+import zps
+from zps import shm
+
+real = shm.Mapper.read
+calls = 0
+
+def read(self, desc, into=None):
+    # Stops itself between two chunks of one pull's reply: that region is read after
+    # it continues, once the shard has changed it (in place, under a new token).
+    global calls
+    calls += 1
+    if calls == PAUSE_AT:
+        print("PAUSED", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return real(self, desc, into)
+
+shm.Mapper.read = read
+
+async def main(address, stop):
+    async with zps.connect(address, timeout=30) as ps:
+        out = np.empty(ELEMS, np.float32)
+        pulls = 0
+        while not os.path.exists(stop):
+            got = await ps.pull_dense("paused", out=out)
+            if got.min() != got.max():
+                print("MIXED", got.min(), got.max(), flush=True)
+                return
+            pulls += 1
+            print("PULL", got[0], flush=True)
+        print("DONE", pulls, ps._shm.stats()["refused"], flush=True)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+""".replace("ELEMS", str(ELEMS)).replace("PAUSE_AT", str(4 * 10 + 3))
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+async def test_a_reader_paused_mid_pull_gets_a_whole_version_after_it_continues(
+    lending: LocalCluster, tmp_path: Path
+) -> None:
+    """A worker stopped (SIGSTOP) in the middle of reading a pull's lent chunks for
+    longer than ``reclaim_after``: its loans expire, the chunks get new tokens, and
+    pushes then change them in place; once it continues, the region it had still to
+    read is refused and the pull asked for again, never read torn or stale."""
+    c, ones, stop = lending, np.ones(ELEMS, np.float32), tmp_path / "stop"
+    async with connect(c.address, timeout=20) as ps:
+        await ps.create_dense("paused", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
+        await ps.push_dense("paused", ones)
+        reader = subprocess.Popen(
+            [sys.executable, "-c", _READER, c.address, str(stop)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=c.env(),
+            text=True,
+        )
+        try:
+            assert reader.stdout is not None
+            for _ in range(10):  # ten whole pulls, then it stops itself in the next
+                assert reader.stdout.readline().startswith("PULL"), reader.stderr
+            assert reader.stdout.readline().strip() == "PAUSED"
+            _wait_until(lambda: _stopped(reader.pid), 10, "the reader stopped")
+            _wait_until(
+                lambda: _lend_metric("zps_shard_shm_loans_expired_total") >= 4,
+                20,
+                "the paused reader's loans expired",
+            )
+            pushes = 3
+            for _ in range(pushes):  # now in place: nothing holds the chunks any more
+                await asyncio.wait_for(ps.push_dense("paused", ones), 5)
+            newest = -LR * (1 + pushes)
+            os.kill(reader.pid, signal.SIGCONT)
+            line = reader.stdout.readline()  # the pull it was in: asked for again
+            assert line.split()[:2] == ["PULL", str(newest)], (line, reader.stderr)
+            stop.touch()
+            out, err = reader.communicate(timeout=30)
+            assert "MIXED" not in out, out
+            done = out.strip().splitlines()[-1].split()
+            assert done[0] == "DONE" and int(done[2]) >= 1, (out, err)  # one region refused
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(reader.pid, signal.SIGCONT)
+            reader.kill()
+            reader.wait(10)
+        assert (await ps.pull_dense("paused") == newest).all()

@@ -438,3 +438,90 @@ def test_a_dead_owners_memory_is_unmapped_and_refused() -> None:
         owner.kill()
         owner.wait(10)
         mapper.close()
+
+
+def _reply(arr: np.ndarray) -> list[Any]:
+    enc = Encoder()
+    return list(enc.build(Route(MsgType.REPLY, 0, 1, 7), {"st": "OK", "a": [enc.array(arr)]}))
+
+
+def test_a_lent_array_is_named_and_held_until_its_reader_is_done() -> None:
+    """A shard's dense values live in its arena: a reply names them (no copy) and
+    keeps them referred to, so a push meanwhile writes a new array, until the reader
+    it went to says it is done."""
+    owner = shm.SharedMemory(8 * MiB, "o", min_bytes=MiB, reclaim_after=0.5)
+    reader = shm.SharedMemory(MiB, "r", min_bytes=MiB)
+    try:
+        values = owner.reserve_array((1, MiB // 2), np.float32)  # 2 MiB
+        assert values is not None and owner.array_bytes == 2 * MiB
+        values[...] = np.arange(MiB // 2, dtype=np.float32)
+        alone = sys.getrefcount(values)
+        view = values.reshape(-1)
+        out, descs = owner.outbound(_reply(view), lend_to=b"a", now=10.0)
+        del view
+        assert out[2] == b"" and len(descs) == 1 and owner.arena.puts == 1  # no copy
+        assert sys.getrefcount(values) > alone  # lent: held by the loan
+        token = descs[0][6]
+        got = decode(reader.inbound(out, decode(out).header).frames)
+        arr = array_from(got.header["a"][0], got.payloads, max_bytes=1 << 30)
+        assert arr.tobytes() == values.tobytes()
+        owner.free([token], reader=b"b")  # another reader's "done" ends nothing
+        assert owner.stats()["loans"] == 1 and sys.getrefcount(values) > alone
+        owner.free([token], reader=b"a")
+        assert owner.stats()["loans"] == 0 and sys.getrefcount(values) == alone
+        assert owner.arena.live == 1  # the array's region stays while the array does
+        del values
+        owner.housekeeping()
+        assert owner.arena.live == 0 and owner.array_bytes == 0
+    finally:
+        owner.close()
+        reader.close()
+
+
+def test_a_loan_past_reclaim_after_ends_and_a_late_read_is_refused() -> None:
+    """A reader that never says it is done (paused, gone, its reply dropped) pins a
+    chunk for ``reclaim_after`` at most: then the loan ends, and a chunk still held
+    gets a new token first, so a read of the old descriptor (which may now meet
+    bytes changed in place) is refused, never torn."""
+    owner = shm.SharedMemory(8 * MiB, "o", min_bytes=MiB, reclaim_after=0.5)
+    reader = shm.SharedMemory(MiB, "r", min_bytes=MiB)
+    try:
+        values = owner.reserve_array((1, MiB // 2), np.float32)
+        assert values is not None
+        values[...] = 1.0
+        alone = sys.getrefcount(values)
+        out, _ = owner.outbound(_reply(values.reshape(-1)), lend_to=b"slow", now=100.0)
+        owner.housekeeping(now=100.4)  # not yet
+        assert owner.stats()["loans"] == 1 and owner.expired == 0
+        owner.housekeeping(now=100.6)
+        assert owner.stats()["loans"] == 0 and owner.expired == 1 and owner.retokened == 1
+        assert sys.getrefcount(values) == alone
+        values[...] = 2.0  # the owner may now change it in place
+        with pytest.raises(shm.ShmUnavailableError):
+            reader.inbound(out, decode(out).header)
+        # A new reply names the region by its new token, readable; the region goes
+        # with the array (its token, the new one, cleared).
+        again, descs = owner.outbound(_reply(values.reshape(-1)), lend_to=b"b", now=101.0)
+        got = decode(reader.inbound(again, decode(again).header).frames)
+        assert array_from(got.header["a"][0], got.payloads, max_bytes=1 << 30).min() == 2.0
+        owner.free(shm.tokens(descs), reader=b"b")
+        del values
+        owner.housekeeping(now=101.1)
+        assert owner.arena.live == 0 and not owner._staged and not owner._staged_tokens
+    finally:
+        owner.close()
+        reader.close()
+
+
+def test_arrays_take_at_most_a_quarter_of_the_budget() -> None:
+    sm = shm.SharedMemory(8 * MiB, "o", min_bytes=MiB)
+    try:
+        a = sm.reserve_array((MiB // 4,), np.float32)  # 1 MiB
+        b = sm.reserve_array((MiB // 4,), np.float32)
+        assert a is not None and b is not None and sm.array_bytes == 2 * MiB
+        assert sm.reserve_array((1,), np.float32) is None  # past 8 MiB / 4
+        assert sm.reserve(MiB) is not None  # frames still have their room
+        del a
+        assert sm.reserve_array((MiB // 8,), np.float64) is not None  # a's room, once gone
+    finally:
+        sm.close()

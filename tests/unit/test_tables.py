@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -301,6 +303,58 @@ def test_a_chunk_set_or_imported_keeps_a_held_pull_too() -> None:
         t.push(0, np.ones(8))
         np.testing.assert_array_equal(held, before, err_msg=how)
         np.testing.assert_allclose(t.pull(0), before - 0.5, err_msg=how)
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: type(o).__name__)
+def test_dense_chunks_live_in_the_given_memory_and_a_lent_one_is_replaced(
+    opt: Optimizer,
+) -> None:
+    """With ``memory`` (a shard's shared memory), chunks are stored there; a push while
+    a pulled view is out (a reply lending it) writes the update to a new array from
+    that memory, bit for bit what a tensor that lent nothing computes, and leaves the
+    view as it was; with no room left, the heap."""
+    made: list[weakref.ref[np.ndarray]] = []  # not references: they would count
+
+    def memory(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        if len(made) >= 3:
+            return None
+        n = int(np.prod(shape)) * dtype.itemsize
+        arr = np.ndarray(shape, dtype, buffer=bytearray(n))
+        made.append(weakref.ref(arr))
+        return arr
+
+    spec = dense_spec(opt, size=16, chunk=8)
+    t, plain = DenseTensor(spec, memory), DenseTensor(spec)
+    rng = np.random.default_rng(5)
+    grads = [rng.normal(0.0, 1.0, 8) for _ in range(4)]
+    for x in (t, plain):
+        x.push(0, grads[0])
+    assert t._values[0] is made[0]()
+    held = t.pull(0)
+    before = held.copy()
+    for x in (t, plain):
+        x.push(0, grads[1])
+    assert t._values[0] is made[1]()  # a new array, from the memory
+    np.testing.assert_array_equal(held, before)
+    assert t.pull(0).tobytes() == plain.pull(0).tobytes()
+    del held
+    for x in (t, plain):
+        x.push(0, grads[2])
+    assert t._values[0] is made[1]()  # nothing lent: in place
+    t.pull(1)
+    for x in (t, plain):
+        x.push(1, grads[3])  # made[2]
+        x.pull(1)
+    held = t.pull(1)
+    for x in (t, plain):
+        x.push(1, grads[0])
+    assert all(t._values[1] is not m() for m in made)  # the memory is full: the heap
+    for c in (0, 1):
+        assert t.pull(c).tobytes() == plain.pull(c).tobytes()
+    got, want = t.export(), plain.export()
+    assert got.keys() == want.keys()
+    assert all(got[k].tobytes() == want[k].tobytes() for k in got)
+    del held
 
 
 def test_dense_adam_counts_one_step_per_chunk_update() -> None:

@@ -363,7 +363,8 @@ class ShardConfig:
     #: The write-ahead log begins a new file past this size (and at each checkpoint).
     wal_segment_bytes: int = 64 << 20
     #: Shared memory for reply frames of 1 MiB and more to clients on this host, at
-    #: most this many bytes (:mod:`zps.shm`); 0 turns the path off both ways.
+    #: most this many bytes (:mod:`zps.shm`); 0 turns the path off both ways.  Dense
+    #: chunks of 1 MiB and more live there, up to a quarter of it (pulls then lend them).
     shm_bytes: int = 128 << 20
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

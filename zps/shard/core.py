@@ -57,7 +57,7 @@ from zps.protocol.specs import DenseSpec, TableSpec
 from zps.store import PartitionStore, spec_from_wire
 from zps.store.snapshot import Snapshot
 from zps.store.stepbuf import Pending, StepBuffer
-from zps.store.tables import EmbeddingTable
+from zps.store.tables import DenseMemory, EmbeddingTable
 
 MUTATIONS = (
     frozenset({"create", "push_dense", "push_rows", "commit", "drop", "set_dense", "set_rows"})
@@ -271,6 +271,9 @@ class ShardCore:
         self.partition: int | None = None
         self.epoch = 0
         self.primary = False
+        #: Where dense values may live (set by a shard with shared memory on, before
+        #: it holds a partition): a pull's reply then names them, not a copy.
+        self.dense_memory: DenseMemory | None = None
         self.store = PartitionStore()
         self.dedup = self._new_dedup()
         self.steps = self._new_steps()
@@ -299,7 +302,7 @@ class ShardCore:
         if partition != self.partition:
             self._cuts.clear()
             self.checkpointed = self.checkpoint_wanted = None
-            self.store = PartitionStore()
+            self.store = PartitionStore(self.dense_memory)
             self.dedup = self._new_dedup()
             self.steps = self._new_steps()
             self.lsn = 0
@@ -335,7 +338,7 @@ class ShardCore:
 
     def load_snapshot(self, snap: Snapshot) -> None:
         """Replace everything with ``snap`` (all or nothing: a bad one changes nothing)."""
-        store = PartitionStore()
+        store = PartitionStore(self.dense_memory)
         store.load(snap.export)
         steps = self._new_steps()
         steps.load(snap.steps)

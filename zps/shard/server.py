@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, assert_never
 from urllib.parse import urlsplit
 
+import numpy as np
 import zmq.asyncio
 
 from zps import shm, transport
@@ -229,6 +230,10 @@ class ShardServer:
             reclaim_after=SHM_RECLAIM_S,
             max_frame_bytes=config.max_message_bytes,
         )
+        if self._shm is not None:
+            # Large dense chunks live in the arena: a pull's reply lends them (named,
+            # not copied) and a push meanwhile updates a copy (DenseTensor.push).
+            self.core.dense_memory = self._dense_memory
         #: Routing brokers of the map (endpoint -> link, its reply allowance, its reader)
         #: and, per client, the router link its last request came by (its replies go
         #: back there; absent: through the broker).
@@ -568,7 +573,25 @@ class ShardServer:
                 "zps_shard_shm_staged_frames",
                 "Write frames read from a client's shared memory into this shard's own and "
                 "streamed to replicas from there, with no copy of their own",
-                shm_stats["named"],
+                shm_stats["named"] - shm_stats["lent"],
+            )
+            yield counter(
+                "zps_shard_shm_lent_frames",
+                "Pull replies that named a dense chunk's values in shared memory instead of "
+                "copying them (a push meanwhile updates a new copy)",
+                shm_stats["lent"],
+            )
+            yield counter(
+                "zps_shard_shm_loans_expired",
+                "Loans of dense chunks whose reader had not said it was done after "
+                f"{SHM_RECLAIM_S}s: a chunk still held gets a new token, so a late read is "
+                "refused and asked for again",
+                shm_stats["expired"],
+            )
+            yield gauge(
+                "zps_shard_shm_dense_bytes",
+                "Dense values held in shared memory (current chunks, and lent older ones)",
+                shm_stats["array_bytes"],
             )
             yield counter(
                 "zps_shard_shm_read_frames",
@@ -1039,7 +1062,7 @@ class ShardServer:
                 # applied, logged and replicated is this process's own (a write's into
                 # this process's arena, when followers read the stream from there).
                 stage = self._stream.stage_room() if _mutates(msg.header) else 0
-                got = (self._shm or shm.OFF).inbound(bufs, msg.header, stage=stage)
+                got = (self._shm or shm.OFF).inbound(bufs, msg.header, stage=stage, reader=source)
                 frames = bufs = got.frames
                 msg = decode(bufs)
                 shm_reply = got.reply_ok
@@ -1094,7 +1117,8 @@ class ShardServer:
         reply, changed = self.core.handle_request(route, msg.header, msg.payloads)
         self._latency["write" if changed else "read"].observe(time.perf_counter() - t0)
         if shm_reply and self._shm is not None and self._shm.wants(reply):
-            reply = self._shm.outbound(reply)[0]  # the client copies the large frames
+            # The client copies the large frames; dense values are lent, not copied.
+            reply = self._shm.outbound(reply, lend_to=source)[0]
         if not changed:
             size = transport.message_bytes(reply)
             if size > self.config.max_message_bytes - 4096:
@@ -1165,6 +1189,14 @@ class ShardServer:
             posted = out.post(frames, self.config.reply_queue_bytes)
             if posted is transport.Posted.DROPPED:
                 log.warning("dropped a reply: the broker link holds %d bytes", self._out.held_bytes)
+
+    def _dense_memory(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray | None:
+        """A dense chunk's place in the arena, for one large enough to be lent (None:
+        the heap)."""
+        sm = self._shm
+        if sm is None or int(np.prod(shape)) * dtype.itemsize < sm.min_bytes:
+            return None
+        return sm.reserve_array(shape, dtype)
 
     def _link_full(self) -> bool:
         """Too much is held for the broker to take a request whose reply may be a full

@@ -309,14 +309,14 @@ static int parse_opt(PyObject *t, Opt *o)
 static PyObject *push(PyObject *self, PyObject *args)
 {
     PyObject *o_opt, *o_slots, *o_keys, *o_pos, *o_marks, *o_grads, *o_rows, *o_states;
-    PyObject *o_bc1, *o_bc2;
+    PyObject *o_bc1, *o_bc2, *o_src = Py_None;
     int do_probe, do_apply;
     unsigned int gen;
     Held h = {.n = 0};
     Opt o;
-    if (!PyArg_ParseTuple(args, "OOOOpOIOOO!OOp:push", &o_opt, &o_slots, &o_keys, &o_pos,
+    if (!PyArg_ParseTuple(args, "OOOOpOIOOO!OOp|O:push", &o_opt, &o_slots, &o_keys, &o_pos,
                           &do_probe, &o_marks, &gen, &o_grads, &o_rows, &PyTuple_Type,
-                          &o_states, &o_bc1, &o_bc2, &do_apply))
+                          &o_states, &o_bc1, &o_bc2, &do_apply, &o_src))
         return NULL;
     if (!parse_opt(o_opt, &o))
         return NULL;
@@ -348,6 +348,15 @@ static PyObject *push(PyObject *self, PyObject *args)
         return fail(&h, PyExc_ValueError, "grads must be (len(pos), dim) in the rows' dtype");
     if (marks != NULL && marks->shape[0] < nrows)
         return fail(&h, PyExc_ValueError, "marks must have an entry per row");
+    /* src: the rows' values before the update, when they are not rows itself (an
+     * update written to a new array: a dense chunk lent to a reader). */
+    Py_buffer *src = NULL;
+    if (o_src != Py_None) {
+        if ((src = hold(&h, o_src, 0, 'f', 2, "src")) == NULL)
+            return fail(&h, NULL, NULL);
+        if (src->itemsize != isz || src->shape[0] != nrows || src->shape[1] != dim)
+            return fail(&h, PyExc_ValueError, "src must be shaped as rows, in their dtype");
+    }
     void *st[3] = {NULL, NULL, NULL};
     for (int i = 0; i < nstate; i++) {
         Py_buffer *b = hold(&h, PyTuple_GET_ITEM(o_states, i), 1, 'f', 2, "state");
@@ -418,12 +427,12 @@ static PyObject *push(PyObject *self, PyObject *args)
     if (status == OK && !bad && do_apply) {
         if (isz == 4)
             update_f32(&o, n, dim, p, (const float *)grads->buf, (float *)rows->buf,
-                       (float *)st[0], (float *)st[1], (float *)st[2],
+                       src ? (const float *)src->buf : NULL, (float *)st[0], (float *)st[1], (float *)st[2],
                        bc1 ? (const float *)bc1->buf : NULL,
                        bc2 ? (const float *)bc2->buf : NULL, bc1 ? bc1->shape[0] : 0);
         else
             update_f64(&o, n, dim, p, (const double *)grads->buf, (double *)rows->buf,
-                       (double *)st[0], (double *)st[1], (double *)st[2],
+                       src ? (const double *)src->buf : NULL, (double *)st[0], (double *)st[1], (double *)st[2],
                        bc1 ? (const double *)bc1->buf : NULL,
                        bc2 ? (const double *)bc2->buf : NULL, bc1 ? bc1->shape[0] : 0);
     }
@@ -446,8 +455,9 @@ static PyMethodDef methods[] = {
      "pull(slots, keys, rows, out, pos) -> absent: probe each key and copy its row."},
     {"gather", gather, METH_VARARGS, "gather(rows, pos, out): out[i] = rows[pos[i]]."},
     {"push", push, METH_VARARGS,
-     "push(opt, slots, keys, pos, probe, marks, gen, grads, rows, states, bc1, bc2, apply) "
-     "-> status: probe, check and update distinct existing rows in place."},
+     "push(opt, slots, keys, pos, probe, marks, gen, grads, rows, states, bc1, bc2, apply"
+     "[, src]) -> status: probe, check and update distinct existing rows in place (from "
+     "src's values, when given)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,7 +1,8 @@
 /* The optimizer update of zps/store/_kernel.c for one element type.
  *
  * Included twice by _kernel.c, with T (float or double), SUF (f32 or f64) and SQRT
- * (sqrtf or sqrt) defined.  Each function updates the rows named by pos in place,
+ * (sqrtf or sqrt) defined.  Each function updates the rows named by pos in place (or
+ * writes them from src's values, when src is not NULL),
  * with the arithmetic of zps/optim.py's numpy version in the same order and in T
  * (numpy turns the hyperparameters, Python floats, into T before each operation; the
  * kernel does too), so each element gets bit for bit the same value.
@@ -68,7 +69,7 @@ static Py_ssize_t CAT(adam_steps, SUF)(Py_ssize_t n, const int64_t *pos, const T
 
 UPDATE_CLONES static void CAT(update, SUF)(const Opt *o, Py_ssize_t n, Py_ssize_t dim,
                                            const int64_t *pos, const T *grads, T *rows,
-                                           T *s0, T *s1, T *s2, const T *bc1, const T *bc2,
+                                           const T *src, T *s0, T *s1, T *s2, const T *bc1, const T *bc2,
                                            Py_ssize_t bclen)
 {
     /* Row bytes of each array: rows and the state arrays of width dim; Adam's step
@@ -96,6 +97,7 @@ UPDATE_CLONES static void CAT(update, SUF)(const Opt *o, Py_ssize_t n, Py_ssize_
         }
         Py_ssize_t r = (Py_ssize_t)pos[i] * dim;
         T *p = rows + r;
+        const T *was = src ? src + r : p; /* the values before */
         const T *g = grads + i * dim;
         T lo = o->has_clip ? (T)(-o->clip) : (T)-INFINITY;
         T hi = o->has_clip ? (T)o->clip : (T)INFINITY;
@@ -105,8 +107,8 @@ UPDATE_CLONES static void CAT(update, SUF)(const Opt *o, Py_ssize_t n, Py_ssize_
         case SGD: {
             T lr = (T)o->h[0];
             for (Py_ssize_t j = 0; j < dim; j++) {
-                T e = CAT(effective, SUF)(g[j], p[j], lo, hi, has_wd, wd);
-                p[j] = p[j] - lr * e;
+                T e = CAT(effective, SUF)(g[j], was[j], lo, hi, has_wd, wd);
+                p[j] = was[j] - lr * e;
             }
             break;
         }
@@ -114,14 +116,14 @@ UPDATE_CLONES static void CAT(update, SUF)(const Opt *o, Py_ssize_t n, Py_ssize_
             T lr = (T)o->h[0], mom = (T)o->h[1];
             T *v = s0 + r;
             for (Py_ssize_t j = 0; j < dim; j++) {
-                T e = CAT(effective, SUF)(g[j], p[j], lo, hi, has_wd, wd);
+                T e = CAT(effective, SUF)(g[j], was[j], lo, hi, has_wd, wd);
                 T vj = v[j] * mom;
                 vj = vj + e;
                 v[j] = vj;
                 if (o->flag)
-                    p[j] = p[j] - lr * (e + mom * vj);
+                    p[j] = was[j] - lr * (e + mom * vj);
                 else
-                    p[j] = p[j] - lr * vj;
+                    p[j] = was[j] - lr * vj;
             }
             break;
         }
@@ -129,12 +131,12 @@ UPDATE_CLONES static void CAT(update, SUF)(const Opt *o, Py_ssize_t n, Py_ssize_
             T lr = (T)o->h[0], eps = (T)o->h[1];
             T *a = s0 + r;
             for (Py_ssize_t j = 0; j < dim; j++) {
-                T e = CAT(effective, SUF)(g[j], p[j], lo, hi, has_wd, wd);
+                T e = CAT(effective, SUF)(g[j], was[j], lo, hi, has_wd, wd);
                 T aj = a[j] + e * e;
                 a[j] = aj;
                 T t = SQRT(aj) + eps;
                 T u = e * lr;
-                p[j] = p[j] - u / t;
+                p[j] = was[j] - u / t;
             }
             break;
         }
@@ -148,14 +150,14 @@ UPDATE_CLONES static void CAT(update, SUF)(const Opt *o, Py_ssize_t n, Py_ssize_
             Py_ssize_t k = t < (T)bclen ? (Py_ssize_t)t : bclen - 1;
             T d1 = bc1[k], d2 = bc2[k];
             for (Py_ssize_t j = 0; j < dim; j++) {
-                T e = CAT(effective, SUF)(g[j], p[j], lo, hi, has_wd, wd);
+                T e = CAT(effective, SUF)(g[j], was[j], lo, hi, has_wd, wd);
                 T mj = m[j] * b1;
                 mj = mj + c1 * e;
                 m[j] = mj;
                 T vj = v[j] * b2;
                 vj = vj + c2 * (e * e);
                 v[j] = vj;
-                p[j] = p[j] - (lr * (mj / d1)) / (SQRT(vj / d2) + eps);
+                p[j] = was[j] - (lr * (mj / d1)) / (SQRT(vj / d2) + eps);
             }
             break;
         }
@@ -163,11 +165,11 @@ UPDATE_CLONES static void CAT(update, SUF)(const Opt *o, Py_ssize_t n, Py_ssize_
             T alpha = (T)o->h[0], beta = (T)o->h[1], l1 = (T)o->h[2], l2 = (T)o->h[3];
             T *z = s0 + r, *nn = s1 + r;
             for (Py_ssize_t j = 0; j < dim; j++) {
-                T e = CAT(effective, SUF)(g[j], p[j], lo, hi, 0, wd); /* no L2 decay */
+                T e = CAT(effective, SUF)(g[j], was[j], lo, hi, 0, wd); /* no L2 decay */
                 T g2 = e * e;
                 T nj = nn[j];
                 T sigma = (SQRT(nj + g2) - SQRT(nj)) / alpha;
-                T zj = z[j] + (e - sigma * p[j]);
+                T zj = z[j] + (e - sigma * was[j]);
                 z[j] = zj;
                 nj = nj + g2;
                 nn[j] = nj;

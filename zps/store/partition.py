@@ -17,16 +17,16 @@ from typing import Any
 
 from zps.errors import BadRequestError, TableConflictError, UnknownTableError
 from zps.protocol.specs import DenseSpec, TableSpec, spec_from_wire
-from zps.store.tables import Array, DenseTensor, EmbeddingTable, checksum_arrays
+from zps.store.tables import Array, DenseMemory, DenseTensor, EmbeddingTable, checksum_arrays
 
 __all__ = ["PartitionStore"]
 
 Table = DenseTensor | EmbeddingTable
 
 
-def _make(spec: TableSpec) -> Table:
+def _make(spec: TableSpec, memory: DenseMemory | None) -> Table:
     if isinstance(spec, DenseSpec):
-        return DenseTensor(spec)
+        return DenseTensor(spec, memory)
     return EmbeddingTable(spec)
 
 
@@ -37,10 +37,12 @@ def _differences(old: TableSpec, new: TableSpec) -> list[str]:
 
 
 class PartitionStore:
-    """The tables of one partition."""
+    """The tables of one partition; ``memory``: where dense values may live (see
+    :class:`~zps.store.tables.DenseTensor`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory: DenseMemory | None = None) -> None:
         self._tables: dict[str, Table] = {}
+        self._memory = memory
 
     def __len__(self) -> int:
         return len(self._tables)
@@ -52,7 +54,7 @@ class PartitionStore:
         """True if created, False if an identical table exists; a different one conflicts."""
         existing = self._tables.get(spec.name)
         if existing is None:
-            self._tables[spec.name] = _make(spec)
+            self._tables[spec.name] = _make(spec, self._memory)
             return True
         if existing.spec == spec:
             return False
@@ -127,7 +129,7 @@ class PartitionStore:
             table_data = exports.get(spec.name)
             if not isinstance(table_data, Mapping):
                 raise BadRequestError(f"partition export: no data for table {spec.name!r}")
-            table = _make(spec)
+            table = _make(spec, self._memory)
             arrays: dict[str, Array] = dict(table_data)
             table.load(arrays)
             tables[spec.name] = table

@@ -156,13 +156,7 @@ def load_chunks(
     store.create(spec)
     table = store.dense(spec.name)
     for c, v, st in zip(chunks, values, state, strict=True):
-        start, stop = spec.chunk_range(c)
-        # Owning its memory, as DenseTensor.push's copy-on-write check needs.
-        arr = np.array(np.asarray(v).reshape(1, -1), dtype=table.dtype)
-        if arr.shape[1] != stop - start:
-            raise BadRequestError(f"dense chunk {c} of {spec.name!r}: {arr.shape[1]} values")
-        table._values[c] = arr
-        table._state[c] = {k: np.array(a, dtype=table.dtype) for k, a in st.items()}
+        table.load_chunk(c, np.asarray(v), st)
     return len(chunks)
 
 

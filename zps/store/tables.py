@@ -27,6 +27,7 @@ import hashlib
 import math
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -675,10 +676,15 @@ class EmbeddingTable:
 
 
 class DenseTensor:
-    """The chunks of one dense tensor held by this partition (chunk index -> values)."""
+    """The chunks of one dense tensor held by this partition (chunk index -> values).
 
-    def __init__(self, spec: DenseSpec) -> None:
+    ``memory`` (a shard with shared memory on): where a chunk's values may live, an
+    array of the shape and dtype asked for (None: no room, the heap then), so that a
+    pull's reply names them instead of copying them (see :meth:`pull`)."""
+
+    def __init__(self, spec: DenseSpec, memory: DenseMemory | None = None) -> None:
         self.spec = spec
+        self._memory = memory
         self.dtype: np.dtype[Any] = np.dtype(spec.dtype)
         # Each chunk is one optimizer row of shape (1, len): Adam then counts one
         # step per chunk update, as a dense tensor's optimizer should.
@@ -712,7 +718,7 @@ class DenseTensor:
         if values is None:
             s = self.spec
             values = generate(s.init, s.seed, np.arange(start, stop), 1, self.dtype)
-            values = self._values[chunk] = _owner(values.reshape(1, -1))
+            values = self._values[chunk] = self._own(values)
             self._state[chunk] = s.optimizer.init_state(1, stop - start, self.dtype)
         return values
 
@@ -744,18 +750,23 @@ class DenseTensor:
         g = _float_grads(self.spec.name, g, (stop - start,), self.dtype)
         values = self._chunk(chunk)
         # Held here, by the dict and by getrefcount's argument: nothing else. More
-        # means a view from pull() is still out (in a zero-copy send), so the update
-        # goes to a copy, and the view keeps the values it was taken with.
-        if sys.getrefcount(values) > _UNSHARED:
-            values = self._values[chunk] = values.copy()
+        # means a view from pull() is still out (a reply lending it, or a zero-copy
+        # send), so the update goes to a new array, and the view keeps the values it
+        # was taken with.
+        lent = sys.getrefcount(values) > _UNSHARED
         state = self._state[chunk]
         if self._kopt is not None:
-            # The whole chunk as one row of the kernel's table (bit for bit numpy's).
+            # The whole chunk as one row of the kernel's table (bit for bit numpy's),
+            # written from the lent values to the new array in the same pass.
             states = tuple(state[k] for k in self._kstate)
             g = np.ascontiguousarray(g).reshape(1, -1)
-            _kernel.push(self._kopt, None, None, _ROW0, False, None, 0, g, values, states,
-                         None, None, True)  # fmt: skip
+            into = self._own(values, copy=True, fill=False) if lent else values
+            _kernel.push(self._kopt, None, None, _ROW0, False, None, 0, g, into, states,
+                         None, None, True, values if lent else None)  # fmt: skip
+            self._values[chunk] = into
         else:
+            if lent:
+                values = self._values[chunk] = self._own(values, copy=True)
             self.spec.optimizer.apply(values, g.reshape(1, -1), state)
 
     def copy_values(self) -> dict[int, Array]:
@@ -779,8 +790,18 @@ class DenseTensor:
             raise BadRequestError(f"dense tensor {name!r}: values contain NaN or infinity")
         # A new array, owning its memory: a view of the old one lent to a reply keeps its
         # values, and a view of this one counts as a reference to it (see push).
-        self._values[chunk] = np.array(v.reshape(1, -1), dtype=self.dtype)
+        self._values[chunk] = self._own(v, copy=True)
         self._state[chunk] = self.spec.optimizer.init_state(1, stop - start, self.dtype)
+
+    def load_chunk(self, chunk: int, values: Array, state: dict[str, Any]) -> None:
+        """Set chunk ``chunk`` to ``values`` with its optimizer ``state`` (a slot move)."""
+        start, stop = self.spec.chunk_range(chunk)
+        if values.size != stop - start:
+            raise BadRequestError(
+                f"dense chunk {chunk} of {self.spec.name!r}: {values.size} values"
+            )
+        self._values[chunk] = self._own(values, copy=True)
+        self._state[chunk] = {k: np.array(a, dtype=self.dtype) for k, a in state.items()}
 
     def export(self) -> dict[str, Array]:
         """``chunks`` (ascending), ``values`` and each state, concatenated in chunk order."""
@@ -810,9 +831,7 @@ class DenseTensor:
         lengths = [stop - start for start, stop in ranges]
         bounds = np.cumsum([0, *lengths])
         values = _load_array(name, data, "values", (int(bounds[-1]),), self.dtype)
-        new_values = {
-            c: _owner(values[bounds[j] : bounds[j + 1]].reshape(1, -1)) for j, c in enumerate(idx)
-        }
+        new_values = {c: self._own(values[bounds[j] : bounds[j + 1]]) for j, c in enumerate(idx)}
         new_state: dict[int, dict[str, Array]] = {c: {} for c in idx}
         for k in opt.state_widths(1):
             widths = [opt.state_widths(n)[k] for n in lengths]
@@ -824,6 +843,29 @@ class DenseTensor:
 
     def checksum(self) -> str:
         return checksum_arrays(self.export())
+
+    def _own(self, values: Array, *, copy: bool = False, fill: bool = True) -> Array:
+        """``values`` as a chunk to store: shape (1, n), in the table's dtype, owning its
+        memory (views of it then count as references to it: see :meth:`push`), in
+        ``memory`` when it has room.  ``copy``: never ``values`` itself; without
+        ``fill``, a new array of that shape, its values not yet written."""
+        row = values.reshape(1, -1)
+        if self._memory is not None and row.nbytes:
+            out = self._memory(row.shape, self.dtype)
+            if out is not None:
+                if fill:
+                    out[...] = row
+                return out
+        if not fill:
+            return np.empty(row.shape, self.dtype)
+        if copy or row.dtype != self.dtype:
+            return np.array(row, dtype=self.dtype)
+        return _owner(row)
+
+
+#: Where a dense chunk's values may live: an array of this shape and dtype, whose
+#: views count as references to it (its base is not an array), or None.
+DenseMemory = Callable[[tuple[int, ...], np.dtype[Any]], Array | None]
 
 
 def _owner(a: Array) -> Array:
