@@ -99,6 +99,7 @@ RECORDS: list[Any] = [
     StreamAck(10, 2, base=-1),
     StreamAck(12, 2, base=8),
     Replicate(4, 5),
+    Replicate(4, 5, True),
     SnapshotChunk(1, 0, 3, 2_500, 1_000, 42),
     SnapshotAck(1, 2),
 ]
@@ -170,6 +171,9 @@ def test_the_wire_keys_stay_those_the_peers_speak() -> None:
     assert Subscribe(1, 2, host="h").to_wire() == {"partition": 1, "epoch": 2, "host": "h"}
     assert StreamAck(5, 2, 3).to_wire() == {"lsn": 5, "epoch": 2, "base": 3}
     assert Replicate(4, 5).to_wire() == {"prev": 4, "lsn": 5}
+    assert Replicate(4, 5, True).to_wire() == {"prev": 4, "lsn": 5, "ok": True}
+    assert Replicate.parse({"prev": 4, "lsn": 5, "ok": True}).checked
+    assert not Replicate.parse({"prev": 4, "lsn": 5, "ok": 1}).checked  # only true is
     assert set(SnapshotChunk(1, 0, 1, 1, 1, 0).to_wire()) == {
         "id",
         "seq",

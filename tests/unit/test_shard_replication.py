@@ -714,3 +714,31 @@ def test_reads_leave_primary_and_replica_with_the_same_state() -> None:
     assert (h.statuses, h.changed) == (["OK", "OK"], False)  # a read: nothing to replicate
     assert replica.lsn == primary.lsn
     assert replica.store.checksum() == primary.store.checksum()
+
+
+def test_a_replica_skips_the_finite_check_only_for_what_the_primary_applied_whole() -> None:
+    """A message every operation of which succeeded on the primary is streamed as
+    checked: its gradients are finite, and the replica does not check them again.
+    One with a refused operation (a NaN) is not: the replica checks, and refuses the
+    same operation, so both end with the same state."""
+    primary, replica = primary_core(), replica_core()
+    spec = DenseSpec("w", (8,), "float32", Zeros(), SGD(lr=0.5), 1, 8)
+    good = request([create(spec), push_dense("w", 0, np.ones(8, np.float32))], seq=1)
+    assert handle(primary, good).statuses == ["OK", "OK"] and primary.last_clean
+    msg = decode(good)
+    replica.apply_replicated(msg.header, msg.payloads, checked=primary.last_clean)
+    bad = np.ones(8, np.float32)
+    bad[3] = np.nan
+    mixed = request([push_dense("w", 0, bad), push_dense("w", 0, np.ones(8, np.float32))], seq=2)
+    assert handle(primary, mixed).statuses == ["BAD_REQUEST", "OK"]
+    assert not primary.last_clean  # streamed unchecked
+    msg = decode(mixed)
+    assert replica.apply_replicated(msg.header, msg.payloads, checked=False) == primary.lsn
+    assert replica.store.checksum() == primary.store.checksum()
+    # Checked means not checked again: the replica takes the primary's word for it.
+    assert not np.isnan(replica.store.dense("w").pull(0)).any()
+    msg = decode(request([push_dense("w", 0, bad)], seq=3))
+    replica.apply_replicated(msg.header, msg.payloads, checked=True)
+    assert np.isnan(replica.store.dense("w").pull(0)[3])
+    # A duplicate the primary answers from its record is not streamed, nor clean.
+    assert handle(primary, good).statuses == ["OK", "OK"] and not primary.last_clean

@@ -700,20 +700,26 @@ class StreamAck:
 class Replicate:
     """REPLICATE's header, primary -> replica: the request that follows (its header and
     payload frames as the client sent them) took the partition from LSN ``prev`` to
-    ``lsn``; the epoch travels in the route."""
+    ``lsn``; the epoch travels in the route.  ``checked``: every operation of it
+    succeeded on the primary (its gradients are finite: a replica skips that check)."""
 
     prev: int
     lsn: int
+    checked: bool = False
 
     @classmethod
     def parse(cls, h: Header) -> Replicate:
         return cls(
             prev=_int(_field(h, "prev", "REPLICATE"), "REPLICATE prev"),
             lsn=_int(_field(h, "lsn", "REPLICATE"), "REPLICATE lsn"),
+            checked=h.get("ok") is True,
         )
 
     def to_wire(self) -> dict[str, Any]:
-        return {"prev": self.prev, "lsn": self.lsn}
+        wire: dict[str, Any] = {"prev": self.prev, "lsn": self.lsn}
+        if self.checked:
+            wire["ok"] = True
+        return wire
 
 
 @dataclass(frozen=True, slots=True)

@@ -279,6 +279,11 @@ class ShardCore:
         self.steps = self._new_steps()
         self.lsn = 0
         self.stats = ShardStats()
+        #: Whether every operation of the last request handled succeeded (a replica then
+        #: needs not check its gradients again: see apply_replicated), and whether the
+        #: message being re-run is such a one.
+        self.last_clean = False
+        self._checked = False
         self._clock = clock
         self._cid = b""  # the client of the message being handled
         #: Export cuts: ``(epoch, n)`` -> the partition's values at one LSN (see op_cut).
@@ -348,17 +353,25 @@ class ShardCore:
         self.dedup.load(snap.dedup, snap.dedup_floors)
         self.partition, self.epoch, self.lsn = snap.partition, snap.epoch, snap.lsn
 
-    def apply_replicated(self, header: dict[str, Any], payloads: Sequence[BufferLike]) -> int:
-        """Re-run the mutations of a message the primary applied; returns the new LSN."""
+    def apply_replicated(
+        self, header: dict[str, Any], payloads: Sequence[BufferLike], *, checked: bool = False
+    ) -> int:
+        """Re-run the mutations of a message the primary applied; returns the new LSN.
+        ``checked``: every operation succeeded on the primary, so its gradients are
+        finite (the primary checked them; the same bytes are not checked again)."""
         ops, key = self._parse_header(header)
         self._cid = key[0] if key else b""
         recorded: list[dict[str, Any]] = []
         scratch = Encoder()
-        for op in ops:
-            if _is_mutation(op):
-                recorded.append(self._run(op, payloads, scratch))
-            else:
-                recorded.append(OK)
+        self._checked = checked
+        try:
+            for op in ops:
+                if _is_mutation(op):
+                    recorded.append(self._run(op, payloads, scratch))
+                else:
+                    recorded.append(OK)
+        finally:
+            self._checked = False
         if key is not None:
             self.dedup.put(key, recorded)
         return self.lsn
@@ -376,6 +389,8 @@ class ShardCore:
         """Reply frames, and whether the message changed state (so must be replicated)."""
         self.stats.requests += 1
         self.stats.bytes_in += sum(len(p) for p in payloads)
+        self.last_clean = False
+        errors = self.stats.errors
         reply_route = Route(MsgType.REPLY, route.partition, self.epoch, route.req_id)
         enc = Encoder(self.compress)
         refusal = self._refusal(route)
@@ -419,6 +434,7 @@ class ShardCore:
             recorded.append(results[-1] if is_mutation else OK)
         if key is not None and cached is None and any_mutation:
             self.dedup.put(key, recorded)
+        self.last_clean = cached is None and self.stats.errors == errors
         return enc.build(reply_route, {"st": "OK", "res": results}), self.lsn != lsn_before
 
     def _refusal(self, route: Route) -> dict[str, Any] | None:
@@ -533,7 +549,7 @@ class ShardCore:
         grad = self._array(op, "g", payloads)
         step = self._step(op)
         if step is None:
-            table.push(chunk, grad)
+            table.push(chunk, grad, finite=self._checked)
             return OK
         start, stop = table.spec.chunk_range(chunk)
         if grad.shape != (stop - start,):
@@ -566,7 +582,7 @@ class ShardCore:
         ids, grad = self._ids(op, payloads), self._array(op, "g", payloads)
         step = self._step(op)
         if step is None:
-            table.push(ids, grad)
+            table.push(ids, grad, finite=self._checked)
             return OK
         if grad.shape != (ids.size, table.spec.dim):
             raise ShapeMismatchError(

@@ -173,13 +173,14 @@ class ReplicationStream:
             partition, epoch = h.get("partition"), h.get("epoch")
             self._bye(node, f"not the primary of partition {partition} at epoch {epoch}")
 
-    def replicate(self, prev: int, frames: list[Any]) -> None:
+    def replicate(self, prev: int, frames: list[Any], *, checked: bool = False) -> None:
         """Stream a request (header and payload frames as received) to every follower;
-        never waits: a follower that cannot take it within its bound is dropped."""
+        never waits: a follower that cannot take it within its bound is dropped.
+        ``checked``: every operation of it succeeded here (see Replicate)."""
         if not self.session.followers:
             return
         route = Route(MsgType.REPLICATE, self.core.partition or 0, self.core.epoch, 0)
-        head = msgpack.packb(Replicate(prev, self.core.lsn).to_wire())
+        head = msgpack.packb(Replicate(prev, self.core.lsn, checked).to_wire())
         message = [route.pack(), head, *frames[1:]]
         shared, readers = self._share(message)
         for node in list(self.session.followers):

@@ -324,7 +324,7 @@ class Upstream:
             return
         try:
             header = decode([Route(MsgType.REQUEST).pack(), payloads[0]]).header
-            got = self.core.apply_replicated(header, payloads[1:])
+            got = self.core.apply_replicated(header, payloads[1:], checked=head.checked)
         except (ZpsError, KeyError, ValueError) as e:
             log.error("could not apply LSN %d from the primary: %s; resync", lsn, e)
             self.session.resync()

@@ -1137,7 +1137,7 @@ class ShardServer:
             else:
                 self._post([source, *reply])
             return
-        self._stream.replicate(prev, frames)
+        self._stream.replicate(prev, frames, checked=self.core.last_clean)
         lsn, epoch = self.core.lsn, self.core.epoch
         self.durability.log(epoch, prev, lsn, bufs[1:])
         if msg.header.get("acks") == 1:
