@@ -37,6 +37,7 @@ import bisect
 import collections
 import contextlib
 import itertools
+import math
 import mmap
 import os
 import secrets
@@ -51,6 +52,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from zps.core.rows import copy_finite
 from zps.errors import ProtocolError, ZpsError
 from zps.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -326,6 +328,14 @@ class Mapper:
         token]``), copied into this process's memory: into ``into`` (a writable uint8
         array of exactly that length: where the caller wants them, one copy fewer),
         else a fresh array."""
+        return self.read_finite(desc, into, 0)[0]
+
+    def read_finite(
+        self, desc: Sequence[int], into: np.ndarray | None, itemsize: int
+    ) -> tuple[np.ndarray, bool]:
+        """:meth:`read`, and whether the copy's floats (``itemsize`` 4 or 8; 0: none)
+        are known to be finite, checked in the same pass as the copy
+        (:func:`zps.core.rows.copy_finite`)."""
         now = time.monotonic()
         if now - self.swept >= SWEEP_S:
             self.sweep(now=now)
@@ -343,7 +353,12 @@ class Mapper:
                 "the shared memory region was reused before it was read", permanent=False
             )
         out = into if into is not None and into.nbytes == length else np.empty(length, np.uint8)
-        out[:] = np.frombuffer(mm, dtype=np.uint8, count=length, offset=offset + HEAD_BYTES)
+        src = np.frombuffer(mm, dtype=np.uint8, count=length, offset=offset + HEAD_BYTES)
+        finite = False
+        if itemsize:
+            finite = copy_finite(out, src, itemsize)
+        else:
+            out[:] = src
         # The owner clears the token before reusing the bytes: unchanged, the copy is whole.
         if _TOKEN.unpack_from(mm, offset + 8)[0] != token:
             self.refused += 1
@@ -351,7 +366,7 @@ class Mapper:
                 "the shared memory region was reused while it was read", permanent=False
             )
         self.reads += 1
-        return out
+        return out, finite
 
     def sweep(self, *, now: float | None = None, force: bool = False) -> int:
         """Unmap the arenas of owners that are gone (so the kernel can free them)."""
@@ -402,6 +417,8 @@ class Inbound:
     header: dict[str, Any]  # the header without KEY
     reply_ok: bool  # the sender takes large reply frames through shared memory
     done: list[int]  # regions of this process's arena the sender has read
+    #: Payloads whose floats were checked finite as they were read (see inbound's check)
+    finite: frozenset[int] = frozenset()
 
 
 class SharedMemory:
@@ -491,7 +508,7 @@ class SharedMemory:
         naming it lends it (``outbound(lend_to=)``): while lent, the array is referred
         to, so its owner writes a copy rather than change it (see DenseTensor.push)."""
         dt = np.dtype(dtype)
-        length = int(np.prod(shape)) * dt.itemsize
+        length = math.prod(shape) * dt.itemsize
         self._unstage()  # arrays gone give their room back first
         if self.array_bytes + length > self.array_limit:
             return None
@@ -501,7 +518,7 @@ class SharedMemory:
         self, shape: tuple[int, ...], dtype: np.dtype[Any], *, counted: bool
     ) -> np.ndarray | None:
         self._unstage()
-        length = int(np.prod(shape)) * dtype.itemsize
+        length = math.prod(shape) * dtype.itemsize
         region = self.arena.take(length, pinned=True)
         if region is None:
             return None
@@ -630,10 +647,13 @@ class SharedMemory:
         *,
         stage: int = 0,
         reader: bytes = b"",
+        check: Mapping[int, int] | None = None,
     ) -> Inbound:
         """Read the shared-memory frames of a received ``[route, header, payloads...]``
         whose decoded header is ``header`` (it has :data:`KEY`), from ``reader`` (whose
-        ``done`` ends its loans, see :meth:`outbound`).  ``into``: where the
+        ``done`` ends its loans, see :meth:`outbound`).  ``check``: payload index ->
+        float item size (4 or 8) of payloads whose values should be checked finite as
+        they are copied (those found so are in ``Inbound.finite``).  ``into``: where the
         caller wants payload ``i``'s bytes (a uint8 array of its length; others, and
         other lengths, get fresh arrays).  ``stage``: up to that many bytes of the others
         go into regions of this process's own arena (:meth:`reserve`), to be sent on with
@@ -648,6 +668,7 @@ class SharedMemory:
             raise ProtocolError("shared memory 'done' must be a list of tokens")
         self.free(done, reader=reader)
         descs = _descriptors(info.get("d", []))
+        finite: set[int] = set()
         rest = {k: v for k, v in header.items() if k != KEY}
         out = list(frames)
         out[1] = msgpack.packb(rest, use_bin_type=True)
@@ -670,8 +691,16 @@ class SharedMemory:
                     target = self.reserve(d[5])
                     if target is not None:
                         stage -= d[5]
-                out[i] = self.mapper.read(d[1:], target).data
-        return Inbound(out, rest, info.get("r") is True and info.get("h") == self.host, list(done))
+                itemsize = check.get(d[0], 0) if check else 0
+                if itemsize:
+                    got, ok = self.mapper.read_finite(d[1:], target, itemsize)
+                    if ok:
+                        finite.add(d[0])
+                else:
+                    got = self.mapper.read(d[1:], target)
+                out[i] = got.data
+        reply_ok = info.get("r") is True and info.get("h") == self.host
+        return Inbound(out, rest, reply_ok, list(done), frozenset(finite))
 
     def housekeeping(self, now: float | None = None) -> None:
         """Drop mappings of peers that are gone (at most every :data:`SWEEP_S`); a
@@ -774,6 +803,7 @@ class _Off(SharedMemory):
         *,
         stage: int = 0,
         reader: bytes = b"",
+        check: Mapping[int, int] | None = None,
     ) -> Inbound:
         info = header.get(KEY)
         if isinstance(info, dict) and info.get("d"):

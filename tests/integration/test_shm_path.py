@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from zps import shm
+from zps import errors, shm
 from zps.client.client import Client, connect
 from zps.init import Zeros
 from zps.optim import SGD
@@ -848,3 +848,26 @@ async def test_a_reader_paused_mid_pull_gets_a_whole_version_after_it_continues(
             reader.kill()
             reader.wait(10)
         assert (await ps.pull_dense("paused") == newest).all()
+
+
+async def test_a_gradient_read_from_shared_memory_is_checked_as_it_is_read(
+    lending: LocalCluster,
+) -> None:
+    """A shard checks a large gradient's values as it copies them out of a client's
+    memory (one pass): a NaN or an infinity is still refused, naming what is wrong,
+    and changes nothing (here one in every chunk: each chunk is an operation of its
+    own); a finite one is applied."""
+    chunk = 1 << 19  # elements of a 2 MiB float32 chunk
+    async with connect(lending.address, timeout=20) as ps:
+        assert ps._shm is not None
+        await ps.create_dense("checked", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
+        reads = _lend_metric("zps_shard_shm_read_frames_total")
+        for at, bad in ((0, np.nan), (chunk - 1, np.inf), (chunk // 2 + 3, -np.inf)):
+            g = np.ones(ELEMS, np.float32)
+            g[at::chunk] = bad
+            with pytest.raises(errors.BadRequestError, match="NaN or infinity"):
+                await ps.push_dense("checked", g)
+        assert _lend_metric("zps_shard_shm_read_frames_total") > reads  # read from memory
+        assert (await ps.pull_dense("checked") == 0).all()
+        await ps.push_dense("checked", np.ones(ELEMS, np.float32))
+        assert (await ps.pull_dense("checked") == -LR).all()

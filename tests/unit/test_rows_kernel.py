@@ -152,3 +152,41 @@ def test_no_kernel_environment_turns_it_off() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_copy_finite_copies_and_finds_every_nan_and_infinity(
+    dtype: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy is the source's bytes, and it is reported finite exactly when numpy's
+    isfinite says so, whatever the position (the vector body and the tail) and value
+    (the largest finite, denormals and -0.0 are finite)."""
+    monkeypatch.setattr(rows, "KERNEL", True)
+    info = np.finfo(dtype)
+    rng = np.random.default_rng(9)
+    size = np.dtype(dtype).itemsize
+    for n in (1, 7, 1000, 4099):
+        src = rng.normal(0.0, 1.0, n).astype(dtype)
+        for at in sorted({0, n // 2, n - 1}):
+            for v in (np.nan, np.inf, -np.inf, info.max, -info.max, info.smallest_subnormal, -0.0):
+                x = src.copy()
+                x[at] = v
+                dst = np.full_like(x, 7.0)
+                got = rows.copy_finite(dst.view(np.uint8), x.view(np.uint8), size)
+                assert got == bool(np.isfinite(x).all()), (n, at, v)
+                assert dst.tobytes() == x.tobytes()
+    with pytest.raises(ValueError):
+        rows._rows.copy_finite(np.empty(8, np.uint8), np.empty(16, np.uint8), 4)
+    with pytest.raises(ValueError):
+        rows._rows.copy_finite(np.empty(8, np.uint8), np.empty(8, np.uint8), 2)
+
+
+def test_copy_finite_without_the_kernel_copies_and_knows_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(rows, "KERNEL", False)
+    src = np.arange(100, dtype=np.float32)
+    dst = np.zeros_like(src)
+    assert rows.copy_finite(dst.view(np.uint8), src.view(np.uint8), 4) is False
+    assert dst.tobytes() == src.tobytes()

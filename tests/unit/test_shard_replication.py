@@ -742,3 +742,27 @@ def test_a_replica_skips_the_finite_check_only_for_what_the_primary_applied_whol
     assert np.isnan(replica.store.dense("w").pull(0)[3])
     # A duplicate the primary answers from its record is not streamed, nor clean.
     assert handle(primary, good).statuses == ["OK", "OK"] and not primary.last_clean
+
+
+def test_payloads_known_finite_are_not_checked_again() -> None:
+    """``handle_request(finite=...)``: the payloads a shard checked as it read them
+    from a client's shared memory; their gradients are applied unchecked, the others
+    checked as usual."""
+    spec = DenseSpec("w", (8,), "float32", Zeros(), SGD(lr=0.5), 1, 8)
+    bad = np.ones(8, np.float32)
+    bad[0] = np.inf
+    for finite, status in (((), "BAD_REQUEST"), ((1,), "OK"), ((0,), "BAD_REQUEST")):
+        primary = primary_core()
+        handle(primary, request([create(spec)], seq=1))
+        ops = [push_dense("w", 0, np.ones(8, np.float32)), push_dense("w", 0, bad)]
+        msg = decode(request(ops, seq=2))
+        out, _ = primary.handle_request(msg.route, msg.header, msg.payloads, finite)
+        reply = decode([bytes(f) for f in out])
+        assert [r["st"] for r in reply.header["res"]] == ["OK", status], finite
+    # A float64 gradient for a float32 tensor is converted, and checked after (a
+    # finite 1e300 becomes an infinity in float32), known finite or not.
+    primary = primary_core()
+    handle(primary, request([create(spec)], seq=1))
+    msg = decode(request([push_dense("w", 0, np.full(8, 1e300))], seq=2))
+    out, _ = primary.handle_request(msg.route, msg.header, msg.payloads, (0,))
+    assert decode([bytes(f) for f in out]).header["res"][0]["st"] == "BAD_REQUEST"

@@ -525,3 +525,29 @@ def test_arrays_take_at_most_a_quarter_of_the_budget() -> None:
         assert sm.reserve_array((MiB // 8,), np.float64) is not None  # a's room, once gone
     finally:
         sm.close()
+
+
+def test_inbound_checks_the_frames_asked_as_it_reads_them() -> None:
+    """``check``: payload index -> float item size.  Those read and found finite are
+    in ``Inbound.finite``; a NaN or one not asked for is not (the receiver checks it
+    as usual); the bytes are those sent either way."""
+    sender = shm.SharedMemory(16 * MiB, "s", min_bytes=MiB)
+    receiver = shm.SharedMemory(MiB, "r", min_bytes=MiB)
+    try:
+        rng = np.random.default_rng(8)
+        good = rng.standard_normal(MiB // 2).astype(np.float32)
+        bad = good.copy()
+        bad[-1] = np.nan
+        other = rng.standard_normal(MiB // 4)  # float64, not asked for
+        frames, arrays = _request(good, bad, other)
+        out, _ = sender.outbound(frames)
+        got = receiver.inbound(out, decode(out).header, check={0: 4, 1: 4})
+        assert got.finite == {0}
+        msg = decode(got.frames)
+        for i, a in enumerate(arrays):
+            b = array_from(msg.header["ops"][i]["g"], msg.payloads, max_bytes=1 << 30)
+            assert b.tobytes() == a.tobytes()
+        assert receiver.inbound(out, decode(out).header).finite == frozenset()
+    finally:
+        sender.close()
+        receiver.close()

@@ -11,6 +11,10 @@
  * scatter(dst, pos, src)     dst[pos[i]] = src[i]
  *     Rows are copied as bytes; the row width is the size of out (gather) or src
  *     (scatter) divided by len(pos).  Every position is checked against the row count.
+ * copy_finite(dst, src, itemsize) -> bool
+ *     dst[:] = src (bytes, the same length), and whether every float of src is finite
+ *     (itemsize 4: float32, 8: float64), checked as it is copied: the check costs no
+ *     pass of its own over memory.  The GIL is released for the copy (megabytes).
  *
  * The GIL is held: each call is tens of microseconds, shorter than a thread switch.
  * Optional: without a compiler zps uses the numpy versions (same results).
@@ -233,11 +237,70 @@ static PyObject *gather(PyObject *self, PyObject *args) { return move(args, 0); 
 
 static PyObject *scatter(PyObject *self, PyObject *args) { return move(args, 1); }
 
+static PyObject *copy_finite(PyObject *self, PyObject *args)
+{
+    PyObject *o_dst, *o_src;
+    int itemsize;
+    if (!PyArg_ParseTuple(args, "OOi:copy_finite", &o_dst, &o_src, &itemsize))
+        return NULL;
+    if (itemsize != 4 && itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "itemsize must be 4 or 8");
+        return NULL;
+    }
+    Py_buffer dst, src;
+    if (PyObject_GetBuffer(o_dst, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(o_src, &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    if (dst.len != src.len || src.len % itemsize != 0) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        PyErr_SetString(PyExc_ValueError,
+                        "dst and src must have the same length, a whole number of items");
+        return NULL;
+    }
+    Py_ssize_t len = src.len;
+    uint64_t bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    /* Each item is loaded once, stored, and checked as loaded: what is checked is what
+     * was copied, whatever the source does meanwhile.  An exponent of all ones is an
+     * infinity or a NaN: adding one to the exponent field then carries into the sign
+     * bit, for no other exponent (ands, adds and ors: the loop vectorizes and runs at
+     * the speed of a memcpy). */
+    if (itemsize == 4) {
+        const uint32_t *x = (const uint32_t *)src.buf;
+        uint32_t *y = (uint32_t *)dst.buf, acc = 0;
+        for (Py_ssize_t i = 0; i < len / 4; i++) {
+            uint32_t v = x[i];
+            y[i] = v;
+            acc |= (v & 0x7f800000u) + 0x00800000u;
+        }
+        bad = acc >> 31;
+    } else {
+        const uint64_t *x = (const uint64_t *)src.buf;
+        uint64_t *y = (uint64_t *)dst.buf, acc = 0;
+        for (Py_ssize_t i = 0; i < len / 8; i++) {
+            uint64_t v = x[i];
+            y[i] = v;
+            acc |= (v & 0x7ff0000000000000ull) + 0x0010000000000000ull;
+        }
+        bad = acc >> 63;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return PyBool_FromLong(bad == 0);
+}
+
 static PyMethodDef methods[] = {
     {"split", split, METH_VARARGS,
      "split(ids, slot_map, pos_out, ids_out, counts_out): ids grouped by partition."},
     {"gather", gather, METH_VARARGS, "gather(src, pos, out): out[i] = src[pos[i]]."},
     {"scatter", scatter, METH_VARARGS, "scatter(dst, pos, src): dst[pos[i]] = src[i]."},
+    {"copy_finite", copy_finite, METH_VARARGS,
+     "copy_finite(dst, src, itemsize) -> bool: dst[:] = src; whether every float is finite."},
     {NULL, NULL, 0, NULL},
 };
 

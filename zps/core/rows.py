@@ -57,6 +57,17 @@ def put_rows(a: Array, pos: npt.NDArray[np.int64], values: Array) -> None:
     put_rows_numpy(a, pos, values)
 
 
+def copy_finite(dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], itemsize: int) -> bool:
+    """``dst[:] = src`` (bytes, the same length), and True if every float of the copy
+    (``itemsize`` 4: float32, 8: float64) is known to be finite: checked as it was
+    copied, in the same pass.  False: not known (a NaN or infinity, or no kernel: the
+    caller checks as usual)."""
+    if KERNEL and itemsize in (4, 8) and src.nbytes % itemsize == 0:
+        return bool(_rows.copy_finite(dst, src, itemsize))
+    dst[:] = src
+    return False
+
+
 def _kernel_ok(a: Array, pos: npt.NDArray[Any]) -> bool:
     return (
         pos.dtype == np.int64

@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -284,6 +284,9 @@ class ShardCore:
         #: message being re-run is such a one.
         self.last_clean = False
         self._checked = False
+        #: Payloads of the request being handled whose floats are known finite (checked
+        #: as they were read from a client's shared memory).
+        self._finite: Collection[int] = ()
         self._clock = clock
         self._cid = b""  # the client of the message being handled
         #: Export cuts: ``(epoch, n)`` -> the partition's values at one LSN (see op_cut).
@@ -384,9 +387,23 @@ class ShardCore:
         return self.handle_request(route, header, payloads)[0]
 
     def handle_request(
+        self,
+        route: Route,
+        header: dict[str, Any],
+        payloads: Sequence[BufferLike],
+        finite: Collection[int] = (),
+    ) -> tuple[list[BufferLike], bool]:
+        """Reply frames, and whether the message changed state (so must be replicated).
+        ``finite``: payloads whose floats are known finite (not checked again)."""
+        self._finite = finite
+        try:
+            return self._handle_request(route, header, payloads)
+        finally:
+            self._finite = ()
+
+    def _handle_request(
         self, route: Route, header: dict[str, Any], payloads: Sequence[BufferLike]
     ) -> tuple[list[BufferLike], bool]:
-        """Reply frames, and whether the message changed state (so must be replicated)."""
         self.stats.requests += 1
         self.stats.bytes_in += sum(len(p) for p in payloads)
         self.last_clean = False
@@ -549,7 +566,7 @@ class ShardCore:
         grad = self._array(op, "g", payloads)
         step = self._step(op)
         if step is None:
-            table.push(chunk, grad, finite=self._checked)
+            table.push(chunk, grad, finite=self._checked or self._known_finite(op))
             return OK
         start, stop = table.spec.chunk_range(chunk)
         if grad.shape != (stop - start,):
@@ -569,6 +586,11 @@ class ShardCore:
         )
         return OK
 
+    def _known_finite(self, op: dict[str, Any]) -> bool:
+        """Whether the gradient of ``op`` was checked finite as it was read."""
+        g = op.get("g")
+        return bool(self._finite) and isinstance(g, list) and bool(g) and g[0] in self._finite
+
     def op_pull_rows(
         self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
     ) -> dict[str, Any]:
@@ -582,7 +604,7 @@ class ShardCore:
         ids, grad = self._ids(op, payloads), self._array(op, "g", payloads)
         step = self._step(op)
         if step is None:
-            table.push(ids, grad, finite=self._checked)
+            table.push(ids, grad, finite=self._checked or self._known_finite(op))
             return OK
         if grad.shape != (ids.size, table.spec.dim):
             raise ShapeMismatchError(

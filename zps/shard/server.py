@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import math
 import os
 import re
 import socket
@@ -68,6 +69,7 @@ from zps.ops.metrics import (
 from zps.ops.security import load_curve_keys, load_key_roles, warn_if_exposed
 from zps.ops.systemd import Notifier
 from zps.protocol.codec import (
+    CODEC_RAW,
     PROTOCOL_VERSION,
     MsgType,
     Route,
@@ -117,6 +119,28 @@ def _mutates(header: dict[str, Any]) -> bool:
         isinstance(op, dict) and isinstance(op.get("op"), str) and op["op"] in MUTATIONS
         for op in ops
     )
+
+
+#: Item sizes of the gradient dtypes checked finite as they are read (see _grad_frames).
+_FLOAT_SIZES = {"float32": 4, "float64": 8}
+
+
+def _grad_frames(header: dict[str, Any]) -> dict[int, int]:
+    """Payload index -> item size of the raw float gradients of a request's pushes: read
+    from a client's shared memory, they are checked finite in the same pass."""
+    found: dict[int, int] = {}
+    ops = header.get("ops")
+    if not isinstance(ops, list):
+        return found
+    for op in ops:
+        if not isinstance(op, dict) or op.get("op") not in ("push_dense", "push_rows"):
+            continue
+        g = op.get("g")
+        if isinstance(g, list) and len(g) == 4 and type(g[0]) is int and g[3] == CODEC_RAW:
+            size = _FLOAT_SIZES.get(g[1]) if type(g[1]) is str else None
+            if size is not None:
+                found[g[0]] = size
+    return found
 
 
 def _from_broker(mtype: MsgType, header: dict[str, Any]) -> BrokerToShard | None:
@@ -1055,17 +1079,25 @@ class ShardServer:
         reply_route = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
         refusal = None
         shm_reply = False
+        finite: frozenset[int] = frozenset()
         try:
             msg = decode(bufs)
             if shm.KEY in msg.header:
                 # Payloads in the client's shared memory: copied here first, so what is
                 # applied, logged and replicated is this process's own (a write's into
                 # this process's arena, when followers read the stream from there).
-                stage = self._stream.stage_room() if _mutates(msg.header) else 0
-                got = (self._shm or shm.OFF).inbound(bufs, msg.header, stage=stage, reader=source)
+                mutates = _mutates(msg.header)
+                got = (self._shm or shm.OFF).inbound(
+                    bufs,
+                    msg.header,
+                    stage=self._stream.stage_room() if mutates else 0,
+                    reader=source,
+                    check=_grad_frames(msg.header) if mutates else None,
+                )
                 frames = bufs = got.frames
                 msg = decode(bufs)
                 shm_reply = got.reply_ok
+                finite = got.finite
         except shm.ShmUnavailableError as e:
             # The client sends it again (inline, if this shard cannot open its memory).
             refused = StatusReply(Status.OVERLOADED, f"shard {self.node_id}: {e}").to_wire()
@@ -1114,7 +1146,7 @@ class ShardServer:
             return
         prev = self.core.lsn
         t0 = time.perf_counter()
-        reply, changed = self.core.handle_request(route, msg.header, msg.payloads)
+        reply, changed = self.core.handle_request(route, msg.header, msg.payloads, finite)
         self._latency["write" if changed else "read"].observe(time.perf_counter() - t0)
         if shm_reply and self._shm is not None and self._shm.wants(reply):
             # The client copies the large frames; dense values are lent, not copied.
@@ -1194,7 +1226,7 @@ class ShardServer:
         """A dense chunk's place in the arena, for one large enough to be lent (None:
         the heap)."""
         sm = self._shm
-        if sm is None or int(np.prod(shape)) * dtype.itemsize < sm.min_bytes:
+        if sm is None or math.prod(shape) * dtype.itemsize < sm.min_bytes:
             return None
         return sm.reserve_array(shape, dtype)
 
