@@ -176,17 +176,22 @@ asyncio.run(main(sys.argv[1]))
 """.replace("ELEMS", str(ELEMS))
 
 
-async def test_sigkilled_worker_and_shard_mid_transfer_leave_nothing_behind(
-    replicated: LocalCluster, no_shm_left: None
-) -> None:
-    c = replicated
-    worker = subprocess.Popen(
-        [sys.executable, "-c", _WORKER, c.address],
+def _script(c: LocalCluster, source: str, *args: str) -> subprocess.Popen[str]:
+    """``source`` run by this interpreter in a process of its own, its output piped."""
+    return subprocess.Popen(
+        [sys.executable, "-c", source, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=c.env(),
         text=True,
     )
+
+
+async def test_sigkilled_worker_and_shard_mid_transfer_leave_nothing_behind(
+    replicated: LocalCluster, no_shm_left: None
+) -> None:
+    c = replicated
+    worker = _script(c, _WORKER, c.address)
     try:
         assert worker.stdout is not None
         for _ in range(5):  # pushes and pulls in flight all the time
@@ -349,12 +354,15 @@ async def test_a_shard_that_cannot_read_the_memory_gets_inline_frames(
 METRICS_PORT = free_port()
 
 
+def _one_shard(metrics_port: int) -> LocalCluster:
+    """One partition: every chunk on the one shard, its metrics at ``metrics_port``."""
+    return LocalCluster(partitions=1, shards=1, shard_args=["--metrics-port", str(metrics_port)])
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    """One partition: every chunk on the one shard, whose metrics are at METRICS_PORT."""
-    with LocalCluster(
-        partitions=1, shards=1, shard_args=["--metrics-port", str(METRICS_PORT)]
-    ) as c:
+    """One shard shared by the module's tests, its metrics at METRICS_PORT."""
+    with _one_shard(METRICS_PORT) as c:
         yield c
 
 
@@ -682,11 +690,9 @@ LEND_METRICS = free_port()
 
 @pytest.fixture
 def lending() -> Iterator[LocalCluster]:
-    """One shard holding every chunk, its metrics at LEND_METRICS, its arena's room
-    for dense values unspent by other tests."""
-    with LocalCluster(
-        partitions=1, shards=1, shard_args=["--metrics-port", str(LEND_METRICS)]
-    ) as c:
+    """One shard of its own, its metrics at LEND_METRICS: its arena's room for dense
+    values unspent by other tests."""
+    with _one_shard(LEND_METRICS) as c:
         yield c
 
 
@@ -812,13 +818,7 @@ async def test_a_reader_paused_mid_pull_gets_a_whole_version_after_it_continues(
     async with connect(c.address, timeout=20) as ps:
         await ps.create_dense("paused", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
         await ps.push_dense("paused", ones)
-        reader = subprocess.Popen(
-            [sys.executable, "-c", _READER, c.address, str(stop)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=c.env(),
-            text=True,
-        )
+        reader = _script(c, _READER, c.address, str(stop))
         try:
             assert reader.stdout is not None
             for _ in range(10):  # ten whole pulls, then it stops itself in the next
