@@ -87,6 +87,9 @@ async def chaos(kills: int, seed: int, interval: float, liveness: int) -> dict[s
 
 
 def main() -> int:
+    from zps.testing import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed run stops its cluster too
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1)

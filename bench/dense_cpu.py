@@ -287,6 +287,9 @@ def run(shm: bool, args: argparse.Namespace) -> dict[str, float]:
 
 
 def main() -> None:
+    from zps.testing import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed run stops its cluster too
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--pairs", type=int, default=2)

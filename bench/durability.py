@@ -152,6 +152,9 @@ def run_mode(mode: str, args: argparse.Namespace, in_flight: int) -> Result:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from zps.testing import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed run stops its cluster too
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per run")
     ap.add_argument("--partitions", type=int, default=2)

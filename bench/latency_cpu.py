@@ -132,6 +132,9 @@ def _row(name: str, p50: float, cpu: dict[str, dict[str, float]], n: int) -> Non
 
 
 def main() -> None:
+    from zps.testing import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed run stops its cluster too
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=2)

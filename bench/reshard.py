@@ -81,6 +81,9 @@ def summary(calls: list, since: float, until: float) -> dict:  # type: ignore[ty
 
 
 def main() -> int:
+    from zps.testing import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed run stops its cluster too
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, default=8_000_000)
     ap.add_argument("--dim", type=int, default=32)

@@ -182,6 +182,9 @@ def line(label: str, d: dict[str, Any]) -> str:
 
 
 def main() -> int:
+    from zps.testing import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed run stops its cluster too
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--blocks", type=int, default=10)
     ap.add_argument("--steps", type=int, default=300)

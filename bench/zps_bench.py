@@ -1111,6 +1111,9 @@ def targets(rows: list[dict[str, Any]], results: dict[str, Any]) -> list[dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
+    from zps.testing import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed run stops its cluster too
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes, < 1 minute (smoke check)")
     ap.add_argument("--json", metavar="PATH", help="write all results as JSON here")

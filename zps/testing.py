@@ -64,6 +64,14 @@ def scrape_metric(port: int, name: str, default: float | None = None) -> float:
     return float(m.group(1))
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit in the main thread, so a benchmark or script killed
+    by ``timeout`` or its service manager unwinds its ``with LocalCluster(...)`` blocks
+    and stops every process it started (by default SIGTERM ends it at once and leaves
+    them running)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, outside the kernel's
     ephemeral range and not handed out before by this process."""
