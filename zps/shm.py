@@ -434,6 +434,7 @@ class SharedMemory:
         min_bytes: int = MIN_BYTES,
         max_frame_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         host: str | None = None,
+        loan_after: float | None = None,
     ) -> None:
         key = host or host_key()
         if key is None:
@@ -442,6 +443,9 @@ class SharedMemory:
         self.budget = budget
         self.name = name
         self.reclaim_after = reclaim_after
+        #: How long a loan lasts unreported (see _expire_loans): ``reclaim_after`` unless
+        #: the owner may hold a reply longer before sending it.
+        self.loan_after = loan_after if loan_after is not None else reclaim_after
         self.min_bytes = min_bytes
         #: The largest frame read from a peer's memory (as zmq's MAXMSGSIZE for a frame).
         self.max_frame_bytes = max_frame_bytes
@@ -466,7 +470,9 @@ class SharedMemory:
         #: until the reader says it is done or ``reclaim_after`` passes.
         self._lent: dict[int, collections.deque[tuple[bytes, float, Any]]] = {}
         self.lent = 0  # reply frames named in a reserved region instead of copied
-        self.expired = 0  # loans ended by reclaim_after, the reader not done
+        self.expired = 0  # loans ended by loan_after, the reader not done
+        #: Regions a loan of which expired while younger ones still hold them.
+        self._tainted: set[int] = set()
         self.retokened = 0  # regions whose token changed for that
 
     @classmethod
@@ -477,12 +483,19 @@ class SharedMemory:
         *,
         reclaim_after: float | None = None,
         max_frame_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        loan_after: float | None = None,
     ) -> SharedMemory | None:
         """The path, or None when it is off (``budget`` 0, ``ZPS_NO_SHM``) or unavailable."""
         if budget <= 0 or disabled_by_env():
             return None
         try:
-            return cls(budget, name, reclaim_after=reclaim_after, max_frame_bytes=max_frame_bytes)
+            return cls(
+                budget,
+                name,
+                reclaim_after=reclaim_after,
+                max_frame_bytes=max_frame_bytes,
+                loan_after=loan_after,
+            )
         except ShmUnavailableError:
             return None
 
@@ -586,7 +599,7 @@ class SharedMemory:
         :meth:`free` and :func:`tokens` once the receiver has read them; a frame that is
         a :meth:`reserve` region's bytes is named as it is, not copied; with
         ``lend_to``, the reader, it is kept referred to until that reader's ``done``
-        names it, or ``reclaim_after`` passes and its token changes).  ``reuse``:
+        names it, or ``loan_after`` passes and its token changes).  ``reuse``:
         the descriptors an earlier sending of the same frames took (a re-send copies
         nothing again).  ``reply_ok`` and ``done`` go into the header for the receiver.
         Frames the budget has no room for stay inline; with nothing to say, the frames
@@ -730,16 +743,21 @@ class SharedMemory:
                         break
                 if not loans:
                     del self._lent[t]
+                    if t in self._tainted:  # a loan of it expired: see _expire_loans
+                        self._tainted.discard(t)
+                        self._retoken(t)
             elif t not in self._staged_tokens:
                 self._arena.free(t)
 
     def _expire_loans(self, now: float) -> None:
-        """End the loans older than ``reclaim_after``: an array still held (a tensor's
-        values) gets a new token before its owner may change it in place, so a reader
-        that took that long finds its region changed and asks again."""
-        if self.reclaim_after is None or not self._lent:
+        """End the loans older than ``loan_after``.  Once a region's last loan has ended,
+        if any of them expired, an array still held there (a tensor's values) gets a new
+        token before its owner may change it in place: a reader that took that long
+        finds its region changed and asks again.  (Not before: the younger loans' readers
+        would be refused for nothing, and the array cannot change while they hold it.)"""
+        if self.loan_after is None or not self._lent:
             return
-        cutoff = now - self.reclaim_after
+        cutoff = now - self.loan_after
         stale = []
         for token, loans in self._lent.items():
             if loans[0][1] > cutoff:
@@ -749,18 +767,25 @@ class SharedMemory:
                 self.expired += 1
             stale.append(token)
         for token in stale:
-            if not self._lent[token]:
+            if self._lent[token]:
+                self._tainted.add(token)
+            else:
                 del self._lent[token]
+                self._tainted.discard(token)
+                self._retoken(token)
+
+    def _retoken(self, token: int) -> None:
+        """A new token for region ``token``, if its array is still held (else it is gone,
+        freed with its token cleared)."""
         self._unstage()
-        for token in stale:
-            region = self._staged_tokens.pop(token, None)
-            if region is None or self._arena is None:
-                continue  # its array is gone: freed, its token cleared
-            new = self._arena.retoken(token)
-            if new is not None:
-                region[5] = new
-                self._staged_tokens[new] = region
-                self.retokened += 1
+        region = self._staged_tokens.pop(token, None)
+        if region is None or self._arena is None:
+            return
+        new = self._arena.retoken(token)
+        if new is not None:
+            region[5] = new
+            self._staged_tokens[new] = region
+            self.retokened += 1
 
     def stats(self) -> dict[str, int]:
         a = self._arena

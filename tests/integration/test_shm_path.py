@@ -736,7 +736,8 @@ async def test_a_worker_that_never_says_it_is_done_pins_a_chunk_for_seconds_only
 ) -> None:
     """A reader tells the shard it is done with a lent chunk in its next request to
     the partition.  One that sends none (paused, hung, its reply dropped) keeps the
-    old version alive for ``reclaim_after`` at most: other workers' pushes go on
+    old version alive for the loan's time at most (2 s after the replicas' stall
+    timeout, 2 s in this cluster: 4 s): other workers' pushes go on
     meanwhile (to a new copy), then the loan ends and the old version is freed."""
     ones = np.ones(ELEMS, np.float32)
     nbytes = ELEMS * 4
@@ -811,7 +812,7 @@ async def test_a_reader_paused_mid_pull_gets_a_whole_version_after_it_continues(
     lending: LocalCluster, tmp_path: Path
 ) -> None:
     """A worker stopped (SIGSTOP) in the middle of reading a pull's lent chunks for
-    longer than ``reclaim_after``: its loans expire, the chunks get new tokens, and
+    longer than its loans last: they expire, the chunks get new tokens, and
     pushes then change them in place; once it continues, the region it had still to
     read is refused and the pull asked for again, never read torn or stale."""
     c, ones, stop = lending, np.ones(ELEMS, np.float32), tmp_path / "stop"

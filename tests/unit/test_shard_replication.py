@@ -751,7 +751,13 @@ def test_payloads_known_finite_are_not_checked_again() -> None:
     spec = DenseSpec("w", (8,), "float32", Zeros(), SGD(lr=0.5), 1, 8)
     bad = np.ones(8, np.float32)
     bad[0] = np.inf
-    for finite, status in (((), "BAD_REQUEST"), ((1,), "OK"), ((0,), "BAD_REQUEST")):
+    cases: list[tuple[dict[int, str], str]] = [
+        ({}, "BAD_REQUEST"),
+        ({1: "float32"}, "OK"),  # the flag is what decides: an inf goes in
+        ({0: "float32"}, "BAD_REQUEST"),  # another payload's verdict
+        ({1: "float64"}, "BAD_REQUEST"),  # checked as another dtype: not this reading
+    ]
+    for finite, status in cases:
         primary = primary_core()
         handle(primary, request([create(spec)], seq=1))
         ops = [push_dense("w", 0, np.ones(8, np.float32)), push_dense("w", 0, bad)]
@@ -764,5 +770,39 @@ def test_payloads_known_finite_are_not_checked_again() -> None:
     primary = primary_core()
     handle(primary, request([create(spec)], seq=1))
     msg = decode(request([push_dense("w", 0, np.full(8, 1e300))], seq=2))
-    out, _ = primary.handle_request(msg.route, msg.header, msg.payloads, (0,))
+    out, _ = primary.handle_request(msg.route, msg.header, msg.payloads, {0: "float64"})
     assert decode([bytes(f) for f in out]).header["res"][0]["st"] == "BAD_REQUEST"
+
+
+def test_a_payload_named_twice_other_ways_is_not_known_finite() -> None:
+    """The verdict of a read holds for the payload read as one dtype: a request whose
+    operations name the same payload as two dtypes (float64 bytes that are float32
+    NaNs), or as a gradient and something else, gets no verdict for it."""
+    from zps.shard.server import _grad_frames
+
+    def g(i: int, dtype: str, codec: int = 0) -> list[Any]:
+        return [i, dtype, [4], codec]
+
+    def ops(*o: dict[str, Any]) -> dict[str, Any]:
+        return {"ops": list(o)}
+
+    assert _grad_frames(ops({"op": "push_dense", "t": "w", "chunk": 0, "g": g(0, "float32")})) == {
+        0: "float32"
+    }
+    twice = ops(
+        {"op": "push_dense", "t": "w", "chunk": 0, "g": g(0, "float32")},
+        {"op": "push_rows", "t": "e", "ids": g(1, "int64"), "g": g(0, "float64")},
+    )
+    assert _grad_frames(twice) == {}
+    as_ids = ops(
+        {"op": "push_dense", "t": "w", "chunk": 0, "g": g(0, "float32")},
+        {"op": "pull_rows", "t": "e", "ids": g(0, "int64")},
+    )
+    assert _grad_frames(as_ids) == {}
+    same = ops(
+        {"op": "push_dense", "t": "w", "chunk": 0, "g": g(0, "float32")},
+        {"op": "push_dense", "t": "w", "chunk": 1, "g": g(0, "float32")},
+    )
+    assert _grad_frames(same) == {0: "float32"}
+    zstd = ops({"op": "push_dense", "t": "w", "chunk": 0, "g": g(0, "float32", 1)})
+    assert _grad_frames(zstd) == {}

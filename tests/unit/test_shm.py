@@ -551,3 +551,32 @@ def test_inbound_checks_the_frames_asked_as_it_reads_them() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_an_expired_loan_retokens_only_once_the_younger_loans_end() -> None:
+    """A loan that expires while a younger one holds the region: the younger reader
+    still reads it (the array cannot change while lent); the token changes when the
+    last loan ends, before the owner may change it in place, so the expired reader's
+    late read is refused then.  ``loan_after`` sets the loans' time."""
+    owner = shm.SharedMemory(8 * MiB, "o", min_bytes=MiB, reclaim_after=0.5, loan_after=2.0)
+    reader = shm.SharedMemory(MiB, "r", min_bytes=MiB)
+    try:
+        values = owner.reserve_array((1, MiB // 2), np.float32)
+        assert values is not None
+        values[...] = 3.0
+        slow, _ = owner.outbound(_reply(values.reshape(-1)), lend_to=b"slow", now=100.0)
+        young, descs = owner.outbound(_reply(values.reshape(-1)), lend_to=b"b", now=101.9)
+        owner.housekeeping(now=101.0)  # past reclaim_after, not loan_after: nothing ends
+        assert owner.stats()["loans"] == 2
+        owner.housekeeping(now=102.1)  # the slow loan expires; the young one holds on
+        assert owner.expired == 1 and owner.retokened == 0
+        got = decode(reader.inbound(young, decode(young).header).frames)
+        assert array_from(got.header["a"][0], got.payloads, max_bytes=1 << 30).min() == 3.0
+        owner.free(shm.tokens(descs), reader=b"b")  # the last loan ends: a new token
+        assert owner.retokened == 1 and owner.stats()["loans"] == 0
+        values[...] = 4.0  # the owner may now change it in place
+        with pytest.raises(shm.ShmUnavailableError):
+            reader.inbound(slow, decode(slow).header)
+    finally:
+        owner.close()
+        reader.close()

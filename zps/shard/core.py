@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,7 @@ from zps.errors import (
 )
 from zps.init import generate
 from zps.protocol.codec import (
+    CODEC_RAW,
     TRAFFIC,
     BufferLike,
     CompressPolicy,
@@ -285,8 +286,8 @@ class ShardCore:
         self.last_clean = False
         self._checked = False
         #: Payloads of the request being handled whose floats are known finite (checked
-        #: as they were read from a client's shared memory).
-        self._finite: Collection[int] = ()
+        #: as they were read from a client's shared memory), with the dtype checked.
+        self._finite: Mapping[int, str] = {}
         self._clock = clock
         self._cid = b""  # the client of the message being handled
         #: Export cuts: ``(epoch, n)`` -> the partition's values at one LSN (see op_cut).
@@ -391,15 +392,16 @@ class ShardCore:
         route: Route,
         header: dict[str, Any],
         payloads: Sequence[BufferLike],
-        finite: Collection[int] = (),
+        finite: Mapping[int, str] | None = None,
     ) -> tuple[list[BufferLike], bool]:
         """Reply frames, and whether the message changed state (so must be replicated).
-        ``finite``: payloads whose floats are known finite (not checked again)."""
-        self._finite = finite
+        ``finite``: payload index -> the dtype its floats were found finite as (a raw
+        gradient of that dtype there is not checked again)."""
+        self._finite = finite or {}
         try:
             return self._handle_request(route, header, payloads)
         finally:
-            self._finite = ()
+            self._finite = {}
 
     def _handle_request(
         self, route: Route, header: dict[str, Any], payloads: Sequence[BufferLike]
@@ -587,9 +589,17 @@ class ShardCore:
         return OK
 
     def _known_finite(self, op: dict[str, Any]) -> bool:
-        """Whether the gradient of ``op`` was checked finite as it was read."""
+        """Whether the gradient of ``op`` was checked finite as it was read: its raw
+        payload, read as the dtype it was checked as (not merely the same frame)."""
         g = op.get("g")
-        return bool(self._finite) and isinstance(g, list) and bool(g) and g[0] in self._finite
+        return (
+            bool(self._finite)
+            and isinstance(g, list)
+            and len(g) == 4
+            and type(g[0]) is int
+            and g[3] == CODEC_RAW
+            and self._finite.get(g[0]) == g[1]
+        )
 
     def op_pull_rows(
         self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder

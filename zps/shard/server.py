@@ -125,21 +125,36 @@ def _mutates(header: dict[str, Any]) -> bool:
 _FLOAT_SIZES = {"float32": 4, "float64": 8}
 
 
-def _grad_frames(header: dict[str, Any]) -> dict[int, int]:
-    """Payload index -> item size of the raw float gradients of a request's pushes: read
-    from a client's shared memory, they are checked finite in the same pass."""
-    found: dict[int, int] = {}
+def _grad_frames(header: dict[str, Any]) -> dict[int, str]:
+    """Payload index -> dtype of the raw float gradients of a request's pushes: read from
+    a client's shared memory, they are checked finite in the same pass.  A payload some
+    operation names otherwise (another dtype or codec) is left out: the verdict must
+    hold for every reading of those bytes (see ShardCore._known_finite)."""
+    found: dict[int, str] = {}
+    mixed: set[int] = set()
     ops = header.get("ops")
     if not isinstance(ops, list):
         return found
     for op in ops:
-        if not isinstance(op, dict) or op.get("op") not in ("push_dense", "push_rows"):
+        if not isinstance(op, dict):
             continue
-        g = op.get("g")
-        if isinstance(g, list) and len(g) == 4 and type(g[0]) is int and g[3] == CODEC_RAW:
-            size = _FLOAT_SIZES.get(g[1]) if type(g[1]) is str else None
-            if size is not None:
-                found[g[0]] = size
+        push = op.get("op") in ("push_dense", "push_rows")
+        for key, g in op.items():  # every array the operation names
+            if not (isinstance(g, list) and len(g) == 4 and type(g[0]) is int):
+                continue
+            if (
+                push
+                and key == "g"
+                and g[3] == CODEC_RAW
+                and type(g[1]) is str
+                and g[1] in _FLOAT_SIZES
+                and found.get(g[0], g[1]) == g[1]
+            ):
+                found[g[0]] = g[1]
+            else:
+                mixed.add(g[0])
+    for i in mixed:
+        found.pop(i, None)
     return found
 
 
@@ -253,6 +268,9 @@ class ShardServer:
             "shard",
             reclaim_after=SHM_RECLAIM_S,
             max_frame_bytes=config.max_message_bytes,
+            # A reply lending a chunk may wait for the replicas (up to their stall
+            # timeout) before it is sent: its loan must outlast that wait.
+            loan_after=SHM_RECLAIM_S + 2 * config.heartbeat.interval * config.heartbeat.liveness,
         )
         if self._shm is not None:
             # Large dense chunks live in the arena: a pull's reply lends them (named,
@@ -607,9 +625,9 @@ class ShardServer:
             )
             yield counter(
                 "zps_shard_shm_loans_expired",
-                "Loans of dense chunks whose reader had not said it was done after "
-                f"{SHM_RECLAIM_S}s: a chunk still held gets a new token, so a late read is "
-                "refused and asked for again",
+                "Loans of dense chunks whose reader had not said it was done in time "
+                f"({SHM_RECLAIM_S}s after the longest a reply may wait for the replicas): a "
+                "chunk still held gets a new token, so a late read is refused and asked again",
                 shm_stats["expired"],
             )
             yield gauge(
@@ -1079,7 +1097,7 @@ class ShardServer:
         reply_route = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
         refusal = None
         shm_reply = False
-        finite: frozenset[int] = frozenset()
+        finite: dict[int, str] = {}
         try:
             msg = decode(bufs)
             if shm.KEY in msg.header:
@@ -1087,17 +1105,18 @@ class ShardServer:
                 # applied, logged and replicated is this process's own (a write's into
                 # this process's arena, when followers read the stream from there).
                 mutates = _mutates(msg.header)
+                grads = _grad_frames(msg.header) if mutates else {}
                 got = (self._shm or shm.OFF).inbound(
                     bufs,
                     msg.header,
                     stage=self._stream.stage_room() if mutates else 0,
                     reader=source,
-                    check=_grad_frames(msg.header) if mutates else None,
+                    check={i: _FLOAT_SIZES[d] for i, d in grads.items()},
                 )
                 frames = bufs = got.frames
                 msg = decode(bufs)
                 shm_reply = got.reply_ok
-                finite = got.finite
+                finite = {i: grads[i] for i in got.finite}
         except shm.ShmUnavailableError as e:
             # The client sends it again (inline, if this shard cannot open its memory).
             refused = StatusReply(Status.OVERLOADED, f"shard {self.node_id}: {e}").to_wire()
@@ -1228,7 +1247,11 @@ class ShardServer:
         sm = self._shm
         if sm is None or math.prod(shape) * dtype.itemsize < sm.min_bytes:
             return None
-        return sm.reserve_array(shape, dtype)
+        try:
+            return sm.reserve_array(shape, dtype)
+        except OSError as e:  # the arena could not be made (memfd, mmap): the heap
+            log.warning("a dense chunk on the heap: shared memory failed (%s)", e)
+            return None
 
     def _link_full(self) -> bool:
         """Too much is held for the broker to take a request whose reply may be a full

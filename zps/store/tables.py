@@ -772,8 +772,10 @@ class DenseTensor:
             states = tuple(state[k] for k in self._kstate)
             g = np.ascontiguousarray(g).reshape(1, -1)
             into = self._own(values, copy=True, fill=False) if lent else values
-            _kernel.push(self._kopt, None, None, _ROW0, False, None, 0, g, into, states,
-                         None, None, True, values if lent else None)  # fmt: skip
+            status = _kernel.push(self._kopt, None, None, _ROW0, False, None, 0, g, into,
+                                  states, None, None, True, values if lent else None)  # fmt: skip
+            if status != _kernel.OK:  # never for a dense chunk's optimizers; not installed
+                raise RuntimeError(f"the kernel declined a dense update (status {status})")
             self._values[chunk] = into
         else:
             if lent:
