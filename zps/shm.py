@@ -467,7 +467,7 @@ class SharedMemory:
         #: Reserved regions named in replies (``lend_to``), by the token the reader was
         #: told: (reader, when, the frame), oldest first.  The frame keeps its array
         #: referred to, so its owner changes a copy instead (see DenseTensor.push),
-        #: until the reader says it is done or ``reclaim_after`` passes.
+        #: until the reader says it is done or ``loan_after`` passes.
         self._lent: dict[int, collections.deque[tuple[bytes, float, Any]]] = {}
         self.lent = 0  # reply frames named in a reserved region instead of copied
         self.expired = 0  # loans ended by loan_after, the reader not done
