@@ -2,7 +2,7 @@
 """CPU per dense step of every process, with the shared-memory path on and off.
 
     python bench/dense_cpu.py [--seconds 5] [--pairs 2] [--workers 2] [--pipelined]
-                              [--replication 1] [--ray] [--sparse]
+                              [--replication 1] [--ray] [--sparse] [--copy]
 
 Starts a local cluster (2 partitions, ``--replication`` copies) and ``--workers``
 worker processes, each pulling and pushing one 16 MiB float32 tensor (plain SGD) in a
@@ -10,6 +10,9 @@ loop, as ``bench/peers.py --only dense`` does; after a warm-up it counts the ste
 ``--seconds`` and the CPU time (user + system, ``/proc/PID/stat``) the broker, the
 shards and the workers spent meanwhile.  Each pair runs the path on, then off
 (``ZPS_NO_SHM=1`` for every process), back to back, each on a fresh cluster.
+The gradient is pushed from the client's ``gradient_buffer`` (sent with no copy on
+one host), as ``bench/peers.py`` does; ``--copy`` pushes it from a plain array
+instead (copied into the client's shared memory at each push).
 
 ``--ray`` adds, to each pair, Ray's actor PS doing the same steps (the dense step of
 ``bench/peers.py``: a PS actor and ``--workers`` worker actors), with the CPU of every
@@ -47,9 +50,9 @@ malloc.tune()
 
 PREPARE
 
-async def main(address, seconds, pipelined, seed):
+async def main(address, seconds, pipelined, seed, copy):
     async with zps.connect(address) as ps:
-        step, warmup = await prepare(ps, np.random.default_rng(seed), pipelined)
+        step, warmup = await prepare(ps, np.random.default_rng(seed), pipelined, copy)
         for _ in range(warmup):
             await step()
         print("READY", flush=True)
@@ -61,13 +64,19 @@ async def main(address, seconds, pipelined, seed):
         await ps.flush()
         print("STEPS", n, time.process_time() - cpu, flush=True)
 
-asyncio.run(main(sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])))
+asyncio.run(
+    main(sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4]), sys.argv[5] == "1")
+)
 """
 
 DENSE = """
-async def prepare(ps, rng, pipelined):
+async def prepare(ps, rng, pipelined, copy):
     await ps.create_dense("d", shape=(ELEMS,), optimizer=zps.optim.SGD(lr=0.01))
     grad = rng.standard_normal(ELEMS, dtype=np.float32) * 1e-3
+    if not copy:  # as a model's gradient, written where it is sent from
+        buf = await ps.gradient_buffer("d")
+        buf[:] = grad
+        grad = buf
     values = np.empty(ELEMS, dtype=np.float32)
 
     async def step():
@@ -90,7 +99,7 @@ def zipf_ids(rng, n=BATCH):
         if uniq.size >= n:
             return uniq[np.argsort(first)][:n].copy()
 
-async def prepare(ps, rng, pipelined):
+async def prepare(ps, rng, pipelined, copy):
     await ps.create_embedding(
         "s", dim=DIM, init=zps.init.Uniform(-0.01, 0.01), optimizer=zps.optim.SGD(lr=0.05)
     )
@@ -239,6 +248,7 @@ def run(shm: bool, args: argparse.Namespace) -> dict[str, float]:
                         str(args.seconds),
                         "1" if args.pipelined else "0",
                         str(i),
+                        "1" if args.copy else "0",
                     ],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -298,6 +308,9 @@ def main() -> None:
     ap.add_argument("--pipelined", action="store_true")
     ap.add_argument("--ray", action="store_true", help="also Ray's actor PS, in each pair")
     ap.add_argument("--sparse", action="store_true", help="the sparse step instead")
+    ap.add_argument(
+        "--copy", action="store_true", help="push from a plain array, not a gradient buffer"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     results = []

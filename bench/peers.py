@@ -7,7 +7,11 @@
 The same workloads go through every system, on loopback, one after the other:
 
 * dense: one 16 MiB float32 tensor (plain SGD); a step pulls it and pushes a
-  same-size gradient.  GB/s counts the pulled plus the pushed bytes.
+  same-size gradient.  GB/s counts the pulled plus the pushed bytes.  Each system
+  pulls into a buffer of its own and pushes a gradient already in memory: Ray's and
+  torch's from a numpy array, zps's from the client's ``gradient_buffer`` (where a
+  zps user's model writes its gradient; the shards read it there, no copy made to
+  send it).
 * sparse: a 1,000,000 x 32 float32 table (plain SGD); a step pulls 4,096 unique
   Zipf ids (precomputed) and pushes their gradients.  rows/s counts the 4,096
   rows of a step once.

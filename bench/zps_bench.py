@@ -463,6 +463,11 @@ async def zps_client(args: dict[str, Any]) -> None:
                 optimizer=zps.optim.SGD(lr=0.01),
             )
             grad = rng.standard_normal(DENSE_ELEMS, dtype=np.float32) * np.float32(1e-3)
+            # The gradient lives where a model's would: in the client's gradient buffer
+            # (on one host the shards read it from there, with no copy to send it).
+            buf = await ps.gradient_buffer(name)
+            buf[:] = grad
+            grad = buf
 
             values = np.empty(DENSE_ELEMS, dtype=np.float32)
 

@@ -5,9 +5,13 @@ payload frame of at least :data:`MIN_BYTES` whose sender and final receiver shar
 host travels as a region of the sender's shared memory instead, and the frame itself
 becomes empty.  The header then carries, under :data:`KEY`, a map::
 
-    {"h": host key, "d": [[frame, pid, fd, inode, offset, length, token], ...],
+    {"h": host key, "d": [[frame, pid, fd, inode, offset, length, token(, skip)], ...],
      "r": true,            # (requests) the sender takes large reply frames this way
      "done": [token, ...]} # (requests) reply regions of the receiver it has read
+
+A descriptor with ``skip`` names ``length`` bytes from ``skip`` bytes into the region's
+data (a slice of a client's :meth:`SharedMemory.buffer`, such as one chunk of a dense
+gradient); without it, the region's data whole.
 
 Memory: each process has one arena, a ``memfd`` of at most its byte budget (pages
 are taken as they are first written).  A memfd has no name in ``/dev/shm``; a peer
@@ -325,9 +329,9 @@ class Mapper:
 
     def read(self, desc: Sequence[int], into: np.ndarray | None = None) -> np.ndarray:
         """The bytes of the region ``desc`` names (``[pid, fd, inode, offset, length,
-        token]``), copied into this process's memory: into ``into`` (a writable uint8
-        array of exactly that length: where the caller wants them, one copy fewer),
-        else a fresh array."""
+        token]``, or a slice of it with ``skip`` after), copied into this process's
+        memory: into ``into`` (a writable uint8 array of exactly that length: where the
+        caller wants them, one copy fewer), else a fresh array."""
         return self.read_finite(desc, into, 0)[0]
 
     def read_finite(
@@ -339,21 +343,24 @@ class Mapper:
         now = time.monotonic()
         if now - self.swept >= SWEEP_S:
             self.sweep(now=now)
-        pid, fd, inode, offset, length, token = desc
+        pid, fd, inode, offset, length, token = desc[:6]
+        skip = desc[6] if len(desc) > 6 else None
+        start = offset + HEAD_BYTES + (skip or 0)
         mm = self._open(pid, fd, inode)
-        if offset + HEAD_BYTES + length > len(mm):
+        if start + length > len(mm):
             raise ProtocolError(
                 f"shared memory region [{offset}, +{length}) is outside the segment "
                 f"of {len(mm)} bytes"
             )
         magic, have, declared = HEAD.unpack_from(mm, offset)
-        if magic != MAGIC or have != token or declared != length:
+        whole = declared == length if skip is None else skip + length <= declared
+        if magic != MAGIC or have != token or not whole:
             self.refused += 1
             raise ShmUnavailableError(
                 "the shared memory region was reused before it was read", permanent=False
             )
         out = into if into is not None and into.nbytes == length else np.empty(length, np.uint8)
-        src = np.frombuffer(mm, dtype=np.uint8, count=length, offset=offset + HEAD_BYTES)
+        src = np.frombuffer(mm, dtype=np.uint8, count=length, offset=start)
         finite = False
         if itemsize:
             finite = copy_finite(out, src, itemsize)
@@ -401,7 +408,7 @@ def _descriptors(value: object) -> list[list[int]]:
     for d in value:
         if (
             not isinstance(d, list)
-            or len(d) != 7
+            or len(d) not in (7, 8)
             or any(type(x) is not int or not 0 <= x < 1 << 64 for x in d)
         ):
             raise ProtocolError(f"bad shared memory descriptor {d!r}"[:200])
@@ -474,6 +481,11 @@ class SharedMemory:
         #: Regions a loan of which expired while younger ones still hold them.
         self._tainted: set[int] = set()
         self.retokened = 0  # regions whose token changed for that
+        #: Regions of :meth:`buffer` arrays, by the address of their data: (its end,
+        #: the region); and by token, how many requests name a slice of one now.
+        self._buffers: dict[int, tuple[int, list[int]]] = {}
+        self._buffer_uses: dict[int, int] = {}
+        self.buffered = 0  # frames named as a slice of a buffer instead of copied
 
     @classmethod
     def create(
@@ -549,6 +561,22 @@ class SharedMemory:
         weakref.finalize(arr, self._unstaged.append, (address, region, size))
         return arr
 
+    def buffer(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
+        """A new C-contiguous array of zeros in the arena, for the caller to fill and
+        send from (a dense gradient): as :meth:`reserve`, but any slice of it sent as a
+        payload frame is named, not copied (a descriptor with ``skip``).  Its region
+        gets a new token whenever no request names it any more (see :meth:`free`): a
+        copy of a finished request that reaches its reader late finds the region
+        changed and is refused, rather than read as the values written since.  None
+        when the budget has no room."""
+        arr = self._reserve(tuple(shape), np.dtype(dtype), counted=False)
+        if arr is None:
+            return None
+        arr.fill(0)  # pages of a reused region may hold an earlier array's bytes
+        region = self._staged[arr.ctypes.data]
+        self._buffers[arr.ctypes.data] = (arr.ctypes.data + arr.nbytes, region)
+        return arr
+
     def stage(self, data: np.ndarray) -> np.ndarray | None:
         """A copy of ``data`` (1-D, C-contiguous) in a region of the arena (see
         :meth:`reserve`), or None when the budget has no room."""
@@ -566,18 +594,29 @@ class SharedMemory:
             token = region[5]  # the current one (see _retoken)
             if self._staged.get(address) is region:
                 del self._staged[address]
+            if address in self._buffers and self._buffers[address][1] is region:
+                del self._buffers[address]
+                self._buffer_uses.pop(token, None)
             self._staged_tokens.pop(token, None)
             self.array_bytes -= counted
             if self._arena is not None:
                 self._arena.free(token)
 
-    def _staged_region(self, frame: Any) -> list[int] | None:
-        """The region of a frame that is exactly a staged copy's bytes (None: not one)."""
+    def _staged_region(self, frame: Any) -> tuple[list[int], int | None] | None:
+        """The region of a frame that is exactly a staged copy's bytes, with None; or
+        of a buffer the frame is a slice of, with the slice's start in it (None: not
+        one).  The frame must be contiguous (as any payload frame)."""
         if not self._staged:
             return None
         data = np.frombuffer(frame, dtype=np.uint8)
-        region = self._staged.get(data.ctypes.data)
-        return region if region is not None and region[4] == data.nbytes else None
+        address = data.ctypes.data
+        region = self._staged.get(address)
+        if region is not None and region[4] == data.nbytes and address not in self._buffers:
+            return region, None
+        for start, (end, region) in self._buffers.items():
+            if start <= address and address + data.nbytes <= end:
+                return region, address - start
+        return None
 
     def wants(self, frames: Sequence[Any]) -> bool:
         """Whether any payload frame of ``[route, header, payloads...]`` is large enough."""
@@ -616,10 +655,17 @@ class SharedMemory:
                 f = out[i]
                 if _nbytes(f) < self.min_bytes:
                     continue
-                region = self._staged_region(f)
-                if region is not None:
-                    descs.append([i - 2, *region])
+                named = self._staged_region(f)
+                if named is not None:
+                    region, skip = named
                     out[i] = b""
+                    if skip is not None:
+                        descs.append([i - 2, *region[:4], _nbytes(f), region[5], skip])
+                        self.buffered += 1
+                        token = region[5]  # (a re-send's frames are in ``reuse``)
+                        self._buffer_uses[token] = self._buffer_uses.get(token, 0) + 1
+                        continue
+                    descs.append([i - 2, *region])
                     self.named += 1
                     if lend_to is not None:
                         when = time.monotonic() if now is None else now
@@ -630,11 +676,11 @@ class SharedMemory:
                     continue
                 if full:
                     continue
-                region = self.arena.put(f, now)
-                if region is None:
+                put = self.arena.put(f, now)
+                if put is None:
                     full = True  # the budget is spent: the rest go inline
                     continue
-                descs.append([i - 2, *region])
+                descs.append([i - 2, *put])
                 out[i] = b""
         if not descs and not reply_ok and not done:
             return out, []
@@ -731,10 +777,19 @@ class SharedMemory:
     def free(self, tokens: Sequence[int], *, reader: bytes = b"") -> None:
         """The receiver (``reader``) is done with these regions: a region it was lent
         ends that loan (the oldest, if it had several); one of :meth:`reserve` goes
-        with its array instead."""
+        with its array instead, and one of :meth:`buffer` that no request names any
+        more gets a new token."""
         if self._arena is None:
             return
         for t in tokens:
+            uses = self._buffer_uses.get(t)
+            if uses is not None:
+                if uses > 1:
+                    self._buffer_uses[t] = uses - 1
+                else:
+                    del self._buffer_uses[t]
+                    self._retoken(t)
+                continue
             loans = self._lent.get(t)
             if loans is not None:
                 for i, loan in enumerate(loans):
@@ -797,6 +852,7 @@ class SharedMemory:
             "reclaimed": a.reclaimed if a else 0,
             "reserved": self.reserved,
             "named": self.named,
+            "buffered": self.buffered,
             "lent": self.lent,
             "loans": sum(len(v) for v in self._lent.values()),
             "expired": self.expired,

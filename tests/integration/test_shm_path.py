@@ -124,6 +124,13 @@ def replicated() -> Iterator[LocalCluster]:
         yield c
 
 
+@pytest.fixture
+def replicated_one() -> Iterator[LocalCluster]:
+    """One partition, two copies: a stopped primary may be failed over or not."""
+    with LocalCluster(partitions=1, shards=2, replication=2) as c:
+        yield c
+
+
 async def test_shared_memory_gives_the_bits_of_inline_frames_through_failover(
     replicated: LocalCluster, no_shm_left: None
 ) -> None:
@@ -474,6 +481,71 @@ async def test_a_push_that_does_not_wait_is_copied_once_into_shared_memory(
         assert sm.arena.puts == 3 * chunks  # the pulls' replies came the other way
         await fast.pull_dense("d1")  # a call after the pushes were answered frees them
         assert not sm._staged and sm.arena.live == 0, sm.stats()
+
+
+async def test_a_push_from_a_gradient_buffer_is_read_where_it_was_written(
+    cluster: LocalCluster,
+) -> None:
+    """A gradient written into ``gradient_buffer`` is read by the shard straight from
+    it: the client copies nothing (no region made by the pushes), each chunk is named
+    as a slice of the buffer, and the values are the inline client's, bit for bit."""
+    grads = _grads(3, 17)
+    async with _side_by_side(cluster.address, ("b1", "b2")) as (fast, inline):
+        sm = fast._shm
+        assert sm is not None
+        buf = await fast.gradient_buffer("b1")
+        assert buf.shape == (ELEMS,) and buf.dtype == np.float32 and not buf.any()
+        chunks = ELEMS * 4 // (2 << 20)
+        puts = sm.arena.puts
+        for g in grads:
+            buf[:] = g
+            buffered = sm.stats()["buffered"]
+            await fast.push_dense("b1", buf)
+            assert sm.stats()["buffered"] == buffered + chunks
+            await inline.push_dense("b2", g)
+        assert sm.arena.puts == puts  # no copy of any gradient was made to send it
+        got = await fast.pull_dense("b1")
+        assert got.tobytes() == (await inline.pull_dense("b2")).tobytes()
+
+
+async def _until(cond: object, timeout: float, what: str) -> None:
+    """Poll ``cond`` while the event loop runs (the clients' replies come meanwhile)."""
+    assert callable(cond)
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("shm_bytes", [64 << 20, 0], ids=["buffer", "inline"])
+async def test_a_push_given_up_on_never_sends_what_the_caller_writes_after(
+    replicated_one: LocalCluster, shm_bytes: int
+) -> None:
+    """A push whose caller stops waiting (cancelled while the primary is SIGSTOPped)
+    stays in flight, and is re-sent and applied once the shard answers again; the
+    caller, its call over, writes the next gradient into the same array.  What is
+    applied is the gradient of the push, never those later bytes: whether the
+    request is read late from the buffer's memory (a new token: refused), re-sent
+    (from a copy taken when the call ended), or sent inline."""
+    c, g = replicated_one, _grads(1, 19)[0]
+    async with connect(c.address, timeout=20, shm_bytes=shm_bytes) as ps:
+        await ps.create_dense("late", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
+        await ps.create_dense("twin", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
+        buf = await ps.gradient_buffer("late")
+        buf[:] = g
+        pid = c.shard_pid(0)
+        c.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(ps.push_dense("late", buf), 0.3)
+            buf[:] = 1e6  # the caller's next gradient: never applied
+        finally:
+            c.kill(pid, signal.SIGCONT)
+        await _until(lambda: not list(ps._session.in_flight()), 30, "the push applied")
+        await ps.push_dense("twin", g)
+        got = await ps.pull_dense("late")
+        assert got.tobytes() == (await ps.pull_dense("twin")).tobytes()
 
 
 async def test_a_pull_sharing_its_request_with_a_pipelined_push_lands_in_its_place(

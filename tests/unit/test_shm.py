@@ -357,6 +357,8 @@ def test_another_host_or_the_path_off_refuses_descriptors() -> None:
         {"h": "h", "d": [[0, 1, 2]]},
         {"h": "h", "d": [[0, 1, 2, 3, 4, 5, -1]]},
         {"h": "h", "d": [[0, 1, 2, 3, 4, 5, True]]},
+        {"h": "h", "d": [[0, 1, 2, 3, 4, 5, 6, -1]]},
+        {"h": "h", "d": [[0, 1, 2, 3, 4, 5, 6, 7, 8]]},
         {"h": "h", "done": ["a"]},
     ],
 )
@@ -580,3 +582,82 @@ def test_an_expired_loan_retokens_only_once_the_younger_loans_end() -> None:
     finally:
         owner.close()
         reader.close()
+
+
+def test_slices_of_a_buffer_are_named_where_they_are_and_never_copied() -> None:
+    """A gradient written into a buffer is sent chunk by chunk as slices of it: each
+    payload names its place in the buffer's region (``skip``), nothing is copied on
+    the sending side, and the receiver reads the same bits."""
+    sender = shm.SharedMemory(16 * MiB, "s", min_bytes=MiB)
+    receiver = shm.SharedMemory(MiB, "r", min_bytes=MiB)
+    try:
+        buf = sender.buffer((MiB,), np.float32)  # 4 MiB
+        assert buf is not None and buf.shape == (MiB,) and not buf.any()
+        buf[:] = np.random.default_rng(3).standard_normal(MiB).astype(np.float32)
+        half = MiB // 2
+        frames, arrays = _request(buf[:half], buf[half:])
+        out, descs = sender.outbound(frames)
+        assert sender.arena.puts == 1  # the buffer's own region only
+        assert [d[0] for d in descs] == [0, 1] and [d[7] for d in descs] == [0, half * 4]
+        assert [d[5] for d in descs] == [half * 4, half * 4] and out[2] == out[3] == b""
+        msg = decode(receiver.inbound(out, decode(out).header).frames)
+        for op, a in zip(msg.header["ops"], arrays, strict=True):
+            assert array_from(op["g"], msg.payloads, max_bytes=1 << 30).tobytes() == a.tobytes()
+        again, same = sender.outbound(frames, reuse=descs)
+        assert same == descs and again[2] == again[3] == b"" and sender.arena.puts == 1
+        assert sender.stats()["buffered"] == 2
+        # A descriptor past the region's end is refused, never read.
+        bad = [*descs[1][1:5], descs[1][5] + 4, *descs[1][6:]]
+        with pytest.raises(shm.ShmUnavailableError):
+            receiver.mapper.read(bad)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_buffer_gets_a_new_token_once_no_request_names_it() -> None:
+    """A request's copy that reaches its reader after the request is over (a duplicate,
+    a timed-out send) must not read what the caller wrote into the buffer since: once
+    the last request naming it is freed, its region has a new token, and the old
+    descriptor is refused.  While another request names it, it keeps its token."""
+    sender = shm.SharedMemory(16 * MiB, "s", min_bytes=MiB)
+    receiver = shm.SharedMemory(MiB, "r", min_bytes=MiB)
+    try:
+        buf = sender.buffer((MiB,), np.float32)
+        assert buf is not None
+        buf[:] = 1
+        first, _ = sender.outbound(_request(buf[: MiB // 2])[0])
+        second, _ = sender.outbound(_request(buf[MiB // 2 :])[0])
+        d1 = shm._descriptors(decode(first).header[shm.KEY]["d"])
+        d2 = shm._descriptors(decode(second).header[shm.KEY]["d"])
+        sender.free(shm.tokens(d1))  # the first is over; the second is not
+        assert sender.stats()["retokened"] == 0
+        receiver.inbound(first, decode(first).header)  # a late copy: still the same bytes
+        sender.free(shm.tokens(d2))
+        assert sender.stats()["retokened"] == 1
+        buf[:] = 2  # the caller's next gradient
+        for late in (first, second):
+            with pytest.raises(shm.ShmUnavailableError):
+                receiver.inbound(late, decode(late).header)
+        # The next request names it under its new token.
+        third, d3 = sender.outbound(_request(buf[: MiB // 2])[0])
+        assert d3[0][6] != d1[0][6]
+        got = decode(receiver.inbound(third, decode(third).header).frames)
+        assert (array_from(got.header["ops"][0]["g"], got.payloads, max_bytes=1 << 30) == 2).all()
+        # Its region goes with the array.
+        sender.free(shm.tokens(d3))
+        del buf, first, second, third, got
+        sender.outbound(_request(np.zeros(4, np.float32))[0])
+        assert sender.arena.live == 0 and not sender._buffers and not sender._buffer_uses
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_full_budget_gives_no_buffer() -> None:
+    sender = shm.SharedMemory(2 * MiB, "s", min_bytes=MiB)
+    try:
+        assert sender.buffer((MiB,), np.float32) is None  # 4 MiB
+        assert sender.buffer((MiB // 4,), np.float32) is not None
+    finally:
+        sender.close()

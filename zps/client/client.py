@@ -228,6 +228,20 @@ class Client(TrainingCalls):
                     place[:] = arr
         return out if out is not None else flat.reshape(spec.shape)
 
+    async def gradient_buffer(self, name: str) -> np.ndarray:
+        """Zeros shaped like dense tensor ``name``, for its gradient: write the gradient
+        there and ``push_dense(name, buf)`` sends it with no copy on this host.
+
+        The array is in this client's shared memory (``client.shm_bytes``; on the heap
+        when that is off or full: it works the same, with the copy).  A shard on the
+        same host reads the gradient straight from it while the push is in flight, so
+        the push must be waited for (the default, ``wait=True``) before the array is
+        written again; a ``wait=False`` push copies it first, as any array.  Keep the
+        array for every step: its memory is given back when it is gone.
+        """
+        spec = await self._dense_spec(name)
+        return self._buffer(spec.shape, spec.dtype)
+
     async def push_dense(self, name: str, grad: npt.ArrayLike, *, wait: bool = True) -> None:
         """Send a gradient; returns once every partition acknowledged its part.
 
@@ -255,7 +269,12 @@ class Client(TrainingCalls):
                     {"g": piece},
                 )
             )
-        await self._finish(futures, wait)
+        try:
+            await self._finish(futures, wait)
+        except BaseException:
+            if not copy:  # the caller may write ``grad`` now: nothing may read it later
+                self._detach(flat)
+            raise
 
     def _check_row(self, spec: EmbeddingSpec) -> int:
         """Calls are cut by rows: refuse, before sending anything, a table whose single

@@ -22,6 +22,7 @@ import collections
 import contextlib
 import functools
 import logging
+import math
 import os
 import socket
 import uuid
@@ -109,6 +110,10 @@ class _Op:
         for a in self.arrays.values():
             size += a.nbytes
         self.nbytes = max(size, self.reply_bytes)
+
+
+def _nbytes_of(frame: Any) -> int:
+    return frame.nbytes if isinstance(frame, memoryview | np.ndarray) else len(frame)
 
 
 def _bytes_of(a: np.ndarray) -> np.ndarray:
@@ -431,6 +436,41 @@ class Connection:
             self._flush_pending = True
             loop.call_soon(self._flush_soon)
         return fut
+
+    def _buffer(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        """Zeros of ``shape`` and ``dtype``, in this process's shared memory when it has
+        room (sent from there with no copy: :meth:`shm.SharedMemory.buffer`), else on
+        the heap."""
+        if self._shm is not None and math.prod(shape) * np.dtype(dtype).itemsize > 0:
+            buf = self._shm.buffer(shape, dtype)
+            if buf is not None:
+                return buf
+        return np.zeros(shape, dtype=dtype)
+
+    def _detach(self, arr: np.ndarray) -> None:
+        """A call that sent ``arr`` (the caller's memory) as it is ended before all its
+        requests were answered (an error, a cancellation): from now on the caller may
+        write ``arr``, so whatever may still be sent copies the bytes it holds now.
+        Requests in flight and operations not yet sent get copies of their frames that
+        share its memory; shared-memory regions named for them are let go (a region of
+        a :meth:`_buffer` then gets a new token, so a copy already on its way is
+        refused rather than read as what the caller writes next)."""
+        for req_id, body in self._session.in_flight():
+            shared = False
+            for i in range(1, len(body)):
+                f = body[i]
+                if _nbytes_of(f) and np.may_share_memory(np.asarray(f), arr):
+                    body[i] = bytes(f)
+                    shared = True
+            req = self._shm_reqs.get(req_id)
+            if shared and req is not None and self._shm is not None:
+                self._shm.free(shm.tokens(req.regions))
+                req.regions = []
+        for ops in self._queue.values():
+            for op in ops:
+                for key, a in op.arrays.items():
+                    if np.may_share_memory(a, arr):
+                        op.arrays[key] = a.copy()
 
     def _own(self, arr: np.ndarray) -> np.ndarray:
         """A copy of ``arr`` (1-D) that only this client holds, for a call that returns

@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeAlias, TypeVar
 
@@ -301,6 +302,14 @@ class ClientSession(Generic[T]):
         entry = self._table.get(req_id)
         if isinstance(entry, _Request):
             self._park(req_id, entry, now)
+
+    def in_flight(self) -> Iterator[tuple[int, list[Any]]]:
+        """The requests not yet answered, by id, each with the frames (header, then
+        payloads) it is re-sent with: the caller may replace a payload frame with a
+        copy of the same bytes (see ``Connection._detach``)."""
+        for req_id, entry in self._table.items():
+            if isinstance(entry, _Request):
+                yield req_id, entry.body
 
     def abandon(self, req_id: int, error: BaseException) -> list[Fail[T]]:
         """The driver could not send ``req_id``: it fails with ``error``."""

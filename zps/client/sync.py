@@ -133,6 +133,10 @@ class SyncClient:
     def pull_dense(self, name: str, *, out: np.ndarray | None = None) -> np.ndarray:
         return self._call(self._client.pull_dense(name, out=out))
 
+    def gradient_buffer(self, name: str) -> np.ndarray:
+        """See :meth:`zps.client.Client.gradient_buffer`."""
+        return self._call(self._client.gradient_buffer(name))
+
     def push_dense(self, name: str, grad: npt.ArrayLike, *, wait: bool = True) -> None:
         self._call(self._client.push_dense(name, grad, wait=wait))
 
