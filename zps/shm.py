@@ -314,6 +314,10 @@ class Mapper:
                     permanent=False,
                 )
             mm = mmap.mmap(f, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+        except ValueError as e:  # an empty file: no arena of a zps process
+            raise ShmUnavailableError(
+                f"cannot map shared memory {path}: {e}", permanent=True
+            ) from None
         except OSError as e:
             raise ShmUnavailableError(
                 f"cannot map shared memory {path}: {e.strerror}", permanent=True
@@ -410,6 +414,7 @@ def _descriptors(value: object) -> list[list[int]]:
             not isinstance(d, list)
             or len(d) not in (7, 8)
             or any(type(x) is not int or not 0 <= x < 1 << 64 for x in d)
+            or (len(d) == 8 and d[7] % 8)
         ):
             raise ProtocolError(f"bad shared memory descriptor {d!r}"[:200])
     return value
@@ -615,7 +620,9 @@ class SharedMemory:
             return region, None
         for start, (end, region) in self._buffers.items():
             if start <= address and address + data.nbytes <= end:
-                return region, address - start
+                # A slice starts 8-byte aligned (a reader's checked copy loads words):
+                # another is copied as any frame.
+                return (region, address - start) if (address - start) % 8 == 0 else None
         return None
 
     def wants(self, frames: Sequence[Any]) -> bool:

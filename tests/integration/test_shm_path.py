@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 
 from zps import errors, shm
 from zps.client.client import Client, connect
+from zps.client.sync import connect_sync as zps_sync
 from zps.init import Zeros
 from zps.optim import SGD
 from zps.testing import DataDirCluster, LocalCluster, free_port, scrape_metric
@@ -518,23 +520,30 @@ async def _until(cond: object, timeout: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest.mark.parametrize("shm_bytes", [64 << 20, 0], ids=["buffer", "inline"])
+BIG = 16 << 20  # 64 MiB of float32: more than the sockets' buffers hold
+
+
+@pytest.mark.parametrize("stopped", ["shard", "broker"])
+@pytest.mark.parametrize("shm_bytes", [256 << 20, 0], ids=["buffer", "inline"])
 async def test_a_push_given_up_on_never_sends_what_the_caller_writes_after(
-    replicated_one: LocalCluster, shm_bytes: int
+    replicated_one: LocalCluster, shm_bytes: int, stopped: str
 ) -> None:
-    """A push whose caller stops waiting (cancelled while the primary is SIGSTOPped)
-    stays in flight, and is re-sent and applied once the shard answers again; the
-    caller, its call over, writes the next gradient into the same array.  What is
-    applied is the gradient of the push, never those later bytes: whether the
-    request is read late from the buffer's memory (a new token: refused), re-sent
-    (from a copy taken when the call ended), or sent inline."""
-    c, g = replicated_one, _grads(1, 19)[0]
+    """A push whose caller stops waiting (cancelled while the primary, or the broker,
+    is SIGSTOPped) stays in flight, and is re-sent and applied once the cluster
+    answers again; the caller, its call over, writes the next gradient into the same
+    array.  What is applied is the gradient of the push, never those later bytes:
+    whether the request is read late from the buffer's memory (a new token: refused),
+    re-sent (from a copy taken when the call ended), or still in zmq's queue when the
+    call ended (sent inline: a copy, not the caller's memory)."""
+    c, g = replicated_one, np.random.default_rng(19).standard_normal(BIG, dtype=np.float32)
     async with connect(c.address, timeout=20, shm_bytes=shm_bytes) as ps:
-        await ps.create_dense("late", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
-        await ps.create_dense("twin", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
+        await ps.create_dense("late", (BIG,), init=Zeros(), optimizer=SGD(lr=LR))
+        await ps.create_dense("twin", (BIG,), init=Zeros(), optimizer=SGD(lr=LR))
         buf = await ps.gradient_buffer("late")
+        assert (ps._shm is not None and bool(ps._shm._buffers)) == bool(shm_bytes)
         buf[:] = g
-        pid = c.shard_pid(0)
+        broker = next(p for p in c.procs if p.name == "broker")
+        pid = c.shard_pid(0) if stopped == "shard" else broker.pid
         c.kill(pid, signal.SIGSTOP)
         try:
             with pytest.raises(TimeoutError):
@@ -546,6 +555,83 @@ async def test_a_push_given_up_on_never_sends_what_the_caller_writes_after(
         await ps.push_dense("twin", g)
         got = await ps.pull_dense("late")
         assert got.tobytes() == (await ps.pull_dense("twin")).tobytes()
+
+
+async def test_a_push_given_up_on_lets_a_buffer_go_that_another_call_names(
+    replicated_one: LocalCluster,
+) -> None:
+    """Two calls push the two halves of one buffer (two tensors) while the primary
+    is stopped; the first is given up on and its half written again at once.  The
+    buffer's region gets a new token although the second call's request still names
+    it (that one is asked again and applied as it was); neither the first push's
+    queued copy nor the second reads the first half's new bytes."""
+    c, n = replicated_one, ELEMS
+    g = np.random.default_rng(23).standard_normal(2 * n, dtype=np.float32)
+    async with connect(c.address, timeout=20) as ps:
+        await ps.create_dense("whole", (2 * n,))
+        for name in ("a", "b", "a2", "b2"):
+            await ps.create_dense(name, (n,), init=Zeros(), optimizer=SGD(lr=LR))
+        buf = await ps.gradient_buffer("whole")
+        buf[:] = g
+        retokened = ps._shm.stats()["retokened"]
+        pid = c.shard_pid(0)
+        c.kill(pid, signal.SIGSTOP)
+        try:
+            b = asyncio.ensure_future(ps.push_dense("b", buf[n:]))
+            # Sent first, in requests of its own (not batched with the first call's).
+            await _until(lambda: list(ps._session.in_flight()), 10, "the second call sent")
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(ps.push_dense("a", buf[:n]), 0.3)
+            assert ps._shm.stats()["retokened"] == retokened + 1
+            buf[:n] = 1e6
+        finally:
+            c.kill(pid, signal.SIGCONT)
+        await asyncio.wait_for(b, 30)
+        await _until(lambda: not list(ps._session.in_flight()), 30, "the pushes applied")
+        await ps.push_dense("a2", g[:n])
+        await ps.push_dense("b2", g[n:])
+        for x, y in (("a", "a2"), ("b", "b2")):
+            assert (await ps.pull_dense(x)).tobytes() == (await ps.pull_dense(y)).tobytes()
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_blocking_push_is_given_up_on_before_the_caller_goes_on(
+    replicated_one: LocalCluster,
+) -> None:
+    """The blocking client interrupted during a push (a signal handler raising in the
+    caller's thread, as Ctrl-C does) cancels the push in its loop and waits until it
+    has let the caller's buffer go: what the caller writes next is never applied."""
+    c = replicated_one
+    g = np.random.default_rng(29).standard_normal(ELEMS, dtype=np.float32)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise _Interrupted
+
+    with zps_sync(c.address, timeout=20) as ps:
+        ps.create_dense("sync", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
+        ps.create_dense("twin", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
+        buf = ps.gradient_buffer("sync")
+        assert ps.client._shm is not None and ps.client._shm._buffers
+        buf[:] = g
+        pid = c.shard_pid(0)
+        old = signal.signal(signal.SIGUSR1, interrupt)
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+        c.kill(pid, signal.SIGSTOP)
+        try:
+            timer.start()
+            with pytest.raises(_Interrupted):
+                ps.push_dense("sync", buf)
+            buf[:] = 1e6
+        finally:
+            timer.cancel()
+            signal.signal(signal.SIGUSR1, old)
+            c.kill(pid, signal.SIGCONT)
+        _wait_until(lambda: not list(ps.client._session.in_flight()), 30, "the push applied")
+        ps.push_dense("twin", g)
+        assert ps.pull_dense("sync").tobytes() == ps.pull_dense("twin").tobytes()
 
 
 async def test_a_pull_sharing_its_request_with_a_pipelined_push_lands_in_its_place(

@@ -358,6 +358,7 @@ def test_another_host_or_the_path_off_refuses_descriptors() -> None:
         {"h": "h", "d": [[0, 1, 2, 3, 4, 5, -1]]},
         {"h": "h", "d": [[0, 1, 2, 3, 4, 5, True]]},
         {"h": "h", "d": [[0, 1, 2, 3, 4, 5, 6, -1]]},
+        {"h": "h", "d": [[0, 1, 2, 3, 4, 5, 6, 4]]},  # a slice not 8-byte aligned
         {"h": "h", "d": [[0, 1, 2, 3, 4, 5, 6, 7, 8]]},
         {"h": "h", "done": ["a"]},
     ],
@@ -661,3 +662,27 @@ def test_a_full_budget_gives_no_buffer() -> None:
         assert sender.buffer((MiB // 4,), np.float32) is not None
     finally:
         sender.close()
+
+
+def test_a_slice_not_8_byte_aligned_is_copied_not_named() -> None:
+    sender = shm.SharedMemory(16 * MiB, "s", min_bytes=MiB)
+    try:
+        buf = sender.buffer((MiB + 1,), np.float32)
+        assert buf is not None
+        _, descs = sender.outbound(_request(buf[1:])[0])
+        assert len(descs) == 1 and len(descs[0]) == 7 and sender.stats()["buffered"] == 0
+    finally:
+        sender.close()
+
+
+def test_a_descriptor_naming_an_empty_file_is_refused(tmp_path: Path) -> None:
+    """Not a zps arena (an empty regular file the sender has open): refused as
+    unavailable shared memory, not an error escaping the reader."""
+    with open(tmp_path / "empty", "wb") as f:
+        ino = os.fstat(f.fileno()).st_ino
+        for desc in (
+            [os.getpid(), f.fileno(), ino, 0, 0, 1],
+            [os.getpid(), f.fileno(), ino, 0, 0, 1, 0],
+        ):
+            with pytest.raises(shm.ShmUnavailableError):
+                shm.Mapper().read(desc)

@@ -233,11 +233,12 @@ class Client(TrainingCalls):
         there and ``push_dense(name, buf)`` sends it with no copy on this host.
 
         The array is in this client's shared memory (``client.shm_bytes``; on the heap
-        when that is off or full: it works the same, with the copy).  A shard on the
-        same host reads the gradient straight from it while the push is in flight, so
-        the push must be waited for (the default, ``wait=True``) before the array is
-        written again; a ``wait=False`` push copies it first, as any array.  Keep the
-        array for every step: its memory is given back when it is gone.
+        when that is off or full, it is sent as any array).  A shard on the same host
+        reads the gradient straight from it while the push is in flight, so write it
+        again only once the push has returned; a ``wait=False`` push copies it first,
+        as any array.  A push that ends without its answer (an error, a timeout, a
+        cancellation) never sends what is written after.  Keep the array for every
+        step: its memory is given back when it is gone.
         """
         spec = await self._dense_spec(name)
         return self._buffer(spec.shape, spec.dtype)
@@ -267,6 +268,7 @@ class Client(TrainingCalls):
                     chunk_partition(name, c, self.cluster_map),
                     self._tagged({"op": "push_dense", "t": name, "chunk": c}),
                     {"g": piece},
+                    borrowed=not copy,
                 )
             )
         try:
@@ -376,6 +378,8 @@ class Client(TrainingCalls):
                 f"({id_arr.size}, {spec.dim}) for {id_arr.size} ids of dim {spec.dim}"
             )
         split = self._split(id_arr)
+        # One partition owns every id: the arrays go as they are, the caller's memory.
+        borrowed = wait and len(split.parts) == 1
         budget = self.config.message_budget
         futures: list[asyncio.Future[dict[str, Any]]] = []
         # Every partition's gradients in one gather, each partition's a run of it.
@@ -391,10 +395,21 @@ class Client(TrainingCalls):
             # A push too large for one message goes as several (see split_push): each
             # has its own sequence number, so each is applied exactly once.
             futures.extend(
-                self._submit(p, self._tagged({"op": "push_rows", "t": name}), {"ids": i, "g": x})
+                self._submit(
+                    p,
+                    self._tagged({"op": "push_rows", "t": name}),
+                    {"ids": i, "g": x},
+                    borrowed=borrowed,
+                )
                 for i, x in pieces
             )
-        await self._finish(futures, wait)
+        try:
+            await self._finish(futures, wait)
+        except BaseException:
+            if borrowed:  # the caller may write its arrays now: nothing may read them later
+                self._detach(g)
+                self._detach(id_arr)
+            raise
 
     def _split(self, ids: npt.NDArray[np.int64]) -> Split:
         """The ids grouped by partition (:func:`zps.core.rows.split_ids`), remembering

@@ -101,6 +101,9 @@ class _Op:
     #: Where the caller wants the reply's arrays, in order (a pulled tensor's pieces):
     #: those that come through shared memory are copied there directly.
     into: list[np.ndarray] | None = None
+    #: Its arrays are the caller's memory, for as long as the call waits: sent inline,
+    #: their frames are copies (zmq may read a frame after the call ended: _transmit).
+    borrowed: bool = False
     #: The operation's cost: the larger of its request and its reply payload (read
     #: several times per request, so computed once).
     nbytes: int = field(init=False, default=0)
@@ -112,8 +115,27 @@ class _Op:
         self.nbytes = max(size, self.reply_bytes)
 
 
-def _nbytes_of(frame: Any) -> int:
-    return frame.nbytes if isinstance(frame, memoryview | np.ndarray) else len(frame)
+def _copy_shared(frames: list[Any], arr: np.ndarray | None, *, start: int) -> bool:
+    """Replace the frames from ``start`` on that share ``arr``'s memory (None: any
+    array's) with copies of their bytes; whether any did (``bytes`` frames are copies
+    already)."""
+    shared = False
+    for i in range(start, len(frames)):
+        f = frames[i]
+        if (
+            isinstance(f, memoryview | np.ndarray)
+            and f.nbytes
+            and (arr is None or np.may_share_memory(f, arr))
+        ):
+            frames[i] = bytes(f)
+            shared = True
+    return shared
+
+
+def _copy_arrays(op: _Op, arr: np.ndarray) -> None:
+    for key, a in op.arrays.items():
+        if np.may_share_memory(a, arr):
+            op.arrays[key] = a.copy()
 
 
 def _bytes_of(a: np.ndarray) -> np.ndarray:
@@ -237,6 +259,7 @@ class Connection:
         self._shm_done: dict[int, list[int]] = {}  # reply regions read, told per partition
         self._shm_refused: set[str] = set()  # primaries that cannot open this client's memory
         self._shm_replies = self._shm is not None  # False: this client cannot open theirs
+        self._borrowing = False  # an operation of the caller's memory was ever sent
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -418,11 +441,13 @@ class Connection:
         *,
         reply_bytes: int = 0,
         into: list[np.ndarray] | None = None,
+        borrowed: bool = False,
     ) -> asyncio.Future[dict[str, Any]]:
         if self._closed:
             raise ClosedError("the client was closed")
         loop = self._loop or asyncio.get_running_loop()
-        op = _Op(body, arrays, loop.create_future(), reply_bytes, into=into)
+        op = _Op(body, arrays, loop.create_future(), reply_bytes, into=into, borrowed=borrowed)
+        self._borrowing |= borrowed
         # Calls are cut to the message budget; what still cannot fit would be cut off
         # by a socket's MAXMSGSIZE (a disconnect, then a timeout): refuse it here.
         if op.nbytes > self.config.max_message_bytes // 2:
@@ -451,26 +476,35 @@ class Connection:
         """A call that sent ``arr`` (the caller's memory) as it is ended before all its
         requests were answered (an error, a cancellation): from now on the caller may
         write ``arr``, so whatever may still be sent copies the bytes it holds now.
-        Requests in flight and operations not yet sent get copies of their frames that
-        share its memory; shared-memory regions named for them are let go (a region of
-        a :meth:`_buffer` then gets a new token, so a copy already on its way is
-        refused rather than read as what the caller writes next)."""
-        for req_id, body in self._session.in_flight():
-            shared = False
-            for i in range(1, len(body)):
-                f = body[i]
-                if _nbytes_of(f) and np.may_share_memory(np.asarray(f), arr):
-                    body[i] = bytes(f)
-                    shared = True
+        Requests in flight (the frames they are re-sent with, and their operations, which
+        a ``MOVED`` answer splits and sends anew), sends held back and operations not yet
+        sent get copies of whatever shares its memory.  (Frames zmq holds are copies
+        already: see :meth:`_transmit`.)  A :meth:`_buffer` region named for them gets a
+        new token: every request naming it lets its regions go (those still waited for
+        name it again when re-sent), so a copy already on its way is refused rather
+        than read as what the caller writes next."""
+        shm_ = self._shm
+        buffers: set[int] = set()  # tokens of buffer regions the detached requests named
+        for req_id, token, body in self._session.in_flight():
+            shared = _copy_shared(body, arr, start=1)
+            for op in token if isinstance(token, list) else ():
+                _copy_arrays(op, arr)
             req = self._shm_reqs.get(req_id)
-            if shared and req is not None and self._shm is not None:
-                self._shm.free(shm.tokens(req.regions))
+            if shared and req is not None:
+                buffers.update(d[6] for d in req.regions if len(d) == 8)
+                if shm_ is not None:
+                    shm_.free(shm.tokens(req.regions))
                 req.regions = []
+        if buffers and shm_ is not None:
+            for req in self._shm_reqs.values():
+                if any(d[6] in buffers for d in req.regions):
+                    shm_.free(shm.tokens(req.regions))
+                    req.regions = []
+        for _, frames in self._blocked:
+            _copy_shared(frames, arr, start=2)
         for ops in self._queue.values():
             for op in ops:
-                for key, a in op.arrays.items():
-                    if np.may_share_memory(a, arr):
-                        op.arrays[key] = a.copy()
+                _copy_arrays(op, arr)
 
     def _own(self, arr: np.ndarray) -> np.ndarray:
         """A copy of ``arr`` (1-D) that only this client holds, for a call that returns
@@ -631,6 +665,14 @@ class Connection:
         frames = send.frames
         if self._shm_reqs and send.req_id in self._shm_reqs:
             frames = self._shm_frames(send)
+        if self._borrowing:
+            ops = self._session.token(send.req_id)
+            if isinstance(ops, list) and any(op.borrowed for op in ops):
+                # zmq sends large frames without a copy, reading them when its I/O
+                # thread gets to them: maybe after the call has ended (a timeout, a
+                # cancellation) and the caller wrote its array again.
+                frames = list(frames)
+                _copy_shared(frames, None, start=2)
         if self._routers.routes:
             endpoint = self._routers.pick(send.frames, send.req_id)
             if endpoint:  # the partition's routing broker; never waited on
@@ -771,10 +813,19 @@ class Connection:
                 continue
             plan = resplit(op.body, op.arrays, op.reply_bytes, cmap)
             if plan is None:  # not on a slot (tables, describe...): where it was going
-                piece = self._submit(op.partition, op.body, op.arrays, reply_bytes=op.reply_bytes)
+                piece = self._submit(
+                    op.partition,
+                    op.body,
+                    op.arrays,
+                    reply_bytes=op.reply_bytes,
+                    borrowed=op.borrowed,
+                )
                 piece.add_done_callback(functools.partial(_pass_on, target=op.future))
                 continue
-            pieces = [self._submit(p, b, a, reply_bytes=r) for p, b, a, r in plan.pieces]
+            pieces = [
+                self._submit(p, b, a, reply_bytes=r, borrowed=op.borrowed)
+                for p, b, a, r in plan.pieces
+            ]
             joined = asyncio.gather(*pieces)
             joined.add_done_callback(functools.partial(_join_moved, target=op.future, plan=plan))
 

@@ -303,13 +303,18 @@ class ClientSession(Generic[T]):
         if isinstance(entry, _Request):
             self._park(req_id, entry, now)
 
-    def in_flight(self) -> Iterator[tuple[int, list[Any]]]:
-        """The requests not yet answered, by id, each with the frames (header, then
-        payloads) it is re-sent with: the caller may replace a payload frame with a
-        copy of the same bytes (see ``Connection._detach``)."""
+    def in_flight(self) -> Iterator[tuple[int, T, list[Any]]]:
+        """The requests not yet answered, by id, each with its token and the frames
+        (header, then payloads) it is re-sent with: the caller may replace a payload
+        frame with a copy of the same bytes (see ``Connection._detach``)."""
         for req_id, entry in self._table.items():
             if isinstance(entry, _Request):
-                yield req_id, entry.body
+                yield req_id, entry.token, entry.body
+
+    def token(self, req_id: int) -> T | None:
+        """The token of request ``req_id`` while it is not answered (None: no such)."""
+        entry = self._table.get(req_id)
+        return entry.token if isinstance(entry, _Request) else None
 
     def abandon(self, req_id: int, error: BaseException) -> list[Fail[T]]:
         """The driver could not send ``req_id``: it fails with ``error``."""

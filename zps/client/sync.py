@@ -28,6 +28,17 @@ from zps.optim import Optimizer
 T = TypeVar("T")
 
 
+#: How long an interrupted blocking call waits for its cancellation to be handled.
+_CANCEL_WAIT_S = 5.0
+
+
+async def _ending(coro: Coroutine[Any, Any, T], ended: threading.Event) -> T:
+    try:
+        return await coro
+    finally:
+        ended.set()
+
+
 def _new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
@@ -59,7 +70,20 @@ class SyncClient:
         return self._client
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        ended = threading.Event()
+        fut = asyncio.run_coroutine_threadsafe(_ending(coro, ended), self._loop)
+        try:
+            return fut.result()
+        except BaseException:
+            if not fut.done():
+                # Interrupted here (KeyboardInterrupt, a signal handler's exception):
+                # the call is cancelled in the loop's thread, and its ending (a push
+                # detaching the caller's memory: Client.push_dense) has run before
+                # the caller goes on.  A call cancelled before it started sets
+                # nothing: the wait then ends at its bound.
+                fut.cancel()
+                ended.wait(_CANCEL_WAIT_S)
+            raise
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
