@@ -23,8 +23,10 @@ import pytest
 from zps import errors, shm
 from zps.client.client import Client, connect
 from zps.client.sync import connect_sync as zps_sync
+from zps.core.routing import chunk_partition
 from zps.init import Zeros
 from zps.optim import SGD
+from zps.protocol.codec import Message, MsgType, Route
 from zps.testing import DataDirCluster, LocalCluster, free_port, scrape_metric
 
 pytestmark = pytest.mark.skipif(shm.host_key() is None, reason="no memfd or /proc here")
@@ -592,6 +594,46 @@ async def test_a_push_given_up_on_lets_a_buffer_go_that_another_call_names(
         await ps.push_dense("b2", g[n:])
         for x, y in (("a", "a2"), ("b", "b2")):
             assert (await ps.pull_dense(x)).tobytes() == (await ps.pull_dense(y)).tobytes()
+
+
+async def test_a_failed_push_whose_other_request_is_moved_sends_its_own_bytes(
+    replicated: LocalCluster,
+) -> None:
+    """A push fails at once (one chunk refused: a NaN) while its other partition's
+    request waits on a stopped primary; the caller then writes its buffer again.  An
+    answer ``MOVED`` to the waiting request (live resharding; given here as the
+    reply a shard sends) splits its operations and sends them anew: they carry the
+    push's own bytes, copied when the call failed, not the caller's new ones."""
+    c = replicated
+    async with connect(c.address, timeout=20) as ps:
+        await ps.create_dense("w", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
+        cmap = ps.cluster_map
+        spec = await ps._dense_spec("w")
+        parts = {ch: chunk_partition("w", ch, cmap) for ch in range(spec.n_chunks)}
+        assert set(parts.values()) == {0, 1}
+        buf = await ps.gradient_buffer("w")
+        buf[:] = 1.0
+        bad = next(ch for ch, p in parts.items() if p == 0)
+        buf[spec.chunk_range(bad)[0]] = np.nan  # partition 0 refuses that chunk at once
+        pid = c.shard_pid(1)
+        c.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(errors.BadRequestError):
+                await ps.push_dense("w", buf)
+            buf[:] = 1e6  # the caller's next gradient: never applied
+            [(req_id, ops, _)] = list(ps._session.in_flight())
+            assert not any(np.may_share_memory(op.arrays["g"], buf) for op in ops)
+            epoch = cmap.partitions[1].epoch
+            moved = Message(Route(MsgType.REPLY, 1, epoch, req_id), {"st": "MOVED"}, [])
+            await ps._dispatch(moved)
+        finally:
+            c.kill(pid, signal.SIGCONT)
+        await _until(lambda: not list(ps._session.in_flight()), 30, "the moved push applied")
+        got = await ps.pull_dense("w")
+        for ch, p in parts.items():
+            lo, hi = spec.chunk_range(ch)
+            want = 0.0 if ch == bad else -LR  # partition 0's other chunks applied at once
+            assert (got[lo:hi] == np.float32(want)).all(), (ch, p, np.unique(got[lo:hi]))
 
 
 class _Interrupted(Exception):
