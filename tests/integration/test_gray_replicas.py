@@ -301,3 +301,61 @@ async def test_a_replica_paused_past_the_liveness_timeout_never_leaves_writes_wa
             await asyncio.wait_for(task, 30)
         assert writer.pushes > 0
         assert await check_sums(c.address, [writer]) == []
+
+
+async def test_a_pipelined_pull_is_answered_while_a_paused_replica_holds_its_push() -> None:
+    """A pipelined step sends the last step's background push and this step's pull in one
+    request.  With the replica paused, the primary answers the pull at once (reads see
+    what it applied, as any read does) while the push's answer waits for the replica;
+    after the replica resumes, the push is acknowledged and applied exactly once."""
+    # A paused replica is dropped only after 5 s: the pull must not wait for that.
+    with LocalCluster(
+        partitions=1, shards=2, replication=2, heartbeat_interval=HB, liveness=50
+    ) as c:
+        ids = np.arange(64, dtype=np.int64)
+        ones = np.ones((64, DIM))
+        async with zps.connect(c.address, timeout=30.0) as ps:
+            await ps.create_embedding("t", dim=DIM, dtype="float64", optimizer=SGD(lr=1.0))
+            await ps.push_rows("t", ids, ones)  # the replica is in sync: acks="all" waits for it
+            replica = replicas(c)[0][0]
+            c.kill(replica, signal.SIGSTOP)
+            try:
+                # Both queued in one turn of the loop, so they go in one request.
+                push = asyncio.ensure_future(ps.push_rows("t", ids, ones, wait=False))
+                pull = asyncio.ensure_future(ps.pull_rows("t", ids))
+                await push  # a background push: returns once sent
+                got = await asyncio.wait_for(pull, 3.0)
+                np.testing.assert_array_equal(got, np.full((64, DIM), -2.0))  # saw the push
+                assert ps.stats.early_replies == 1
+                assert len(ps._session) == 1  # the push: not acknowledged by one copy alone
+            finally:
+                c.kill(replica, signal.SIGCONT)
+            await asyncio.wait_for(ps.flush(), 10.0)
+            assert len(ps._session) == 0
+            np.testing.assert_array_equal(await ps.pull_rows("t", ids), np.full((64, DIM), -2.0))
+        status = c.status()
+        assert status["partitions"][0]["epoch"] == 1  # no failover
+        assert in_sync(status) == {replicas(c)[0][1]}
+
+
+async def test_answers_to_pipelined_pushes_ride_on_the_next_replies() -> None:
+    """Pipelined steps with replication 2 (acks="all"): the answer to each step's
+    background push rides on the reply to the next step's request, not a message of its
+    own, and every push is applied exactly once."""
+    with LocalCluster(
+        partitions=2, shards=4, replication=2, heartbeat_interval=HB, liveness=LIVENESS
+    ) as c:
+        ids = np.arange(256, dtype=np.int64)
+        ones = np.ones((256, DIM))
+        async with zps.connect(c.address, timeout=30.0) as ps:
+            await ps.create_embedding("t", dim=DIM, dtype="float64", optimizer=SGD(lr=1.0))
+            await asyncio.to_thread(c.wait_healthy, 20)
+            for _ in range(100):
+                await ps.pull_rows("t", ids)
+                await ps.push_rows("t", ids, ones, wait=False)
+            await asyncio.wait_for(ps.flush(), 10.0)
+            # A request per partition and step; their pushes' answers mostly ride along.
+            assert ps.stats.early_replies >= 100
+            assert ps.stats.carried_acks > 0
+            got = await ps.pull_rows("t", ids)
+        np.testing.assert_array_equal(got, np.full((256, DIM), -100.0))

@@ -322,6 +322,68 @@ def test_acks_one_goes_in_the_header() -> None:
     assert "acks" not in only_send(submit(session(), "a")).header
 
 
+def submit_step(
+    s: ClientSession[str], token: str, *, lazy: bool = False, now: float = 0.0
+) -> list[Action[str]]:
+    """A pipelined step's request: a push and the next pull, in one message."""
+    enc = Encoder()
+    ops = [
+        {"op": "push_rows", "t": "emb", "ids": enc.array(np.arange(3)), "g": enc.array(np.ones(3))},
+        {"op": "pull_rows", "t": "emb", "ids": enc.array(np.arange(3))},
+    ]
+    return s.submit(0, ops, enc, token, now, lazy=lazy)
+
+
+def test_a_request_of_several_operations_takes_its_reply_in_two_parts() -> None:
+    s = session()
+    assert "er" not in only_send(submit(s, "one")).header  # one operation: one answer
+    msg = only_send(submit_step(s, "a"))
+    assert msg.header["er"] == 1 and "lz" not in msg.header
+    assert only_send(submit_step(s, "b", lazy=True)).header["lz"] == 1
+    # The reads first: delivered partial, and the request waits on for its writes.
+    early = reply(msg.route.req_id, res=[None, {"st": "OK"}], part=1)
+    [out] = s.on_reply(early, 0.1)
+    assert isinstance(out, Deliver) and out.partial and out.token == "a"
+    assert len(s) == 3 and s.stats.early_replies == 1
+    # Still timed and re-sent whole (same seq and body) as any request in flight.
+    resent = {m.route.req_id: m for m in sent(s.on_map(cmap(2, epoch=2), 0.2))}
+    assert resent[msg.route.req_id].header == msg.header
+    [final] = s.on_reply(reply(msg.route.req_id, res=[{"st": "OK"}, {"st": "OK"}]), 0.3)
+    assert isinstance(final, Deliver) and not final.partial and final.token == "a"
+    assert len(s) == 2
+    assert s.on_reply(reply(msg.route.req_id, res=[{"st": "OK"}, {"st": "OK"}]), 0.4) == []
+
+
+def test_a_failed_write_after_an_early_reply_fails_the_request() -> None:
+    s = session()
+    msg = only_send(submit_step(s, "a"))
+    s.on_reply(reply(msg.route.req_id, res=[None, {"st": "OK"}], part=1), 0.1)
+    [parked] = s.on_reply(reply(msg.route.req_id, "NOT_PRIMARY"), 0.2) or [None]
+    assert parked is None and len(s) == 1  # parked: re-sent, not failed
+    [out] = s.tick(TIMEOUT + 1)
+    assert isinstance(out, Fail) and isinstance(out.error, ZpsTimeoutError)
+
+
+def test_answers_to_background_writes_ride_on_another_reply() -> None:
+    s = session()
+    first = only_send(submit_step(s, "a", lazy=True))
+    second = only_send(submit_step(s, "b", lazy=True))
+    s.on_reply(reply(first.route.req_id, res=[None, {"st": "OK"}], part=1), 0.1)
+    # The second step's early reply carries the first's writes' answer (and junk).
+    carried = [[first.route.req_id, [{"st": "OK"}, {"st": "OK"}]], ["x", []], [10**9, []], 7]
+    early = reply(second.route.req_id, res=[None, {"st": "OK"}], part=1, acked=carried)
+    out = s.on_reply(early, 0.2)
+    assert [(type(a).__name__, a.token, a.partial) for a in out if isinstance(a, Deliver)] == [
+        ("Deliver", "a", False),
+        ("Deliver", "b", True),
+    ]
+    assert s.stats.carried_acks == 1 and len(s) == 1
+    # A final reply may carry others too; an answer already given is not given again.
+    final = reply(second.route.req_id, res=[{"st": "OK"}, {"st": "OK"}], acked=carried[:1])
+    [out_b] = s.on_reply(final, 0.3)
+    assert isinstance(out_b, Deliver) and out_b.token == "b" and len(s) == 0
+
+
 # -- a broker pair --------------------------------------------------------------
 
 

@@ -402,6 +402,43 @@ def test_a_retried_message_is_applied_once_but_its_pulls_run_again() -> None:
     assert core.stats.duplicates == 1
 
 
+def split_call(core: ShardCore, ops: list[Op], acked: Any = None, **kw: Any) -> Reply:
+    msg = decode([bytes(f) for f in frames_for(ops, **kw)])
+    out, _ = core.handle_request(msg.route, msg.header, msg.payloads, split=True, acked=acked)
+    reply = decode([bytes(f) for f in out])
+    return Reply(reply.route, reply.header, list(reply.payloads))
+
+
+def test_a_split_reply_answers_the_reads_and_keeps_the_writes_statuses() -> None:
+    core = new_core()
+    ops = [push_rows([1], np.ones((1, 3))), pull_rows([1]), push_dense(9, np.ones(4, np.float32))]
+    carried = [[5, [{"st": "OK"}]]]
+    reply = split_call(core, ops, acked=carried, cid=b"c", seq=1)
+    # The pull sees the push before it; each write's result waits (None).
+    assert reply.header["part"] == 1 and reply.header["acked"] == carried
+    res = reply.header["res"]
+    assert res[0] is None and res[2] is None and res[1]["st"] == "OK"
+    assert reply.arrays(1)[0].tolist() == [[-0.5, -0.5, -0.5]]
+    # The writes' statuses, as the dedup record answers a re-sent copy.
+    assert core.writes_res == [{"st": "OK"}, {"st": "OK"}, core.writes_res[2]]
+    assert core.writes_res[2]["st"] == "BAD_REQUEST"  # chunk 9 does not exist
+    resent = split_call(core, ops, cid=b"c", seq=1)  # a duplicate changes nothing: one reply
+    assert "part" not in resent.header and core.writes_res is None
+    assert [r["st"] for r in resent.header["res"]] == ["OK", "OK", "BAD_REQUEST"]
+
+
+def test_only_a_request_that_both_writes_and_reads_is_split() -> None:
+    core = new_core()
+    writes = split_call(core, [push_rows([1], np.ones((1, 3))), push_rows([2], np.ones((1, 3)))])
+    reads = split_call(core, [pull_rows([1]), pull_rows([2])])
+    one = split_call(core, [push_rows([1], np.ones((1, 3)))])
+    for reply in (writes, reads, one):
+        assert "part" not in reply.header and all(r is not None for r in reply.header["res"])
+    assert core.writes_res is None
+    failed = split_call(core, [push_rows([1], np.ones((1, 2))), pull_rows([1])])  # bad shape
+    assert "part" not in failed.header  # nothing changed: answered whole, at once
+
+
 def test_a_recorded_failure_is_answered_again_not_retried() -> None:
     core = new_core()
     op = push_dense(0, np.ones(4, np.float32), t="later")

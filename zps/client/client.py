@@ -269,6 +269,7 @@ class Client(TrainingCalls):
                     self._tagged({"op": "push_dense", "t": name, "chunk": c}),
                     {"g": piece},
                     borrowed=not copy,
+                    lazy=not wait,
                 )
             )
         try:
@@ -400,6 +401,7 @@ class Client(TrainingCalls):
                     self._tagged({"op": "push_rows", "t": name}),
                     {"ids": i, "g": x},
                     borrowed=borrowed,
+                    lazy=not wait,
                 )
                 for i, x in pieces
             )

@@ -104,6 +104,9 @@ class _Op:
     #: Its arrays are the caller's memory, for as long as the call waits: sent inline,
     #: their frames are copies (zmq may read a frame after the call ended: _transmit).
     borrowed: bool = False
+    #: A background push (``wait=False``): no caller waits for its answer, which may
+    #: then ride on a later reply (see ClientSession, rule 7).
+    lazy: bool = False
     #: The operation's cost: the larger of its request and its reply payload (read
     #: several times per request, so computed once).
     nbytes: int = field(init=False, default=0)
@@ -442,11 +445,14 @@ class Connection:
         reply_bytes: int = 0,
         into: list[np.ndarray] | None = None,
         borrowed: bool = False,
+        lazy: bool = False,
     ) -> asyncio.Future[dict[str, Any]]:
         if self._closed:
             raise ClosedError("the client was closed")
         loop = self._loop or asyncio.get_running_loop()
-        op = _Op(body, arrays, loop.create_future(), reply_bytes, into=into, borrowed=borrowed)
+        op = _Op(
+            body, arrays, loop.create_future(), reply_bytes, into=into, borrowed=borrowed, lazy=lazy
+        )
         self._borrowing |= borrowed
         # Calls are cut to the message budget; what still cannot fit would be cut off
         # by a socket's MAXMSGSIZE (a disconnect, then a timeout): refuse it here.
@@ -630,7 +636,8 @@ class Connection:
             members = [(ops[i].future, a, b) for i, a, b in m.parts]
             fut.add_done_callback(functools.partial(_split_result, members=members))
             reply = sum(ops[i].reply_bytes for i, _, _ in m.parts)
-            out.append(_Op(m.body, m.arrays, fut, reply))
+            lazy = all(ops[i].lazy for i, _, _ in m.parts)
+            out.append(_Op(m.body, m.arrays, fut, reply, lazy=lazy))
         return out
 
     def _send_request(self, partition: int, ops: list[_Op]) -> None:
@@ -642,7 +649,11 @@ class Connection:
             for key, arr in op.arrays.items():
                 body[key] = enc.array(arr)
             bodies.append(body)
-        actions = self._session.submit(partition, bodies, enc, ops, self._now())
+        # No caller waits for its writes: background pushes beside reads (a pipelined step).
+        lazy = any(op.lazy for op in ops) and all(
+            op.lazy or op.body.get("op") in _READS for op in ops
+        )
+        actions = self._session.submit(partition, bodies, enc, ops, self._now(), lazy=lazy)
         if self._shm is not None and any(op.nbytes >= self._shm.min_bytes for op in ops):
             reply_ok = sum(op.reply_bytes for op in ops) >= self._shm.min_bytes
             for a in actions:
@@ -782,7 +793,8 @@ class Connection:
             self._shm_refused.add(info.primary)
 
     def _resolve(self, action: Deliver[_Token] | Fail[_Token]) -> None:
-        if self._shm_reqs:
+        partial = isinstance(action, Deliver) and action.partial
+        if self._shm_reqs and not partial:  # a partial answer: the request goes on
             self._shm_finished(action)
         token = action.token
         if isinstance(action, Fail):
@@ -796,7 +808,7 @@ class Connection:
             elif not token.done():
                 token.set_exception(action.error)
         elif isinstance(token, list):
-            self._deliver(token, action.msg)
+            self._deliver(token, action.msg, partial)
         elif not token.done():
             token.set_result(action.msg.header)
 
@@ -819,17 +831,20 @@ class Connection:
                     op.arrays,
                     reply_bytes=op.reply_bytes,
                     borrowed=op.borrowed,
+                    lazy=op.lazy,
                 )
                 piece.add_done_callback(functools.partial(_pass_on, target=op.future))
                 continue
             pieces = [
-                self._submit(p, b, a, reply_bytes=r, borrowed=op.borrowed)
+                self._submit(p, b, a, reply_bytes=r, borrowed=op.borrowed, lazy=op.lazy)
                 for p, b, a, r in plan.pieces
             ]
             joined = asyncio.gather(*pieces)
             joined.add_done_callback(functools.partial(_join_moved, target=op.future, plan=plan))
 
-    def _deliver(self, ops: list[_Op], msg: Message) -> None:
+    def _deliver(self, ops: list[_Op], msg: Message, partial: bool = False) -> None:
+        """Each operation's result; a ``partial`` reply has one only for each read (the
+        writes wait for the final reply)."""
         results = msg.header.get("res")
         if not isinstance(results, list) or len(results) != len(ops):
             err = ProtocolError("reply does not match the request's operations")
@@ -838,7 +853,7 @@ class Connection:
                     op.future.set_exception(err)
             return
         for op, res in zip(ops, results, strict=True):
-            if op.future.done():
+            if op.future.done() or (partial and res is None):
                 continue
             try:
                 op.future.set_result(self._result(res, msg))
@@ -1076,6 +1091,8 @@ class Connection:
         return res
 
 
+#: Operations that change nothing (a request of these and background pushes is lazy).
+_READS = frozenset({"pull_rows", "pull_dense"})
 #: Answers matched to a request or broker call by the session.
 _REPLIES = frozenset({MsgType.REPLY, MsgType.STATUS, MsgType.CLOCK, MsgType.TASK})
 

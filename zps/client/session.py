@@ -27,6 +27,13 @@ Rules:
 6. With a broker pair (:class:`BrokerChoice`), a switch to the other broker re-sends
    everything in flight on its first map, whatever that map's version; a PASSIVE answer
    parks a request (and leaves a broker call waiting) until then.
+7. A request of several operations asks for its reply in two parts (``er``): a primary
+   whose answer to its writes waits for the replicas (or the log) answers its reads at
+   once (``part``), and the writes later.  The first part is delivered ``partial`` and the
+   request stays in the table, re-sent whole if need be: its reads' later answers are
+   ignored by the driver, as any late answer is.  The answer to a ``lazy`` request's
+   writes (background pushes) may ride on a later reply from the same shard (``acked``:
+   ``[req_id, results]`` pairs), each handled as that request's own reply.
 """
 
 from __future__ import annotations
@@ -70,10 +77,13 @@ class Send:
 
 @dataclass(frozen=True, slots=True)
 class Deliver(Generic[T]):
-    """A request was answered: ``msg`` is the reply (its status was OK)."""
+    """A request was answered: ``msg`` is the reply (its status was OK).  ``partial``:
+    the answers of its reads only (a result per operation, ``None`` for each write);
+    the request waits on for its writes' answer (rule 7)."""
 
     token: T
     msg: Message
+    partial: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +102,10 @@ class ClientStats:
     requests: int = 0
     ops: int = 0
     retries: int = 0
+    #: Replies that answered a request's reads before its writes (rule 7).
+    early_replies: int = 0
+    #: Answers to background writes that rode on another reply (``acked``).
+    carried_acks: int = 0
     by_partition: collections.Counter[int] = field(default_factory=collections.Counter)
 
 
@@ -161,14 +175,22 @@ class ClientSession(Generic[T]):
         encoder: Encoder,
         token: T,
         now: float,
+        *,
+        lazy: bool = False,
     ) -> list[Action[T]]:
-        """A request of ``ops`` (their arrays already added to ``encoder``) to ``partition``."""
+        """A request of ``ops`` (their arrays already added to ``encoder``) to ``partition``.
+        ``lazy``: no caller waits for its writes (background pushes): their answer may
+        come with a later reply (rule 7)."""
         info = self.map.partitions.get(partition) if self.map is not None else None
         if info is None or info.lost:
             return [Fail(token, ShardUnavailableError(f"partition {partition} has no live copy"))]
         header: dict[str, Any] = {"cid": self.cid, "seq": next(self._seqs), "ops": ops}
         if self._acks is not None:
             header["acks"] = self._acks
+        if len(ops) > 1:
+            header["er"] = 1  # its reads may be answered before its writes (rule 7)
+            if lazy:
+                header["lz"] = 1
         req_id = next(self._req_ids)
         frames = encoder.build(Route(MsgType.REQUEST, partition, info.epoch, req_id), header)
         deadline = now + self.timeout
@@ -197,6 +219,31 @@ class ClientSession(Generic[T]):
 
     def on_reply(self, msg: Message, now: float) -> list[Action[T]]:
         """A REPLY from a shard (or the broker), or the answer to a broker call."""
+        acked = msg.header.get("acked") if msg.route.mtype is MsgType.REPLY else None
+        if acked is not None:
+            return [*self._on_acked(msg.route, acked, now), *self._on_reply(msg, now)]
+        return self._on_reply(msg, now)
+
+    def _on_acked(self, route: Route, acked: object, now: float) -> list[Action[T]]:
+        """Answers to earlier requests' writes that ride on a reply (rule 7); anything
+        malformed among them is ignored: those requests time out or are re-sent."""
+        actions: list[Action[T]] = []
+        if not isinstance(acked, list):
+            return actions
+        for item in acked:
+            if (
+                isinstance(item, list)
+                and len(item) == 2
+                and type(item[0]) is int
+                and isinstance(item[1], list)
+            ):
+                r = Route(MsgType.REPLY, route.partition, route.epoch, item[0])
+                got = self._on_reply(Message(r, {"st": "OK", "res": item[1]}, []), now)
+                self.stats.carried_acks += len(got)
+                actions.extend(got)
+        return actions
+
+    def _on_reply(self, msg: Message, now: float) -> list[Action[T]]:
         req_id = msg.route.req_id
         entry = self._table.get(req_id)
         if entry is None:
@@ -221,6 +268,9 @@ class ClientSession(Generic[T]):
             entry.short = str(header.get("msg", "")) if status == "NOT_ENOUGH_REPLICAS" else ""
             self._park(req_id, entry, now)
             return [self.hello()] if status == "STALE_EPOCH" else []
+        if status == "OK" and header.get("part") == 1:
+            self.stats.early_replies += 1
+            return [Deliver(entry.token, msg, partial=True)]  # the writes' answer follows
         self._forget(req_id)
         if status != "OK":
             return [Fail(entry.token, remote_error(str(status), str(header.get("msg", ""))))]

@@ -285,6 +285,10 @@ class ShardCore:
         #: message being re-run is such a one.
         self.last_clean = False
         self._checked = False
+        #: With ``split`` (see handle_request): the last request's statuses for its final
+        #: reply (each write's, ``OK`` for each read), when the reply returned answers
+        #: only its reads.
+        self.writes_res: list[dict[str, Any]] | None = None
         #: Payloads of the request being handled whose floats are known finite (checked
         #: as they were read from a client's shared memory), with the dtype checked.
         self._finite: Mapping[int, str] = {}
@@ -393,18 +397,34 @@ class ShardCore:
         header: dict[str, Any],
         payloads: Sequence[BufferLike],
         finite: Mapping[int, str] | None = None,
+        *,
+        split: bool = False,
+        acked: list[list[Any]] | None = None,
     ) -> tuple[list[BufferLike], bool]:
         """Reply frames, and whether the message changed state (so must be replicated).
         ``finite``: payload index -> the dtype its floats were found finite as (a raw
-        gradient of that dtype there is not checked again)."""
+        gradient of that dtype there is not checked again).
+
+        ``split`` (the caller will hold the writes' answer until the replicas have
+        them): a request that changed state and also reads gets the reply in two parts.
+        The one returned answers the reads and leaves each write's result ``None``
+        (header ``part``), and carries ``acked`` (``[req_id, statuses]`` of earlier
+        requests of the same client, see ShardServer._hold); :attr:`writes_res` holds the
+        writes' statuses, as the dedup record answers a re-sent copy."""
         self._finite = finite or {}
+        self.writes_res = None
         try:
-            return self._handle_request(route, header, payloads)
+            return self._handle_request(route, header, payloads, split, acked)
         finally:
             self._finite = {}
 
     def _handle_request(
-        self, route: Route, header: dict[str, Any], payloads: Sequence[BufferLike]
+        self,
+        route: Route,
+        header: dict[str, Any],
+        payloads: Sequence[BufferLike],
+        split: bool = False,
+        acked: list[list[Any]] | None = None,
     ) -> tuple[list[BufferLike], bool]:
         self.stats.requests += 1
         self.stats.bytes_in += sum(len(p) for p in payloads)
@@ -454,7 +474,16 @@ class ShardCore:
         if key is not None and cached is None and any_mutation:
             self.dedup.put(key, recorded)
         self.last_clean = cached is None and self.stats.errors == errors
-        return enc.build(reply_route, {"st": "OK", "res": results}), self.lsn != lsn_before
+        changed = self.lsn != lsn_before
+        if split and changed and len(ops) > 1:
+            reads = [None if _is_mutation(op) else r for op, r in zip(ops, results, strict=True)]
+            if any(r is not None for r in reads):
+                self.writes_res = recorded
+                early: dict[str, Any] = {"st": "OK", "res": reads, "part": 1}
+                if acked:
+                    early["acked"] = acked
+                return enc.build(reply_route, early), True
+        return enc.build(reply_route, {"st": "OK", "res": results}), changed
 
     def _refusal(self, route: Route) -> dict[str, Any] | None:
         if self.partition is None or route.partition != self.partition or not self.primary:

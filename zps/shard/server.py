@@ -110,6 +110,22 @@ log = logging.getLogger("zps.shard")
 
 #: Seconds after which a reply's shared-memory region may be reused unread.
 SHM_RECLAIM_S = 2.0
+#: How long the answer to a client's background writes may be held for its next
+#: reply to carry (see ShardServer._hold), and how many may be held for one client.
+ACK_HOLD_S = 0.01
+ACK_HOLD_MAX = 64
+
+
+class _HeldAck(list[Any]):
+    """The final reply to a request whose writes are all background pushes (``lz``):
+    once released, held for the client's next early reply to carry (``acked``)."""
+
+    __slots__ = ("req_id", "res")
+
+    def __init__(self, frames: list[Any], req_id: int, res: list[dict[str, Any]]) -> None:
+        super().__init__(frames)
+        self.req_id = req_id
+        self.res = res
 
 
 def _mutates(header: dict[str, Any]) -> bool:
@@ -249,6 +265,10 @@ class ShardServer:
         # Everything to the broker but heartbeats goes through _out, bounded in bytes:
         # past ``reply_queue_bytes - max_message_bytes`` held, requests are refused.
         self._out: transport.Outbound | None = None
+        #: Released answers to clients' background writes, waiting to ride on the next
+        #: reply to the same client (at most ACK_HOLD_S), by client identity.
+        self._held: dict[bytes, list[list[Any]]] = {}
+        self._held_timer: asyncio.TimerHandle | None = None
         self.overloaded = 0  # requests refused OVERLOADED (the broker link was full)
         self._stream: ReplicationStream | None = None
         self._tg: asyncio.TaskGroup | None = None
@@ -1165,7 +1185,19 @@ class ShardServer:
             return
         prev = self.core.lsn
         t0 = time.perf_counter()
-        reply, changed = self.core.handle_request(route, msg.header, msg.payloads, finite)
+        acks_1 = msg.header.get("acks") == 1
+        # A client that takes a reply in two parts ("er") gets its reads' answers at once
+        # when its writes' answer waits (for the log, or for the replicas).
+        split = msg.header.get("er") == 1 and (
+            self.durability.waits or (not acks_1 and bool(self.session.tracker.required))
+        )
+        held = self._held.get(source) if split else None
+        reply, changed = self.core.handle_request(
+            route, msg.header, msg.payloads, finite, split=split, acked=held
+        )
+        writes_res = self.core.writes_res
+        if held and writes_res is not None:
+            del self._held[source]  # they ride on this reply
         self._latency["write" if changed else "read"].observe(time.perf_counter() - t0)
         if shm_reply and self._shm is not None and self._shm.wants(reply):
             # The client copies the large frames; dense values are lent, not copied.
@@ -1191,7 +1223,14 @@ class ShardServer:
         self._stream.replicate(prev, frames, checked=self.core.last_clean)
         lsn, epoch = self.core.lsn, self.core.epoch
         self.durability.log(epoch, prev, lsn, bufs[1:])
-        if msg.header.get("acks") == 1:
+        if writes_res is not None:
+            # Reads see what the primary applied, as any other client's reads do: only
+            # the writes' acknowledgement waits.
+            self._post([source, *reply])
+            reply = encode(reply_route, {"st": "OK", "res": writes_res})
+            if msg.header.get("lz") == 1 and not acks_1:
+                reply = _HeldAck(reply, route.req_id, writes_res)
+        if acks_1:
             self.durability.after(lsn, lambda: self._post([source, *reply]))
         else:
             self.durability.after(lsn, lambda: self._logged_write(lsn, epoch, (source, reply)))
@@ -1229,7 +1268,38 @@ class ShardServer:
 
     def _release(self, replies: list[Reply]) -> None:
         for client, frames in replies:
-            self._post([client, *frames])
+            if isinstance(frames, _HeldAck):
+                self._hold(client, frames)
+            else:
+                self._post([client, *frames])
+
+    def _hold(self, client: bytes, ack: _HeldAck) -> None:
+        """The answer to background writes, now held by the replicas: carried by the
+        client's next early reply (it sends the next step's request meanwhile), or
+        sent on its own after ACK_HOLD_S, so a pipelined step costs one reply, not two."""
+        held = self._held.setdefault(client, [])
+        held.append([ack.req_id, ack.res])
+        if len(held) >= ACK_HOLD_MAX:
+            self._send_held(client, self._held.pop(client))
+        elif self._held_timer is None:
+            loop = asyncio.get_running_loop()
+            self._held_timer = loop.call_later(ACK_HOLD_S, self._flush_held)
+
+    def _flush_held(self) -> None:
+        self._held_timer = None
+        held, self._held = self._held, {}
+        if self._sock is None or self._out is None:
+            return  # closing: the clients re-send, and are answered from the record
+        for client, acks in held.items():
+            self._send_held(client, acks)
+
+    def _send_held(self, client: bytes, acks: list[list[Any]]) -> None:
+        (req_id, res), rest = acks[0], acks[1:]
+        header: dict[str, Any] = {"st": "OK", "res": res}
+        if rest:
+            header["acked"] = rest
+        p = self.core.partition or 0
+        self._post([client, *encode(Route(MsgType.REPLY, p, self.core.epoch, req_id), header)])
 
     def _post(self, frames: list[Any]) -> None:
         """Send to the broker without waiting; held within ``reply_queue_bytes`` while its
