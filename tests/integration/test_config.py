@@ -108,6 +108,11 @@ INVALID: dict[str, tuple[str, str, list[str]]] = {
         "shard",
         ["heartbeat.interval must be a positive number, got nan"],
     ),
+    "an answer held too long": (
+        "[shard]\nack_hold_s = 5\n",
+        "shard",
+        ["shard.ack_hold_s must be seconds from 0 to 1, got 5"],
+    ),
     "half a key pair": (
         '[security]\ncurve_secret_key_file = "/nonexistent/zps.key_secret"\n',
         "broker",

@@ -338,22 +338,37 @@ async def test_a_pipelined_pull_is_answered_while_a_paused_replica_holds_its_pus
         assert in_sync(status) == {replicas(c)[0][1]}
 
 
-async def test_answers_to_pipelined_pushes_ride_on_the_next_replies() -> None:
+async def test_answers_to_pipelined_pushes_ride_on_the_next_replies(tmp_path: Path) -> None:
     """Pipelined steps with replication 2 (acks="all"): the answer to each step's
     background push rides on the reply to the next step's request, not a message of its
-    own, and every push is applied exactly once."""
+    own, and every push is applied exactly once.  The shards may hold an answer for a
+    second here; ``flush()`` asks for what is held and gets it at once."""
+    path = tmp_path / "zps.toml"
+    path.write_text("[shard]\nack_hold_s = 1\n")
     with LocalCluster(
-        partitions=2, shards=4, replication=2, heartbeat_interval=HB, liveness=LIVENESS
+        partitions=2,
+        shards=4,
+        replication=2,
+        heartbeat_interval=HB,
+        liveness=LIVENESS,
+        shard_args=["--config", str(path)],
     ) as c:
         ids = np.arange(256, dtype=np.int64)
         ones = np.ones((256, DIM))
         async with zps.connect(c.address, timeout=30.0) as ps:
             await ps.create_embedding("t", dim=DIM, dtype="float64", optimizer=SGD(lr=1.0))
             await asyncio.to_thread(c.wait_healthy, 20)
+            await ps.pull_rows("t", ids)
             for _ in range(100):
-                await ps.pull_rows("t", ids)
-                await ps.push_rows("t", ids, ones, wait=False)
-            await asyncio.wait_for(ps.flush(), 10.0)
+                # A step: the push and the next pull, in one request per partition.
+                push = asyncio.ensure_future(ps.push_rows("t", ids, ones, wait=False))
+                pull = asyncio.ensure_future(ps.pull_rows("t", ids))
+                await push
+                await pull
+            # The last push's answer is held (for a second) until the flush asks for it.
+            before = ps.stats.requests
+            await asyncio.wait_for(ps.flush(), 0.9)
+            assert ps.stats.requests - before == 2  # an "acks" request per partition
             # A request per partition and step; their pushes' answers mostly ride along.
             assert ps.stats.early_replies >= 100
             assert ps.stats.carried_acks > 0

@@ -439,6 +439,17 @@ def test_only_a_request_that_both_writes_and_reads_is_split() -> None:
     assert "part" not in failed.header  # nothing changed: answered whole, at once
 
 
+def test_held_answers_ride_on_any_answered_reply_and_acks_does_nothing() -> None:
+    core = new_core()
+    carried = [[5, [{"st": "OK"}]]]
+    lsn = core.lsn
+    reply = split_call(core, [({"op": "acks"}, {})], acked=carried)
+    assert reply.statuses == ["OK"] and reply.header["acked"] == carried and core.carried
+    assert core.lsn == lsn  # a read: nothing changed, nothing to replicate
+    stale = split_call(core, [pull_rows([1])], acked=carried, epoch=EPOCH - 1)
+    assert stale.st == "STALE_EPOCH" and "acked" not in stale.header and not core.carried
+
+
 def test_a_recorded_failure_is_answered_again_not_retried() -> None:
     core = new_core()
     op = push_dense(0, np.ones(4, np.float32), t="later")

@@ -243,6 +243,7 @@ class Connection:
         self._closed = False
         self._started = False
         self._background: set[_Background] = set()  # background calls in flight
+        self._lazy_parts: set[int] = set()  # sent lazy requests since the last flush
         self._bg_waiters: list[asyncio.Future[None]] = []  # for one of them to finish
         self._bg_error: BaseException | None = None
         self._mismatch: VersionMismatchError | None = None  # a broker of another version
@@ -402,6 +403,21 @@ class Connection:
             if w in self._bg_waiters:
                 self._bg_waiters.remove(w)
 
+    def _ask_held(self) -> None:
+        """Background pushes answered only in part (their reads) may have their answer
+        held by the shard for the next step's reply (ClientSession, rule 7): a request
+        to each such partition (``acks``, which does nothing) has it sent now, and tells
+        the shard that this client waits."""
+        parts: set[int] = set()
+        for _, ops, _ in self._session.in_flight():
+            if isinstance(ops, list) and any(op.lazy and not op.future.done() for op in ops):
+                parts.add(ops[0].partition)
+        parts &= self._lazy_parts
+        self._lazy_parts.clear()
+        for p in parts:
+            # Its answer is not needed (an older shard refuses the operation).
+            self._submit(p, {"op": "acks"}, {}).add_done_callback(_ignore)
+
     def _raise_background(self) -> None:
         """An error of a background push is raised by the next call, once."""
         err, self._bg_error = self._bg_error, None
@@ -410,6 +426,8 @@ class Connection:
 
     async def flush(self) -> None:
         """Wait for every background push; raise the first error among them."""
+        if self._background:
+            self._ask_held()
         while self._background:
             await self._background_slot()
         self._raise_background()
@@ -653,6 +671,8 @@ class Connection:
         lazy = any(op.lazy for op in ops) and all(
             op.lazy or op.body.get("op") in _READS for op in ops
         )
+        if lazy and len(ops) > 1:
+            self._lazy_parts.add(partition)  # its answer may be held (see _ask_held)
         actions = self._session.submit(partition, bodies, enc, ops, self._now(), lazy=lazy)
         if self._shm is not None and any(op.nbytes >= self._shm.min_bytes for op in ops):
             reply_ok = sum(op.reply_bytes for op in ops) >= self._shm.min_bytes
@@ -1089,6 +1109,11 @@ class Connection:
             else:
                 res["arrays"] = array_from(desc, msg.payloads, max_bytes=limit)
         return res
+
+
+def _ignore(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 #: Operations that change nothing (a request of these and background pushes is lazy).

@@ -366,6 +366,11 @@ class ShardConfig:
     #: most this many bytes (:mod:`zps.shm`); 0 turns the path off both ways.  Dense
     #: chunks of 1 MiB and more live there, up to a quarter of it (pulls then lend them).
     shm_bytes: int = 128 << 20
+    #: Seconds the answer to a client's background pushes may be held, once the
+    #: replicas (or the log) have them, for the reply to its next request to carry
+    #: (a pipelined step then costs one reply, not two); 0 sends each at once.  A
+    #: client's ``flush()`` and ``clock()`` ask for what is held.
+    ack_hold_s: float = 0.01
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     security: Security = field(default_factory=Security)
@@ -405,6 +410,9 @@ class ShardConfig:
         _positive("shard", durability_interval=self.durability_interval)
         _integer("shard", 1 << 16, wal_segment_bytes=self.wal_segment_bytes)
         _integer("shard", 0, shm_bytes=self.shm_bytes)
+        hold = self.ack_hold_s
+        if isinstance(hold, bool) or not isinstance(hold, int | float) or not 0 <= hold <= 1:
+            raise ConfigError(f"shard.ack_hold_s must be seconds from 0 to 1, got {hold!r}")
 
     @property
     def endpoints(self) -> tuple[str, ...]:

@@ -289,6 +289,8 @@ class ShardCore:
         #: reply (each write's, ``OK`` for each read), when the reply returned answers
         #: only its reads.
         self.writes_res: list[dict[str, Any]] | None = None
+        #: Whether the last reply carried the ``acked`` it was given.
+        self.carried = False
         #: Payloads of the request being handled whose floats are known finite (checked
         #: as they were read from a client's shared memory), with the dtype checked.
         self._finite: Mapping[int, str] = {}
@@ -408,11 +410,13 @@ class ShardCore:
         ``split`` (the caller will hold the writes' answer until the replicas have
         them): a request that changed state and also reads gets the reply in two parts.
         The one returned answers the reads and leaves each write's result ``None``
-        (header ``part``), and carries ``acked`` (``[req_id, statuses]`` of earlier
-        requests of the same client, see ShardServer._hold); :attr:`writes_res` holds the
-        writes' statuses, as the dedup record answers a re-sent copy."""
+        (header ``part``); :attr:`writes_res` holds the writes' statuses, as the dedup
+        record answers a re-sent copy.  An answered request's reply carries ``acked``
+        (``[req_id, statuses]`` of earlier requests of the same client, see
+        ShardServer._hold), and :attr:`carried` says so."""
         self._finite = finite or {}
         self.writes_res = None
+        self.carried = False
         try:
             return self._handle_request(route, header, payloads, split, acked)
         finally:
@@ -482,8 +486,13 @@ class ShardCore:
                 early: dict[str, Any] = {"st": "OK", "res": reads, "part": 1}
                 if acked:
                     early["acked"] = acked
+                    self.carried = True
                 return enc.build(reply_route, early), True
-        return enc.build(reply_route, {"st": "OK", "res": results}), changed
+        whole: dict[str, Any] = {"st": "OK", "res": results}
+        if acked:
+            whole["acked"] = acked
+            self.carried = True
+        return enc.build(reply_route, whole), changed
 
     def _refusal(self, route: Route) -> dict[str, Any] | None:
         if self.partition is None or route.partition != self.partition or not self.primary:
@@ -690,6 +699,13 @@ class ShardCore:
         self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
     ) -> dict[str, Any]:
         return {"st": "OK", "checksum": self.store.checksum(), "lsn": self.lsn}
+
+    def op_acks(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        """Nothing: a client waiting for its background pushes sends it so that the
+        answers held for it come now (see ShardServer._hold)."""
+        return OK
 
     def op_tables(
         self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
@@ -904,6 +920,7 @@ _HANDLERS: dict[str, _Handler] = {
     "checksum": ShardCore.op_checksum,
     "commit": ShardCore.op_commit,
     "tables": ShardCore.op_tables,
+    "acks": ShardCore.op_acks,
     "drop": ShardCore.op_drop,
     "set_dense": ShardCore.op_set_dense,
     "set_rows": ShardCore.op_set_rows,

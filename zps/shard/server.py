@@ -110,10 +110,12 @@ log = logging.getLogger("zps.shard")
 
 #: Seconds after which a reply's shared-memory region may be reused unread.
 SHM_RECLAIM_S = 2.0
-#: How long the answer to a client's background writes may be held for its next
-#: reply to carry (see ShardServer._hold), and how many may be held for one client.
-ACK_HOLD_S = 0.01
+#: How many answers to a client's background writes may be held for its next reply to
+#: carry (see ShardServer._hold; for how long: ``shard.ack_hold_s``).
 ACK_HOLD_MAX = 64
+#: Clients remembered as waiting (their last request was not lazy): nothing is held
+#: for them.  Past this many the set starts again (a forgotten one waits ack_hold_s).
+ACK_HOLD_CLIENTS = 4096
 
 
 class _HeldAck(list[Any]):
@@ -266,8 +268,10 @@ class ShardServer:
         # past ``reply_queue_bytes - max_message_bytes`` held, requests are refused.
         self._out: transport.Outbound | None = None
         #: Released answers to clients' background writes, waiting to ride on the next
-        #: reply to the same client (at most ACK_HOLD_S), by client identity.
+        #: reply to the same client (at most ``ack_hold_s``), by client identity; and the
+        #: clients whose last request was not lazy (nothing is held for them).
         self._held: dict[bytes, list[list[Any]]] = {}
+        self._eager: set[bytes] = set()
         self._held_timer: asyncio.TimerHandle | None = None
         self.overloaded = 0  # requests refused OVERLOADED (the broker link was full)
         self._stream: ReplicationStream | None = None
@@ -1191,12 +1195,18 @@ class ShardServer:
         split = msg.header.get("er") == 1 and (
             self.durability.waits or (not acks_1 and bool(self.session.tracker.required))
         )
-        held = self._held.get(source) if split else None
+        if msg.header.get("lz") == 1:
+            self._eager.discard(source)
+        elif source not in self._eager:  # a call waits for its answers (a flush)
+            if len(self._eager) >= ACK_HOLD_CLIENTS:
+                self._eager.clear()  # clients come and go: forget the oldest word
+            self._eager.add(source)
+        held = self._held.get(source)
         reply, changed = self.core.handle_request(
             route, msg.header, msg.payloads, finite, split=split, acked=held
         )
         writes_res = self.core.writes_res
-        if held and writes_res is not None:
+        if self.core.carried:
             del self._held[source]  # they ride on this reply
         self._latency["write" if changed else "read"].observe(time.perf_counter() - t0)
         if shm_reply and self._shm is not None and self._shm.wants(reply):
@@ -1276,14 +1286,17 @@ class ShardServer:
     def _hold(self, client: bytes, ack: _HeldAck) -> None:
         """The answer to background writes, now held by the replicas: carried by the
         client's next early reply (it sends the next step's request meanwhile), or
-        sent on its own after ACK_HOLD_S, so a pipelined step costs one reply, not two."""
+        sent on its own after ``shard.ack_hold_s``, so a pipelined step costs one reply,
+        not two.  A client whose last request was not lazy (it waits: ``flush()``) is
+        answered at once."""
         held = self._held.setdefault(client, [])
         held.append([ack.req_id, ack.res])
-        if len(held) >= ACK_HOLD_MAX:
+        hold = self.config.ack_hold_s
+        if hold <= 0 or client in self._eager or len(held) >= ACK_HOLD_MAX:
             self._send_held(client, self._held.pop(client))
         elif self._held_timer is None:
             loop = asyncio.get_running_loop()
-            self._held_timer = loop.call_later(ACK_HOLD_S, self._flush_held)
+            self._held_timer = loop.call_later(hold, self._flush_held)
 
     def _flush_held(self) -> None:
         self._held_timer = None
