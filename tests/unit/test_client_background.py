@@ -167,3 +167,51 @@ async def test_gather_of_coroutines_runs_them_at_once() -> None:
 
     assert await conn._gather([job(0), job(1), job(2)]) == [0, 1, 2]
     assert order == [2, 1, 0]
+
+
+async def test_a_read_the_first_part_never_answered_is_asked_again_not_given_a_status() -> None:
+    """A request in two parts (ClientSession, rule 7) whose first part was lost (refused
+    as unreadable shared memory, or dropped): its final part has None in the read's
+    place, and the read is queued again rather than answered with a status alone."""
+    import numpy as np
+
+    from zps.client.connection import _Op
+    from zps.core.routing import ClusterMap, PartitionInfo
+    from zps.protocol.codec import Encoder, Message, MsgType, Route
+
+    conn = _conn()
+    cmap = ClusterMap(1, 16, np.zeros(16, dtype=np.int32), {0: PartitionInfo(1, "s")}, "b")
+    conn._session.on_map(cmap, 0.0)
+    push, pull = _futures(2)
+    ops = [
+        _Op({"op": "push_rows", "t": "e"}, {}, push, lazy=True, partition=0),
+        _Op({"op": "pull_rows", "t": "e"}, {}, pull, partition=0),
+    ]
+    [send] = conn._session.submit(0, [op.body for op in ops], Encoder(), ops, 0.0, lazy=True)
+    conn._flush_pending = True  # no sockets here: keep the re-queued read in the queue
+    refused = {"st": "OVERLOADED", "acked": []}  # what an unreadable first part becomes
+    rid = send.req_id
+    conn._apply(conn._session.on_reply(Message(Route(MsgType.REPLY, 0, 1, rid), refused, []), 0.01))
+    final = {"st": "OK", "res": [{"st": "OK"}, None]}
+    conn._apply(conn._session.on_reply(Message(Route(MsgType.REPLY, 0, 1, rid), final, []), 0.02))
+    assert push.result() == {"st": "OK"}
+    assert not pull.done()  # not answered with a bare status
+    [again] = conn._queue[0]
+    assert again.body == {"op": "pull_rows", "t": "e"} and not again.lazy
+    conn._queue.clear()
+    pull.cancel()
+
+
+async def test_routing_brokers_track_a_request_until_its_writes_are_answered() -> None:
+    """A request sent through a routing broker stays tracked (re-sent if that router
+    goes silent) until its writes are answered: not at its first part; and answers
+    carried by another reply end the tracking of the requests they answer."""
+    from zps.protocol.codec import Message, MsgType, Route
+
+    conn = _conn()
+    conn._routers.inflight.update({7: ("tcp://r:1", 0), 8: ("tcp://r:1", 0)})
+    first = {"st": "OK", "res": [None, {"st": "OK"}], "part": 1, "acked": [[8, [{"st": "OK"}]]]}
+    conn._on_answer(Message(Route(MsgType.REPLY, 0, 1, 7), first, []))
+    assert list(conn._routers.inflight) == [7]
+    conn._on_answer(Message(Route(MsgType.REPLY, 0, 1, 7), {"st": "OK", "res": []}, []))
+    assert conn._routers.inflight == {}

@@ -420,7 +420,7 @@ def test_a_split_reply_answers_the_reads_and_keeps_the_writes_statuses() -> None
     assert res[0] is None and res[2] is None and res[1]["st"] == "OK"
     assert reply.arrays(1)[0].tolist() == [[-0.5, -0.5, -0.5]]
     # The writes' statuses, as the dedup record answers a re-sent copy.
-    assert core.writes_res == [{"st": "OK"}, {"st": "OK"}, core.writes_res[2]]
+    assert core.writes_res == [{"st": "OK"}, None, core.writes_res[2]]  # None: a read's place
     assert core.writes_res[2]["st"] == "BAD_REQUEST"  # chunk 9 does not exist
     resent = split_call(core, ops, cid=b"c", seq=1)  # a duplicate changes nothing: one reply
     assert "part" not in resent.header and core.writes_res is None
@@ -448,6 +448,9 @@ def test_held_answers_ride_on_any_answered_reply_and_acks_does_nothing() -> None
     assert core.lsn == lsn  # a read: nothing changed, nothing to replicate
     stale = split_call(core, [pull_rows([1])], acked=carried, epoch=EPOCH - 1)
     assert stale.st == "STALE_EPOCH" and "acked" not in stale.header and not core.carried
+    # A write's reply may wait, and be refused: it carries nothing.
+    write = split_call(core, [push_rows([1], np.ones((1, 3)))], acked=carried)
+    assert write.statuses == ["OK"] and "acked" not in write.header and not core.carried
 
 
 def test_a_recorded_failure_is_answered_again_not_retried() -> None:

@@ -793,7 +793,10 @@ class Connection:
             if e.permanent:
                 self._shm_replies = False
             log.warning("re-sending request %d: %s", msg.route.req_id, e)
-            return Message(msg.route, {"st": "OVERLOADED", "msg": str(e)}, [])
+            refused: dict[str, Any] = {"st": "OVERLOADED", "msg": str(e)}
+            if "acked" in msg.header:  # earlier requests' answers still count
+                refused["acked"] = msg.header["acked"]
+            return Message(msg.route, refused, [])
         return Message(msg.route, got.header, got.frames[2:])
 
     def _shm_refusal(self, msg: Message) -> None:
@@ -874,6 +877,18 @@ class Connection:
             return
         for op, res in zip(ops, results, strict=True):
             if op.future.done() or (partial and res is None):
+                continue
+            if res is None and op.body.get("op") in _READS:
+                # A read whose answer (a first part) never came: asked again (a write
+                # is never sent again under a new sequence number: None is no status).
+                try:
+                    again = self._submit(
+                        op.partition, op.body, op.arrays, reply_bytes=op.reply_bytes, into=op.into
+                    )
+                except ClosedError as e:
+                    op.future.set_exception(e)
+                    continue
+                again.add_done_callback(functools.partial(_pass_on, target=op.future))
                 continue
             try:
                 op.future.set_result(self._result(res, msg))
@@ -1034,7 +1049,13 @@ class Connection:
         if self._shm_reqs and "noshm" in msg.header:
             self._shm_refusal(msg)
         if self._routers.inflight:
-            self._routers.answered(msg.route.req_id)
+            if msg.header.get("part") != 1:  # a first part: the writes are still due
+                self._routers.answered(msg.route.req_id)
+            acked = msg.header.get("acked")
+            if isinstance(acked, list):
+                for item in acked:
+                    if isinstance(item, list) and item and type(item[0]) is int:
+                        self._routers.answered(item[0])
 
     async def _on_message(self, index: int, frames: transport.Frames) -> None:
         bufs = [transport.frame_buffer(f) for f in frames]

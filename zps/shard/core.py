@@ -288,7 +288,7 @@ class ShardCore:
         #: With ``split`` (see handle_request): the last request's statuses for its final
         #: reply (each write's, ``OK`` for each read), when the reply returned answers
         #: only its reads.
-        self.writes_res: list[dict[str, Any]] | None = None
+        self.writes_res: list[dict[str, Any] | None] | None = None
         #: Whether the last reply carried the ``acked`` it was given.
         self.carried = False
         #: Payloads of the request being handled whose floats are known finite (checked
@@ -410,10 +410,11 @@ class ShardCore:
         ``split`` (the caller will hold the writes' answer until the replicas have
         them): a request that changed state and also reads gets the reply in two parts.
         The one returned answers the reads and leaves each write's result ``None``
-        (header ``part``); :attr:`writes_res` holds the writes' statuses, as the dedup
-        record answers a re-sent copy.  An answered request's reply carries ``acked``
-        (``[req_id, statuses]`` of earlier requests of the same client, see
-        ShardServer._hold), and :attr:`carried` says so."""
+        (header ``part``); :attr:`writes_res` holds the writes' statuses for the final
+        part, ``None`` for each read.  A reply that goes at once (the first part, or one
+        to a request that changed nothing) carries ``acked`` (``[req_id, statuses]`` of
+        earlier requests of the same client, see ShardServer._hold), and :attr:`carried`
+        says so."""
         self._finite = finite or {}
         self.writes_res = None
         self.carried = False
@@ -482,14 +483,18 @@ class ShardCore:
         if split and changed and len(ops) > 1:
             reads = [None if _is_mutation(op) else r for op, r in zip(ops, results, strict=True)]
             if any(r is not None for r in reads):
-                self.writes_res = recorded
+                # A read's place in the final part stays None: a client that missed the
+                # first part asks again rather than take a status for its rows.
+                self.writes_res = [
+                    rec if _is_mutation(op) else None for op, rec in zip(ops, recorded, strict=True)
+                ]
                 early: dict[str, Any] = {"st": "OK", "res": reads, "part": 1}
                 if acked:
                     early["acked"] = acked
                     self.carried = True
                 return enc.build(reply_route, early), True
         whole: dict[str, Any] = {"st": "OK", "res": results}
-        if acked:
+        if acked and not changed:  # answered now (a write's reply may wait, or be refused)
             whole["acked"] = acked
             self.carried = True
         return enc.build(reply_route, whole), changed

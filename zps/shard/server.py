@@ -124,7 +124,7 @@ class _HeldAck(list[Any]):
 
     __slots__ = ("req_id", "res")
 
-    def __init__(self, frames: list[Any], req_id: int, res: list[dict[str, Any]]) -> None:
+    def __init__(self, frames: list[Any], req_id: int, res: list[dict[str, Any] | None]) -> None:
         super().__init__(frames)
         self.req_id = req_id
         self.res = res
@@ -1223,6 +1223,8 @@ class ShardServer:
                     f"({self.config.max_message_bytes}); ask for less per request",
                 )
                 reply = encode(reply_route, too_big.to_wire())
+                if self.core.carried and held:  # they did not go: held again
+                    self._held[source] = held + self._held.get(source, [])
             d = self.durability
             if d.waits and d.durable < self.core.lsn and _mutates(msg.header):
                 # A re-sent write answered from the dedup record: not before its log is.
