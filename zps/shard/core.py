@@ -286,7 +286,7 @@ class ShardCore:
         self.last_clean = False
         self._checked = False
         #: With ``split`` (see handle_request): the last request's statuses for its final
-        #: reply (each write's, ``OK`` for each read), when the reply returned answers
+        #: reply (each write's, ``None`` for each read), when the reply returned answers
         #: only its reads.
         self.writes_res: list[dict[str, Any] | None] | None = None
         #: Whether the last reply carried the ``acked`` it was given.

@@ -120,7 +120,8 @@ ACK_HOLD_CLIENTS = 4096
 
 class _HeldAck(list[Any]):
     """The final reply to a request whose writes are all background pushes (``lz``):
-    once released, held for the client's next early reply to carry (``acked``)."""
+    once released, held for the client's next reply that goes at once to carry
+    (``acked``)."""
 
     __slots__ = ("req_id", "res")
 
@@ -1287,7 +1288,7 @@ class ShardServer:
 
     def _hold(self, client: bytes, ack: _HeldAck) -> None:
         """The answer to background writes, now held by the replicas: carried by the
-        client's next early reply (it sends the next step's request meanwhile), or
+        client's next reply that goes at once (the next step's first part), or
         sent on its own after ``shard.ack_hold_s``, so a pipelined step costs one reply,
         not two.  A client whose last request was not lazy (it waits: ``flush()``) is
         answered at once."""
@@ -1303,12 +1304,12 @@ class ShardServer:
     def _flush_held(self) -> None:
         self._held_timer = None
         held, self._held = self._held, {}
-        if self._sock is None or self._out is None:
-            return  # closing: the clients re-send, and are answered from the record
         for client, acks in held.items():
             self._send_held(client, acks)
 
     def _send_held(self, client: bytes, acks: list[list[Any]]) -> None:
+        if self._sock is None or self._out is None:
+            return  # closing: the clients re-send, and are answered from the record
         (req_id, res), rest = acks[0], acks[1:]
         header: dict[str, Any] = {"st": "OK", "res": res}
         if rest:
