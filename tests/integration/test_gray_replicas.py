@@ -18,10 +18,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 import zps
 from zps.errors import NotEnoughReplicasError
 from zps.optim import SGD
+from zps.protocol.codec import Encoder, MsgType, Route, decode
 from zps.testing import LocalCluster
 
 HB, LIVENESS = 0.1, 10  # a silent peer is dead after 1 s
@@ -374,3 +376,48 @@ async def test_answers_to_pipelined_pushes_ride_on_the_next_replies(tmp_path: Pa
             assert ps.stats.carried_acks > 0
             got = await ps.pull_rows("t", ids)
         np.testing.assert_array_equal(got, np.full((256, DIM), -100.0))
+
+
+async def test_a_resent_write_is_answered_only_once_the_replicas_hold_it() -> None:
+    """A write sent twice (a client's re-send: the same id and sequence number) while
+    its only replica is paused: the copy answered from the dedup record waits for the
+    replica as the first does (acks="all"), then both are answered and it applied once."""
+    with LocalCluster(
+        partitions=1, shards=2, replication=2, heartbeat_interval=HB, liveness=50
+    ) as c:
+        ids = np.arange(8, dtype=np.int64)
+        async with zps.connect(c.address, timeout=30.0) as ps:
+            await ps.create_embedding("t", dim=DIM, dtype="float64", optimizer=SGD(lr=1.0))
+            await ps.push_rows("t", ids, np.ones((8, DIM)))  # the replica is in sync
+        epoch = (await asyncio.to_thread(c.status))["partitions"][0]["epoch"]
+        enc = Encoder()
+        op = {"op": "push_rows", "t": "t", "ids": enc.array(ids), "g": enc.array(np.ones((8, DIM)))}
+        header = {"cid": b"c-resend", "seq": 1, "ops": [op]}
+        first, again = (enc.build(Route(MsgType.REQUEST, 0, epoch, r), header) for r in (1, 2))
+        replica = replicas(c)[0][0]
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, b"c-resend")
+        sock.connect(c.address)
+        try:
+            c.kill(replica, signal.SIGSTOP)
+            try:
+                sock.send_multipart(first)
+                sock.send_multipart(again)
+                # Neither is answered while the only replica is paused: the re-sent copy
+                # would be acknowledged on the primary's word alone.
+                assert not await asyncio.to_thread(sock.poll, 1000)
+            finally:
+                c.kill(replica, signal.SIGCONT)
+            answered = {}
+            while len(answered) < 2 and await asyncio.to_thread(sock.poll, 10_000):
+                reply = decode(sock.recv_multipart())
+                answered[reply.route.req_id] = reply.header
+            assert {k: h["st"] for k, h in answered.items()} == {1: "OK", 2: "OK"}
+        finally:
+            sock.close(0)
+            ctx.term()
+        async with zps.connect(c.address, timeout=30.0) as ps:
+            got = await ps.pull_rows("t", ids)
+        np.testing.assert_array_equal(got, np.full((8, DIM), -2.0))  # applied once

@@ -49,7 +49,9 @@ class AckTracker(Generic[T]):
         return min(self.acked.get(node, 0) for node in self.required)
 
     def add(self, lsn: int, item: T) -> list[T]:
-        if self._waiting and lsn <= self._waiting[-1][0]:
+        """``item`` waits until the required replicas applied ``lsn``; several may wait
+        for one LSN (a write and a re-sent copy of it answered from the dedup record)."""
+        if self._waiting and lsn < self._waiting[-1][0]:
             raise ValueError(f"LSN {lsn} added after {self._waiting[-1][0]}")
         self._waiting.append((lsn, item))
         return self._release()

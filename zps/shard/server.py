@@ -1203,6 +1203,7 @@ class ShardServer:
                 self._eager.clear()  # clients come and go: forget the oldest word
             self._eager.add(source)
         held = self._held.get(source)
+        duplicates = self.core.stats.duplicates
         reply, changed = self.core.handle_request(
             route, msg.header, msg.payloads, finite, split=split, acked=held
         )
@@ -1227,8 +1228,18 @@ class ShardServer:
                 if self.core.carried and held:  # they did not go: held again
                     self._held[source] = held + self._held.get(source, [])
             d = self.durability
-            if d.waits and d.durable < self.core.lsn and _mutates(msg.header):
-                # A re-sent write answered from the dedup record: not before its log is.
+            if self.core.stats.duplicates != duplicates and _mutates(msg.header):
+                # A re-sent write answered from the dedup record: not before its first
+                # copy may be (its LSN is at most the current one): in the log, and with
+                # acks="all" on the replicas.  That answer may wait, and be refused.
+                if self.core.carried and held:
+                    self._held[source] = held + self._held.get(source, [])
+                lsn, epoch = self.core.lsn, self.core.epoch
+                if acks_1:
+                    d.after(lsn, lambda: self._post([source, *reply]))
+                else:
+                    d.after(lsn, lambda: self._logged_write(lsn, epoch, (source, reply)))
+            elif d.waits and d.durable < self.core.lsn and _mutates(msg.header):
                 d.after(self.core.lsn, lambda: self._post([source, *reply]))
             else:
                 self._post([source, *reply])
