@@ -24,15 +24,20 @@ Safety: every region starts with a 64-byte head holding its token; the owner wri
 a fresh token before the data and clears it before the region's bytes may be reused.
 A reader checks the token, copies the bytes out into its own memory, and checks the
 token again: a region reused meanwhile is refused (:class:`ShmUnavailableError`),
-never read as other data.  So a reader never keeps a view of another process's
-memory, and what it replicates or logs is its own copy.  The owner reuses a region
-when its reader said it is done (a client frees a request's regions once the request
-is answered; a shard frees a reply's once the client's next request says so, or
-after ``reclaim_after`` seconds), and when the budget is spent a frame simply goes
+never read as other data.  Both sides put a full memory barrier
+(:func:`zps.core.rows.fence`) between a token's store or last load and the data's
+bytes, so a CPU that reorders memory keeps that order too; without the compiled
+barrier the path is on only for CPUs that keep it anyway (x86).  So a reader never
+keeps a view of another process's memory, and what it replicates or logs is its own
+copy.  The owner reuses a region when its reader said it is done (a client frees a
+request's regions once the request is answered; a shard frees a reply's once the
+client's next request says so, or after ``reclaim_after`` seconds), and when the
+budget is spent a frame simply goes
 inline: nothing ever waits for memory.
 
 ``ZPS_NO_SHM=1`` in the environment turns the path off (as the ``shm_bytes = 0``
-settings do); so does a host without ``memfd_create`` or ``/proc``.
+settings do); so does a host without ``memfd_create`` or ``/proc``, and a CPU other
+than x86 without the compiled kernel (``zps.core._rows``, for its barrier).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from zps.core.rows import copy_finite
+from zps.core.rows import copy_finite, fence, memory_ordered
 from zps.errors import ProtocolError, ZpsError
 from zps.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -229,6 +234,7 @@ class Arena:
         region.token = self._next_token()
         self._by_token[region.token] = region
         _TOKEN.pack_into(self._mm, region.offset + 8, region.token)
+        fence()  # the new token visible before any of the bytes changed after it
         return region.token
 
     def data(self, offset: int, length: int) -> memoryview:
@@ -246,6 +252,7 @@ class Arena:
     def _release(self, region: _Region) -> None:
         # Cleared before the bytes can be reused: a reader still copying finds out.
         _TOKEN.pack_into(self._mm, region.offset + 8, 0)
+        fence()  # ... and visible before any new byte written there
         del self._by_token[region.token]
         del self._by_offset[region.offset]
         self._offsets.remove(region.offset)
@@ -371,6 +378,8 @@ class Mapper:
         else:
             out[:] = src
         # The owner clears the token before reusing the bytes: unchanged, the copy is whole.
+        # The barrier keeps the copy's loads before this one (CPUs that reorder loads).
+        fence()
         if _TOKEN.unpack_from(mm, offset + 8)[0] != token:
             self.refused += 1
             raise ShmUnavailableError(
@@ -503,7 +512,9 @@ class SharedMemory:
         loan_after: float | None = None,
     ) -> SharedMemory | None:
         """The path, or None when it is off (``budget`` 0, ``ZPS_NO_SHM``) or unavailable."""
-        if budget <= 0 or disabled_by_env():
+        if budget <= 0 or disabled_by_env() or not memory_ordered():
+            # (the tokens' order between processes needs the compiled barrier on CPUs
+            # that reorder memory: without it, the path stays off there)
             return None
         try:
             return cls(

@@ -407,6 +407,45 @@ def test_disabled_by_env_and_by_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     sp.close()
 
 
+def test_off_where_the_tokens_order_cannot_be_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU that reorders memory, without the compiled barrier: the path stays off."""
+    from zps.core import rows
+
+    monkeypatch.setattr(rows, "_FENCE", None)
+    assert rows.memory_ordered("x86_64") and rows.memory_ordered("AMD64")
+    assert not rows.memory_ordered("aarch64") and not rows.memory_ordered("ppc64le")
+    monkeypatch.setattr(shm, "memory_ordered", lambda: False)
+    assert shm.SharedMemory.create(MiB, "x") is None
+
+
+def test_barriers_between_tokens_and_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner's token store comes before a barrier, and the reader's last token load
+    after one that follows the copy: here the barrier is where the owner, on another
+    core, reuses the region; the reader's check after it must see that."""
+    from zps.core import rows
+
+    arena = shm.Arena(MiB, "t")
+    reader = shm.Mapper()
+    calls: list[str] = []
+    try:
+        desc = arena.put(_data(1000))
+        assert desc is not None
+
+        def reuse_at_the_barrier() -> None:
+            calls.append("barrier")
+            if len(calls) == 1:  # the reader's: the owner frees the region meanwhile
+                arena.free(desc[5])  # (its own barrier after the token's store)
+
+        monkeypatch.setattr(shm, "fence", reuse_at_the_barrier)
+        with pytest.raises(shm.ShmUnavailableError, match="reused while it was read"):
+            reader.read(desc)
+        assert calls == ["barrier", "barrier"]  # the reader's, then free's
+        assert rows._FENCE is None or rows.memory_ordered("aarch64")  # compiled: any CPU
+    finally:
+        reader.close()
+        arena.close()
+
+
 _OWNER = """
 import sys, numpy as np
 from zps import shm

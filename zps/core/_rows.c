@@ -15,12 +15,16 @@
  *     dst[:] = src (bytes, the same length), and whether every float of src is finite
  *     (itemsize 4: float32, 8: float64), checked as it is copied: the check costs no
  *     pass of its own over memory.  The GIL is released for the copy (megabytes).
+ * fence()
+ *     A full memory barrier (loads and stores on either side stay on their side), for
+ *     the tokens of shared-memory regions (zps/shm.py) on CPUs that reorder them.
  *
  * The GIL is held: each call is tens of microseconds, shorter than a thread switch.
  * Optional: without a compiler zps uses the numpy versions (same results).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -294,6 +298,12 @@ static PyObject *copy_finite(PyObject *self, PyObject *args)
     return PyBool_FromLong(bad == 0);
 }
 
+static PyObject *fence(PyObject *self, PyObject *unused)
+{
+    atomic_thread_fence(memory_order_seq_cst);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"split", split, METH_VARARGS,
      "split(ids, slot_map, pos_out, ids_out, counts_out): ids grouped by partition."},
@@ -301,6 +311,7 @@ static PyMethodDef methods[] = {
     {"scatter", scatter, METH_VARARGS, "scatter(dst, pos, src): dst[pos[i]] = src[i]."},
     {"copy_finite", copy_finite, METH_VARARGS,
      "copy_finite(dst, src, itemsize) -> bool: dst[:] = src; whether every float is finite."},
+    {"fence", fence, METH_NOARGS, "fence(): a full memory barrier."},
     {NULL, NULL, 0, NULL},
 };
 

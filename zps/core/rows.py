@@ -14,6 +14,7 @@ three times faster than fancy indexing) and a vectorised hash.
 from __future__ import annotations
 
 import os
+import platform
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -34,6 +35,9 @@ I64 = npt.NDArray[np.int64]
 SPLIT_BY_MASK = 8
 #: Whether the compiled kernel is in use (``ZPS_NO_KERNEL=1`` turns it off).
 KERNEL = _rows is not None and os.environ.get("ZPS_NO_KERNEL", "") in ("", "0")
+#: The compiled barrier (whatever ``ZPS_NO_KERNEL`` says: it is no alternative to numpy's
+#: work but the only barrier there is); None without the kernel (or an older build).
+_FENCE = getattr(_rows, "fence", None)
 
 
 def take_rows(a: Array, pos: npt.NDArray[np.int64]) -> Array:
@@ -66,6 +70,29 @@ def copy_finite(dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], itemsize
         return bool(_rows.copy_finite(dst, src, itemsize))
     dst[:] = src
     return False
+
+
+#: CPUs whose stores become visible to other cores in program order, and loads likewise
+#: (total store order): there, the order of Python's own steps is the order other
+#: processes see, and :func:`fence` need do nothing.
+TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
+
+
+def memory_ordered(machine: str | None = None) -> bool:
+    """Whether :func:`fence` orders memory on this CPU (``machine``: ``platform.machine()``):
+    always with the compiled kernel, which has a real barrier; without it, only on the
+    CPUs of :data:`TSO_MACHINES`.  ``zps.shm`` stays off where this is False."""
+    if _FENCE is not None:
+        return True
+    return (machine if machine is not None else platform.machine()).lower() in TSO_MACHINES
+
+
+def fence() -> None:
+    """A full memory barrier between the stores and loads before it and those after it,
+    as other processes sharing the memory see them (the tokens of ``zps.shm``'s regions).
+    Without the compiled kernel, nothing: correct only where :func:`memory_ordered`."""
+    if _FENCE is not None:
+        _FENCE()
 
 
 def _kernel_ok(a: Array, pos: npt.NDArray[Any]) -> bool:
