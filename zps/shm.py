@@ -84,11 +84,13 @@ class ShmUnavailableError(ZpsError):
     """A region named by a descriptor cannot be read (another host, the owner gone,
     the region reused): the message must be sent again with inline frames."""
 
-    def __init__(self, message: str, *, permanent: bool) -> None:
+    def __init__(self, message: str, *, permanent: bool, token: int | None = None) -> None:
         super().__init__(message)
         #: True: this peer cannot open the sender's memory at all (another host or
         #: user); False: this one region is gone (re-sending it may work).
         self.permanent = permanent
+        #: The token the descriptor named, when its region was reused (else None).
+        self.token = token
 
 
 def disabled_by_env() -> bool:
@@ -368,7 +370,9 @@ class Mapper:
         if magic != MAGIC or have != token or not whole:
             self.refused += 1
             raise ShmUnavailableError(
-                "the shared memory region was reused before it was read", permanent=False
+                "the shared memory region was reused before it was read",
+                permanent=False,
+                token=token,
             )
         out = into if into is not None and into.nbytes == length else np.empty(length, np.uint8)
         src = np.frombuffer(mm, dtype=np.uint8, count=length, offset=start)
@@ -383,7 +387,9 @@ class Mapper:
         if _TOKEN.unpack_from(mm, offset + 8)[0] != token:
             self.refused += 1
             raise ShmUnavailableError(
-                "the shared memory region was reused while it was read", permanent=False
+                "the shared memory region was reused while it was read",
+                permanent=False,
+                token=token,
             )
         self.reads += 1
         return out, finite

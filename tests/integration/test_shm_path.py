@@ -437,6 +437,44 @@ async def test_a_reply_region_that_cannot_be_read_is_asked_for_again(
     assert _metric("zps_shard_shm_bytes") >= 0
 
 
+async def test_a_request_region_found_reused_is_sent_again_in_new_regions(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shard refuses a push whose region's token changed before it read it, naming
+    that token; the client frees that region, sends the push again in a new one, and
+    it applies once."""
+    (grad,) = _grads(1, 6)
+    async with connect(cluster.address, timeout=20) as ps:
+        assert ps._shm is not None
+        await ps.create_dense("gone", (ELEMS,), optimizer=SGD(lr=LR))
+        before = (await ps.pull_dense("gone")).copy()
+        arena = ps._shm.arena
+        real_put = arena.put
+        spoiled: list[int] = []
+
+        def spoil_first(data: Any, now: float | None = None) -> list[int] | None:
+            got = real_put(data, now)
+            if got is not None and not spoiled:  # as if reused before the shard read it
+                spoiled.append(got[5])
+                shm._TOKEN.pack_into(arena._mm, got[3] + 8, 0)
+            return got
+
+        refusals: list[dict[str, Any]] = []
+        real_refusal = ps._shm_refusal
+
+        def seen(msg: Message) -> None:
+            refusals.append(dict(msg.header))
+            real_refusal(msg)
+
+        monkeypatch.setattr(arena, "put", spoil_first)
+        monkeypatch.setattr(ps, "_shm_refusal", seen)
+        await ps.push_dense("gone", grad)
+        after = await ps.pull_dense("gone")
+        assert ps._shm.stats()["live"] == 0  # the spoiled region freed, the new one too
+    assert [(r["noshm"], r.get("tok")) for r in refusals] == [("gone", spoiled)]
+    np.testing.assert_array_equal(after, before - np.float32(LR) * grad)  # applied once
+
+
 async def test_a_pulled_tensor_is_read_from_shared_memory_straight_into_its_place(
     cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -437,8 +437,9 @@ def test_barriers_between_tokens_and_bytes(monkeypatch: pytest.MonkeyPatch) -> N
                 arena.free(desc[5])  # (its own barrier after the token's store)
 
         monkeypatch.setattr(shm, "fence", reuse_at_the_barrier)
-        with pytest.raises(shm.ShmUnavailableError, match="reused while it was read"):
+        with pytest.raises(shm.ShmUnavailableError, match="reused while it was read") as e:
             reader.read(desc)
+        assert e.value.token == desc[5] and not e.value.permanent  # told to the client
         assert calls == ["barrier", "barrier"]  # the reader's, then free's
         assert rows._FENCE is None or rows.memory_ordered("aarch64")  # compiled: any CPU
     finally:

@@ -805,9 +805,16 @@ class Connection:
         takes new ones)."""
         if msg.header.get("noshm") == "gone":
             req = self._shm_reqs.get(msg.route.req_id)
-            if req is not None and self._shm is not None:
-                self._shm.free(shm.tokens(req.regions))
-                req.regions = []
+            if req is None or self._shm is None:
+                return
+            named = msg.header.get("tok")
+            current = shm.tokens(req.regions)
+            if isinstance(named, list) and not set(named) & set(current):
+                # A refusal of an earlier sending's regions (freed since, and the
+                # request sent again with new ones, which the shard may be reading now).
+                return
+            self._shm.free(current)
+            req.regions = []
             return
         cmap = self._session.map
         info = cmap.partitions.get(msg.route.partition) if cmap is not None else None

@@ -1146,6 +1146,8 @@ class ShardServer:
             # The client sends it again (inline, if this shard cannot open its memory).
             refused = StatusReply(Status.OVERLOADED, f"shard {self.node_id}: {e}").to_wire()
             refused["noshm"] = "open" if e.permanent else "gone"
+            if e.token is not None:  # which region: a late refusal is told from a new one
+                refused["tok"] = [e.token]
             self._post([source, *encode(reply_route, refused)])
             return
         except ProtocolError as e:

@@ -1,0 +1,77 @@
+"""A shard's ``noshm: gone`` refusal and the client's regions (zps.client.connection):
+a refusal of the regions a request names now frees them (the re-send takes new ones);
+a late one, of an earlier sending's regions, leaves the current ones alone."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from zps import shm
+from zps.client.connection import Connection, _ShmRequest
+from zps.ops.config import ClientConfig
+from zps.protocol.codec import Message, MsgType, Route
+
+pytestmark = pytest.mark.skipif(shm.host_key() is None, reason="no memfd or /proc here")
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+async def conn() -> AsyncIterator[Connection]:
+    c = Connection("tcp://127.0.0.1:1", ClientConfig())  # never started: no sockets
+    if c._shm is None:
+        await c.close()
+        pytest.skip("shared memory is off here")
+    yield c
+    await c.close()
+
+
+def _sent(conn: Connection, req_id: int) -> _ShmRequest:
+    """A request whose one large frame went through the client's shared memory."""
+    assert conn._shm is not None
+    frames = [Route(MsgType.REQUEST, 0, 1, req_id).pack(), b"\x80", np.ones(MiB, np.uint8)]
+    _, descs = conn._shm.outbound(frames)
+    assert len(descs) == 1
+    req = _ShmRequest([], False, descs)
+    conn._shm_reqs[req_id] = req
+    return req
+
+
+def _gone(req_id: int, tokens: list[int] | None) -> Message:
+    header: dict[str, object] = {"st": "OVERLOADED", "noshm": "gone"}
+    if tokens is not None:
+        header["tok"] = tokens
+    return Message(Route(MsgType.REPLY, 0, 1, req_id), header, [])
+
+
+async def test_a_refusal_of_the_current_regions_frees_them(conn: Connection) -> None:
+    assert conn._shm is not None
+    req = _sent(conn, 7)
+    live = conn._shm.arena.live
+    conn._shm_refusal(_gone(7, shm.tokens(req.regions)))
+    assert req.regions == [] and conn._shm.arena.live == live - 1
+
+
+async def test_a_late_refusal_leaves_the_current_regions(conn: Connection) -> None:
+    assert conn._shm is not None
+    req = _sent(conn, 7)
+    old = shm.tokens(req.regions)
+    conn._shm_refusal(_gone(7, old))  # the first sending's regions: freed
+    _, req.regions = conn._shm.outbound(  # the re-send takes new ones
+        [Route(MsgType.REQUEST, 0, 1, 7).pack(), b"\x80", np.ones(MiB, np.uint8)]
+    )
+    current, live = list(req.regions), conn._shm.arena.live
+    conn._shm_refusal(_gone(7, old))  # another copy of the first sending, refused late
+    assert req.regions == current and conn._shm.arena.live == live
+
+
+async def test_a_refusal_naming_no_token_frees_the_current_regions(conn: Connection) -> None:
+    """As from a shard of an earlier release, which names no token."""
+    assert conn._shm is not None
+    req = _sent(conn, 7)
+    live = conn._shm.arena.live
+    conn._shm_refusal(_gone(7, None))
+    assert req.regions == [] and conn._shm.arena.live == live - 1
