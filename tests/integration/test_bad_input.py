@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
-import zmq.asyncio
 
 import zps
+from tests.integration.wire import raw_dealer
 from zps import errors
 from zps.optim import SGD
 from zps.protocol.codec import PROTOCOL_VERSION, MsgType, Route
@@ -20,21 +21,13 @@ from zps.testing import LocalCluster
 async def raw_roundtrip(
     address: str, frames: list[bytes], expect_reply: bool, timeout: float = 3.0
 ) -> list[bytes] | None:
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, f"c-raw-{uuid.uuid4().hex[:8]}".encode())
-    sock.connect(address)
-    try:
-        await sock.send_multipart(frames)
+    with raw_dealer(address, f"c-raw-{uuid.uuid4().hex[:8]}".encode()) as sock:
+        sock.send_multipart(frames)
         if not expect_reply:
             return None
-        if not await sock.poll(timeout * 1000, zmq.POLLIN):
+        if not await asyncio.to_thread(sock.poll, timeout * 1000, zmq.POLLIN):
             raise AssertionError("no reply")
-        return list(await sock.recv_multipart())
-    finally:
-        sock.close(0)
-        ctx.term()
+        return list(sock.recv_multipart())
 
 
 async def test_garbage_to_the_broker_is_dropped_and_it_keeps_serving(cluster: LocalCluster) -> None:
@@ -48,19 +41,12 @@ async def test_garbage_to_the_broker_is_dropped_and_it_keeps_serving(cluster: Lo
     before = cluster.status()["broker"]["malformed"]
     # One socket: the broker handles one peer's messages in order, so the
     # status reply comes after every piece of garbage was processed.
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(cluster.address)
-    try:
+    with raw_dealer(cluster.address) as sock:
         for frames in garbage:
-            await sock.send_multipart(frames)
-        await sock.send_multipart([Route(MsgType.STATUS).pack(), msgpack.packb({})])
-        assert await sock.poll(5000, zmq.POLLIN), "the broker stopped answering"
-        status = msgpack.unpackb((await sock.recv_multipart())[1])
-    finally:
-        sock.close(0)
-        ctx.term()
+            sock.send_multipart(frames)
+        sock.send_multipart([Route(MsgType.STATUS).pack(), msgpack.packb({})])
+        assert await asyncio.to_thread(sock.poll, 5000, zmq.POLLIN), "the broker stopped answering"
+        status = msgpack.unpackb(sock.recv_multipart()[1])
     assert status["broker"]["malformed"] - before == len(garbage)
     async with zps.connect(cluster.address) as ps:
         await ps.create_dense("after-garbage", shape=(2,), optimizer=SGD(lr=1.0))

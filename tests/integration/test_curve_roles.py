@@ -22,6 +22,7 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 import zps
+from tests.integration.wire import dealer
 from zps.ops.config import ClientConfig, Security
 from zps.optim import SGD
 from zps.protocol.codec import Encoder, MsgType, Route, unpack_route
@@ -118,16 +119,19 @@ def roles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RolesCluster]:
         c.stop()
 
 
-def curve_dealer(ctx: zmq.Context, c: RolesCluster, key: str, identity: bytes, address: str):  # type: ignore[no-untyped-def]
+def curve_dealer(
+    ctx: zmq.Context, c: RolesCluster, key: str, identity: bytes, address: str
+) -> zmq.Socket:
     public, secret = zmq.auth.load_certificate(str(c.keys / f"{key}.key_secret"))
     server, _ = zmq.auth.load_certificate(str(c.keys / "broker.key"))
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, identity)
-    sock.curve_publickey, sock.curve_secretkey = public, secret
-    sock.curve_serverkey = server
-    sock.connect(address)
-    return sock
+    return dealer(
+        ctx,
+        address,
+        identity,
+        CURVE_PUBLICKEY=public,
+        CURVE_SECRETKEY=secret,
+        CURVE_SERVERKEY=server,
+    )
 
 
 def control(mtype: MsgType, header: dict[str, Any], req_id: int = 0) -> list[bytes]:

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-import zmq
 
 import zps
+from tests.integration.wire import raw_dealer
 from zps.core.routing import partitions_of_ids
 from zps.optim import SGD
 from zps.protocol.codec import MsgType, Route, encode
@@ -119,22 +119,11 @@ class Honest:
 
 def flood(address: str, n: int, sent: list[int], done: threading.Event) -> None:
     """A peer that asks for the status ``n`` times and never reads an answer."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        sock.setsockopt(zmq.IDENTITY, b"c-never-reads")
-        sock.setsockopt(zmq.RCVHWM, 1)
-        sock.setsockopt(zmq.RCVBUF, 4096)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDTIMEO, 20_000)
-        sock.connect(address)
+    with raw_dealer(address, b"c-never-reads", RCVHWM=1, RCVBUF=4096, SNDTIMEO=20_000) as sock:
         for i in range(n):
             sock.send_multipart(encode(Route(MsgType.STATUS, req_id=i + 1), {}))
             sent[0] = i + 1
         done.wait(30)  # connected and unread until the test is over
-    finally:
-        sock.close(0)
-        ctx.term()
 
 
 async def test_a_peer_that_never_reads_does_not_freeze_the_broker(cluster: LocalCluster) -> None:

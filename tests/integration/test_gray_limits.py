@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 import zps
+from tests.integration.wire import raw_dealer
 from zps.errors import BadRequestError, ConfigError
 from zps.optim import SGD
 from zps.protocol.codec import (
@@ -150,12 +151,7 @@ async def test_a_reply_over_the_limit_is_refused_and_the_shard_stays(one: LocalC
     (shard,) = status["shards"]
     epoch = status["partitions"][0]["epoch"]
     n = DEFAULT_MAX_MESSAGE_BYTES // ROW_BYTES + 1000  # a reply just over the limit
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, b"c-gray-limits")
-    sock.connect(one.address)
-    try:
+    with raw_dealer(one.address, b"c-gray-limits") as sock:
         ops = [{"op": "pull_rows", "t": "hostile", "ids": np.arange(n, dtype=np.int64)}]
         sock.send_multipart(_request(b"c-gray-limits", epoch, 7, ops))
         got = None
@@ -166,9 +162,6 @@ async def test_a_reply_over_the_limit_is_refused_and_the_shard_stays(one: LocalC
         req_id, header = got
         assert req_id == 7
         assert header["st"] == "BAD_REQUEST" and "max_message_bytes" in header["msg"], header
-    finally:
-        sock.close(0)
-        ctx.term()
     # The shard kept its connection: same primary, same epoch, and it answers.
     async with zps.connect(one.address, timeout=20) as ps:
         rows = await ps.pull_rows("hostile", np.arange(10, dtype=np.int64))

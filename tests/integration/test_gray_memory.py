@@ -21,6 +21,7 @@ import pytest
 import zmq
 
 import zps
+from tests.integration.wire import dealer
 from zps.optim import SGD
 from zps.protocol.codec import ROUTE, CompressPolicy, Encoder, MsgType, Route, unpack_route
 from zps.testing import LocalCluster, free_port, scrape_metric
@@ -48,10 +49,7 @@ class RawClient:
     def __init__(self, address: str, cid: bytes) -> None:
         self.cid = cid
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, cid)
-        self.sock.connect(address)
+        self.sock = dealer(self.ctx, address, cid)
 
     def close(self) -> None:
         self.sock.close(0)

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-import zmq
 
 import zps
+from tests.integration.wire import raw_dealer
 from zps.errors import NotEnoughReplicasError
 from zps.optim import SGD
 from zps.protocol.codec import Encoder, MsgType, Route, decode
@@ -395,12 +395,7 @@ async def test_a_resent_write_is_answered_only_once_the_replicas_hold_it() -> No
         header = {"cid": b"c-resend", "seq": 1, "ops": [op]}
         first, again = (enc.build(Route(MsgType.REQUEST, 0, epoch, r), header) for r in (1, 2))
         replica = replicas(c)[0][0]
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, b"c-resend")
-        sock.connect(c.address)
-        try:
+        with raw_dealer(c.address, b"c-resend") as sock:
             c.kill(replica, signal.SIGSTOP)
             try:
                 sock.send_multipart(first)
@@ -415,9 +410,6 @@ async def test_a_resent_write_is_answered_only_once_the_replicas_hold_it() -> No
                 reply = decode(sock.recv_multipart())
                 answered[reply.route.req_id] = reply.header
             assert {k: h["st"] for k, h in answered.items()} == {1: "OK", 2: "OK"}
-        finally:
-            sock.close(0)
-            ctx.term()
         async with zps.connect(c.address, timeout=30.0) as ps:
             got = await ps.pull_rows("t", ids)
         np.testing.assert_array_equal(got, np.full((8, DIM), -2.0))  # applied once

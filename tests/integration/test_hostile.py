@@ -34,6 +34,7 @@ import zmq
 import zstandard
 
 import zps
+from tests.integration.wire import dealer, raw_dealer
 from zps.broker.acceptance import Reject, accept
 from zps.core.routing import chunk_partition, partitions_of_ids
 from zps.errors import ProtocolError
@@ -590,12 +591,7 @@ class Flood:
         self.markers: dict[str, int] = {}
 
     def _dealer(self, address: str, identity: bytes) -> zmq.Socket:
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, SEND_HWM)
-        s.setsockopt(zmq.RCVHWM, 100_000)
-        s.setsockopt(zmq.IDENTITY, identity)
-        s.connect(address)
+        s = dealer(self.ctx, address, identity, SNDHWM=SEND_HWM, RCVHWM=100_000)
         self.all.append(s)
         return s
 
@@ -782,21 +778,13 @@ def recorded_templates(cmap: Any, epochs: dict[int, int]) -> list[Template]:
 
 async def replay(address: str, templates: list[Template], timeout: float = 10.0) -> None:
     """Send the templates unmodified once: each must be answered OK (so they are valid)."""
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.IDENTITY, b"c-hostile-recorder")
-    s.connect(address)
-    try:
+    with raw_dealer(address, b"c-hostile-recorder") as s:
         for t in templates:
             s.send_multipart(t.frames)
             assert await asyncio.to_thread(s.poll, int(timeout * 1000)), f"{t.what}: no reply"
             reply = s.recv_multipart()
             body = msgpack.unpackb(reply[1])
             assert body["st"] == "OK" and all(r["st"] == "OK" for r in body["res"]), (t.what, body)
-    finally:
-        s.close(0)
-        ctx.term()
 
 
 def procs_memory(cluster: LocalCluster) -> dict[str, tuple[float, float]]:
@@ -984,14 +972,6 @@ async def test_hostile_messages_leave_every_process_serving_exact_results() -> N
 # -- protocol-valid messages from peers that should not be trusted ----------------
 
 
-def raw_dealer(ctx: zmq.Context, address: str, identity: bytes) -> zmq.Socket:
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.IDENTITY, identity)
-    s.connect(address)
-    return s
-
-
 def recv_until(sock: zmq.Socket, want: Callable[[Route, dict[str, Any]], bool], timeout: float):
     """The first message (``[.., route, header, ..]``) that ``want`` accepts, or None."""
     deadline = time.monotonic() + timeout
@@ -1031,7 +1011,7 @@ async def test_a_fake_shard_claiming_a_partition_at_a_huge_epoch_gets_nothing() 
         ctx = zmq.Context()
         try:
             for role, epoch in [("primary", 2**40), ("replica", 2**40), ("replica", 1)]:
-                fake = raw_dealer(ctx, c.address, f"s-fake-{role}-{epoch}".encode())
+                fake = dealer(ctx, c.address, f"s-fake-{role}-{epoch}".encode())
                 claim = {"partition": 0, "epoch": epoch, "role": role, "lsn": 10**9}
                 fake.send_multipart(
                     [b"", *encode(Route(MsgType.REGISTER), {"address": "", "claim": claim})]
@@ -1057,7 +1037,7 @@ async def test_a_registered_fake_shard_cannot_forge_broker_control_messages() ->
         primary = next(s for s in status["shards"] if s["role"] == "primary")
         ctx = zmq.Context()
         try:
-            fake = raw_dealer(ctx, c.address, b"s-fake-forger")
+            fake = dealer(ctx, c.address, b"s-fake-forger")
             fake.send_multipart([b"", *encode(Route(MsgType.REGISTER), {"address": ""})])
             assert recv_until(fake, lambda r, h: r.mtype is MsgType.ASSIGN, 5)
             forged = encode(Route(MsgType.ASSIGN), {"role": "spare", "partition": None})
@@ -1079,7 +1059,7 @@ async def test_a_fake_replica_that_stops_acknowledging_does_not_stall_writes() -
         p, epoch = primary["partition"], status["partitions"][primary["partition"]]["epoch"]
         ctx = zmq.Context()
         try:
-            fake = raw_dealer(ctx, primary["address"], b"s-fake-replica")
+            fake = dealer(ctx, primary["address"], b"s-fake-replica")
             fake.send_multipart(encode(Route(MsgType.SUBSCRIBE), {"partition": p, "epoch": epoch}))
             # Only shards the broker made replicas of this partition may subscribe.
             refused = recv_until(fake, lambda r, h: r.mtype is MsgType.BYE, 5)
@@ -1104,7 +1084,7 @@ async def test_the_dedup_record_of_failed_pushes_is_bounded_in_bytes() -> None:
         before = rss_mb(primary["pid"])
         ctx = zmq.Context()
         try:
-            sock = raw_dealer(ctx, c.address, b"c-dedup")
+            sock = dealer(ctx, c.address, b"c-dedup")
             big = "x" * 900_000
             for seq in range(150):
                 op = {"op": "push_rows", "t": EMB, "ids": [0, big, [1], 0]}
@@ -1129,7 +1109,7 @@ async def test_the_broker_forgets_departed_fake_shards() -> None:
         try:
             key = "k" * 900_000
             for i in range(150):
-                fake = raw_dealer(ctx, c.address, f"s-fake-{i}".encode())
+                fake = dealer(ctx, c.address, f"s-fake-{i}".encode())
                 head = {"address": "", "public_key": key}
                 fake.send_multipart([b"", *encode(Route(MsgType.REGISTER), head)])
                 assert recv_until(fake, lambda r, h: r.mtype is MsgType.ASSIGN, 5)
@@ -1152,7 +1132,7 @@ async def test_an_unpaced_flood_leaves_broker_memory_bounded() -> None:
         before = rss_mb(broker)
         ctx = zmq.Context()
         try:
-            sock = raw_dealer(ctx, c.address, b"c-flood")
+            sock = dealer(ctx, c.address, b"c-flood")
             junk = [b"junk", bytes(3_000)]
             for _ in range(100_000):
                 sock.send_multipart(junk)

@@ -17,10 +17,10 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-import zmq
 from ops_jobs import Worker
 
 import zps
+from tests.integration.wire import raw_dealer
 from zps.errors import ProtocolError
 from zps.optim import SGD
 from zps.protocol import codec
@@ -263,19 +263,10 @@ def test_status_shows_the_version_of_every_process() -> None:
 
 
 def _raw_exchange(address: str, identity: bytes, frames: list[bytes]) -> list[bytes]:
-    ctx = zmq.Context()
-    try:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, identity)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
+    with raw_dealer(address, identity) as sock:
         sock.send_multipart(frames)
         assert sock.poll(10_000), f"no answer to {identity!r}"
-        reply = sock.recv_multipart()
-        sock.close()
-        return reply
-    finally:
-        ctx.term()
+        return sock.recv_multipart()
 
 
 def test_a_peer_of_another_protocol_version_is_told_so(monkeypatch: pytest.MonkeyPatch) -> None:
