@@ -67,8 +67,12 @@ from zps.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
 
 #: The header key of a message with payload frames in shared memory.
 KEY = "shm"
-#: Payload frames of at least this many bytes go through shared memory.
-MIN_BYTES = 1 << 20
+#: Payload frames of at least this many bytes go through shared memory: a sparse
+#: step's rows and gradients from 2,048 rows of 32 float32s on, and dense chunks.
+#: Below it the sockets are cheaper (measured: 64 and 128 KiB frames 5-10% slower
+#: through shared memory, 192 KiB even, 256 KiB 14% faster, 512 KiB 30-60%; see
+#: docs/performance.md).
+MIN_BYTES = 192 << 10
 #: A region's head: magic, token, length (padded to 64 bytes).
 MAGIC = b"ZPSSHM01"
 HEAD = struct.Struct("<8sQQ")

@@ -25,7 +25,7 @@ from zps.client.client import Client, connect
 from zps.client.sync import connect_sync as zps_sync
 from zps.core.routing import chunk_partition
 from zps.init import Zeros
-from zps.optim import SGD
+from zps.optim import SGD, Adagrad
 from zps.protocol.codec import Message, MsgType, Route
 from zps.testing import DataDirCluster, LocalCluster, free_port, scrape_metric
 
@@ -166,6 +166,66 @@ async def test_shared_memory_gives_the_bits_of_inline_frames_through_failover(
         for g in grads:
             ref -= np.float32(LR) * g
         np.testing.assert_allclose(got[-1], ref, rtol=1e-5, atol=1e-5)
+
+
+ROWS, DIM = 6_000, 32  # 4,096 of them a step: about 256 KiB of float32 rows per partition
+
+
+async def _row_steps(ps: Client, name: str, steps: list[tuple[np.ndarray, np.ndarray]]) -> Any:
+    """Pipelined sparse steps (each step's push leaves with the next pull): the rows
+    each pull saw, then every row after the last push."""
+    seen = []
+    for ids, g in steps:
+        seen.append(await ps.pull_rows(name, ids))
+        await ps.push_rows(name, ids, g, wait=False)
+    await ps.flush()
+    return seen, await ps.pull_rows(name, np.arange(ROWS, dtype=np.int64))
+
+
+async def test_sparse_steps_through_shared_memory_give_the_bits_of_inline_frames(
+    replicated: LocalCluster, no_shm_left: None
+) -> None:
+    """A sparse step's rows and gradients (above shm.MIN_BYTES per partition) travel
+    through shared memory both ways, pipelined, and give the bits of inline frames,
+    on the primaries and on the replicas promoted after both primaries' SIGKILL."""
+    c = replicated
+    rng = np.random.default_rng(11)
+    steps = [
+        (
+            rng.permutation(ROWS)[:4096].astype(np.int64),
+            rng.standard_normal((4096, DIM), dtype=np.float32),
+        )
+        for _ in range(5)
+    ]
+    opt = Adagrad(lr=0.1)
+    async with (
+        connect(c.address, timeout=20) as fast,
+        connect(c.address, timeout=20, shm_bytes=0) as inline,
+    ):
+        assert fast._shm is not None and inline._shm is None
+        for ps, name in ((fast, "rows-a"), (inline, "rows-b")):
+            await ps.create_embedding(name, dim=DIM, init=Zeros(), optimizer=opt)
+        puts, reads = fast._shm.stats()["puts"], fast._shm.stats()["reads"]
+        got, after = await _row_steps(fast, "rows-a", steps)
+        want, after_inline = await _row_steps(inline, "rows-b", steps)
+        for x, y in zip(got, want, strict=True):
+            assert x.tobytes() == y.tobytes()
+        assert after.tobytes() == after_inline.tobytes()
+        stats = fast._shm.stats()
+        # Both ways, each partition's frame: 5 pushes out, 6 pulls back (2 partitions).
+        assert stats["puts"] - puts >= 10 and stats["reads"] - reads >= 12, stats
+        assert stats["refused"] == 0 and stats["live"] == 0
+        for p in (0, 1):
+            pid = c.shard_pid(p)
+            c.kill(pid, signal.SIGKILL)
+            c.wait_gone(pid)
+    async with (
+        connect(c.address, timeout=20, acks=1) as fast,
+        connect(c.address, timeout=20, shm_bytes=0, acks=1) as inline,
+    ):
+        every = np.arange(ROWS, dtype=np.int64)
+        a, b = await fast.pull_rows("rows-a", every), await inline.pull_rows("rows-b", every)
+        assert a.tobytes() == b.tobytes() == after.tobytes()
 
 
 _WORKER = """
