@@ -135,6 +135,25 @@ def replicated_one() -> Iterator[LocalCluster]:
         yield c
 
 
+def _kill_primaries(c: LocalCluster) -> None:
+    """SIGKILL both partitions' primaries and wait until they are gone."""
+    for p in (0, 1):
+        pid = c.shard_pid(p)
+        c.kill(pid, signal.SIGKILL)
+        c.wait_gone(pid)
+
+
+@contextlib.asynccontextmanager
+async def _after_failover(c: LocalCluster) -> AsyncIterator[tuple[Client, Client]]:
+    """A client through shared memory and one with it off, each acknowledged by the
+    promoted replicas alone (acks=1)."""
+    async with (
+        connect(c.address, timeout=20, acks=1) as fast,
+        connect(c.address, timeout=20, shm_bytes=0, acks=1) as inline,
+    ):
+        yield fast, inline
+
+
 async def test_shared_memory_gives_the_bits_of_inline_frames_through_failover(
     replicated: LocalCluster, no_shm_left: None
 ) -> None:
@@ -150,14 +169,8 @@ async def test_shared_memory_gives_the_bits_of_inline_frames_through_failover(
 
         # The replicas applied the primaries' own copies: after both primaries die, the
         # promoted replicas hold the same bits, and carry on (alone: acks=1).
-        for p in (0, 1):
-            pid = c.shard_pid(p)
-            c.kill(pid, signal.SIGKILL)
-            c.wait_gone(pid)
-    async with (
-        connect(c.address, timeout=20, acks=1) as fast,
-        connect(c.address, timeout=20, shm_bytes=0, acks=1) as inline,
-    ):
+        _kill_primaries(c)
+    async with _after_failover(c) as (fast, inline):
         out = np.empty(ELEMS, np.float32)
         a, b = await fast.pull_dense("a", out=out), await inline.pull_dense("b")
         assert a.tobytes() == b.tobytes() == got[-1].tobytes()
@@ -215,14 +228,8 @@ async def test_sparse_steps_through_shared_memory_give_the_bits_of_inline_frames
         # Both ways, each partition's frame: 5 pushes out, 6 pulls back (2 partitions).
         assert stats["puts"] - puts >= 10 and stats["reads"] - reads >= 12, stats
         assert stats["refused"] == 0 and stats["live"] == 0
-        for p in (0, 1):
-            pid = c.shard_pid(p)
-            c.kill(pid, signal.SIGKILL)
-            c.wait_gone(pid)
-    async with (
-        connect(c.address, timeout=20, acks=1) as fast,
-        connect(c.address, timeout=20, shm_bytes=0, acks=1) as inline,
-    ):
+        _kill_primaries(c)
+    async with _after_failover(c) as (fast, inline):
         every = np.arange(ROWS, dtype=np.int64)
         a, b = await fast.pull_rows("rows-a", every), await inline.pull_rows("rows-b", every)
         assert a.tobytes() == b.tobytes() == after.tobytes()
