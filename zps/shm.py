@@ -68,7 +68,7 @@ from zps.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
 #: The header key of a message with payload frames in shared memory.
 KEY = "shm"
 #: Payload frames of at least this many bytes go through shared memory: a sparse
-#: step's rows and gradients from 2,048 rows of 32 float32s on, and dense chunks.
+#: step's rows and gradients from 1,536 rows of 32 float32s on, and dense chunks.
 #: Below it the sockets are cheaper (measured: 64 and 128 KiB frames 5-10% slower
 #: through shared memory, 192 KiB even, 256 KiB 14% faster, 512 KiB 30-60%; see
 #: docs/performance.md).
@@ -450,6 +450,9 @@ class Inbound:
     done: list[int]  # regions of this process's arena the sender has read
     #: Payloads whose floats were checked finite as they were read (see inbound's check)
     finite: frozenset[int] = frozenset()
+    #: The sender asked for large reply frames this way, and this receiver cannot send
+    #: them (another host, or the path off here): the sender should be told.
+    reply_refused: bool = False
 
 
 class SharedMemory:
@@ -786,8 +789,9 @@ class SharedMemory:
                 else:
                     got = self.mapper.read(d[1:], target)
                 out[i] = got.data
-        reply_ok = info.get("r") is True and info.get("h") == self.host
-        return Inbound(out, rest, reply_ok, list(done), frozenset(finite))
+        asked = info.get("r") is True
+        reply_ok = asked and info.get("h") == self.host
+        return Inbound(out, rest, reply_ok, list(done), frozenset(finite), asked and not reply_ok)
 
     def housekeeping(self, now: float | None = None) -> None:
         """Drop mappings of peers that are gone (at most every :data:`SWEEP_S`); a
@@ -919,7 +923,7 @@ class _Off(SharedMemory):
             self.mapper.refused += 1
             raise ShmUnavailableError("shared memory is off here", permanent=True)
         got = super().inbound(frames, header)
-        return Inbound(got.frames, got.header, False, [])
+        return Inbound(got.frames, got.header, False, [], reply_refused=got.reply_refused)
 
 
 #: What a process with the path off uses to read a message that names shared memory.

@@ -458,6 +458,51 @@ async def test_a_client_of_another_host_sends_and_gets_inline_frames(
         assert other._shm_refused and other._shm.stats()["reads"] == 0
 
 
+async def test_a_shard_on_another_host_says_so_once_for_replies(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that asks for large replies through shared memory, from a shard that
+    cannot send them that way (another host), is told so on the answer (noshm: open,
+    by that shard), and asks it no more: its next requests carry no such header."""
+    async with connect(cluster.address, timeout=20) as ps:
+        assert ps._shm is not None
+        ps._shm.host = "another-boot/1"  # what a client elsewhere would say
+        await ps.create_embedding("far", dim=64, init=Zeros(), optimizer=SGD(lr=LR))
+        asked: list[bool] = []
+        real = ps._shm.outbound
+
+        def recording(frames: Any, **kw: Any) -> Any:
+            asked.append(bool(kw.get("reply_ok")))
+            return real(frames, **kw)
+
+        monkeypatch.setattr(ps._shm, "outbound", recording)
+        ids = np.arange(1024, dtype=np.int64)  # 256 KiB of float32 rows: above MIN_BYTES
+        for _ in range(3):
+            rows = await ps.pull_rows("far", ids)
+            assert rows.shape == (1024, 64) and not rows.any()
+        (primary,) = {s["node"] for s in (await asyncio.to_thread(cluster.status))["shards"]}
+        assert asked == [True, False, False] and ps._shm_refused == {primary}
+        assert ps._shm.stats()["reads"] == 0
+
+
+async def test_a_small_dense_tensor_stays_on_the_heap_and_is_copied(cluster: LocalCluster) -> None:
+    """A chunk under 1 MiB (here 384 KiB: above MIN_BYTES) keeps its values on the
+    shard's heap, leaving the arena's room for dense values to large chunks: its pulls
+    are copied into the arena, not lent."""
+    dense, lent, sent = (
+        _metric(f"zps_shard_shm_{m}")
+        for m in ("dense_bytes", "lent_frames_total", "sent_frames_total")
+    )
+    async with connect(cluster.address, timeout=20) as ps:
+        await ps.create_dense("small", (96 << 10,), optimizer=SGD(lr=LR))
+        await ps.push_dense("small", np.ones(96 << 10, np.float32))  # the chunk is stored
+        for _ in range(2):
+            assert ((await ps.pull_dense("small")) == -LR).all()
+    assert _metric("zps_shard_shm_dense_bytes") == dense
+    assert _metric("zps_shard_shm_lent_frames_total") == lent
+    assert _metric("zps_shard_shm_sent_frames_total") >= sent + 2
+
+
 async def test_a_spent_budget_sends_the_rest_inline(cluster: LocalCluster) -> None:
     grads = _grads(2, 7)
     async with _side_by_side(cluster.address, ("s1", "s2"), shm_bytes=3 << 20) as (small, inline):

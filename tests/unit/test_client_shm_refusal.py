@@ -1,6 +1,7 @@
-"""A shard's ``noshm: gone`` refusal and the client's regions (zps.client.connection):
-a refusal of the regions a request names now frees them (the re-send takes new ones);
-a late one, of an earlier sending's regions, leaves the current ones alone."""
+"""A shard's ``noshm`` refusals and the client (zps.client.connection): a ``gone`` of
+the regions a request names now frees them (the re-send takes new ones), a late one,
+of an earlier sending's regions, leaves the current ones alone; an ``open`` marks the
+shard that said so, and nothing goes to it through shared memory after."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from zps import shm
 from zps.client.connection import Connection, _ShmRequest
+from zps.core.routing import ClusterMap, PartitionInfo, default_slot_map
 from zps.ops.config import ClientConfig
 from zps.protocol.codec import Message, MsgType, Route
 
@@ -75,3 +77,32 @@ async def test_a_refusal_naming_no_token_frees_the_current_regions(conn: Connect
     live = conn._shm.arena.live
     conn._shm_refusal(_gone(7, None))
     assert req.regions == [] and conn._shm.arena.live == live - 1
+
+
+def _mapped(conn: Connection, primary: str) -> None:
+    """The client's map: one partition whose primary is ``primary``."""
+    conn._session.map = ClusterMap(
+        1, 8, default_slot_map(8, 1), {0: PartitionInfo(primary=primary)}
+    )
+
+
+async def test_open_marks_the_shard_that_said_so(conn: Connection) -> None:
+    """``by`` names the refusing shard: not the map's primary (the map may be stale)."""
+    _mapped(conn, "s-old")
+    assert conn._shm_to(0)
+    open_ = {"st": "OVERLOADED", "noshm": "open", "by": "s-new"}
+    conn._shm_refusal(Message(Route(MsgType.REPLY, 0, 1, 7), open_, []))
+    assert conn._shm_refused == {"s-new"} and conn._shm_to(0)  # s-old still may
+    _mapped(conn, "s-new")
+    assert not conn._shm_to(0)  # no payloads or replies this way with s-new
+
+
+async def test_open_without_by_marks_the_maps_primary(conn: Connection) -> None:
+    """As from a shard of an earlier release."""
+    _mapped(conn, "s-a")
+    conn._shm_refusal(Message(Route(MsgType.REPLY, 0, 1, 7), {"noshm": "open"}, []))
+    assert conn._shm_refused == {"s-a"} and not conn._shm_to(0)
+
+
+async def test_no_primary_known_means_inline(conn: Connection) -> None:
+    assert not conn._shm_to(0)  # no map yet

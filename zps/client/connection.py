@@ -606,7 +606,11 @@ class Connection:
                 continue
             sizes = [op.nbytes for op in ops]
             limit = max_bytes
-            if self._shm is not None and min(sizes) >= self._shm.min_bytes:
+            if (
+                self._shm is not None
+                and min(sizes) >= self._shm.min_bytes
+                and self._shm_to(partition)
+            ):
                 # Each payload travels through shared memory: the message is small.
                 limit = self.config.message_budget
             for a, b in plan_batches(sizes, self.config.batch_max_ops, limit):
@@ -743,19 +747,25 @@ class Connection:
         assert self._shm is not None
         req = self._shm_reqs[send.req_id]
         partition = unpack_route(send.frames[0]).partition
-        cmap = self._session.map
-        info = cmap.partitions.get(partition) if cmap is not None else None
-        primary = info.primary if info is not None else None
+        to_primary = self._shm_to(partition)
         frames, descs = self._shm.outbound(
             send.frames,
-            payloads=primary is not None and primary not in self._shm_refused,
+            payloads=to_primary,
             reuse=req.regions,
-            reply_ok=req.reply_ok and self._shm_replies,
+            reply_ok=req.reply_ok and self._shm_replies and to_primary,
             done=self._shm_done.pop(partition, ()),
         )
         if descs and not req.regions:
             req.regions = descs
         return frames
+
+    def _shm_to(self, partition: int) -> bool:
+        """Whether the partition's primary is known and has not said that it cannot
+        share memory with this client (another host or user, or its path off)."""
+        cmap = self._session.map
+        info = cmap.partitions.get(partition) if cmap is not None else None
+        primary = info.primary if info is not None else None
+        return primary is not None and primary not in self._shm_refused
 
     def _shm_finished(self, action: Deliver[_Token] | Fail[_Token]) -> None:
         """A request is over: the regions of its payloads may be reused."""
@@ -801,8 +811,9 @@ class Connection:
 
     def _shm_refusal(self, msg: Message) -> None:
         """A primary could not read this client's shared memory: at all (``open``: it
-        gets inline frames from now on), or these regions (``gone``: the next sending
-        takes new ones)."""
+        gets inline frames, and answers inline, from now on; also said on an answer to
+        a request that asked for its reply this way), or these regions (``gone``: the
+        next sending takes new ones)."""
         if msg.header.get("noshm") == "gone":
             req = self._shm_reqs.get(msg.route.req_id)
             if req is None or self._shm is None:
@@ -816,11 +827,14 @@ class Connection:
             self._shm.free(current)
             req.regions = []
             return
-        cmap = self._session.map
-        info = cmap.partitions.get(msg.route.partition) if cmap is not None else None
-        if info is not None and info.primary is not None:
-            log.info("shard %s cannot read this client's shared memory", info.primary)
-            self._shm_refused.add(info.primary)
+        by = msg.header.get("by")  # the shard that said so (earlier releases: not told)
+        if not isinstance(by, str):
+            cmap = self._session.map
+            info = cmap.partitions.get(msg.route.partition) if cmap is not None else None
+            by = info.primary if info is not None else None
+        if by is not None and by not in self._shm_refused:
+            log.info("shard %s cannot share memory with this client", by)
+            self._shm_refused.add(by)
 
     def _resolve(self, action: Deliver[_Token] | Fail[_Token]) -> None:
         partial = isinstance(action, Deliver) and action.partial

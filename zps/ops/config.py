@@ -362,7 +362,7 @@ class ShardConfig:
     durability_interval: float = 0.1
     #: The write-ahead log begins a new file past this size (and at each checkpoint).
     wal_segment_bytes: int = 64 << 20
-    #: Shared memory for reply frames of 1 MiB and more to clients on this host, at
+    #: Shared memory for reply frames of 192 KiB and more to clients on this host, at
     #: most this many bytes (:mod:`zps.shm`); 0 turns the path off both ways.  Dense
     #: chunks of 1 MiB and more live there, up to a quarter of it (pulls then lend them).
     shm_bytes: int = 128 << 20
@@ -449,7 +449,7 @@ class ClientConfig:
     #: With a broker pair: seconds without a word from the current broker before the
     #: client turns to the other one.
     failover_timeout: float = 0.5
-    #: Shared memory for payload frames of 1 MiB and more to and from shards on this
+    #: Shared memory for payload frames of 192 KiB and more to and from shards on this
     #: host, at most this many bytes (:mod:`zps.shm`); 0 turns the path off.
     shm_bytes: int = 128 << 20
     heartbeat: Heartbeat = field(default_factory=Heartbeat)

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, assert_never
 from urllib.parse import urlsplit
 
+import msgpack
 import numpy as np
 import zmq.asyncio
 
@@ -194,6 +195,20 @@ def _from_broker(mtype: MsgType, header: dict[str, Any]) -> BrokerToShard | None
             return RegisterAgain.parse(header)
         case _:
             return None
+
+
+#: Dense chunks of this size and more keep their values in the shard's arena, lent to
+#: pulls rather than copied (within a quarter of ``shard.shm_bytes``); smaller ones
+#: (small tensors, a tensor's last chunk) stay on the heap and leave that room to the
+#: large chunks, whose copy is what lending saves.
+LEND_MIN_BYTES = 1 << 20
+
+
+def _told_no_shm(reply: list[Any], node_id: str) -> list[Any]:
+    """``reply`` with ``noshm: open`` (and this shard, ``by``) in its header."""
+    header = msgpack.unpackb(reply[1], raw=False)
+    header["noshm"], header["by"] = "open", node_id
+    return [reply[0], msgpack.packb(header, use_bin_type=True), *reply[2:]]
 
 
 def shard_node_id(config: ShardConfig, *, hostname: str, pid: int) -> str:
@@ -1121,7 +1136,7 @@ class ShardServer:
         bufs = [transport.frame_buffer(f) for f in frames]
         reply_route = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
         refusal = None
-        shm_reply = False
+        shm_reply = no_shm_reply = False
         finite: dict[int, str] = {}
         try:
             msg = decode(bufs)
@@ -1140,12 +1155,13 @@ class ShardServer:
                 )
                 frames = bufs = got.frames
                 msg = decode(bufs)
-                shm_reply = got.reply_ok
+                shm_reply, no_shm_reply = got.reply_ok, got.reply_refused
                 finite = {i: grads[i] for i in got.finite}
         except shm.ShmUnavailableError as e:
             # The client sends it again (inline, if this shard cannot open its memory).
             refused = StatusReply(Status.OVERLOADED, f"shard {self.node_id}: {e}").to_wire()
             refused["noshm"] = "open" if e.permanent else "gone"
+            refused["by"] = self.node_id
             if e.token is not None:  # which region: a late refusal is told from a new one
                 refused["tok"] = [e.token]
             self._post([source, *encode(reply_route, refused)])
@@ -1216,6 +1232,10 @@ class ShardServer:
         if shm_reply and self._shm is not None and self._shm.wants(reply):
             # The client copies the large frames; dense values are lent, not copied.
             reply = self._shm.outbound(reply, lend_to=source)[0]
+        elif no_shm_reply:
+            # A client on another host (or this shard's path off): told once, so that
+            # it stops asking (and stops sending payloads this way to this shard).
+            reply = _told_no_shm(reply, self.node_id)
         if not changed:
             size = transport.message_bytes(reply)
             if size > self.config.max_message_bytes - 4096:
@@ -1344,7 +1364,7 @@ class ShardServer:
         """A dense chunk's place in the arena, for one large enough to be lent (None:
         the heap)."""
         sm = self._shm
-        if sm is None or math.prod(shape) * dtype.itemsize < sm.min_bytes:
+        if sm is None or math.prod(shape) * dtype.itemsize < max(sm.min_bytes, LEND_MIN_BYTES):
             return None
         try:
             return sm.reserve_array(shape, dtype)
