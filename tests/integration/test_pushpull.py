@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 
 import numpy as np
 import pytest
 
 import zps
-from zps import errors
+from zps import errors, transport
 from zps.init import generate
 from zps.optim import FTRL, SGD, Adagrad, Adam, Momentum
 from zps.testing import LocalCluster
@@ -284,3 +285,20 @@ def test_sync_facade_overlap(cluster: LocalCluster) -> None:
         ps.flush()
         assert fut.result(timeout=10).shape == (8,)
         np.testing.assert_array_equal(ps.pull_dense(name), np.full(8, -10.0))
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "SCHED_BATCH") or not transport._batch_allowed(),
+    reason="Linux's SCHED_BATCH, allowed here",
+)
+def test_the_servers_io_threads_run_sched_batch(cluster: LocalCluster) -> None:
+    """The broker's and the shards' zmq I/O threads run under SCHED_BATCH (woken by a
+    send, they do not preempt the handler that sent): zps.transport.new_context."""
+    for proc in cluster.procs:
+        io = []
+        for t in os.listdir(f"/proc/{proc.pid}/task"):
+            with open(f"/proc/{proc.pid}/task/{t}/comm") as f:
+                if f.read().startswith("ZMQbg/IO"):
+                    io.append(int(t))
+        assert io, proc.name
+        assert all(os.sched_getscheduler(t) == os.SCHED_BATCH for t in io), proc.name

@@ -279,7 +279,7 @@ class Connection:
             return
         self._started = True
         self._loop = asyncio.get_running_loop()
-        self._ctx = transport.new_context()
+        self._ctx = transport.new_context(client=True)
         keys = load_curve_keys(self.config.security)
         self._socks = [
             transport.dealer(

@@ -1,0 +1,92 @@
+"""zmq's I/O threads under SCHED_BATCH (zps.transport.new_context): a server's by
+default, a client's only with ZPS_IO_SCHED=batch, none with ZPS_IO_SCHED=normal, and
+none where the policy cannot be set (libzmq would abort the process)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import zmq
+
+from zps import transport
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "SCHED_BATCH") or not os.path.isdir("/proc/self/task"),
+    reason="Linux scheduling policies",
+)
+
+
+def _threads() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def _comm(tid: int) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _io_policy(client: bool) -> int:
+    """The policy of the I/O thread of a new context's first socket."""
+    before = _threads()
+    ctx = transport.new_context(client=client)
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        # libzmq's thread names itself and sets its policy as it starts: wait for that.
+        deadline = time.monotonic() + 5
+        while True:
+            io = [t for t in _threads() - before if _comm(t).startswith("ZMQbg/IO")]
+            if io or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        assert len(io) == 1, [_comm(t) for t in _threads() - before]
+        return os.sched_getscheduler(io[0])
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.fixture(autouse=True)
+def _allowed() -> None:
+    if not transport._batch_allowed():
+        pytest.skip("this process may not set SCHED_BATCH")
+
+
+def test_servers_batch_clients_normal_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
+    assert _io_policy(client=False) == os.SCHED_BATCH
+    assert _io_policy(client=True) == os.SCHED_OTHER
+
+
+def test_batch_for_clients_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZPS_IO_SCHED", "batch")
+    assert _io_policy(client=True) == os.SCHED_BATCH
+
+
+def test_normal_for_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZPS_IO_SCHED", "normal")
+    assert _io_policy(client=False) == os.SCHED_OTHER
+
+
+def test_left_alone_where_the_policy_cannot_be_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sandbox that forbids sched_setscheduler: the probe fails, nothing is asked of
+    libzmq (which would abort the process)."""
+    monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
+    monkeypatch.setattr(transport, "_batch_allowed", lambda: False)
+    assert _io_policy(client=False) == os.SCHED_OTHER
+
+
+def test_the_probe_fails_when_the_call_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(*args: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    transport._batch_allowed.cache_clear()
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    try:
+        assert not transport._batch_allowed()
+    finally:
+        transport._batch_allowed.cache_clear()
