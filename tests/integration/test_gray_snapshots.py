@@ -128,6 +128,19 @@ async def worst_heartbeat_gap(ps: Client, node: str, done: asyncio.Event) -> flo
     return worst
 
 
+async def longest_silence(ps: Client, pid: int, done: Callable[[], bool]) -> float:
+    """The longest the broker went without a word from the shard with ``pid`` (its
+    ``last_seen_s``), polled until ``done()``.  A replica sends the broker nothing but
+    heartbeats, so for a replica this is its longest gap between heartbeats."""
+    worst = 0.0
+    while not done():
+        for shard in (await ps.status())["shards"]:
+            if shard["pid"] == pid and shard.get("last_seen_s") is not None:
+                worst = max(worst, shard["last_seen_s"])
+        await asyncio.sleep(0.05)
+    return worst
+
+
 async def test_checkpoints_of_a_large_partition_never_delay_heartbeats(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
@@ -196,12 +209,16 @@ async def test_a_replica_joining_a_large_partition_gets_one_chunked_snapshot(
         reset_peak(primary.pid)
         replica = c.start_shard()
         in_sync = asyncio.create_task(asyncio.to_thread(c.wait_healthy, 40))
+        silent = asyncio.create_task(longest_silence(ps, replica.pid, in_sync.done))
         try:
             latencies = await small_pushes(ps, in_sync.done, time.monotonic() + 45)
         finally:
             with contextlib.suppress(BaseException):
                 await in_sync
         in_sync.result()
+        # The replica heartbeats while it takes, decodes, keeps and loads the snapshot.
+        gap = await silent
+        assert gap < HEARTBEAT_GAP_LIMIT, f"the replica was silent {gap:.2f}s"
         growth = peak_rss(primary.pid) - steady
         assert scrape_metric(mport, "zps_shard_snapshots_sent") == 1
         chunks = scrape_metric(mport, "zps_shard_snapshot_chunks_sent")

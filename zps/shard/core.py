@@ -353,11 +353,25 @@ class ShardCore:
 
     def load_snapshot(self, snap: Snapshot) -> None:
         """Replace everything with ``snap`` (all or nothing: a bad one changes nothing)."""
-        store = PartitionStore(self.dense_memory)
+        self.install_snapshot(snap, self.build_store(snap, self.dense_memory))
+
+    def build_store(self, snap: Snapshot, memory: DenseMemory | None = None) -> PartitionStore:
+        """The tables of ``snap``, validated, touching nothing of this core: the heavy
+        part of :meth:`load_snapshot` (seconds for a large partition), which a replica
+        runs off its event loop so that its heartbeats go on.  ``memory``: where dense
+        values may live (None: the heap; a thread other than the loop's must not take
+        regions of the arena)."""
+        store = PartitionStore(memory)
         store.load(snap.export)
+        return store
+
+    def install_snapshot(self, snap: Snapshot, store: PartitionStore) -> None:
+        """Replace everything with ``snap``, whose tables :meth:`build_store` made; dense
+        values written from now on go to this core's ``dense_memory``."""
         steps = self._new_steps()
         steps.load(snap.steps)
         slots = None if snap.slots is None else slotops.SlotState.from_wire(snap.slots)
+        store.use_memory(self.dense_memory)
         self.store, self.steps = store, steps
         self.slots = slots
         self.dedup.load(snap.dedup, snap.dedup_floors)

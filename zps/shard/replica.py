@@ -44,6 +44,7 @@ from zps.shard.checkpoint import CheckpointError, CheckpointStore, decode_checkp
 from zps.shard.core import ShardCore
 from zps.shard.durability import Durability
 from zps.shard.session import ShardSession
+from zps.store import PartitionStore
 from zps.store.snapshot import ChunkAssembly, Snapshot
 
 #: Stream messages kept while a snapshot arrives, applied once it is loaded.
@@ -253,10 +254,22 @@ class Upstream:
             return
         if self._assembly is not assembly:
             return  # replaced while decoding
+        store = None
+        if snap.epoch == self.core.epoch and snap.partition == self.core.partition:
+            # Seconds for a large partition (sorting, indexing and copying its rows): off
+            # the event loop, so heartbeats and the stream's ACKs go on meanwhile.
+            try:
+                store = await asyncio.to_thread(self.core.build_store, snap)
+            except ZpsError as e:
+                if self._assembly is assembly:
+                    self._abandon()
+                raise ProtocolError(f"snapshot {sid} does not load: {e}") from None
+            if self._assembly is not assembly:
+                return  # replaced while loading
         held, self._held, self._held_bytes = self._held, [], 0
         self._assembly = None
         self._abandoned = None
-        ok = self._load(snap)
+        ok = self._load(snap, store)
         if ok and self._durability is not None and self._checkpoints is not None:
             # The checkpoint just written is the base of this replica's new log.
             self._durability.start(
@@ -292,10 +305,10 @@ class Upstream:
             return False
         return True
 
-    def _load(self, snap: Snapshot) -> bool:
-        if snap.epoch != self.core.epoch or snap.partition != self.core.partition:
+    def _load(self, snap: Snapshot, store: PartitionStore | None) -> bool:
+        if store is None or snap.epoch != self.core.epoch or snap.partition != self.core.partition:
             return False
-        self.core.load_snapshot(snap)
+        self.core.install_snapshot(snap, store)
         log.info("loaded a snapshot of partition %d at LSN %d", snap.partition, snap.lsn)
         return True
 

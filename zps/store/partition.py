@@ -44,6 +44,14 @@ class PartitionStore:
         self._tables: dict[str, Table] = {}
         self._memory = memory
 
+    def use_memory(self, memory: DenseMemory | None) -> None:
+        """Dense values written from now on go to ``memory`` (those held stay where
+        they are until their next write)."""
+        self._memory = memory
+        for table in self._tables.values():
+            if isinstance(table, DenseTensor):
+                table.use_memory(memory)
+
     def __len__(self) -> int:
         return len(self._tables)
 

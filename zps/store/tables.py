@@ -721,6 +721,10 @@ class DenseTensor:
     def chunks(self) -> list[int]:
         return sorted(self._values)
 
+    def use_memory(self, memory: DenseMemory | None) -> None:
+        """Chunks written from now on go to ``memory`` (see :class:`DenseTensor`)."""
+        self._memory = memory
+
     def _chunk(self, chunk: int) -> Array:
         start, stop = self.spec.chunk_range(chunk)
         values = self._values.get(chunk)
