@@ -124,16 +124,33 @@ def io_sched_batch(client: bool) -> bool:
     waits for the running one to block or use up its time slice (a few milliseconds
     at most) instead of preempting it."""
     mode = os.environ.get("ZPS_IO_SCHED", "servers")
+    if mode not in IO_SCHED_MODES:
+        _warn_io_sched(mode)
+        return False
     if mode == "normal" or (client and mode != "batch"):
         return False
     return _batch_allowed()
 
 
+#: The values of ``ZPS_IO_SCHED``.
+IO_SCHED_MODES = ("servers", "batch", "normal")
+
+
+@functools.cache
+def _warn_io_sched(mode: str) -> None:
+    _log.warning(
+        "ZPS_IO_SCHED=%r is none of %s: zmq's I/O threads keep the default policy",
+        mode,
+        ", ".join(IO_SCHED_MODES),
+    )
+
+
 @functools.cache
 def _batch_allowed() -> bool:
-    """libzmq aborts the process if it cannot set its threads' policy: a probe thread
-    tries first (a sandbox may forbid ``sched_setscheduler``), and the policy is left
-    alone if that fails."""
+    """libzmq sets the policy in each of its threads and aborts the process if that
+    fails, so a probe thread tries ``SCHED_BATCH`` first (it may be refused where the
+    call is filtered for it, or for a process under ``SCHED_IDLE`` without
+    ``RLIMIT_NICE`` room), and the policy is left alone if it is."""
     if not hasattr(os, "SCHED_BATCH"):
         return False
     allowed: list[bool] = []

@@ -12,6 +12,7 @@ import pytest
 
 from zps import shm
 from zps.client.connection import Connection, _ShmRequest
+from zps.client.session import Send
 from zps.core.routing import ClusterMap, PartitionInfo, default_slot_map
 from zps.ops.config import ClientConfig
 from zps.protocol.codec import Message, MsgType, Route
@@ -106,3 +107,21 @@ async def test_open_without_by_marks_the_maps_primary(conn: Connection) -> None:
 
 async def test_no_primary_known_means_inline(conn: Connection) -> None:
     assert not conn._shm_to(0)  # no map yet
+
+
+async def test_a_refused_request_is_sent_again_inline_whatever_the_map_says(
+    conn: Connection,
+) -> None:
+    """The client's map still names the old primary (s-old, on this host) when the new
+    one (s-new, elsewhere) refuses: the re-send goes inline all the same, so it reaches
+    a shard that can answer it (or tell the client its map is stale)."""
+    assert conn._shm is not None
+    _mapped(conn, "s-old")
+    req = _sent(conn, 7)
+    refusal = {"st": "OVERLOADED", "noshm": "open", "by": "s-new"}
+    conn._shm_refusal(Message(Route(MsgType.REPLY, 0, 1, 7), refusal, []))
+    assert req.inline and conn._shm_to(0)  # s-old itself may still share memory
+    frames = [Route(MsgType.REQUEST, 0, 1, 7).pack(), b"\x80", np.ones(MiB, np.uint8)]
+    sent = conn._shm_frames(Send(frames, 7))
+    # No shared-memory header, the payload inline:
+    assert sent[1] == b"\x80" and np.frombuffer(sent[2], np.uint8).size == MiB

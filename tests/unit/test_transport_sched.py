@@ -90,3 +90,12 @@ def test_the_probe_fails_when_the_call_is_refused(monkeypatch: pytest.MonkeyPatc
         assert not transport._batch_allowed()
     finally:
         transport._batch_allowed.cache_clear()
+
+
+def test_an_unknown_mode_keeps_the_default_policy_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("ZPS_IO_SCHED", "off")
+    with caplog.at_level("WARNING", logger="zps.transport"):
+        assert _io_policy(client=False) == os.SCHED_OTHER
+    assert "ZPS_IO_SCHED='off' is none of servers, batch, normal" in caplog.text

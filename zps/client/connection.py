@@ -202,6 +202,9 @@ class _ShmRequest:
     #: named again by every re-send (freeing them while a copy of the request may still
     #: be queued for a shard would make that copy fail, and its retry the next one).
     regions: list[list[int]] = field(default_factory=list)
+    #: A shard refused to open its payloads (``noshm: open``): its re-sends go inline,
+    #: whichever shard the client's map names (a stale map may name another).
+    inline: bool = False
 
 
 class Connection:
@@ -747,7 +750,7 @@ class Connection:
         assert self._shm is not None
         req = self._shm_reqs[send.req_id]
         partition = unpack_route(send.frames[0]).partition
-        to_primary = self._shm_to(partition)
+        to_primary = self._shm_to(partition) and not req.inline
         frames, descs = self._shm.outbound(
             send.frames,
             payloads=to_primary,
@@ -827,6 +830,11 @@ class Connection:
             self._shm.free(current)
             req.regions = []
             return
+        req = self._shm_reqs.get(msg.route.req_id)
+        if req is not None and msg.header.get("st") == "OVERLOADED":
+            # Sent again inline: to the shard that refused, or to the one a newer map
+            # names, which then answers STALE_EPOCH and the map is asked for again.
+            req.inline = True
         by = msg.header.get("by")  # the shard that said so (earlier releases: not told)
         if not isinstance(by, str):
             cmap = self._session.map
