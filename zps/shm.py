@@ -69,8 +69,8 @@ from zps.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
 KEY = "shm"
 #: Payload frames of at least this many bytes go through shared memory: a sparse
 #: step's rows and gradients from 1,536 rows of 32 float32s on, and dense chunks.
-#: Below it the sockets are cheaper (measured: 64 and 128 KiB frames 5-10% slower
-#: through shared memory, 192 KiB even, 256 KiB 14% faster, 512 KiB 30-60%; see
+#: Below it the sockets are cheaper (measured: 64 and 128 KiB frames 3-11% slower
+#: through shared memory, 192 KiB even, 256 KiB 14% faster, 512 KiB 26-66%; see
 #: docs/performance.md).
 MIN_BYTES = 192 << 10
 #: A region's head: magic, token, length (padded to 64 bytes).

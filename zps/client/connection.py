@@ -817,8 +817,8 @@ class Connection:
         gets inline frames, and answers inline, from now on; also said on an answer to
         a request that asked for its reply this way), or these regions (``gone``: the
         next sending takes new ones)."""
+        req = self._shm_reqs.get(msg.route.req_id)
         if msg.header.get("noshm") == "gone":
-            req = self._shm_reqs.get(msg.route.req_id)
             if req is None or self._shm is None:
                 return
             named = msg.header.get("tok")
@@ -830,7 +830,6 @@ class Connection:
             self._shm.free(current)
             req.regions = []
             return
-        req = self._shm_reqs.get(msg.route.req_id)
         if req is not None and msg.header.get("st") == "OVERLOADED":
             # Sent again inline: to the shard that refused, or to the one a newer map
             # names, which then answers STALE_EPOCH and the map is asked for again.
