@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from zps.store import index
+from zps.errors import BadRequestError
 from zps.store.index import EMPTY, IdIndex
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,3 +86,64 @@ def test_zps_no_kernel_turns_the_kernel_off() -> None:
         "assert i.lookup(np.array([3, 99, 49])).tolist() == [3, -1, 49]"
     )
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+
+
+def _grown(batches: list[np.ndarray], kernel: bool, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    monkeypatch.setattr(index, "KERNEL", kernel)
+    idx = IdIndex()
+    got = [idx.get_or_insert(b) for b in batches]
+    return idx, [(p.tolist(), n) for p, n in got]
+
+
+@pytest.mark.skipif(index._probe is None, reason="the C kernel was not built")
+def test_compiled_insertion_gives_the_fallbacks_positions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Batches with repeats, ids already present and new ones, through several rehashes:
+    the compiled insertion numbers new ids in first-occurrence order as numpy does."""
+    rng = np.random.default_rng(11)
+    pool = rng.integers(EMPTY + 1, 2**63 - 1, 60_000, dtype=np.int64)
+    batches = [rng.choice(pool[: 2_000 * (i + 1)], 4_096) for i in range(30)]
+    batches += [np.empty(0, np.int64), pool[:1], np.concatenate([pool[-5:], pool[-5:]])]
+    fast, fast_got = _grown(batches, True, monkeypatch)
+    slow, slow_got = _grown(batches, False, monkeypatch)
+    assert fast_got == slow_got
+    assert len(fast) == len(slow) and fast.capacity >= 2 * len(fast)
+    assert fast.ids().tolist() == slow.ids().tolist()
+    expected = {int(k): i for i, k in enumerate(fast.ids().tolist())}
+    assert len(expected) == len(fast)  # each id once
+    q = np.concatenate([pool, rng.integers(EMPTY + 1, 2**63 - 1, 500, dtype=np.int64)])
+    want = [expected.get(int(k), -1) for k in q.tolist()]
+    assert fast.lookup(q).tolist() == want == slow.lookup(q).tolist()
+    assert fast.lookup_numpy(q).tolist() == want  # the compiled slots read by numpy too
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_the_empty_sentinel_is_refused_and_nothing_is_inserted(
+    kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if kernel and index._probe is None:
+        pytest.skip("the C kernel was not built")
+    monkeypatch.setattr(index, "KERNEL", kernel)
+    idx = IdIndex()
+    idx.get_or_insert(np.arange(10, dtype=np.int64))
+    with pytest.raises(BadRequestError, match="sentinel"):
+        idx.get_or_insert(np.array([11, EMPTY, 12], dtype=np.int64))
+    assert len(idx) == 10
+    assert idx.lookup(np.array([11, 12, 3], dtype=np.int64)).tolist() == [-1, -1, 3]
+
+
+@pytest.mark.skipif(index._probe is None, reason="the C kernel was not built")
+def test_compiled_insertion_refuses_what_would_break_the_table() -> None:
+    idx = IdIndex()
+    idx.insert(np.arange(4, dtype=np.int64))
+    with pytest.raises(ValueError, match="already in the index"):
+        index._probe.place(idx._slots, np.array([3], np.int64), 4)
+    tiny = np.full((2, 2), EMPTY, dtype=np.int64)
+    tiny[:, 1] = -1
+    index._probe.place(tiny, np.array([7, 8], np.int64), 0)
+    with pytest.raises(ValueError, match="index full"):
+        index._probe.place(tiny, np.array([9], np.int64), 2)
+    out = np.empty(8, np.int64)
+    with pytest.raises(ValueError, match="room"):  # the load factor would pass 1/2
+        index._probe.get_or_insert(idx._slots, idx._ids, 4, np.arange(100, 108), out)

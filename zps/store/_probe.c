@@ -1,12 +1,16 @@
-/* The id index's lookup (zps.store.index.IdIndex.lookup) in one pass per id.
+/* The id index's lookup and insertion (zps.store.index.IdIndex) in one pass per id.
  *
  * The index is an open-addressing table of 16-byte slots (key, position), capacity a
  * power of two, linear probing, keys placed at mix64(key) & (capacity - 1), free slots
  * holding key INT64_MIN and position -1 (see index.py).  lookup(slots, keys, out)
  * writes each key's position, or -1 where it is absent, exactly as the numpy
- * version does.  All three arguments are C-contiguous buffers of int64: slots of
- * 2 * capacity items, keys and out of n items each.  Optional: without a compiler
- * zps uses the numpy version (the results are the same).
+ * version does.  place(slots, keys, first) writes keys that are absent and unique
+ * into the first free slot of their probe sequences, with the positions first,
+ * first + 1, ...: a batch of new ids, or every id when the table is rehashed.  The
+ * slots it picks may differ from the numpy version's (which settles collisions a
+ * probe round at a time); every lookup gives the same positions either way.  All
+ * buffers are C-contiguous int64: slots of 2 * capacity items, keys and out of n
+ * items each.  Optional: without a compiler zps uses the numpy versions.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -100,15 +104,165 @@ static PyObject *lookup(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *place(PyObject *self, PyObject *args)
+{
+    PyObject *slots_obj, *keys_obj;
+    long long first;
+    Py_buffer slots, keys;
+    if (!PyArg_ParseTuple(args, "OOL:place", &slots_obj, &keys_obj, &first))
+        return NULL;
+    if (get_int64(slots_obj, &slots, 1, "slots") < 0)
+        return NULL;
+    if (get_int64(keys_obj, &keys, 0, "keys") < 0) {
+        PyBuffer_Release(&slots);
+        return NULL;
+    }
+    Py_ssize_t cap = slots.len / 16, n = keys.len / 8;
+    if (cap < 1 || (cap & (cap - 1)) != 0 || first < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "slots must hold a power of two of (key, position) pairs and the "
+                        "first position must be >= 0");
+        PyBuffer_Release(&slots);
+        PyBuffer_Release(&keys);
+        return NULL;
+    }
+    int64_t *s = (int64_t *)slots.buf;
+    const int64_t *k = (const int64_t *)keys.buf;
+    uint64_t mask = (uint64_t)cap - 1;
+    Py_ssize_t full = -1; /* the key that found no free slot (the caller's load factor broken) */
+    int64_t dup = 0, dup_at = -1; /* a key already present (not absent, or twice in keys) */
+
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
+        __builtin_prefetch(s + 2 * (mix64((uint64_t)k[i]) & mask), 1);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n)
+            __builtin_prefetch(s + 2 * (mix64((uint64_t)k[i + AHEAD]) & mask), 1);
+        int64_t key = k[i];
+        uint64_t slot = mix64((uint64_t)key) & mask;
+        Py_ssize_t probes = 0;
+        while (s[2 * slot] != EMPTY && s[2 * slot] != key && ++probes < cap)
+            slot = (slot + 1) & mask;
+        if (probes >= cap) {
+            full = i;
+            break;
+        }
+        if (s[2 * slot] == key) {
+            dup = key;
+            dup_at = s[2 * slot + 1];
+            break;
+        }
+        s[2 * slot] = key;
+        s[2 * slot + 1] = (int64_t)first + i;
+    }
+    Py_END_ALLOW_THREADS
+
+    PyBuffer_Release(&slots);
+    PyBuffer_Release(&keys);
+    if (full >= 0) {
+        PyErr_Format(PyExc_ValueError, "index full: no free slot for key %zd of %zd", full, n);
+        return NULL;
+    }
+    if (dup_at >= 0) {
+        PyErr_Format(PyExc_ValueError, "key %lld is already in the index (position %lld)",
+                     (long long)dup, (long long)dup_at);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* get_or_insert(slots, ids, n, keys, out) -> inserted: each key's position in out,
+ * inserting absent keys once each, in first-occurrence order, with positions n, n + 1,
+ * ..., and recording them in ids[n], ids[n + 1], ... (the index's id by position).
+ * The caller makes room for every key first: ids of at least n + len(keys) items,
+ * and a capacity of at least twice that, so the load factor stays <= 1/2. */
+static PyObject *get_or_insert(PyObject *self, PyObject *args)
+{
+    PyObject *slots_obj, *ids_obj, *keys_obj, *out_obj;
+    long long n0;
+    Py_buffer slots, ids, keys, out;
+    if (!PyArg_ParseTuple(args, "OOLOO:get_or_insert", &slots_obj, &ids_obj, &n0, &keys_obj,
+                          &out_obj))
+        return NULL;
+    if (get_int64(slots_obj, &slots, 1, "slots") < 0)
+        return NULL;
+    if (get_int64(ids_obj, &ids, 1, "ids") < 0) {
+        PyBuffer_Release(&slots);
+        return NULL;
+    }
+    if (get_int64(keys_obj, &keys, 0, "keys") < 0) {
+        PyBuffer_Release(&slots);
+        PyBuffer_Release(&ids);
+        return NULL;
+    }
+    if (get_int64(out_obj, &out, 1, "out") < 0) {
+        PyBuffer_Release(&slots);
+        PyBuffer_Release(&ids);
+        PyBuffer_Release(&keys);
+        return NULL;
+    }
+    Py_ssize_t cap = slots.len / 16, n = keys.len / 8;
+    if (cap < 1 || (cap & (cap - 1)) != 0 || out.len != keys.len || n0 < 0 ||
+        ids.len / 8 < n0 + n || 2 * (n0 + n) > cap) {
+        PyErr_SetString(PyExc_ValueError,
+                        "slots must hold a power of two of (key, position) pairs, at least "
+                        "twice as many as ids can hold, ids room for every key and out as "
+                        "many items as keys");
+        PyBuffer_Release(&slots);
+        PyBuffer_Release(&ids);
+        PyBuffer_Release(&keys);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    int64_t *s = (int64_t *)slots.buf;
+    int64_t *by_pos = (int64_t *)ids.buf;
+    const int64_t *k = (const int64_t *)keys.buf;
+    int64_t *o = (int64_t *)out.buf;
+    uint64_t mask = (uint64_t)cap - 1;
+    int64_t next = (int64_t)n0;
+
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
+        __builtin_prefetch(s + 2 * (mix64((uint64_t)k[i]) & mask), 1);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n)
+            __builtin_prefetch(s + 2 * (mix64((uint64_t)k[i + AHEAD]) & mask), 1);
+        int64_t key = k[i];
+        uint64_t slot = mix64((uint64_t)key) & mask;
+        /* At most half the slots are taken, even after this batch: a probe ends. */
+        while (s[2 * slot] != EMPTY && s[2 * slot] != key)
+            slot = (slot + 1) & mask;
+        if (s[2 * slot] == EMPTY) {
+            s[2 * slot] = key;
+            s[2 * slot + 1] = next;
+            by_pos[next++] = key;
+        }
+        o[i] = s[2 * slot + 1];
+    }
+    Py_END_ALLOW_THREADS
+
+    PyBuffer_Release(&slots);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&out);
+    return PyLong_FromLongLong((long long)(next - n0));
+}
+
 static PyMethodDef methods[] = {
     {"lookup", lookup, METH_VARARGS,
      "lookup(slots, keys, out): each key's position in the index slots, or -1."},
+    {"place", place, METH_VARARGS,
+     "place(slots, keys, first): insert absent, unique keys with positions first, "
+     "first + 1, ..."},
+    {"get_or_insert", get_or_insert, METH_VARARGS,
+     "get_or_insert(slots, ids, n, keys, out) -> inserted: positions, absent keys "
+     "inserted once each in first-occurrence order."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "zps.store._probe",
-    "The id index's lookup, compiled (see zps/store/index.py).", -1, methods,
+    "The id index's lookup and insertion, compiled (see zps/store/index.py).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__probe(void) { return PyModule_Create(&module); }

@@ -13,9 +13,11 @@ keys and -1 positions mark free slots).  Invariants:
 
 Work is done a whole batch at a time: a Python loop runs once per *probe
 round*, never once per id.  Where the optional C kernel ``zps.store._probe`` was
-built (``setup.py``), :meth:`IdIndex.lookup` probes in one compiled pass per id
-instead, prefetching home slots ahead; both give the same positions
-(:data:`KERNEL` says which one runs; ``IdIndex.lookup_numpy`` is always there).
+built (``setup.py``), :meth:`IdIndex.lookup` probes, and :meth:`IdIndex.insert`
+and rehashing place new ids, in one compiled pass per id instead, prefetching home
+slots ahead; both give the same positions (the slots a colliding id lands in may
+differ, which no lookup can tell).  :data:`KERNEL` says which one runs;
+``IdIndex.lookup_numpy`` and ``IdIndex.place_numpy`` are always there.
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ def as_ids(ids: npt.ArrayLike, what: str = "ids") -> I64:
             raise BadRequestError(f"{what} must be int64, got uint64 values above 2**63-1")
         arr = arr.astype(np.int64)
     return arr
+
+
+def _check_keys(keys: I64) -> None:
+    if keys.size and bool((keys == EMPTY).any()):
+        raise BadRequestError(f"id {EMPTY} (the empty-slot sentinel) is not a valid id")
 
 
 class IdIndex:
@@ -167,24 +174,15 @@ class IdIndex:
     def insert(self, new_ids: npt.ArrayLike) -> I64:
         """Insert ids that are unique and absent; returns their (new, consecutive) positions."""
         keys = as_ids(new_ids, "new ids")
-        if keys.size and bool((keys == EMPTY).any()):
-            raise BadRequestError(f"id {EMPTY} (the empty-slot sentinel) is not a valid id")
+        _check_keys(keys)
         m = keys.shape[0]
         start = self._n
         positions = np.arange(start, start + m, dtype=np.int64)
         if m == 0:
             return positions
         need = start + m
-        if 2 * need > self.capacity:
-            cap = self.capacity
-            while 2 * need > cap:
-                cap *= 2
-            self._rehash(cap)
-        if need > self._ids.shape[0]:
-            grown = np.empty(max(need, self.capacity // 2), dtype=np.int64)
-            grown[:start] = self._ids[:start]
-            self._ids = grown
-        self._place(keys, positions)
+        self._make_room(need)
+        self._place(keys, start)
         self._ids[start:need] = keys
         self._n = need
         return positions
@@ -196,19 +194,50 @@ class IdIndex:
         missing = np.flatnonzero(pos < 0)
         if missing.size == 0:
             return pos, 0
-        uniq, first, inverse = np.unique(keys[missing], return_index=True, return_inverse=True)
+        absent = keys[missing]
+        if KERNEL:  # one pass: probe, insert the first occurrence, record its id
+            _check_keys(absent)
+            self._make_room(self._n + absent.shape[0])
+            found = np.empty(absent.shape[0], dtype=np.int64)
+            added = _probe.get_or_insert(self._slots, self._ids, self._n, absent, found)
+            self._n += added
+            pos[missing] = found
+            return pos, int(added)
+        uniq, first, inverse = np.unique(absent, return_index=True, return_inverse=True)
         order = np.argsort(first, kind="stable")
         uniq_pos = np.empty(uniq.shape[0], dtype=np.int64)
         uniq_pos[order] = self.insert(uniq[order])
         pos[missing] = uniq_pos[inverse.reshape(-1)]
         return pos, int(uniq.shape[0])
 
+    def _make_room(self, need: int) -> None:
+        """Capacity for ``need`` ids in all (the load factor <= 1/2), and room in ``_ids``."""
+        if 2 * need > self.capacity:
+            cap = self.capacity
+            while 2 * need > cap:
+                cap *= 2
+            self._rehash(cap)
+        if need > self._ids.shape[0]:
+            grown = np.empty(max(need, self.capacity // 2), dtype=np.int64)
+            grown[: self._n] = self._ids[: self._n]
+            self._ids = grown
+
     def _rehash(self, capacity: int) -> None:
         self._alloc(capacity)
-        self._place(self._ids[: self._n], np.arange(self._n, dtype=np.int64))
+        self._place(self._ids[: self._n], 0)
 
-    def _place(self, keys: I64, positions: I64) -> None:
-        """Write absent ``keys`` into free slots, one vectorised probe round at a time."""
+    def _place(self, keys: I64, first: int) -> None:
+        """Write absent, unique ``keys`` into free slots, with positions ``first``,
+        ``first + 1``, ...  (compiled: 2,000,000 ids rehashed in a tenth of the numpy
+        version's time; see docs/performance.md)."""
+        if KERNEL:
+            _probe.place(self._slots, np.ascontiguousarray(keys), first)
+        else:
+            self.place_numpy(keys, first)
+
+    def place_numpy(self, keys: I64, first: int) -> None:
+        """:meth:`_place` in numpy alone, one vectorised probe round at a time."""
+        positions = np.arange(first, first + keys.shape[0], dtype=np.int64)
         mask = self.capacity - 1
         pending = np.arange(keys.shape[0], dtype=np.intp)
         slot = self._home(keys)
@@ -223,12 +252,12 @@ class IdIndex:
                 want = slot[free]
                 code = np.arange(-free.shape[0] - 2, -2, dtype=np.int64)
                 np.minimum.at(self._vals, want, code)
-                first = self._vals[want] == code
-                winners = pending[free[first]]
-                claimed = want[first]
+                elected = self._vals[want] == code
+                winners = pending[free[elected]]
+                claimed = want[elected]
                 self._keys[claimed] = keys[winners]
                 self._vals[claimed] = positions[winners]
-                won[free[first]] = True
+                won[free[elected]] = True
             # Every loser's slot is now taken (it was full, or a winner just took
             # it), so all of them advance.
             lost = ~won
