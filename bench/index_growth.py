@@ -64,13 +64,15 @@ def main() -> None:
     if index._probe is None:
         sys.exit("the compiled index was not built (pip install -e . builds it)")
     print(f"{rows:,} rows, {BATCH:,} new ids a push, dim 32 float32 Adagrad")
-    print(f"{'index':8} {'insert p50 us':>14} {'longest ms':>11} {'push p50 us':>12} {'longest ms':>11}")
+    head = ("index", "insert p50 us", "longest ms", "push p50 us", "longest ms")
+    print("{:8} {:>14} {:>11} {:>12} {:>11}".format(*head))
     for kernel in (True, False, True, False):
         index.KERNEL = kernel
         i_med, i_max = _index(ids)
         t_med, t_max = _table(ids)
         name = "compiled" if kernel else "numpy"
-        print(f"{name:8} {i_med * 1e6:14.0f} {i_max * 1e3:11.0f} {t_med * 1e6:12.0f} {t_max * 1e3:11.0f}")
+        cells = (name, i_med * 1e6, i_max * 1e3, t_med * 1e6, t_max * 1e3)
+        print("{:8} {:14.0f} {:11.0f} {:12.0f} {:11.0f}".format(*cells))
 
 
 if __name__ == "__main__":

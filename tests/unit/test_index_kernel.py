@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zps.store import index
 from zps.errors import BadRequestError
+from zps.store import index
 from zps.store.index import EMPTY, IdIndex
 
 ROOT = Path(__file__).resolve().parents[2]
