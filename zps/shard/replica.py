@@ -160,7 +160,7 @@ class Upstream:
             bufs = [transport.frame_buffer(f) for f in frames]
             msg = decode(bufs)
             if msg.route.mtype is MsgType.REPLICATE and shm.KEY in msg.header:
-                read = self._read_shared(bufs, msg.header)
+                read = self._read_shared(bufs, msg)
                 if read is None:
                     return
                 msg = read
@@ -180,11 +180,11 @@ class Upstream:
         except ZpsError as e:
             raise ProtocolError(str(e)) from e
 
-    def _read_shared(self, bufs: list[Any], header: dict[str, Any]) -> Message | None:
+    def _read_shared(self, bufs: list[Any], msg: Message) -> Message | None:
         """A stream message with its frames copied out of the primary's shared memory;
         None (and a resync) when they cannot be read."""
         try:
-            got = (self.shm or shm.OFF).inbound(bufs, header)
+            got = (self.shm or shm.OFF).inbound(bufs, msg.header)
         except shm.ShmUnavailableError as e:
             if e.permanent:
                 self.shm = None  # the next SUBSCRIBE asks for every frame inline
@@ -195,7 +195,7 @@ class Upstream:
             else:
                 self.session.resync()
             return None
-        return decode(got.frames)
+        return Message(msg.route, got.header, got.frames[2:])
 
     def _abandon(self) -> None:
         if self._assembly is not None:

@@ -72,6 +72,7 @@ from zps.ops.systemd import Notifier
 from zps.protocol.codec import (
     CODEC_RAW,
     PROTOCOL_VERSION,
+    Message,
     MsgType,
     Route,
     VersionMismatchError,
@@ -1154,7 +1155,7 @@ class ShardServer:
                     check={i: _FLOAT_SIZES[d] for i, d in grads.items()},
                 )
                 frames = bufs = got.frames
-                msg = decode(bufs)
+                msg = Message(msg.route, got.header, bufs[2:])  # the header read once
                 shm_reply, no_shm_reply = got.reply_ok, got.reply_refused
                 finite = {i: grads[i] for i in got.finite}
         except shm.ShmUnavailableError as e:
