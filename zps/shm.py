@@ -45,6 +45,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import errno
 import itertools
 import math
 import mmap
@@ -82,17 +83,29 @@ _TOKEN = struct.Struct("<Q")
 MAX_MAPPINGS = 64
 #: How often a reader looks for mappings of owners that are gone, at most.
 SWEEP_S = 1.0
+#: Why opening or mapping a peer's memory may fail for a while only: this process
+#: is out of descriptors or memory.  The peer's frames go inline meanwhile, and a
+#: sender tries its memory again after :data:`RETRY_S`.
+_BUSY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR})
+#: How long a peer that could not open this process's memory for a while (``busy``)
+#: gets inline frames before they are offered through shared memory again.
+RETRY_S = 30.0
 
 
 class ShmUnavailableError(ZpsError):
     """A region named by a descriptor cannot be read (another host, the owner gone,
     the region reused): the message must be sent again with inline frames."""
 
-    def __init__(self, message: str, *, permanent: bool, token: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, permanent: bool, token: int | None = None, busy: bool = False
+    ) -> None:
         super().__init__(message)
         #: True: this peer cannot open the sender's memory at all (another host or
         #: user); False: this one region is gone (re-sending it may work).
-        self.permanent = permanent
+        self.permanent = permanent or busy
+        #: Not now (out of descriptors or memory: see :data:`RETRY_S`), where
+        #: ``permanent`` alone means not ever.
+        self.busy = busy
         #: The token the descriptor named, when its region was reused (else None).
         self.token = token
 
@@ -317,7 +330,9 @@ class Mapper:
             ) from None
         except OSError as e:
             raise ShmUnavailableError(
-                f"cannot open shared memory {path}: {e.strerror}", permanent=True
+                f"cannot open shared memory {path}: {e.strerror}",
+                permanent=True,
+                busy=e.errno in _BUSY,
             ) from None
         try:
             st = os.fstat(f)
@@ -333,7 +348,9 @@ class Mapper:
             ) from None
         except OSError as e:
             raise ShmUnavailableError(
-                f"cannot map shared memory {path}: {e.strerror}", permanent=True
+                f"cannot map shared memory {path}: {e.strerror}",
+                permanent=True,
+                busy=e.errno in _BUSY,
             ) from None
         finally:
             os.close(f)

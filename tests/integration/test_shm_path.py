@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -481,7 +483,7 @@ async def test_a_shard_on_another_host_says_so_once_for_replies(
             rows = await ps.pull_rows("far", ids)
             assert rows.shape == (1024, 64) and not rows.any()
         (primary,) = {s["node"] for s in (await asyncio.to_thread(cluster.status))["shards"]}
-        assert asked == [True, False, False] and ps._shm_refused == {primary}
+        assert asked == [True, False, False] and set(ps._shm_refused) == {primary}
         assert ps._shm.stats()["reads"] == 0
 
 
@@ -538,7 +540,7 @@ async def test_a_reply_region_that_cannot_be_read_is_asked_for_again(
         monkeypatch.setattr(mapper, "read", flaky)
         got = await ps.pull_dense("r")  # retried, never the wrong bytes
         assert got.tobytes() == want.tobytes()
-        assert not ps._shm_replies  # "cannot open": replies come inline from now on
+        assert ps._shm_replies_off == math.inf  # "cannot open": replies inline from now on
         reads = ps._shm.stats()["reads"]
         assert (await ps.pull_dense("r")).tobytes() == want.tobytes()
         assert ps._shm.stats()["reads"] == reads
@@ -1222,3 +1224,40 @@ async def test_a_gradient_read_from_shared_memory_is_checked_as_it_is_read(
         assert (await ps.pull_dense("checked") == 0).all()
         await ps.push_dense("checked", np.ones(ELEMS, np.float32))
         assert (await ps.pull_dense("checked") == -LR).all()
+
+
+def _lowest_free_fd(pid: int) -> int:
+    taken = {int(n) for n in os.listdir(f"/proc/{pid}/fd")}
+    return next(n for n in itertools.count() if n not in taken)
+
+
+async def test_a_shard_out_of_descriptors_gets_inline_frames_for_a_while(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shard cannot open a new client's memory (its descriptors spent: EMFILE): it
+    says ``busy``, the client re-sends inline (applied once) and offers shared memory
+    again after shm.RETRY_S, which the shard, its descriptors back, then reads."""
+    monkeypatch.setattr(shm, "RETRY_S", 0.5)
+    (shard,) = [p for p in cluster.procs if p.name.startswith("shard")]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    grads = _grads(2, 9)
+    async with _side_by_side(cluster.address, ("busy", "busy-inline")) as (fast, inline):
+        (primary,) = {s["node"] for s in (await asyncio.to_thread(cluster.status))["shards"]}
+        # The shard's first zero-copy sends start pyzmq's collector (an import, sockets):
+        # done before its descriptors run out, as in any shard that has served a while.
+        await inline.push_dense("busy-inline", np.zeros(ELEMS, np.float32))
+        await inline.pull_dense("busy-inline")
+        read = _metric("zps_shard_shm_read_frames_total")
+        resource.prlimit(shard.pid, resource.RLIMIT_NOFILE, (_lowest_free_fd(shard.pid), hard))
+        try:
+            await _alike(fast, inline, ("busy", "busy-inline"), grads[:1])
+        finally:
+            resource.prlimit(shard.pid, resource.RLIMIT_NOFILE, (soft, hard))
+        until = fast._shm_refused[primary]
+        assert until != math.inf and not fast._shm_to(0)  # busy, not "open"
+        assert _metric("zps_shard_shm_read_frames_total") == read
+        while not fast._shm_to(0):  # RETRY_S after the refusal
+            assert fast._now() < until + 5, "shared memory was not offered again"
+            await asyncio.sleep(0.05)
+        await _alike(fast, inline, ("busy", "busy-inline"), grads[1:])
+        assert _metric("zps_shard_shm_read_frames_total") > read

@@ -202,7 +202,7 @@ class _ShmRequest:
     #: named again by every re-send (freeing them while a copy of the request may still
     #: be queued for a shard would make that copy fail, and its retry the next one).
     regions: list[list[int]] = field(default_factory=list)
-    #: A shard refused to open its payloads (``noshm: open``): its re-sends go inline,
+    #: A shard refused to open its payloads (``noshm: open`` or ``busy``): its re-sends go inline,
     #: whichever shard the client's map names (a stale map may name another).
     inline: bool = False
 
@@ -264,8 +264,12 @@ class Connection:
         )
         self._shm_reqs: dict[int, _ShmRequest] = {}  # by request id
         self._shm_done: dict[int, list[int]] = {}  # reply regions read, told per partition
-        self._shm_refused: set[str] = set()  # primaries that cannot open this client's memory
-        self._shm_replies = self._shm is not None  # False: this client cannot open theirs
+        #: Primaries that cannot open this client's memory, with the time until which
+        #: they get inline frames (inf: for good; see _shm_refusal).
+        self._shm_refused: dict[str, float] = {}
+        #: Until when replies come inline: 0 while this client can open the shards'
+        #: memory, inf when it never can (its path off, or a failure for good).
+        self._shm_replies_off = 0.0 if self._shm is not None else math.inf
         self._borrowing = False  # an operation of the caller's memory was ever sent
 
     # -- lifecycle -----------------------------------------------------------
@@ -751,11 +755,13 @@ class Connection:
         req = self._shm_reqs[send.req_id]
         partition = unpack_route(send.frames[0]).partition
         to_primary = self._shm_to(partition) and not req.inline
+        if 0 < self._shm_replies_off <= self._now():
+            self._shm_replies_off = 0.0  # a while has passed since it could not: try again
         frames, descs = self._shm.outbound(
             send.frames,
             payloads=to_primary,
             reuse=req.regions,
-            reply_ok=req.reply_ok and self._shm_replies and to_primary,
+            reply_ok=req.reply_ok and not self._shm_replies_off and to_primary,
             done=self._shm_done.pop(partition, ()),
         )
         if descs and not req.regions:
@@ -768,7 +774,15 @@ class Connection:
         cmap = self._session.map
         info = cmap.partitions.get(partition) if cmap is not None else None
         primary = info.primary if info is not None else None
-        return primary is not None and primary not in self._shm_refused
+        if primary is None:
+            return False
+        until = self._shm_refused.get(primary)
+        if until is None:
+            return True
+        if self._now() < until:
+            return False
+        del self._shm_refused[primary]  # it could not for a while: offer it again
+        return True
 
     def _shm_finished(self, action: Deliver[_Token] | Fail[_Token]) -> None:
         """A request is over: the regions of its payloads may be reused."""
@@ -804,7 +818,7 @@ class Connection:
             got = self._shm.inbound(bufs, msg.header, into)
         except shm.ShmUnavailableError as e:
             if e.permanent:
-                self._shm_replies = False
+                self._shm_replies_off = self._now() + shm.RETRY_S if e.busy else math.inf
             log.warning("re-sending request %d: %s", msg.route.req_id, e)
             refused: dict[str, Any] = {"st": "OVERLOADED", "msg": str(e)}
             if "acked" in msg.header:  # earlier requests' answers still count
@@ -839,9 +853,22 @@ class Connection:
             cmap = self._session.map
             info = cmap.partitions.get(msg.route.partition) if cmap is not None else None
             by = info.primary if info is not None else None
-        if by is not None and by not in self._shm_refused:
+        if by is None:
+            return
+        now = self._now()
+        if msg.header.get("noshm") == "busy":  # out of descriptors or memory: for a while
+            if self._shm_refused.get(by, 0.0) <= now:
+                log.warning(
+                    "shard %s cannot open this client's shared memory for now (%s): "
+                    "inline frames for %.0f s",
+                    by,
+                    msg.header.get("msg", "?"),
+                    shm.RETRY_S,
+                )
+            self._shm_refused[by] = max(self._shm_refused.get(by, 0.0), now + shm.RETRY_S)
+        elif self._shm_refused.get(by) != math.inf:
             log.info("shard %s cannot share memory with this client", by)
-            self._shm_refused.add(by)
+            self._shm_refused[by] = math.inf
 
     def _resolve(self, action: Deliver[_Token] | Fail[_Token]) -> None:
         partial = isinstance(action, Deliver) and action.partial

@@ -1161,7 +1161,9 @@ class ShardServer:
         except shm.ShmUnavailableError as e:
             # The client sends it again (inline, if this shard cannot open its memory).
             refused = StatusReply(Status.OVERLOADED, f"shard {self.node_id}: {e}").to_wire()
-            refused["noshm"] = "open" if e.permanent else "gone"
+            # busy: out of descriptors or memory here, for a while (the client offers
+            # shared memory again later); open: never; gone: not these regions.
+            refused["noshm"] = "busy" if e.busy else "open" if e.permanent else "gone"
             refused["by"] = self.node_id
             if e.token is not None:  # which region: a late refusal is told from a new one
                 refused["tok"] = [e.token]
