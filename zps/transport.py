@@ -35,6 +35,7 @@ import contextlib
 import enum
 import functools
 import logging
+import math
 import os
 import socket
 import threading
@@ -43,7 +44,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import zmq
@@ -780,6 +781,30 @@ def dealer(
     curve: CurveKeys | None = None,
     server_public: bytes | None = None,
 ) -> Channel:
+    return Channel(
+        _dealer_socket(
+            ctx,
+            connect,
+            identity,
+            max_message_bytes=max_message_bytes,
+            hwm=hwm,
+            curve=curve,
+            server_public=server_public,
+        )
+    )
+
+
+def _dealer_socket(
+    ctx: zmq.Context[Any],
+    connect: str,
+    identity: bytes,
+    *,
+    max_message_bytes: int,
+    hwm: int = DEFAULT_HWM,
+    curve: CurveKeys | None = None,
+    server_public: bytes | None = None,
+) -> zmq.Socket[Any]:
+    """:func:`dealer`'s socket alone (for :class:`LinkThread`: no event loop)."""
     sock: zmq.Socket[Any] = zmq.Socket(ctx, zmq.DEALER)
     _common(sock, max_message_bytes, hwm)
     _curve_client(sock, curve, server_public)
@@ -789,7 +814,7 @@ def dealer(
     except zmq.ZMQError as e:
         sock.close(0)
         raise BrokenError(f"cannot connect to {connect}: {e.strerror}") from e
-    return Channel(sock)
+    return sock
 
 
 #: Handles one received message; raises ProtocolError (only) for a malformed one.
@@ -947,3 +972,154 @@ def local_address(endpoint: str) -> str:
             return str(s.getsockname()[0])
     except OSError:
         return socket.gethostname()
+
+
+class LinkPolicy(Protocol):
+    """What a :class:`LinkThread` sends, and when; called in its thread only."""
+
+    def posted(self, frames: list[bytes], now: float) -> list[bytes] | None:
+        """The loop posted ``frames``: what to send on every link now (None: nothing)."""
+
+    def due(self, now: float) -> float:
+        """When :meth:`tick` is next wanted (a time of ``time.monotonic``)."""
+
+    def tick(self, now: float) -> list[bytes] | None:
+        """It is :meth:`due`: what to send on every link now (None: nothing)."""
+
+
+class LinkThread:
+    """DEALERs to ``endpoints`` (one identity, as :func:`dealer`) served by a thread of
+    their own rather than by the event loop, so that what they carry goes out while the
+    loop is held by a long step.  The loop posts messages (:meth:`post`, an inproc pair;
+    never waits); the thread sends what ``policy`` makes of them, and what it asks for
+    at its own times, on every link at once, dropping a message a link cannot take
+    now.  Each message received on link ``i`` goes to ``deliver(i, frames)``, called in
+    the thread (so it must be thread-safe: ``loop.call_soon_threadsafe``), in order."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoints: Sequence[str],
+        identity: bytes,
+        *,
+        policy: LinkPolicy,
+        deliver: Callable[[int, list[bytes]], object],
+        max_message_bytes: int,
+        curve: CurveKeys | None = None,
+        server_public: bytes | None = None,
+        name: str = "zps-links",
+    ) -> None:
+        self.policy = policy
+        self._deliver = deliver
+        self._links: list[zmq.Socket[Any]] = []
+        addr = f"inproc://zps-links-{id(self):x}"
+        self._inbox: zmq.Socket[Any] = zmq.Socket(ctx, zmq.PAIR)  # the thread's end
+        self._outbox: zmq.Socket[Any] = zmq.Socket(ctx, zmq.PAIR)  # the loop's end
+        for sock in (self._inbox, self._outbox):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 64)
+        self._inbox.bind(addr)
+        self._outbox.connect(addr)
+        try:
+            for endpoint in endpoints:
+                self._links.append(
+                    _dealer_socket(
+                        ctx,
+                        endpoint,
+                        identity,
+                        max_message_bytes=max_message_bytes,
+                        curve=curve,
+                        server_public=server_public,
+                    )
+                )
+        except BrokenError:
+            self._close_thread_sockets()
+            self._outbox.close(0)
+            raise
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def post(self, frames: Sequence[Any]) -> bool:
+        """Hand ``frames`` to the thread (from the loop); False if it could not take them."""
+        try:
+            self._outbox.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Nothing more is sent: the thread closes its sockets and ends (from the loop;
+        returns once it has, or after ``timeout``).  Idempotent."""
+        if self._outbox.closed:
+            return
+        if self._thread.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                self._outbox.send(_STOP_LINKS, zmq.NOBLOCK)
+            self._thread.join(timeout)
+        elif self._thread.ident is None:  # never started: its sockets are still ours
+            self._close_thread_sockets()
+        self._outbox.close(0)
+
+    def _close_thread_sockets(self) -> None:
+        for sock in (*self._links, self._inbox):
+            sock.close(0)
+
+    def _send(self, frames: Sequence[Any]) -> None:
+        for sock in self._links:
+            # A link whose peer is away, or whose queue is full, misses this one.
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send_multipart(frames, zmq.NOBLOCK)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._inbox, zmq.POLLIN)
+        for sock in self._links:
+            poller.register(sock, zmq.POLLIN)
+        try:
+            while True:
+                now = time.monotonic()
+                due = self.policy.due(now)
+                wait = None if due == math.inf else max(0, math.ceil((due - now) * 1000))
+                ready = dict(poller.poll(wait))
+                now = time.monotonic()
+                if self._inbox in ready:
+                    while True:
+                        try:
+                            frames = self._inbox.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        if frames == [_STOP_LINKS]:
+                            return
+                        out = self.policy.posted(frames, now)
+                        if out is not None:
+                            self._send(out)
+                for i, sock in enumerate(self._links):
+                    if sock in ready:
+                        self._drain(i, sock)
+                if self.policy.due(now) <= now:
+                    out = self.policy.tick(now)
+                    if out is not None:
+                        self._send(out)
+        except zmq.ZMQError as e:  # the context ended under it: nothing more to send
+            if e.errno != zmq.ETERM:
+                _log.exception("%s failed: nothing more is sent on its links", self._thread.name)
+        except Exception:  # the policy's: its links fall silent, as a dead process's do
+            _log.exception("%s failed: nothing more is sent on its links", self._thread.name)
+        finally:
+            self._close_thread_sockets()
+
+    def _drain(self, i: int, sock: zmq.Socket[Any]) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._deliver(i, frames)
+            except RuntimeError:  # the loop is closed: the process is stopping
+                return
+
+
+_STOP_LINKS = b"stop"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -161,3 +162,63 @@ async def test_outbound_drops_what_a_stalled_peer_holds() -> None:
         transport.close(router)
         slow.close(0)
         transport.term(ctx)
+
+
+class _Every:
+    """A LinkThread policy: what the loop posts goes out as it is, and b"tick" every
+    ``period`` seconds of its own."""
+
+    def __init__(self, period: float) -> None:
+        self.period, self.next = period, float("inf")
+
+    def posted(self, frames: list[bytes], now: float) -> list[bytes]:
+        self.next = now + self.period
+        return frames
+
+    def due(self, now: float) -> float:
+        return self.next
+
+    def tick(self, now: float) -> list[bytes]:
+        self.next = now + self.period
+        return [b"tick"]
+
+
+@pytest.mark.timeout(30)
+async def test_a_link_thread_sends_and_hears_while_the_loop_is_held() -> None:
+    """Two DEALERs served by a LinkThread: what the loop posts goes out on both; the
+    policy's own sends go on while the loop is held (a blocking sleep); what the peers
+    send comes back to the loop in order; after stop() nothing more goes out."""
+    ctx = transport.new_context()
+    addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    routers = [transport.router(ctx, a, max_message_bytes=1 << 20)[0] for a in addrs]
+    loop = asyncio.get_running_loop()
+    heard: asyncio.Queue[tuple[int, list[bytes]]] = asyncio.Queue()
+    links = transport.LinkThread(
+        ctx,
+        addrs,
+        b"h-s-test",
+        policy=_Every(0.05),
+        deliver=lambda i, f: loop.call_soon_threadsafe(heard.put_nowait, (i, f)),
+        max_message_bytes=1 << 20,
+    )
+    links.start()
+    try:
+        assert links.post([b"", b"beat"])
+        for r in routers:
+            (got,) = await asyncio.wait_for(transport.recv_burst(r), 5)
+            assert [transport.frame_bytes(f) for f in got] == [b"h-s-test", b"", b"beat"]
+        time.sleep(0.5)  # the loop held: only the thread can send meanwhile
+        for r in routers:
+            got = await asyncio.wait_for(transport.recv_burst(r), 5)
+            ticks = [transport.frame_bytes(m[1]) for m in got]
+            assert ticks and set(ticks) == {b"tick"}
+        for n in range(3):
+            await transport.send(routers[1], [b"h-s-test", b"echo %d" % n])
+        got = [await asyncio.wait_for(heard.get(), 5) for _ in range(3)]
+        assert got == [(1, [b"echo 0"]), (1, [b"echo 1"]), (1, [b"echo 2"])]
+    finally:
+        links.stop()
+        for r in routers:
+            transport.close(r)
+        transport.term(ctx)
+    assert not links._thread.is_alive()

@@ -78,6 +78,7 @@ LAYERS: dict[str, str] = {
     "zps.shard.replica": "driver",
     "zps.shard.checkpoint": "driver",
     "zps.shard.durability": "driver",
+    "zps.shard.liveness": "core",
     "zps.shard.snapshots": "driver",
     "zps.client": "driver",
     "zps.client.client": "driver",

@@ -76,7 +76,12 @@ def _settings(args: argparse.Namespace, environ: Mapping[str, str] = os.environ)
 
 
 def _heartbeat(args: argparse.Namespace, base: Heartbeat) -> Heartbeat:
-    return override(base, interval=args.heartbeat_interval, liveness=args.liveness)
+    return override(
+        base,
+        interval=args.heartbeat_interval,
+        liveness=args.liveness,
+        max_loop_stall=getattr(args, "max_loop_stall", None),
+    )
 
 
 def version_line(prog: str) -> str:
@@ -116,6 +121,13 @@ def _add_common(p: argparse.ArgumentParser, *, heartbeat: bool = True) -> None:
             type=int,
             metavar="N",
             help=f"silent heartbeats before a peer is dead (default {Heartbeat.liveness})",
+        )
+        p.add_argument(
+            "--max-loop-stall",
+            type=float,
+            metavar="SECONDS",
+            help="a shard whose event loop is busy for longer is taken for stuck and "
+            f"failed over; until then its heartbeats go on (default {Heartbeat.max_loop_stall})",
         )
 
 

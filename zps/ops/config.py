@@ -90,9 +90,13 @@ class Heartbeat:
 
     interval: float = 0.2
     liveness: int = 5
+    #: A shard's heartbeats go on while its event loop is busy with one long step (a
+    #: table outgrowing its arrays) for up to this many seconds; a loop busy for
+    #: longer is taken for stuck, and the shard fails over (see zps.shard.liveness).
+    max_loop_stall: float = 30.0
 
     def __post_init__(self) -> None:
-        _positive("heartbeat", interval=self.interval)
+        _positive("heartbeat", interval=self.interval, max_loop_stall=self.max_loop_stall)
         _integer("heartbeat", 1, liveness=self.liveness)
 
 

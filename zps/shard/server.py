@@ -99,6 +99,7 @@ from zps.shard import snapshots
 from zps.shard.checkpoint import CheckpointStore, cut, finish, restore
 from zps.shard.core import MUTATIONS, Limits, ShardCore
 from zps.shard.durability import Durability
+from zps.shard.liveness import Liveness
 from zps.shard.primary import REPLICATION_HWM, ReplicationStream, Reply
 from zps.shard.replica import Upstream
 from zps.shard.session import MapResult, ShardSession
@@ -277,9 +278,11 @@ class ShardServer:
         self._links: list[tuple[transport.Channel, transport.Outbound]] = []
         self._current = 0
         self._term = 0
-        #: The liveness link to each broker (heartbeats and lease echoes), and when each
-        #: was last heard from (an echo on it: the broker serves liveness links).
-        self._beats: list[transport.Channel] = []
+        #: The liveness link to each broker (heartbeats and lease echoes), served by a
+        #: thread of its own (zps.shard.liveness); what it hears, for the loop; and
+        #: when each link was last heard from (an echo: the broker serves liveness links).
+        self._liveness: transport.LinkThread | None = None
+        self._beat_inbox: asyncio.Queue[tuple[int, list[bytes]]] = asyncio.Queue(1024)
         self._beat_heard: list[float] = []
         # Everything to the broker but heartbeats goes through _out, bounded in bytes:
         # past ``reply_queue_bytes - max_message_bytes`` held, requests are refused.
@@ -407,7 +410,22 @@ class ShardServer:
             name="broker link",
         )
         self._links = [(self._sock, self._out), *(self._link(b) for b in brokers[1:])]
-        self._beats = [self._liveness_link(b) for b in brokers]
+        loop = asyncio.get_running_loop()
+        # The DEALERs for heartbeats and lease echoes only, served by a thread: the
+        # shard's key, its identity behind ``h-`` (the broker counts it as the shard's,
+        # bound to the same key).
+        self._liveness = transport.LinkThread(
+            self._ctx,
+            brokers,
+            liveness_identity(self.node_id.encode()),
+            policy=Liveness(hb.interval, hb.liveness, hb.max_loop_stall, time.monotonic()),
+            deliver=lambda link, frames: loop.call_soon_threadsafe(self._heard, link, frames),
+            max_message_bytes=cfg.max_message_bytes,
+            curve=self._keys,
+            server_public=self._keys.server_public if self._keys else None,
+            name="zps-liveness",
+        )
+        self._liveness.start()
         self._beat_heard = [float("-inf")] * len(brokers)
         log.info(
             "shard %s (pid %d) connecting to %s; replication at %s",
@@ -447,16 +465,12 @@ class ShardServer:
                         on_burst=self._broker_seen,
                     )
                     tasks.append(tg.create_task(serve))
-                for i, beat in enumerate(self._beats):
-                    on_beat = functools.partial(self._on_liveness_frames, link=i)
-                    serve = transport.serve(
-                        beat, on_beat, self._malformed, on_burst=self._broker_seen
-                    )
-                    tasks.append(tg.create_task(serve))
+                tasks.append(tg.create_task(self._serve_liveness()))
                 await self._stop.wait()
                 self.notifier.stopping("handing over and writing a checkpoint")
                 self.notifier.extend_timeout(60)
                 tasks[2].cancel()  # no more heartbeats: the broker must not re-admit us
+                self._liveness.stop()
                 await self._leave()
                 for t in tasks:
                     t.cancel()
@@ -470,8 +484,8 @@ class ShardServer:
             for sock, out in self._links:
                 out.close()
                 transport.close(sock)
-            for beat in self._beats:
-                transport.close(beat)
+            if self._liveness is not None:
+                self._liveness.stop()
             for sock, out, _ in self._routers.values():
                 out.close()
                 transport.close(sock)
@@ -640,6 +654,17 @@ class ShardServer:
             "Requests refused OVERLOADED: the replies held for the broker filled their bound",
             self.overloaded,
         )
+        if self._liveness is not None and isinstance(self._liveness.policy, Liveness):
+            yield counter(
+                "zps_shard_heartbeats_covered",
+                "Heartbeats the liveness thread sent while the event loop was held",
+                self._liveness.policy.covered,
+            )
+            yield gauge(
+                "zps_shard_event_loop_longest_gap_seconds",
+                "The longest the event loop went between two heartbeats",
+                self._liveness.policy.longest_gap,
+            )
         if self._shm is not None:
             shm_stats = self._shm.stats()
             yield gauge(
@@ -799,19 +824,19 @@ class ShardServer:
         )
         return sock, out
 
-    def _liveness_link(self, endpoint: str) -> transport.Channel:
-        """The DEALER for heartbeats and lease echoes only: the shard's key, its identity
-        behind ``h-`` (the broker counts it as the shard's, bound to the same key)."""
-        assert self._ctx is not None
-        cfg, keys = self.config, self._keys
-        return transport.dealer(
-            self._ctx,
-            endpoint,
-            liveness_identity(self.node_id.encode()),
-            max_message_bytes=cfg.max_message_bytes,
-            curve=keys,
-            server_public=keys.server_public if keys else None,
-        )
+    def _heard(self, link: int, frames: list[bytes]) -> None:
+        """A message on a liveness link, from its thread (called in the loop)."""
+        with contextlib.suppress(asyncio.QueueFull):  # echoes only: the next one will do
+            self._beat_inbox.put_nowait((link, frames))
+
+    async def _serve_liveness(self) -> None:
+        while True:
+            link, frames = await self._beat_inbox.get()
+            try:
+                await self._on_liveness_frames(frames, link)
+            except ProtocolError as e:
+                self._malformed(frames, e)
+            self._broker_seen()
 
     async def _on_liveness_frames(self, frames: transport.Frames, link: int) -> None:
         """A lease echo (or another control message) on a liveness link; it carries the
@@ -875,12 +900,12 @@ class ShardServer:
             durable=min(self.durability.durable, self.core.lsn) if self.durability.waits else None,
         )
         frames = [b"", *encode(Route(MsgType.HEARTBEAT), self._with_term(beat.to_wire()))]
+        if self._liveness is not None:
+            self._liveness.post(frames)  # on every liveness link
         now = time.monotonic()
         for i, sock in enumerate(self._broker_socks()):
-            if i < len(self._beats):
-                transport.try_send(self._beats[i], frames)
-                if now - self._beat_heard[i] < self.session.lease:
-                    continue  # the broker answers on the liveness link
+            if i < len(self._beat_heard) and now - self._beat_heard[i] < self.session.lease:
+                continue  # the broker answers on the liveness link
             transport.try_send(sock, frames)  # not yet (or an older broker): both
 
     async def _heartbeat_loop(self) -> None:
