@@ -276,6 +276,10 @@ class Nemesis:
         if args.workdir:
             self.root = Path(args.workdir)
             self.root.mkdir(parents=True, exist_ok=True)
+            if any(self.root.iterdir()):
+                # Its shards would load an earlier run's checkpoints and logs, and every
+                # push of this run would then look applied twice.
+                raise SystemExit(f"--workdir {self.root} is not empty: give an empty directory")
         else:
             self._tmp = tempfile.TemporaryDirectory(prefix="zps-nemesis-")
             self.root = Path(self._tmp.name)
