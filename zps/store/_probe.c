@@ -45,31 +45,43 @@ static int get_int64(PyObject *obj, Py_buffer *view, int writable, const char *w
     return 0;
 }
 
+/* The n int64 buffers of objs (writable where "w" in modes), named for errors; on a
+ * failure the ones taken are released and -1 returned. */
+static int get_all(int n, PyObject *const *objs, Py_buffer *views, const char *modes,
+                   const char *const *names)
+{
+    for (int i = 0; i < n; i++) {
+        if (get_int64(objs[i], &views[i], modes[i] == 'w', names[i]) < 0) {
+            while (i-- > 0)
+                PyBuffer_Release(&views[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void release_all(int n, Py_buffer *views)
+{
+    for (int i = 0; i < n; i++)
+        PyBuffer_Release(&views[i]);
+}
+
 static PyObject *lookup(PyObject *self, PyObject *args)
 {
-    PyObject *slots_obj, *keys_obj, *out_obj;
-    Py_buffer slots, keys, out;
-    if (!PyArg_ParseTuple(args, "OOO:lookup", &slots_obj, &keys_obj, &out_obj))
+    PyObject *objs[3];
+    Py_buffer b[3];
+    static const char *const names[] = {"slots", "keys", "out"};
+    if (!PyArg_ParseTuple(args, "OOO:lookup", &objs[0], &objs[1], &objs[2]))
         return NULL;
-    if (get_int64(slots_obj, &slots, 0, "slots") < 0)
+    if (get_all(3, objs, b, "rrw", names) < 0)
         return NULL;
-    if (get_int64(keys_obj, &keys, 0, "keys") < 0) {
-        PyBuffer_Release(&slots);
-        return NULL;
-    }
-    if (get_int64(out_obj, &out, 1, "out") < 0) {
-        PyBuffer_Release(&slots);
-        PyBuffer_Release(&keys);
-        return NULL;
-    }
+    Py_buffer slots = b[0], keys = b[1], out = b[2];
     Py_ssize_t cap = slots.len / 16, n = keys.len / 8;
     if (cap < 1 || (cap & (cap - 1)) != 0 || out.len != keys.len) {
         PyErr_SetString(PyExc_ValueError,
                         "slots must hold a power of two of (key, position) pairs and out "
                         "as many items as keys");
-        PyBuffer_Release(&slots);
-        PyBuffer_Release(&keys);
-        PyBuffer_Release(&out);
+        release_all(3, b);
         return NULL;
     }
     const int64_t *s = (const int64_t *)slots.buf;
@@ -98,32 +110,27 @@ static PyObject *lookup(PyObject *self, PyObject *args)
     }
     Py_END_ALLOW_THREADS
 
-    PyBuffer_Release(&slots);
-    PyBuffer_Release(&keys);
-    PyBuffer_Release(&out);
+    release_all(3, b);
     Py_RETURN_NONE;
 }
 
 static PyObject *place(PyObject *self, PyObject *args)
 {
-    PyObject *slots_obj, *keys_obj;
+    PyObject *objs[2];
     long long first;
-    Py_buffer slots, keys;
-    if (!PyArg_ParseTuple(args, "OOL:place", &slots_obj, &keys_obj, &first))
+    Py_buffer b[2];
+    static const char *const names[] = {"slots", "keys"};
+    if (!PyArg_ParseTuple(args, "OOL:place", &objs[0], &objs[1], &first))
         return NULL;
-    if (get_int64(slots_obj, &slots, 1, "slots") < 0)
+    if (get_all(2, objs, b, "wr", names) < 0)
         return NULL;
-    if (get_int64(keys_obj, &keys, 0, "keys") < 0) {
-        PyBuffer_Release(&slots);
-        return NULL;
-    }
+    Py_buffer slots = b[0], keys = b[1];
     Py_ssize_t cap = slots.len / 16, n = keys.len / 8;
     if (cap < 1 || (cap & (cap - 1)) != 0 || first < 0) {
         PyErr_SetString(PyExc_ValueError,
                         "slots must hold a power of two of (key, position) pairs and the "
                         "first position must be >= 0");
-        PyBuffer_Release(&slots);
-        PyBuffer_Release(&keys);
+        release_all(2, b);
         return NULL;
     }
     int64_t *s = (int64_t *)slots.buf;
@@ -157,8 +164,7 @@ static PyObject *place(PyObject *self, PyObject *args)
     }
     Py_END_ALLOW_THREADS
 
-    PyBuffer_Release(&slots);
-    PyBuffer_Release(&keys);
+    release_all(2, b);
     if (full >= 0) {
         PyErr_Format(PyExc_ValueError, "index full: no free slot for key %zd of %zd", full, n);
         return NULL;
@@ -178,29 +184,16 @@ static PyObject *place(PyObject *self, PyObject *args)
  * and a capacity of at least twice that, so the load factor stays <= 1/2. */
 static PyObject *get_or_insert(PyObject *self, PyObject *args)
 {
-    PyObject *slots_obj, *ids_obj, *keys_obj, *out_obj;
+    PyObject *objs[4];
     long long n0;
-    Py_buffer slots, ids, keys, out;
-    if (!PyArg_ParseTuple(args, "OOLOO:get_or_insert", &slots_obj, &ids_obj, &n0, &keys_obj,
-                          &out_obj))
+    Py_buffer b[4];
+    static const char *const names[] = {"slots", "ids", "keys", "out"};
+    if (!PyArg_ParseTuple(args, "OOLOO:get_or_insert", &objs[0], &objs[1], &n0, &objs[2],
+                          &objs[3]))
         return NULL;
-    if (get_int64(slots_obj, &slots, 1, "slots") < 0)
+    if (get_all(4, objs, b, "wwrw", names) < 0)
         return NULL;
-    if (get_int64(ids_obj, &ids, 1, "ids") < 0) {
-        PyBuffer_Release(&slots);
-        return NULL;
-    }
-    if (get_int64(keys_obj, &keys, 0, "keys") < 0) {
-        PyBuffer_Release(&slots);
-        PyBuffer_Release(&ids);
-        return NULL;
-    }
-    if (get_int64(out_obj, &out, 1, "out") < 0) {
-        PyBuffer_Release(&slots);
-        PyBuffer_Release(&ids);
-        PyBuffer_Release(&keys);
-        return NULL;
-    }
+    Py_buffer slots = b[0], ids = b[1], keys = b[2], out = b[3];
     Py_ssize_t cap = slots.len / 16, n = keys.len / 8;
     if (cap < 1 || (cap & (cap - 1)) != 0 || out.len != keys.len || n0 < 0 ||
         ids.len / 8 < n0 + n || 2 * (n0 + n) > cap) {
@@ -208,10 +201,7 @@ static PyObject *get_or_insert(PyObject *self, PyObject *args)
                         "slots must hold a power of two of (key, position) pairs, at least "
                         "twice as many as ids can hold, ids room for every key and out as "
                         "many items as keys");
-        PyBuffer_Release(&slots);
-        PyBuffer_Release(&ids);
-        PyBuffer_Release(&keys);
-        PyBuffer_Release(&out);
+        release_all(4, b);
         return NULL;
     }
     int64_t *s = (int64_t *)slots.buf;
@@ -241,10 +231,7 @@ static PyObject *get_or_insert(PyObject *self, PyObject *args)
     }
     Py_END_ALLOW_THREADS
 
-    PyBuffer_Release(&slots);
-    PyBuffer_Release(&ids);
-    PyBuffer_Release(&keys);
-    PyBuffer_Release(&out);
+    release_all(4, b);
     return PyLong_FromLongLong((long long)(next - n0));
 }
 
