@@ -29,6 +29,15 @@ static inline uint64_t mix64(uint64_t z)
     return z ^ (z >> 31);
 }
 
+/* The home slots of the first AHEAD keys, then (in the loop over i) of key i + AHEAD,
+ * fetched ahead of their probes; rw 1 for slots about to be written. */
+#define PREFETCH_FIRST(s, k, n, mask, rw)                                         \
+    for (Py_ssize_t i_ = 0; i_ < (n) && i_ < AHEAD; i_++)                         \
+        __builtin_prefetch((s) + 2 * (mix64((uint64_t)(k)[i_]) & (mask)), (rw))
+#define PREFETCH_NEXT(s, k, n, i, mask, rw)                                       \
+    if ((i) + AHEAD < (n))                                                        \
+        __builtin_prefetch((s) + 2 * (mix64((uint64_t)(k)[(i) + AHEAD]) & (mask)), (rw))
+
 static int get_int64(PyObject *obj, Py_buffer *view, int writable, const char *what)
 {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
@@ -90,11 +99,9 @@ static PyObject *lookup(PyObject *self, PyObject *args)
     uint64_t mask = (uint64_t)cap - 1;
 
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
-        __builtin_prefetch(s + 2 * (mix64((uint64_t)k[i]) & mask));
+    PREFETCH_FIRST(s, k, n, mask, 0);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n)
-            __builtin_prefetch(s + 2 * (mix64((uint64_t)k[i + AHEAD]) & mask));
+        PREFETCH_NEXT(s, k, n, i, mask, 0);
         int64_t key = k[i];
         uint64_t slot = mix64((uint64_t)key) & mask;
         /* The load factor stays <= 1/2, so a free slot ends every probe sequence;
@@ -140,11 +147,9 @@ static PyObject *place(PyObject *self, PyObject *args)
     int64_t dup = 0, dup_at = -1; /* a key already present (not absent, or twice in keys) */
 
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
-        __builtin_prefetch(s + 2 * (mix64((uint64_t)k[i]) & mask), 1);
+    PREFETCH_FIRST(s, k, n, mask, 1);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n)
-            __builtin_prefetch(s + 2 * (mix64((uint64_t)k[i + AHEAD]) & mask), 1);
+        PREFETCH_NEXT(s, k, n, i, mask, 1);
         int64_t key = k[i];
         uint64_t slot = mix64((uint64_t)key) & mask;
         Py_ssize_t probes = 0;
@@ -212,11 +217,9 @@ static PyObject *get_or_insert(PyObject *self, PyObject *args)
     int64_t next = (int64_t)n0;
 
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
-        __builtin_prefetch(s + 2 * (mix64((uint64_t)k[i]) & mask), 1);
+    PREFETCH_FIRST(s, k, n, mask, 1);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n)
-            __builtin_prefetch(s + 2 * (mix64((uint64_t)k[i + AHEAD]) & mask), 1);
+        PREFETCH_NEXT(s, k, n, i, mask, 1);
         int64_t key = k[i];
         uint64_t slot = mix64((uint64_t)key) & mask;
         /* At most half the slots are taken, even after this batch: a probe ends. */
