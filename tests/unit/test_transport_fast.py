@@ -254,7 +254,11 @@ async def test_messages_the_callback_takes_count_against_the_idle_time(pair: Pai
             i += 1
             await asyncio.sleep(0.02)
         assert idle_calls == 0
-        assert all(p == "fast" for p, _ in r.log) and len(r.log) == i
+        assert [text for _, text in r.log] == [f"f{k}" for k in range(i)]  # once, in order
+        # The callback takes them, but for one that the serving task finds queued when
+        # its idle timer wakes it (both in one loop turn): at most one an idle period.
+        took = [p for p, _ in r.log]
+        assert took.count("task") <= 2.0 / 0.5 + 1 and took.count("fast") >= i - 5
         await asyncio.wait_for(idled.wait(), 10)  # and silence is noticed
     finally:
         task.cancel()
