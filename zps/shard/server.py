@@ -282,6 +282,7 @@ class ShardServer:
         #: thread of its own (zps.shard.liveness); what it hears, for the loop; and
         #: when each link was last heard from (an echo: the broker serves liveness links).
         self._liveness: transport.LinkThread | None = None
+        self._beat_policy: Liveness | None = None
         self._beat_inbox: asyncio.Queue[tuple[int, list[bytes]]] = asyncio.Queue(1024)
         self._beat_heard: list[float] = []
         # Everything to the broker but heartbeats goes through _out, bounded in bytes:
@@ -411,6 +412,7 @@ class ShardServer:
         )
         self._links = [(self._sock, self._out), *(self._link(b) for b in brokers[1:])]
         loop = asyncio.get_running_loop()
+        self._beat_policy = Liveness(hb.interval, hb.liveness, hb.max_loop_stall, time.monotonic())
         # The DEALERs for heartbeats and lease echoes only, served by a thread: the
         # shard's key, its identity behind ``h-`` (the broker counts it as the shard's,
         # bound to the same key).
@@ -418,7 +420,7 @@ class ShardServer:
             self._ctx,
             brokers,
             liveness_identity(self.node_id.encode()),
-            policy=Liveness(hb.interval, hb.liveness, hb.max_loop_stall, time.monotonic()),
+            policy=self._beat_policy,
             deliver=lambda link, frames: loop.call_soon_threadsafe(self._heard, link, frames),
             max_message_bytes=cfg.max_message_bytes,
             curve=self._keys,
@@ -654,16 +656,16 @@ class ShardServer:
             "Requests refused OVERLOADED: the replies held for the broker filled their bound",
             self.overloaded,
         )
-        if self._liveness is not None and isinstance(self._liveness.policy, Liveness):
+        if self._beat_policy is not None:
             yield counter(
                 "zps_shard_heartbeats_covered",
                 "Heartbeats the liveness thread sent while the event loop was held",
-                self._liveness.policy.covered,
+                self._beat_policy.covered,
             )
             yield gauge(
                 "zps_shard_event_loop_longest_gap_seconds",
                 "The longest the event loop went between two heartbeats",
-                self._liveness.policy.longest_gap,
+                self._beat_policy.longest_gap,
             )
         if self._shm is not None:
             shm_stats = self._shm.stats()
