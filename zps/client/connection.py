@@ -818,7 +818,8 @@ class Connection:
             got = self._shm.inbound(bufs, msg.header, into)
         except shm.ShmUnavailableError as e:
             if e.permanent:
-                self._shm_replies_off = self._now() + shm.RETRY_S if e.busy else math.inf
+                until = self._now() + shm.RETRY_S if e.busy else math.inf
+                self._shm_replies_off = max(self._shm_replies_off, until)
             log.warning("re-sending request %d: %s", msg.route.req_id, e)
             refused: dict[str, Any] = {"st": "OVERLOADED", "msg": str(e)}
             if "acked" in msg.header:  # earlier requests' answers still count

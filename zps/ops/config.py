@@ -93,7 +93,8 @@ class Heartbeat:
     #: A shard's heartbeats go on while its event loop is busy with one long step (a
     #: table outgrowing its arrays) for up to this many seconds; a loop busy for
     #: longer is taken for stuck, and the shard fails over (see zps.shard.liveness).
-    max_loop_stall: float = 30.0
+    #: Below the shard unit's WatchdogSec (10 s), which kills a loop held longer.
+    max_loop_stall: float = 8.0
 
     def __post_init__(self) -> None:
         _positive("heartbeat", interval=self.interval, max_loop_stall=self.max_loop_stall)

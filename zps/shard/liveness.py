@@ -12,12 +12,12 @@ So the liveness links (see :mod:`zps.core.membership`) are served by a thread.  
 still decides what a heartbeat says and when, and posts it; the thread sends it on every
 link at once (:meth:`Liveness.posted`).  When the loop has missed two beats, the thread
 sends its last heartbeat again every interval, with the send time ``t`` of now, until
-the loop beats again (:meth:`Liveness.tick`).  That heartbeat is still true: while the
-loop is held, nothing it reports (LSN, epoch, in-sync set, durable LSN) changes, and a
-lease from its echo runs from ``t`` as always (the broker heard from the shard then, so
-it promoted no other copy).  A loop held for ``max_loop_stall`` seconds is taken for
-stuck: the thread stops sending, and the broker fails the shard over.  A process
-stopped whole (SIGSTOP) or killed sends nothing, as before.
+the loop beats again (:meth:`Liveness.tick`), without the in-sync set and durable LSN
+(:data:`STALE`).  The rest is still true: while the loop is held, its LSN and epoch do
+not change, and a lease from its echo runs from ``t`` as always (the broker heard
+from the shard then, so it promoted no other copy).  A loop held for ``max_loop_stall``
+seconds is taken for stuck: the thread stops sending, and the broker fails the shard
+over.  A process stopped whole (SIGSTOP) or killed sends nothing, as before.
 
 No sockets and no clock here: the thread passes ``now`` in.
 """
@@ -25,6 +25,7 @@ No sockets and no clock here: the thread passes ``now`` in.
 from __future__ import annotations
 
 import logging
+import math
 
 from zps.protocol.codec import decode, encode
 
@@ -59,6 +60,8 @@ class Liveness:
         return frames
 
     def due(self, now: float) -> float:
+        if self._last is None:  # nothing to repeat before the loop's first beat
+            return math.inf
         if now - self._loop_beat < self.grace:
             return self._loop_beat + self.grace
         return self._sent + self.interval
@@ -85,7 +88,16 @@ class Liveness:
         return retimed(self._last, now)
 
 
+#: What a repeated heartbeat leaves out: the broker replaces its view of the partition's
+#: in-sync set (and durable LSN) with what a heartbeat reports, and the world may have
+#: moved meanwhile (a replica restarted under the same name is no longer in sync).
+STALE = ("in_sync", "durable")
+
+
 def retimed(frames: list[bytes], now: float) -> list[bytes]:
-    """The heartbeat ``[b"", route, header]`` with its send time ``t`` set to ``now``."""
+    """The heartbeat ``[b"", route, header]`` with its send time ``t`` set to ``now``, and
+    without what the broker must hear only from the loop itself (:data:`STALE`)."""
     msg = decode(frames[1:])
-    return [frames[0], *(bytes(f) for f in encode(msg.route, {**msg.header, "t": now}))]
+    header = {k: v for k, v in msg.header.items() if k not in STALE}
+    header["t"] = now
+    return [frames[0], *(bytes(f) for f in encode(msg.route, header))]
