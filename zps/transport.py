@@ -1012,7 +1012,10 @@ class LinkThread:
     never waits); the thread sends what ``policy`` makes of them, and what it asks for
     at its own times, on every link at once, dropping a message a link cannot take
     now.  Each message received on link ``i`` goes to ``deliver(i, frames)``, called in
-    the thread (so it must be thread-safe: ``loop.call_soon_threadsafe``), in order."""
+    the thread (so it must be thread-safe: ``loop.call_soon_threadsafe``), in order.
+    If the thread fails (the policy raised, a socket error other than the context's
+    end), its links fall silent and ``on_failure(error)`` is called in the thread, so
+    that the owner can stop rather than go on unheard."""
 
     def __init__(
         self,
@@ -1026,9 +1029,11 @@ class LinkThread:
         curve: CurveKeys | None = None,
         server_public: bytes | None = None,
         name: str = "zps-links",
+        on_failure: Callable[[BaseException], object] | None = None,
     ) -> None:
         self.policy = policy
         self._deliver = deliver
+        self._on_failure = on_failure
         self._links: list[zmq.Socket[Any]] = []
         addr = f"inproc://zps-links-{id(self):x}"
         self._inbox: zmq.Socket[Any] = zmq.Socket(ctx, zmq.PAIR)  # the thread's end
@@ -1122,11 +1127,19 @@ class LinkThread:
                         self._send(out)
         except zmq.ZMQError as e:  # the context ended under it: nothing more to send
             if e.errno != zmq.ETERM:
-                _log.exception("%s failed: nothing more is sent on its links", self._thread.name)
-        except Exception:  # the policy's: its links fall silent, as a dead process's do
-            _log.exception("%s failed: nothing more is sent on its links", self._thread.name)
+                self._failed(e)
+        except Exception as e:  # the policy's: its links fall silent, as a dead process's do
+            self._failed(e)
         finally:
             self._close_thread_sockets()
+
+    def _failed(self, error: BaseException) -> None:
+        _log.error(
+            "%s failed: nothing more is sent on its links", self._thread.name, exc_info=error
+        )
+        if self._on_failure is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: it is stopping
+                self._on_failure(error)
 
     def _drain(self, i: int, sock: zmq.Socket[Any]) -> None:
         while True:

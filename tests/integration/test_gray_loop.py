@@ -2,7 +2,8 @@
 thread heartbeats for it (zps.shard.liveness) up to ``heartbeat.max_loop_stall``; a loop
 busy for longer is taken for stuck, and the shard is failed over.  The step here is a
 signal handler that holds the shard's main thread (the table growth it stands for takes
-seconds only with millions of rows: see bench/index_growth.py and the README of bench)."""
+seconds only with millions of rows: see bench/index_growth.py and the README of bench).
+A shard whose liveness thread fails stops, with an error, rather than serve unheard."""
 
 from __future__ import annotations
 
@@ -129,3 +130,61 @@ async def test_a_loop_busy_past_max_loop_stall_is_failed_over(two_copies: LocalC
     assert (rows == -2.0).all()  # both pushes, once each
     assert "declared dead" in _broker_log(c)
     await asyncio.to_thread(c.wait_healthy, 20)  # the old primary comes back as a replica
+
+
+#: Installed in every process of the cluster: after SIGUSR2, the liveness policy of the
+#: shard that got it raises (a fault in the liveness thread).
+BREAKER = """
+import os, signal
+if os.environ.get("ZPS_TEST_BREAK_LINKS"):
+    import zps.shard.liveness as _lv
+    _broken = []
+    _due = _lv.Liveness.due
+
+    def _breaking_due(self, now):
+        if _broken:
+            raise RuntimeError("a fault injected into the liveness policy")
+        return _due(self, now)
+
+    _lv.Liveness.due = _breaking_due
+    signal.signal(signal.SIGUSR2, lambda *_: _broken.append(True))
+"""
+
+
+@pytest.fixture
+def breakable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalCluster]:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BREAKER)
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
+    monkeypatch.setenv("ZPS_TEST_BREAK_LINKS", "1")
+    (tmp_path / "c").mkdir()
+    with _cluster(tmp_path / "c", 2, []) as c:
+        yield c
+
+
+async def test_a_shard_whose_liveness_thread_fails_stops_and_is_failed_over(
+    breakable: LocalCluster,
+) -> None:
+    """Before, the shard went on serving with its links silent (the thread only logged
+    its failure); the broker failed it over but the process stayed up, unheard."""
+    c = breakable
+    await asyncio.to_thread(c.wait_healthy, 20)
+    async with zps.connect(c.address, timeout=30, acks="all") as ps:
+        await ps.create_embedding("t", dim=4, init=Zeros(), optimizer=SGD(lr=1.0))
+        await ps.push_rows("t", ROWS, np.ones((64, 4), np.float32))  # on both copies
+        before = (await ps.status())["partitions"][0]
+    pid = await _primary(c)
+    (proc,) = [p for p in c.procs if p.pid == pid]
+    c.kill(pid, signal.SIGUSR2)
+    code = await asyncio.to_thread(proc.popen.wait, 10)
+    # acks=1: the promoted copy is the only one left.
+    async with zps.connect(c.address, timeout=30, acks=1) as ps:
+        await ps.push_rows("t", ROWS, np.ones((64, 4), np.float32))
+        after = (await ps.status())["partitions"][0]
+        rows = await ps.pull_rows("t", ROWS)
+    assert code != 0, "the shard exited as if asked to"
+    assert "its liveness thread failed: a fault injected into the liveness policy" in proc.log()
+    assert after["epoch"] > before["epoch"] and after["primary"] != before["primary"]
+    assert (rows == -2.0).all()  # both pushes, once each

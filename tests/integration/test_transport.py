@@ -222,3 +222,46 @@ async def test_a_link_thread_sends_and_hears_while_the_loop_is_held() -> None:
             transport.close(r)
         transport.term(ctx)
     assert not links._thread.is_alive()
+
+
+class _Breaks(_Every):
+    """As _Every, until its tick raises."""
+
+    def tick(self, now: float) -> list[bytes]:
+        raise ValueError("the policy broke")
+
+
+@pytest.mark.timeout(30)
+async def test_a_link_thread_that_fails_says_so_and_falls_silent() -> None:
+    """The policy raises in the thread: ``on_failure`` gets the error (in the thread,
+    once), the thread ends and its links send nothing more, while stop() still returns."""
+    ctx = transport.new_context()
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    router = transport.router(ctx, addr, max_message_bytes=1 << 20)[0]
+    loop = asyncio.get_running_loop()
+    failed: asyncio.Future[BaseException] = loop.create_future()
+    links = transport.LinkThread(
+        ctx,
+        [addr],
+        b"h-s-test",
+        policy=_Breaks(0.05),
+        deliver=lambda i, f: None,
+        max_message_bytes=1 << 20,
+        on_failure=lambda e: loop.call_soon_threadsafe(failed.set_result, e),
+    )
+    links.start()
+    try:
+        assert links.post([b"", b"beat"])
+        got = await asyncio.wait_for(transport.recv_burst(router), 5)
+        assert [transport.frame_bytes(f) for f in got[0]] == [b"h-s-test", b"", b"beat"]
+        error = await asyncio.wait_for(failed, 5)
+        assert isinstance(error, ValueError) and str(error) == "the policy broke"
+        await asyncio.to_thread(links._thread.join, 5)
+        assert not links._thread.is_alive()
+        links.post([b"", b"unheard"])  # no thread to send it
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(transport.recv_burst(router), 0.3)
+    finally:
+        links.stop()
+        transport.close(router)
+        transport.term(ctx)

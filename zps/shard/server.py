@@ -285,6 +285,8 @@ class ShardServer:
         self._beat_policy: Liveness | None = None
         self._beat_inbox: asyncio.Queue[tuple[int, list[bytes]]] = asyncio.Queue(1024)
         self._beat_heard: list[float] = []
+        #: Set (in the loop) if the liveness thread fails: see _links_failed.
+        self._links_dead: asyncio.Future[BaseException] | None = None
         # Everything to the broker but heartbeats goes through _out, bounded in bytes:
         # past ``reply_queue_bytes - max_message_bytes`` held, requests are refused.
         self._out: transport.Outbound | None = None
@@ -412,6 +414,7 @@ class ShardServer:
         )
         self._links = [(self._sock, self._out), *(self._link(b) for b in brokers[1:])]
         loop = asyncio.get_running_loop()
+        self._links_dead = loop.create_future()
         self._beat_policy = Liveness(hb.interval, hb.liveness, hb.max_loop_stall, time.monotonic())
         # The DEALERs for heartbeats and lease echoes only, served by a thread: the
         # shard's key, its identity behind ``h-`` (the broker counts it as the shard's,
@@ -422,6 +425,7 @@ class ShardServer:
             liveness_identity(self.node_id.encode()),
             policy=self._beat_policy,
             deliver=lambda link, frames: loop.call_soon_threadsafe(self._heard, link, frames),
+            on_failure=lambda err: loop.call_soon_threadsafe(self._links_failed, err),
             max_message_bytes=cfg.max_message_bytes,
             curve=self._keys,
             server_public=self._keys.server_public if self._keys else None,
@@ -468,6 +472,7 @@ class ShardServer:
                     )
                     tasks.append(tg.create_task(serve))
                 tasks.append(tg.create_task(self._serve_liveness()))
+                tasks.append(tg.create_task(self._watch_links()))
                 await self._stop.wait()
                 self.notifier.stopping("handing over and writing a checkpoint")
                 self.notifier.extend_timeout(60)
@@ -825,6 +830,20 @@ class ShardServer:
             name=name,
         )
         return sock, out
+
+    def _links_failed(self, error: BaseException) -> None:
+        """The liveness thread failed (called in the loop)."""
+        if self._links_dead is not None and not self._links_dead.done():
+            self._links_dead.set_result(error)
+
+    async def _watch_links(self) -> None:
+        """A shard whose liveness thread failed is heard no more: the broker will fail it
+        over, and one that went on serving would do so unheard.  It stops at once, with
+        an error (its service manager starts it again, and it registers anew)."""
+        assert self._links_dead is not None
+        error = await self._links_dead
+        log.critical("the liveness thread failed (%s): the shard stops", error)
+        raise RuntimeError(f"shard {self.node_id}: its liveness thread failed: {error}")
 
     def _heard(self, link: int, frames: list[bytes]) -> None:
         """A message on a liveness link, from its thread (called in the loop)."""
