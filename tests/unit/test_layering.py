@@ -51,6 +51,7 @@ LAYERS: dict[str, str] = {
     # the shard's store: tables, index, snapshots, the sync-mode step buffer
     "zps.store": "core",
     "zps.store.index": "core",
+    "zps.store.mapped": "core",
     "zps.store.partition": "core",
     "zps.store.snapshot": "core",
     "zps.store.stepbuf": "core",

@@ -40,6 +40,7 @@ from zps.errors import BadRequestError, ShapeMismatchError
 from zps.init import generate
 from zps.optim import FTRL, SGD, Adagrad, Adam, Momentum
 from zps.protocol.specs import DenseSpec, EmbeddingSpec
+from zps.store import mapped
 from zps.store.index import IdIndex, as_ids
 
 try:  # the compiled pull and push, built by ``pip install`` where a C compiler is found
@@ -238,9 +239,9 @@ class EmbeddingTable:
         self._index = IdIndex()
         self._recent: IdsMemo[npt.NDArray[np.int64]] = IdsMemo()  # see _lookup
         self._stamp: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)  # see _distinct
-        self._rows: Array = np.empty((cap, self.spec.dim), dtype=self.dtype)
+        self._rows: Array = mapped.empty(cap, self.spec.dim, self.dtype)
         self._state: dict[str, Array] = {
-            k: np.empty((cap, w), dtype=self.dtype) for k, w in self._widths.items()
+            k: mapped.empty(cap, w, self.dtype) for k, w in self._widths.items()
         }
 
     def __len__(self) -> int:
@@ -269,13 +270,10 @@ class EmbeddingTable:
             cap = int(cap * _GROWTH) + 1
         if self.spec.max_rows:  # no room beyond the cap, but for one push's new rows
             cap = max(need, min(cap, self.spec.max_rows))
-        rows = np.empty((cap, self.spec.dim), dtype=self.dtype)
-        rows[:n] = self._rows[:n]
-        self._rows = rows
-        for k, old in self._state.items():
-            new = np.empty((cap, old.shape[1]), dtype=self.dtype)
-            new[:n] = old[:n]
-            self._state[k] = new
+        # In place where it can be (see zps.store.mapped): no row copied, no page touched.
+        mapped.grow(vars(self), "_rows", cap, n)
+        for k in self._state:
+            mapped.grow(self._state, k, cap, n)
 
     def _positions(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Row positions of ``ids``, creating (and initialising) absent rows."""

@@ -1,0 +1,85 @@
+"""Row arrays grown in place (zps.store.mapped), and an embedding table built on them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from zps.init import Normal
+from zps.optim import Adagrad
+from zps.protocol.specs import EmbeddingSpec
+from zps.store import mapped
+from zps.store.tables import EmbeddingTable
+
+pytestmark = pytest.mark.skipif(not mapped.IN_PLACE, reason="no mremap on this platform")
+
+ROWS = mapped.MIN_BYTES // (8 * 4)  # 1 MiB of (n, 8) float32
+
+
+def _counts() -> tuple[int, int]:
+    return mapped.grown["in_place"], mapped.grown["copied"]
+
+
+def test_a_mapped_array_grows_in_place_keeping_its_rows() -> None:
+    holder = {"a": mapped.empty(ROWS, 8, np.float32)}
+    assert mapped.mapping(holder["a"]) is not None
+    holder["a"][:] = np.arange(ROWS * 8, dtype=np.float32).reshape(ROWS, 8)
+    want = holder["a"].copy()
+    before = _counts()
+    for rows in (2 * ROWS, 5 * ROWS):
+        mapped.grow(holder, "a", rows, ROWS)
+        assert holder["a"].shape == (rows, 8) and holder["a"].dtype == np.float32
+        assert holder["a"].flags.writeable and holder["a"].flags.c_contiguous
+        np.testing.assert_array_equal(holder["a"][:ROWS], want)
+        holder["a"][rows - 1] = 7.0  # the new rows are there to write
+    assert _counts() == (before[0] + 2, before[1])
+
+
+def test_an_array_viewed_elsewhere_is_copied_and_the_view_stays_valid() -> None:
+    holder = {"a": mapped.empty(ROWS, 8, np.float32)}
+    holder["a"][:] = 3.0
+    view = holder["a"][:10]  # a reference the owner does not know about
+    before = _counts()
+    mapped.grow(holder, "a", 3 * ROWS, ROWS)
+    assert _counts() == (before[0], before[1] + 1)
+    assert (view == 3.0).all()  # still the old memory, still mapped
+    assert (holder["a"][:ROWS] == 3.0).all()
+    assert mapped.mapping(holder["a"]) is not None  # the copy can grow in place next time
+    del view
+    mapped.grow(holder, "a", 4 * ROWS, 3 * ROWS)
+    assert _counts() == (before[0] + 1, before[1] + 1)
+
+
+def test_small_and_foreign_arrays_are_copied() -> None:
+    small = {"a": mapped.empty(4, 8, np.float32)}
+    assert mapped.mapping(small["a"]) is None
+    small["a"][:] = 1.0
+    mapped.grow(small, "a", 8, 4)
+    assert small["a"].shape == (8, 8) and (small["a"][:4] == 1.0).all()
+    plain = {"a": np.full((ROWS, 8), 2.0, np.float32)}
+    mapped.grow(plain, "a", 2 * ROWS, ROWS)
+    assert (plain["a"][:ROWS] == 2.0).all() and mapped.mapping(plain["a"]) is not None
+    part = mapped.empty(ROWS, 8, np.float32)
+    assert mapped.mapping(part[: ROWS // 2]) is None  # not a whole view
+
+
+def test_a_table_growing_past_millions_of_rows_keeps_every_row_and_state() -> None:
+    """Pushes of new ids grow the rows and Adagrad's state in place, through several
+    growths; every row and its state equal those of a table built in one push."""
+    spec = EmbeddingSpec("t", 8, "float32", Normal(0.0, 1.0), Adagrad(lr=0.5), 5)
+    grown, whole = EmbeddingTable(spec), EmbeddingTable(spec)
+    rng = np.random.default_rng(3)
+    n = 1 << 20
+    ids = rng.permutation(np.arange(n, dtype=np.int64) * 7)
+    grads = rng.standard_normal((n, 8)).astype(np.float32)
+    before = _counts()
+    for lo in range(0, n, 1 << 16):
+        grown.push(ids[lo : lo + (1 << 16)], grads[lo : lo + (1 << 16)])
+    in_place, copied = (a - b for a, b in zip(_counts(), before, strict=True))
+    # The rows and Adagrad's state: copied once each, past MIN_BYTES; then in place.
+    assert copied == 2 and in_place >= 10, (in_place, copied)
+    whole.push(ids, grads)
+    a, b = grown.export(), whole.export()
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
