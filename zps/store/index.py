@@ -29,6 +29,7 @@ import numpy.typing as npt
 
 from zps.core.hashing import mix64, mix64_int
 from zps.errors import BadRequestError
+from zps.store import mapped
 
 try:  # the compiled lookup, built by ``pip install`` where a C compiler is found
     from zps.store import _probe  # type: ignore[attr-defined]
@@ -83,7 +84,10 @@ class IdIndex:
         self._n = 0
 
     def _alloc(self, capacity: int) -> None:
-        slots = np.empty((capacity, 2), dtype=np.int64)
+        self._use(mapped.empty(capacity, 2, np.int64))
+
+    def _use(self, slots: I64) -> None:
+        """Make ``slots`` (``(capacity, 2)``) the table, every slot free."""
         slots[:, 0] = EMPTY
         slots[:, 1] = -1
         self._slots = slots
@@ -218,12 +222,20 @@ class IdIndex:
                 cap *= 2
             self._rehash(cap)
         if need > self._ids.shape[0]:
-            grown = np.empty(max(need, self.capacity // 2), dtype=np.int64)
-            grown[: self._n] = self._ids[: self._n]
-            self._ids = grown
+            ids = {"ids": self._ids.reshape(-1, 1)}
+            del self._ids  # the view that would keep it from growing in place
+            mapped.grow(ids, "ids", max(need, self.capacity // 2), self._n)
+            self._ids = ids["ids"].reshape(-1)
 
     def _rehash(self, capacity: int) -> None:
-        self._alloc(capacity)
+        """Every id placed again in a table of ``capacity`` slots: the old table's
+        memory grown in place (zps.store.mapped) and reused, so that only the new part's
+        pages are touched for the first time (half of them: a first touch is most of a
+        rehash's time where pages are costly to fault in, as in a virtual machine)."""
+        slots = {"slots": self._slots}
+        del self._slots, self._records, self._keys, self._vals
+        mapped.grow(slots, "slots", capacity, 0)
+        self._use(slots["slots"])
         self._place(self._ids[: self._n], 0)
 
     def _place(self, keys: I64, first: int) -> None:
