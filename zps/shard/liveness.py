@@ -4,8 +4,9 @@ thread that serves its liveness links (:class:`zps.transport.LinkThread`).
 The broker declares a shard dead after ``interval * liveness`` seconds without a
 heartbeat (1 s by default).  A shard's event loop can be held longer by one step that
 cannot be cut, such as a table outgrowing its arrays (a push that grew a table of dim
-32 with Adagrad from 2.5M to 3.7M rows took 1.1 s here, and the time grows with the
-table): with heartbeats sent by the loop, the broker then failed over a shard that was
+32 with Adagrad from 2.5M to 3.7M rows took 1.1 s here when rows were copied; its
+index's rehash still takes 0.2-0.5 s at 2-4M ids, growing with the table): with
+heartbeats sent by the loop, the broker then failed over a shard that was
 working, and with one copy the partition was lost until the shard registered again.
 
 So the liveness links (see :mod:`zps.core.membership`) are served by a thread.  The loop
