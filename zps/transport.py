@@ -102,27 +102,34 @@ def new_context(client: bool = False) -> zmq.asyncio.Context:
     threads (and a client's, with ``ZPS_IO_SCHED=batch``) are scheduled
     ``SCHED_BATCH`` where Linux allows it (see :func:`io_sched_batch`)."""
     ctx = zmq.asyncio.Context()
-    if io_sched_batch(client):
+    batch = io_sched_batch(client)
+    if batch:
         ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
-    _zero_copy_ready()
+    _zero_copy_ready(batch)
     return ctx
 
 
 _zero_copy_pid = 0
 
 
-def _zero_copy_ready() -> None:
+def _zero_copy_ready(batch: bool) -> None:
     """Start pyzmq's collector of zero-copy frames now, once per process.
 
     pyzmq starts it at the first frame sent without a copy: it imports a module and
     opens a thread, a context and two sockets.  A server that first sends a large frame
     when its descriptors are spent (EMFILE) would fail there, inside a reader callback,
     and stop serving; started with the process, a spent limit only refuses what needs a
-    new descriptor (a client's shared memory: ``noshm: busy``)."""
+    new descriptor (a client's shared memory: ``noshm: busy``).  Its context's I/O
+    thread gets the process's policy (``batch``: see :func:`io_sched_batch`)."""
     global _zero_copy_pid
-    if _zero_copy_pid != os.getpid():
-        zmq.Frame(b"\0", copy=False)  # dropped at once: its release goes through the collector
-        _zero_copy_pid = os.getpid()
+    if _zero_copy_pid == os.getpid():
+        return
+    from zmq.utils.garbage import gc
+
+    if batch and not gc.is_alive():
+        gc.context.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)  # before its first socket
+    zmq.Frame(b"\0", copy=False)  # dropped at once: its release goes through the collector
+    _zero_copy_pid = os.getpid()
 
 
 def io_sched_batch(client: bool) -> bool:

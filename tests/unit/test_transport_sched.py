@@ -32,6 +32,8 @@ def _comm(tid: int) -> str:
 
 def _io_policy(client: bool) -> int:
     """The policy of the I/O thread of a new context's first socket."""
+    ctx = transport.new_context(client=client)  # pyzmq's collector, once per process,
+    ctx.term()  # has a context and an I/O thread of its own: started before counting
     before = _threads()
     ctx = transport.new_context(client=client)
     sock = ctx.socket(zmq.DEALER)
