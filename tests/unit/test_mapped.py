@@ -95,3 +95,78 @@ def test_a_table_growing_past_millions_of_rows_keeps_every_row_and_state(
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
+
+
+def _no_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(rows: int, width: int, dtype: object) -> np.ndarray:
+        raise MemoryError(f"no room for {rows} rows")
+
+    monkeypatch.setattr(mapped, "empty", refused)
+
+
+def test_an_array_that_cannot_be_grown_is_left_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Viewed elsewhere (so copied) and no memory for the copy: the holder keeps the
+    array, its rows intact, and a later growth (memory back, view gone) works."""
+    holder = {"a": mapped.empty(ROWS, 8, np.float32)}
+    holder["a"][:] = 5.0
+    view = holder["a"][:1]
+    with monkeypatch.context() as m:
+        _no_memory(m)
+        with pytest.raises(MemoryError):
+            mapped.grow(holder, "a", 2 * ROWS, ROWS)
+    assert holder["a"].shape == (ROWS, 8) and (holder["a"] == 5.0).all()
+    del view
+    mapped.grow(holder, "a", 2 * ROWS, ROWS)
+    assert holder["a"].shape == (2 * ROWS, 8) and (holder["a"][:ROWS] == 5.0).all()
+
+
+def test_a_push_whose_growth_runs_out_of_memory_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rows, the state and the index: a MemoryError part way through a growth
+    leaves the table as it was (no id without its row), and the push can be retried."""
+    spec = EmbeddingSpec("t", 8, "float32", Normal(0.0, 1.0), Adagrad(lr=0.5), 5)
+    table = EmbeddingTable(spec)
+    first = np.arange(ROWS, dtype=np.int64)
+    table.push(first, np.ones((ROWS, 8), np.float32))
+    want = table.export()
+    more = np.arange(ROWS, 3 * ROWS, dtype=np.int64)
+    grads = np.ones((more.size, 8), np.float32)
+    state_view = table._state["accumulator"][:1]  # pins the state: it must be copied
+    with monkeypatch.context() as m:
+        _no_memory(m)
+        with pytest.raises(MemoryError):
+            table.push(more, grads)
+    del state_view
+    got = table.export()
+    assert len(table) == ROWS
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+    table.push(more, grads)  # memory back: the same push, applied once
+    assert len(table) == 3 * ROWS
+    caps = {a.shape[0] for a in (table._rows, *table._state.values())}
+    assert len(caps) == 1, caps  # every array the same capacity again
+
+
+def test_an_index_whose_rehash_runs_out_of_memory_still_finds_every_id(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from zps.store.index import IdIndex
+
+    index = IdIndex()
+    ids = np.arange(1 << 16, dtype=np.int64) * 3
+    pos, n = index.get_or_insert(ids)
+    assert n == ids.size
+    pinned = index._slots[:1]  # copied on the next rehash, which has no memory
+    with monkeypatch.context() as m:
+        _no_memory(m)
+        with pytest.raises(MemoryError):
+            index.get_or_insert(np.arange(1 << 17, 1 << 18, dtype=np.int64) * 3 + 1)
+    del pinned
+    assert len(index) == ids.size
+    np.testing.assert_array_equal(index.lookup(ids), pos)
+    more = np.arange(1 << 17, dtype=np.int64) * 3 + 1
+    _, n = index.get_or_insert(more)
+    assert n == more.size and len(index) == ids.size + more.size

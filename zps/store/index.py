@@ -90,6 +90,9 @@ class IdIndex:
         """Make ``slots`` (``(capacity, 2)``) the table, every slot free."""
         slots[:, 0] = EMPTY
         slots[:, 1] = -1
+        self._over(slots)
+
+    def _over(self, slots: I64) -> None:
         self._slots = slots
         self._records = slots.view(_SLOT).reshape(-1)  # one record per slot
         self._keys: I64 = slots[:, 0]
@@ -224,8 +227,10 @@ class IdIndex:
         if need > self._ids.shape[0]:
             ids = {"ids": self._ids.reshape(-1, 1)}
             del self._ids  # the view that would keep it from growing in place
-            mapped.grow(ids, "ids", max(need, self.capacity // 2), self._n)
-            self._ids = ids["ids"].reshape(-1)
+            try:
+                mapped.grow(ids, "ids", max(need, self.capacity // 2), self._n)
+            finally:  # grown, or as it was (MemoryError)
+                self._ids = ids["ids"].reshape(-1)
 
     def _rehash(self, capacity: int) -> None:
         """Every id placed again in a table of ``capacity`` slots: the old table's
@@ -234,7 +239,11 @@ class IdIndex:
         rehash's time where pages are costly to fault in, as in a virtual machine)."""
         slots = {"slots": self._slots}
         del self._slots, self._records, self._keys, self._vals
-        mapped.grow(slots, "slots", capacity, 0)
+        try:
+            mapped.grow(slots, "slots", capacity, 0)
+        except MemoryError:
+            self._over(slots["slots"])  # the table as it was
+            raise
         self._use(slots["slots"])
         self._place(self._ids[: self._n], 0)
 

@@ -67,7 +67,8 @@ def grow(holder: dict[str, Any], key: str, rows: int, keep: int) -> None:
     In place when it came from :func:`empty` and nothing else views it: its reference
     is dropped from ``holder`` first, so the caller must hold none of its own.
     Otherwise (or if ``mremap`` fails) the kept rows are copied into a new array from
-    :func:`empty`."""
+    :func:`empty`.  If that fails too (MemoryError), ``holder[key]`` is the array as it
+    was."""
     arr = holder[key]
     width, dtype = arr.shape[1], arr.dtype
     old_rows = arr.shape[0]
@@ -78,7 +79,7 @@ def grow(holder: dict[str, Any], key: str, rows: int, keep: int) -> None:
         try:
             m.resize(rows * width * dtype.itemsize)
         except (BufferError, OSError):  # viewed elsewhere, or no room to move it
-            arr = _view(m, old_rows, width, dtype)
+            arr = holder[key] = _view(m, old_rows, width, dtype)  # before anything can fail
         else:
             holder[key] = _view(m, rows, width, dtype)
             grown["in_place"] += 1

@@ -262,26 +262,39 @@ class EmbeddingTable:
             self._dirty = None
 
     def _grow(self, n: int, need: int) -> None:
-        """Make room for ``need`` rows, keeping the first ``n``."""
-        cap = self._rows.shape[0]
-        if need <= cap:
+        """Make room for ``need`` rows, keeping the first ``n``: every array (rows, each
+        state) gets the same capacity, or, after a MemoryError, keeps the one it had."""
+        had = self._rows.shape[0]
+        if need <= had:
             return
+        cap = had
         while cap < need:
             cap = int(cap * _GROWTH) + 1
         if self.spec.max_rows:  # no room beyond the cap, but for one push's new rows
             cap = max(need, min(cap, self.spec.max_rows))
+        try:
+            self._resize(cap, n)
+        except MemoryError:
+            self._resize(had, n)  # those grown already shrink back (in place: no memory)
+            raise
+
+    def _resize(self, cap: int, n: int) -> None:
         # In place where it can be (see zps.store.mapped): no row copied, no page touched.
-        mapped.grow(vars(self), "_rows", cap, n)
-        for k in self._state:
-            mapped.grow(self._state, k, cap, n)
+        if self._rows.shape[0] != cap:
+            mapped.grow(vars(self), "_rows", cap, n)
+        for k in list(self._state):  # no reference of our own: it would pin the array
+            if self._state[k].shape[0] != cap:
+                mapped.grow(self._state, k, cap, n)
 
     def _positions(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Row positions of ``ids``, creating (and initialising) absent rows."""
         before = len(self._index)
+        # Room first (for every id, new or not: room not written costs no memory), so a
+        # MemoryError leaves the index without ids the rows do not have.
+        self._grow(before, before + ids.shape[0])
         pos, n_new = self._index.get_or_insert(ids)
         if n_new:
             after = before + n_new
-            self._grow(before, after)
             new_ids = self._index.ids(before)
             s = self.spec
             self._rows[before:after] = generate(s.init, s.seed, new_ids, s.dim, self.dtype)
