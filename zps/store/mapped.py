@@ -1,4 +1,5 @@
-"""Row arrays that grow in place: an embedding table's rows and optimizer state.
+"""Row arrays that grow in place: an embedding table's rows and optimizer state, and
+its id index's slot table and ids.
 
 A table that outgrows its arrays used to copy every row into new, larger ones.  The
 copy itself is quick; touching the new memory is not: each page is faulted in on
@@ -61,8 +62,8 @@ def mapping(arr: npt.NDArray[Any]) -> mmap.mmap | None:
 
 
 def grow(holder: dict[str, Any], key: str, rows: int, keep: int) -> None:
-    """Give ``holder[key]``, a ``(n, width)`` array, room for ``rows`` rows, its first
-    ``keep`` kept (the others uninitialised).
+    """Give ``holder[key]``, a ``(n, width)`` array, room for ``rows`` rows (more or
+    fewer than ``n``), its first ``keep`` kept (the others uninitialised).
 
     In place when it came from :func:`empty` and nothing else views it: its reference
     is dropped from ``holder`` first, so the caller must hold none of its own.
