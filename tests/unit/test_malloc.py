@@ -78,3 +78,51 @@ def test_trim_hands_freed_buffers_back() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) > 30 * 1024  # most of the 40 MiB went back
+
+
+CLIENT = """
+import asyncio, resource, sys
+import numpy as np
+import zps
+from zps.errors import ZpsTimeoutError
+
+async def start():
+    # Nothing listens there: the client gives up after its introduction, which
+    # comes after the allocator's settings.
+    try:
+        async with zps.connect(sys.argv[1], connect_timeout=0.3, tune_malloc=sys.argv[2] == "1"):
+            raise AssertionError("connected to nothing")
+    except ZpsTimeoutError:
+        pass
+
+asyncio.run(start())
+def rounds():
+    for _ in range(50):
+        bufs = [np.ones(65536) for _ in range(4)]
+        del bufs
+rounds()
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+rounds()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 50)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+@pytest.mark.parametrize("tune", [True, False])
+def test_a_client_keeps_its_message_buffers_unless_told_not_to(tune: bool) -> None:
+    # A training script of the user's own (zps.connect, not zps-worker) gets the
+    # settings too: without them a sparse step's buffers cost ~230 page faults.
+    from zps.testing import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    address = f"tcp://127.0.0.1:{free_port()}"
+    out = subprocess.run(
+        [sys.executable, "-c", CLIENT, address, "1" if tune else "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    faults = float(out.stdout)
+    assert faults < 10 if tune else faults > 100, faults

@@ -60,6 +60,7 @@ from zps.errors import (
     ZpsTimeoutError,
     remote_error,
 )
+from zps.ops import malloc
 from zps.ops.config import ClientConfig, broker_endpoints
 from zps.ops.security import load_curve_keys
 from zps.protocol.codec import (
@@ -286,6 +287,8 @@ class Connection:
             return
         self._started = True
         self._loop = asyncio.get_running_loop()
+        if self.config.tune_malloc:
+            malloc.tune()
         self._ctx = transport.new_context(client=True)
         keys = load_curve_keys(self.config.security)
         self._socks = [

@@ -457,6 +457,12 @@ class ClientConfig:
     #: Shared memory for payload frames of 192 KiB and more to and from shards on this
     #: host, at most this many bytes (:mod:`zps.shm`); 0 turns the path off.
     shm_bytes: int = 128 << 20
+    #: At its start, the client keeps this process's freed buffers below 4 MiB in the
+    #: heap (:func:`zps.ops.malloc.tune`, as ``zps-server`` and ``zps-worker`` do):
+    #: each large message otherwise costs a page fault per 4 KiB.  Process-wide; false
+    #: leaves the allocator alone (so do ``MALLOC_MMAP_THRESHOLD_`` and
+    #: ``MALLOC_TRIM_THRESHOLD_`` in the environment).
+    tune_malloc: bool = True
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     security: Security = field(default_factory=Security)
 
@@ -489,6 +495,10 @@ class ClientConfig:
             )
         if not isinstance(self.compress, bool):
             raise ConfigError(f"client.compress must be true or false, got {self.compress!r}")
+        if not isinstance(self.tune_malloc, bool):
+            raise ConfigError(
+                f"client.tune_malloc must be true or false, got {self.tune_malloc!r}"
+            )
 
 
 @dataclass(frozen=True)
