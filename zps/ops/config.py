@@ -496,9 +496,7 @@ class ClientConfig:
         if not isinstance(self.compress, bool):
             raise ConfigError(f"client.compress must be true or false, got {self.compress!r}")
         if not isinstance(self.tune_malloc, bool):
-            raise ConfigError(
-                f"client.tune_malloc must be true or false, got {self.tune_malloc!r}"
-            )
+            raise ConfigError(f"client.tune_malloc must be true or false, got {self.tune_malloc!r}")
 
 
 @dataclass(frozen=True)
