@@ -145,5 +145,11 @@ def test_compiled_insertion_refuses_what_would_break_the_table() -> None:
     with pytest.raises(ValueError, match="index full"):
         index._probe.place(tiny, np.array([9], np.int64), 2)
     out = np.empty(8, np.int64)
-    with pytest.raises(ValueError, match="room"):  # the load factor would pass 1/2
+    with pytest.raises(ValueError, match="room"):  # ids has no room for 12
         index._probe.get_or_insert(idx._slots, idx._ids, 4, np.arange(100, 108), out)
+    ids = np.empty(16, np.int64)
+    ids[:4] = np.arange(4)
+    with pytest.raises(ValueError, match="room"):  # the load would pass 3/4 (13 of 16)
+        index._probe.get_or_insert(idx._slots, ids, 4, np.arange(100, 109), np.empty(9, np.int64))
+    # 12 of 16: the most a table takes while the index builds its next one
+    assert index._probe.get_or_insert(idx._slots, ids, 4, np.arange(100, 108), out) == 8

@@ -162,7 +162,7 @@ static PyObject *fail(Held *h, PyObject *exc, const char *msg)
 static inline int64_t probe(const int64_t *s, uint64_t mask, int64_t key)
 {
     uint64_t slot = mix64((uint64_t)key) & mask;
-    /* The load factor stays <= 1/2, so a free slot ends every probe sequence; a free
+    /* The load factor stays <= 3/4, so a free slot ends every probe sequence; a free
      * slot's position is -1, "absent" (EMPTY itself is never stored). */
     for (;;) {
         int64_t found = s[2 * slot];

@@ -186,7 +186,8 @@ static PyObject *place(PyObject *self, PyObject *args)
  * inserting absent keys once each, in first-occurrence order, with positions n, n + 1,
  * ..., and recording them in ids[n], ids[n + 1], ... (the index's id by position).
  * The caller makes room for every key first: ids of at least n + len(keys) items,
- * and a capacity of at least twice that, so the load factor stays <= 1/2. */
+ * and a capacity of at least twice that, so the load factor stays <= 1/2 (or 3/4
+ * while the index builds its next table: see zps/store/index.py). */
 static PyObject *get_or_insert(PyObject *self, PyObject *args)
 {
     PyObject *objs[4];
@@ -201,11 +202,11 @@ static PyObject *get_or_insert(PyObject *self, PyObject *args)
     Py_buffer slots = b[0], ids = b[1], keys = b[2], out = b[3];
     Py_ssize_t cap = slots.len / 16, n = keys.len / 8;
     if (cap < 1 || (cap & (cap - 1)) != 0 || out.len != keys.len || n0 < 0 ||
-        ids.len / 8 < n0 + n || 2 * (n0 + n) > cap) {
+        ids.len / 8 < n0 + n || 4 * (n0 + n) > 3 * cap) {
         PyErr_SetString(PyExc_ValueError,
                         "slots must hold a power of two of (key, position) pairs, at least "
-                        "twice as many as ids can hold, ids room for every key and out as "
-                        "many items as keys");
+                        "4/3 of the ids after the insert, ids room for every key and out "
+                        "as many items as keys");
         release_all(4, b);
         return NULL;
     }

@@ -5,11 +5,21 @@ An open-addressing hash table with linear probing, held in one numpy array of
 two (``_keys`` and ``_vals`` are strided views of its columns; :data:`EMPTY`
 keys and -1 positions mark free slots).  Invariants:
 
-- capacity is a power of two and the load factor stays <= 1/2, so probe
-  sequences stay short and every probe loop terminates;
+- capacity is a power of two and the load factor stays <= 1/2 (<= 3/4 while
+  the next table is built, below), so probe sequences stay short and every probe
+  loop terminates;
 - positions are dense and in insertion order: the i-th id ever inserted has
   position i, and ``_ids[i]`` is that id;
 - nothing is ever deleted, so a probe may stop at the first empty slot.
+
+A table past half full is rebuilt at twice the capacity.  A large one (of at least
+:data:`BACKGROUND_SLOTS` slots, with the compiled kernel) is rebuilt by a thread,
+off the caller's thread (a shard's event loop): every id placed in a new table,
+its pages touched for the first time, which takes seconds at tens of millions of
+ids.  The old table serves lookups and takes new ids meanwhile, up to a load of
+:data:`BUILD_LOAD`, and the thread places those too, until few are left; the next
+insert after the build is done (or one that would pass that load, which then waits
+for it) places the rest and swaps the new table in.
 
 Work is done a whole batch at a time: a Python loop runs once per *probe
 round*, never once per id.  Where the optional C kernel ``zps.store._probe`` was
@@ -22,7 +32,9 @@ differ, which no lookup can tell).  :data:`KERNEL` says which one runs;
 
 from __future__ import annotations
 
+import collections.abc
 import os
+import threading
 
 import numpy as np
 import numpy.typing as npt
@@ -51,6 +63,16 @@ _FEW = 4
 _M64 = (1 << 64) - 1
 #: Whether the compiled lookup is in use (``ZPS_NO_KERNEL=1`` in the environment turns it off).
 KERNEL = _probe is not None and os.environ.get("ZPS_NO_KERNEL", "") in ("", "0")
+#: Tables of at least this many slots (16 MiB; 512k ids) are rebuilt by a thread; a
+#: smaller one's rebuild takes the caller a few tens of milliseconds at most.
+BACKGROUND_SLOTS = 1 << 20
+#: While a thread builds the next table, the current one takes new ids up to this
+#: load (at 3/4 a lookup of an absent id takes about 8 probes, not 2.5, most of them
+#: in the same cache line): half again as many ids as the table held at the start.
+BUILD_LOAD = (3, 4)
+#: The thread stops catching up with new ids when fewer than this many are left for
+#: the swap (placing them takes the caller about a millisecond).
+CATCH_UP_IDS = 1 << 14
 
 
 def as_ids(ids: npt.ArrayLike, what: str = "ids") -> I64:
@@ -82,6 +104,7 @@ class IdIndex:
         self._alloc(cap)
         self._ids: I64 = np.empty(cap // 2, dtype=np.int64)
         self._n = 0
+        self._build: _Build | None = None  # the next table, being built by a thread
 
     def _alloc(self, capacity: int) -> None:
         self._use(mapped.empty(capacity, 2, np.int64))
@@ -107,7 +130,13 @@ class IdIndex:
 
     @property
     def nbytes(self) -> int:
-        return int(self._slots.nbytes + self._ids.nbytes)
+        building = self._build.slots.nbytes if self._build is not None else 0
+        return int(self._slots.nbytes + self._ids.nbytes + building)
+
+    @property
+    def building(self) -> bool:
+        """Whether a thread is building the next table (or has, not yet swapped in)."""
+        return self._build is not None
 
     def ids(self, start: int = 0) -> I64:
         """A copy of the ids with positions ``start, start+1, ...``, in position order."""
@@ -218,17 +247,61 @@ class IdIndex:
         return pos, int(uniq.shape[0])
 
     def _make_room(self, need: int) -> None:
-        """Capacity for ``need`` ids in all (the load factor <= 1/2), and room in ``_ids``."""
-        if 2 * need > self.capacity:
+        """Capacity for ``need`` ids in all (the load factor <= 1/2, or up to
+        :data:`BUILD_LOAD` while the next table is built), and room in ``_ids``."""
+        build = self._build
+        if build is not None:
+            num, den = BUILD_LOAD
+            if build.done.is_set() or den * need > num * self.capacity:
+                self._swap(build)  # waits for the thread if the build is not done
+        if 2 * need > self.capacity and self._build is None:
             cap = self.capacity
             while 2 * need > cap:
                 cap *= 2
-            self._rehash(cap)
+            if not self._start_build(need, cap):
+                self._rehash(cap)
+        if need > self._ids.shape[0]:
+            self._make_ids_room(max(need, self.capacity // 2))
+
+    def _start_build(self, need: int, capacity: int) -> bool:
+        """Have a thread build the table of ``capacity`` slots, if the current one is
+        large and can hold ``need`` ids meanwhile; False: rehash now."""
+        num, den = BUILD_LOAD
+        if (
+            not KERNEL
+            or self.capacity < BACKGROUND_SLOTS
+            or capacity != 2 * self.capacity
+            or den * need > num * self.capacity
+        ):
+            return False
+        # Room for the ids of the new table's half load, before the thread holds a view
+        # of them (which would keep them from growing in place).
+        self._make_ids_room(capacity // 2)
+        try:
+            slots = mapped.empty(capacity, 2, np.int64)
+        except MemoryError:
+            return False  # the rehash in place needs only the new half
+        self._build = _Build(slots, self._ids, self._n, lambda: self._n)
+        return True
+
+    def _swap(self, build: _Build) -> None:
+        """The built table, with the ids added since its build began, in use."""
+        build.thread.join()
+        self._build = None
+        if build.error is not None:  # (MemoryError, say): rebuilt in place, as before
+            self._rehash(build.slots.shape[0])
+            return
+        n0 = build.placed
+        if self._n > n0:
+            _probe.place(build.slots, self._ids[n0 : self._n], n0)
+        self._over(build.slots)
+
+    def _make_ids_room(self, need: int) -> None:
         if need > self._ids.shape[0]:
             ids = {"ids": self._ids.reshape(-1, 1)}
             del self._ids  # the view that would keep it from growing in place
             try:
-                mapped.grow(ids, "ids", max(need, self.capacity // 2), self._n)
+                mapped.grow(ids, "ids", need, self._n)
             finally:  # grown, or as it was (MemoryError)
                 self._ids = ids["ids"].reshape(-1)
 
@@ -283,3 +356,43 @@ class IdIndex:
             # it), so all of them advance.
             lost = ~won
             pending, slot = pending[lost], (slot[lost] + 1) & mask
+
+
+def _fill_and_place(slots: I64, ids: I64) -> None:
+    """Clear ``slots`` and place ``ids`` with positions 0, 1, ... (the build's work,
+    without the GIL: numpy's fill and the kernel release it)."""
+    slots[:, 0] = EMPTY
+    slots[:, 1] = -1
+    _probe.place(slots, ids, 0)
+
+
+class _Build:
+    """The next table of an :class:`IdIndex`, built by a thread: its first ``n`` ids
+    placed, then those inserted since (``count()``: how many the index holds), while
+    more than :data:`CATCH_UP_IDS` are left.  An id, once in ``ids`` below the count,
+    is never written again, and ``ids`` is not moved while the thread views it (the
+    index made room first)."""
+
+    def __init__(
+        self, slots: I64, ids: I64, n: int, count: collections.abc.Callable[[], int]
+    ) -> None:
+        self.slots = slots
+        self.placed = int(n)  # ids [0, placed) are in slots
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, args=(ids, count), name="zps-index-build", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, ids: I64, count: collections.abc.Callable[[], int]) -> None:
+        try:
+            _fill_and_place(self.slots, ids[: self.placed])
+            while (n := count()) - self.placed >= CATCH_UP_IDS:
+                _probe.place(self.slots, ids[self.placed : n], self.placed)
+                self.placed = n
+        except BaseException as e:  # MemoryError, a broken table: the caller rehashes
+            self.error = e
+        finally:
+            del ids  # its view of the ids: they may grow in place again
+            self.done.set()
