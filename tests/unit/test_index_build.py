@@ -175,3 +175,25 @@ def test_a_table_pushed_and_pulled_through_its_index_builds_matches_one_built_at
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_a_build_done_after_the_last_insert_is_swapped_in_by_a_read(
+    gate: threading.Event,
+) -> None:
+    from zps.init import Zeros
+    from zps.optim import SGD
+    from zps.protocol.specs import EmbeddingSpec
+    from zps.store.tables import EmbeddingTable
+
+    table = EmbeddingTable(EmbeddingSpec("t", 4, "float32", Zeros(), SGD(lr=1.0), 0))
+    ids = _ids(CAP // 2 + 1)
+    table.push(ids[:2000], np.ones((2000, 4), np.float32))
+    table.push(ids[2000:], np.ones((ids.size - 2000, 4), np.float32))
+    build = table._index._build
+    assert build is not None
+    held = table.nbytes
+    gate.set()
+    assert build.done.wait(30)
+    np.testing.assert_array_equal(table.pull(ids), -np.ones((ids.size, 4), np.float32))
+    assert not table._index.building and table._index.capacity == 2 * CAP
+    assert table.nbytes == held - CAP * 16  # the old slot table let go

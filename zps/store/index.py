@@ -19,7 +19,8 @@ its pages touched for the first time, which takes seconds at tens of millions of
 ids.  The old table serves lookups and takes new ids meanwhile, up to a load of
 :data:`BUILD_LOAD`, and the thread places those too, until few are left; the next
 insert after the build is done (or one that would pass that load, which then waits
-for it) places the rest and swaps the new table in.
+for it), or :meth:`IdIndex.settle` (a table's pull), places the rest and swaps the
+new table in.
 
 Work is done a whole batch at a time: a Python loop runs once per *probe
 round*, never once per id.  Where the optional C kernel ``zps.store._probe`` was
@@ -262,6 +263,14 @@ class IdIndex:
                 self._rehash(cap)
         if need > self._ids.shape[0]:
             self._make_ids_room(max(need, self.capacity // 2))
+
+    def settle(self) -> None:
+        """Swap in the next table if its build is done (inserts do it too; a table's
+        reads call this, so a build finished after the last insert does not keep the
+        old table's memory)."""
+        build = self._build
+        if build is not None and build.done.is_set():
+            self._swap(build)
 
     def _start_build(self, need: int, capacity: int) -> bool:
         """Have a thread build the table of ``capacity`` slots, if the current one is

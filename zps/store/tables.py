@@ -313,6 +313,7 @@ class EmbeddingTable:
         same LSN, and evaluating on unseen ids costs no memory).
         """
         keys = as_ids(ids)
+        self._index.settle()
         if KERNEL:
             return self._pull_kernel(keys)
         pos = self._lookup(keys)
