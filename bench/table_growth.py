@@ -5,9 +5,11 @@
 
 A local cluster (one partition, ``--replication`` copies, heartbeats every 0.2 s, dead
 after 1 s: the defaults) and one client pushing gradients for ``--batch`` ids never
-seen before (dim 32 float32, Adagrad) until the table holds ``--rows`` rows.  Each time
-the table outgrows its arrays a push copies every row into larger ones, holding the
-shard's event loop for as long.  Printed: the pushes that took over 0.3 s, the
+seen before (dim 32 float32, Adagrad) until the table holds ``--rows`` rows.  A table
+that outgrows its arrays once held the shard's event loop for as long as it took to copy
+every row into larger ones, later to rehash its index; rows now grow in place and a large
+index is rebuilt by a thread (docs/performance.md, "A table that grows").  Printed: the
+pushes that took over 0.3 s, the
 longest, the primary's heartbeats sent by its liveness thread while its loop was held
 and the loop's longest gap (``zps_shard_heartbeats_covered_total``,
 ``zps_shard_event_loop_longest_gap_seconds``), and whether the broker declared a shard
