@@ -3,6 +3,7 @@
 
     python bench/dense_cpu.py [--seconds 5] [--pairs 2] [--workers 2] [--pipelined]
                               [--replication 1] [--ray] [--sparse] [--copy]
+                              [--threads] [--untuned]
 
 Starts a local cluster (2 partitions, ``--replication`` copies) and ``--workers``
 worker processes, each pulling and pushing one 16 MiB float32 tensor (plain SGD) in a
@@ -17,6 +18,10 @@ instead (copied into the client's shared memory at each push).
 ``--ray`` adds, to each pair, Ray's actor PS doing the same steps (the dense step of
 ``bench/peers.py``: a PS actor and ``--workers`` worker actors), with the CPU of every
 process of the Ray session (its raylet, GCS, actors), in a child process.
+
+``--threads`` adds each thread's CPU per step (``shard0/ZMQbg/IO/0``: zmq's I/O thread;
+``python``: the main thread; ticks of 10 ms, so run for some seconds).  ``--untuned``:
+the workers' clients leave glibc's allocator alone (``client.tune_malloc = false``).
 
 ``--sparse``: the sparse step of ``bench/peers.py`` instead (a 1,000,000 x 32 float32
 table, SGD; pull 4,096 unique Zipf ids from a pool of 64 precomputed batches, push
@@ -44,14 +49,12 @@ HARNESS = """
 import asyncio, sys, time
 import numpy as np
 import zps
-from zps.ops import malloc
-
-malloc.tune()
 
 PREPARE
 
-async def main(address, seconds, pipelined, seed, copy):
-    async with zps.connect(address) as ps:
+async def main(address, seconds, pipelined, seed, copy, tune):
+    # The client tunes the process's allocator at its start (client.tune_malloc).
+    async with zps.connect(address, tune_malloc=tune) as ps:
         step, warmup = await prepare(ps, np.random.default_rng(seed), pipelined, copy)
         for _ in range(warmup):
             await step()
@@ -65,7 +68,14 @@ async def main(address, seconds, pipelined, seed, copy):
         print("STEPS", n, time.process_time() - cpu, flush=True)
 
 asyncio.run(
-    main(sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4]), sys.argv[5] == "1")
+    main(
+        sys.argv[1],
+        float(sys.argv[2]),
+        sys.argv[3] == "1",
+        int(sys.argv[4]),
+        sys.argv[5] == "1",
+        sys.argv[6] == "1",
+    )
 )
 """
 
@@ -218,6 +228,26 @@ def run_ray(args: argparse.Namespace) -> dict[str, float]:
     return {"steps": int(steps), "seconds": float(elapsed), "total": float(cpu) / int(steps) * 1e3}
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of ``pid``, summed by thread name
+    (``python`` for the main thread, ``ZMQbg/IO/0`` for zmq's I/O thread, ...)."""
+    out: dict[str, float] = {}
+    tck = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tck
+    return out
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -249,6 +279,7 @@ def run(shm: bool, args: argparse.Namespace) -> dict[str, float]:
                         "1" if args.pipelined else "0",
                         str(i),
                         "1" if args.copy else "0",
+                        "0" if args.untuned else "1",
                     ],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -266,6 +297,8 @@ def run(shm: bool, args: argparse.Namespace) -> dict[str, float]:
                 procs = {p.name: p.pid for p in c.procs if p.alive()}
                 c_names = set(procs)
                 before = {n: cpu_seconds(pid) for n, pid in procs.items()}
+                everyone = {**procs, **{f"worker{i}": w.pid for i, w in enumerate(workers)}}
+                threads0 = {n: thread_cpu(pid) for n, pid in everyone.items()}
                 t0 = time.monotonic()
                 for w in workers:
                     assert w.stdin is not None
@@ -280,6 +313,8 @@ def run(shm: bool, args: argparse.Namespace) -> dict[str, float]:
                     worker_cpu[f"worker{i}"] = float(used)
                 elapsed = time.monotonic() - t0
                 after = {n: cpu_seconds(pid) for n, pid in procs.items() if n in c_names}
+                # (a worker's threads: read once it reported, before it is told to exit)
+                threads1 = {n: thread_cpu(pid) for n, pid in everyone.items()}
             finally:
                 for w in workers:
                     w.kill()
@@ -290,6 +325,12 @@ def run(shm: bool, args: argparse.Namespace) -> dict[str, float]:
             for n, cpu in worker_cpu.items():
                 out[n] = cpu / steps * 1e3
             out["total"] = sum(v for k, v in out.items() if k not in ("steps", "seconds"))
+            if args.threads:
+                for n in everyone:
+                    for t, used in threads1[n].items():
+                        delta = used - threads0[n].get(t, 0.0)
+                        if delta > 0:
+                            out[f"{n}/{t}"] = delta / steps * 1e3
             return out
     finally:
         os.environ.clear()
@@ -310,6 +351,16 @@ def main() -> None:
     ap.add_argument("--sparse", action="store_true", help="the sparse step instead")
     ap.add_argument(
         "--copy", action="store_true", help="push from a plain array, not a gradient buffer"
+    )
+    ap.add_argument(
+        "--threads",
+        action="store_true",
+        help="also CPU per step of each thread of every process (PROCESS/THREAD)",
+    )
+    ap.add_argument(
+        "--untuned",
+        action="store_true",
+        help="workers leave glibc's allocator settings alone (client.tune_malloc = false)",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
