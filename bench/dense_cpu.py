@@ -42,6 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import zps_bench as zb  # noqa: E402  (this folder: the shared helpers)
+
 ELEMS = 4 << 20  # 16 MiB of float32
 
 #: A worker process: ``prepare`` (one of the two below) makes the table and the step.
@@ -228,26 +230,6 @@ def run_ray(args: argparse.Namespace) -> dict[str, float]:
     return {"steps": int(steps), "seconds": float(elapsed), "total": float(cpu) / int(steps) * 1e3}
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of ``pid``, summed by thread name
-    (``python`` for the main thread, ``ZMQbg/IO/0`` for zmq's I/O thread, ...)."""
-    out: dict[str, float] = {}
-    tck = os.sysconf("SC_CLK_TCK")
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
-            continue  # the thread ended
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat.rsplit(")", 1)[1].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tck
-    return out
-
-
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -298,7 +280,7 @@ def run(shm: bool, args: argparse.Namespace) -> dict[str, float]:
                 c_names = set(procs)
                 before = {n: cpu_seconds(pid) for n, pid in procs.items()}
                 everyone = {**procs, **{f"worker{i}": w.pid for i, w in enumerate(workers)}}
-                threads0 = {n: thread_cpu(pid) for n, pid in everyone.items()}
+                threads0 = {n: zb.thread_cpu(pid) for n, pid in everyone.items()}
                 t0 = time.monotonic()
                 for w in workers:
                     assert w.stdin is not None
@@ -314,7 +296,7 @@ def run(shm: bool, args: argparse.Namespace) -> dict[str, float]:
                 elapsed = time.monotonic() - t0
                 after = {n: cpu_seconds(pid) for n, pid in procs.items() if n in c_names}
                 # (a worker's threads: read once it reported, before it is told to exit)
-                threads1 = {n: thread_cpu(pid) for n, pid in everyone.items()}
+                threads1 = {n: zb.thread_cpu(pid) for n, pid in everyone.items()}
             finally:
                 for w in workers:
                     w.kill()

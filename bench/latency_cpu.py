@@ -32,26 +32,19 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
+import zps_bench as zb  # noqa: E402  (this folder: the shared helpers)
 
 from zps.client.client import connect  # noqa: E402
 from zps.optim import SGD  # noqa: E402
 from zps.testing import LocalCluster, free_port  # noqa: E402
 
-TCK = os.sysconf("SC_CLK_TCK")
-
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of each thread of ``pid``, by thread name (zmq's I/O thread apart)."""
+    """CPU seconds of ``pid``'s zmq I/O threads, and of the rest ("python")."""
     out: dict[str, float] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        name = stat.split("(", 1)[1].rsplit(")", 1)[0]
-        f = stat.rsplit(")", 1)[1].split()
+    for name, used in zb.thread_cpu(pid).items():
         kind = "zmq I/O" if name.startswith("ZMQbg/IO") else "python"
-        out[kind] = out.get(kind, 0.0) + (int(f[11]) + int(f[12])) / TCK
+        out[kind] = out.get(kind, 0.0) + used
     return out
 
 

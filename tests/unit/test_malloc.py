@@ -10,20 +10,29 @@ import pytest
 
 from zps.ops import malloc
 
-CHECK = """
-import resource, sys
+#: Prints the page faults per round of 4 x 512 KiB buffers (as per message), allocated
+#: and freed, after a warm-up round.
+FAULTS = """
+import resource
 import numpy as np
-from zps.ops import malloc
-applied = malloc.tune() if sys.argv[1] == "tune" else False
 def rounds():
     for _ in range(50):
-        bufs = [np.ones(65536) for _ in range(4)]  # 4 x 512 KiB, as per message
+        bufs = [np.ones(65536) for _ in range(4)]
         del bufs
 rounds()
 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 rounds()
-print(applied, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 50)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 50)
 """
+
+CHECK = (
+    """
+import sys
+from zps.ops import malloc
+print(malloc.tune() if sys.argv[1] == "tune" else False)
+"""
+    + FAULTS
+)
 
 
 def faults_per_round(how: str) -> tuple[bool, float]:
@@ -80,9 +89,9 @@ def test_trim_hands_freed_buffers_back() -> None:
     assert int(out.stdout) > 30 * 1024  # most of the 40 MiB went back
 
 
-CLIENT = """
-import asyncio, resource, sys
-import numpy as np
+CLIENT = (
+    """
+import asyncio, sys
 import zps
 from zps.errors import ZpsTimeoutError
 
@@ -96,15 +105,9 @@ async def start():
         pass
 
 asyncio.run(start())
-def rounds():
-    for _ in range(50):
-        bufs = [np.ones(65536) for _ in range(4)]
-        del bufs
-rounds()
-f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-rounds()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 50)
 """
+    + FAULTS
+)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
