@@ -148,7 +148,9 @@ def cpu_seconds(pid: int) -> float:
 
 def thread_cpu(pid: int) -> dict[str, float]:
     """User + system CPU seconds of each thread of ``pid``, summed by thread name
-    (``python`` for a main thread, ``ZMQbg/IO/0`` for zmq's I/O thread, ...)."""
+    (``python`` for a main thread, ``ZMQbg/IO/0`` for zmq's I/O thread, ...; a client
+    context's threads are named ``N/ZMQbg/...``, see zps.transport.IoThreads: counted
+    without the ``N/``)."""
     out: dict[str, float] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -160,6 +162,9 @@ def thread_cpu(pid: int) -> dict[str, float]:
         except OSError:
             continue  # the thread ended
         name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        prefix, _, rest = name.partition("/")
+        if prefix.isdigit() and rest.startswith("ZMQbg"):
+            name = rest
         fields = stat.rsplit(")", 1)[1].split()
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf(
             "SC_CLK_TCK"

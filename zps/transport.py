@@ -100,13 +100,79 @@ _SNDMORE = int(zmq.SNDMORE)
 def new_context(client: bool = False) -> zmq.asyncio.Context:
     """A context per owner: zps never uses a process-global context.  A server's I/O
     threads (and a client's, with ``ZPS_IO_SCHED=batch``) are scheduled
-    ``SCHED_BATCH`` where Linux allows it (see :func:`io_sched_batch`)."""
+    ``SCHED_BATCH`` where Linux allows it (see :func:`io_sched_batch`); a client's
+    switch between the two policies as it works, by default (:class:`IoThreads`)."""
     ctx = zmq.asyncio.Context()
     batch = io_sched_batch(client)
     if batch:
         ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
     _zero_copy_ready(batch)
     return ctx
+
+
+class IoThreads:
+    """The zmq I/O threads of one client's context, switched between ``SCHED_BATCH``
+    while the client has several requests in flight and the default policy while it
+    waits for one (``ZPS_IO_SCHED=auto``, the default; see :func:`io_sched_batch`).
+
+    Under the default policy the I/O thread, woken by each send and each reply,
+    preempts the client's own thread at once: what a lone request's caller wants (it
+    waits for that one reply), and two context switches per message for a client with
+    more to send and more replies to read (a training step's requests to every
+    partition, a pipelined step, a tensor's chunks).  Measured (docs/performance.md,
+    the levers table): 16-17% more sparse steps with ``SCHED_BATCH``, and one-row
+    pulls 6% slower with it.
+
+    The context's threads are named with a prefix of their own
+    (``ZMQ_THREAD_NAME_PREFIX``) and found by that name once they have started (they
+    name themselves as they start).  ``busy(flag)`` sets the policy, one system call
+    on a change and none otherwise; the policy is left alone wherever it cannot be
+    set, or the threads cannot be found."""
+
+    _prefixes = iter(range(1 << 62))
+    #: How many calls to :meth:`busy` look for the threads before giving up.
+    FIND_TRIES = 64
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        # A thread's name is at most 15 bytes: "999/ZMQbg/IO/0" fits.
+        prefix = next(self._prefixes) % 1000
+        ctx.set(zmq.THREAD_NAME_PREFIX, prefix)
+        self._name = f"{prefix}/ZMQbg/IO/"
+        self._tids: list[int] = []
+        self._tries = self.FIND_TRIES if _adaptive_client() else 0
+        self.batch = False
+        self.switches = 0
+
+    def _find(self) -> bool:
+        self._tries -= 1
+        try:
+            tids = os.listdir("/proc/self/task")
+        except OSError:
+            self._tries = 0
+            return False
+        for tid in tids:
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    name = f.read().strip()
+            except OSError:
+                continue  # the thread ended
+            if name.startswith(self._name):
+                self._tids.append(int(tid))
+        return bool(self._tids)
+
+    def busy(self, flag: bool) -> None:
+        """Whether the client has more than one request in flight."""
+        if flag == self.batch or (not self._tids and (self._tries <= 0 or not self._find())):
+            return
+        policy = os.SCHED_BATCH if flag else os.SCHED_OTHER
+        try:
+            for tid in self._tids:
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except OSError:  # refused (or the thread ended): left as it is from now on
+            self._tids, self._tries = [], 0
+            return
+        self.batch = flag
+        self.switches += 1
 
 
 _zero_copy_pid = 0
@@ -134,9 +200,10 @@ def _zero_copy_ready(batch: bool) -> None:
 
 def io_sched_batch(client: bool) -> bool:
     """Whether zmq's I/O threads of a server (``client`` False: the broker, a shard, a
-    routing broker) or of a client run under Linux's ``SCHED_BATCH`` policy.
-    ``ZPS_IO_SCHED`` in the environment: ``servers`` (the default), ``batch`` (clients
-    too) or ``normal`` (none).
+    routing broker) or of a client run under Linux's ``SCHED_BATCH`` policy from the
+    start.  ``ZPS_IO_SCHED`` in the environment: ``auto`` (the default: servers'; a
+    client's switch as it works, see :class:`IoThreads`), ``servers`` (servers' only),
+    ``batch`` (clients' too, always) or ``normal`` (none).
 
     A thread woken under ``SCHED_BATCH`` never preempts the running one.  zmq wakes
     its I/O thread for each message sent, and under the default policy that thread
@@ -144,22 +211,32 @@ def io_sched_batch(client: bool) -> bool:
     server's handler then runs to its end (its wait for the next message) first, and
     the I/O thread after it, or at once on an idle core.  Measured (docs/performance.md,
     the levers table): for servers, 9% less time and 12% less CPU per one-row pull and
-    13% more pipelined sparse steps; for clients too, 25% more steps but one-row pulls
-    2% slower than with neither (a client's caller waits for its reply, so its sends
-    should leave at once): opt-in.  The cost: while every core is busy, such a thread
-    waits for the running one to block or use up its time slice (a few milliseconds
-    at most) instead of preempting it."""
-    mode = os.environ.get("ZPS_IO_SCHED", "servers")
-    if mode not in IO_SCHED_MODES:
-        _warn_io_sched(mode)
-        return False
+    13% more pipelined sparse steps; for clients too, 16-17% more sparse steps but
+    one-row pulls 6% slower (a lone request's caller waits for its reply, so its send
+    should leave at once): hence ``auto``.  The cost: while every core is busy, such a
+    thread waits for the running one to block or use up its time slice (a few
+    milliseconds at most) instead of preempting it."""
+    mode = _io_sched_mode()
     if mode == "normal" or (client and mode != "batch"):
         return False
     return _batch_allowed()
 
 
+def _io_sched_mode() -> str:
+    mode = os.environ.get("ZPS_IO_SCHED", "auto")
+    if mode not in IO_SCHED_MODES:
+        _warn_io_sched(mode)
+        return "normal"
+    return mode
+
+
+def _adaptive_client() -> bool:
+    """Whether a client switches its I/O threads' policy as it works (``auto``)."""
+    return _io_sched_mode() == "auto" and _batch_allowed()
+
+
 #: The values of ``ZPS_IO_SCHED``.
-IO_SCHED_MODES = ("servers", "batch", "normal")
+IO_SCHED_MODES = ("auto", "servers", "batch", "normal")
 
 
 @functools.cache

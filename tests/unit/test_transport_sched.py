@@ -1,11 +1,14 @@
 """zmq's I/O threads under SCHED_BATCH (zps.transport.new_context): a server's by
-default, a client's only with ZPS_IO_SCHED=batch, none with ZPS_IO_SCHED=normal, and
-none where the policy cannot be set (libzmq would abort the process)."""
+default, a client's from the start only with ZPS_IO_SCHED=batch (by default it switches
+as it works: zps.transport.IoThreads, here and in tests/integration/test_io_sched.py),
+none with ZPS_IO_SCHED=normal, and none where the policy cannot be set (libzmq would
+abort the process)."""
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import pytest
 import zmq
@@ -58,7 +61,7 @@ def _allowed() -> None:
         pytest.skip("this process may not set SCHED_BATCH")
 
 
-def test_servers_batch_clients_normal_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_servers_batch_clients_normal_at_first_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
     assert _io_policy(client=False) == os.SCHED_BATCH
     assert _io_policy(client=True) == os.SCHED_OTHER
@@ -100,4 +103,71 @@ def test_an_unknown_mode_keeps_the_default_policy_and_says_so(
     monkeypatch.setenv("ZPS_IO_SCHED", "off")
     with caplog.at_level("WARNING", logger="zps.transport"):
         assert _io_policy(client=False) == os.SCHED_OTHER
-    assert "ZPS_IO_SCHED='off' is none of servers, batch, normal" in caplog.text
+    assert "ZPS_IO_SCHED='off' is none of auto, servers, batch, normal" in caplog.text
+
+
+def _started_io(io: transport.IoThreads) -> list[int]:
+    deadline = time.monotonic() + 5
+    while True:  # the thread names itself as it starts: no event says so
+        tids = [t for t in _threads() if _comm(t).startswith(io._name)]
+        if tids or time.monotonic() > deadline:
+            return tids
+        time.sleep(0.005)
+
+
+def test_io_threads_switch_on_a_change_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
+    ctx: zmq.Context[Any] = zmq.Context()
+    io = transport.IoThreads(ctx)
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        tids = _started_io(io)
+        assert len(tids) == 1 and _comm(tids[0]).endswith("/ZMQbg/IO/0")
+        calls: list[int] = []
+        real = os.sched_setscheduler
+        monkeypatch.setattr(os, "sched_setscheduler", lambda *a: (calls.append(a[1]), real(*a))[1])
+        io.busy(False)  # already the default: nothing to do
+        assert calls == [] and os.sched_getscheduler(tids[0]) == os.SCHED_OTHER
+        io.busy(True)
+        io.busy(True)
+        assert calls == [os.SCHED_BATCH] and os.sched_getscheduler(tids[0]) == os.SCHED_BATCH
+        io.busy(False)
+        assert os.sched_getscheduler(tids[0]) == os.SCHED_OTHER and io.switches == 2
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_io_threads_left_alone_once_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
+    ctx: zmq.Context[Any] = zmq.Context()
+    io = transport.IoThreads(ctx)
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        tids = _started_io(io)
+
+        def refused(*args: object) -> None:
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(os, "sched_setscheduler", refused)
+        io.busy(True)  # no error: the policy stays, and is not asked for again
+        assert not io.batch and io.switches == 0 and io._tries == 0
+        assert os.sched_getscheduler(tids[0]) == os.SCHED_OTHER
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.mark.parametrize("mode", ["servers", "batch", "normal"])
+def test_io_threads_switch_only_in_auto_mode(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZPS_IO_SCHED", mode)
+    ctx: zmq.Context[Any] = zmq.Context()
+    io = transport.IoThreads(ctx)
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        tids = _started_io(io)
+        io.busy(True)
+        assert io.switches == 0 and os.sched_getscheduler(tids[0]) == os.SCHED_OTHER
+    finally:
+        sock.close(0)
+        ctx.term()

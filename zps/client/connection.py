@@ -227,6 +227,7 @@ class Connection:
         self._policy = TRAFFIC if self.config.compress else NO_COMPRESSION
         self._map_event = asyncio.Event()
         self._ctx: zmq.asyncio.Context | None = None
+        self._io: transport.IoThreads | None = None
         self._sock: transport.Channel | None = None  # the current broker's
         self._socks: list[transport.Channel] = []
         self._choice: BrokerChoice | None = None
@@ -290,6 +291,7 @@ class Connection:
         if self.config.tune_malloc:
             malloc.tune()
         self._ctx = transport.new_context(client=True)
+        self._io = transport.IoThreads(self._ctx)  # before its first socket starts them
         keys = load_curve_keys(self.config.security)
         self._socks = [
             transport.dealer(
@@ -625,6 +627,10 @@ class Connection:
                 limit = self.config.message_budget
             for a, b in plan_batches(sizes, self.config.batch_max_ops, limit):
                 self._send_request(partition, ops[a:b])
+        # Several requests in flight: zmq's I/O thread no longer preempts this one at
+        # each send and reply; a lone request's reply wakes it at once again.
+        if self._io is not None:
+            self._io.busy(len(self._session) > 1)
 
     async def _flush_loop(self) -> None:
         """Sends what a full queue held back, in order, as room comes; then flushes."""
