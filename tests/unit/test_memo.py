@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from zps.core import rows
 from zps.core.memo import IdsMemo
 
 
@@ -31,3 +33,24 @@ def test_size_range_and_eviction() -> None:
     assert memo.get(np.arange(1, 5)) == 1 and memo.get(np.arange(2, 6)) == 2
     memo.clear()
     assert memo.get(np.arange(2, 6)) is None
+
+
+@pytest.mark.parametrize("kernel", [False, True] if rows._SAME is not None else [False])
+def test_same_ids_compares_content(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled comparison (a memcmp) and numpy's agree, the memo's matches with them."""
+    monkeypatch.setattr(rows, "KERNEL", kernel)
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, 1 << 40, 2048).astype(np.int64)
+    assert rows.same_ids(a, a.copy())
+    for at in (0, 1, 1024, 2047):  # a difference anywhere, first bytes equal or not
+        b = a.copy()
+        b[at] ^= 1 << 33
+        assert not rows.same_ids(a, b)
+    assert not rows.same_ids(a, a[:-1])
+    assert rows.same_ids(a[::2], a[::2].copy())  # not contiguous: numpy's comparison
+    assert not rows.same_ids(a[::2], a[1::2])
+    memo: IdsMemo[str] = IdsMemo(size=4, min_len=3)
+    memo.put(a, "a")
+    c = a.copy()
+    c[-1] += 1  # the same first id and length
+    assert memo.get(c) is None and memo.get(a.copy()) == "a"

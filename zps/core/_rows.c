@@ -298,6 +298,26 @@ static PyObject *copy_finite(PyObject *self, PyObject *args)
     return PyBool_FromLong(bad == 0);
 }
 
+static PyObject *same(PyObject *self, PyObject *args)
+{
+    /* Whether two buffers hold the same bytes: memcmp stops at the first difference,
+     * where numpy's array_equal compares every element (see zps/core/memo.py). */
+    PyObject *oa, *ob;
+    if (!PyArg_ParseTuple(args, "OO:same", &oa, &ob))
+        return NULL;
+    Py_buffer a, b;
+    if (PyObject_GetBuffer(oa, &a, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(ob, &b, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&a);
+        return NULL;
+    }
+    int eq = a.len == b.len && memcmp(a.buf, b.buf, (size_t)a.len) == 0;
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return PyBool_FromLong(eq);
+}
+
 static PyObject *fence(PyObject *self, PyObject *unused)
 {
     atomic_thread_fence(memory_order_seq_cst);
@@ -311,6 +331,7 @@ static PyMethodDef methods[] = {
     {"scatter", scatter, METH_VARARGS, "scatter(dst, pos, src): dst[pos[i]] = src[i]."},
     {"copy_finite", copy_finite, METH_VARARGS,
      "copy_finite(dst, src, itemsize) -> bool: dst[:] = src; whether every float is finite."},
+    {"same", same, METH_VARARGS, "same(a, b) -> bool: the same bytes (C-contiguous)."},
     {"fence", fence, METH_NOARGS, "fence(): a full memory barrier."},
     {NULL, NULL, 0, NULL},
 };

@@ -15,6 +15,8 @@ from typing import Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from zps.core.rows import same_ids
+
 V = TypeVar("V")
 
 
@@ -37,12 +39,7 @@ class IdsMemo(Generic[V]):
         if not self.min_len <= n <= self.max_len:
             return None
         for seen, seen_tag, value in self._entries:
-            if (
-                seen_tag is tag
-                and seen.shape[0] == n
-                and seen[0] == ids[0]
-                and np.array_equal(seen, ids)
-            ):
+            if seen_tag is tag and seen.shape[0] == n and seen[0] == ids[0] and same_ids(seen, ids):
                 return value
         return None
 

@@ -38,6 +38,8 @@ KERNEL = _rows is not None and os.environ.get("ZPS_NO_KERNEL", "") in ("", "0")
 #: The compiled barrier (whatever ``ZPS_NO_KERNEL`` says: it is no alternative to numpy's
 #: work but the only barrier there is); None without the kernel (or an older build).
 _FENCE = getattr(_rows, "fence", None)
+#: The compiled byte comparison (None without the kernel, or an older build).
+_SAME = getattr(_rows, "same", None)
 
 
 def take_rows(a: Array, pos: npt.NDArray[np.int64]) -> Array:
@@ -93,6 +95,22 @@ def fence() -> None:
     Without the compiled kernel, nothing: correct only where :func:`memory_ordered`."""
     if _FENCE is not None:
         _FENCE()
+
+
+def same_ids(a: I64, b: I64) -> bool:
+    """Whether two 1-D id arrays hold the same ids.  Compiled, a ``memcmp`` that stops at
+    the first difference (numpy's ``array_equal`` compares every element, then reduces:
+    most comparisons of :class:`zps.core.memo.IdsMemo` are of different batches)."""
+    if (
+        KERNEL
+        and _SAME is not None
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.flags.c_contiguous
+        and b.flags.c_contiguous
+    ):
+        return bool(_SAME(a, b))
+    return bool(np.array_equal(a, b))
 
 
 def _kernel_ok(a: Array, pos: npt.NDArray[Any]) -> bool:
