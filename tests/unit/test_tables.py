@@ -228,9 +228,16 @@ def test_load_rejects_malformed_exports() -> None:
         table.load({"ids": good["ids"]})
     with pytest.raises(BadRequestError, match="duplicates"):
         table.load({"ids": ids(1, 1), "rows": good["rows"]})
+    rows3 = np.zeros((3, 4), dtype=np.float32)
+    with pytest.raises(BadRequestError, match="duplicates"):  # not ascending: sorted to see
+        table.load({"ids": ids(5, 2, 5), "rows": rows3})
+    with pytest.raises(BadRequestError, match="duplicates"):
+        table.load({"ids": ids(2, 5, 5), "rows": rows3})
     with pytest.raises(BadRequestError, match="rows"):
         table.load({"ids": good["ids"], "rows": good["rows"].astype(np.float64)})
     assert table.checksum() == before  # a rejected load changes nothing
+    table.load({"ids": ids(7, 3, 5), "rows": np.arange(12, dtype=np.float32).reshape(3, 4)})
+    np.testing.assert_array_equal(table.pull(ids(3))[0], [4, 5, 6, 7])  # unsorted, distinct
 
 
 # ---- dense tensors ----------------------------------------------------------

@@ -85,7 +85,11 @@ def encode_checkpoint(snap: Snapshot) -> list[bytes | memoryview]:
     return parts
 
 
-def decode_checkpoint(data: bytes | memoryview, *, max_bytes: int = 1 << 40) -> Snapshot:
+def decode_checkpoint(
+    data: bytes | memoryview, *, max_bytes: int = 1 << 40, copy: bool = True
+) -> Snapshot:
+    """A checkpoint's snapshot, its checksum and structure verified (``copy``: see
+    :func:`zps.store.snapshot.decode_snapshot`)."""
     view = memoryview(data)
     if len(view) < len(MAGIC) + _LEN.size + _DIGEST or bytes(view[: len(MAGIC)]) != MAGIC:
         raise CheckpointError("not a zps checkpoint (bad magic or too short)")
@@ -108,7 +112,7 @@ def decode_checkpoint(data: bytes | memoryview, *, max_bytes: int = 1 << 40) -> 
             pos += size
         if pos != len(body):
             raise CheckpointError("trailing bytes after the last frame")
-        return decode_snapshot(header, frames, max_bytes=max_bytes)
+        return decode_snapshot(header, frames, max_bytes=max_bytes, copy=copy)
     except (ProtocolError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"malformed checkpoint: {e}") from None
 

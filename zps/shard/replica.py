@@ -246,7 +246,9 @@ class Upstream:
         if not done:
             return
         try:
-            snap = await asyncio.to_thread(decode_checkpoint, assembly.stream())
+            # Views of the assembled stream (the tables copy what they load): two copies
+            # of the partition fewer than owned arrays, in memory that faults page by page.
+            snap = await asyncio.to_thread(decode_checkpoint, assembly.stream(), copy=False)
         except CheckpointError as e:
             self._abandon()
             raise ProtocolError(f"snapshot {sid} does not decode: {e}") from None

@@ -190,7 +190,13 @@ def _adam_tables(opt: Adam, steps: int, dtype: np.dtype[Any]) -> tuple[Array, Ar
 
 
 def _load_array(
-    table: str, data: dict[str, Array], key: str, shape: tuple[int, ...], dtype: np.dtype[Any]
+    table: str,
+    data: dict[str, Array],
+    key: str,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    *,
+    copy: bool = True,
 ) -> Array:
     if key not in data:
         raise BadRequestError(f"table {table!r}: export lacks {key!r}")
@@ -200,7 +206,7 @@ def _load_array(
             f"table {table!r}: export {key!r} has shape {a.shape} dtype {a.dtype}, "
             f"expected {shape} {dtype}"
         )
-    return np.array(a, copy=True)
+    return np.array(a, copy=True) if copy else a
 
 
 class EmbeddingTable:
@@ -679,10 +685,16 @@ class EmbeddingTable:
         if ids.ndim != 1 or ids.dtype != np.int64:
             raise BadRequestError(f"table {name!r}: export 'ids' must be 1-D int64")
         n = ids.shape[0]
-        if np.unique(ids).shape[0] != n:
+        # An export's ids ascend (one pass proves them distinct); others are sorted to
+        # find out (0.3 s for 800k ids: most of a replica's snapshot load but the copy).
+        if not bool(np.all(ids[1:] > ids[:-1])) and np.unique(ids).shape[0] != n:
             raise BadRequestError(f"table {name!r}: export 'ids' has duplicates")
-        rows = _load_array(name, data, "rows", (n, self.spec.dim), self.dtype)
-        state = {k: _load_array(name, data, k, (n, w), self.dtype) for k, w in self._widths.items()}
+        # Validated, not copied: they are copied into the table's own arrays below.
+        rows = _load_array(name, data, "rows", (n, self.spec.dim), self.dtype, copy=False)
+        state = {
+            k: _load_array(name, data, k, (n, w), self.dtype, copy=False)
+            for k, w in self._widths.items()
+        }
         index = IdIndex(2 * n)
         index.insert(ids)
         self._reset(n)
