@@ -368,6 +368,7 @@ class Connection:
         for sock, task in self._router_socks.values():
             if task is not None:
                 transport.close(sock)
+        self._io = None  # its threads end with the context: their ids may be reused
         if self._ctx is not None:
             transport.term(self._ctx)
         if self._shm is not None:
