@@ -63,16 +63,7 @@ async def test_servers_mode_leaves_a_client_alone(
     async with zps.connect(cluster.address) as ps:
         await ps.create_embedding(name, dim=4, optimizer=SGD(lr=1.0))
         await ps.pull_rows(name, np.arange(64, dtype=np.int64))
-        assert ps._io is not None and ps._io.switches == 0 and not ps._io.batch
-        io = [
-            int(t) for t in os.listdir("/proc/self/task") if _comm(int(t)).startswith(ps._io._name)
-        ]
-        assert io and all(os.sched_getscheduler(t) == os.SCHED_OTHER for t in io)
-
-
-def _comm(tid: int) -> str:
-    try:
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+        io = ps._io
+        assert io is not None and io.switches == 0 and not io.batch
+        assert io._find()  # found by its name, as auto mode does: left at the default
+        assert all(os.sched_getscheduler(t) == os.SCHED_OTHER for t in io._tids)

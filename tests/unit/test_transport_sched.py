@@ -6,8 +6,10 @@ abort the process)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -106,22 +108,28 @@ def test_an_unknown_mode_keeps_the_default_policy_and_says_so(
     assert "ZPS_IO_SCHED='off' is none of auto, servers, batch, normal" in caplog.text
 
 
-def _started_io(io: transport.IoThreads) -> list[int]:
-    deadline = time.monotonic() + 5
-    while True:  # the thread names itself as it starts: no event says so
-        tids = [t for t in _threads() if _comm(t).startswith(io._name)]
-        if tids or time.monotonic() > deadline:
-            return tids
-        time.sleep(0.005)
-
-
-def test_io_threads_switch_on_a_change_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
+@contextlib.contextmanager
+def _io_threads() -> Iterator[tuple[transport.IoThreads, list[int]]]:
+    """A context's IoThreads, and its I/O threads once they have started."""
     ctx: zmq.Context[Any] = zmq.Context()
     io = transport.IoThreads(ctx)
     sock = ctx.socket(zmq.DEALER)
     try:
-        tids = _started_io(io)
+        deadline = time.monotonic() + 5
+        while True:  # the thread names itself as it starts: no event says so
+            tids = [t for t in _threads() if _comm(t).startswith(io._name)]
+            if tids or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        yield io, tids
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_io_threads_switch_on_a_change_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
+    with _io_threads() as (io, tids):
         assert len(tids) == 1 and _comm(tids[0]).endswith("/ZMQbg/IO/0")
         calls: list[int] = []
         real = os.sched_setscheduler
@@ -133,18 +141,11 @@ def test_io_threads_switch_on_a_change_only(monkeypatch: pytest.MonkeyPatch) -> 
         assert calls == [os.SCHED_BATCH] and os.sched_getscheduler(tids[0]) == os.SCHED_BATCH
         io.busy(False)
         assert os.sched_getscheduler(tids[0]) == os.SCHED_OTHER and io.switches == 2
-    finally:
-        sock.close(0)
-        ctx.term()
 
 
 def test_io_threads_left_alone_once_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
-    ctx: zmq.Context[Any] = zmq.Context()
-    io = transport.IoThreads(ctx)
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        tids = _started_io(io)
+    with _io_threads() as (io, tids):
 
         def refused(*args: object) -> None:
             raise PermissionError(1, "Operation not permitted")
@@ -153,21 +154,11 @@ def test_io_threads_left_alone_once_refused(monkeypatch: pytest.MonkeyPatch) -> 
         io.busy(True)  # no error: the policy stays, and is not asked for again
         assert not io.batch and io.switches == 0 and io._tries == 0
         assert os.sched_getscheduler(tids[0]) == os.SCHED_OTHER
-    finally:
-        sock.close(0)
-        ctx.term()
 
 
 @pytest.mark.parametrize("mode", ["servers", "batch", "normal"])
 def test_io_threads_switch_only_in_auto_mode(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ZPS_IO_SCHED", mode)
-    ctx: zmq.Context[Any] = zmq.Context()
-    io = transport.IoThreads(ctx)
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        tids = _started_io(io)
+    with _io_threads() as (io, tids):
         io.busy(True)
         assert io.switches == 0 and os.sched_getscheduler(tids[0]) == os.SCHED_OTHER
-    finally:
-        sock.close(0)
-        ctx.term()
