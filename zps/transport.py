@@ -123,46 +123,65 @@ class IoThreads:
     the levers table): 16-17% more sparse steps with ``SCHED_BATCH``, and one-row
     pulls 6% slower with it.
 
-    The context's threads are named with a prefix of their own
+    The context's threads are named with a prefix no live thread of the process uses
     (``ZMQ_THREAD_NAME_PREFIX``) and found by that name once they have started (they
     name themselves as they start).  ``busy(flag)`` sets the policy, one system call
-    on a change and none otherwise; the policy is left alone wherever it cannot be
-    set, or the threads cannot be found."""
+    on a change and none otherwise.  Left alone: a thread that started under another
+    policy than the default (a process run under ``chrt``: its policy is kept), a
+    policy that cannot be set, threads that cannot be found, a libzmq without thread
+    names, and a forked child (the thread ids are its parent's)."""
 
     _prefixes = iter(range(1 << 62))
     #: How many calls to :meth:`busy` look for the threads before giving up.
     FIND_TRIES = 64
 
     def __init__(self, ctx: zmq.Context[Any]) -> None:
-        # A thread's name is at most 15 bytes: "999/ZMQbg/IO/0" fits.
-        prefix = next(self._prefixes) % 1000
-        ctx.set(zmq.THREAD_NAME_PREFIX, prefix)
-        self._name = f"{prefix}/ZMQbg/IO/"
         self._tids: list[int] = []
-        self._tries = self.FIND_TRIES if _adaptive_client() else 0
+        self._tries = 0
+        self._pid = os.getpid()
+        self._name = ""
         self.batch = False
         self.switches = 0
+        if not _adaptive_client():
+            return
+        prefix = self._free_prefix()
+        try:
+            ctx.set(zmq.THREAD_NAME_PREFIX, prefix)
+        except zmq.ZMQError:  # a libzmq without thread names: nothing to find them by
+            return
+        self._name = f"{prefix}/ZMQbg/IO/"
+        self._tries = self.FIND_TRIES
+
+    @classmethod
+    def _free_prefix(cls) -> int:
+        """A prefix no thread of this process carries (a thread's name is at most 15
+        bytes: "999/ZMQbg/IO/0" fits, so they are counted modulo 1000)."""
+        used = {name.split("/", 1)[0] for _, name in _threads() if "/ZMQbg/" in name}
+        prefix = 0
+        for _ in range(1000):
+            prefix = next(cls._prefixes) % 1000
+            if str(prefix) not in used:
+                break
+        return prefix
 
     def _find(self) -> bool:
         self._tries -= 1
+        tids = [tid for tid, name in _threads() if name.startswith(self._name)]
         try:
-            tids = os.listdir("/proc/self/task")
-        except OSError:
-            self._tries = 0
+            if any(os.sched_getscheduler(t) != os.SCHED_OTHER for t in tids):
+                self._tries = 0  # started under a policy of the process's own: kept
+                return False
+        except OSError:  # one ended meanwhile: looked for again next time
             return False
-        for tid in tids:
-            try:
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    name = f.read().strip()
-            except OSError:
-                continue  # the thread ended
-            if name.startswith(self._name):
-                self._tids.append(int(tid))
-        return bool(self._tids)
+        self._tids = tids
+        return bool(tids)
 
     def busy(self, flag: bool) -> None:
         """Whether the client has more than one request in flight."""
         if flag == self.batch or (not self._tids and (self._tries <= 0 or not self._find())):
+            return
+        if os.getpid() != self._pid:  # a forked child: those threads are its parent's
+            self._tids, self._tries = [], 0
             return
         policy = os.SCHED_BATCH if flag else os.SCHED_OTHER
         try:
@@ -173,6 +192,22 @@ class IoThreads:
             return
         self.batch = flag
         self.switches += 1
+
+
+def _threads() -> list[tuple[int, str]]:
+    """(id, name) of each thread of this process (none where /proc cannot tell)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    out = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                out.append((int(tid), f.read().strip()))
+        except OSError:
+            continue  # the thread ended
+    return out
 
 
 _zero_copy_pid = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -159,6 +160,70 @@ def test_io_threads_left_alone_once_refused(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize("mode", ["servers", "batch", "normal"])
 def test_io_threads_switch_only_in_auto_mode(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ZPS_IO_SCHED", mode)
-    with _io_threads() as (io, tids):
+
+    def never(*args: object) -> None:
+        raise AssertionError("sched_setscheduler called outside auto mode")
+
+    monkeypatch.setattr(os, "sched_setscheduler", never)
+    ctx: zmq.Context[Any] = zmq.Context()
+    io = transport.IoThreads(ctx)
+    sock = ctx.socket(zmq.DEALER)
+    try:
         io.busy(True)
-        assert io.switches == 0 and os.sched_getscheduler(tids[0]) == os.SCHED_OTHER
+        assert io._name == "" and io.switches == 0 and not io.batch  # not even named
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_io_threads_keep_a_policy_they_started_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client made by a thread run under SCHED_BATCH (say, a process under ``chrt -b``):
+    its I/O thread inherits that policy and keeps it, busy or not."""
+    monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
+    made: list[Any] = []
+
+    def make() -> None:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        ctx: zmq.Context[Any] = zmq.Context()
+        made.extend([ctx, transport.IoThreads(ctx)])
+        made.append(ctx.socket(zmq.DEALER))  # starts its threads, which inherit BATCH
+
+    t = threading.Thread(target=make)
+    t.start()
+    t.join()
+    ctx, io, sock = made
+    try:
+        deadline = time.monotonic() + 5
+        while not [x for x in _threads() if _comm(x).startswith(io._name)]:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        io.busy(True)
+        io.busy(False)
+        tids = [x for x in _threads() if _comm(x).startswith(io._name)]
+        assert io.switches == 0 and io._tries == 0
+        assert tids and all(os.sched_getscheduler(x) == os.SCHED_BATCH for x in tids)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_io_threads_left_alone_in_a_forked_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
+    with _io_threads() as (io, tids):
+        monkeypatch.setattr(io, "_pid", os.getpid() + 1)  # as a child sees its parent's
+        io.busy(True)
+        assert io.switches == 0 and io._tids == [] and io._tries == 0
+        assert os.sched_getscheduler(tids[0]) == os.SCHED_OTHER
+
+
+def test_io_threads_prefixes_are_not_shared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted modulo 1000: a prefix a live context's threads carry is skipped."""
+    monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
+    monkeypatch.setattr(transport.IoThreads, "_prefixes", iter([7, 7, 8]))
+    with _io_threads() as (first, tids):
+        assert tids and first._name == "7/ZMQbg/IO/"
+        ctx: zmq.Context[Any] = zmq.Context()
+        try:
+            assert transport.IoThreads(ctx)._name == "8/ZMQbg/IO/"
+        finally:
+            ctx.term()
