@@ -148,7 +148,10 @@ def test_cut_with_rows_added_after_sizing_falls_back_to_copies() -> None:
         np.testing.assert_array_equal(got["tables"]["e"][key], arr)
 
 
-def test_chunked_checkpoint_stream_round_trips() -> None:
+@pytest.mark.parametrize("copy", [True, False])
+def test_chunked_checkpoint_stream_round_trips(copy: bool) -> None:
+    """As a replica assembles and loads a snapshot; without copies (``copy=False``, the
+    replica's way) the tables read views of the stream and own what they load."""
     store = _store(3000)
     snap = Snapshot(2, 5, 99, ordered(cut_export(store)), [(b"c", 1, [{"st": "OK"}])])
     parts = encode_checkpoint(snap)
@@ -156,8 +159,15 @@ def test_chunked_checkpoint_stream_round_trips() -> None:
     asm = ChunkAssembly(1, plan.total, 1000, plan.count, 1 << 30)
     for seq, chunk in enumerate(plan.chunks):
         asm.add(1, seq, [memoryview(parts[i]).cast("B")[a:b] for i, a, b in chunk])
-    back = decode_checkpoint(asm.stream())
+    back = decode_checkpoint(asm.stream(), copy=copy)
     assert (back.partition, back.epoch, back.lsn, back.dedup) == (2, 5, 99, snap.dedup)
+    views = not back.export["tables"]["e"]["rows"].flags.owndata
+    assert views is not copy
     restored = PartitionStore()
     restored.load(back.export)
+    asm._buf[:] = 0xFF  # the stream is gone: nothing loaded may have pointed into it
+    assert restored.checksum() == store.checksum()
+    e = restored.embedding("e")
+    e.push(np.array([3, 10], np.int64), np.ones((2, 4), np.float32))
+    store.embedding("e").push(np.array([3, 10], np.int64), np.ones((2, 4), np.float32))
     assert restored.checksum() == store.checksum()

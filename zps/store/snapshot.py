@@ -306,7 +306,9 @@ class ChunkAssembly:
     count: int
     max_bytes: int
     received: int = 0
-    _buf: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8), repr=False)
+    _buf: np.ndarray = field(
+        default_factory=lambda: np.empty(0, np.uint8), repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         for name in ("snapshot_id", "total", "chunk_bytes", "count"):

@@ -684,6 +684,9 @@ class EmbeddingTable:
         ids = np.asarray(data["ids"])
         if ids.ndim != 1 or ids.dtype != np.int64:
             raise BadRequestError(f"table {name!r}: export 'ids' must be 1-D int64")
+        # A view of a snapshot's frames may sit at any offset: the index's kernel reads
+        # aligned int64 (a copy of the ids only, where needed).
+        ids = np.require(ids, requirements=["A", "C"])
         n = ids.shape[0]
         # An export's ids ascend (one pass proves them distinct); others are sorted to
         # find out (0.3 s for 800k ids: most of a replica's snapshot load but the copy).
