@@ -109,6 +109,17 @@ def test_an_unknown_mode_keeps_the_default_policy_and_says_so(
     assert "ZPS_IO_SCHED='off' is none of auto, servers, batch, normal" in caplog.text
 
 
+def _named(io: transport.IoThreads) -> list[int]:
+    """The threads of ``io``'s context, once they have named themselves (as they start:
+    no event says so)."""
+    deadline = time.monotonic() + 5
+    while True:
+        tids = [t for t in _threads() if _comm(t).startswith(io._name)]
+        if tids or time.monotonic() > deadline:
+            return tids
+        time.sleep(0.005)
+
+
 @contextlib.contextmanager
 def _io_threads() -> Iterator[tuple[transport.IoThreads, list[int]]]:
     """A context's IoThreads, and its I/O threads once they have started."""
@@ -116,13 +127,7 @@ def _io_threads() -> Iterator[tuple[transport.IoThreads, list[int]]]:
     io = transport.IoThreads(ctx)
     sock = ctx.socket(zmq.DEALER)
     try:
-        deadline = time.monotonic() + 5
-        while True:  # the thread names itself as it starts: no event says so
-            tids = [t for t in _threads() if _comm(t).startswith(io._name)]
-            if tids or time.monotonic() > deadline:
-                break
-            time.sleep(0.005)
-        yield io, tids
+        yield io, _named(io)
     finally:
         sock.close(0)
         ctx.term()
@@ -193,13 +198,9 @@ def test_io_threads_keep_a_policy_they_started_with(monkeypatch: pytest.MonkeyPa
     t.join()
     ctx, io, sock = made
     try:
-        deadline = time.monotonic() + 5
-        while not [x for x in _threads() if _comm(x).startswith(io._name)]:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        tids = _named(io)
         io.busy(True)
         io.busy(False)
-        tids = [x for x in _threads() if _comm(x).startswith(io._name)]
         assert io.switches == 0 and io._tries == 0
         assert tids and all(os.sched_getscheduler(x) == os.SCHED_BATCH for x in tids)
     finally:
