@@ -195,6 +195,7 @@ static int slots_ok(const Py_buffer *slots, Py_ssize_t *cap)
             const char *r = src + pos[i + COPY_AHEAD] * (W);                             \
             for (Py_ssize_t b = 0; b < (W); b += 64)                                     \
                 __builtin_prefetch(r + b);                                               \
+            __builtin_prefetch(r + (W) - 1); /* a row across a line boundary */          \
         }                                                                                \
         if (pos[i] >= 0)                                                                 \
             memcpy(dst + i * (W), src + pos[i] * (W), (size_t)(W));                      \
