@@ -121,7 +121,7 @@ class IoThreads:
     more to send and more replies to read (a training step's requests to every
     partition, a pipelined step, a tensor's chunks).  Measured (docs/performance.md,
     the levers table): 16-17% more sparse steps with ``SCHED_BATCH``, and one-row
-    pulls 6% slower with it.
+    pulls 6-13% slower with it.
 
     The context's threads are named with a prefix no live thread of the process uses
     (``ZMQ_THREAD_NAME_PREFIX``) and found by that name once they have started (they
@@ -247,7 +247,7 @@ def io_sched_batch(client: bool) -> bool:
     the I/O thread after it, or at once on an idle core.  Measured (docs/performance.md,
     the levers table): for servers, 9% less time and 12% less CPU per one-row pull and
     13% more pipelined sparse steps; for clients too, 16-17% more sparse steps but
-    one-row pulls 6% slower (a lone request's caller waits for its reply, so its send
+    one-row pulls 6-13% slower (a lone request's caller waits for its reply, so its send
     should leave at once): hence ``auto``.  The cost: while every core is busy, such a
     thread waits for the running one to block or use up its time slice (a few
     milliseconds at most) instead of preempting it."""

@@ -114,7 +114,7 @@ def _named(io: transport.IoThreads) -> list[int]:
     no event says so)."""
     deadline = time.monotonic() + 5
     while True:
-        tids = [t for t in _threads() if _comm(t).startswith(io._name)]
+        tids = [t for t, name in transport._threads() if name.startswith(io._name)]
         if tids or time.monotonic() > deadline:
             return tids
         time.sleep(0.005)

@@ -88,7 +88,7 @@ def decode_snapshot(
     for name, descs in tables.items():
         if not isinstance(name, str) or not isinstance(descs, dict):
             raise ProtocolError("snapshot tables must map names to array maps")
-        # copies: a loaded table must own writable arrays, not views of frames
+        # copies unless the caller loads them at once (a table owns what it loads)
         arrays[name] = {
             str(k): np.array(array_from(d, payloads, max_bytes=max_bytes), copy=copy)
             for k, d in descs.items()
