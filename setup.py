@@ -40,5 +40,13 @@ setup(
             extra_compile_args=["-O3"],
             optional=True,
         ),
+        # The broker's forwarding (zps.broker.forward); optional the same way.
+        Extension(
+            "zps.broker._forward",
+            ["zps/broker/_forward.c"],
+            extra_compile_args=["-O3"],
+            libraries=["dl"],
+            optional=True,
+        ),
     ]
 )

@@ -340,6 +340,12 @@ class Channel:
     def closed(self) -> bool:
         return bool(self.sock.closed)
 
+    @property
+    def handle(self) -> int:
+        """The address of libzmq's socket, for compiled code that drives it on this
+        thread (the broker's data path, :mod:`zps.broker.forward`)."""
+        return int(self.sock.underlying)
+
     def _events(self) -> int:
         """ZMQ_EVENTS (reading it also takes the descriptor's pending notice)."""
         return int(_raw_get(self.sock, _EVENTS))
@@ -372,13 +378,30 @@ class Channel:
         fast.running = True
         events = 0
         n = 0
+        pump = fast.pump
         try:
             while True:
-                try:
-                    frames = self._recv_message()
-                except zmq.ZMQError:
-                    self._readable.set()  # the serving task's receive reports it
-                    return 0
+                got = None if pump is None else pump(DRAIN_BATCH - n)
+                if got is not None:  # the compiled step forwarded what it could
+                    events, k, declined = got
+                    n += k
+                    fast.handled += k
+                    if events < 0:
+                        self._readable.set()  # the serving task's receive reports it
+                        return 0
+                    if declined is None:
+                        if n >= DRAIN_BATCH:
+                            self._loop.call_soon(self._check)  # more may be queued
+                            return 0
+                        self._stale = False  # its last ZMQ_EVENTS reading is fresh
+                        return events
+                    frames = declined
+                else:
+                    try:
+                        frames = self._recv_message()
+                    except zmq.ZMQError:
+                        self._readable.set()  # the serving task's receive reports it
+                        return 0
                 try:
                     handled = fast.handle(frames)
                 except ProtocolError as e:
@@ -704,6 +727,12 @@ class Outbound:
     def held(self, peer: bytes) -> int:
         return self.allowance.held(peer)
 
+    @property
+    def queues(self) -> dict[bytes, Any]:
+        """The peers with messages held for them (keys), for a compiled sender that
+        must leave those peers' messages to :meth:`post` (to keep them in order)."""
+        return self._queues
+
     def post(self, frames: Sequence[Any], limit: int) -> Posted:
         """Send ``frames`` (the first is the peer's identity) now, or hold them within
         ``limit`` bytes for that peer, or drop them; never waits."""
@@ -958,20 +987,26 @@ def _dealer_socket(
 Handler = Callable[[Frames], Awaitable[None]]
 #: Told of each malformed message: its frames and what was wrong with it.
 OnMalformed = Callable[[Frames, ProtocolError], None]
+#: A compiled fast path (see :func:`serve`): ``pump(limit)`` forwards up to ``limit``
+#: queued messages and returns ``(events, forwarded, declined)``, or None to leave the
+#: socket to the Python fast handler this time.
+Pump = Callable[[int], "tuple[int, int, Frames | None] | None"]
 
 
 class _Fast:
     """serve's synchronous handler as its channel's reader callback runs it."""
 
-    __slots__ = ("handle", "handled", "on_burst", "on_malformed", "running")
+    __slots__ = ("handle", "handled", "on_burst", "on_malformed", "pump", "running")
 
     def __init__(
         self,
         handle: Callable[[Frames], bool],
         on_malformed: OnMalformed,
         on_burst: Callable[[], Any] | None,
+        pump: Pump | None = None,
     ) -> None:
         self.handle = handle
+        self.pump = pump
         self.on_malformed = on_malformed
         self.on_burst = on_burst
         self.running = False
@@ -987,6 +1022,7 @@ async def serve(
     on_burst: Callable[[], Awaitable[None] | None] | None = None,
     idle: float | None = None,
     on_idle: Callable[[], Awaitable[None]] | None = None,
+    pump: Pump | None = None,
 ) -> None:
     """The one receive-and-dispatch loop of every zps process.
 
@@ -1006,8 +1042,13 @@ async def serve(
     ``handle``; that message and every one after it then go to this task, in order,
     and the callback takes over again once they are handled.  Messages are handled one
     at a time, in order, either way.  With ``fast``, ``on_burst`` must be synchronous.
+
+    ``pump`` (with ``fast``), a compiled step that receives and forwards messages itself
+    (the broker's, :mod:`zps.broker.forward`), runs first in the reader callback; the
+    first message it declines (received, nothing of it sent) goes to ``fast`` as if just
+    received, then the pump goes on.  It may return None to leave a wake-up to ``fast``.
     """
-    quick = ch._fast = None if fast is None else _Fast(fast, on_malformed, on_burst)
+    quick = ch._fast = None if fast is None else _Fast(fast, on_malformed, on_burst, pump)
     seen = 0  # what the fast handler had taken at the last idle test
     try:
         while True:
@@ -1085,6 +1126,12 @@ def close(ch: Channel) -> None:
 def term(ctx: zmq.asyncio.Context) -> None:
     with contextlib.suppress(zmq.ZMQError):
         ctx.destroy(0)
+
+
+def libzmq_version() -> tuple[int, int, int]:
+    """The version of the libzmq pyzmq uses (compiled code must bind that one)."""
+    major, minor, patch = zmq.zmq_version_info()[:3]
+    return major, minor, patch
 
 
 def frame_bytes(frame: Any) -> bytes:

@@ -65,6 +65,7 @@ LAYERS: dict[str, str] = {
     "zps.broker": "driver",
     "zps.broker.acceptance": "core",
     "zps.broker.broker": "driver",
+    "zps.broker.forward": "driver",
     "zps.broker.statefile": "driver",
     "zps.broker.pair": "driver",
     "zps.broker.training": "driver",

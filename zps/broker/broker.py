@@ -56,6 +56,7 @@ from typing import Any, assert_never
 import numpy as np
 
 from zps import transport
+from zps.broker import forward
 from zps.broker.acceptance import (
     BadClientRequest,
     CommitReply,
@@ -152,6 +153,8 @@ class Broker:
         self.bound = asyncio.Event()
         self._stop = asyncio.Event()
         self._sock: transport.Channel | None = None
+        self._sock_addr = 0  # its zmq socket's address, for the compiled data path
+        self._compiled = 0  # messages the compiled data path forwarded
         self._out: transport.Outbound | None = None
         self._last_tick = time.monotonic()
         self._last_ping = 0.0
@@ -337,6 +340,7 @@ class Broker:
             ctx, self.config.bind, max_message_bytes=self.config.max_message_bytes, curve=keys
         )
         warn_if_exposed(self.config.bind, self.config.security, "the broker")
+        self._sock_addr = self._sock.handle
         self._out = transport.Outbound(
             self._sock,
             total_limit=self.config.queue_bytes,
@@ -554,7 +558,36 @@ class Broker:
             on_burst=self._alive,
             idle=self.config.heartbeat.interval,
             on_idle=self._on_idle,
+            pump=self._pump if forward.step is not None else None,
         )
+
+    def _pump(self, limit: int) -> tuple[int, int, transport.Frames | None] | None:
+        """The data path as one compiled step (:mod:`zps.broker.forward`): what
+        :meth:`_forward` does for a request or a reply that needs no decision of its
+        own, for every such message queued; the first other one comes back, for
+        :meth:`_forward` (or :meth:`_on_message`).  None (the Python path) while this
+        broker checks CURVE roles or is not a pair's active one."""
+        pair = self.pair
+        if self._roles is not None or (pair is not None and not pair.star.active):
+            return None
+        step = forward.step
+        assert step is not None and self._out is not None
+        now = time.monotonic()
+        events, routed, replies, declined = step(
+            self._sock_addr,
+            limit,
+            self._routes,
+            self.state.shards,
+            self.detector.last_heard,
+            self._out.queues,
+            self.state.holding(now),
+            now,
+        )
+        if routed or replies:
+            self.stats.routed += routed
+            self.stats.replies += replies
+            self._compiled += routed + replies
+        return events, routed + replies, declined
 
     async def _on_message(self, frames: transport.Frames) -> None:
         if len(frames) < 2:
@@ -1060,6 +1093,10 @@ class Broker:
             "heartbeat_interval_s": self.config.heartbeat.interval,
             "liveness": self.config.heartbeat.liveness,
             **vars(self.stats),
+            # Which code forwards requests and replies (zps.broker.forward), and how
+            # many messages the compiled step forwarded.
+            "data_path": "python" if forward.step is None else "compiled",
+            "forwarded_compiled": self._compiled,
             "flow": self.flow(),
             "state": self._state_status(),
         }

@@ -58,6 +58,13 @@ class FailureDetector:
     def seen(self, node: str, now: float) -> None:
         self._last[node] = now
 
+    @property
+    def last_heard(self) -> dict[str, float]:
+        """When each node was last heard from: :meth:`seen` writes it, and so does the
+        broker's compiled data path (:mod:`zps.broker.forward`) for the senders it
+        forwards."""
+        return self._last
+
     def suspect(self, node: str, now: float, grace: float) -> None:
         """Its connection is gone: dead unless heard from within ``grace`` seconds.
 
