@@ -570,6 +570,8 @@ class Broker:
         pair = self.pair
         if self._roles is not None or (pair is not None and not pair.star.active):
             return None
+        if self._sock is None or self._sock.closed:
+            return None  # never hand compiled code a closed socket's address
         step = forward.step
         assert step is not None and self._out is not None
         now = time.monotonic()
