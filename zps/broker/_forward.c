@@ -66,11 +66,19 @@ static PyObject *bind(PyObject *self, PyObject *arg)
     void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
     if (lib == NULL)
         Py_RETURN_FALSE; /* not loaded in this process: not pyzmq's */
-#define SYM(var, name)                                                            \
-    if ((*(void **)&var = dlsym(lib, name)) == NULL) {                            \
-        dlclose(lib);                                                             \
-        Py_RETURN_FALSE;                                                          \
+    /* Every function there first: a library without them leaves the bound one as is. */
+    static const char *const names[] = {
+        "zmq_msg_init", "zmq_msg_init_size", "zmq_msg_recv",   "zmq_msg_send",
+        "zmq_msg_close", "zmq_msg_data",     "zmq_msg_size",   "zmq_msg_more",
+        "zmq_getsockopt", "zmq_errno",       "zmq_version",
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (dlsym(lib, names[i]) == NULL) {
+            dlclose(lib);
+            Py_RETURN_FALSE;
+        }
     }
+#define SYM(var, name) *(void **)&var = dlsym(lib, name)
     SYM(z_msg_init, "zmq_msg_init");
     SYM(z_msg_init_size, "zmq_msg_init_size");
     SYM(z_msg_recv, "zmq_msg_recv");

@@ -38,7 +38,8 @@ def _libzmq_paths() -> list[str]:
         return []
     found: list[str] = []
     for line in lines:
-        path = line.split(None, 5)[-1] if line.count(" ") >= 5 else ""
+        fields = line.split(None, 5)  # address, perms, offset, dev, inode, path
+        path = fields[5] if len(fields) == 6 else ""
         if path.startswith("/") and "zmq" in Path(path).name and path not in found:
             found.append(path)
     found.sort(key=lambda p: "libzmq" not in Path(p).name)
