@@ -48,5 +48,14 @@ setup(
             libraries=["dl"],
             optional=True,
         ),
+        # A channel's send and receive of one message as one call (zps.transport);
+        # optional the same way.
+        Extension(
+            "zps._zmqio",
+            ["zps/_zmqio.c"],
+            extra_compile_args=["-O3"],
+            libraries=["dl"],
+            optional=True,
+        ),
     ]
 )

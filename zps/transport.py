@@ -16,6 +16,17 @@ a burst cut short by ``DRAIN_BATCH`` re-arms the reader, so no queued message
 is ever left unnoticed.  Each reading costs two system calls (zmq polls its
 mailbox and checks the pid), so none is repeated while one still holds.
 
+Where the optional extension ``zps._zmqio`` was built, a channel sends a message of
+small frames, receives a whole message and reads ``ZMQ_EVENTS`` with one compiled
+call each, on pyzmq's own socket through the libzmq pyzmq loaded (pyzmq takes a
+Python call, and on receipt a ``zmq.Frame``, per frame: several times libzmq's own
+cost for the small messages that are most of zps's traffic).  Received frames are
+then ``bytes``, or from :data:`RECV_COPY_MAX` bytes on a buffer that holds libzmq's
+message (no copy).  It decides nothing: a frame of :data:`ZERO_COPY_BYTES` or more
+to send, and every error, go through pyzmq as before.  Off on a CURVE server's
+socket (its frames carry the sender's key: :func:`sender_key`) and with
+``ZPS_NO_KERNEL=1``.
+
 An :class:`Outbound` sends from a ROUTER to many peers without ever waiting on
 one of them: a message that zmq cannot queue for its peer is held in that
 peer's own queue, bounded in bytes per peer and in total (see
@@ -52,6 +63,11 @@ import zmq.asyncio
 
 from zps.errors import BrokenError, ClosedError, ProtocolError
 
+try:  # the compiled send and receive, built by ``pip install`` where a compiler is found
+    from zps import _zmqio  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the build
+    _zmqio = None
+
 _log = logging.getLogger("zps.transport")
 
 
@@ -71,6 +87,9 @@ class CurveKeys:
 #: frame measured alone; from 512 KiB on the two cost the same in total and the copy
 #: costs the sending thread more.
 ZERO_COPY_BYTES = 512 * 1024
+#: Received frames below this size are copied into ``bytes`` by the compiled receive
+#: (cheaper than holding libzmq's message for them); larger ones are held, not copied.
+RECV_COPY_MAX = 64 * 1024
 #: Messages taken from a socket per wake-up, at most.
 DRAIN_BATCH = 256
 #: Messages queued per peer and direction before senders wait: bounds the
@@ -91,6 +110,8 @@ _raw_send = zmq.backend.Socket.send
 _raw_recv = zmq.backend.Socket.recv
 _raw_get = zmq.backend.Socket.get
 _EVENTS = int(zmq.EVENTS)
+_EAGAIN = int(zmq.EAGAIN)
+_EHOSTUNREACH = int(zmq.EHOSTUNREACH)
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -309,8 +330,11 @@ def _batch_allowed() -> bool:
 class Channel:
     """A zmq socket driven by the running event loop (see the module notes)."""
 
-    def __init__(self, sock: zmq.Socket[Any]) -> None:
+    def __init__(self, sock: zmq.Socket[Any], *, compiled: bool = True) -> None:
         self.sock = sock
+        # The compiled send and receive (see the module notes), with the socket's address.
+        self._io = _zmqio if compiled and COMPILED_IO else None
+        self._addr = int(sock.underlying)
         self._loop = asyncio.get_running_loop()
         self._readable = asyncio.Event()
         self._writable = asyncio.Event()
@@ -346,9 +370,19 @@ class Channel:
         thread (the broker's data path, :mod:`zps.broker.forward`)."""
         return int(self.sock.underlying)
 
+    @property
+    def compiled(self) -> bool:
+        """Whether this channel sends and receives through ``zps._zmqio``."""
+        return self._io is not None
+
     def _events(self) -> int:
         """ZMQ_EVENTS (reading it also takes the descriptor's pending notice)."""
-        return int(_raw_get(self.sock, _EVENTS))
+        io = self._io
+        if io is not None and not self.sock.closed:
+            events: int = io.events(self._addr)
+            if events >= 0:
+                return events
+        return int(_raw_get(self.sock, _EVENTS))  # reports the failure
 
     def _check(self) -> None:
         if self.sock.closed:
@@ -440,6 +474,14 @@ class Channel:
             self._check()
 
     def _recv_message(self) -> Frames:
+        io = self._io
+        if io is not None and not self.sock.closed:
+            got = io.recv(self._addr, RECV_COPY_MAX)
+            if type(got) is list:
+                return got
+            if got is None:
+                raise zmq.Again()
+            # The first frame failed, nothing taken: pyzmq's receive reports it.
         frame = _raw_recv(self.sock, _NOBLOCK, False, False)
         frames = [frame]
         while frame.more:
@@ -545,6 +587,16 @@ class Channel:
         """Send at once; False if a ROUTER has no route to the peer; raises zmq.Again
         when the queue to that peer is full."""
         try:
+            io = self._io
+            if io is not None and not self.sock.closed:
+                sent = io.send(self._addr, frames, ZERO_COPY_BYTES)
+                if sent == 1:
+                    return True
+                if sent == -_EAGAIN:
+                    raise zmq.Again()
+                if sent == -_EHOSTUNREACH:
+                    return False
+                # Declined (a large frame), or another failure: pyzmq sends, or reports.
             last = len(frames) - 1
             for i, f in enumerate(frames):
                 # Received frames are forwarded as they are; large buffers go
@@ -558,6 +610,8 @@ class Channel:
                 return False
             if e.errno == zmq.ENOTSOCK or self.sock.closed:
                 raise ClosedError("socket closed") from e
+            raise BrokenError(f"send failed: {e.strerror}") from e
+        except OSError as e:  # the compiled send failed past a message's first frame
             raise BrokenError(f"send failed: {e.strerror}") from e
         finally:
             # The send may have consumed the descriptor's notice: ZMQ_EVENTS is read
@@ -934,7 +988,9 @@ def router(
         sock.close(0)
         raise BrokenError(f"cannot bind {bind}: {e.strerror}") from e
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
-    return Channel(sock), endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+    # A CURVE server reads each sender's key off its frames (sender_key): pyzmq's.
+    channel = Channel(sock, compiled=curve is None)
+    return channel, endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
 
 
 def dealer(
@@ -1132,6 +1188,50 @@ def libzmq_version() -> tuple[int, int, int]:
     """The version of the libzmq pyzmq uses (compiled code must bind that one)."""
     major, minor, patch = zmq.zmq_version_info()[:3]
     return major, minor, patch
+
+
+def libzmq_paths() -> list[str]:
+    """The files mapped into this process that may be pyzmq's libzmq, for compiled code
+    to bind (``bind(path)``, opened without loading another copy): a shared libzmq
+    first, then pyzmq's backend (which holds libzmq where it was linked in)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    found: list[str] = []
+    for line in lines:
+        fields = line.split(None, 5)  # address, perms, offset, dev, inode, path
+        path = fields[5] if len(fields) == 6 else ""
+        if path.startswith("/") and "zmq" in Path(path).name and path not in found:
+            found.append(path)
+    found.sort(key=lambda p: "libzmq" not in Path(p).name)
+    return found
+
+
+def bind_libzmq(bind: Callable[[str], Any]) -> bool:
+    """Bind a compiled module to pyzmq's libzmq (its ``bind(path)`` returns the version
+    it bound, or False): whether one of :func:`libzmq_paths` is that libzmq."""
+    want = libzmq_version()
+    for path in libzmq_paths():
+        version = bind(path)
+        if version and tuple(version) == want:
+            return True
+    return False
+
+
+def _bind_io() -> bool:
+    if _zmqio is None or os.environ.get("ZPS_NO_KERNEL", "") not in ("", "0"):
+        return False
+    if bind_libzmq(_zmqio.bind):
+        return True
+    want = libzmq_version()
+    _log.debug("no loaded libzmq %s found: channels send and receive through pyzmq", want)
+    return False
+
+
+#: Whether channels send and receive through ``zps._zmqio`` (built, and bound to the
+#: libzmq pyzmq loaded; see the module notes).
+COMPILED_IO = _bind_io()
 
 
 def frame_bytes(frame: Any) -> bytes:

@@ -22,6 +22,7 @@ import pytest
 import zmq
 
 import zps
+from zps import transport
 from zps.broker import forward
 from zps.optim import SGD
 from zps.protocol.codec import MsgType, Route
@@ -262,4 +263,4 @@ def test_the_extension_is_built_where_a_compiler_is() -> None:
     if os.environ.get("ZPS_NO_KERNEL", "") not in ("", "0"):
         pytest.skip("ZPS_NO_KERNEL is set")
     assert forward._forward is not None, "zps.broker._forward was not built"
-    assert forward.AVAILABLE, f"no loaded libzmq bound: {forward._libzmq_paths()}"
+    assert forward.AVAILABLE, f"no loaded libzmq bound: {transport.libzmq_paths()}"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 from zps import transport
 
@@ -29,31 +28,12 @@ except ImportError:  # pragma: no cover - depends on the build
 log = logging.getLogger("zps.broker")
 
 
-def _libzmq_paths() -> list[str]:
-    """The files mapped into this process that may be pyzmq's libzmq: a shared libzmq
-    first, then pyzmq's backend (which holds libzmq where it was linked in)."""
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return []
-    found: list[str] = []
-    for line in lines:
-        fields = line.split(None, 5)  # address, perms, offset, dev, inode, path
-        path = fields[5] if len(fields) == 6 else ""
-        if path.startswith("/") and "zmq" in Path(path).name and path not in found:
-            found.append(path)
-    found.sort(key=lambda p: "libzmq" not in Path(p).name)
-    return found
-
-
 def _bind() -> bool:
     if _forward is None or os.environ.get("ZPS_NO_KERNEL", "") not in ("", "0"):
         return False
+    if transport.bind_libzmq(_forward.bind):
+        return True
     want = transport.libzmq_version()
-    for path in _libzmq_paths():
-        version = _forward.bind(path)
-        if version and tuple(version) == tuple(want):
-            return True
     log.debug("no loaded libzmq %s found: the broker forwards in Python", want)
     return False
 
