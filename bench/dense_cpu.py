@@ -69,16 +69,20 @@ async def main(address, seconds, pipelined, seed, copy, tune):
         await ps.flush()
         print("STEPS", n, time.process_time() - cpu, flush=True)
 
-asyncio.run(
-    main(
-        sys.argv[1],
-        float(sys.argv[2]),
-        sys.argv[3] == "1",
-        int(sys.argv[4]),
-        sys.argv[5] == "1",
-        sys.argv[6] == "1",
+# On uvloop, as bench/peers.py's zps workers (and zps.connect_sync) run.
+import uvloop
+
+with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+    runner.run(
+        main(
+            sys.argv[1],
+            float(sys.argv[2]),
+            sys.argv[3] == "1",
+            int(sys.argv[4]),
+            sys.argv[5] == "1",
+            sys.argv[6] == "1",
+        )
     )
-)
 """
 
 DENSE = """
