@@ -442,6 +442,32 @@ def _close(mm: mmap.mmap) -> None:
         mm.close()
 
 
+#: msgpack's map markers: fixmap (0x80-0x8f, the count in the low bits), map 16, map 32.
+_FIXMAP, _MAP16, _MAP32 = 0x80, 0xDE, 0xDF
+
+
+def with_entry(header: Any, key: str, value: Any) -> bytes:
+    """The msgpack map ``header`` (bytes of one map, not holding ``key``) with
+    ``key: value`` added: its count raised and the entry appended, without decoding
+    the map (a request's or a reply's header, encoded by zps, gains :data:`KEY`)."""
+    head = bytes(header)
+    entry = msgpack.packb(key) + msgpack.packb(value, use_bin_type=True)
+    first = head[0] if head else -1
+    if _FIXMAP <= first < _FIXMAP + 15:
+        return bytes((first + 1,)) + head[1:] + entry
+    if first == _FIXMAP + 15:  # 15 entries: a 16th needs a map 16
+        return bytes((_MAP16, 0, 16)) + head[1:] + entry
+    if first == _MAP16 and len(head) >= 3:
+        count = int.from_bytes(head[1:3], "big") + 1
+        if count <= 0xFFFF:
+            return bytes((_MAP16,)) + count.to_bytes(2, "big") + head[3:] + entry
+        return bytes((_MAP32,)) + count.to_bytes(4, "big") + head[3:] + entry
+    if first == _MAP32 and len(head) >= 5:
+        count = int.from_bytes(head[1:5], "big") + 1
+        return bytes((_MAP32,)) + count.to_bytes(4, "big") + head[5:] + entry
+    raise ProtocolError("header must be a map")
+
+
 def _descriptors(value: object) -> list[list[int]]:
     if not isinstance(value, list) or len(value) > 4096:
         raise ProtocolError("shared memory descriptors must be a list")
@@ -732,9 +758,6 @@ class SharedMemory:
                 out[i] = b""
         if not descs and not reply_ok and not done:
             return out, []
-        header = msgpack.unpackb(out[1], raw=False)
-        if not isinstance(header, dict):
-            raise ProtocolError("header must be a map")
         info: dict[str, Any] = {"h": self.host}
         if descs:
             info["d"] = descs
@@ -742,8 +765,7 @@ class SharedMemory:
             info["r"] = True
         if done:
             info["done"] = list(done)
-        header[KEY] = info
-        out[1] = msgpack.packb(header, use_bin_type=True)
+        out[1] = with_entry(out[1], KEY, info)
         return out, descs
 
     def inbound(
@@ -755,10 +777,13 @@ class SharedMemory:
         stage: int = 0,
         reader: bytes = b"",
         check: Mapping[int, int] | None = None,
+        header_frame: bool = True,
     ) -> Inbound:
         """Read the shared-memory frames of a received ``[route, header, payloads...]``
         whose decoded header is ``header`` (it has :data:`KEY`), from ``reader`` (whose
-        ``done`` ends its loans, see :meth:`outbound`).  ``check``: payload index ->
+        ``done`` ends its loans, see :meth:`outbound`).  ``header_frame`` False: the
+        caller reads only the decoded header and the payloads, so ``frames[1]`` is left
+        as it came (with :data:`KEY`) rather than encoded again.  ``check``: payload index ->
         float item size (4 or 8) of payloads whose values should be checked finite as
         they are copied (those found so are in ``Inbound.finite``).  ``into``: where the
         caller wants payload ``i``'s bytes (a uint8 array of its length; others, and
@@ -776,9 +801,11 @@ class SharedMemory:
         self.free(done, reader=reader)
         descs = _descriptors(info.get("d", []))
         finite: set[int] = set()
-        rest = {k: v for k, v in header.items() if k != KEY}
+        rest = dict(header)
+        del rest[KEY]
         out = list(frames)
-        out[1] = msgpack.packb(rest, use_bin_type=True)
+        if header_frame:
+            out[1] = msgpack.packb(rest, use_bin_type=True)
         if descs:
             if info.get("h") != self.host:
                 self.mapper.refused += 1
@@ -934,12 +961,13 @@ class _Off(SharedMemory):
         stage: int = 0,
         reader: bytes = b"",
         check: Mapping[int, int] | None = None,
+        header_frame: bool = True,
     ) -> Inbound:
         info = header.get(KEY)
         if isinstance(info, dict) and info.get("d"):
             self.mapper.refused += 1
             raise ShmUnavailableError("shared memory is off here", permanent=True)
-        got = super().inbound(frames, header)
+        got = super().inbound(frames, header, header_frame=header_frame)
         return Inbound(got.frames, got.header, False, [], reply_refused=got.reply_refused)
 
 

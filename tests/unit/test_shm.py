@@ -726,3 +726,21 @@ def test_a_descriptor_naming_an_empty_file_is_refused(tmp_path: Path) -> None:
         ):
             with pytest.raises(shm.ShmUnavailableError):
                 shm.Mapper().read(desc)
+
+
+@pytest.mark.parametrize("entries", [0, 1, 14, 15, 16, 65534, 65535, 70000])
+def test_an_entry_is_added_to_an_encoded_map_without_decoding_it(entries: int) -> None:
+    """``with_entry`` raises a msgpack map's count in place, across the fixmap, map 16
+    and map 32 forms, and refuses what is not a map."""
+    header = {f"k{i}": i for i in range(entries)}
+    packed = msgpack.packb(header, use_bin_type=True)
+    info = {"h": "host", "d": [[0, 1, 2, 3, 4, 5, 6]], "r": True}
+    got = msgpack.unpackb(shm.with_entry(packed, shm.KEY, info), raw=False)
+    assert got == {**header, shm.KEY: info}
+    assert list(got)[-1] == shm.KEY
+
+
+@pytest.mark.parametrize("not_a_map", [b"", msgpack.packb([1, 2]), msgpack.packb(7)])
+def test_adding_an_entry_to_what_is_not_a_map_is_a_protocol_error(not_a_map: bytes) -> None:
+    with pytest.raises(ProtocolError, match="must be a map"):
+        shm.with_entry(not_a_map, shm.KEY, {})

@@ -825,7 +825,7 @@ class Connection:
         req = self._shm_reqs.get(msg.route.req_id)
         into = _places(req.token, msg.header) if req is not None else None
         try:
-            got = self._shm.inbound(bufs, msg.header, into)
+            got = self._shm.inbound(bufs, msg.header, into, header_frame=False)
         except shm.ShmUnavailableError as e:
             if e.permanent:
                 until = self._now() + shm.RETRY_S if e.busy else math.inf

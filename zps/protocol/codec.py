@@ -217,11 +217,15 @@ def encode(route: Route, header: dict[str, Any]) -> list[BufferLike]:
     return [route.pack(), msgpack.packb(header, use_bin_type=True)]
 
 
-def decode(frames: Sequence[BufferLike], max_header_bytes: int = 1 << 20) -> Message:
-    """Parse ``[route, header, payloads...]``; ProtocolError on anything malformed."""
+def decode(
+    frames: Sequence[BufferLike], max_header_bytes: int = 1 << 20, *, route: Route | None = None
+) -> Message:
+    """Parse ``[route, header, payloads...]``; ProtocolError on anything malformed.
+    ``route``: the route frame, parsed already by the caller (not parsed again)."""
     if len(frames) < 2:
         raise ProtocolError(f"message has {len(frames)} frames; needs route and header")
-    route = unpack_route(frames[0])
+    if route is None:
+        route = unpack_route(frames[0])
     raw = frames[1]
     if len(raw) > max_header_bytes:
         raise ProtocolError(f"header of {len(raw)} bytes exceeds {max_header_bytes}")

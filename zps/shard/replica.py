@@ -184,7 +184,7 @@ class Upstream:
         """A stream message with its frames copied out of the primary's shared memory;
         None (and a resync) when they cannot be read."""
         try:
-            got = (self.shm or shm.OFF).inbound(bufs, msg.header)
+            got = (self.shm or shm.OFF).inbound(bufs, msg.header, header_frame=False)
         except shm.ShmUnavailableError as e:
             if e.permanent:
                 self.shm = None  # the next SUBSCRIBE asks for every frame inline

@@ -1185,13 +1185,16 @@ class ShardServer:
         refusal = None
         shm_reply = no_shm_reply = False
         finite: dict[int, str] = {}
+        mutates = kept_key = False  # kept_key: the header frame still names shared memory
         try:
-            msg = decode(bufs)
+            msg = decode(bufs, route=route)
+            mutates = _mutates(msg.header)
             if shm.KEY in msg.header:
                 # Payloads in the client's shared memory: copied here first, so what is
                 # applied, logged and replicated is this process's own (a write's into
                 # this process's arena, when followers read the stream from there).
-                mutates = _mutates(msg.header)
+                # Only a write's header frame is logged and replicated: a read's stays
+                # as it came.
                 grads = _grad_frames(msg.header) if mutates else {}
                 got = (self._shm or shm.OFF).inbound(
                     bufs,
@@ -1199,8 +1202,10 @@ class ShardServer:
                     stage=self._stream.stage_room() if mutates else 0,
                     reader=source,
                     check={i: _FLOAT_SIZES[d] for i, d in grads.items()},
+                    header_frame=mutates,
                 )
                 frames = bufs = got.frames
+                kept_key = not mutates
                 msg = Message(msg.route, got.header, bufs[2:])  # the header read once
                 shm_reply, no_shm_reply = got.reply_ok, got.reply_refused
                 finite = {i: grads[i] for i in got.finite}
@@ -1246,11 +1251,7 @@ class ShardServer:
                 refusal = StatusReply(
                     Status.NOT_PRIMARY, "the primary's lease from the broker has run out"
                 )
-            elif (
-                msg.header.get("acks") != 1
-                and not self.session.enough_in_sync()
-                and _mutates(msg.header)
-            ):
+            elif mutates and msg.header.get("acks") != 1 and not self.session.enough_in_sync():
                 refusal = StatusReply(Status.NOT_ENOUGH_REPLICAS, self._short_of_copies())
         if refusal is not None:
             self._post([source, *encode(reply_route, refusal.to_wire())])
@@ -1299,7 +1300,7 @@ class ShardServer:
                 if self.core.carried and held:  # they did not go: held again
                     self._held[source] = held + self._held.get(source, [])
             d = self.durability
-            if self.core.stats.duplicates != duplicates and _mutates(msg.header):
+            if self.core.stats.duplicates != duplicates and mutates:
                 # A re-sent write answered from the dedup record: not before its first
                 # copy may be (its LSN is at most the current one): in the log, and with
                 # acks="all" on the replicas.  That answer may wait, and be refused.
@@ -1310,11 +1311,13 @@ class ShardServer:
                     d.after(lsn, lambda: self._post([source, *reply]))
                 else:
                     d.after(lsn, lambda: self._logged_write(lsn, epoch, (source, reply)))
-            elif d.waits and d.durable < self.core.lsn and _mutates(msg.header):
+            elif d.waits and d.durable < self.core.lsn and mutates:
                 d.after(self.core.lsn, lambda: self._post([source, *reply]))
             else:
                 self._post([source, *reply])
             return
+        if kept_key:  # (never: only writes change the state) the header as the shard read it
+            frames = bufs = [bufs[0], msgpack.packb(msg.header, use_bin_type=True), *bufs[2:]]
         self._stream.replicate(prev, frames, checked=self.core.last_clean)
         lsn, epoch = self.core.lsn, self.core.epoch
         self.durability.log(epoch, prev, lsn, bufs[1:])
