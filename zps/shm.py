@@ -451,7 +451,7 @@ def with_entry(header: Any, key: str, value: Any) -> bytes:
     ``key: value`` added: its count raised and the entry appended, without decoding
     the map (a request's or a reply's header, encoded by zps, gains :data:`KEY`)."""
     head = bytes(header)
-    entry = msgpack.packb(key) + msgpack.packb(value, use_bin_type=True)
+    entry: bytes = msgpack.packb(key) + msgpack.packb(value, use_bin_type=True)
     first = head[0] if head else -1
     if _FIXMAP <= first < _FIXMAP + 15:
         return bytes((first + 1,)) + head[1:] + entry
