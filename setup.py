@@ -44,6 +44,7 @@ setup(
         Extension(
             "zps.broker._forward",
             ["zps/broker/_forward.c"],
+            depends=["zps/_libzmq.h"],
             extra_compile_args=["-O3"],
             libraries=["dl"],
             optional=True,
@@ -53,6 +54,7 @@ setup(
         Extension(
             "zps._zmqio",
             ["zps/_zmqio.c"],
+            depends=["zps/_libzmq.h"],
             extra_compile_args=["-O3"],
             libraries=["dl"],
             optional=True,

@@ -30,12 +30,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+for _p in (str(HERE.parent), str(HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
+import zps_bench as zb  # noqa: E402
 
 from zps import transport  # noqa: E402
 
@@ -114,16 +116,6 @@ def messages(n: int) -> None:
     ctx.term()
 
 
-def zipf_ids(rng: np.random.Generator, n: int = 4096) -> np.ndarray:
-    """As ``bench/zps_bench.py``: unique Zipf(1.2) ids mod 1e6, in order of first draw."""
-    draws = np.empty(0, dtype=np.int64)
-    while True:
-        draws = np.concatenate([draws, rng.zipf(1.2, 4 * n).astype(np.int64) % 1_000_000])
-        uniq, first = np.unique(draws, return_index=True)
-        if uniq.size >= n:
-            return uniq[np.argsort(first)][:n].copy()
-
-
 async def client(address: str, steps: int, rounds: int) -> None:
     import zps
 
@@ -132,7 +124,7 @@ async def client(address: str, steps: int, rounds: int) -> None:
             "s", dim=32, init=zps.init.Uniform(-0.01, 0.01), optimizer=zps.optim.SGD(lr=0.05)
         )
         rng = np.random.default_rng(0)
-        pool = [zipf_ids(rng) for _ in range(16)]
+        pool = [zb.zipf_ids(rng) for _ in range(16)]
         grads = rng.standard_normal((4096, 32), dtype=np.float32) * np.float32(1e-2)
         channels = list(ps._socks)
         compiled = [ch._io for ch in channels]

@@ -29,74 +29,15 @@
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <dlfcn.h>
 #include <errno.h>
 #include <string.h>
 
-/* zmq.h's zmq_msg_t: 64 opaque bytes, pointer-aligned (ABI-stable since libzmq 4.1). */
-typedef struct {
-    unsigned char _[64];
-} __attribute__((aligned(sizeof(void *)))) zmsg;
+#include "_libzmq.h"
 
-#define Z_DONTWAIT 1
-#define Z_SNDMORE 2
-#define Z_EVENTS 15
 /* A message of more frames than this goes through pyzmq. */
 #define MAX_FRAMES 64
 
-static int (*z_msg_init)(zmsg *);
-static int (*z_msg_recv)(zmsg *, void *, int);
-static int (*z_msg_close)(zmsg *);
-static int (*z_msg_move)(zmsg *, zmsg *);
-static void *(*z_msg_data)(zmsg *);
-static size_t (*z_msg_size)(const zmsg *);
-static int (*z_msg_more)(const zmsg *);
-static int (*z_send)(void *, const void *, size_t, int);
-static int (*z_getsockopt)(void *, int, void *, size_t *);
-static int (*z_errno)(void);
-static void (*z_version)(int *, int *, int *);
-static void *z_lib;
-
-static PyObject *bind(PyObject *self, PyObject *arg)
-{
-    const char *path = PyUnicode_AsUTF8(arg);
-    if (path == NULL)
-        return NULL;
-    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
-    if (lib == NULL)
-        Py_RETURN_FALSE; /* not loaded in this process: not pyzmq's */
-    /* Every function there first: a library without them leaves the bound one as is. */
-    static const char *const names[] = {
-        "zmq_msg_init", "zmq_msg_recv",   "zmq_msg_close", "zmq_msg_move",
-        "zmq_msg_data", "zmq_msg_size",   "zmq_msg_more",  "zmq_send",
-        "zmq_getsockopt", "zmq_errno",    "zmq_version",
-    };
-    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-        if (dlsym(lib, names[i]) == NULL) {
-            dlclose(lib);
-            Py_RETURN_FALSE;
-        }
-    }
-#define SYM(var, name) *(void **)&var = dlsym(lib, name)
-    SYM(z_msg_init, "zmq_msg_init");
-    SYM(z_msg_recv, "zmq_msg_recv");
-    SYM(z_msg_close, "zmq_msg_close");
-    SYM(z_msg_move, "zmq_msg_move");
-    SYM(z_msg_data, "zmq_msg_data");
-    SYM(z_msg_size, "zmq_msg_size");
-    SYM(z_msg_more, "zmq_msg_more");
-    SYM(z_send, "zmq_send");
-    SYM(z_getsockopt, "zmq_getsockopt");
-    SYM(z_errno, "zmq_errno");
-    SYM(z_version, "zmq_version");
-#undef SYM
-    if (z_lib != NULL)
-        dlclose(z_lib);
-    z_lib = lib;
-    int major, minor, patch;
-    z_version(&major, &minor, &patch);
-    return Py_BuildValue("(iii)", major, minor, patch);
-}
+static PyObject *bind(PyObject *self, PyObject *arg) { return libzmq_bind(arg); }
 
 /* -- Frame: a received libzmq message, read through the buffer protocol ----------- */
 
