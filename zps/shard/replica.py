@@ -244,6 +244,9 @@ class Upstream:
             self.channel, encode(Route(MsgType.SNAPSHOT_ACK), SnapshotAck(sid, seq).to_wire())
         )
         if not done:
+            # A chunk is megabytes copied: the loop's other work (its heartbeat, the
+            # stream's ACKs) runs between two chunks of a burst, not after all of them.
+            await asyncio.sleep(0)
             return
         try:
             # Views of the assembled stream (the tables copy what they load): two copies
