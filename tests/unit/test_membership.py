@@ -60,3 +60,24 @@ def test_a_suspect_dies_after_the_grace_unless_heard_from() -> None:
     assert "b" in fd
     fd.suspect("nobody", 0.6, grace=0.4)  # unknown peers are ignored
     assert "nobody" not in fd
+
+
+def test_a_stall_before_the_first_tick_does_not_kill_peers() -> None:
+    """A broker paused in its first moments (peers registered, no tick yet): its first
+    tick, 30 s later, sees its own stall, as any later tick would."""
+    fd = FailureDetector(interval=0.1, liveness=10, start=0.0)
+    fd.seen("shard", 0.01)
+    fd.seen("client", 0.03)
+    assert fd.tick(30.0) == []
+    assert ticks(fd, 30.05, 30.95, step=0.05) == []
+    assert sorted(fd.tick(31.05)) == ["client", "shard"]  # silent after it: dead on time
+    # Without a start, the first peer heard stands for it.
+    fd = FailureDetector(interval=0.1, liveness=10)
+    fd.seen("shard", 5.0)
+    assert fd.tick(35.0) == []
+    assert "shard" in fd
+    # A detector that starts watching and ticks on time still blames a silent peer.
+    fd = FailureDetector(interval=0.1, liveness=10, start=0.0)
+    fd.seen("shard", 0.0)
+    assert ticks(fd, 0.05, 0.95, step=0.05) == []
+    assert fd.tick(1.05) == ["shard"]

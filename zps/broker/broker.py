@@ -147,7 +147,9 @@ class Broker:
             replication=config.replication,
             hold_until=time.monotonic() + config.grace,
         )
-        self.detector = FailureDetector(config.heartbeat.interval, config.heartbeat.liveness)
+        self.detector = FailureDetector(
+            config.heartbeat.interval, config.heartbeat.liveness, start=time.monotonic()
+        )
         self.stats = BrokerStats()
         self.endpoint: str | None = None
         self.bound = asyncio.Event()
@@ -303,7 +305,7 @@ class Broker:
         self.state = ClusterState(
             cfg.partitions, cfg.slots, replication=cfg.replication, hold_until=now + hold
         )
-        self.detector = FailureDetector(cfg.heartbeat.interval, cfg.heartbeat.liveness)
+        self.detector = FailureDetector(cfg.heartbeat.interval, cfg.heartbeat.liveness, start=now)
         self.training = Training(self.state, self._send, self._send_durable)
         self._routes = [None] * cfg.partitions
         self._keys.clear()

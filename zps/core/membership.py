@@ -7,7 +7,9 @@ every message.  No clock is read here; tests drive ``now`` by hand.
 The detector never blames peers for its own stall: when ticks stop for longer
 than half the timeout (the process was paused, or its loop blocked), the
 peers' messages are still queued unread, so every peer gets a fresh grace
-period instead of being declared dead.
+period instead of being declared dead.  Before its first tick, the time it
+started (or, not given, the first peer heard) stands for the last tick: a
+process paused in its first moments does not blame its peers either.
 
 Liveness is measured apart from I/O: a shard keeps a second connection to each broker,
 its *liveness link*, that carries only its heartbeats and the broker's lease echoes, so
@@ -43,13 +45,15 @@ def speaks_for(ident: bytes) -> bytes:
 class FailureDetector:
     __slots__ = ("_last", "_last_tick", "interval", "liveness")
 
-    def __init__(self, interval: float, liveness: int) -> None:
+    def __init__(self, interval: float, liveness: int, start: float | None = None) -> None:
+        """``start``: when the detector starts watching (its first tick's reference for
+        a stall of its own); None: the first :meth:`seen`."""
         if interval <= 0 or liveness < 1:
             raise ValueError("heartbeat interval must be > 0 and liveness >= 1")
         self.interval = interval
         self.liveness = liveness
         self._last: dict[str, float] = {}
-        self._last_tick: float | None = None
+        self._last_tick: float | None = start
 
     @property
     def timeout(self) -> float:
@@ -57,6 +61,8 @@ class FailureDetector:
 
     def seen(self, node: str, now: float) -> None:
         self._last[node] = now
+        if self._last_tick is None:
+            self._last_tick = now
 
     @property
     def last_heard(self) -> dict[str, float]:
