@@ -1185,7 +1185,7 @@ class ShardServer:
         refusal = None
         shm_reply = no_shm_reply = False
         finite: dict[int, str] = {}
-        mutates = kept_key = False  # kept_key: the header frame still names shared memory
+        mutates = False
         try:
             msg = decode(bufs, route=route)
             mutates = _mutates(msg.header)
@@ -1193,8 +1193,9 @@ class ShardServer:
                 # Payloads in the client's shared memory: copied here first, so what is
                 # applied, logged and replicated is this process's own (a write's into
                 # this process's arena, when followers read the stream from there).
-                # Only a write's header frame is logged and replicated: a read's stays
-                # as it came.
+                # Only a write's header frame is logged and replicated (only MUTATIONS
+                # change the state, and _mutates tests those names): a read's stays as
+                # it came, naming the client's memory.
                 grads = _grad_frames(msg.header) if mutates else {}
                 got = (self._shm or shm.OFF).inbound(
                     bufs,
@@ -1205,7 +1206,6 @@ class ShardServer:
                     header_frame=mutates,
                 )
                 frames = bufs = got.frames
-                kept_key = not mutates
                 msg = Message(msg.route, got.header, bufs[2:])  # the header read once
                 shm_reply, no_shm_reply = got.reply_ok, got.reply_refused
                 finite = {i: grads[i] for i in got.finite}
@@ -1316,8 +1316,6 @@ class ShardServer:
             else:
                 self._post([source, *reply])
             return
-        if kept_key:  # (never: only writes change the state) the header as the shard read it
-            frames = bufs = [bufs[0], msgpack.packb(msg.header, use_bin_type=True), *bufs[2:]]
         self._stream.replicate(prev, frames, checked=self.core.last_clean)
         lsn, epoch = self.core.lsn, self.core.epoch
         self.durability.log(epoch, prev, lsn, bufs[1:])
