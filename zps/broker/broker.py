@@ -1139,4 +1139,6 @@ def _collect_status(report: dict[str, Any]) -> Iterable[Metric]:
 def _claim(claim: ShardClaim | None) -> Claim | None:
     if claim is None:
         return None
-    return Claim(claim.partition, claim.epoch, claim.role, claim.lsn, claim.in_sync)
+    return Claim(
+        claim.partition, claim.epoch, claim.role, claim.lsn, claim.in_sync, claim.complete
+    )

@@ -61,6 +61,8 @@ class Claim:
     role: Role
     lsn: int = 0
     in_sync: bool = False
+    #: False: the copy may lack writes it acknowledged (see ``ShardClaim.complete``).
+    complete: bool = True
 
 
 @dataclass

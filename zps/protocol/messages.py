@@ -146,6 +146,9 @@ class ShardClaim:
     role: Role
     lsn: int = 0
     in_sync: bool = False
+    #: False when the copy may lack writes it acknowledged: restored from a checkpoint
+    #: with no log after it (``durability="none"``) other than one written at shutdown.
+    complete: bool = True
 
     @classmethod
     def parse(cls, h: object) -> ShardClaim:
@@ -156,6 +159,7 @@ class ShardClaim:
             role=_role(_field(c, "role", "claim"), "claim role"),
             lsn=_opt_int(c, "lsn", "claim lsn", 0),
             in_sync=_bool(c.get("in_sync", False), "claim in_sync"),
+            complete=_bool(c.get("complete", True), "claim complete"),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -165,6 +169,7 @@ class ShardClaim:
             "role": self.role.value,
             "lsn": self.lsn,
             "in_sync": self.in_sync,
+            "complete": self.complete,
         }
 
 
