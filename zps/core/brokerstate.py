@@ -4,8 +4,11 @@ What a broker must never forget: which partitions exist, the epoch and the
 highest LSN a primary confirmed for each (so a restarted broker never hands a
 known partition to an empty shard, nor to a copy older than the one it knew),
 the map version, and the training jobs (clocks, sync commits, task queues).
-Everything else (who serves what, in-sync sets, clients) is rebuilt from the
-shards' claims and the clients' re-sent calls after a restart.
+Each partition's last in-sync set (its primary and the replicas the primary
+counted for ``acks="all"``) is kept too: every acknowledged write is on each of
+those copies, so after a crash only one of them may serve the partition.
+Everything else (who serves what now, clients) is rebuilt from the shards'
+claims and the clients' re-sent calls after a restart.
 
 Rules:
 
@@ -52,6 +55,9 @@ class PartitionRecord:
     floor_lsn: int = 0
     #: Hosts its copies were last on (for the operator's eyes only).
     hosts: tuple[str, ...] = ()
+    #: Its last in-sync set, primary first: the copies holding every acknowledged
+    #: write (empty: not known, as in records written before it was kept).
+    in_sync: tuple[str, ...] = ()
 
     @property
     def known(self) -> bool:
@@ -90,6 +96,10 @@ class JobRecord:
     retries: tuple[tuple[int, int], ...] = ()
     done: tuple[int, ...] = ()
     failed: str | None = None
+    #: Cancelled by an operator: no more tasks are handed out.
+    cancelled: bool = False
+    #: (task id, worker) held when the job was reset (their reports count for nothing).
+    orphaned: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -156,7 +166,8 @@ class BrokerState:
             "replication": self.replication,
             "map_version": self.map_version,
             "partitions": [
-                [p.epoch, p.floor_epoch, p.floor_lsn, list(p.hosts)] for p in self.partitions
+                [p.epoch, p.floor_epoch, p.floor_lsn, list(p.hosts), list(p.in_sync)]
+                for p in self.partitions
             ],
             "clocks": {
                 "mode": c.mode.value if c.mode else None,
@@ -175,6 +186,8 @@ class BrokerState:
                     "retries": [list(r) for r in j.retries],
                     "done": _to_ranges(j.done),
                     "failed": j.failed,
+                    "cancelled": j.cancelled,
+                    "orphaned": [list(o) for o in j.orphaned],
                 }
                 for j in self.jobs
             ],
@@ -215,8 +228,8 @@ class BrokerState:
         parts = []
         for i, raw in enumerate(_list(d.get("partitions"), "partitions")):
             row = _list(raw, f"partitions[{i}]")
-            if len(row) != 4:
-                raise BrokerStateError(f"partitions[{i}]: 4 fields expected, got {len(row)}")
+            if len(row) not in (4, 5):
+                raise BrokerStateError(f"partitions[{i}]: 4 or 5 fields expected, got {len(row)}")
             epoch, floor_epoch, floor_lsn = (
                 _int(v, f"partitions[{i}].{k}")
                 for v, k in zip(row[:3], ("epoch", "floor_epoch", "floor_lsn"), strict=True)
@@ -226,7 +239,12 @@ class BrokerState:
                     f"partitions[{i}].floor_epoch: {floor_epoch} is past epoch {epoch}"
                 )
             hosts = tuple(_str(h, f"partitions[{i}].hosts") for h in _list(row[3], "hosts"))
-            parts.append(PartitionRecord(epoch, floor_epoch, floor_lsn, hosts))
+            in_sync = (
+                tuple(_str(n, f"partitions[{i}].in_sync") for n in _list(row[4], "in_sync"))
+                if len(row) == 5
+                else ()
+            )
+            parts.append(PartitionRecord(epoch, floor_epoch, floor_lsn, hosts, in_sync))
         c = _map(d.get("clocks"), "clocks")
         mode = c.get("mode")
         if mode is not None and mode not in {m.value for m in Mode}:
@@ -341,6 +359,15 @@ def _job(raw: object, i: int) -> JobRecord:
             f"({len(set(places))} distinct of {total}, {len(places)} places)"
         )
     failed = j.get("failed")
+    cancelled = j.get("cancelled", False)  # absent from records older than job control
+    if not isinstance(cancelled, bool):
+        raise BrokerStateError(f"{where}.cancelled: true or false expected, got {cancelled!r}")
+    orphaned = []
+    for raw_o in _list(j.get("orphaned", []), f"{where}.orphaned"):
+        o = _list(raw_o, f"{where}.orphaned")
+        if len(o) != 2:
+            raise BrokerStateError(f"{where}.orphaned: [task, worker] expected")
+        orphaned.append((_int(o[0], f"{where}.orphaned"), _str(o[1], f"{where}.orphaned")))
     return JobRecord(
         name=_str(j.get("name"), f"{where}.name"),
         n_records=n_records,
@@ -353,6 +380,8 @@ def _job(raw: object, i: int) -> JobRecord:
         retries=tuple(retries),
         done=done,
         failed=None if failed is None else _str(failed, f"{where}.failed"),
+        cancelled=cancelled,
+        orphaned=tuple(orphaned),
     )
 
 
