@@ -455,17 +455,24 @@ class JobSettings:
 
 _JOB_KEYS = ("n_records", "per_task", "epochs", "max_retries", "seed")
 
-TaskOp = Literal["create", "next", "done", "release"]
+TaskOp = Literal["create", "next", "done", "release", "list", "show", "cancel", "reset"]
+
+#: Job control that changes a job: an operator's (with CURVE key roles on, the operator
+#: key's).  A ``create`` that asks for a restart is one too (:attr:`TaskRequest.operator_only`).
+OPERATOR_TASK_OPS: frozenset[str] = frozenset({"cancel", "reset"})
 
 
 @dataclass(frozen=True, slots=True)
 class TaskRequest:
     """TASK, client -> broker, on the job named ``job``:
 
-    * ``create`` with :class:`JobSettings` (idempotent for the same settings);
+    * ``create`` with :class:`JobSettings` (idempotent for the same settings; the reply's
+      ``progress`` has the job's ``state``); ``restart`` runs a finished job again;
     * ``next``: the next task; ``wait=False`` answers at once (``pending`` if none is
       free yet), otherwise the answer waits for one;
-    * ``done`` / ``release`` of ``task`` (a task id).
+    * ``done`` / ``release`` of ``task`` (a task id);
+    * ``list`` (every job's progress; ``job`` may be empty), ``show`` (one job's);
+    * ``cancel``, ``reset``: job control (see :data:`OPERATOR_TASK_OPS`).
     """
 
     op: TaskOp
@@ -473,10 +480,18 @@ class TaskRequest:
     settings: JobSettings | None = None
     wait: bool = True
     task: int | None = None
+    restart: bool = False
+
+    @property
+    def operator_only(self) -> bool:
+        """Whether this request changes a job as only an operator may."""
+        return self.op in OPERATOR_TASK_OPS or (self.op == "create" and self.restart)
 
     @classmethod
     def parse(cls, h: Header) -> TaskRequest:
-        op, job = h.get("op"), h.get("job")
+        op, job = h.get("op"), h.get("job", "")
+        if op == "list" and job == "":
+            return cls("list", "")
         if not isinstance(job, str) or not job:
             raise ProtocolError("a task request needs a job name")
         match op:
@@ -486,7 +501,10 @@ class TaskRequest:
                 ]
                 if not all(type(v) is int for v in values):
                     raise ProtocolError("job settings must be integers")
-                return cls("create", job, settings=JobSettings(*values))
+                restart = _bool(h.get("restart", False), "TASK restart")
+                return cls("create", job, settings=JobSettings(*values), restart=restart)
+            case "list" | "show" | "cancel" | "reset":
+                return cls(op, job)
             case "next":
                 return cls("next", job, wait=_bool(h.get("wait", True), "TASK wait"))
             case "done" | "release":
@@ -505,6 +523,8 @@ class TaskRequest:
             h["wait"] = False
         if self.task is not None:
             h["task"] = self.task
+        if self.restart:
+            h["restart"] = True
         return h
 
 
