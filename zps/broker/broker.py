@@ -468,10 +468,11 @@ class Broker:
     async def _apply(self, assignments: list[Assignment]) -> None:
         for a in assignments:
             log.info(
-                "assign %s: %s of partition %s at epoch %d%s",
+                "assign %s: %s at epoch %d%s",
                 a.node_id,
-                a.role.value,
-                a.partition,
+                a.role.value
+                if a.partition is None
+                else f"{a.role.value} of partition {a.partition}",
                 a.epoch,
                 f", following {a.primary}" if a.primary else "",
             )
@@ -750,7 +751,14 @@ class Broker:
             case ClientHello(host, pid, name, version):
                 self.state.register_client(node, host=host, pid=pid, name=name, now=now)
                 self._versions[node] = version
-                log.info("client %s joined (%s pid %s)", node, host, pid)
+                # An admin command (status, drain, ...) connects for one query: debug only.
+                log.log(
+                    logging.DEBUG if (name or "").startswith("zps-server ") else logging.INFO,
+                    "client %s joined (%s pid %s)",
+                    node,
+                    host,
+                    pid,
+                )
                 await self._control(
                     ident, MsgType.MAP, MapUpdate(self.state.map.to_wire()).to_wire()
                 )
