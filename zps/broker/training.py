@@ -85,8 +85,11 @@ class Training:
             self._unsynced = set(self.clocks.workers)
             self._resync_until = time.monotonic() + RESYNC_S
 
-    async def _reply(self, ident: bytes, route: Route, header: dict[str, Any]) -> None:
-        send = self.send_durable if route.mtype is MsgType.TASK else self.send
+    async def _reply(
+        self, ident: bytes, route: Route, header: dict[str, Any], *, durable: bool = True
+    ) -> None:
+        """A TASK reply goes once the state is on disk (``durable``: it may change a job)."""
+        send = self.send_durable if durable and route.mtype is MsgType.TASK else self.send
         await send([ident, *encode(Route(route.mtype, req_id=route.req_id), header)])
 
     async def _status(self, ident: bytes, route: Route, status: Status, msg: str) -> None:
@@ -236,20 +239,13 @@ class Training:
         name = req.job
         try:
             if req.settings is not None:  # create
-                spec = req.settings.astuple()
-                job = self.jobs.get(name)
-                if job is None:
-                    job = self.jobs[name] = Job(name, *spec)
-                    log.info(
-                        "job %s: %d records in %d tasks per epoch, %d epochs",
-                        name,
-                        job.n_records,
-                        job.per_epoch,
-                        job.epochs,
-                    )
-                elif job.spec() != spec:
-                    raise ValueError(f"job {name!r} exists with other settings {job.spec()}")
-                await self._reply(ident, route, {"st": Status.OK.value, "progress": job.progress()})
+                await self._create(ident, route, req)
+                return
+            if req.op == "list":
+                jobs = [job.progress() for job in self.jobs.values()]
+                await self._reply(
+                    ident, route, {"st": Status.OK.value, "jobs": jobs}, durable=False
+                )
                 return
             job = self.jobs.get(name)
             if job is None:
@@ -270,7 +266,8 @@ class Training:
                         {
                             "st": Status.OK.value,
                             "task": task.to_wire() if task else None,
-                            "pending": task is None and not job.complete,
+                            "pending": task is None and not job.finished,
+                            "state": job.state(),
                         },
                     )
                 case "next":
@@ -285,10 +282,51 @@ class Training:
                     job.release(node, req.task, failed=False)
                     await self._reply(ident, route, {"st": Status.OK.value})
                     await self._serve_tasks()
+                case "show":
+                    reply = {"st": Status.OK.value, "progress": job.progress()}
+                    await self._reply(ident, route, reply, durable=False)
+                case "cancel" | "reset":
+                    if req.op == "cancel":
+                        job.cancel()
+                    else:
+                        job.reset()
+                    log.warning(
+                        "job %s %s by %s",
+                        name,
+                        "cancelled" if req.op == "cancel" else "reset",
+                        node,
+                    )
+                    await self._reply(
+                        ident, route, {"st": Status.OK.value, "progress": job.progress()}
+                    )
+                    await self._serve_tasks()
                 case _:
                     raise ValueError(f"unknown task operation {req.op!r}")
         except ValueError as e:
             await self._status(ident, route, Status.BAD_REQUEST, str(e))
+
+    async def _create(self, ident: bytes, route: Route, req: TaskRequest) -> None:
+        assert req.settings is not None
+        name, spec = req.job, req.settings.astuple()
+        job = self.jobs.get(name)
+        if job is None:
+            job = self.jobs[name] = Job(name, *spec)
+            outcome = "created"
+        else:
+            outcome = job.create(spec, restart=req.restart)
+        if outcome in ("created", "restarted"):
+            log.info(
+                "job %s %s: %d records in %d tasks per epoch, %d epochs",
+                name,
+                outcome,
+                job.n_records,
+                job.per_epoch,
+                job.epochs,
+            )
+        reply = {"st": Status.OK.value, "progress": job.progress(), "outcome": outcome}
+        await self._reply(ident, route, reply)
+        if outcome == "restarted":
+            await self._serve_tasks()
 
     async def _repeated_next(self, ident: bytes, node: str, route: Route) -> bool:
         """A 'next' call already answered (answer it the same) or parked (drop it)."""
@@ -314,11 +352,13 @@ class Training:
             except JobFailed as e:
                 await self._status(ident, route, Status.JOB_FAILED, str(e))
                 continue
+            header: dict[str, Any]
             if task is not None:
                 header = {"st": Status.OK.value, "task": task.to_wire()}
                 await self._answer_next(ident, node, route, header)
-            elif job.complete:
-                await self._answer_next(ident, node, route, {"st": Status.OK.value, "task": None})
+            elif job.finished:
+                header = {"st": Status.OK.value, "task": None, "state": job.state()}
+                await self._answer_next(ident, node, route, header)
             else:
                 still.append((ident, node, route, name))
         self._task_waiters = still

@@ -265,12 +265,36 @@ class SyncClient:
         epochs: int = 1,
         max_retries: int = 3,
         seed: int = 0,
+        restart: bool = False,
     ) -> dict[str, Any]:
+        """See :meth:`Client.create_job <zps.client.client.Client.create_job>`."""
         return self._call(
             self._client.create_job(
-                job, n_records, per_task, epochs=epochs, max_retries=max_retries, seed=seed
+                job,
+                n_records,
+                per_task,
+                epochs=epochs,
+                max_retries=max_retries,
+                seed=seed,
+                restart=restart,
             )
         )
+
+    def list_jobs(self) -> list[dict[str, Any]]:
+        """See :meth:`Client.list_jobs <zps.client.client.Client.list_jobs>`."""
+        return self._call(self._client.list_jobs())
+
+    def job(self, name: str) -> dict[str, Any]:
+        """See :meth:`Client.job <zps.client.client.Client.job>`."""
+        return self._call(self._client.job(name))
+
+    def cancel_job(self, name: str) -> dict[str, Any]:
+        """See :meth:`Client.cancel_job <zps.client.client.Client.cancel_job>`."""
+        return self._call(self._client.cancel_job(name))
+
+    def reset_job(self, name: str) -> dict[str, Any]:
+        """See :meth:`Client.reset_job <zps.client.client.Client.reset_job>`."""
+        return self._call(self._client.reset_job(name))
 
     def next_task(self, job: str) -> Task | None:
         return self._call(self._client.next_task(job))

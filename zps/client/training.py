@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,8 @@ from zps.core.coord import Task
 from zps.ops.config import ClientConfig
 from zps.ops.meter import ClientMeter
 from zps.protocol.codec import MsgType
+
+log = logging.getLogger("zps.client")
 
 
 class TrainingCalls(Connection):
@@ -134,21 +137,64 @@ class TrainingCalls(Connection):
         epochs: int = 1,
         max_retries: int = 3,
         seed: int = 0,
+        restart: bool = False,
     ) -> dict[str, Any]:
         """Declare a data set of ``n_records`` cut into tasks (idempotent for the same
-        settings); returns its progress."""
-        reply = await self._broker_call(
-            MsgType.TASK,
-            {
-                "op": "create",
-                "job": job,
-                "n_records": n_records,
-                "per_task": per_task,
-                "epochs": epochs,
-                "max_retries": max_retries,
-                "seed": seed,
-            },
-        )
+        settings); returns its progress, whose ``state`` says where the job is.
+
+        A job that is finished (``complete``, ``failed`` or ``cancelled``) is left as it
+        is, and this says so in a warning: :meth:`next_task` will hand out nothing.
+        ``restart=True`` runs a finished job again from the start (with these settings);
+        on a job not finished it changes nothing, so every worker may pass it.  With
+        CURVE key roles on, a restart needs the operator's key.
+        """
+        header: dict[str, Any] = {
+            "op": "create",
+            "job": job,
+            "n_records": n_records,
+            "per_task": per_task,
+            "epochs": epochs,
+            "max_retries": max_retries,
+            "seed": seed,
+        }
+        if restart:
+            header["restart"] = True
+        reply = await self._broker_call(MsgType.TASK, header)
+        progress = dict(reply["progress"])
+        if reply.get("outcome") == "finished":
+            log.warning(
+                "job %r is %s (%d of %d tasks done): no task will be handed out; "
+                "create_job(..., restart=True) or `zps-server job reset %s` runs it again",
+                job,
+                progress.get("state"),
+                progress.get("done", 0),
+                progress.get("total", 0),
+                job,
+            )
+        return progress
+
+    async def list_jobs(self) -> list[dict[str, Any]]:
+        """Every job's progress (``job``, ``state``, ``epoch``, ``done``, ``total``, ...)."""
+        reply = await self._broker_call(MsgType.TASK, {"op": "list"})
+        return [dict(j) for j in reply["jobs"]]
+
+    async def job(self, name: str) -> dict[str, Any]:
+        """The progress of the job ``name`` (:class:`BadRequestError` if there is none)."""
+        reply = await self._broker_call(MsgType.TASK, {"op": "show", "job": name})
+        return dict(reply["progress"])
+
+    async def cancel_job(self, name: str) -> dict[str, Any]:
+        """Cancel the job ``name``: no more tasks are handed out (a worker's
+        :meth:`next_task` returns None); tasks held may still be reported done.
+        Returns its progress.  With CURVE key roles on, this needs the operator's key."""
+        reply = await self._broker_call(MsgType.TASK, {"op": "cancel", "job": name})
+        return dict(reply["progress"])
+
+    async def reset_job(self, name: str) -> dict[str, Any]:
+        """Put the job ``name`` back to its start (every task to do again, not failed nor
+        cancelled); reports of tasks held now count for nothing.  Returns its progress.
+        With CURVE key roles on, this needs the operator's key."""
+        reply = await self._broker_call(MsgType.TASK, {"op": "reset", "job": name})
         return dict(reply["progress"])
 
     async def next_task(self, job: str) -> Task | None:
@@ -169,6 +215,8 @@ class TrainingCalls(Connection):
                 self._step = int(joined["step"])
         t = reply.get("task")
         if t is None:
+            if reply.get("state") in ("cancelled", "failed"):
+                log.warning("job %r is %s: no more tasks", job, reply["state"])
             return None
         return Task(t["job"], t["task"], t["epoch"], t["start"], t["stop"])
 

@@ -23,6 +23,17 @@ task held by a worker that dies goes back to the front of the queue; after
 ``max_retries`` such returns the job fails with a clear error.  A worker
 asking for a task while none is free but some are still held elsewhere
 waits; when every task is done the job is complete.
+
+Job control (an operator's, see :data:`zps.protocol.messages.OPERATOR_TASK_OPS`).  A job is
+in one state (:meth:`Job.state`): ``pending`` (no task handed out), ``running``,
+``complete``, ``failed`` or ``cancelled``; the last three are finished.  ``cancel``
+hands out no more tasks (a worker asking gets none, as for a complete job); the tasks
+held go on and may still be reported done.  ``reset`` puts the job back to its start
+(every task queued, no retries counted, not failed nor cancelled); the tasks held at
+that moment are orphaned: their holders' reports are answered as accepted and counted
+for nothing.  A ``create`` of a finished job changes nothing unless it asks for a
+restart, which is a reset (with the new settings, if they differ); a restart of a job
+that is not finished is a plain ``create``, so that every worker may ask for one.
 """
 
 from __future__ import annotations
@@ -192,6 +203,9 @@ class Job:
     #: have received one (the broker died before answering), so a holder asking
     #: for a task gets its own back first.
     unconfirmed: set[int] = field(default_factory=set)
+    cancelled: bool = False
+    #: (task id, worker) held when the job was reset: reports of them count for nothing.
+    orphaned: set[tuple[int, str]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.n_records < 1 or self.per_task < 1 or self.epochs < 1 or self.max_retries < 0:
@@ -227,6 +241,8 @@ class Job:
             retries=tuple(self.retries.items()),
             done=tuple(sorted(self.done)),
             failed=self.failed,
+            cancelled=self.cancelled,
+            orphaned=tuple(sorted(self.orphaned)),
         )
 
     @classmethod
@@ -243,6 +259,8 @@ class Job:
         job.done = set(rec.done)
         job.failed = rec.failed
         job.unconfirmed = set(job.held)
+        job.cancelled = rec.cancelled
+        job.orphaned = set(rec.orphaned)
         return job
 
     def spec(self) -> tuple[int, int, int, int, int]:
@@ -252,10 +270,48 @@ class Job:
     def complete(self) -> bool:
         return len(self.done) == self.total
 
+    @property
+    def finished(self) -> bool:
+        """Complete, failed or cancelled: no task will be handed out."""
+        return self.complete or self.failed is not None or self.cancelled
+
+    def state(self) -> str:
+        if self.failed is not None:
+            return "failed"
+        if self.cancelled:
+            return "cancelled"
+        if self.complete:
+            return "complete"
+        return "running" if self.held or self.done else "pending"
+
+    def epoch(self) -> int:
+        """The first epoch with a task not done (``epochs`` when the job is complete)."""
+        missing = (i for i in range(self.total) if i not in self.done)
+        first = next(missing, None)
+        return self.epochs if first is None else first // self.per_epoch
+
+    def cancel(self) -> None:
+        """Hand out no more tasks; the tasks held may still be reported done."""
+        self.cancelled = True
+
+    def reset(self, spec: tuple[int, int, int, int, int] | None = None) -> None:
+        """Back to the start (with ``spec``'s settings, if given): every task queued in
+        the shuffled order of the settings; the tasks held now are orphaned."""
+        fresh = Job(self.name, *(spec or self.spec()))
+        self.orphaned |= {(tid, worker) for tid, (worker, _) in self.held.items()}
+        self.n_records, self.per_task, self.epochs = fresh.n_records, fresh.per_task, fresh.epochs
+        self.max_retries, self.seed = fresh.max_retries, fresh.seed
+        self.queue, self.total, self.per_epoch = fresh.queue, fresh.total, fresh.per_epoch
+        self.held, self.retries, self.done, self.unconfirmed = {}, {}, set(), set()
+        self.failed, self.cancelled = None, False
+
     def next(self, worker: str) -> Task | None:
-        """A task for ``worker``; None if none is free right now (see :attr:`complete`)."""
+        """A task for ``worker``; None if none is free right now (see :attr:`complete`),
+        or the job was cancelled."""
         if self.failed:
             raise JobFailed(self.failed)
+        if self.cancelled:
+            return None
         for tid in sorted(self.unconfirmed):
             held = self.held.get(tid)
             if held is not None and held[0] == worker:
@@ -270,6 +326,9 @@ class Job:
     def finish(self, worker: str, task_id: int) -> bool:
         held = self.held.get(task_id)
         if held is None or held[0] != worker:
+            if (task_id, worker) in self.orphaned:  # held across a reset: counts for nothing
+                self.orphaned.discard((task_id, worker))
+                return True
             return task_id in self.done  # a repeated report is fine; a stranger's is not
         del self.held[task_id]
         self.unconfirmed.discard(task_id)
@@ -280,6 +339,7 @@ class Job:
         """Put a held task back (first in line); ``failed`` counts a retry."""
         held = self.held.get(task_id)
         if held is None or held[0] != worker:
+            self.orphaned.discard((task_id, worker))
             return
         del self.held[task_id]
         self.unconfirmed.discard(task_id)
@@ -295,10 +355,24 @@ class Job:
         self.queue.appendleft(held[1])
 
     def worker_gone(self, worker: str) -> list[int]:
+        self.orphaned = {o for o in self.orphaned if o[1] != worker}
         lost = [tid for tid, (w, _) in self.held.items() if w == worker]
         for tid in lost:
             self.release(worker, tid, failed=True)
         return lost
+
+    def create(self, spec: tuple[int, int, int, int, int], *, restart: bool) -> str:
+        """A ``create`` of this existing job: ``"exists"`` (nothing changes),
+        ``"finished"`` (nothing changes: the job is complete, failed or cancelled) or
+        ``"restarted"`` (a finished job reset, with ``spec``'s settings).  Other settings
+        than the job's are refused unless they restart a finished job."""
+        if self.finished and restart:
+            self.reset(spec)
+            return "restarted"
+        if spec != self.spec():
+            hint = " (restart=True runs it again with these)" if self.finished else ""
+            raise ValueError(f"job {self.name!r} exists with other settings {self.spec()}{hint}")
+        return "finished" if self.finished else "exists"
 
     def progress(self) -> dict[str, Any]:
         epochs = []
@@ -309,6 +383,9 @@ class Job:
             epochs.append({"epoch": e, "done": done, "running": held, "total": self.per_epoch})
         return {
             "job": self.name,
+            "state": self.state(),
+            "epoch": self.epoch(),
+            "n_epochs": self.epochs,
             "records": self.n_records,
             "per_task": self.per_task,
             "done": len(self.done),
