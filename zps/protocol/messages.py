@@ -312,17 +312,64 @@ class ClientHello:
         return out
 
 
+def _number(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ProtocolError(f"{what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainReport:
+    """What a worker's ``ps.report`` calls recorded since its previous heartbeat, for
+    the job it trains (the job of its last task, else the last it created): ``rows``
+    trained in ``secs`` seconds over ``steps`` reports, ``loss`` their mean (None if
+    none gave one)."""
+
+    job: str
+    rows: float
+    secs: float
+    steps: int
+    loss: float | None = None
+
+    @classmethod
+    def parse(cls, h: object) -> TrainReport:
+        h = _header(h, "HEARTBEAT train")
+        rows = _number(_field(h, "rows", "HEARTBEAT train"), "HEARTBEAT train rows")
+        secs = _number(_field(h, "secs", "HEARTBEAT train"), "HEARTBEAT train secs")
+        if rows < 0 or secs < 0:
+            raise ProtocolError("HEARTBEAT train rows and secs must be >= 0")
+        loss = h.get("loss")
+        return cls(
+            job=_str(_field(h, "job", "HEARTBEAT train"), "HEARTBEAT train job", empty=False),
+            rows=rows,
+            secs=secs,
+            steps=_int(_field(h, "steps", "HEARTBEAT train"), "HEARTBEAT train steps"),
+            loss=None if loss is None else _number(loss, "HEARTBEAT train loss"),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        h: dict[str, Any] = {"job": self.job, "rows": self.rows, "secs": self.secs}
+        h["steps"] = self.steps
+        if self.loss is not None:
+            h["loss"] = self.loss
+        return h
+
+
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """HEARTBEAT without content: client -> broker, and the broker's probes.  Its
-    header carries nothing the receiver reads."""
+    """HEARTBEAT: client -> broker, and the broker's probes (empty).  A training
+    client's carries ``train`` (a :class:`TrainReport`) when ``ps.report`` was called
+    since its previous one."""
+
+    train: TrainReport | None = None
 
     @classmethod
     def parse(cls, h: Header) -> Heartbeat:
-        return cls()
+        train = h.get("train")
+        return cls(None if train is None else TrainReport.parse(train))
 
     def to_wire(self) -> dict[str, Any]:
-        return {}
+        return {} if self.train is None else {"train": self.train.to_wire()}
 
 
 @dataclass(frozen=True, slots=True)
