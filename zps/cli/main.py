@@ -27,6 +27,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
+from zps.cli import jobs as jobs_cli
 from zps.errors import ConfigError, ZpsError
 from zps.ops import logs, malloc
 from zps.ops.config import (
@@ -369,12 +370,17 @@ async def _checkpoint(broker: str, client: ClientConfig, timeout: float, as_json
 
 
 async def _export_online(
-    broker: str, client: ClientConfig, out: str, tables: list[str] | None, since: str | None
+    broker: str,
+    client: ClientConfig,
+    out: str,
+    tables: list[str] | None,
+    since: str | None,
+    values_only: bool = False,
 ) -> int:
     from zps.client.client import connect
 
     async with connect(broker, client) as ps:
-        manifest = await ps.export_model(out, tables=tables, since=since)
+        manifest = await ps.export_model(out, tables=tables, since=since, values_only=values_only)
     _print_manifest(out, manifest)
     return 0
 
@@ -775,6 +781,13 @@ def server_parser() -> argparse.ArgumentParser:
     ex.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
     _add_common(ex, heartbeat=False)
 
+    ex.add_argument(
+        "--values-only",
+        action="store_true",
+        help="leave the optimizer state out (an import then starts it afresh)",
+    )
+    jobs_cli.add_parser(sub, _add_broker, _add_common)
+
     im = sub.add_parser(
         "import",
         help="create an export's tables in a cluster and set their values (warm start)",
@@ -917,11 +930,21 @@ def server_main(argv: Sequence[str] | None = None) -> int:
                         return 2
 
                     manifest = export_data_dirs(
-                        args.data_dir, args.out, partitions=args.partitions, tables=args.table
+                        args.data_dir,
+                        args.out,
+                        partitions=args.partitions,
+                        tables=args.table,
+                        values_only=args.values_only,
                     )
                     _print_manifest(args.out, manifest)
                     return 0
-                return run_async(_export_online(broker, client, args.out, args.table, args.since))
+                return run_async(
+                    _export_online(
+                        broker, client, args.out, args.table, args.since, args.values_only
+                    )
+                )
+            case "job":
+                return jobs_cli.run(args, *_admin(args))
             case "check-config":
                 return _check_config(
                     args.file or os.environ.get("ZPS_CONFIG") or DEFAULT_CONFIG_PATH

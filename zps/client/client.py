@@ -632,23 +632,24 @@ class Client(TrainingCalls):
         *,
         tables: Sequence[str] | None = None,
         since: str | os.PathLike[str] | None = None,
+        values_only: bool = False,
     ) -> dict[str, Any]:
-        """Write the values of ``tables`` (default: every table) into the directory
-        ``out`` in the open format of :mod:`zps.model.format` (``.npy`` files and a JSON
-        manifest), each partition cut at one point of its log while training goes on;
-        returns the manifest.  With ``since`` (an earlier export), only what changed
-        since it: a delta for :func:`zps.model.format.apply_delta`.  See
-        :mod:`zps.client.export`."""
+        """Write the values of ``tables`` (default: every table) and their optimizer
+        state (unless ``values_only``) into the directory ``out`` in the open format of
+        :mod:`zps.model.format` (``.npy`` files and a JSON manifest), each partition cut
+        at one point of its log while training goes on; returns the manifest.  With
+        ``since`` (an earlier export), only what changed since it: a delta for
+        :func:`zps.model.format.apply_delta`.  See :mod:`zps.client.export`."""
         from zps.client.export import export_model
 
-        return await export_model(self, out, tables=tables, since=since)
+        return await export_model(self, out, tables=tables, since=since, values_only=values_only)
 
     async def import_model(
         self, path: str | os.PathLike[str], *, tables: Sequence[str] | None = None
     ) -> list[str]:
         """Create the tables of an export (default: all of them) with their exported
-        specs and set their values (warm start); optimizer state starts afresh.
-        Returns the names imported."""
+        specs and set their values and optimizer state (warm start; an export without
+        state starts it afresh).  Returns the names imported."""
         from zps.client.export import import_model
 
         return await import_model(self, path, tables=tables)

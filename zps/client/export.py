@@ -48,6 +48,7 @@ async def export_model(
     source: dict[str, Any] | None = None,
     since: str | os.PathLike[str] | None = None,
     attempts: int = 3,
+    values_only: bool = False,
 ) -> dict[str, Any]:
     """Write the values of ``tables`` (default: all) to the directory ``out``; returns
     the manifest.  With ``since`` (an earlier export, full or delta-applied), write a

@@ -217,8 +217,12 @@ class SyncClient:
         *,
         tables: Sequence[str] | None = None,
         since: str | os.PathLike[str] | None = None,
+        values_only: bool = False,
     ) -> dict[str, Any]:
-        return self._call(self._client.export_model(out, tables=tables, since=since))
+        """See :meth:`Client.export_model <zps.client.client.Client.export_model>`."""
+        return self._call(
+            self._client.export_model(out, tables=tables, since=since, values_only=values_only)
+        )
 
     def import_model(
         self, path: str | os.PathLike[str], *, tables: Sequence[str] | None = None

@@ -119,6 +119,7 @@ def export_data_dirs(
     *,
     partitions: int | None = None,
     tables: Sequence[str] | None = None,
+    values_only: bool = False,
 ) -> dict[str, Any]:
     """Write the model held by ``data_dirs`` to ``out``; returns the manifest."""
     found = find_copies(data_dirs)
