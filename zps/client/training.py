@@ -43,6 +43,9 @@ class TrainingCalls(Connection):
         self.stop_requested = False
         self.progress = Progress(name=self.config.name, enabled=False)
         self.meter = ClientMeter(time.monotonic())
+        #: The tasks :meth:`next_task` handed this client, per job it asked (0: none:
+        #: the job had nothing left; zps-worker says so).
+        self.tasks_taken: dict[str, int] = {}
 
     async def start(self) -> None:
         """Connect; in sync and ssp mode also join the step clock."""
@@ -214,6 +217,8 @@ class TrainingCalls(Connection):
                 joined = await self._broker_call(MsgType.CLOCK, self._clock_header("join"))
                 self._step = int(joined["step"])
         t = reply.get("task")
+        taken = self.tasks_taken.get(job, 0)
+        self.tasks_taken[job] = taken if t is None else taken + 1
         if t is None:
             if reply.get("state") in ("cancelled", "failed"):
                 log.warning("job %r is %s: no more tasks", job, reply["state"])
