@@ -242,7 +242,7 @@ class Training:
                 await self._create(ident, route, req)
                 return
             if req.op == "list":
-                jobs = [self._progress(job) for job in self.jobs.values()]
+                jobs = [self._job_progress(job) for job in self.jobs.values()]
                 await self._reply(
                     ident, route, {"st": Status.OK.value, "jobs": jobs}, durable=False
                 )
@@ -283,7 +283,7 @@ class Training:
                     await self._reply(ident, route, {"st": Status.OK.value})
                     await self._serve_tasks()
                 case "show":
-                    reply = {"st": Status.OK.value, "progress": self._progress(job)}
+                    reply = {"st": Status.OK.value, "progress": self._job_progress(job)}
                     await self._reply(ident, route, reply, durable=False)
                 case "cancel" | "reset":
                     if req.op == "cancel":
@@ -305,7 +305,7 @@ class Training:
         except ValueError as e:
             await self._status(ident, route, Status.BAD_REQUEST, str(e))
 
-    def _progress(self, job: Job) -> dict[str, Any]:
+    def _job_progress(self, job: Job) -> dict[str, Any]:
         """The job's progress and how many workers wait for one of its tasks."""
         waiting = sum(1 for w in self._task_waiters if w[3] == job.name)
         return {**job.progress(), "waiting": waiting}
