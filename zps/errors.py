@@ -73,9 +73,30 @@ class TableConflictError(RemoteError, ValueError):
 
 
 class ShardUnavailableError(RemoteError):
-    """No live shard serves the partition a request needs."""
+    """No live shard serves the partition a request needs.
+
+    Raised by the client once a request that waited for a copy of its partition reached
+    its deadline (or at once for a partition the cluster map does not have):
+    ``partition`` names it, ``missing`` says what was missing (``"no live copy"``, ``"no
+    primary"``, ``"lost"`` or ``"no such partition"``) and ``waited`` how many seconds
+    the request waited.  All three are None when a server raised it.
+    """
 
     code = "SHARD_UNAVAILABLE"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        partition: int | None = None,
+        missing: str | None = None,
+        waited: float | None = None,
+    ) -> None:
+        super().__init__(message, code=code)
+        self.partition = partition
+        self.missing = missing
+        self.waited = waited
 
 
 class NotPrimaryError(RemoteError):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import pytest
 
 from zps.client.session import (
-    MAX_ATTEMPTS,
     Action,
     BrokerChoice,
     ClientSession,
@@ -182,38 +182,180 @@ def test_a_broker_restart_resends_everything_including_broker_calls() -> None:
     assert by_id[req.route.req_id].header == req.header
 
 
-def test_a_lost_partition_fails_new_and_waiting_requests() -> None:
+def test_a_lost_partition_waits_and_a_map_with_a_primary_delivers() -> None:
+    """Every copy died (the map says lost), then one holding the data came back: the
+    requests waited, parked and unsent, and went out at once on the map naming it."""
     s = session()
-    submit(s, "a", p=0)
-    submit(s, "b", p=1)
-    out = s.on_map(cmap(2, lost=True), 0.1)
-    assert sorted(a.token for a in out if isinstance(a, Fail)) == ["a", "b"]
-    for a in out:
-        assert isinstance(a, Fail) and isinstance(a.error, ShardUnavailableError)
-        assert "has no live copy (its last shard died)" in str(a.error)
-    [late] = submit(s, "c")
-    assert isinstance(late, Fail) and isinstance(late.error, ShardUnavailableError)
-    assert "partition 0 has no live copy" in str(late.error)
-    assert len(s) == 0
-
-
-def test_max_attempts_gives_up() -> None:
-    s = session(timeout=1e9)
-    first = only_send(submit(s, "a"))
-    req_id, now, sends = first.route.req_id, 0.0, 1
-    while True:
-        s.on_reply(reply(req_id, "NOT_PRIMARY"), now)
+    a = only_send(submit(s, "a", p=0))
+    b = only_send(submit(s, "b", p=1))
+    assert s.on_map(cmap(2, lost=True), 0.1) == []  # waiting, not failed
+    assert submit(s, "c", now=0.2) == []  # a new one waits too
+    now = 0.2
+    while now < TIMEOUT - 1.0:  # checked again at each backoff time: never sent meanwhile
         wake = s.next_wakeup()
         assert wake is not None
         now = wake
-        out = s.tick(now)
-        if isinstance(out[0], Fail):
+        assert s.tick(now) == []
+    assert len(s) == 3
+    back = sent(s.on_map(cmap(3, epoch=2, primary="s-b"), now))  # a copy is primary again
+    by_id = {m.route.req_id: m for m in back}
+    assert len(by_id) == 3 and all(m.route.epoch == 2 for m in back)
+    assert by_id[a.route.req_id].header == a.header  # the same seq: applied once
+    assert by_id[b.route.req_id].header == b.header
+    done = [x for m in back for x in s.on_reply(reply(m.route.req_id), now + 0.01)]
+    assert sorted(x.token for x in done if isinstance(x, Deliver)) == ["a", "b", "c"]
+    assert len(s) == 0 and s.next_wakeup() is None
+
+
+def no_copy(s: ClientSession[str], cause: str, now: float) -> None:
+    """Make partition 0 have no copy that serves, as ``cause`` says."""
+    if cause == "lost":
+        s.on_map(cmap(2, lost=True), now)
+    elif cause == "no primary":
+        s.on_map(cmap(2, primary=None), now)
+    else:  # the broker (or a shard) refuses, while the client's map names a primary
+        for a in s.tick(now):
+            assert isinstance(a, Send)
+
+
+@pytest.mark.parametrize(
+    ("cause", "missing", "says"),
+    [
+        ("lost", "lost", "partition 0 is lost (no copy holding its data is live)"),
+        ("no primary", "no primary", "partition 0 has no primary"),
+        ("SHARD_UNAVAILABLE", "no live copy", "partition 0 has no live copy (partition 0 is"),
+        ("NOT_PRIMARY", "no primary", "partition 0 has no primary (not primary"),
+    ],
+)
+def test_a_request_that_waits_for_a_copy_fails_at_its_deadline_naming_what_was_missing(
+    cause: str, missing: str, says: str
+) -> None:
+    s = session()
+    req = only_send(submit(s, "a", now=100.0))
+    no_copy(s, cause, 100.0)
+    refusal = {
+        "SHARD_UNAVAILABLE": "partition 0 is lost: no copy at epoch 1, LSN 7 or newer is left",
+        "NOT_PRIMARY": "not primary of partition 0",
+    }.get(cause)
+    fails: list[Fail[str]] = []
+    now = 100.0
+    while not fails:
+        if refusal is not None:
+            assert s.on_reply(reply(req.route.req_id, cause, msg=refusal), now) == []
+        wake = s.next_wakeup()
+        assert wake is not None and wake <= 100.0 + TIMEOUT
+        now = wake
+        actions = s.tick(now)
+        fails = [a for a in actions if isinstance(a, Fail)]
+    assert now == 100.0 + TIMEOUT
+    err = fails[0].error
+    assert isinstance(err, ShardUnavailableError), err
+    assert err.partition == 0 and err.missing == missing and err.waited == TIMEOUT
+    assert says in str(err) and "gave up after waiting 5.0s" in str(err)
+    if cause == "lost":
+        assert "zps-server reset-partition --partition 0 --accept-data-loss" in str(err)
+    assert len(s) == 0
+
+
+def test_a_request_sent_to_a_primary_that_never_answers_times_out() -> None:
+    """Only a request still waiting for a copy fails as unavailable: one sent to the
+    primary the new map names, which then never answers, times out."""
+    s = session()
+    req = only_send(submit(s, "a"))
+    s.on_map(cmap(2, lost=True), 0.1)
+    assert only_send(s.on_map(cmap(3, epoch=2), 0.5)).route.req_id == req.route.req_id
+    [out] = s.tick(TIMEOUT)
+    assert isinstance(out, Fail) and isinstance(out.error, ZpsTimeoutError)
+
+
+def test_forever_waits_as_long_as_it_takes() -> None:
+    """No deadline: a request of a session without a timeout, and a broker call made
+    ``forever``, wait through a partition lost for a day, and are answered after."""
+    s = session(timeout=math.inf)
+    assert submit(s, "a") and s.on_map(cmap(2, lost=True), 0.0) == []
+    call_id, _ = s.call(MsgType.CLOCK, {"op": "tick"}, "clock", 0.0, forever=True)
+    now, wakes = 0.0, 0
+    while now < 86_400.0:
+        wake = s.next_wakeup()
+        assert wake is not None  # the parked request is checked at its backoff time
+        now = wake
+        wakes += 1
+        assert s.tick(now) == []
+    assert len(s) == 2
+    [again] = sent(s.on_map(cmap(3, epoch=2), now))
+    [out] = s.on_reply(reply(again.route.req_id), now)
+    assert isinstance(out, Deliver) and out.token == "a"
+    [out] = s.on_reply(answer(MsgType.CLOCK, call_id, {"st": "OK", "step": 1}), now)
+    assert isinstance(out, Deliver) and out.token == "clock"
+    assert wakes <= 86_400.0 / BACKOFF_CAP + 10
+
+
+def test_a_waiting_request_does_not_spin() -> None:
+    """Waiting for a copy costs a check (no send) per backoff time, at most one per
+    ``max_backoff`` once the backoff has grown; refused by the broker, one send each."""
+    s = session(cmap(lost=True), timeout=60.0)
+    assert submit(s, "a") == []
+    now, wakes, last = 0.0, 0, -1.0
+    while True:
+        wake = s.next_wakeup()
+        assert wake is not None and wake > now
+        now = wake
+        actions = s.tick(now)
+        if any(isinstance(a, Fail) for a in actions):
             break
+        assert actions == []
+        wakes += 1
+        if wakes > 9:  # the backoff has reached its cap
+            assert now - last == pytest.approx(BACKOFF_CAP)
+        last = now
+    assert now == 60.0 and wakes <= 60.0 / BACKOFF_CAP + 9
+    # The broker answers SHARD_UNAVAILABLE while our map names a primary.
+    s = session(timeout=60.0)
+    req = only_send(submit(s, "a"))
+    now, sends = 0.0, 1
+    while True:
+        s.on_reply(reply(req.route.req_id, "SHARD_UNAVAILABLE", msg="gone"), now)
+        wake = s.next_wakeup()
+        assert wake is not None and wake > now
+        now = wake
+        actions = s.tick(now)
+        if any(isinstance(a, Fail) for a in actions):
+            break
+        assert len(sent(actions)) == 1
         sends += 1
-    assert sends == MAX_ATTEMPTS
-    [fail] = out
-    assert isinstance(fail, Fail) and isinstance(fail.error, ShardUnavailableError)
-    assert f"gave up after {MAX_ATTEMPTS} attempts" in str(fail.error)
+    assert now == 60.0 and sends <= 60.0 / BACKOFF_CAP + 9
+    assert s.stats.retries == sends - 1
+
+
+def test_no_count_of_attempts_cuts_a_request_short_of_its_deadline() -> None:
+    """Refused thousands of times (a long promotion), a request is re-sent until its
+    deadline, and answered then if a primary answers."""
+    s = session(timeout=2000.0)
+    first = only_send(submit(s, "a"))
+    req_id, now, sends = first.route.req_id, 0.0, 1
+    while now < 1990.0:
+        assert s.on_reply(reply(req_id, "NOT_PRIMARY"), now) == []
+        wake = s.next_wakeup()
+        assert wake is not None
+        now = wake
+        assert [m.route.req_id for m in sent(s.tick(now))] == [req_id]
+        sends += 1
+    assert sends > 3000
+    [out] = s.on_reply(reply(req_id), now)
+    assert isinstance(out, Deliver) and out.token == "a"
+
+
+def test_a_partition_the_map_does_not_have_fails_at_once() -> None:
+    s = session(cmap(n=2))
+    [out] = submit(s, "a", p=5)
+    assert isinstance(out, Fail) and isinstance(out.error, ShardUnavailableError)
+    assert "partition 5 is not in the cluster map (it has 2 partitions)" in str(out.error)
+    assert out.error.missing == "no such partition" and len(s) == 0
+    # One the broker says it does not have, which a newer map drops (fewer partitions).
+    req = only_send(submit(s, "b", p=1))
+    assert s.on_reply(reply(req.route.req_id, "SHARD_UNAVAILABLE", msg="no such"), 0.0) == []
+    [out] = s.on_map(cmap(2, n=1), 0.1)
+    assert isinstance(out, Fail) and "partition 1 is not in the cluster map" in str(out.error)
     assert len(s) == 0
 
 
@@ -229,7 +371,7 @@ def test_the_deadline_fails_with_a_timeout_and_a_late_reply_is_ignored() -> None
     assert s.next_wakeup() is None
 
 
-def test_a_parked_request_still_times_out() -> None:
+def test_a_parked_request_still_fails_at_its_deadline() -> None:
     s = session(cmap(primary=None))
     submit(s, "a", now=0.0)
     fails: list[Fail[str]] = []
@@ -237,7 +379,17 @@ def test_a_parked_request_still_times_out() -> None:
         wake = s.next_wakeup()
         assert wake is not None and wake <= TIMEOUT
         fails = [a for a in s.tick(wake) if isinstance(a, Fail)]
-    assert isinstance(fails[0].error, ZpsTimeoutError)
+    assert isinstance(fails[0].error, ShardUnavailableError)
+    assert "partition 0 has no primary" in str(fails[0].error)
+
+
+def test_a_timeout_names_the_last_refusal() -> None:
+    s = session()
+    msg = only_send(submit(s, "a"))
+    s.on_reply(reply(msg.route.req_id, "OVERLOADED", msg="the primary is busy"), 0.0)
+    [out] = s.tick(TIMEOUT)
+    assert isinstance(out, Fail) and isinstance(out.error, ZpsTimeoutError)
+    assert "(last refused: OVERLOADED: the primary is busy)" in str(out.error)
 
 
 def test_broker_calls_time_out_unless_forever() -> None:
@@ -361,7 +513,8 @@ def test_a_failed_write_after_an_early_reply_fails_the_request() -> None:
     [parked] = s.on_reply(reply(msg.route.req_id, "NOT_PRIMARY"), 0.2) or [None]
     assert parked is None and len(s) == 1  # parked: re-sent, not failed
     [out] = s.tick(TIMEOUT + 1)
-    assert isinstance(out, Fail) and isinstance(out.error, ZpsTimeoutError)
+    assert isinstance(out, Fail) and isinstance(out.error, ShardUnavailableError)
+    assert "partition 0 has no primary" in str(out.error)
 
 
 def test_answers_to_background_writes_ride_on_another_reply() -> None:

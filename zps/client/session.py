@@ -17,13 +17,21 @@ Rules:
    applies it once.
 3. NOT_PRIMARY, STALE_EPOCH, OVERLOADED and NOT_ENOUGH_REPLICAS park a request; it is
    re-sent at its backoff time ``min(0.01 * 2**min(attempts - 1, 8), max_backoff)``, or at
-   once on a map whose epoch for its partition differs.  After ``MAX_ATTEMPTS`` it fails.
-   One still refused NOT_ENOUGH_REPLICAS at its deadline fails with that error.
+   once on a map whose epoch for its partition differs.  Only its deadline ends the
+   retries: no count of attempts does.  One still refused NOT_ENOUGH_REPLICAS at its
+   deadline fails with that error.
 4. A map from a new broker incarnation re-sends everything in flight, broker calls
    included: the restarted broker may have dropped it.
-5. A request to a lost partition fails with ShardUnavailableError; past its deadline
-   (``now + timeout`` at submission) with ZpsTimeoutError.  Calls made ``forever`` have
-   no deadline.
+5. A request waits while no copy of its partition serves: the map names no primary (a
+   promotion, the broker's start-up hold) or marks the partition lost, or the answer is
+   SHARD_UNAVAILABLE (no live copy) or NOT_PRIMARY.  It is parked as in rule 3; while the
+   map names no primary it is not sent, only checked again at its backoff time, and it
+   is sent at once on a map that names one.  Its deadline (``now + timeout`` at
+   submission) ends the wait: one still waiting for a copy then fails with
+   ShardUnavailableError naming the partition, what was missing and how long it waited;
+   any other with ZpsTimeoutError (naming its last refusal).  Calls made ``forever``, and
+   every request of a session whose timeout is infinite, have no deadline and wait as
+   long as it takes.  A partition the map does not have fails at once.
 6. With a broker pair (:class:`BrokerChoice`), a switch to the other broker re-sends
    everything in flight on its first map, whatever that map's version; a PASSIVE answer
    parks a request (and leaves a broker call waiting) until then.
@@ -41,11 +49,12 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeAlias, TypeVar
 
-from zps.core.routing import ClusterMap
+from zps.core.routing import ClusterMap, PartitionInfo
 from zps.errors import (
     JobFailedError,
     NotEnoughReplicasError,
@@ -58,11 +67,22 @@ from zps.protocol.messages import ClientHello
 
 T = TypeVar("T")
 
-#: Retries of one message across map changes before the caller sees an error.
-MAX_ATTEMPTS = 1000
 RETRY_CODES = frozenset(
-    {"NOT_PRIMARY", "STALE_EPOCH", "OVERLOADED", "NOT_ENOUGH_REPLICAS", "PASSIVE"}
+    {
+        "NOT_PRIMARY",
+        "STALE_EPOCH",
+        "OVERLOADED",
+        "NOT_ENOUGH_REPLICAS",
+        "PASSIVE",
+        "SHARD_UNAVAILABLE",
+    }
 )
+#: What a request waiting for a copy of its partition misses (rule 5).
+LOST = "lost"
+NO_PRIMARY = "no primary"
+NO_COPY = "no live copy"
+#: Refusals that say no copy of the partition serves (rule 5), with what is missing.
+_MISSING_BY_CODE = {"SHARD_UNAVAILABLE": NO_COPY, "NOT_PRIMARY": NO_PRIMARY}
 #: The broker calls: answered by the broker itself, with a reply of the same type.
 BROKER_CALLS = frozenset({MsgType.CLOCK, MsgType.TASK, MsgType.STATUS})
 
@@ -116,10 +136,16 @@ class _Request(Generic[T]):
     body: list[Any]  # header and payload frames, re-sent unchanged on retry
     epoch: int
     deadline: float
+    submitted: float
     attempts: int = 1
     parked: bool = False  # waiting to be re-sent (a newer map, or a short backoff)
     due_at: float = 0.0  # when a parked request is re-sent
     short: str = ""  # the last NOT_ENOUGH_REPLICAS message: raised instead of a timeout
+    #: What it waits for (rule 5: LOST, NO_PRIMARY, NO_COPY), "" once sent to a primary
+    #: the map names; ``why``: the refusal's message that said so.
+    missing: str = ""
+    why: str = ""
+    last: str = ""  # the last refusal (code: message), named by a timeout
 
 
 @dataclass(slots=True)
@@ -181,9 +207,10 @@ class ClientSession(Generic[T]):
         """A request of ``ops`` (their arrays already added to ``encoder``) to ``partition``.
         ``lazy``: no caller waits for its writes (background pushes): their answer may
         come with a later reply (rule 7)."""
-        info = self.map.partitions.get(partition) if self.map is not None else None
-        if info is None or info.lost:
-            return [Fail(token, ShardUnavailableError(f"partition {partition} has no live copy"))]
+        cmap = self.map
+        info = cmap.partitions.get(partition) if cmap is not None else None
+        if cmap is not None and info is None:
+            return [Fail(token, self._no_such(partition, 0.0))]
         header: dict[str, Any] = {"cid": self.cid, "seq": next(self._seqs), "ops": ops}
         if self._acks is not None:
             header["acks"] = self._acks
@@ -192,15 +219,20 @@ class ClientSession(Generic[T]):
             if lazy:
                 header["lz"] = 1
         req_id = next(self._req_ids)
-        frames = encoder.build(Route(MsgType.REQUEST, partition, info.epoch, req_id), header)
+        epoch = info.epoch if info is not None else 0
+        frames = encoder.build(Route(MsgType.REQUEST, partition, epoch, req_id), header)
         deadline = now + self.timeout
-        req = self._table[req_id] = _Request(token, partition, frames[1:], info.epoch, deadline)
-        self._deadlines[req_id] = deadline
+        req = _Request(token, partition, frames[1:], epoch, deadline, now)
+        self._table[req_id] = req
+        if deadline != math.inf:
+            self._deadlines[req_id] = deadline
         stats = self.stats
         stats.requests += 1
         stats.ops += len(ops)
         stats.by_partition[partition] += 1
-        if info.primary is None:  # failing over: wait for the new primary
+        missing = _missing(info)
+        if missing:  # no copy serves (rule 5): wait for a map that names a primary
+            req.missing = missing
             self._park(req_id, req, now)
             return []
         return [Send(frames, req_id)]
@@ -264,8 +296,17 @@ class ClientSession(Generic[T]):
         if msg.route.mtype is not MsgType.REPLY:
             return []
         if status in RETRY_CODES:
-            # Failing over, or our map is out of date: try again shortly.
-            entry.short = str(header.get("msg", "")) if status == "NOT_ENOUGH_REPLICAS" else ""
+            # Failing over, no copy serving, or our map is out of date: try again shortly
+            # (rules 3 and 5).
+            text = str(header.get("msg", ""))
+            cmap = self.map
+            if status == "SHARD_UNAVAILABLE" and cmap and entry.partition not in cmap.partitions:
+                self._forget(req_id)
+                return [Fail(entry.token, self._no_such(entry.partition, now - entry.submitted))]
+            entry.short = text if status == "NOT_ENOUGH_REPLICAS" else ""
+            entry.missing = _MISSING_BY_CODE.get(str(status), "")
+            entry.why = text if entry.missing else ""
+            entry.last = f"{status}: {text}" if text else str(status)
             self._park(req_id, entry, now)
             return [self.hello()] if status == "STALE_EPOCH" else []
         if status == "OK" and header.get("part") == 1:
@@ -319,9 +360,12 @@ class ClientSession(Generic[T]):
                 break
             expired = self._table[req_id]
             self._forget(req_id)
-            if isinstance(expired, _Request) and expired.short:
+            if isinstance(expired, _Request) and expired.missing:
+                # Waited for a copy of its partition until the end (rule 5): say which.
+                err: BaseException = self._unavailable(expired, now)
+            elif isinstance(expired, _Request) and expired.short:
                 # Refused for want of in-sync replicas until the end: say so.
-                err: BaseException = NotEnoughReplicasError(expired.short)
+                err = NotEnoughReplicasError(expired.short)
             else:
                 err = ZpsTimeoutError(self._timeout_message(expired))
             actions.append(Fail(expired.token, err))
@@ -395,24 +439,20 @@ class ClientSession(Generic[T]):
         heapq.heappush(self._due, (req.due_at, req_id))
 
     def _resend(self, req_id: int, req: _Request[T], now: float) -> list[Action[T]]:
-        info = self.map.partitions.get(req.partition) if self.map is not None else None
-        if info is None or info.lost:
+        cmap = self.map
+        info = cmap.partitions.get(req.partition) if cmap is not None else None
+        if cmap is not None and info is None:
             self._forget(req_id)
-            err = ShardUnavailableError(
-                f"partition {req.partition} has no live copy (its last shard died)"
-            )
-            return [Fail(req.token, err)]
-        if info.primary is None:
-            req.attempts += 1
+            return [Fail(req.token, self._no_such(req.partition, now - req.submitted))]
+        req.attempts += 1
+        missing = _missing(info)
+        if missing:  # still no copy serves (rule 5): checked again at the backoff time
+            if missing != req.missing:
+                req.missing, req.why = missing, ""
             self._park(req_id, req, now)
             return []
-        if req.attempts >= MAX_ATTEMPTS:
-            self._forget(req_id)
-            err = ShardUnavailableError(
-                f"partition {req.partition}: gave up after {req.attempts} attempts"
-            )
-            return [Fail(req.token, err)]
-        req.attempts += 1
+        assert info is not None
+        req.missing = req.why = ""
         req.parked = False
         req.epoch = info.epoch
         self.stats.retries += 1
@@ -427,12 +467,56 @@ class ClientSession(Generic[T]):
                 return
             heapq.heappop(self._due)
 
+    def _unavailable(self, req: _Request[T], now: float) -> ShardUnavailableError:
+        """The error of a request that waited for a copy of its partition until its
+        deadline (rule 5)."""
+        p, waited = req.partition, now - req.submitted
+        if req.missing == LOST:
+            what = (
+                f"partition {p} is lost (no copy holding its data is live): waiting for a "
+                f"copy holding its data to register, or for `zps-server reset-partition "
+                f"--partition {p} --accept-data-loss`"
+            )
+        elif req.missing == NO_PRIMARY:
+            why = req.why or "a promotion, or the broker's start-up hold"
+            what = f"partition {p} has no primary ({why})"
+        else:
+            what = f"partition {p} has no live copy" + (f" ({req.why})" if req.why else "")
+        return ShardUnavailableError(
+            f"{what}; gave up after waiting {waited:.1f}s (the client's timeout)",
+            partition=p,
+            missing=req.missing,
+            waited=waited,
+        )
+
+    def _no_such(self, partition: int, waited: float) -> ShardUnavailableError:
+        n = self.map.n_partitions if self.map is not None else 0
+        return ShardUnavailableError(
+            f"partition {partition} is not in the cluster map (it has {n} partitions)",
+            partition=partition,
+            missing="no such partition",
+            waited=waited,
+        )
+
     def _timeout_message(self, entry: _Request[T] | _Call[T]) -> str:
         if isinstance(entry, _Request):
-            return f"request to partition {entry.partition} not answered within {self.timeout:g}s"
+            last = f" (last refused: {entry.last})" if entry.last else ""
+            return (
+                f"request to partition {entry.partition} not answered within "
+                f"{self.timeout:g}s{last}"
+            )
         if entry.mtype is MsgType.STATUS:
             return "the broker did not answer the status request"
         return f"the broker did not answer {entry.mtype.name} within {entry.limit:g}s"
+
+
+def _missing(info: PartitionInfo | None) -> str:
+    """What keeps a partition from being served, by the map ("": it names a primary)."""
+    if info is None:
+        return NO_PRIMARY  # no map yet
+    if info.lost:
+        return LOST
+    return NO_PRIMARY if info.primary is None else ""
 
 
 class BrokerChoice:
