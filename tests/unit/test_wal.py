@@ -313,3 +313,197 @@ def test_none_mode_logs_nothing_and_waits_for_nothing(tmp_path: Path) -> None:
     d.after(1, lambda: released.append(1))
     assert released == [1] and d.acked_lsn(5) == 5
     assert not list(tmp_path.glob("wal-*.log"))
+
+
+# -- storage faults ---------------------------------------------------------------
+
+#: Runs in a child process (a file-size limit there stands for a full disk: writes
+#: past it fail with EFBIG, SIGXFSZ ignored): five records, then a sixth too large
+#: for the limit, then the limit lifted and the sixth written again, as the writer
+#: retries a batch.  Prints the segment's size before and after the failed write.
+_FULL_DISK = """
+import json, os, resource, signal, sys
+from zps.store.wal import Record, Wal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+folder = sys.argv[1]
+rec = lambda lsn, size: Record(1, lsn - 1, lsn, [b"head-%d" % lsn, bytes([lsn]) * size])
+wal = Wal(folder)
+wal.reset(0)
+wal.append([rec(i, 100) for i in range(1, 6)])
+wal.sync()
+(seg,) = [p for _, p in wal.segments()]
+before = os.path.getsize(seg)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (before + 700, hard))
+try:
+    wal.append([rec(6, 2000), rec(7, 50)])
+    wal.sync()
+    error = None
+except OSError as e:
+    error = e.errno
+after = os.path.getsize(seg)
+lsn_after = wal.lsn
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+wal.append([rec(i, 2000 if i == 6 else 50) for i in (6, 7) if i > wal.lsn])
+wal.close()
+print(json.dumps({"before": before, "after": after, "error": error, "lsn": lsn_after}))
+"""
+
+
+def test_a_write_that_fills_the_disk_leaves_no_partial_record_and_the_retry_replays(
+    tmp_path: Path,
+) -> None:
+    import errno
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        check=True,
+    ).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["error"] == errno.EFBIG, got
+    # The failed write left nothing behind: the segment ends after record 5.
+    assert got["after"] == got["before"] and got["lsn"] == 5, got
+    applied = Applier()
+    result = Wal(tmp_path).recover(0, 0, applied)
+    assert result.cut is None and not list(tmp_path.glob("*.cut-*"))
+    assert [r.lsn for r in applied.seen] == [1, 2, 3, 4, 5, 6, 7]
+    assert applied.seen[5].frames[1] == bytes([6]) * 2000
+
+
+class FullDisk:
+    """os.writev that writes part of what it is given, then fails with ENOSPC, while
+    ``full`` is set."""
+
+    def __init__(self) -> None:
+        self.full = threading.Event()
+        self.failed = 0
+        self.real = os.writev
+
+    def __call__(self, fd: int, buffers: list[memoryview]) -> int:
+        if not self.full.is_set():
+            return self.real(fd, buffers)
+        self.failed += 1
+        first = bytes(buffers[0])
+        if len(first) > 1 and self.failed % 2:
+            return self.real(fd, [first[: len(first) // 2]])  # a short write ...
+        raise OSError(28, "No space left on device")  # ... then the error
+
+
+@pytest.mark.asyncio
+async def test_a_batch_retried_after_a_full_disk_is_written_once_and_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = FullDisk()
+    monkeypatch.setattr("zps.store.wal.os.writev", disk)
+    monkeypatch.setattr("zps.shard.durability.RETRY_S", 0.01)
+    d = Durability("fsync")
+    d.start(tmp_path, 0, 0)
+    writer = asyncio.create_task(d.run())
+    released: list[int] = []
+    d.log(1, 0, 1, [b"h1", b"x" * 100])
+    d.after(1, lambda: released.append(1))
+    await _until(lambda: released == [1])
+    disk.full.set()
+    for lsn in range(2, 6):
+        d.log(1, lsn - 1, lsn, [b"h%d" % lsn, b"y" * 300])
+        d.after(lsn, lambda lsn=lsn: released.append(lsn))
+    await _until(lambda: disk.failed >= 4)
+    assert released == [1] and d.durable == 1 and d.stats.errors >= 2
+    disk.full.clear()
+    await _until(lambda: released == [1, 2, 3, 4, 5])
+    writer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await writer
+    applied = Applier()
+    assert Wal(tmp_path).recover(0, 0, applied).cut is None
+    assert [r.lsn for r in applied.seen] == [1, 2, 3, 4, 5]
+
+
+def test_a_failed_sync_loses_the_log_and_is_never_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from zps.store.wal import WalLost
+
+    wal = write(tmp_path, [rec(1), rec(2)])
+    calls: list[int] = []
+
+    def eio(fd: int) -> None:
+        calls.append(fd)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr("zps.store.wal.os.fdatasync", eio)
+    wal.append([rec(3)])
+    with pytest.raises(WalLost, match="fdatasync failed"):
+        wal.sync()
+    assert wal.lost is not None
+    # Nothing more is written or synced: what the file reads back is not the disk's.
+    with pytest.raises(WalLost):
+        wal.append([rec(4, prev=3)])
+    with pytest.raises(WalLost):
+        wal.sync()
+    wal.close()
+    assert len(calls) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_failed_sync_releases_nothing_and_tells_the_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fail = threading.Event()
+    real = os.fdatasync
+    syncs: list[int] = []
+
+    def fdatasync(fd: int) -> None:
+        syncs.append(fd)
+        if fail.is_set():
+            raise OSError(5, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr("zps.store.wal.os.fdatasync", fdatasync)
+    monkeypatch.setattr("zps.shard.durability.RETRY_S", 0.01)
+    d = Durability("fsync")
+    lost: list[str] = []
+    d.on_lost = lost.append
+    d.start(tmp_path, 0, 0)
+    writer = asyncio.create_task(d.run())
+    released: list[int] = []
+    d.log(1, 0, 1, [b"h1"])
+    d.after(1, lambda: released.append(1))
+    await _until(lambda: released == [1])
+    fail.set()
+    d.log(1, 1, 2, [b"h2"])
+    d.after(2, lambda: released.append(2))
+    await _until(lambda: bool(lost))
+    assert "fdatasync failed" in lost[0] and d.lost == lost[0]
+    n = len(syncs)
+    d.log(1, 2, 3, [b"h3"])  # ignored: the log is lost
+    d.after(3, lambda: released.append(3))
+    await asyncio.wait_for(writer, 5)  # the writer stopped: no retry
+    assert released == [1] and d.durable == 1 and d.acked_lsn(3) == 1 and len(syncs) == n
+
+
+def test_a_cut_tail_is_kept_aside_with_what_it_holds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write(tmp_path, [rec(i) for i in range(1, 7)]).close()
+    (seg,) = tmp_path.glob("wal-*.log")
+    whole = seg.read_bytes()
+    result = Wal(tmp_path).recover(0, 0, Applier(fail_at=4))
+    assert result.lsn == 3 and result.set_aside == 3  # records 4, 5 and 6
+    (kept,) = tmp_path.glob("wal-*.log.cut-*")
+    offset = int(kept.name.rsplit("-", 1)[1])
+    assert seg.read_bytes() == whole[:offset] and kept.read_bytes() == whole[offset:]
+    assert "3 whole records (LSN 4..6)" in caplog.text
+    # A torn last record alone: nothing whole is set aside.
+    with open(seg, "ab") as f:
+        f.write(b"".join(bytes(p) for p in encode_record(rec(4)))[:-2])
+    assert Wal(tmp_path).recover(0, 0, Applier()).set_aside == 0
+    assert len(list(tmp_path.glob("wal-*.log.cut-*"))) == 2

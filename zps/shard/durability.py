@@ -21,8 +21,14 @@ The event loop never waits on the disk: heartbeats, leases and reads go on
 while a batch is written.  Control operations (start a log at a base, begin a
 new segment, drop segments a checkpoint covers) are queued with the records and
 run in order by the same thread, so the log is only ever touched by one thread.
-A write that fails (a full disk) is logged and retried; what waits for it keeps
-waiting, since it is not durable.
+
+A write that fails (a full disk: ENOSPC, EFBIG) leaves no partial record (the
+log truncates the segment back first) and is retried every :data:`RETRY_S`
+seconds from the first record not written whole; what waits for it keeps
+waiting, since it is not durable.  A failed sync is never retried: the log is
+*lost* (:class:`~zps.store.wal.WalLost`: the kernel may have dropped the pages it
+could not write).  From then on nothing is written and nothing waiting is
+released; :attr:`Durability.on_lost` tells the shard, which leaves its role.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from zps.store.wal import Buffer, Record, Wal
+from zps.store.wal import Buffer, Record, Wal, WalLost
 
 log = logging.getLogger("zps.shard")
 
@@ -82,6 +88,10 @@ class Durability:
         self.durable = 0
         #: Called after each batch is durable (a replica acknowledges then).
         self.on_durable: Callable[[], None] | None = None
+        #: Why the log was lost (a failed sync), or None; :attr:`on_lost` is called
+        #: with it once, on the event loop.
+        self.lost: str | None = None
+        self.on_lost: Callable[[str], None] | None = None
         self._wal: Wal | None = None  # touched only by the worker thread once running
         self._queue: list[Record | _Op] = []
         self._waiters: deque[tuple[int, Callable[[], None]]] = deque()
@@ -89,14 +99,16 @@ class Durability:
         self._wake = asyncio.Event()
         self._executor: ThreadPoolExecutor | None = None
         self._last_sync = time.monotonic()
+        self._done = 0  # items of the batch being written that are done
 
     @property
     def enabled(self) -> bool:
-        return self.mode != "none" and self.partition is not None
+        """Whether messages are logged (not once the log is lost)."""
+        return self.mode != "none" and self.partition is not None and self.lost is None
 
     @property
     def waits(self) -> bool:
-        """Whether acknowledgements wait for the log."""
+        """Whether acknowledgements wait for the log (a lost log releases nothing)."""
         return self.mode != "none" and self.partition is not None
 
     # -- the log's identity (on the event loop) -----------------------------------
@@ -110,8 +122,8 @@ class Durability:
         """Start a new log for ``partition`` after LSN ``base``; the state at ``base``
         must be durable already (a checkpoint, or nothing at LSN 0).  Anything still
         waiting for the old log is released (its waiters check whether they still
-        stand: the role or the history changed)."""
-        if self.mode == "none":
+        stand: the role or the history changed).  Not once a log was lost."""
+        if self.mode == "none" or self.lost is not None:
             return
 
         def reset() -> None:
@@ -173,7 +185,9 @@ class Durability:
             self._wake.set()
 
     def checkpointed(self, partition: int, lsn: int) -> None:
-        """A checkpoint of ``partition`` at ``lsn`` is on disk: drop what it covers."""
+        """A checkpoint of ``partition`` is on disk and the oldest one kept is at
+        ``lsn``: drop the segments that one covers (so every checkpoint kept, with the
+        log, restores the newest state)."""
         if self.enabled and partition == self.partition:
 
             def truncate() -> None:
@@ -210,10 +224,18 @@ class Durability:
                 generation = self._generation
                 try:
                     lsn = await loop.run_in_executor(self._executor, self._write, batch)
+                except WalLost as e:
+                    self._lose(str(e))
+                    return
                 except OSError as e:
                     self.stats.errors += 1
-                    log.error("write-ahead log: writing failed (%s); retrying in %gs", e, RETRY_S)
-                    self._queue = batch + self._queue
+                    log.error(
+                        "write-ahead log of partition %s: writing failed (%s); no partial "
+                        "record is left, retrying in %gs; nothing after LSN %d is "
+                        "acknowledged meanwhile",
+                        self.partition, e, RETRY_S, self.durable,
+                    )  # fmt: skip
+                    self._queue = batch[self._done :] + self._queue
                     await asyncio.sleep(RETRY_S)
                     continue
                 if generation == self._generation and lsn is not None:
@@ -225,11 +247,26 @@ class Durability:
             await loop.run_in_executor(self._executor, self._close)
             self._executor.shutdown(wait=False)
 
+    def _lose(self, why: str) -> None:
+        """The log is lost: write nothing more, release nothing, tell the shard."""
+        self.stats.errors += 1
+        self.lost = why
+        self._queue.clear()
+        log.error(
+            "write-ahead log of partition %s lost: %s; nothing after LSN %d is "
+            "acknowledged by this copy",
+            self.partition, why, self.durable,
+        )  # fmt: skip
+        if self.on_lost is not None:
+            self.on_lost(why)
+
     def _write(self, batch: list[Record | _Op]) -> int | None:
         """In the worker thread: run the batch in order; the LSN written (synced in
-        fsync mode) through, or None if no log is open."""
+        fsync mode) through, or None if no log is open.  :attr:`_done` counts the
+        items done, so that a failed batch is retried from the first one not done."""
         records: list[Record] = []
-        for item in batch:
+        self._done = 0
+        for i, item in enumerate(batch):
             if isinstance(item, Record):
                 if self._wal is not None and item.lsn > self._wal.lsn:
                     records.append(item)  # a retried batch skips what it wrote before
@@ -237,7 +274,9 @@ class Durability:
             if records:
                 self._append(records)
                 records = []
+            self._done = i
             item()
+            self._done = i + 1
         if records:
             self._append(records)
         wal = self._wal

@@ -18,8 +18,16 @@ Reading stops at the first record that is short, too long for the file or fails
 its CRC: a crash mid-write leaves a torn tail, which :meth:`Wal.recover` cuts off
 before appending again.  Records that do not continue the recovered state (a gap,
 or an older epoch than the state's: another history) end the replay the same way.
-Nothing is thrown away silently: cut whole segments are renamed ``*.broken`` and
-logged.
+Nothing is thrown away silently: the cut tail of a segment is copied to
+``wal-PREV.log.cut-OFFSET`` before the segment is truncated, whole later segments
+are renamed ``*.broken``, and both are logged with what they hold.
+
+A write that fails (a full disk: ENOSPC, EFBIG) leaves no partial record: the
+segment is truncated back to where the batch began before the error is raised, so
+the caller may write the same records again.  A failed ``fdatasync`` (or a partial
+record that cannot be removed) is never retried: the kernel may have dropped the
+pages it could not write, so what the file reads back is no longer what is on
+disk.  The log is then *lost* (:class:`WalLost`): it refuses every later write.
 
 This module does file I/O and nothing else: no sockets, no event loop, no clock.
 Durability (when to fsync, who waits for it) is the caller's.
@@ -36,7 +44,6 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 log = logging.getLogger("zps.wal")
 
@@ -51,6 +58,11 @@ _SEGMENT = re.compile(r"wal-(\d{16})\.log")
 
 class WalError(Exception):
     """A log that cannot be written or recovered."""
+
+
+class WalLost(WalError):
+    """The log no longer holds what was written to it (a failed sync, or a partial
+    record that could not be removed): nothing written to it may be acknowledged."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +145,9 @@ class Recovery:
     epoch: int  # the epoch of the last record replayed (or the state's)
     applied: int  # records replayed
     cut: str | None  # why the log was cut short, if it was (torn tail, gap, bad record)
+    #: Whole records the cut set aside (in a cut tail or a ``*.broken`` segment): the
+    #: state may lack writes they hold.  A torn last record alone sets aside none.
+    set_aside: int = 0
 
 
 def segment_name(start: int) -> str:
@@ -147,6 +162,54 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+#: Buffers per writev call (Linux's IOV_MAX is 1024).
+_IOV_MAX = 1024
+
+
+def _write_all(fd: int, parts: Sequence[Buffer]) -> None:
+    """Write every byte of ``parts`` to ``fd``, in order (short writes continued)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    i = 0
+    while i < len(views):
+        chunk = views[i : i + _IOV_MAX]
+        n = os.writev(fd, chunk)
+        for v in chunk:
+            if n >= len(v):
+                n -= len(v)
+                i += 1
+            else:
+                views[i] = v[n:]
+                break
+
+
+def whole_records(data: Buffer) -> tuple[int, int | None, int | None]:
+    """(count, first LSN, last LSN) of the whole records in ``data``, a cut tail or a
+    set-aside segment: read from its start, and past one bad record whose length
+    field still frames it (a flipped bit in its body)."""
+    view = memoryview(data).cast("B")
+    parsed = parse_records(view)
+    found = [r for r, _ in parsed.records]
+    if parsed.error is not None and len(view) - parsed.end >= _FRAME.size:
+        length, _ = _FRAME.unpack_from(view, parsed.end)
+        after = parsed.end + _FRAME.size + length
+        if length >= _BODY.size and after < len(view):
+            found += [r for r, _ in parse_records(view[after:]).records]
+    if not found:
+        return 0, None, None
+    return len(found), found[0].lsn, found[-1].lsn
+
+
+def _aside_name(path: Path, suffix: str) -> Path:
+    """``path`` + ``suffix``, numbered if that name is taken (nothing set aside is
+    ever replaced)."""
+    target = path.with_name(path.name + suffix)
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}{suffix}.{n}")
+        n += 1
+    return target
+
+
 class Wal:
     """The log of one partition, in ``folder``.  Not thread-safe: one writer."""
 
@@ -155,7 +218,9 @@ class Wal:
         self.segment_bytes = segment_bytes
         #: The LSN of the last record written (or the base of an empty log).
         self.lsn = 0
-        self._file: BinaryIO | None = None
+        #: Why the log can no longer be written (see :class:`WalLost`), or None.
+        self.lost: str | None = None
+        self._fd: int | None = None  # the active segment, opened for appending
         self._start = 0  # start of the active segment
         self._size = 0  # bytes in the active segment
         self._dirty = False  # written since the last sync
@@ -189,11 +254,14 @@ class Wal:
         ``apply`` runs one record and returns the state's new LSN (which must be the
         record's).  Records at or below ``lsn`` are skipped (a checkpoint holds them).
         Replay stops at a gap, a record of an older epoch than the state's, a record
-        that does not apply, or a torn or corrupt record; the log is cut there (a
-        partial segment truncated, later segments renamed ``*.broken``).
+        that does not apply, or a torn or corrupt record; the log is cut there (the
+        cut tail of a segment copied to ``*.cut-OFFSET``, then truncated; later
+        segments renamed ``*.broken``).  A log that ends below ``lsn`` (the state is
+        newer than the log) goes on in a new segment at ``lsn``.
         """
         self.close()
-        position: tuple[Path, int] | None = None
+        position: tuple[Path, int] | None = None  # just after the record at ``lsn``
+        covered: set[Path] = set()  # segments whose records are all at or below ``lsn``
         applied, cut = 0, None
         segments = self.segments()
         stopped_in: int | None = None  # index of the segment replay stopped in
@@ -201,6 +269,13 @@ class Wal:
             if start == lsn:  # the state continues into this segment
                 position = (path, 0)
             parsed = parse_records(path.read_bytes())
+            if (
+                applied == 0
+                and parsed.error is None
+                and start <= lsn
+                and all(rec.lsn <= lsn for rec, _ in parsed.records)
+            ):
+                covered.add(path)
             for rec, end in parsed.records:
                 if rec.lsn <= lsn:
                     if rec.lsn == lsn:
@@ -227,46 +302,81 @@ class Wal:
             if cut is not None:
                 stopped_in = i
                 break
-        self._cut(segments, position, stopped_in, lsn)
-        return Recovery(lsn, epoch, applied, cut)
+        set_aside = self._cut(segments, position, covered, stopped_in, lsn)
+        return Recovery(lsn, epoch, applied, cut, set_aside)
 
     def _cut(
         self,
         segments: list[tuple[int, Path]],
         position: tuple[Path, int] | None,
+        covered: set[Path],
         stopped_in: int | None,
         lsn: int,
-    ) -> None:
-        """Open for appending at ``position``; set aside whatever follows it."""
+    ) -> int:
+        """Open for appending at ``position`` (None: no record ends at ``lsn``, so a
+        new segment starts there, after the ``covered`` segments, which the state
+        holds); set aside whatever follows.  Returns the whole records set aside."""
         if position is None:
-            for _, path in segments:
-                self._set_aside(path)
-            self.reset(lsn)
-            return
+            aside = sum(self._set_aside(p, lsn) for _, p in segments if p not in covered)
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._new_segment(lsn)
+            return aside
         path, offset = position
         keep = [p for _, p in segments].index(path)
-        for _, later in segments[keep + 1 :]:
-            self._set_aside(later)
+        aside = sum(self._set_aside(later, lsn) for _, later in segments[keep + 1 :])
         size = path.stat().st_size
         if size > offset:
-            if stopped_in is not None:
-                log.error("write-ahead log %s: cut %d bytes after LSN %d", path, size - offset, lsn)
+            tail = path.read_bytes()[offset:]
+            count, first, last = whole_records(tail)
+            aside += count
+            saved = _aside_name(path, f".cut-{offset}")
+            with open(saved, "wb") as f:
+                f.write(tail)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(self.folder)
+            held = f"{count} whole records" + (f" (LSN {first}..{last})" if count else "")
+            log.error(
+                "write-ahead log %s: cut %d bytes after LSN %d (they hold %s); kept as %s",
+                path, size - offset, lsn, held, saved,
+            )  # fmt: skip
             with open(path, "r+b") as f:
                 f.truncate(offset)
                 f.flush()
                 os.fsync(f.fileno())
         self._open(segments[keep][0], path, lsn)
+        return aside
 
-    def _set_aside(self, path: Path) -> None:
-        broken = path.with_name(path.name + ".broken")
-        log.error("write-ahead log: %s does not continue the replay; kept as %s", path, broken)
+    def _set_aside(self, path: Path, lsn: int) -> int:
+        """Rename a segment that does not continue the replay ``*.broken``; returns the
+        whole records it holds."""
+        count, first, last = whole_records(path.read_bytes())
+        broken = _aside_name(path, ".broken")
+        held = f"{count} whole records" + (f" (LSN {first}..{last})" if count else "")
+        log.error(
+            "write-ahead log: %s does not continue the replay (LSN %d; it holds %s); "
+            "kept as %s",
+            path, lsn, held, broken,
+        )  # fmt: skip
         os.replace(path, broken)
+        return count
 
     # -- writing ----------------------------------------------------------------
 
+    def _check(self) -> int:
+        if self.lost is not None:
+            raise WalLost(f"write-ahead log in {self.folder} is lost: {self.lost}")
+        if self._fd is None:
+            raise WalError(f"write-ahead log in {self.folder} is not open")
+        return self._fd
+
+    def _lose(self, why: str) -> WalLost:
+        self.lost = why
+        return WalLost(f"write-ahead log in {self.folder} is lost: {why}")
+
     def _open(self, start: int, path: Path, lsn: int) -> None:
-        self._file = open(path, "ab")  # noqa: SIM115 (kept open while the segment is active)
-        self._start, self._size, self.lsn = start, self._file.tell(), lsn
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._fd, self._start, self._size, self.lsn = fd, start, os.fstat(fd).st_size, lsn
 
     def reset(self, base: int) -> None:
         """Start an empty log after LSN ``base`` (a checkpoint holds the state at it):
@@ -278,66 +388,103 @@ class Wal:
         self._new_segment(base)
 
     def _new_segment(self, start: int) -> None:
-        if self._file is not None:
+        if self._fd is not None:
             self.sync()
-            self._file.close()
+            os.close(self._fd)
+            self._fd = None
         path = self.folder / segment_name(start)
         with open(path, "wb"):
             pass
-        _fsync_dir(self.folder)  # the new name must survive a crash as the records do
+        try:
+            _fsync_dir(self.folder)  # the new name must survive a crash as the records do
+        except OSError as e:
+            raise self._lose(f"fsync of the folder failed ({e})") from e
         self._open(start, path, start)
 
     def append(self, records: Sequence[Record]) -> int:
         """Write ``records`` (in LSN order, continuing the log); returns bytes written.
-        Not durable until :meth:`sync`."""
-        if self._file is None:
-            raise WalError(f"write-ahead log in {self.folder} is not open")
-        written = 0
+        Not durable until :meth:`sync`.
+
+        A write that fails (OSError: a full disk) leaves no partial record: the
+        segment is truncated back to where this call's records in it began, and
+        :attr:`lsn` is the last record written whole, so the same records may be
+        written again.  If that truncation fails too, the log is lost
+        (:class:`WalLost`)."""
+        self._check()
+        lsn = self.lsn
         for rec in records:
-            if rec.prev != self.lsn:
+            if rec.prev != lsn:
                 raise WalError(
                     f"write-ahead log in {self.folder}: record {rec.prev}..{rec.lsn} "
-                    f"does not follow LSN {self.lsn}"
+                    f"does not follow LSN {lsn}"
                 )
+            lsn = rec.lsn
+        written = 0
+        parts: list[Buffer] = []
+        size, last = 0, self.lsn
+        for rec in records:
+            if parts and self._size + size >= self.segment_bytes:
+                written += self._write(parts, size, last)
+                parts, size = [], 0
             if self._size >= self.segment_bytes:
                 self._new_segment(self.lsn)
-            assert self._file is not None
             for part in encode_record(rec):
-                self._file.write(part)
-                n = memoryview(part).nbytes
-                self._size += n
-                written += n
-            self.lsn = rec.lsn
-        self._dirty = self._dirty or bool(records)
+                parts.append(part)
+                size += memoryview(part).nbytes
+            last = rec.lsn
+        if parts:
+            written += self._write(parts, size, last)
         return written
+
+    def _write(self, parts: list[Buffer], size: int, lsn: int) -> int:
+        """Append whole records (``size`` bytes, through ``lsn``) to the active segment."""
+        fd = self._check()
+        try:
+            _write_all(fd, parts)
+        except OSError as e:
+            try:
+                os.ftruncate(fd, self._size)
+            except OSError as undo:
+                raise self._lose(
+                    f"a write failed ({e}) and its partial record could not be removed ({undo})"
+                ) from e
+            raise
+        self._size += size
+        self.lsn = lsn
+        self._dirty = True
+        return size
 
     @property
     def dirty(self) -> bool:
         return self._dirty
 
     def sync(self) -> None:
-        """Everything appended so far is on disk when this returns."""
-        if self._file is not None:
-            self._file.flush()
-            if self._dirty:
-                os.fdatasync(self._file.fileno())
+        """Everything appended so far is on disk when this returns.  A failed sync is
+        never retried: the log is lost (:class:`WalLost`)."""
+        if self.lost is not None:
+            raise WalLost(f"write-ahead log in {self.folder} is lost: {self.lost}")
+        if self._fd is not None and self._dirty:
+            try:
+                os.fdatasync(self._fd)
+            except OSError as e:
+                raise self._lose(f"fdatasync failed ({e})") from e
         self._dirty = False
 
     def flush(self) -> None:
         """Hand what was appended to the operating system (it survives a crash of this
-        process, not of the machine)."""
-        if self._file is not None:
-            self._file.flush()
+        process, not of the machine): every append already has."""
+        if self.lost is not None:
+            raise WalLost(f"write-ahead log in {self.folder} is lost: {self.lost}")
 
     def roll(self) -> None:
         """Begin a new segment after the last record (when the active one has any): a
         checkpoint of the state at :attr:`lsn` then frees every older segment."""
-        if self._file is not None and self._size > 0:
+        if self._fd is not None and self._size > 0:
             self._new_segment(self.lsn)
 
     def truncate(self, checkpoint_lsn: int) -> list[Path]:
-        """A checkpoint holds the state at ``checkpoint_lsn``: delete the segments whose
-        records are all at or below it.  Returns the deleted paths."""
+        """The oldest checkpoint kept holds the state at ``checkpoint_lsn``: delete the
+        segments whose records are all at or below it.  Returns the deleted paths."""
         segments = self.segments()
         gone = []
         # A segment's records end where the next segment starts.
@@ -350,9 +497,11 @@ class Wal:
         return gone
 
     def close(self) -> None:
-        if self._file is not None:
+        """Sync (unless the log is lost) and close the active segment."""
+        if self._fd is not None:
             try:
-                self.sync()
+                if self.lost is None:
+                    self.sync()
             finally:
-                self._file.close()
-                self._file = None
+                os.close(self._fd)
+                self._fd = None
