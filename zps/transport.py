@@ -905,32 +905,92 @@ def load_public_keys(directory: str) -> frozenset[bytes]:
     return frozenset(zmq.auth.load_certificates(directory))
 
 
-class _KeySet:
-    """A ZAP credentials provider admitting a fixed set of Z85 public keys."""
+_monitors = iter(range(1 << 62))
+#: Told of each handshake refused: (peer address, Z85 key or None, reason).
+OnRefused = Callable[[str, "bytes | None", str], None]
 
-    def __init__(self, keys: frozenset[bytes]) -> None:
+
+class _KeySet:
+    """A ZAP credentials provider admitting a fixed set of Z85 public keys (any key
+    when None), telling ``on_refused`` of each key it refuses."""
+
+    def __init__(self, keys: frozenset[bytes] | None, on_refused: OnRefused | None) -> None:
         self.keys = keys
+        self.on_refused = on_refused
+        self.peer = "?"  # the address of the handshake being decided
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys
+        if self.keys is None or key in self.keys:
+            return True
+        if self.on_refused is not None:
+            self.on_refused(self.peer, key, "key_not_allowed")
+        return False
 
 
 def start_authenticator(
-    ctx: zmq.asyncio.Context, allowed_dir: str | None, *, keys: frozenset[bytes] | None = None
+    ctx: zmq.asyncio.Context,
+    allowed_dir: str | None,
+    *,
+    keys: frozenset[bytes] | None = None,
+    on_refused: OnRefused | None = None,
 ) -> Any:
     """ZAP for every CURVE server socket of ``ctx``: only the Z85 public ``keys`` when
     given, else only keys in ``allowed_dir`` (any valid key when None: encryption
-    without an allow-list).  A message's User-Id is its sender's Z85 public key
-    (:func:`sender_key`).  Stop it with ``.stop()``."""
+    without an allow-list).  ``on_refused`` is told of each key refused.  A message's
+    User-Id is its sender's Z85 public key (:func:`sender_key`).  Stop it with
+    ``.stop()``."""
     from zmq.auth.asyncio import AsyncioAuthenticator
 
-    auth = AsyncioAuthenticator(ctx)
+    if keys is None and allowed_dir is not None:
+        keys = load_public_keys(allowed_dir)
+    provider = _KeySet(keys, on_refused)
+
+    class Authenticator(AsyncioAuthenticator):
+        async def handle_zap_message(self, msg: list[bytes]) -> None:
+            if len(msg) > 3:
+                provider.peer = msg[3].decode("utf-8", "replace")
+            await super().handle_zap_message(msg)
+
+    auth = Authenticator(ctx)
     auth.start()
-    if keys is not None:
-        auth.configure_curve_callback(domain="*", credentials_provider=_KeySet(keys))
-    else:
-        auth.configure_curve(domain="*", location=allowed_dir or zmq.auth.CURVE_ALLOW_ANY)
+    auth.configure_curve_callback(domain="*", credentials_provider=provider)
     return auth
+
+
+def watch_handshakes(sock: zmq.Socket[Any], on_refused: OnRefused) -> Callable[[], None]:
+    """Tell ``on_refused`` of every handshake of the CURVE server ``sock`` that failed
+    before its key was known (a peer with no CURVE key, or a broken handshake:
+    ``no_key``).  Runs on the event loop; returns the function that stops watching."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    events = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    address = f"inproc://zps-monitor-{id(sock):x}-{next(_monitors)}"
+    sock.monitor(address, events)
+    monitor: zmq.Socket[Any] = zmq.Socket(sock.context, zmq.PAIR)
+    monitor.connect(address)
+    loop = asyncio.get_running_loop()
+    fd = int(monitor.FD)
+
+    def read() -> None:
+        while int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except (zmq.ZMQError, ValueError):
+                return
+            where = event.get("endpoint", b"?")
+            peer = where.decode("utf-8", "replace") if isinstance(where, bytes) else str(where)
+            on_refused(peer, None, "no_key")
+
+    loop.add_reader(fd, read)
+    loop.call_soon(read)
+
+    def stop() -> None:
+        loop.remove_reader(fd)
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        monitor.close(0)
+
+    return stop
 
 
 def sender_key(frame: Any) -> bytes | None:
@@ -952,10 +1012,26 @@ def _curve_server(sock: zmq.Socket[Any], keys: CurveKeys | None) -> None:
         sock.setsockopt(zmq.CURVE_SERVER, 1)
 
 
+#: ZMTP heartbeats of a CURVE server socket: (interval, timeout) in seconds.  A
+#: connection silent for the timeout (its peer's libzmq answers pings whatever its
+#: process does) is dead and closed, freeing its identity.
+CURVE_SERVER_HEARTBEAT = (1.0, 3.0)
+#: A CURVE client's: a longer timeout than the server's, so the server has let go of
+#: a dead connection's identity before the client connects again with it.
+CURVE_CLIENT_HEARTBEAT = (1.0, 6.0)
+
+
+def _heartbeats(sock: zmq.Socket[Any], ivl_timeout: tuple[float, float]) -> None:
+    ivl, timeout = ivl_timeout
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(ivl * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout * 1000))
+
+
 def _curve_client(
     sock: zmq.Socket[Any], keys: CurveKeys | None, server_public: bytes | None
 ) -> None:
     if keys is not None:
+        _heartbeats(sock, CURVE_CLIENT_HEARTBEAT)
         if server_public is None:
             raise BrokenError(
                 "CURVE is configured but the server's public key is unknown "
@@ -981,7 +1057,14 @@ def router(
     # Unroutable sends raise instead of vanishing, so the broker can answer
     # "shard unavailable" rather than lose the request.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # A peer that reconnects takes its identity back from its dead connection at once.
+    # Under CURVE no connection takes an identity in use, whatever its key: a connection
+    # presenting one gets nothing and is heard by no one (ZMTP heartbeats close a dead
+    # connection within CURVE_SERVER_HEARTBEAT, which frees its identity; the
+    # identity's owner is checked on every message, see zps.ops.security).
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 0 if curve is not None else 1)
+    if curve is not None:
+        _heartbeats(sock, CURVE_SERVER_HEARTBEAT)
     try:
         sock.bind(bind)
     except zmq.ZMQError as e:

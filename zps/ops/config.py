@@ -115,9 +115,14 @@ class Security:
     allowed_clients_dir: str | None = None
     #: Roles: a directory of the shards' public keys.  When set, only these keys may
     #: act as shards (and reach a shard's replication endpoint), the keys of
-    #: ``allowed_clients_dir`` only as clients, each sender's identity is bound to its
-    #: key, and a request's dedup id must be its sender's identity.
+    #: ``allowed_clients_dir`` only as clients.  Under CURVE, set or not, each
+    #: sender's identity is bound to its key (docs/deploy.md, "Security").
     allowed_shards_dir: str | None = None
+    #: Roles: a directory of the operators' public keys.  Under CURVE only these keys
+    #: may change the cluster rather than a table's values (drain, undrain, scale,
+    #: reset-partition, a checkpoint, dropping a table); they are admitted at the
+    #: broker as clients too.  Unset: no key may.
+    allowed_operators_dir: str | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -16,6 +16,7 @@ pair is written in a private directory and linked into place.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -23,6 +24,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
+
+import msgpack
 
 from zps import transport
 from zps.errors import ConfigError, ZpsError
@@ -120,23 +123,42 @@ def load_curve_keys(sec: Security) -> CurveKeys | None:
 
 @dataclass(frozen=True)
 class KeyRoles:
-    """Which authenticated public keys (Z85) may act as what (``[security]
-    allowed_shards_dir`` and ``allowed_clients_dir``)."""
+    """Which authenticated public keys (Z85) may act as what under CURVE: ``[security]
+    allowed_shards_dir``, ``allowed_clients_dir`` and ``allowed_operators_dir``.
+
+    Without ``allowed_shards_dir`` every admitted key may act as a shard
+    (``open_shards``); without ``allowed_clients_dir`` any key may connect
+    (``open_clients``: encryption without an allow-list)."""
 
     shards: frozenset[bytes]
     clients: frozenset[bytes]
+    operators: frozenset[bytes] = frozenset()
+    open_shards: bool = False
+    open_clients: bool = False
+
+    def roles(self, key: bytes | None) -> frozenset[str]:
+        """The roles of ``key``: a subset of {"shard", "client", "operator"} (empty: in
+        no allow-list, or no key)."""
+        if key is None:
+            return frozenset()
+        out = set()
+        if key in self.operators:
+            out.add("operator")
+        if key in self.clients or key in self.operators or self.open_clients:
+            out.add("client")
+        if key in self.shards or (self.open_shards and out):
+            out.add("shard")
+        return frozenset(out)
 
     def role(self, key: bytes | None) -> str | None:
-        """The role of ``key``: "shard", "client", or None (in neither set, or no key)."""
-        if key is None:
-            return None
-        if key in self.shards:
-            return "shard"
-        return "client" if key in self.clients else None
+        """The role of ``key``: "shard", "client", or None (in no set, or no key)."""
+        roles = self.roles(key)
+        return "shard" if "shard" in roles else "client" if "client" in roles else None
 
     @property
-    def admitted(self) -> frozenset[bytes]:
-        return self.shards | self.clients
+    def admitted(self) -> frozenset[bytes] | None:
+        """The keys the handshake admits (None: any key)."""
+        return None if self.open_clients else self.shards | self.clients | self.operators
 
 
 def _keys_in(directory: str, what: str) -> frozenset[bytes]:
@@ -148,18 +170,147 @@ def _keys_in(directory: str, what: str) -> frozenset[bytes]:
         raise ConfigError(f"security.{what}: cannot load the keys in {directory}: {e}") from None
 
 
+def load_roles(sec: Security) -> KeyRoles | None:
+    """The key sets by role, loaded and checked; None when CURVE is off."""
+    if not sec.enabled:
+        return None
+
+    def keys(path: str | None, what: str) -> frozenset[bytes]:
+        return _keys_in(path, what) if path is not None else frozenset()
+
+    return KeyRoles(
+        shards=keys(sec.allowed_shards_dir, "allowed_shards_dir"),
+        clients=keys(sec.allowed_clients_dir, "allowed_clients_dir"),
+        operators=keys(sec.allowed_operators_dir, "allowed_operators_dir"),
+        open_shards=sec.allowed_shards_dir is None,
+        open_clients=sec.allowed_clients_dir is None,
+    )
+
+
 def load_key_roles(sec: Security) -> KeyRoles | None:
-    """The key sets by role, loaded and checked; None unless CURVE is on and
-    ``allowed_shards_dir`` is set (then every allowed key may act as anything)."""
+    """:func:`load_roles` when ``allowed_shards_dir`` is set (a shard's replication
+    endpoint then admits only shard keys), else None."""
     if not sec.enabled or sec.allowed_shards_dir is None:
         return None
-    shards = _keys_in(sec.allowed_shards_dir, "allowed_shards_dir")
-    clients = (
-        _keys_in(sec.allowed_clients_dir, "allowed_clients_dir")
-        if sec.allowed_clients_dir is not None
-        else frozenset()
-    )
-    return KeyRoles(shards, clients)
+    return load_roles(sec)
+
+
+# -- identities bound to keys ------------------------------------------------------
+
+#: Hex digits of a key's tag in the identities it may use.
+TAG_CHARS = 16
+#: Why a peer or a message is refused, as counted (``zps_*_refusals{reason=...}``).
+REFUSAL_REASONS = ("no_key", "key_not_allowed", "wrong_role", "identity_of_another_key")
+#: The words a log line gives each reason.
+REFUSAL_WORDS = {
+    "no_key": "it presented no CURVE key",
+    "key_not_allowed": "its key is in no allow-list",
+    "wrong_role": "its key's role may not do this",
+    "identity_of_another_key": "the identity belongs to another key",
+}
+
+
+def key_tag(key: bytes) -> bytes:
+    """The tag of a Z85 public key: the first hex digits of its SHA-256.  Finding
+    another key of the same tag costs about 2**64 key generations."""
+    return hashlib.sha256(key).hexdigest()[:TAG_CHARS].encode()
+
+
+def key_identity(prefix: bytes, key: bytes, suffix: bytes) -> bytes:
+    """The routing identity a peer of ``key`` uses under CURVE: ``prefix`` (``c-``,
+    ``r-``), the key's tag, ``-`` and ``suffix``."""
+    return prefix + key_tag(key) + b"-" + suffix
+
+
+def is_shard_identity(ident: bytes) -> bool:
+    """A shard's identity (``s-NAME``) or its liveness link's (``h-s-NAME``)."""
+    return ident.startswith(b"s-") or ident.startswith(b"h-s-")
+
+
+def identity_refusal(
+    ident: bytes, key: bytes | None, roles: KeyRoles, owner: bytes | None
+) -> str | None:
+    """Why a message from routing identity ``ident`` authenticated by ``key`` is refused
+    (one of :data:`REFUSAL_REASONS`), or None: accepted.
+
+    A shard identity needs a key of the shard role and belongs to ``owner``, the key
+    its name is bound to (None: not bound yet; the caller binds it to ``key``).  Any
+    other identity carries its key's tag (:func:`key_identity`), so no table decides
+    it and no key can ever send as another's."""
+    if key is None:
+        return "no_key"
+    have = roles.roles(key)
+    if not have:
+        return "key_not_allowed"
+    if is_shard_identity(ident):
+        if "shard" not in have:
+            return "wrong_role"
+        return None if owner is None or owner == key else "identity_of_another_key"
+    n = 2 + TAG_CHARS
+    if ident[2:n] != key_tag(key) or ident[n : n + 1] != b"-":
+        return "identity_of_another_key"
+    return None
+
+
+#: Broker-handled commands that change the cluster (a STATUS request's fields).
+ADMIN_FIELDS = ("reset_partition", "drain", "undrain", "scale", "scale_cancel")
+#: Shard operations that change the cluster rather than a table's values.
+ADMIN_OPS = frozenset({"drop", "checkpoint"})
+_ADMIN_OP_BYTES = tuple(msgpack.packb(op) for op in sorted(ADMIN_OPS))
+
+
+def admin_ops(header_frame: bytes | memoryview) -> list[str]:
+    """The operations of :data:`ADMIN_OPS` a REQUEST's header frame asks for (an
+    undecodable header: none; the shard refuses it)."""
+    raw = bytes(header_frame)
+    if not any(op in raw for op in _ADMIN_OP_BYTES):
+        return []
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException):
+        return []
+    ops = header.get("ops") if isinstance(header, dict) else None
+    if not isinstance(ops, list):
+        return []
+    return sorted({o["op"] for o in ops if isinstance(o, dict) and o.get("op") in ADMIN_OPS})
+
+
+class RefusalLog:
+    """Refusals counted by reason and logged at WARNING once per peer and key per
+    ``window`` seconds (a flood of refused messages costs one line a minute each)."""
+
+    def __init__(self, log: logging.Logger, where: str, window: float = 60.0) -> None:
+        self.log = log
+        self.where = where
+        self.window = window
+        self.counts: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
+        self._last: dict[tuple[str, bytes | None], float] = {}
+
+    def due(self, peer: str, key: bytes | None, now: float) -> bool:
+        """Whether a refusal of ``(peer, key)`` at ``now`` is logged (and note it)."""
+        last = self._last.get((peer, key))
+        if last is not None and now - last < self.window:
+            return False
+        if len(self._last) >= 4096:  # forget those past their window
+            self._last = {k: t for k, t in self._last.items() if now - t < self.window}
+            if len(self._last) >= 4096:
+                return False  # a flood of fresh peers: counted, not logged
+        self._last[(peer, key)] = now
+        return True
+
+    def refused(
+        self, peer: str, key: bytes | None, reason: str, now: float, detail: str = ""
+    ) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        if self.due(peer, key, now):
+            self.log.warning(
+                "%s refused %s (key %s): %s%s",
+                self.where,
+                peer,
+                (key or b"none").decode("ascii", "replace"),
+                REFUSAL_WORDS.get(reason, reason),
+                f" ({detail})" if detail else "",
+            )
 
 
 def warn_if_exposed(endpoint: str, sec: Security, what: str) -> bool:
