@@ -170,7 +170,12 @@ class Broker:
         self._roles: KeyRoles | None = None  # CURVE roles: which keys may act as shards
         self._bound_keys: dict[str, bytes] = {}  # node -> the key it authenticated with
         self._refused: set[tuple[str, bytes | None]] = set()  # (node, key) warned about
-        self.metrics = MetricsServer(config.metrics, self._collect, ready=self._ready)
+        self.metrics = MetricsServer(
+            config.metrics,
+            self._collect,
+            ready=self._ready,
+            status=lambda: self.status(time.monotonic()),  # the status page's report
+        )
         self.training = Training(self.state, self._send, self._send_durable)
         self._record: BrokerState | None = None  # the newest state record produced
         self._writer: StateWriter | None = None
@@ -762,9 +767,11 @@ class Broker:
                 await self._control(
                     ident, MsgType.MAP, MapUpdate(self.state.map.to_wire()).to_wire()
                 )
-            case Heartbeat():
+            case Heartbeat(train):
                 if node not in self.state.clients:  # the broker restarted: re-introduce
                     await self._control(ident, MsgType.HELLO, {})
+                if train is not None:  # what ps.report recorded: the status page plots it
+                    self.training.on_report(node, train, time.time())
             case StatusRequest(reset, accept_loss, drain, undrain):
                 result = None if reset is None else await self._reset(reset, accept_loss, now)
                 drained = (
@@ -1074,11 +1081,12 @@ class Broker:
             "zps_broker_held_bytes", "Bytes held for peers slower than zmq", flow["held_bytes"]
         )
         yield gauge(
-            "zps_broker_held_bytes_peak",
+            "zps_broker_peak_held_bytes",
             "Most bytes held for peers at once",
             flow["peak_held_bytes"],
         )
         yield from _collect_status(self.state.status(time.monotonic(), {}))
+        yield from self.training.metrics()
 
     def status(self, now: float) -> dict[str, Any]:
         nodes = [*self.state.shards, *self.state.clients]
@@ -1147,6 +1155,4 @@ def _collect_status(report: dict[str, Any]) -> Iterable[Metric]:
 def _claim(claim: ShardClaim | None) -> Claim | None:
     if claim is None:
         return None
-    return Claim(
-        claim.partition, claim.epoch, claim.role, claim.lsn, claim.in_sync, claim.complete
-    )
+    return Claim(claim.partition, claim.epoch, claim.role, claim.lsn, claim.in_sync, claim.complete)

@@ -10,15 +10,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from zps.broker.acceptance import COMMIT_TARGET
 from zps.core.brokerstate import ClockRecord, JobRecord
 from zps.core.cluster import ClusterState
-from zps.core.coord import Clocks, Job, JobFailed
+from zps.core.coord import Clocks, Job, JobFailed, Task
+from zps.ops.metrics import CounterMetricFamily, GaugeMetricFamily, Metric, labelled
 from zps.protocol.codec import MsgType, Route, encode
-from zps.protocol.messages import ClockRequest, Mode, Status, StatusReply, TaskRequest
+from zps.protocol.messages import (
+    ClockRequest,
+    Mode,
+    Status,
+    StatusReply,
+    TaskRequest,
+    TrainReport,
+)
 
 log = logging.getLogger("zps.broker")
 
@@ -34,6 +43,133 @@ _COMMIT_RETRY = frozenset(
 )
 #: How long after such a refusal the commit goes again (the broker's timer checks).
 COMMIT_RETRY_S = 0.1
+
+
+#: Points of a job's loss and rows/s history kept; when full, neighbours are merged in
+#: pairs and each point covers twice the time from then on.
+HISTORY_POINTS = 240
+#: The time one point covers at first, in seconds.
+HISTORY_PERIOD_S = 1.0
+#: Jobs whose reports are kept; the one reported least recently goes first.
+HISTORY_JOBS = 32
+
+
+@dataclass
+class _Span:
+    """The reports of one history point: rows and seconds per worker, loss."""
+
+    start: float
+    rows: dict[str, list[float]] = field(default_factory=dict)  # worker -> [rows, secs]
+    loss_sum: float = 0.0
+    loss_steps: int = 0
+
+    def add(self, node: str, r: TrainReport) -> None:
+        acc = self.rows.setdefault(node, [0.0, 0.0])
+        acc[0] += r.rows
+        acc[1] += r.secs
+        if r.loss is not None and r.steps > 0:
+            self.loss_sum += r.loss * r.steps
+            self.loss_steps += r.steps
+
+    def point(self) -> tuple[float, float | None, float]:
+        """(start, mean loss, rows/s: each worker's rows over its own seconds, summed)."""
+        rate = sum(rows / secs for rows, secs in self.rows.values() if secs > 0)
+        loss = self.loss_sum / self.loss_steps if self.loss_steps else None
+        return self.start, loss, rate
+
+
+@dataclass
+class _JobTrend:
+    period: float
+    points: list[tuple[float, float | None, float]] = field(default_factory=list)
+    span: _Span | None = None
+    rows: float = 0.0
+    steps: int = 0
+    loss: float | None = None  # the mean loss of the newest report that had one
+    last: float = 0.0
+
+
+class TrainingReports:
+    """What workers report with ``ps.report`` (a :class:`TrainReport` on their
+    heartbeats), per job: totals for ``/metrics`` and a bounded history of loss and
+    rows/s for the status page.  No I/O: times (Unix seconds) are given."""
+
+    def __init__(
+        self,
+        points: int = HISTORY_POINTS,
+        period: float = HISTORY_PERIOD_S,
+        jobs: int = HISTORY_JOBS,
+    ) -> None:
+        if points < 2 or period <= 0 or jobs < 1:
+            raise ValueError("a report history needs points >= 2, period > 0 and jobs >= 1")
+        self.max_points, self.period, self.max_jobs = points, period, jobs
+        self.jobs: dict[str, _JobTrend] = {}
+
+    def add(self, node: str, report: TrainReport, now: float) -> None:
+        trend = self.jobs.pop(report.job, None)
+        if trend is None:
+            trend = _JobTrend(self.period)
+            while len(self.jobs) >= self.max_jobs:
+                del self.jobs[next(iter(self.jobs))]  # the least recently reported
+        self.jobs[report.job] = trend  # most recently reported last
+        trend.rows += report.rows
+        trend.steps += report.steps
+        trend.last = now
+        if report.loss is not None:
+            trend.loss = report.loss
+        if trend.span is not None and now >= trend.span.start + trend.period:
+            self._close(trend)
+        if trend.span is None:
+            trend.span = _Span(now)
+        trend.span.add(node, report)
+
+    def _close(self, trend: _JobTrend) -> None:
+        assert trend.span is not None
+        trend.points.append(trend.span.point())
+        trend.span = None
+        if len(trend.points) >= self.max_points:
+            pairs = zip(trend.points[0::2], trend.points[1::2], strict=False)
+            merged = [(a[0], _mean([a[1], b[1]]), (a[2] + b[2]) / 2) for a, b in pairs]
+            if len(trend.points) % 2:
+                merged.append(trend.points[-1])
+            trend.points = merged
+            trend.period *= 2
+
+    def history(self) -> dict[str, dict[str, Any]]:
+        """Per job: ``t`` (Unix seconds each point starts), ``loss`` (None where no
+        report gave one), ``rows_per_s``; the span being filled is the last point."""
+        out = {}
+        for job, trend in self.jobs.items():
+            points = list(trend.points)
+            if trend.span is not None:
+                points.append(trend.span.point())
+            out[job] = {
+                "t": [round(p[0], 3) for p in points],
+                "loss": [p[1] for p in points],
+                "rows_per_s": [round(p[2], 3) for p in points],
+                "period_s": trend.period,
+            }
+        return out
+
+    def totals(self) -> dict[str, tuple[float, int, float | None]]:
+        """Per job: rows and steps reported in all, and the newest loss (for metrics)."""
+        return {job: (t.rows, t.steps, t.loss) for job, t in list(self.jobs.items())}
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def epoch_eta(done: int, total: int, start: tuple[float, int] | None, now: float) -> float | None:
+    """Seconds until an epoch's ``total`` tasks are done at the pace since ``start``
+    (when, and with how many done, its first task was handed out): 0 once done, None
+    before a task of it was finished since."""
+    if done >= total:
+        return 0.0
+    if start is None or done <= start[1] or now <= start[0]:
+        return None
+    return (total - done) * (now - start[0]) / (done - start[1])
 
 
 class Training:
@@ -66,6 +202,10 @@ class Training:
         self._unsynced: set[str] = set()
         self._held_joins: list[tuple[bytes, str, Route, ClockRequest]] = []
         self._resync_until = 0.0
+        #: What workers report (loss, rows/s), per job; not kept across a restart.
+        self.reports = TrainingReports()
+        #: (job, epoch) -> (time.monotonic(), tasks done) when its first task went out.
+        self._epoch_start: dict[tuple[str, int], tuple[float, int]] = {}
 
     # -- what survives a restart -------------------------------------------------
 
@@ -259,6 +399,7 @@ class Training:
                     except JobFailed as e:
                         await self._status(ident, route, Status.JOB_FAILED, str(e))
                         return
+                    self._handed_out(job, task)
                     await self._answer_next(
                         ident,
                         node,
@@ -359,6 +500,7 @@ class Training:
                 continue
             header: dict[str, Any]
             if task is not None:
+                self._handed_out(job, task)
                 header = {"st": Status.OK.value, "task": task.to_wire()}
                 await self._answer_next(ident, node, route, header)
             elif job.finished:
@@ -367,6 +509,16 @@ class Training:
             else:
                 still.append((ident, node, route, name))
         self._task_waiters = still
+
+    def _handed_out(self, job: Job, task: Task | None) -> None:
+        """Note when each epoch's first task went out (its ETA counts from there)."""
+        if task is not None and (job.name, task.epoch) not in self._epoch_start:
+            done = job.progress()["epochs"][task.epoch]["done"]
+            self._epoch_start[job.name, task.epoch] = (time.monotonic(), done)
+
+    def on_report(self, node: str, report: TrainReport, now: float) -> None:
+        """A worker's heartbeat carried what it reported (``now``: Unix seconds)."""
+        self.reports.add(node, report, now)
 
     # -- membership --------------------------------------------------------------
 
@@ -394,5 +546,61 @@ class Training:
             "staleness": c.tau,
             "committed_step": c.committed,
             "workers": {w: k.step for w, k in c.workers.items()},
-            "jobs": [job.progress() for job in self.jobs.values()],
+            "jobs": [self._progress(job) for job in self.jobs.values()],
+            "history": self.reports.history(),
         }
+
+    def metrics(self) -> Iterable[Metric]:
+        """The per-job series (``zps_job_*``; families without a job are left out)."""
+        totals = self.reports.totals()
+        if totals:
+            yield labelled(
+                CounterMetricFamily,
+                "zps_job_rows",
+                "Rows the workers reported trained (ps.report), by job",
+                "job",
+                {job: rows for job, (rows, _, _) in totals.items()},
+            )
+            yield labelled(
+                CounterMetricFamily,
+                "zps_job_steps",
+                "Steps the workers reported (ps.report calls), by job",
+                "job",
+                {job: float(steps) for job, (_, steps, _) in totals.items()},
+            )
+        losses = {job: loss for job, (_, _, loss) in totals.items() if loss is not None}
+        if losses:
+            yield labelled(
+                GaugeMetricFamily,
+                "zps_job_loss",
+                "The newest loss a worker reported (ps.report), by job",
+                "job",
+                losses,
+            )
+        jobs = list(self.jobs.values())
+        if jobs:
+            yield labelled(
+                GaugeMetricFamily,
+                "zps_job_tasks",
+                "Tasks of the job, all epochs",
+                "job",
+                {job.name: float(job.total) for job in jobs},
+            )
+            yield labelled(
+                GaugeMetricFamily,
+                "zps_job_tasks_done",
+                "Tasks of the job done, all epochs",
+                "job",
+                {job.name: float(len(job.done)) for job in jobs},
+            )
+
+    def _progress(self, job: Job) -> dict[str, Any]:
+        """A job's progress, each epoch with its ETA (``eta_s``, None if unknown)."""
+        now = time.monotonic()
+        progress = job.progress()
+        for e in progress["epochs"]:
+            eta = epoch_eta(
+                e["done"], e["total"], self._epoch_start.get((job.name, e["epoch"])), now
+            )
+            e["eta_s"] = None if eta is None else round(eta, 1)
+        return progress

@@ -8,9 +8,11 @@ histogram observed once per request message (a worker's: a
 registry (no global state); ``metrics.port = 0`` serves nothing.
 
 The HTTP endpoint (a thread of its own, so a scrape never waits for the
-event loop) answers three paths, and 404 for any other:
+event loop) answers these paths, and 404 for any other:
 
-* ``/metrics``: the exposition (Prometheus text format 0.0.4).
+* ``/metrics``: the exposition, in the Prometheus text format version 1.0.0 (the
+  ``Content-Type`` says ``version=1.0.0``; the lines are those of version 0.0.4, which
+  Prometheus reads as well).
 * ``/healthz``: 200 while the process's event loop turns (its heartbeat task
   stamped the time less than :data:`LOOP_MAX_AGE_S` ago), else 503.
 * ``/ready``: 200 when the process does its job (the driver's ``ready``
@@ -18,6 +20,17 @@ event loop) answers three paths, and 404 for any other:
   connected and not stopping), else 503.
 
 Each health answer is one line of text saying why.
+
+A process that gives a ``status`` callback (the broker) also answers:
+
+* ``/status.json``: its status report (what ``zps-server status --json`` prints),
+  built on the event loop: the HTTP thread asks the loop for it and waits at most
+  :data:`STATUS_TIMEOUT_S` (then 503); one built less than :data:`STATUS_MAX_AGE_S`
+  ago is served again, so any number of viewers cost the loop at most a few
+  reports a second.  The loop only builds and encodes the report: sending it,
+  however slowly the reader takes it, is the HTTP thread's.
+* ``/``: the status page (:mod:`zps.ops.page`), rendered in the HTTP thread from
+  that report; its script polls ``/status.json``.
 
 Beside the process's own series every registry has the standard ``process_*``
 series (CPU seconds, resident memory, open file descriptors, start time: read
@@ -27,6 +40,8 @@ from ``/proc`` at scrape time) and ``zps_build_info{version, protocol}``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import json
 import logging
 import socket
 import threading
@@ -52,12 +67,15 @@ from prometheus_client.registry import Collector
 from zps.errors import ZpsError
 from zps.ops.config import Metrics
 from zps.ops.meter import LATENCY_BUCKETS, ClientMeter, LatencyHistogram
+from zps.ops.page import render as render_page
 from zps.protocol.codec import PROTOCOL_VERSION
 from zps.version import __version__
 
 __all__ = [
     "LATENCY_BUCKETS",
     "LOOP_MAX_AGE_S",
+    "STATUS_MAX_AGE_S",
+    "STATUS_TIMEOUT_S",
     "CounterMetricFamily",
     "GaugeMetricFamily",
     "LatencyHistogram",
@@ -120,9 +138,9 @@ def _build_info() -> Iterable[Metric]:
 
 
 def request_seconds(by_kind: dict[str, LatencyHistogram]) -> Metric:
-    """``zps_request_seconds{kind}``: a shard's time to handle one request message."""
+    """``zps_shard_request_seconds{kind}``: a shard's time to handle one request message."""
     family = HistogramMetricFamily(
-        "zps_request_seconds", "Time to handle one request message", labels=["kind"]
+        "zps_shard_request_seconds", "Time to handle one request message", labels=["kind"]
     )
     for kind, hist in by_kind.items():
         buckets, total = hist.cumulative()
@@ -209,8 +227,17 @@ LOOP_MAX_AGE_S = 5.0
 #: How often the loop stamps it.
 LOOP_STAMP_S = 0.5
 
+#: How long ``/status.json`` and ``/`` wait for the event loop to build the report.
+STATUS_TIMEOUT_S = 2.0
+#: A status report built less than this long ago is served again.
+STATUS_MAX_AGE_S = 0.5
+
 #: A readiness verdict: ready or not, and why (one line).
 Readiness = Callable[[], tuple[bool, str]]
+
+
+class StatusUnavailable(Exception):
+    """The status report could not be had (why, one line)."""
 
 
 def _not_ready() -> tuple[bool, str]:
@@ -229,18 +256,32 @@ class _Handler(BaseHTTPRequestHandler):
     def _answer(self, *, body: bool) -> None:
         owner = self.server.owner
         path = self.path.split("?", 1)[0]
+        text = "text/plain; charset=utf-8"
         if path == "/metrics":
             code, ctype, data = 200, CONTENT_TYPE_LATEST, generate_latest(owner.registry)
         elif path in ("/healthz", "/ready"):
             ok, why = owner.healthz() if path == "/healthz" else owner.readiness()
-            code, ctype = (200 if ok else 503), "text/plain; charset=utf-8"
+            code, ctype = (200 if ok else 503), text
             data = f"{'ok' if ok else 'not ok'}: {why}\n".encode()
+        elif path in ("/", "/status.json") and owner.serves_status:
+            try:
+                report = owner.status_json()
+            except StatusUnavailable as e:
+                code, ctype, data = 503, text, f"status unavailable: {e}\n".encode()
+            else:
+                if path == "/status.json":
+                    code, ctype, data = 200, "application/json", report
+                else:
+                    html = render_page(json.loads(report))
+                    code, ctype, data = 200, "text/html; charset=utf-8", html.encode()
         else:
-            code, ctype = 404, "text/plain; charset=utf-8"
-            data = b"not found: try /metrics, /healthz or /ready\n"
+            code, ctype = 404, text
+            also = "/, /status.json, " if owner.serves_status else ""
+            data = f"not found: try {also}/metrics, /healthz or /ready\n".encode()
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-store")
         self.end_headers()
         if body:
             self.wfile.write(data)
@@ -269,6 +310,7 @@ class MetricsServer:
         collect: Callable[[], Iterable[Metric]],
         *,
         ready: Readiness = _not_ready,
+        status: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.config = config
         self.registry = CollectorRegistry(auto_describe=False)
@@ -279,6 +321,57 @@ class MetricsServer:
         self.loop_stamp: float | None = None
         self._server: _HttpServer | None = None
         self._thread: threading.Thread | None = None
+        #: Builds the status report; called on the event loop only.
+        self._status = status
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._status_lock = threading.Lock()
+        self._status_cached: tuple[float, bytes] | None = None
+        self._status_pending: concurrent.futures.Future[bytes] | None = None
+
+    @property
+    def serves_status(self) -> bool:
+        """Whether ``/`` and ``/status.json`` are served (a status callback was given)."""
+        return self._status is not None
+
+    async def _status_report(self) -> bytes:
+        assert self._status is not None
+        return json.dumps(self._status(), default=str).encode()
+
+    def status_json(self, now: float | None = None) -> bytes:
+        """The status report as JSON, from any thread but the event loop's: built there
+        (or the one built less than :data:`STATUS_MAX_AGE_S` ago); raises
+        :class:`StatusUnavailable` if the loop does not answer within
+        :data:`STATUS_TIMEOUT_S`."""
+        loop = self._loop
+        if self._status is None or loop is None:
+            raise StatusUnavailable("the event loop has not started")
+        with self._status_lock:
+            at = time.monotonic() if now is None else now
+            cached = self._status_cached
+            if cached is not None and at - cached[0] < STATUS_MAX_AGE_S:
+                return cached[1]
+            pending = self._status_pending
+            if pending is None or pending.done():
+                # One build at a time: viewers arriving meanwhile wait for the same one.
+                try:
+                    pending = asyncio.run_coroutine_threadsafe(self._status_report(), loop)
+                except RuntimeError:  # the loop is closed
+                    raise StatusUnavailable("the process is stopping") from None
+                self._status_pending = pending
+        try:
+            data = pending.result(timeout=STATUS_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise StatusUnavailable(
+                f"the event loop did not answer within {STATUS_TIMEOUT_S:g}s"
+            ) from None
+        except concurrent.futures.CancelledError:
+            raise StatusUnavailable("the process is stopping") from None
+        except Exception as e:  # a bug in the report: said once per request, not fatal
+            log.exception("building the status report failed")
+            raise StatusUnavailable(f"building it failed: {e!r}") from None
+        with self._status_lock:
+            self._status_cached = (time.monotonic(), data)
+        return data
 
     @property
     def port(self) -> int | None:
@@ -298,6 +391,7 @@ class MetricsServer:
     async def loop_heartbeat(self) -> None:
         """Stamp the time every :data:`LOOP_STAMP_S` until cancelled (run it in the
         driver's task group: a blocked loop stops stamping)."""
+        self._loop = asyncio.get_running_loop()
         while True:
             self.loop_stamp = time.monotonic()
             await asyncio.sleep(LOOP_STAMP_S)
@@ -319,7 +413,12 @@ class MetricsServer:
             target=self._server.serve_forever, name="zps-metrics", daemon=True
         )
         self._thread.start()
-        log.info("metrics on http://%s:%d/metrics (also /healthz, /ready)", host, self.port)
+        log.info(
+            "metrics on http://%s:%d/metrics (also %s/healthz, /ready)",
+            host,
+            self.port,
+            "the status page at /, /status.json, " if self.serves_status else "",
+        )
 
     def stop(self) -> None:
         if self._server is not None:
