@@ -62,7 +62,7 @@ from zps.errors import (
 )
 from zps.ops import malloc
 from zps.ops.config import ClientConfig, broker_endpoints
-from zps.ops.security import load_curve_keys
+from zps.ops.security import key_identity, load_curve_keys
 from zps.protocol.codec import (
     NO_COMPRESSION,
     TRAFFIC,
@@ -215,7 +215,14 @@ class Connection:
         self.addresses = broker_endpoints(address, "the broker address")
         self.address = self.addresses[0]
         self.config = config or ClientConfig()
-        self.client_id = f"c-{uuid.uuid4().hex[:16]}".encode()
+        # Under CURVE the identity carries the key's tag: no other key may use it.
+        curve = load_curve_keys(self.config.security)
+        self.client_id = (
+            key_identity(b"c-", curve.public, uuid.uuid4().hex[:8].encode())
+            if curve is not None
+            else f"c-{uuid.uuid4().hex[:16]}".encode()
+        )
+        self._handshakes: list[transport.HandshakeWatch] = []
         self._session: ClientSession[_Token] = ClientSession(
             self.client_id,
             timeout=self.config.timeout,
@@ -305,6 +312,8 @@ class Connection:
             for address in self.addresses
         ]
         self._sock = self._socks[0]
+        if keys is not None:
+            self._handshakes = [transport.HandshakeWatch(ch.sock) for ch in self._socks]
         self._choice = BrokerChoice(
             len(self._socks),
             silence=self.config.failover_timeout,
@@ -324,7 +333,12 @@ class Connection:
             async with asyncio.timeout(self.config.connect_timeout):
                 await self._introduce()
         except TimeoutError:
+            refused = next(filter(None, (w.failure() for w in self._handshakes)), None)
             await self.close()
+            if refused is not None:
+                raise ZpsTimeoutError(
+                    f"handshake refused: the broker at {' or '.join(self.addresses)} {refused}"
+                ) from None
             raise ZpsTimeoutError(
                 f"no answer from the broker at {' or '.join(self.addresses)} within "
                 f"{self.config.connect_timeout:g}s (is `zps-server broker` running there?)"
@@ -363,6 +377,8 @@ class Connection:
                 if not op.future.done():
                     op.future.set_exception(err)
         self._queue.clear()
+        for watch in self._handshakes:
+            watch.close()
         for sock in self._socks:
             transport.close(sock)
         for sock, task in self._router_socks.values():
