@@ -748,6 +748,8 @@ class Sim:
         before = dict(cs.map.partitions)
         old_map, old_version = cs.map, cs.map_version
         lsn = {n: s.lsn for n, s in cs.shards.items()}
+        # Rule 8: a fenced primary (the map names none) may serve again, or hand over.
+        fenced = {p: (cs.primary_of(p), cs.handing_over(p)) for p in range(N_PARTITIONS)}
         out = event()
         for a in out:
             assert a.node_id in cs.shards, f"assignment for a dead node {a.node_id}"
@@ -758,10 +760,14 @@ class Sim:
             shard = cs.shards[claimant]
             assert claim is not None
             if shard.held is not None:
-                # A copy older than the partition's floor: kept, and the shard keeps
+                # A copy the partition may not be given (rule 4), or newer than the
+                # serving primary's origin (rule 8): kept, and the shard keeps
                 # believing what it claimed until it is told otherwise.
                 assert shard.held == claim and shard.role is Role.SPARE
-                assert cs.primary_of(claim.partition) is None
+                assert cs.primary_of(claim.partition) is None or (
+                    claim.epoch,
+                    claim.lsn,
+                ) > cs.origin_of(claim.partition)
                 self.beliefs[claimant] = Assignment(
                     claimant, claim.role, claim.partition, claim.epoch
                 )
@@ -791,7 +797,8 @@ class Sim:
             )
             promoted = now.primary in was.in_sync
             fresh = was.epoch == 0 and was.primary is None and now.epoch == 1 and not was.lost
-            assert claimed or promoted or fresh, (p, was, now)
+            handed = fenced[p][1] is not None and now.primary in fenced[p]
+            assert claimed or promoted or fresh or handed, (p, was, now)
             if promoted and not claimed:
                 self.promotions += 1
                 assert now.epoch == was.epoch + 1
@@ -808,7 +815,8 @@ class Sim:
         seen: set[str] = set()
         for p in range(N_PARTITIONS):
             info = cs.map.partitions[p]
-            assert info.primary == cs.primary_of(p) and info.lost == cs.is_lost(p)
+            serving = None if cs.handing_over(p) else cs.primary_of(p)
+            assert info.primary == serving and info.lost == cs.is_lost(p)
             members = [*([info.primary] if info.primary else []), *info.replicas]
             assert len(set(members)) == len(members) and not seen & set(members)
             seen |= set(members)  # a node serves at most one partition, in one role
@@ -1018,8 +1026,8 @@ def test_after_a_restart_an_empty_shard_never_gets_a_known_partition() -> None:
     assert cs.primary_of(0) is None
     # The copy that held it comes back: it gets its partition, the empty shard
     # (replication 1) stays spare.
-    assert by_node(reg(cs, "holder", claim=claim_primary(0, 1, 50), now=106.0)) == {
-        "holder": primary("holder", 0, 1)
+    assert by_node(reg(cs, "a", claim=claim_primary(0, 1, 50), now=106.0)) == {
+        "a": primary("a", 0, 1)
     }
     assert not cs.is_lost(0)
 
@@ -1082,8 +1090,8 @@ def test_an_unconfirmed_promotion_does_not_strand_the_older_copies() -> None:
     cs.node_gone("b")  # ... and leaves before it ever said so
     assert cs.is_lost(0) and cs.floor_of(0) == (1, 30)
     cs = restarted(cs, now=10.0, hold=1.0)
-    out = reg(cs, "b2", claim=claim_primary(0, 1, 30), now=10.5)
-    assert out == [primary("b2", 0, 3)]
+    out = reg(cs, "a", claim=claim_primary(0, 1, 30), now=10.5)
+    assert out == [primary("a", 0, 3)]
 
 
 def test_a_confirmed_newer_epoch_refuses_the_old_history() -> None:
@@ -1096,10 +1104,10 @@ def test_a_confirmed_newer_epoch_refuses_the_old_history() -> None:
     hb(cs, "b", 26)  # b wrote at epoch 2
     cs.node_gone("b")
     assert cs.floor_of(0) == (2, 26)
-    assert reg(cs, "a2", claim=claim_primary(0, 1, 30)) == []  # longer, but another history
-    # b's copy is trusted; a2's older one is let go and, replication 2, follows it.
-    out = reg(cs, "b2", claim=claim_primary(0, 2, 26))
-    assert out == [primary("b2", 0, 2), replica("a2", 0, 2, "b2")]
+    assert reg(cs, "a", claim=claim_primary(0, 1, 30)) == []  # longer, but another history
+    # b's copy is trusted; a's older one is let go and, replication 2, follows it.
+    out = reg(cs, "b", claim=claim_primary(0, 2, 26))
+    assert out == [primary("b", 0, 2), replica("a", 0, 2, "b")]
 
 
 def test_restore_refuses_another_shape() -> None:

@@ -147,6 +147,7 @@ class Broker:
             replication=config.replication,
             hold_until=time.monotonic() + config.grace,
         )
+        self.state.lease = self._lease()
         self.detector = FailureDetector(
             config.heartbeat.interval, config.heartbeat.liveness, start=time.monotonic()
         )
@@ -303,6 +304,11 @@ class Broker:
         if self._writer is not None:
             self._writer.changed()
 
+    def _lease(self) -> float:
+        """How long a primary's lease runs past the heartbeat an echo renews."""
+        hb = self.config.heartbeat
+        return hb.interval * (hb.liveness - 1)
+
     def reset_state(self, now: float, *, hold: float) -> None:
         """Forget every node and start holding for claims (a broker of a pair that
         takes over, or steps down)."""
@@ -310,6 +316,7 @@ class Broker:
         self.state = ClusterState(
             cfg.partitions, cfg.slots, replication=cfg.replication, hold_until=now + hold
         )
+        self.state.lease = self._lease()
         self.detector = FailureDetector(cfg.heartbeat.interval, cfg.heartbeat.liveness, start=now)
         self.training = Training(self.state, self._send, self._send_durable)
         self._routes = [None] * cfg.partitions
@@ -454,14 +461,22 @@ class Broker:
         self._alive()
 
     async def _control(
-        self, node: bytes, mtype: MsgType, header: dict[str, Any], req_id: int = 0
+        self,
+        node: bytes,
+        mtype: MsgType,
+        header: dict[str, Any],
+        req_id: int = 0,
+        *,
+        durable: bool = False,
     ) -> None:
         """Broker-originated message (an answer carries its request's id); shards (and
-        their liveness links) get the empty source frame."""
+        their liveness links) get the empty source frame.  ``durable``: sent once the
+        state as it is now is in the data dir."""
         prefix = [node, b""] if node.startswith(b"s-") or is_liveness(node) else [node]
         if self.pair is not None:  # fencing: shards and clients obey the highest term
             header = {**header, "term": self.pair.term}
-        await self._send([*prefix, *encode(Route(mtype, req_id=req_id), header)])
+        frames = [*prefix, *encode(Route(mtype, req_id=req_id), header)]
+        await (self._send_durable if durable else self._send)(frames)
 
     async def _reply_error(self, client: bytes, route: Route, code: Status, message: str) -> None:
         self._refuse(client, route, code, message)
@@ -503,17 +518,21 @@ class Broker:
         if len(self._routes) != self.state.n_partitions:
             self._resize_lists(time.monotonic())  # live resharding added or removed some
         for p in range(self.state.n_partitions):
-            primary = self.state.primary_of(p)
+            primary = self.state.map.partitions[p].primary  # none while handing over
             self._routes[p] = primary.encode() if primary else None
+        # A map goes out once the record holding it is durable: a primary releases the
+        # writes that waited for a replica only when a map drops that replica from the
+        # in-sync set, and a restart must not elect the dropped copy.
         wire = MapUpdate(self.state.map.to_wire()).to_wire()
         for node in [*self.state.clients, *self.state.shards]:
-            await self._control(node.encode(), MsgType.MAP, wire)
+            await self._control(node.encode(), MsgType.MAP, wire, durable=True)
         self._log_partition_states(time.monotonic())
         await self.training.on_map_change()
 
     def _log_notices(self) -> None:
+        levels = {"error": logging.ERROR, "warning": logging.WARNING}
         for level, message in self.state.notices:
-            log.log(logging.ERROR if level == "error" else logging.INFO, "%s", message)
+            log.log(levels.get(level, logging.INFO), "%s", message)
         self.state.notices.clear()
 
     def _log_partition_states(self, now: float) -> None:
@@ -928,6 +947,8 @@ class Broker:
                 if shard is None:
                     await self._control(ident, MsgType.REGISTER, {})
                     return
+                p = shard.partition
+                floor = self.state.floor_of(p) if p is not None else None
                 self.state.report(
                     node,
                     lsn=message.lsn,
@@ -935,14 +956,20 @@ class Broker:
                     epoch=message.epoch,
                     in_sync=None if message.in_sync is None else list(message.in_sync),
                     durable=message.durable,
+                    t=message.t,
                 )
                 if shard.role is Role.PRIMARY:
                     self._state_changed()  # its LSN raises its partition's floor
-                # The echo renews the shard's lease, for exactly this role; it goes back
-                # on the connection the heartbeat came by (the shard's liveness link, so
-                # it never waits behind data queued for the shard).
-                echo = LeaseEcho(message.t, shard.role, shard.partition, shard.epoch)
-                await self._control(ident, MsgType.HEARTBEAT, echo.to_wire())
+                # The echo renews the shard's lease, for exactly this role (nothing while
+                # it is fenced); it goes back on the connection the heartbeat came by (the
+                # shard's liveness link, so it never waits behind data queued for the
+                # shard).  The first echo of a promoted primary's epoch waits for the
+                # record that names it the partition's in-sync set: it takes no write
+                # before that is durable.
+                role, partition, epoch = self.state.lease_echo(node)
+                echo = LeaseEcho(message.t, role, partition, epoch)
+                confirmed = p is not None and self.state.floor_of(p)[0] != (floor or (0, 0))[0]
+                await self._control(ident, MsgType.HEARTBEAT, echo.to_wire(), durable=confirmed)
             case Bye():
                 log.info("shard %s left", node)
                 self.detector.forget(node)

@@ -34,9 +34,10 @@ import numpy as np
 from zps.protocol.messages import Mode
 
 #: The layout of :meth:`BrokerState.to_dict`; a reader refuses any other.  Format 2
-#: adds the slot map and the live resharding under way (format 1 is still read).
-FORMAT = 2
-_READS = (1, 2)
+#: adds the slot map and the live resharding under way, format 3 each partition's
+#: in-sync set (formats 1 and 2 are still read).
+FORMAT = 3
+_READS = (1, 2, 3)
 _KIND = "zps-broker-state"
 
 

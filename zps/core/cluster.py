@@ -16,11 +16,24 @@ Rules:
    With no in-sync replica the partition is *lost*: it is never handed to a
    fresh, empty shard (that would silently reset its values), nor to a copy
    older than its *floor*, the newest (epoch, LSN) a primary confirmed by
-   heartbeat; only :meth:`ClusterState.reset_partition` (an operator accepting
-   the loss) lifts that.  The floor and epochs survive a broker restart
-   (:meth:`ClusterState.records` / :meth:`ClusterState.restore`).
+   heartbeat, nor to a copy outside its last in-sync set (*members*: the
+   primary and the replicas it counted, which hold every acknowledged write),
+   nor to a copy that says it may lack acknowledged writes (``complete``
+   false); only :meth:`ClusterState.reset_partition` (an operator accepting
+   the loss) lifts that.  Floors, epochs and members survive a broker restart
+   (:meth:`ClusterState.records` / :meth:`ClusterState.restore`); the driver
+   publishes a map only once the record holding it is durable, so a replica
+   leaves the recorded set before its primary acknowledges a write without it.
 5. The in-sync set of a partition comes from its primary's reports (it sees
    the acknowledgements) and shrinks when the broker loses a replica.
+8. A copy that registers with a newer history (epoch, LSN) than the one the
+   serving primary was granted from takes the partition over only if that
+   primary took no write since: the primary is first *fenced* (the map names no
+   primary, its lease is no longer renewed) until a heartbeat it sent after its
+   lease ran out shows its final LSN.  If it took writes, both histories hold
+   writes the other lacks: neither is overwritten (the newer copy is held) and
+   an error names both copies and the operator's choices.  A partition with a
+   held copy is never handed to an empty shard.
 6. Never two primaries for one partition.
 7. Never two copies of a partition on one host (or one zone) while a spare
    elsewhere could hold one; a copy placed together for want of a spare is
@@ -78,6 +91,12 @@ class ShardNode:
     lsn: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
     zone: str = ""
+    #: The send time of its last heartbeat answered with a renewing lease echo.
+    lease_t: float | None = None
+    #: A primary being fenced (rule 8): its lease echoes renew nothing.
+    fenced: bool = False
+    #: The LSN a fenced primary reported after its lease ran out.
+    final_lsn: int | None = None
     #: A copy it came back with that is older than its partition's floor: kept
     #: (the shard is not made a spare) until a newer copy returns or an operator
     #: accepts this one.
@@ -119,6 +138,17 @@ class _Partition:
     hosts: tuple[str, ...] = ()
     #: An operator accepted the loss of what the missing copies held.
     released: bool = False
+    #: Its last in-sync set, primary first, as its confirmed primary reported it (rule
+    #: 4); binding on claims once restored from a broker's record (``pinned``).
+    members: tuple[str, ...] = ()
+    pinned: bool = False
+    #: The (epoch, LSN) of the copy its primary was granted from, and its LSN then.
+    origin: tuple[int, int] = (0, 0)
+    granted_lsn: int = 0
+    #: A newer copy waiting for the serving primary to be fenced (rule 8).
+    contender: str | None = None
+    #: The shard-clock time after which the fenced primary's lease has run out.
+    fence_after: float = 0.0
 
     @property
     def floor(self) -> tuple[int, int]:
@@ -162,6 +192,9 @@ class ClusterState:
         #: Shards an operator drained: given no role until undrained (kept by name, so
         #: across a restart of the shard; not across one of the broker).
         self.drained: set[str] = set()
+        #: How long a primary's lease runs past the heartbeat it renews (the driver sets
+        #: it from its heartbeat settings).
+        self.lease = 0.8
         self.map = self._build_map()
 
     # -- what survives a restart -----------------------------------------------
@@ -172,7 +205,9 @@ class ClusterState:
         for part in self._parts:
             nodes = [n for n in (part.primary, *part.replicas) if n in self.shards]
             hosts = tuple(sorted({self.shards[n].host for n in nodes})) or part.hosts
-            out.append(PartitionRecord(part.epoch, part.floor_epoch, part.floor_lsn, hosts))
+            out.append(
+                PartitionRecord(part.epoch, part.floor_epoch, part.floor_lsn, hosts, part.members)
+            )
         return tuple(out)
 
     def restore(
@@ -199,7 +234,8 @@ class ClusterState:
             )
         for part, rec in zip(self._parts, partitions, strict=True):
             part.epoch, part.floor_epoch, part.floor_lsn = rec.epoch, rec.floor_epoch, rec.floor_lsn
-            part.hosts = rec.hosts
+            part.hosts, part.members = rec.hosts, rec.in_sync
+            part.pinned = bool(rec.in_sync)
         self.map_version = max(self.map_version, map_version)
         self._publish()
 
@@ -263,6 +299,27 @@ class ClusterState:
     def is_lost(self, partition: int) -> bool:
         return self._parts[partition].lost
 
+    def handing_over(self, partition: int) -> str | None:
+        """The newer copy ``partition`` is being handed to (rule 8): the map names no
+        primary meanwhile."""
+        return self._parts[partition].contender
+
+    def origin_of(self, partition: int) -> tuple[int, int]:
+        """The (epoch, LSN) of the copy the serving primary was granted from."""
+        return self._parts[partition].origin
+
+    def members_of(self, partition: int) -> tuple[str, ...]:
+        """The copies holding every acknowledged write of ``partition`` (rule 4)."""
+        return self._parts[partition].members
+
+    def lease_echo(self, node_id: str) -> tuple[Role, int | None, int]:
+        """The role, partition and epoch a lease echo to ``node_id`` renews: nothing
+        it holds while it is fenced (rule 8)."""
+        node = self.shards[node_id]
+        if node.fenced:
+            return Role.SPARE, None, 0
+        return node.role, node.partition, node.epoch
+
     def holding(self, now: float) -> bool:
         return now < self.hold_until
 
@@ -319,36 +376,37 @@ class ClusterState:
         part = self._parts[claim.partition]
         node.lsn = claim.lsn
         if claim.role is Role.PRIMARY:
-            out: list[Assignment] = []
+            why_not = self._distrust(part, claim, node.node_id)
             current = self.shards.get(part.primary) if part.primary else None
-            if (
-                current is not None
-                and self.holding(now)
-                and (claim.epoch, claim.lsn) > (current.epoch, current.lsn)
-            ):
-                # A newer copy than the one granted earlier in the hold (a later
-                # epoch, or the same epoch and more updates): it wins.
-                out = self._demote(current.node_id, claim.partition)
-                part.primary = None
-            if part.primary is None and self._trusted(part, claim):
-                # A copy from before a promotion that never took writes (its primary
-                # never confirmed the new epoch) is as good; it serves a new epoch.
-                epoch = claim.epoch if claim.epoch >= part.epoch else part.epoch + 1
-                return out + self._make_primary(node, claim.partition, epoch)
-            if part.primary is None:
+            newer = current is not None and (claim.epoch, claim.lsn) > part.origin
+            if why_not is None and current is not None and newer:
+                if self.holding(now):
+                    # A newer copy than the one granted earlier in the hold (no write
+                    # is routed during the hold): it wins.
+                    out = self._demote(current.node_id, claim.partition)
+                    part.primary = None
+                    return out + self._make_primary(
+                        node, claim.partition, self._claim_epoch(part, claim), claim
+                    )
+                node.held = claim
+                return self._contend(node, claim)
+            if why_not is None and part.primary is None:
+                return self._make_primary(
+                    node, claim.partition, self._claim_epoch(part, claim), claim
+                )
+            if why_not is not None and part.primary is None:
                 node.held = claim
                 self.notices.append(
                     (
                         "error",
                         f"shard {node.node_id} ({node.host}) came back with partition "
-                        f"{claim.partition} at epoch {claim.epoch}, LSN {claim.lsn}, older "
-                        f"than the epoch {part.floor_epoch}, LSN {part.floor_lsn} its primary "
-                        "confirmed: not taken (acknowledged writes would be lost); the "
-                        "partition waits for a newer copy, or for zps-server reset-partition "
+                        f"{claim.partition} at epoch {claim.epoch}, LSN {claim.lsn}: not taken "
+                        f"({why_not}; acknowledged writes would be lost); the partition waits "
+                        "for a copy that holds them, or for zps-server reset-partition "
                         f"--partition {claim.partition} --accept-data-loss",
                     )
                 )
-            return out
+            return []
         if (
             claim.role is Role.REPLICA
             and not part.lost
@@ -367,15 +425,119 @@ class ClusterState:
         return []
 
     @staticmethod
-    def _trusted(part: _Partition, claim: Claim) -> bool:
-        """Whether a primary claim may have its partition (none being served)."""
+    def _claim_epoch(part: _Partition, claim: Claim) -> int:
+        """The epoch a claimed copy serves at: its own, unless the partition has moved
+        past it (a copy from before a promotion that never took writes is as good)."""
+        return claim.epoch if claim.epoch >= part.epoch else part.epoch + 1
+
+    @staticmethod
+    def _distrust(part: _Partition, claim: Claim, node_id: str) -> str | None:
+        """Why a primary claim may not have its partition (rule 4), or None."""
         if part.released:
-            return True
+            return None
+        if not claim.complete:
+            return "it was restored without a log and may lack acknowledged writes"
         if (claim.epoch, claim.lsn) < part.floor:
-            return False
+            return (
+                f"older than the epoch {part.floor_epoch}, LSN {part.floor_lsn} its "
+                "primary confirmed"
+            )
+        if part.pinned and node_id not in part.members:
+            return f"it is not in the partition's last in-sync set ({', '.join(part.members)})"
         # At or past the floor.  Below the current epoch only when a floor is known
         # (the newer epoch was never confirmed, so it took no writes).
-        return claim.epoch >= part.epoch or part.floor_epoch > 0
+        if claim.epoch >= part.epoch or part.floor_epoch > 0:
+            return None
+        return f"its epoch {claim.epoch} is older than the partition's {part.epoch}"
+
+    def _contend(self, node: ShardNode, claim: Claim) -> list[Assignment]:
+        """A newer copy than the serving primary's origin came back (rule 8)."""
+        p = claim.partition
+        part = self._parts[p]
+        current = self.shards[part.primary] if part.primary else None
+        assert current is not None
+        if part.contender is not None and part.contender in self.shards:
+            self.notices.append(
+                (
+                    "info",
+                    f"shard {node.node_id}: partition {p} is already being handed to "
+                    f"{part.contender}; {node.node_id} waits with its copy",
+                )
+            )
+            return []
+        if current.lsn > part.granted_lsn:
+            self._conflict(p, node, claim, current.lsn)
+            return []
+        part.contender = node.node_id
+        part.fence_after = (current.lease_t or float("-inf")) + self.lease
+        current.fenced, current.final_lsn = True, None
+        self.notices.append(
+            (
+                "info",
+                f"partition {p}: {node.node_id} came back with epoch {claim.epoch}, LSN "
+                f"{claim.lsn}, newer than {current.node_id}'s (epoch {part.origin[0]}, LSN "
+                f"{part.origin[1]}); fencing {current.node_id} to hand the partition over "
+                "if it took no write",
+            )
+        )
+        self._publish()
+        return []
+
+    def _conflict(self, p: int, node: ShardNode, claim: Claim, lsn: int) -> None:
+        part = self._parts[p]
+        self.notices.append(
+            (
+                "error",
+                f"partition {p}: two copies hold writes the other lacks. {node.node_id} "
+                f"came back with epoch {claim.epoch}, LSN {claim.lsn}; {part.primary} "
+                f"serves it from epoch {part.origin[0]}, LSN {part.origin[1]} and has "
+                f"taken writes since (LSN {part.granted_lsn} -> {lsn}). Neither is "
+                f"overwritten: {node.node_id} is kept with no role. To keep the serving "
+                f"copy, stop {node.node_id}, set its data dir aside and start it empty; "
+                f"to serve {node.node_id}'s copy instead, stop {part.primary} (set its "
+                "data dir aside) and run zps-server reset-partition --partition "
+                f"{p} --accept-data-loss",
+            )
+        )
+
+    def _settle(self, now: float) -> list[Assignment]:
+        """Finish the hand-overs whose fenced primary reported its final LSN."""
+        out: list[Assignment] = []
+        for p, part in enumerate(self._parts):
+            if part.contender is None:
+                continue
+            contender = self.shards.get(part.contender)
+            current = self.shards.get(part.primary) if part.primary else None
+            if contender is None or contender.held is None or current is None:
+                # One of them left: the hand-over is off (a dead primary fails over).
+                part.contender = None
+                if current is not None:
+                    current.fenced = False
+                self._publish()
+                continue
+            if current.final_lsn is None:
+                continue
+            claim = contender.held
+            part.contender = None
+            current.fenced = False
+            if current.final_lsn > part.granted_lsn:
+                self._conflict(p, contender, claim, current.final_lsn)
+                self._publish()
+                continue
+            self.notices.append(
+                (
+                    "warning",
+                    f"partition {p}: {contender.node_id} holds a newer copy (epoch "
+                    f"{claim.epoch}, LSN {claim.lsn}) than {current.node_id}, which took "
+                    f"no write since it took the partition: {contender.node_id} serves it",
+                )
+            )
+            out += self._demote(current.node_id, p)
+            part.primary = None
+            # Past the fenced primary's epoch: nothing it sent can count any more.
+            out += self._make_primary(contender, p, max(claim.epoch, part.epoch + 1), claim)
+            out += self._fill(now)
+        return out
 
     def _raise_epoch(self, partition: int, epoch: int) -> list[Assignment]:
         """The partition moves to ``epoch``: replicas of older epochs must resync."""
@@ -418,10 +580,14 @@ class ClusterState:
         epoch: int | None = None,
         in_sync: list[str] | None = None,
         durable: int | None = None,
+        t: float | None = None,
     ) -> bool:
-        """A shard's heartbeat; a primary also reports its in-sync replicas, and
-        raises its partition's floor to what its log holds (``durable``; without a
-        log, to ``lsn``: a restart would bring back less than it acknowledged).
+        """A shard's heartbeat (sent at ``t`` by the shard's clock); a primary also
+        reports its in-sync replicas, and raises its partition's floor to what its
+        log holds (``durable``; without a log, to ``lsn``: a restart would bring back
+        less than it acknowledged).  A fenced primary's first heartbeat from its
+        event loop (it carries ``in_sync``) sent after its lease ran out gives its
+        final LSN (rule 8).
 
         Returns True when the map changed.
         """
@@ -433,11 +599,21 @@ class ClusterState:
             node.stats = stats
         if node.role is Role.PRIMARY and node.partition is not None and epoch == node.epoch:
             p = self._parts[node.partition]
+            if not node.fenced:
+                node.lease_t = t
+            elif (
+                node.final_lsn is None
+                and in_sync is not None
+                and t is not None
+                and t >= p.fence_after
+            ):
+                node.final_lsn = lsn
             if p.primary == node_id and epoch == p.epoch:
                 # Confirmed: this primary serves (and may write at) this epoch.
                 kept = lsn if durable is None else min(lsn, durable)
                 p.floor_lsn = max(p.floor_lsn, kept) if p.floor_epoch == epoch else kept
                 p.floor_epoch = epoch
+                self._refresh_members(p)
         if (
             in_sync is None
             or node.role is not Role.PRIMARY
@@ -455,6 +631,14 @@ class ClusterState:
 
     def node_gone(self, node_id: str, now: float = 0.0) -> list[Assignment]:
         """A node died or left; returns the assignments that follow (promotions)."""
+        for part in self._parts:
+            if part.contender is not None and node_id in (part.contender, part.primary):
+                # The hand-over is off: a dead primary's last writes are unknown, so
+                # the held copy waits for the operator (or is compared again).
+                if part.primary in self.shards:
+                    self.shards[part.primary].fenced = False
+                part.contender = None
+                self._publish()
         self.clients.pop(node_id, None)
         if self.routers.pop(node_id, None) is not None:
             self._publish()
@@ -484,7 +668,7 @@ class ClusterState:
             return _merge(self._fill(now))
         if self.holding(now):
             return []
-        return _merge(self._rebalance())
+        return _merge(self._settle(now) + self._rebalance())
 
     # -- internals -----------------------------------------------------------
 
@@ -492,6 +676,15 @@ class ClusterState:
         part = self._parts[p]
         part.primary = None
         candidates = [r for r in part.replicas if r in part.in_sync and r in self.shards]
+        if not candidates:
+            self._lose(p)
+            out = [a for r in list(part.replicas) for a in self._demote(r, p)]
+            part.replicas, part.in_sync = [], set()
+            self._publish()
+            return out
+        if part.pinned and not part.released:
+            # After a restart, only the recorded in-sync set holds every write.
+            candidates = [r for r in candidates if r in part.members]
         if not candidates:
             self._lose(p)
             out = [a for r in list(part.replicas) for a in self._demote(r, p)]
@@ -527,8 +720,14 @@ class ClusterState:
             )
         )
 
-    def _make_primary(self, node: ShardNode, partition: int, epoch: int) -> list[Assignment]:
+    def _make_primary(
+        self, node: ShardNode, partition: int, epoch: int, claim: Claim | None = None
+    ) -> list[Assignment]:
+        """``node`` serves ``partition`` at ``epoch``, from its claimed copy (else from
+        what it holds: a replica's LSN, or nothing)."""
         part = self._parts[partition]
+        part.origin = (claim.epoch, claim.lsn) if claim else (node.epoch, node.lsn)
+        part.granted_lsn = node.lsn
         if node.node_id in part.replicas:
             part.replicas.remove(node.node_id)
         part.in_sync.discard(node.node_id)
@@ -541,12 +740,19 @@ class ClusterState:
         out = [Assignment(node.node_id, Role.PRIMARY, partition, epoch)]
         # Replicas that were waiting for a primary (after a restart) follow it now.
         out += [self._assignment(r) for r in part.replicas]
-        # Older copies kept in case an operator wanted them: no longer needed.
+        # Older copies kept in case an operator wanted them: no longer needed.  A
+        # newer one is kept (rule 8: it is compared once the partition serves).
         for other in self.shards.values():
-            if other.held is not None and other.held.partition == partition:
+            held = other.held
+            if held is None or held.partition != partition or other is node:
+                continue
+            if (held.epoch, held.lsn) <= part.origin or part.released:
                 other.held = None
                 out.append(Assignment(other.node_id, Role.SPARE, None, 0))
         return out
+
+    def _held(self, p: int) -> bool:
+        return any(n.held is not None and n.held.partition == p for n in self.shards.values())
 
     def _spares(self) -> list[ShardNode]:
         return sorted(
@@ -581,7 +787,7 @@ class ClusterState:
                     out += self._failover(p)
                 elif part.released:  # an operator accepted the loss
                     out += self._take_over(p)
-                elif part.epoch > 0:  # it held data and no copy is left
+                elif part.epoch > 0 or self._held(p):  # it held data, no copy serves
                     self._lose(p)
                     self._publish()
                 elif spares := self._spares():
@@ -742,12 +948,24 @@ class ClusterState:
             if n.held is not None and n.held.partition == p
         ]
         if held:
-            return self._make_primary(self.shards[max(held)[2]], p, part.epoch + 1)
+            node = self.shards[max(held)[2]]
+            assert node.held is not None
+            epoch = max(part.epoch + 1, node.held.epoch)
+            return self._make_primary(node, p, epoch, node.held)
         if spares := self._spares():
             return self._make_primary(spares[0], p, part.epoch + 1)
         return []  # the first spare to register takes it
 
+    @staticmethod
+    def _refresh_members(part: _Partition) -> None:
+        """A confirmed primary's in-sync set is the partition's members (a promoted
+        copy takes no write before it is confirmed: its lease starts then)."""
+        if part.primary is not None and part.floor_epoch == part.epoch and part.epoch > 0:
+            part.members = (part.primary, *sorted(part.in_sync))
+
     def _publish(self) -> None:
+        for part in self._parts:
+            self._refresh_members(part)
         self.map_version += 1
         self.map = self._build_map()
 
@@ -756,7 +974,7 @@ class ClusterState:
         parts = {
             p: PartitionInfo(
                 epoch=part.epoch,
-                primary=part.primary,
+                primary=None if part.contender is not None else part.primary,
                 replicas=tuple(part.replicas),
                 in_sync=tuple(sorted(part.in_sync)),
                 lost=part.lost,
@@ -827,18 +1045,24 @@ class ClusterState:
                 "lsn": head,
                 "replicas": replicas,
                 "floor": {"epoch": part.floor_epoch, "lsn": part.floor_lsn},
+                "in_sync_set": list(part.members),
                 "placement": self.placement_warning(p),
             }
+            if part.contender is not None:
+                entry["handing_over_to"] = part.contender
+            held = [
+                {"node": n.node_id, "host": n.host, "epoch": n.held.epoch, "lsn": n.held.lsn}
+                for n in self.shards.values()
+                if n.held is not None and n.held.partition == p
+            ]
+            if held or part.lost:
+                entry["held_copies"] = held
             if part.lost:
                 entry["awaiting"] = (
                     f"a copy at epoch {part.floor_epoch}, LSN {part.floor_lsn} or newer"
+                    + (f" from its in-sync set ({', '.join(part.members)})" if part.members else "")
                     + (f" (last on {', '.join(part.hosts)})" if part.hosts else "")
                 )
-                entry["held_copies"] = [
-                    {"node": n.node_id, "host": n.host, "epoch": n.held.epoch, "lsn": n.held.lsn}
-                    for n in self.shards.values()
-                    if n.held is not None and n.held.partition == p
-                ]
             partitions.append(entry)
         warnings = [
             f"partition {e['partition']}: {e['placement']}" for e in partitions if e["placement"]
