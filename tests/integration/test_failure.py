@@ -1,4 +1,5 @@
-"""A dead shard makes clients fail fast with ShardUnavailableError, never hang."""
+"""A dead shard makes clients wait for its partition until their deadline, then fail with
+ShardUnavailableError, never hang."""
 
 from __future__ import annotations
 
@@ -14,30 +15,32 @@ from zps.optim import SGD
 from zps.testing import LocalCluster
 
 
-async def test_sigkilled_shard_fails_requests_fast(fresh_cluster: LocalCluster) -> None:
+async def test_sigkilled_shard_fails_requests_at_their_deadline(
+    fresh_cluster: LocalCluster,
+) -> None:
     c = fresh_cluster
-    async with zps.connect(c.address, timeout=60.0) as ps:
+    async with zps.connect(c.address, timeout=3.0) as ps:
         await ps.create_embedding("t", dim=4, optimizer=SGD(lr=1.0))
         ids = np.arange(1000, dtype=np.int64)
         await ps.push_rows("t", ids, np.ones((1000, 4)))
         c.kill(c.shard_pid(0), signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(zps.ShardUnavailableError, match="partition 0"):
-            # keep pushing: the first call after death must fail, not hang
+            # keep pushing: the first call after death waits for its deadline, not longer
             for _ in range(10_000):
                 await ps.push_rows("t", ids, np.ones((1000, 4)))
         elapsed = time.monotonic() - t0
-        # well under the 60 s request timeout: detection is by heartbeat (0.5 s here)
-        assert elapsed < 5.0, elapsed
+        # detection is by heartbeat (1 s here), then the 3 s request timeout
+        assert elapsed < 6.0, elapsed
         # the surviving partition keeps serving
         p1_ids = ids[[p == 1 for p in zps.core.routing.partitions_of_ids(ids, ps.cluster_map)]]
         rows = await ps.pull_rows("t", p1_ids)
         assert rows.shape == (p1_ids.size, 4)
-        # and new requests for the dead partition fail at once
+        # and new requests for the dead partition wait for their deadline, then fail
         t1 = time.monotonic()
-        with pytest.raises(zps.ShardUnavailableError):
+        with pytest.raises(zps.ShardUnavailableError, match="gave up after waiting 3.0s"):
             await ps.pull_rows("t", ids)
-        assert time.monotonic() - t1 < 1.0
+        assert 3.0 <= time.monotonic() - t1 < 5.0
     # the heartbeat detector declares it dead and the map says so
     c.wait_for(
         lambda s: [p["state"] for p in s["partitions"]] == ["lost", "ok"],
@@ -50,7 +53,8 @@ async def test_in_flight_request_to_a_stopped_shard_fails_when_it_is_declared_de
     fresh_cluster: LocalCluster,
 ) -> None:
     c = fresh_cluster
-    async with zps.connect(c.address, timeout=60.0) as ps:
+    # Declared dead after 1 s (the liveness timeout here), well within the 4 s timeout.
+    async with zps.connect(c.address, timeout=4.0) as ps:
         await ps.create_dense("d", shape=(10,), optimizer=SGD(lr=1.0))
         owner = zps.core.routing.chunk_partition("d", 0, ps.cluster_map)
         pid = c.shard_pid(owner)
@@ -59,7 +63,7 @@ async def test_in_flight_request_to_a_stopped_shard_fails_when_it_is_declared_de
             t0 = time.monotonic()
             with pytest.raises(zps.ShardUnavailableError):
                 await asyncio.wait_for(ps.pull_dense("d"), 30)
-            assert time.monotonic() - t0 < 5.0
+            assert time.monotonic() - t0 < 6.0
         finally:
             c.kill(pid, signal.SIGKILL)
 
