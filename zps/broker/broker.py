@@ -89,9 +89,28 @@ from zps.ops.metrics import (
     gauge,
     labelled,
 )
-from zps.ops.security import KeyRoles, load_curve_keys, load_key_roles, warn_if_exposed
+from zps.ops.security import (
+    ADMIN_FIELDS,
+    REFUSAL_REASONS,
+    KeyRoles,
+    RefusalLog,
+    admin_ops,
+    identity_refusal,
+    is_shard_identity,
+    load_curve_keys,
+    load_roles,
+    warn_if_exposed,
+)
 from zps.ops.systemd import Notifier, watchdog_due
-from zps.protocol.codec import PROTOCOL_VERSION, MsgType, Route, VersionMismatchError, encode
+from zps.protocol.codec import (
+    PROTOCOL_VERSION,
+    MsgType,
+    Route,
+    VersionMismatchError,
+    decode,
+    encode,
+    unpack_route,
+)
 from zps.protocol.messages import (
     Assign,
     Bye,
@@ -133,7 +152,7 @@ class BrokerStats:
     overloaded: int = 0
     #: Messages in another protocol version, answered VERSION_MISMATCH.
     version_mismatch: int = 0
-    #: CURVE roles: messages from a key not entitled to the sender's identity, dropped.
+    #: CURVE: messages refused for their key (see ``refusals`` by reason), dropped.
     unauthorized: int = 0
 
 
@@ -168,9 +187,11 @@ class Broker:
         self._versions: dict[str, str] = {}  # node -> zps release (from REGISTER / HELLO)
         self._incarnations: dict[str, str] = {}  # shard -> its process (from REGISTER)
         self._mismatched: set[str] = set()  # peers warned about another protocol version
-        self._roles: KeyRoles | None = None  # CURVE roles: which keys may act as shards
-        self._bound_keys: dict[str, bytes] = {}  # node -> the key it authenticated with
-        self._refused: set[tuple[str, bytes | None]] = set()  # (node, key) warned about
+        self._roles: KeyRoles | None = None  # CURVE: which keys may act as what
+        # CURVE: shard name -> the key it first registered with (kept while the broker
+        # runs, whatever becomes of the shard: a name outlives its key's process).
+        self._bound_keys: dict[str, bytes] = {}
+        self.refusals = RefusalLog(log, "the broker")
         self.metrics = MetricsServer(
             config.metrics,
             self._collect,
@@ -342,16 +363,22 @@ class Broker:
     async def _run(self) -> None:
         ctx = transport.new_context()
         keys = load_curve_keys(self.config.security)
-        self._roles = roles = load_key_roles(self.config.security)
+        self._roles = roles = load_roles(self.config.security)
         auth = (
             transport.start_authenticator(
-                ctx, keys.allowed_dir, keys=roles.admitted if roles else None
+                ctx,
+                keys.allowed_dir,
+                keys=roles.admitted if roles else None,
+                on_refused=self._handshake_refused,
             )
             if keys
             else None
         )
         self._sock, self.endpoint = transport.router(
             ctx, self.config.bind, max_message_bytes=self.config.max_message_bytes, curve=keys
+        )
+        unwatch = (
+            transport.watch_handshakes(self._sock.sock, self._handshake_refused) if keys else None
         )
         warn_if_exposed(self.config.bind, self.config.security, "the broker")
         self._sock_addr = self._sock.handle
@@ -396,6 +423,8 @@ class Broker:
             self._out.close()
             if auth is not None:
                 auth.stop()
+            if unwatch is not None:
+                unwatch()
             transport.close(self._sock)
             transport.term(ctx)
             if self._lock is not None:
@@ -626,7 +655,7 @@ class Broker:
         # A shard's liveness link (h-s-...) speaks for the shard: its heartbeats keep the
         # shard alive and its key must be the shard's; lease echoes go back on it.
         node = speaks_for(ident).decode("utf-8", "replace")
-        if self._roles is not None and not self._authorised(ident, node, frames[1]):
+        if self._roles is not None and not self._authorised(ident, node, frames):
             return
         if self.pair is not None and not await self.pair.admit(speaks_for(ident), frames, now):
             return  # a standby: answered PASSIVE, or a shard noted
@@ -682,8 +711,8 @@ class Broker:
         elif is_liveness(ident):
             return False
         node = ident.decode("utf-8", "replace")
-        if self._roles is not None and not self._authorised(ident, node, frames[1]):
-            return True  # dropped, counted
+        if self._roles is not None and not self._authorised(ident, node, frames):
+            return True  # dropped (or refused), counted
         now = time.monotonic()
         verdict = accept(ident, [transport.frame_buffer(f) for f in frames[1:]], self.state)
         match verdict:
@@ -698,35 +727,81 @@ class Broker:
                 return False  # _on_message takes it from the start (accept again)
         return True
 
-    def _authorised(self, ident: bytes, node: str, frame: Any) -> bool:
-        """CURVE roles: a shard identity (``s-...``, or its liveness link's ``h-s-...``)
-        needs a shard key, and a node stays bound to the key it first authenticated with
-        while the broker knows it (a liveness link to its shard's).  Anything else is
-        dropped, counted, and warned about once."""
+    def _authorised(self, ident: bytes, node: str, frames: transport.Frames) -> bool:
+        """CURVE: the sender's key must be allowed, own the identity (a shard name is
+        bound to the key it first came with, any other identity carries its key's tag:
+        zps.ops.security) and, for a command that changes the cluster, be an operator's.
+        Anything else is dropped (a command refused with an answer), counted by reason
+        and logged once per peer and key a minute."""
         assert self._roles is not None
-        key = transport.sender_key(frame)
-        role = self._roles.role(key)
-        why = None
-        if key is None or role is None:
-            why = "its key is in no allow-list"
-        elif (ident.startswith(b"s-") or is_liveness(ident)) and role != "shard":
-            why = "a shard identity needs a key of security.allowed_shards_dir"
-        elif self._bound_keys.setdefault(node, key) != key:
-            why = "the identity belongs to another key"
-        if why is None:
+        key = transport.sender_key(frames[1])
+        shard = is_shard_identity(ident)
+        owner = self._bound_keys.get(node) if shard else None
+        reason = identity_refusal(ident, key, self._roles, owner)
+        if reason is None and shard and owner is None:
+            assert key is not None
+            self._bind(node, key)
+        if reason is None and not shard and "operator" not in self._roles.roles(key):
+            asked = self._admin_asked(ident, frames)
+            if asked:
+                self.stats.unauthorized += 1
+                self.refusals.refused(
+                    node, key, "wrong_role", time.monotonic(), f"{asked} needs an operator key"
+                )
+                return False
+        if reason is None:
             return True
         self.stats.unauthorized += 1
-        if (node, key) not in self._refused:
-            if len(self._refused) >= 4096:
-                self._refused.clear()
-            self._refused.add((node, key))
-            log.warning(
-                "refused messages from %s (key %s): %s",
-                node,
-                (key or b"?").decode("ascii", "replace"),
-                why,
-            )
+        self.refusals.refused(node, key, reason, time.monotonic())
         return False
+
+    def _bind(self, node: str, key: bytes) -> None:
+        """Bind shard name ``node`` to ``key``.  The table is bounded: past its bound a
+        name no shard of the membership holds is forgotten (never a live one)."""
+        if len(self._bound_keys) >= _MAX_BOUND_NAMES:
+            idle = next((n for n in self._bound_keys if n not in self.state.shards), None)
+            if idle is not None:
+                del self._bound_keys[idle]
+        self._bound_keys[node] = key
+
+    def _admin_asked(self, ident: bytes, frames: transport.Frames) -> str:
+        """What of a client's message changes the cluster ("" for nothing), answered
+        refused at once: a REQUEST's drop or checkpoint operations, a STATUS request's
+        commands.  Reading the status report stays open to every key."""
+        if len(frames) < 3:
+            return ""
+        try:
+            route = unpack_route(transport.frame_buffer(frames[1]))
+        except ProtocolError:
+            return ""
+        if route.mtype is MsgType.REQUEST:
+            ops = admin_ops(transport.frame_buffer(frames[2]))
+            if not ops:
+                return ""
+            what = " and ".join(f"the {op!r} operation" for op in ops)
+            self._refuse(ident, route, Status.BAD_REQUEST, _refused_by_role(what))
+            return what
+        if route.mtype is not MsgType.STATUS:
+            return ""
+        try:
+            header = decode([transport.frame_buffer(f) for f in frames[1:]]).header
+        except ProtocolError:
+            return ""
+        asked = [f for f in ADMIN_FIELDS if header.get(f) not in (None, False)]
+        if not asked:
+            return ""
+        what = ", ".join(asked)
+        msg = _refused_by_role(what)
+        report: dict[str, Any] = {"st": Status.BAD_REQUEST.value, "msg": msg, "refused": "role"}
+        for command in ("reset", "drain", "scale"):
+            report[command] = {"ok": False, "msg": msg}
+        self._post([ident, *encode(Route(MsgType.STATUS, req_id=route.req_id), report)])
+        return what
+
+    def _handshake_refused(self, peer: str, key: bytes | None, reason: str) -> None:
+        """A handshake the ZAP handler or the socket refused: counted, logged."""
+        self.stats.unauthorized += 1
+        self.refusals.refused(f"a peer at {peer}", key, reason, time.monotonic())
 
     def _wrong_version(self, ident: bytes, node: str, error: VersionMismatchError) -> None:
         """Answer VERSION_MISMATCH (in this protocol version); warn once per peer."""
@@ -1075,7 +1150,6 @@ class Broker:
         node = ident.decode("utf-8", "replace")
         self._versions.pop(node, None)
         self._incarnations.pop(node, None)
-        self._bound_keys.pop(node, None)
         if self._out is not None:
             self._out.forget(ident)
             self._out.forget(liveness_identity(ident))
@@ -1111,6 +1185,13 @@ class Broker:
             "zps_broker_peak_held_bytes",
             "Most bytes held for peers at once",
             flow["peak_held_bytes"],
+        )
+        yield labelled(
+            CounterMetricFamily,
+            "zps_broker_refusals",
+            "CURVE peers and messages refused, by reason",
+            "reason",
+            {r: float(self.refusals.counts.get(r, 0)) for r in REFUSAL_REASONS},
         )
         yield from _collect_status(self.state.status(time.monotonic(), {}))
         yield from self.training.metrics()
@@ -1177,6 +1258,17 @@ def _collect_status(report: dict[str, Any]) -> Iterable[Metric]:
                 lag.add_metric([str(p["partition"]), r["node"]], r["lag"])
     if lag.samples:
         yield lag
+
+
+#: Shard names bound to keys at most (past it a name no live shard holds is forgotten).
+_MAX_BOUND_NAMES = 65536
+
+
+def _refused_by_role(what: str) -> str:
+    return (
+        f"refused by role: {what} changes the cluster and needs an operator key "
+        "(security.allowed_operators_dir at the broker); this key is not one"
+    )
 
 
 def _claim(claim: ShardClaim | None) -> Claim | None:
