@@ -7,9 +7,19 @@ Layout of ``partition-P/ckpt-EPOCH-LSN.zps``::
 The header is :func:`zps.store.snapshot.encode_snapshot`'s plus the frame lengths;
 the SHA-256 covers everything before it.  A file is written to a temporary
 name, fsynced, renamed into place and the directory fsynced, so a crash
-leaves either the old set of files or the new one.  Loading verifies the
-checksum and every field; a corrupt or truncated file is reported and the
-next older one is used.  The newest ``keep`` files per partition are kept.
+leaves either the old set of files or the new one; a write that fails (a full
+disk) removes its temporary file and keeps the older checkpoints, and temporary
+files a crash left are removed at start-up.  Loading verifies the checksum and
+every field; a corrupt or truncated file is reported and the next older one is
+used.  The newest ``keep`` files per partition are kept, and the write-ahead log
+from the oldest of them on, so that any of them, with the log, restores the
+newest state.
+
+A shard that stops cleanly (SIGTERM: it has handed its partition over and
+acknowledges nothing more) notes beside its final checkpoint that it is final
+(``partition-P/FINAL``, naming the file).  The note is consumed by the next
+start-up, before anything is acknowledged: without a log, only a copy restored
+from the checkpoint it names is known to hold every write it acknowledged.
 
 The same byte stream is what a joining replica receives, in bounded chunks
 (:mod:`zps.shard.snapshots`).  A snapshot is taken in two steps so that no
@@ -26,6 +36,7 @@ from it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -52,6 +63,8 @@ from zps.store.wal import Record, Recovery, Wal
 log = logging.getLogger("zps.checkpoint")
 
 MAGIC = b"ZPSCKPT1"
+#: The note of a clean stop beside a partition's checkpoints (see mark_final).
+FINAL = "FINAL"
 _LEN = struct.Struct("<Q")
 _DIGEST = 32
 
@@ -145,17 +158,23 @@ class CheckpointStore:
         self, partition: int, epoch: int, lsn: int, parts: list[bytes | memoryview]
     ) -> Path:
         """Write an encoded checkpoint (a verified snapshot stream as a replica received
-        it, or :func:`encode_checkpoint`'s parts) atomically; prune old files."""
+        it, or :func:`encode_checkpoint`'s parts) atomically; prune old files.  A write
+        that fails removes its temporary file and keeps the older checkpoints."""
         folder = self._dir(partition)
         folder.mkdir(parents=True, exist_ok=True)
         final = folder / f"ckpt-{epoch:08d}-{lsn:016d}.zps"
         tmp = folder / f".{final.name}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            for part in parts:
-                f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        try:
+            with open(tmp, "wb") as f:
+                for part in parts:
+                    f.write(part)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
         _fsync_dir(folder)
         self._prune(folder)
         return final
@@ -164,8 +183,73 @@ class CheckpointStore:
         files = sorted(folder.glob("ckpt-*.zps"))
         for old in files[: max(0, len(files) - self.keep)]:
             old.unlink(missing_ok=True)
-        for stale in folder.glob(".ckpt-*.tmp-*"):  # a crash mid-write
+        self.remove_temporary(folder)
+
+    def remove_temporary(self, folder: Path | None = None) -> list[Path]:
+        """Delete the temporary files of checkpoints that never finished (a crash or a
+        failure mid-write), in ``folder`` or every partition's; returns them."""
+        if folder is None:
+            found = list(self.root.glob("partition-*/.ckpt-*.tmp-*")) if self.root.is_dir() else []
+        else:
+            found = list(folder.glob(".ckpt-*.tmp-*"))
+        for stale in found:
             stale.unlink(missing_ok=True)
+        return found
+
+    def oldest_lsn(self, partition: int) -> int | None:
+        """The LSN of the oldest checkpoint kept of ``partition`` (the write-ahead log
+        is kept from there on), or None if there is none."""
+        lsns = map(_checkpoint_lsn, self._dir(partition).glob("ckpt-*.zps"))
+        found = [lsn for lsn in lsns if lsn is not None]
+        return min(found) if found else None
+
+    def mark_final(self, partition: int, checkpoint: Path) -> None:
+        """``checkpoint`` holds every write this copy acknowledged (written at a clean
+        stop, after the partition was handed over): note it, durably, beside it."""
+        folder = self._dir(partition)
+        tmp = folder / f".{FINAL}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                f.write(checkpoint.name + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, folder / FINAL)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(folder)
+
+    def take_finals(self) -> dict[int, str]:
+        """By partition, the checkpoint a clean stop noted as final (see
+        :meth:`mark_final`); every note is removed (durably), so that a copy that goes
+        on to acknowledge more never claims one again.  A note that cannot be removed
+        counts as none."""
+        found = {}
+        for folder in self.root.glob("partition-*") if self.root.is_dir() else []:
+            with contextlib.suppress(ValueError):
+                partition = int(folder.name.removeprefix("partition-"))
+                name = self._take_final(folder)
+                if name is not None:
+                    found[partition] = name
+        return found
+
+    def _take_final(self, folder: Path) -> str | None:
+        note = folder / FINAL
+        try:
+            name = note.read_text().strip()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.error("%s is unreadable (%s): the copy is not known to be complete", note, e)
+            name = ""
+        try:
+            note.unlink()
+            _fsync_dir(folder)
+        except OSError as e:
+            log.error("%s could not be removed (%s): the copy is not known to be complete", note, e)
+            return None
+        return name or None
 
     def candidates(self, partition: int | None = None) -> list[Path]:
         """Every checkpoint (of ``partition``, if given), newest first (by time, then
@@ -203,6 +287,14 @@ class CheckpointStore:
         return None
 
 
+def _checkpoint_lsn(path: Path) -> int | None:
+    """The LSN in a checkpoint's name (``ckpt-EPOCH-LSN.zps``)."""
+    try:
+        return int(path.stem.split("-")[2])
+    except (IndexError, ValueError):
+        return None
+
+
 def apply_record(core: ShardCore, rec: Record) -> int:
     """Re-run a logged message on ``core`` (as a replica applies the stream); the new LSN."""
     if not rec.frames:
@@ -220,6 +312,10 @@ class Restored:
     lsn: int
     checkpoint: Path | None  # the checkpoint it started from (None: an empty partition)
     recovery: Recovery | None  # what the log replayed (None: no log)
+    #: Whether the copy holds every write it acknowledged: with a log, unless the
+    #: replay set whole records aside; without one, only when the checkpoint was
+    #: written at a clean stop (:meth:`CheckpointStore.mark_final`).
+    complete: bool = True
 
 
 def restore(
@@ -232,15 +328,22 @@ def restore(
     Without a log, the newest checkpoint of any partition is used.  With one, the
     partition is the one whose files changed last; its log may start from an empty
     partition (a primary that never checkpointed).  A torn or corrupt tail of the
-    log is cut (:meth:`~zps.store.wal.Wal.recover`).
+    log is cut (:meth:`~zps.store.wal.Wal.recover`).  Temporary files of
+    checkpoints that never finished are removed first, and the note of a clean
+    stop is consumed.
     """
+    for stale in store.remove_temporary():
+        log.warning("removed %s, a checkpoint that never finished", stale)
+    finals = store.take_finals()
     if log_segment_bytes is None:
         found = store.latest()
         if found is None:
             return None, None
         core.load_snapshot(found.snapshot)
         snap = found.snapshot
-        return Restored(snap.partition, snap.epoch, snap.lsn, found.path, None), None
+        final = finals.get(snap.partition) == found.path.name
+        restored = Restored(snap.partition, snap.epoch, snap.lsn, found.path, None, final)
+        return restored, None
     partition = store.newest_partition()
     if partition is None:
         return None, None
@@ -256,7 +359,14 @@ def restore(
         core.assign(None, 0)
         wal.close()
         return None, None
-    restored = Restored(partition, core.epoch, core.lsn, found.path if found else None, recovery)
+    restored = Restored(
+        partition,
+        core.epoch,
+        core.lsn,
+        found.path if found else None,
+        recovery,
+        recovery.set_aside == 0,
+    )
     return restored, wal
 
 

@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from zps.errors import ZpsError
 from zps.store.wal import Buffer, Record, Wal, WalLost
 
 log = logging.getLogger("zps.shard")
@@ -50,6 +51,10 @@ log = logging.getLogger("zps.shard")
 MODES = ("none", "interval", "fsync")
 #: Seconds between attempts to write a batch that failed.
 RETRY_S = 1.0
+
+
+class LogLost(ZpsError):
+    """A shard stopped because its write-ahead log was lost (a failed sync)."""
 
 
 @dataclass

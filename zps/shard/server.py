@@ -98,7 +98,7 @@ from zps.protocol.messages import (
 from zps.shard import snapshots
 from zps.shard.checkpoint import CheckpointStore, cut, finish, restore
 from zps.shard.core import MUTATIONS, Limits, ShardCore
-from zps.shard.durability import Durability
+from zps.shard.durability import Durability, LogLost
 from zps.shard.liveness import Liveness
 from zps.shard.primary import REPLICATION_HWM, ReplicationStream, Reply
 from zps.shard.replica import Upstream
@@ -308,7 +308,10 @@ class ShardServer:
             interval=config.durability_interval,
             segment_bytes=config.wal_segment_bytes,
         )
-        self._checkpointing: asyncio.Task[None] | None = None
+        self._checkpointing: asyncio.Task[Path | None] | None = None
+        #: Why this copy's write-ahead log was lost (it then leaves and exits), or None.
+        self._log_lost: str | None = None
+        self.durability.on_lost = self._on_log_lost
         #: Same-host shared memory for large frames (zps.shm); None when off.
         self._shm = shm.SharedMemory.create(
             config.shm_bytes,
@@ -359,6 +362,25 @@ class ShardServer:
         finally:
             if lock is not None:
                 lock.release()
+        if self._log_lost is not None:
+            raise LogLost(
+                f"stopped: the write-ahead log was lost ({self._log_lost}); start the "
+                "shard again to restore its partition and resync from its replicas"
+            )
+
+    def _on_log_lost(self, why: str) -> None:
+        """The log may not hold what this copy wrote (a failed sync): it acknowledges
+        nothing more (the log releases nothing), hands its role over as at a graceful
+        stop (a replica takes the partition; a final checkpoint of the state in memory
+        is written if the disk takes it) and exits with status 1, for its service
+        manager to start it again."""
+        self._log_lost = why
+        log.error(
+            "partition %s: this copy's write-ahead log is lost (%s): it acknowledges "
+            "nothing more, leaves its role to the replicas and exits with status 1",
+            self.core.partition, why,
+        )  # fmt: skip
+        self.stop()
 
     async def _run(self) -> None:
         cfg = self.config
@@ -516,6 +538,19 @@ class ShardServer:
             if self._checkpointing is not None:  # let a periodic one finish first
                 await asyncio.wait([self._checkpointing])
             await self._checkpoint(final=True)
+            self._mark_final()
+
+    def _mark_final(self) -> None:
+        """After the final checkpoint of a graceful stop: note that the newest
+        checkpoint holds every write this copy acknowledged (a copy restored from it
+        without a log claims its partition as complete)."""
+        store, core, done = self._checkpoints, self.core, self.core.checkpointed
+        if store is None or core.partition is None or not done or done["lsn"] != core.lsn:
+            return
+        try:
+            store.mark_final(core.partition, Path(done["path"]))
+        except OSError as e:
+            log.error("the final checkpoint %s could not be noted as final: %s", done["path"], e)
 
     def _restore(self) -> None:
         """Load the newest usable checkpoint, to claim its partition when registering."""
@@ -533,7 +568,9 @@ class ShardServer:
         if wal is not None:
             d.adopt(wal, found.partition)
         self.core.primary = False  # until the broker says so
-        self.session.restore(found.partition, found.epoch, found.lsn, time.monotonic())
+        self.session.restore(
+            found.partition, found.epoch, found.lsn, time.monotonic(), complete=found.complete
+        )
         replayed = found.recovery.applied if found.recovery else 0
         log.info(
             "restored partition %d at epoch %d, LSN %d from %s and %d logged messages",
@@ -545,6 +582,16 @@ class ShardServer:
         )
         if found.recovery is not None and found.recovery.cut:
             log.warning("write-ahead log replay stopped: %s", found.recovery.cut)
+        if not found.complete:
+            log.warning(
+                "partition %d at LSN %d may lack writes this copy acknowledged (%s): "
+                "claimed as incomplete",
+                found.partition,
+                found.lsn,
+                "whole logged records were set aside"
+                if found.recovery is not None
+                else "a checkpoint with no log after it, not written at a clean stop",
+            )
         if found.checkpoint is not None:
             with contextlib.suppress(OSError):
                 self._checkpoint_time = Path(found.checkpoint).stat().st_mtime
@@ -563,12 +610,13 @@ class ShardServer:
             assert self._tg is not None
             self._checkpointing = self._tg.create_task(self._checkpoint())
 
-    async def _checkpoint(self, *, final: bool = False) -> None:
+    async def _checkpoint(self, *, final: bool = False) -> Path | None:
         """The event loop only copies the partition into buffers prepared off it; the
-        ordering, encoding, checksum, write, fsync and rename run in a worker thread."""
+        ordering, encoding, checksum, write, fsync and rename run in a worker thread.
+        Returns the file written (None: none was)."""
         store, core = self._checkpoints, self.core
         if store is None or core.partition is None:
-            return
+            return None
         space = None if final else await snapshots.prepare(core)
         if core.partition is None or not self.session.begin_checkpoint(
             time.monotonic(), core.lsn, final=final
@@ -576,7 +624,7 @@ class ShardServer:
             wanted = core.checkpoint_wanted  # asked for (op "checkpoint"): already under way?
             if wanted is not None and self.session.last_checkpoint[1] >= wanted:
                 core.checkpoint_wanted = None
-            return
+            return None
         snap = cut(core, space)  # memory copies only, at one LSN
         if core.checkpoint_wanted is not None and snap.lsn >= core.checkpoint_wanted:
             core.checkpoint_wanted = None
@@ -588,12 +636,16 @@ class ShardServer:
         except OSError as e:
             self.checkpoint_failures += 1
             log.error(
-                "checkpoint of partition %d at LSN %d failed: %s", snap.partition, snap.lsn, e
-            )
-            return
+                "checkpoint of partition %d at LSN %d failed (the older ones and the log "
+                "are kept): %s",
+                snap.partition, snap.lsn, e,
+            )  # fmt: skip
+            return None
         self.checkpoints_written += 1
         self._checkpoint_seconds, self._checkpoint_time = time.monotonic() - t0, time.time()
-        self.durability.checkpointed(snap.partition, snap.lsn)
+        # The log goes from the oldest checkpoint kept: each of them restores with it.
+        oldest = store.oldest_lsn(snap.partition)
+        self.durability.checkpointed(snap.partition, snap.lsn if oldest is None else oldest)
         core.checkpointed = {
             "lsn": snap.lsn,
             "epoch": snap.epoch,
@@ -607,6 +659,7 @@ class ShardServer:
             path,
             time.monotonic() - t0,
         )
+        return path
 
     def _collect(self) -> Iterable[Metric]:
         s, core = self.core.stats, self.core

@@ -129,6 +129,8 @@ class ShardSession(Generic[T]):
         self.epoch = 0
         self.leaving = False
         self.restored = False
+        #: Whether the restored copy holds every write it acknowledged (see restore).
+        self.complete = True
         # broker link
         self.lease_start = NEVER
         self.last_broker = now
@@ -156,31 +158,40 @@ class ShardSession(Generic[T]):
         """Whether this shard's state is a whole partition (worth a checkpoint)."""
         return self.role is Role.PRIMARY or (self.role is Role.REPLICA and self.synced)
 
-    def restore(self, partition: int, epoch: int, lsn: int, now: float) -> None:
-        """A checkpoint was loaded: claim its partition when registering."""
+    def restore(
+        self, partition: int, epoch: int, lsn: int, now: float, *, complete: bool = True
+    ) -> None:
+        """A checkpoint was loaded: claim its partition when registering.  ``complete``:
+        whether the copy holds every write it acknowledged (not so for a checkpoint
+        with no log after it, unless written at a clean stop); the claim says so."""
         self.partition, self.epoch = partition, epoch
         self.restored = True
+        self.complete = complete
         self.last_checkpoint = (now, lsn)
 
     def claim(self, lsn: int) -> dict[str, Any] | None:
         """What this shard tells the broker it serves, when registering."""
         if self.partition is None:
             return None
+        complete = True  # a role the broker gave: the copy it chose
         if self.restored and self.role is Role.SPARE:
-            role, in_sync = Role.PRIMARY, False
+            role, in_sync, complete = Role.PRIMARY, False, self.complete
         elif self.role is not Role.SPARE:
             # A replica that has not loaded its primary's snapshot holds another history.
             role = self.role
             in_sync = self.in_sync_published and (role is not Role.REPLICA or self.synced)
         else:
             return None
-        return {
+        claim = {
             "partition": self.partition,
             "epoch": self.epoch,
             "role": role.value,
             "lsn": lsn,
             "in_sync": in_sync,
         }
+        if not complete:  # absent: complete (ShardClaim.complete)
+            claim["complete"] = False
+        return claim
 
     def assign(
         self, role: Role, partition: int | None, epoch: int, primary_address: str = ""
