@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,9 +27,41 @@ from zps.client.progress import Progress
 from zps.core.coord import Task
 from zps.ops.config import ClientConfig
 from zps.ops.meter import ClientMeter
-from zps.protocol.codec import MsgType
+from zps.protocol.codec import MsgType, Route, encode
+from zps.protocol.messages import Heartbeat, TrainReport
 
 log = logging.getLogger("zps.client")
+
+
+class _Reports:
+    """What ``report()`` recorded since the last :meth:`take` (any thread may add)."""
+
+    def __init__(self, now: float) -> None:
+        self._lock = threading.Lock()
+        self._since = now
+        self._rows = 0.0
+        self._steps = 0
+        self._loss_sum = 0.0
+        self._losses = 0
+
+    def add(self, rows: float, loss: float | None) -> None:
+        with self._lock:
+            self._rows += rows
+            self._steps += 1
+            if loss is not None:
+                self._loss_sum += loss
+                self._losses += 1
+
+    def take(self, job: str | None, now: float) -> TrainReport | None:
+        """The reports since the last take, for ``job`` (None: nothing, or no job)."""
+        with self._lock:
+            rows, steps, since = self._rows, self._steps, self._since
+            loss = self._loss_sum / self._losses if self._losses else None
+            self._since, self._rows, self._steps = now, 0.0, 0
+            self._loss_sum, self._losses = 0.0, 0
+        if job is None or steps == 0:
+            return None
+        return TrainReport(job, float(rows), max(0.0, now - since), steps, loss)
 
 
 class TrainingCalls(Connection):
@@ -43,6 +77,9 @@ class TrainingCalls(Connection):
         self.stop_requested = False
         self.progress = Progress(name=self.config.name, enabled=False)
         self.meter = ClientMeter(time.monotonic())
+        self._reports = _Reports(time.monotonic())
+        #: The job reports are for: that of the last task handed out, else the last created.
+        self._report_job: str | None = None
         #: The tasks :meth:`next_task` handed this client, per job it asked (0: none:
         #: the job had nothing left; zps-worker says so).
         self.tasks_taken: dict[str, int] = {}
@@ -52,6 +89,8 @@ class TrainingCalls(Connection):
         if self._started:
             return
         await super().start()
+        assert self._tg is not None
+        self._tasks.append(self._tg.create_task(self._report_loop()))
         if self.config.mode != "async":
             reply = await self._broker_call(MsgType.CLOCK, self._clock_header("join"))
             self._step = int(reply["step"])
@@ -100,6 +139,19 @@ class TrainingCalls(Connection):
         progress for zps-worker's watchdog."""
         self.meter.stepped(time.monotonic())
         self.progress.report(rows=rows, loss=loss, **extra)
+        if loss is not None and not math.isfinite(loss):
+            loss = None  # a diverged step is not plotted
+        self._reports.add(float(rows), loss)
+
+    async def _report_loop(self) -> None:
+        """Every heartbeat interval, what ``report()`` recorded goes to the broker on a
+        heartbeat (for its status page and per-job series); a lost one is not re-sent."""
+        interval = self.config.heartbeat.interval
+        while True:
+            await asyncio.sleep(interval)
+            train = self._reports.take(self._report_job, time.monotonic())
+            if train is not None and self._sock is not None:
+                await self._control(encode(Route(MsgType.HEARTBEAT), Heartbeat(train).to_wire()))
 
     def _tagged(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.config.mode == "sync":
@@ -163,6 +215,7 @@ class TrainingCalls(Connection):
         if restart:
             header["restart"] = True
         reply = await self._broker_call(MsgType.TASK, header)
+        self._report_job = job
         progress = dict(reply["progress"])
         if reply.get("outcome") == "finished":
             log.warning(
@@ -223,6 +276,7 @@ class TrainingCalls(Connection):
             if reply.get("state") in ("cancelled", "failed"):
                 log.warning("job %r is %s: no more tasks", job, reply["state"])
             return None
+        self._report_job = t["job"]
         return Task(t["job"], t["task"], t["epoch"], t["start"], t["stop"])
 
     async def task_done(self, task: Task) -> None:
