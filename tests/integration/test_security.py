@@ -7,6 +7,7 @@ allow-list; an allowed client works, everyone else gets no answer at all.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -172,11 +173,24 @@ def test_other_clients_are_refused_and_the_broker_keeps_serving(
         "a key not in the allow-list": client_security(secure.keys, "stranger"),
         "the wrong broker key": client_security(secure.keys, "client", server="stranger"),
     }[who]
+    # The client's error tells a refused handshake from no answer at all; the broker
+    # logs each refusal with its reason.
+    error, logged = {
+        "no keys": ("no answer from the broker", "presented no CURVE key"),
+        "a key not in the allow-list": (
+            "handshake refused: .* refused this process's key",
+            "its key is in no allow-list",
+        ),
+        "the wrong broker key": ("handshake refused: .* failed the CURVE handshake", None),
+    }[who]
     cfg = ClientConfig(security=security, connect_timeout=1.0, timeout=1.0)
     t0 = time.monotonic()
-    with pytest.raises(ZpsTimeoutError, match="no answer from the broker"):
+    with pytest.raises(ZpsTimeoutError, match=error):
         zps.connect_sync(secure.address, cfg)
     assert time.monotonic() - t0 < 1.0 + 2.0  # within the connect timeout (+ closing)
+    if logged is not None:
+        broker = next(p for p in secure.procs if p.name == "broker")
+        assert re.search(rf"WARNING.*the broker refused .*{logged}", broker.log()), broker.log()
 
     good = ClientConfig(security=secure.admin, connect_timeout=5, timeout=10)
     name = f"after-{who.replace(' ', '-')}"
