@@ -7,8 +7,10 @@ turn are coalesced into one message (see :mod:`zps.core.batching`), and a call t
 large for one message is cut into several per partition, each request and each
 reply within ``message_budget`` bytes (16 MiB), and its results joined in order.
 Every message carries ``(client_id, seq)``: a message re-sent after a map change
-is applied once.  Calls fail with a clear error rather than hang: ``ShardUnavailableError``
-when a partition has no live shard, ``ZpsTimeoutError`` past the deadline.
+is applied once.  A call waits while its partition has no live copy (a promotion, shards
+restarting) and fails with a clear error at its deadline rather than hang:
+``ShardUnavailableError`` when its partition still had no copy to serve it (naming what was
+missing and how long it waited), ``ZpsTimeoutError`` when no answer came.
 
 This module is the key-value API (tables, dense tensors, embedding rows, prefetch); the
 request machinery is :class:`~zps.client.connection.Connection` and the training calls
