@@ -35,6 +35,7 @@ restart, and nothing needs to.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import os
@@ -51,7 +52,18 @@ from zps.core.routing import ClusterMap
 from zps.errors import ProtocolError
 from zps.ops.config import BrokerConfig
 from zps.ops.metrics import CounterMetricFamily, Metric, MetricsServer, gauge, labelled
-from zps.ops.security import KeyRoles, load_curve_keys, load_key_roles, warn_if_exposed
+from zps.ops.security import (
+    REFUSAL_REASONS,
+    KeyRoles,
+    RefusalLog,
+    admin_ops,
+    identity_refusal,
+    is_shard_identity,
+    key_identity,
+    load_curve_keys,
+    load_roles,
+    warn_if_exposed,
+)
 from zps.ops.systemd import Notifier
 from zps.protocol.codec import (
     PROTOCOL_VERSION,
@@ -69,6 +81,10 @@ log = logging.getLogger("zps.router")
 
 #: Every router identity (on its links to the brokers) starts with this.
 ROUTER_PREFIX = b"r-"
+#: Shard identities bound to keys at most; past it the least recently heard goes if
+#: silent this long (seconds), else a new name is refused.
+MAX_BOUND = 65536
+BOUND_IDLE_S = 300.0
 
 
 @dataclass
@@ -85,7 +101,7 @@ class RouterStats:
     version_mismatch: int = 0
     #: CLOCK, TASK and STATUS calls refused (they go to the active broker).
     refused: int = 0
-    #: CURVE roles: messages from a key not entitled to the sender's identity, dropped.
+    #: CURVE: messages refused for their key (see ``refusals`` by reason), dropped.
     unauthorized: int = 0
     #: Maps taken, and maps dropped as older than the one held.
     maps: int = 0
@@ -183,8 +199,13 @@ class Router:
         self._quiet = hb.interval * max(2.0, hb.liveness / 2)  # see _route
         self._started = time.monotonic()
         self._warned: set[bytes] = set()
-        self._roles: KeyRoles | None = None  # CURVE roles: which keys may act as shards
-        self._bound_keys: dict[bytes, bytes] = {}  # identity -> the key it came with
+        self._roles: KeyRoles | None = None  # CURVE: which keys may act as what
+        # CURVE: shard identity -> the key it first came with, least recently heard
+        # first (bounded, see _bind; other identities carry their key's tag).
+        self._bound_keys: collections.OrderedDict[bytes, tuple[bytes, float]] = (
+            collections.OrderedDict()
+        )
+        self.refusals = RefusalLog(log, "the routing broker")
         self.metrics = MetricsServer(config.metrics, self._collect, ready=self._ready)
 
     def stop(self) -> None:
@@ -208,16 +229,22 @@ class Router:
         cfg = self.config
         ctx = transport.new_context()
         keys = load_curve_keys(cfg.security)
-        self._roles = roles = load_key_roles(cfg.security)
+        self._roles = roles = load_roles(cfg.security)
         auth = (
             transport.start_authenticator(
-                ctx, keys.allowed_dir, keys=roles.admitted if roles else None
+                ctx,
+                keys.allowed_dir,
+                keys=roles.admitted if roles else None,
+                on_refused=self._handshake_refused,
             )
             if keys
             else None
         )
         self._sock, self.endpoint = transport.router(
             ctx, cfg.bind, max_message_bytes=cfg.max_message_bytes, curve=keys
+        )
+        unwatch = (
+            transport.watch_handshakes(self._sock.sock, self._handshake_refused) if keys else None
         )
         warn_if_exposed(cfg.bind, cfg.security, "the routing broker")
         self._out = transport.Outbound(
@@ -227,7 +254,11 @@ class Router:
             name="router",
         )
         self.advertised = advertised(self.endpoint, cfg)
-        self.node_id = ROUTER_PREFIX + self.advertised.split("://", 1)[-1].encode()
+        where = self.advertised.split("://", 1)[-1].encode()
+        # Under CURVE its identity at the brokers carries its key's tag.
+        self.node_id = (
+            key_identity(ROUTER_PREFIX, keys.public, where) if keys else ROUTER_PREFIX + where
+        )
         self._links = [
             transport.dealer(
                 ctx,
@@ -282,6 +313,8 @@ class Router:
                 transport.close(link)
             if auth is not None:
                 auth.stop()
+            if unwatch is not None:
+                unwatch()
             transport.close(self._sock)
             transport.term(ctx)
             log.info("routing broker stopped")
@@ -364,7 +397,7 @@ class Router:
         if len(frames) < 2:
             raise ProtocolError(f"{len(frames)} frame(s): no envelope and route")
         ident = transport.frame_bytes(frames[0])
-        if self._roles is not None and not self._authorised(ident, frames[1]):
+        if self._roles is not None and not self._authorised(ident, frames):
             return
         if ident.startswith(SHARD_PREFIX):
             self._from_shard(ident, frames)
@@ -381,23 +414,71 @@ class Router:
             return
         self._from_client(ident, route, frames)
 
-    def _authorised(self, ident: bytes, frame: Any) -> bool:
-        """CURVE roles, as the broker's: a shard identity needs a shard key, and an
-        identity stays bound to the key it first came with."""
+    def _authorised(self, ident: bytes, frames: transport.Frames) -> bool:
+        """CURVE, as the broker's rules: the key must be allowed and own the identity, and
+        a request's drop or checkpoint operations need an operator key (answered
+        refused).  Refusals are counted by reason and logged once per peer and key a
+        minute."""
         assert self._roles is not None
-        key = transport.sender_key(frame)
-        role = self._roles.role(key)
-        ok = (
-            key is not None
-            and role is not None
-            and (role == "shard" or not ident.startswith(SHARD_PREFIX))
-            and self._bound_keys.setdefault(ident, key) == key
-        )
-        if not ok:
-            self.stats.unauthorized += 1
-            if len(self._bound_keys) > 65536:
-                self._bound_keys.clear()
-        return ok
+        key = transport.sender_key(frames[1])
+        now = time.monotonic()
+        shard = is_shard_identity(ident)
+        bound = self._bound_keys.get(ident) if shard else None
+        reason = identity_refusal(ident, key, self._roles, bound[0] if bound else None)
+        peer = ident.decode("utf-8", "replace")
+        if reason is None and shard:
+            assert key is not None
+            if not self._bind(ident, key, now):
+                self.stats.unauthorized += 1
+                self.refusals.refused(peer, key, "wrong_role", now, "too many shard names")
+                return False
+        elif reason is None and "operator" not in self._roles.roles(key) and len(frames) > 2:
+            try:
+                route = unpack_route(transport.frame_buffer(frames[1]))
+            except ProtocolError:
+                return True  # answered VERSION_MISMATCH, or dropped as malformed
+            ops = (
+                admin_ops(transport.frame_buffer(frames[2]))
+                if route.mtype is MsgType.REQUEST
+                else []
+            )
+            if ops:
+                what = " and ".join(f"the {op!r} operation" for op in ops)
+                self._reply_error(
+                    ident,
+                    route,
+                    Status.BAD_REQUEST,
+                    f"refused by role: {what} changes the cluster and needs an operator "
+                    "key (security.allowed_operators_dir); this key is not one",
+                )
+                reason = "wrong_role"
+        if reason is None:
+            return True
+        self.stats.unauthorized += 1
+        self.refusals.refused(peer, key, reason, now)
+        return False
+
+    def _bind(self, ident: bytes, key: bytes, now: float) -> bool:
+        """Bind (or keep bound) shard identity ``ident`` to ``key``, heard at ``now``.
+        Past :data:`MAX_BOUND` names the least recently heard is forgotten if it was
+        silent for :data:`BOUND_IDLE_S`; never a live one: a new name is refused then."""
+        table = self._bound_keys
+        if ident in table:
+            table[ident] = (key, now)
+            table.move_to_end(ident)
+            return True
+        if len(table) >= MAX_BOUND:
+            oldest, (_, heard) = next(iter(table.items()))
+            if now - heard < BOUND_IDLE_S:
+                return False
+            del table[oldest]
+        table[ident] = (key, now)
+        return True
+
+    def _handshake_refused(self, peer: str, key: bytes | None, reason: str) -> None:
+        """A handshake the ZAP handler or the socket refused: counted, logged."""
+        self.stats.unauthorized += 1
+        self.refusals.refused(f"a peer at {peer}", key, reason, time.monotonic())
 
     def _route(self, ident: bytes, route: Route, frames: transport.Frames) -> None:
         assert self._out is not None
@@ -570,6 +651,13 @@ class Router:
             "Messages by outcome",
             "outcome",
             {k: float(v) for k, v in vars(self.stats).items()},
+        )
+        yield labelled(
+            CounterMetricFamily,
+            "zps_router_refusals",
+            "CURVE peers and messages refused, by reason",
+            "reason",
+            {r: float(self.refusals.counts.get(r, 0)) for r in REFUSAL_REASONS},
         )
         out = self._out
         yield gauge(
