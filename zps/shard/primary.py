@@ -35,6 +35,7 @@ import msgpack
 
 from zps import shm, transport
 from zps.errors import ProtocolError
+from zps.ops.security import RefusalLog
 from zps.protocol.codec import MsgType, Route, decode, encode
 from zps.protocol.messages import (
     Bye,
@@ -53,6 +54,8 @@ log = logging.getLogger("zps.shard")
 Reply = tuple[bytes, list[Any]]  # (client identity, reply frames)
 
 
+#: Follower names bound to keys at most (past it, only current replicas' are kept).
+MAX_OWNERS = 4096
 #: Messages zmq queues per follower before :class:`~zps.transport.Outbound` holds them
 #: (counted in bytes): keeps the bytes zmq itself may pin for a stalled follower small.
 REPLICATION_HWM = 64
@@ -109,6 +112,9 @@ class ReplicationStream:
             channel, total_limit=1 << 62, stall_timeout=stall_timeout, name="replication"
         )
         self.dropped = 0  # followers dropped for a full queue or silence
+        #: CURVE: follower name -> the key that owns it here (see _admit), and refusals.
+        self._owners: dict[str, bytes] = {}
+        self.refusals = RefusalLog(log, "the replication endpoint")
         self._release = release  # answer the clients of writes the replicas now hold
         self._settle = settle  # re-decide what waiting writes wait for (a follower left)
         self._report = report  # tell the broker the in-sync set at once
@@ -143,6 +149,9 @@ class ReplicationStream:
         """Every message, handled at once (in the reader callback: see transport.serve)."""
         try:
             node = transport.frame_bytes(frames[0]).decode()
+            key = transport.sender_key(frames[1]) if len(frames) > 1 else None
+            if key is not None and not self._admit(node, key):
+                return True  # refused, counted
             msg = decode([transport.frame_buffer(f) for f in frames[1:]])
             try:
                 message = _from_replica(msg.route.mtype, msg.header)
@@ -163,6 +172,30 @@ class ReplicationStream:
         except (UnicodeDecodeError, ValueError, TypeError) as e:
             raise ProtocolError(str(e)) from e
         return True
+
+    def _admit(self, node: str, key: bytes) -> bool:
+        """CURVE: a follower is a shard identity, and the key that first subscribed as
+        an assigned replica owns that name here for this process's life: a message from
+        any other key under it (a subscription, an acknowledgement that would release
+        ``acks="all"`` writes) is refused, counted by reason and logged once per peer
+        and key a minute."""
+        now = time.monotonic()
+        if not node.startswith("s-"):
+            self.refusals.refused(node, key, "wrong_role", now, "not a shard identity")
+            return False
+        owner = self._owners.get(node)
+        if owner is None:
+            if node in self.session.replicas:
+                if len(self._owners) >= MAX_OWNERS:  # never a current replica's
+                    self._owners = {
+                        n: k for n, k in self._owners.items() if n in self.session.replicas
+                    }
+                self._owners[node] = key
+            return True
+        if owner == key:
+            return True
+        self.refusals.refused(node, key, "identity_of_another_key", now)
+        return False
 
     def _unreadable(self, node: str, mtype: MsgType, h: dict[str, Any]) -> None:
         """A SUBSCRIBE, ACK or SNAPSHOT_ACK whose header its record refuses: not
