@@ -1,7 +1,8 @@
 """Export a running cluster's model and import one (warm start), through a client.
 
 Export (:func:`export_model`): every partition's primary copies the values of its tables
-at one point of its log (the ``cut`` operation: memory copies, between two requests), and
+and their optimizer state (``values_only``: the values alone) at one point of its log
+(the ``cut`` operation: memory copies, between two requests), and
 the client reads the copies in pieces within the message budget while training goes on,
 writing them into the open format of :mod:`zps.model.format`.  Each partition is cut at one
 LSN (reported in the manifest); training may continue during and after the cut.  If a
@@ -10,8 +11,11 @@ export starts again (at most ``attempts`` times).
 
 Import (:func:`import_model`): creates each table with the exported spec (idempotent for
 an identical one; ``TableConflictError`` naming the fields if a table of that name differs)
-and sets its values with ``set_dense`` / ``set_rows``, which are replicated, logged and
-applied once like pushes, and reset the optimizer state of what they set.
+and sets its values and optimizer state with ``set_dense`` / ``set_rows`` carrying the
+state columns, which are replicated, logged and applied once like pushes: what was
+exported continues exactly where it stopped.  A table exported without state (values
+only, or by a zps that exported none) gets the optimizer's initial state, said in a log
+line.  A delta (``since``) carries values only.
 """
 
 from __future__ import annotations
@@ -19,20 +23,23 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from zps.client.client import _runs
 from zps.core.batching import groups_by_bytes
 from zps.core.routing import chunk_partition
+from zps.core.rows import take_rows
 from zps.errors import BadRequestError, UnknownTableError
-from zps.model.format import Export, ExportWriter
-from zps.protocol.specs import DenseSpec, EmbeddingSpec, spec_from_wire
+from zps.model.format import Export, ExportWriter, state_offsets
+from zps.protocol.specs import DenseSpec, EmbeddingSpec, TableSpec, spec_from_wire
 
 if TYPE_CHECKING:
     from zps.client.client import Client
+
 
 log = logging.getLogger("zps.export")
 
@@ -50,14 +57,16 @@ async def export_model(
     attempts: int = 3,
     values_only: bool = False,
 ) -> dict[str, Any]:
-    """Write the values of ``tables`` (default: all) to the directory ``out``; returns
-    the manifest.  With ``since`` (an earlier export, full or delta-applied), write a
-    delta: only rows and tensors that differ from it, the ids it had that are gone, and
-    the tables it had that are gone (see :func:`zps.model.format.apply_delta`)."""
+    """Write the values of ``tables`` (default: all) and their optimizer state (unless
+    ``values_only``) to the directory ``out``; returns the manifest.  With ``since`` (an
+    earlier export, full or delta-applied), write a delta of values: only rows and
+    tensors that differ from it, the ids it had that are gone, and the tables it had
+    that are gone (see :func:`zps.model.format.apply_delta`)."""
     base = Export(since) if since is not None else None
+    state = not values_only and base is None
     for attempt in range(1, attempts + 1):
         try:
-            return await _export_once(client, Path(out), tables, source, base)
+            return await _export_once(client, Path(out), tables, source, base, state)
         except BadRequestError as e:
             if "take a new cut" not in str(e) or attempt == attempts:
                 raise
@@ -72,10 +81,12 @@ async def _export_once(
     names: Sequence[str] | None,
     source: dict[str, Any] | None,
     base: Export | None,
+    state: bool,
 ) -> dict[str, Any]:
     cmap = client.cluster_map
     n = cmap.n_partitions
-    cuts = await client._gather(client._submit(p, {"op": "cut"}, {}) for p in range(n))
+    cut_op: dict[str, Any] = {"op": "cut", "state": True} if state else {"op": "cut"}
+    cuts = await client._gather(client._submit(p, dict(cut_op), {}) for p in range(n))
     try:
         per_table: dict[str, list[dict[str, Any]]] = {}
         for cut in cuts:
@@ -98,16 +109,19 @@ async def _export_once(
                 old = None  # dropped and created again: all of it is new
             if isinstance(spec, EmbeddingSpec):
                 if base is None:
-                    await _export_rows(client, writer, spec, cuts)
+                    await _export_rows(client, writer, spec, cuts, state)
                 else:
                     await _delta_rows(client, writer, spec, cuts, base if old else None)
             elif base is None:
                 values = writer.dense(spec)
-                await _export_dense(client, values.reshape(-1), spec, cuts)
+                columns = writer.dense_state(spec) if state else {}
+                await _export_dense(client, values.reshape(-1), spec, cuts, columns)
                 values.flush()
+                for a in columns.values():
+                    a.flush()
             else:
                 flat = np.empty(spec.size, dtype=spec.dtype)
-                await _export_dense(client, flat, spec, cuts)
+                await _export_dense(client, flat, spec, cuts, {})
                 if old is None or not np.array_equal(base.values(name).reshape(-1), flat):
                     values = writer.dense(spec)
                     values.reshape(-1)[:] = flat
@@ -128,12 +142,16 @@ def _rows_of(cut: dict[str, Any], name: str) -> int:
 
 
 async def _export_rows(
-    client: Client, writer: ExportWriter, spec: EmbeddingSpec, cuts: list[dict[str, Any]]
+    client: Client,
+    writer: ExportWriter,
+    spec: EmbeddingSpec,
+    cuts: list[dict[str, Any]],
+    state: bool,
 ) -> None:
     counts = [_rows_of(c, spec.name) for c in cuts]
-    sink = writer.embedding(spec, sum(counts))
-    async for ids, rows in _pages(client, spec, cuts, counts):
-        sink.write(ids, rows)
+    sink = writer.embedding(spec, sum(counts), state=state)
+    async for ids, rows, columns in _pages(client, spec, cuts, counts, state):
+        sink.write(ids, rows, columns if state else None)
     sink.close()
 
 
@@ -153,7 +171,7 @@ async def _delta_rows(
     seen = np.zeros(old_ids.shape[0], dtype=bool)
     kept_ids: list[np.ndarray] = []
     kept_rows: list[np.ndarray] = []
-    async for ids, rows in _pages(client, spec, cuts, counts):
+    async for ids, rows, _ in _pages(client, spec, cuts, counts, False):
         changed = np.ones(ids.shape[0], dtype=bool)
         if sorted_ids.size:
             at = np.minimum(np.searchsorted(sorted_ids, ids), sorted_ids.size - 1)
@@ -172,10 +190,16 @@ async def _delta_rows(
 
 
 async def _pages(
-    client: Client, spec: EmbeddingSpec, cuts: list[dict[str, Any]], counts: list[int]
-) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
-    """``(ids, rows)`` of every partition's cut, in pages within the message budget."""
-    row_bytes = 8 + spec.dim * np.dtype(spec.dtype).itemsize
+    client: Client,
+    spec: EmbeddingSpec,
+    cuts: list[dict[str, Any]],
+    counts: list[int],
+    state: bool,
+) -> AsyncIterator[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]]:
+    """``(ids, rows, state columns)`` of every partition's cut, in pages within the
+    message budget (no columns unless ``state``)."""
+    widths = spec.optimizer.state_widths(spec.dim) if state else {}
+    row_bytes = 8 + (spec.dim + sum(widths.values())) * np.dtype(spec.dtype).itemsize
     page = max(1, client.config.message_budget // row_bytes)
     for p, (cut, count) in enumerate(zip(cuts, counts, strict=True)):
         # a few pages in flight per partition, written in order
@@ -197,31 +221,48 @@ async def _pages(
                 for s in starts[i : i + 4]
             ]
             for result in await client._gather(futures):
-                ids, rows = result["arrays"]
-                yield ids, rows
+                ids, rows, *columns = result["arrays"]
+                yield ids, rows, dict(zip(result.get("keys", []), columns, strict=True))
 
 
 async def _export_dense(
-    client: Client, flat: np.ndarray, spec: DenseSpec, cuts: list[dict[str, Any]]
+    client: Client,
+    flat: np.ndarray,
+    spec: DenseSpec,
+    cuts: list[dict[str, Any]],
+    columns: Mapping[str, np.ndarray],
 ) -> None:
+    """The tensor's values into ``flat`` and, if ``columns`` are given, its optimizer
+    state into them (see :meth:`zps.model.format.ExportWriter.dense_state`)."""
     cmap = client.cluster_map
     itemsize = np.dtype(spec.dtype).itemsize
+    keys = list(columns)
+    offsets = state_offsets(spec, keys)
     by_part: dict[int, list[int]] = {}
     for c in range(spec.n_chunks):
         by_part.setdefault(chunk_partition(spec.name, c, cmap), []).append(c)
     for p, chunks in sorted(by_part.items()):
-        sizes = [(spec.chunk_range(c)[1] - spec.chunk_range(c)[0]) * itemsize for c in chunks]
+        sizes = [
+            (
+                spec.chunk_range(c)[1]
+                - spec.chunk_range(c)[0]
+                + sum(offsets[k][c + 1] - offsets[k][c] for k in keys)
+            )
+            * itemsize
+            for c in chunks
+        ]
+        op: dict[str, Any] = {"op": "cut_read", "cut": cuts[p]["cut"], "t": spec.name}
         for a, b in groups_by_bytes(sizes, client.config.message_budget):
             group = chunks[a:b]
             result = await client._submit(
-                p,
-                {"op": "cut_read", "cut": cuts[p]["cut"], "t": spec.name, "chunks": group},
-                {},
-                reply_bytes=sum(sizes[a:b]),
+                p, {**op, "chunks": group}, {}, reply_bytes=sum(sizes[a:b])
             )
-            for c, arr in zip(group, result["arrays"], strict=True):
+            arrays = iter(result["arrays"])
+            for c in group:
                 start, stop = spec.chunk_range(c)
-                flat[start:stop] = arr
+                flat[start:stop] = next(arrays)
+                for k in result.get("keys", []):
+                    columns[k][offsets[k][c] : offsets[k][c + 1]] = next(arrays)
 
 
 async def import_model(
@@ -239,11 +280,84 @@ async def import_model(
         await client._create(entry.spec)
     for name in names:
         entry = export.entry(name)
+        state = export.state(name)
+        if state is None and entry.spec.optimizer.state_widths(1):
+            log.info(
+                "import of %r: the export at %s carries no optimizer state; %s starts afresh",
+                name,
+                export.path,
+                entry.spec.optimizer.kind,
+            )
         if isinstance(entry.spec, DenseSpec):
-            await client.set_dense(name, np.asarray(export.values(name)))
+            values = np.asarray(export.values(name))
+            if state is None:
+                await client.set_dense(name, values)
+            else:
+                await _set_dense_state(client, entry.spec, values, state)
             continue
         ids, values = export.ids(name), export.values(name)
         for start in range(0, ids.shape[0], IMPORT_ROWS):
             stop = start + IMPORT_ROWS
-            await client.set_rows(name, np.asarray(ids[start:stop]), np.asarray(values[start:stop]))
+            page_ids, page_rows = np.asarray(ids[start:stop]), np.asarray(values[start:stop])
+            if state is None:
+                await client.set_rows(name, page_ids, page_rows)
+            else:
+                page_state = {k: np.asarray(a[start:stop]) for k, a in state.items()}
+                await _set_rows_state(client, entry.spec, page_ids, page_rows, page_state)
     return names
+
+
+async def _set_rows_state(
+    client: Client,
+    spec: TableSpec,
+    ids: np.ndarray,
+    rows: np.ndarray,
+    state: dict[str, np.ndarray],
+) -> None:
+    """``set_rows`` with the rows' optimizer state (the shards check every array)."""
+    assert isinstance(spec, EmbeddingSpec)
+    client._check_row(spec)
+    widths = spec.optimizer.state_widths(spec.dim)
+    row_bytes = 8 + (spec.dim + sum(widths.values())) * np.dtype(spec.dtype).itemsize
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    split = client._split(ids)
+    by_part = take_rows(np.ascontiguousarray(rows), split.order)
+    columns = {k: take_rows(np.ascontiguousarray(a), split.order) for k, a in state.items()}
+    op = {"op": "set_rows", "t": spec.name, "state": list(columns)}
+    futures = [
+        client._submit(
+            p,
+            dict(op),
+            {
+                "ids": split.ids[a:b],
+                "v": by_part[a:b],
+                **{f"s.{k}": c[a:b] for k, c in columns.items()},
+            },
+        )
+        for p, a, b in _runs(split, row_bytes, client.config.message_budget)
+    ]
+    await client._gather(futures)
+
+
+async def _set_dense_state(
+    client: Client, spec: TableSpec, values: np.ndarray, state: dict[str, np.ndarray]
+) -> None:
+    """``set_dense`` with the tensor's optimizer state, chunk by chunk."""
+    assert isinstance(spec, DenseSpec)
+    client._check_chunks(spec)
+    flat = np.ascontiguousarray(values).reshape(-1)
+    offsets = state_offsets(spec, list(state))
+    futures = []
+    for c in range(spec.n_chunks):
+        start, stop = spec.chunk_range(c)
+        arrays = {"v": flat[start:stop]}
+        for k, a in state.items():
+            arrays[f"s.{k}"] = np.ascontiguousarray(a[offsets[k][c] : offsets[k][c + 1]])
+        futures.append(
+            client._submit(
+                chunk_partition(spec.name, c, client.cluster_map),
+                {"op": "set_dense", "t": spec.name, "chunk": c, "state": list(state)},
+                arrays,
+            )
+        )
+    await client._gather(futures)

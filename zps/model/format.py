@@ -61,6 +61,7 @@ __all__ = [
     "ExportWriter",
     "TableEntry",
     "apply_delta",
+    "state_offsets",
 ]
 
 FORMAT = "zps-export"
@@ -72,20 +73,58 @@ def _stem(i: int, name: str) -> str:
     return f"{i:04d}-{re.sub(r'[^A-Za-z0-9._-]', '_', name)[:80]}"
 
 
+def state_file(key: str) -> str:
+    """The file name of the optimizer state column ``key``."""
+    return f"state-{re.sub(r'[^A-Za-z0-9._-]', '_', key)}.npy"
+
+
+def state_offsets(spec: DenseSpec, keys: Sequence[str]) -> dict[str, list[int]]:
+    """Per state column of a dense tensor: where each chunk's state starts in the
+    column's 1-D file, and where the last one ends (one more entry than chunks)."""
+    out = {k: [0] for k in keys}
+    for c in range(spec.n_chunks):
+        start, stop = spec.chunk_range(c)
+        widths = spec.optimizer.state_widths(stop - start)
+        for k in keys:
+            out[k].append(out[k][-1] + widths[k])
+    return out
+
+
+def dense_state_size(spec: DenseSpec, key: str) -> int:
+    """Elements of a dense tensor's state column ``key``: each chunk's, in chunk order."""
+    return state_offsets(spec, [key])[key][-1]
+
+
 class EmbeddingSink:
-    """Rows of one embedding table as they arrive: ``write(ids, rows)`` appends; the
-    values go straight to their file, the ids are kept (8 bytes a row) and written at
+    """Rows of one embedding table as they arrive: ``write(ids, rows[, state])``
+    appends; the values (and optimizer state columns, if the table's export carries
+    them) go straight to their files, the ids are kept (8 bytes a row) and written at
     :meth:`close`, which checks that exactly ``rows`` arrived, each id once."""
 
-    def __init__(self, folder: Path, spec: EmbeddingSpec, rows: int) -> None:
+    def __init__(
+        self, folder: Path, spec: EmbeddingSpec, rows: int, state: Sequence[str] = ()
+    ) -> None:
         self.spec, self.rows, self.folder = spec, rows, folder
+        dtype = np.dtype(spec.dtype)
         self._values = np.lib.format.open_memmap(
-            folder / "values.npy", mode="w+", dtype=np.dtype(spec.dtype), shape=(rows, spec.dim)
+            folder / "values.npy", mode="w+", dtype=dtype, shape=(rows, spec.dim)
         )
+        widths = spec.optimizer.state_widths(spec.dim)
+        self._state = {
+            k: np.lib.format.open_memmap(
+                folder / state_file(k), mode="w+", dtype=dtype, shape=(rows, widths[k])
+            )
+            for k in state
+        }
         self._ids = np.empty(rows, dtype=np.int64)
         self._n = 0
 
-    def write(self, ids: npt.ArrayLike, rows: npt.ArrayLike) -> None:
+    def write(
+        self,
+        ids: npt.ArrayLike,
+        rows: npt.ArrayLike,
+        state: dict[str, np.ndarray] | None = None,
+    ) -> None:
         i, v = np.asarray(ids, dtype=np.int64), np.asarray(rows)
         n = i.shape[0]
         if v.shape != (n, self.spec.dim) or self._n + n > self.rows:
@@ -93,8 +132,15 @@ class EmbeddingSink:
                 f"export of {self.spec.name!r}: {n} rows of shape {v.shape} after "
                 f"{self._n} do not fit {self.rows} rows of dim {self.spec.dim}"
             )
+        if set(state or {}) != set(self._state):
+            raise BadRequestError(
+                f"export of {self.spec.name!r}: state columns {sorted(state or {})} given, "
+                f"{sorted(self._state)} expected"
+            )
         self._ids[self._n : self._n + n] = i
         self._values[self._n : self._n + n] = v
+        for k, a in (state or {}).items():
+            self._state[k][self._n : self._n + n] = a
         self._n += n
 
     def close(self) -> None:
@@ -106,6 +152,9 @@ class EmbeddingSink:
             raise BadRequestError(f"export of {self.spec.name!r}: an id appears twice")
         self._values.flush()
         del self._values
+        for a in self._state.values():
+            a.flush()
+        self._state.clear()
         np.save(self.folder / "ids.npy", self._ids)
 
 
@@ -129,27 +178,36 @@ class ExportWriter:
         return folder
 
     def embedding(
-        self, spec: EmbeddingSpec, rows: int, *, removed: np.ndarray | None = None
+        self,
+        spec: EmbeddingSpec,
+        rows: int,
+        *,
+        removed: np.ndarray | None = None,
+        state: bool = False,
     ) -> EmbeddingSink:
-        """A sink for ``rows`` rows; in a delta, ``removed`` are the base's ids now gone."""
+        """A sink for ``rows`` rows (with every optimizer state column if ``state``); in a
+        delta, ``removed`` are the base's ids now gone."""
         folder = self._folder(spec)
         rel = folder.relative_to(self.out).as_posix()
         files = {"ids": f"{rel}/ids.npy", "values": f"{rel}/values.npy"}
         if removed is not None:
             np.save(folder / "removed.npy", np.asarray(removed, dtype=np.int64))
             files["removed"] = f"{rel}/removed.npy"
-        self._tables.append(
-            {
-                "name": spec.name,
-                "kind": "embedding",
-                "rows": int(rows),
-                "dim": spec.dim,
-                "dtype": spec.dtype,
-                "files": files,
-                "spec": spec.to_wire(),
-            }
-        )
-        return EmbeddingSink(folder, spec, rows)
+        keys = list(spec.optimizer.state_widths(spec.dim)) if state else []
+        files.update({f"state.{k}": f"{rel}/{state_file(k)}" for k in keys})
+        entry: dict[str, Any] = {
+            "name": spec.name,
+            "kind": "embedding",
+            "rows": int(rows),
+            "dim": spec.dim,
+            "dtype": spec.dtype,
+            "files": files,
+            "spec": spec.to_wire(),
+        }
+        if state:
+            entry["state"] = keys
+        self._tables.append(entry)
+        return EmbeddingSink(folder, spec, rows, keys)
 
     def dense(self, spec: DenseSpec) -> np.memmap[Any, Any]:
         """The tensor's values file, to be filled by the caller (flushed at :meth:`finish`)."""
@@ -168,6 +226,26 @@ class ExportWriter:
         out: np.memmap[Any, Any] = np.lib.format.open_memmap(
             folder / "values.npy", mode="w+", dtype=np.dtype(spec.dtype), shape=spec.shape
         )
+        return out
+
+    def dense_state(self, spec: DenseSpec) -> dict[str, np.memmap[Any, Any]]:
+        """The optimizer state files of the tensor :meth:`dense` just added, one per
+        column: 1-D, each chunk's state in chunk order; filled by the caller."""
+        entry = self._tables[-1]
+        if entry["name"] != spec.name or entry["kind"] != "dense":
+            raise BadRequestError(f"dense_state of {spec.name!r} must follow its dense()")
+        rel = Path(entry["files"]["values"]).parent.as_posix()
+        keys = list(spec.optimizer.state_widths(1))
+        entry["state"] = keys
+        out: dict[str, np.memmap[Any, Any]] = {}
+        for k in keys:
+            entry["files"][f"state.{k}"] = f"{rel}/{state_file(k)}"
+            out[k] = np.lib.format.open_memmap(
+                self.out / rel / state_file(k),
+                mode="w+",
+                dtype=np.dtype(spec.dtype),
+                shape=(dense_state_size(spec, k),),
+            )
         return out
 
     def finish(self, partitions: dict[int, dict[str, int]], *, dropped: Sequence[str] = ()) -> Path:
@@ -282,6 +360,42 @@ class Export:
                 f"the manifest says {want} {spec.dtype}"
             )
         return v
+
+    def state(self, name: str) -> dict[str, np.ndarray] | None:
+        """The optimizer state columns of ``name`` (memory-mapped; an embedding table's
+        ``(rows, width)`` in the order of :meth:`values`, a dense tensor's 1-D, chunk by
+        chunk), or None if the export carries none for it (``--values-only``, or
+        written by a zps that exported values only)."""
+        entry = self.entry(name)
+        keys = self.manifest_entry(name).get("state")
+        if not keys:
+            return None
+        spec = entry.spec
+        widths = spec.optimizer.state_widths(spec.dim if isinstance(spec, EmbeddingSpec) else 1)
+        if set(keys) != set(widths):
+            raise BadRequestError(
+                f"export of {name!r}: state columns {sorted(keys)}; its optimizer "
+                f"({spec.optimizer.kind}) keeps {sorted(widths)}"
+            )
+        out = {}
+        for k in keys:
+            a = self._load(entry, f"state.{k}")
+            if isinstance(spec, EmbeddingSpec):
+                want: tuple[int, ...] = (entry.rows or 0, widths[k])
+            else:
+                want = (dense_state_size(spec, k),)
+            if a.shape != want or a.dtype != np.dtype(spec.dtype):
+                raise BadRequestError(
+                    f"export of {name!r}: state {k!r} of shape {a.shape} {a.dtype}, "
+                    f"expected {want} {spec.dtype}"
+                )
+            out[k] = a
+        return out
+
+    def manifest_entry(self, name: str) -> dict[str, Any]:
+        """The manifest's entry of the table ``name``."""
+        self.entry(name)
+        return next(t for t in self.manifest["tables"] if t["spec"]["name"] == name)
 
     def ids(self, name: str) -> np.ndarray:
         """An embedding table's ids (memory-mapped), in the order of :meth:`values`."""

@@ -26,7 +26,7 @@ import numpy as np
 
 from zps.errors import BadRequestError
 from zps.init import generate
-from zps.model.format import EmbeddingSink, Export, ExportWriter
+from zps.model.format import EmbeddingSink, Export, ExportWriter, state_offsets
 from zps.protocol.specs import DenseSpec, EmbeddingSpec, TableSpec
 from zps.shard.checkpoint import CheckpointStore, apply_record
 from zps.shard.core import ShardCore
@@ -153,14 +153,19 @@ def export_data_dirs(
     writer = ExportWriter(
         out, {"kind": "data-dirs", "data_dirs": [str(Path(d).resolve()) for d in data_dirs]}
     )
+    state = not values_only
     sinks: dict[str, EmbeddingSink] = {}
     dense: dict[str, np.ndarray] = {}
+    dense_state: dict[str, dict[str, np.ndarray]] = {}
     for name in names:
         spec = specs[name]
         if isinstance(spec, EmbeddingSpec):
-            sinks[name] = writer.embedding(spec, sum(c.rows.get(name, 0) for c in chosen.values()))
+            n_rows = sum(c.rows.get(name, 0) for c in chosen.values())
+            sinks[name] = writer.embedding(spec, n_rows, state=state)
         else:
             dense[name] = _initial(writer, spec)
+            if state:
+                dense_state[name] = _initial_state(writer, spec)
     for p in range(n):
         c = chosen[p]
         _, core = restore_copy(c.data_dir, p)
@@ -170,19 +175,27 @@ def export_data_dirs(
             if name not in core.store:
                 continue
             if name in sinks:
-                ids, rows = core.store.embedding(name).copy_values()
-                sinks[name].write(ids, rows)
+                table = core.store.embedding(name)
+                ids, rows = table.copy_values()
+                sinks[name].write(ids, rows, table.copy_state() if state else None)
             else:
                 spec = specs[name]
                 assert isinstance(spec, DenseSpec)
                 flat = dense[name].reshape(-1)
-                for chunk, values in core.store.dense(name).copy_values().items():
+                tensor = core.store.dense(name)
+                for chunk, values in tensor.copy_values().items():
                     start, stop = spec.chunk_range(chunk)
                     flat[start:stop] = values
+                if state:
+                    columns = dense_state[name]
+                    offsets = state_offsets(spec, list(columns))
+                    for chunk, chunk_state in tensor.copy_state().items():
+                        for k, a in chunk_state.items():
+                            columns[k][offsets[k][chunk] : offsets[k][chunk + 1]] = a
         del core
     for sink in sinks.values():
         sink.close()
-    for arr in dense.values():
+    for arr in [*dense.values(), *(a for c in dense_state.values() for a in c.values())]:
         arr.flush()  # type: ignore[attr-defined]
     writer.finish({p: {"lsn": c.lsn, "epoch": c.epoch} for p, c in chosen.items()})
     return Export(out).manifest
@@ -198,3 +211,15 @@ def _initial(writer: ExportWriter, spec: DenseSpec) -> np.ndarray:
             spec.init, spec.seed, np.arange(start, stop), 1, np.dtype(spec.dtype)
         ).ravel()
     return values
+
+
+def _initial_state(writer: ExportWriter, spec: DenseSpec) -> dict[str, np.ndarray]:
+    """The tensor's optimizer state files, filled with each chunk's initial state."""
+    columns: dict[str, np.ndarray] = dict(writer.dense_state(spec))
+    offsets = state_offsets(spec, list(columns))
+    for c in range(spec.n_chunks):
+        start, stop = spec.chunk_range(c)
+        init = spec.optimizer.init_state(1, stop - start, np.dtype(spec.dtype))
+        for k, a in init.items():
+            columns[k][offsets[k][c] : offsets[k][c + 1]] = a.reshape(-1)
+    return columns

@@ -752,15 +752,29 @@ class ShardCore:
         chunk = op.get("chunk")
         if type(chunk) is not int:
             raise BadRequestError("set_dense needs an integer 'chunk'")
-        table.set_chunk(chunk, self._array(op, "v", payloads))
+        state = self._state_arrays(op, payloads)
+        table.set_chunk(chunk, self._array(op, "v", payloads), state)
         return OK
 
     def op_set_rows(
         self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
     ) -> dict[str, Any]:
         table = self.store.embedding(self._table_name(op))
-        table.set_rows(self._ids(op, payloads), self._array(op, "v", payloads))
+        state = self._state_arrays(op, payloads)
+        table.set_rows(self._ids(op, payloads), self._array(op, "v", payloads), state)
         return OK
+
+    def _state_arrays(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike]
+    ) -> dict[str, np.ndarray] | None:
+        """A set's optimizer state: ``state`` names the columns, each in array ``s.KEY``
+        (absent: the set resets the state)."""
+        keys = op.get("state")
+        if keys is None:
+            return None
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise BadRequestError(f"{op.get('op')}: 'state' must be a list of state column names")
+        return {k: self._array(op, f"s.{k}", payloads) for k in keys}
 
     def op_describe(
         self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
@@ -791,21 +805,33 @@ class ShardCore:
     def op_cut(
         self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
     ) -> dict[str, Any]:
-        """Copy the values of every table (not the optimizer state) at the current LSN,
-        to be read in pieces by ``cut_read`` while writes go on; a third cut drops the
-        oldest.  Cuts are not replicated: a new primary knows none."""
+        """Copy the values of every table (and, with ``"state": true``, their optimizer
+        state) at the current LSN, to be read in pieces by ``cut_read`` while writes go
+        on; a third cut drops the oldest.  Cuts are not replicated: a new primary knows
+        none."""
         if self.partition is None:
             raise BadRequestError("no partition to cut")
+        with_state = op.get("state", False)
+        if not isinstance(with_state, bool):
+            raise BadRequestError("cut: 'state' must be true or false")
         tables: dict[str, Any] = {}
         for spec in self.store.specs():
-            tables[spec.name] = self.store.table(spec.name).copy_values()
+            table = self.store.table(spec.name)
+            if not with_state:
+                tables[spec.name] = table.copy_values()
+            elif isinstance(table, EmbeddingTable):
+                tables[spec.name] = (*table.copy_values(), table.copy_state())
+            else:
+                states = table.copy_state()
+                tables[spec.name] = {c: (v, states[c]) for c, v in table.copy_values().items()}
         if self.slots is not None and self.slots.active:
             # Live resharding: only the slots this partition owns (not rows it released
             # and still holds, nor an import not yet served), so no id is cut twice.
             slotops.owned_only(self.slots, tables)
         self._cut_counter += 1
         key = (self.epoch, self._cut_counter)
-        self._cuts[key] = _Cut(self.lsn, {s.name: s for s in self.store.specs()}, tables)
+        specs = {s.name: s for s in self.store.specs()}
+        self._cuts[key] = _Cut(self.lsn, specs, tables, with_state)
         while len(self._cuts) > MAX_CUTS:
             self._cuts.popitem(last=False)
         return {
@@ -813,6 +839,7 @@ class ShardCore:
             "cut": list(key),
             "lsn": self.lsn,
             "epoch": self.epoch,
+            "state": with_state,
             "tables": [
                 {
                     "spec": spec.to_wire(),
@@ -838,9 +865,11 @@ class ShardCore:
     def op_cut_read(
         self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
     ) -> dict[str, Any]:
-        """Embedding rows ``[start, start+count)`` of a cut (``a``: ids, rows; in storage
-        order), or a dense tensor's ``chunks`` (``a``: one array each; a chunk this
-        partition never stored has its initial values)."""
+        """Embedding rows ``[start, start+count)`` of a cut (``a``: ids, rows, then each
+        optimizer state column of a cut with state, in the order of ``keys``; in storage
+        order), or a dense tensor's ``chunks`` (``a``: one array each, each followed by
+        its state columns in a cut with state; a chunk this partition never stored has
+        its initial values and state)."""
         cut, name = self._cut(op), self._table_name(op)
         spec = cut.specs.get(name)
         if spec is None:
@@ -851,40 +880,48 @@ class ShardCore:
             start, count = op.get("start"), op.get("count")
             if type(start) is not int or type(count) is not int or start < 0 or count < 0:
                 raise BadRequestError("cut_read of rows needs integers 'start' and 'count' >= 0")
-            ids, rows = data
-            if count * (8 + rows.shape[1] * itemsize) > self.limits.max_array_bytes:
+            ids, rows = data[0], data[1]
+            state: dict[str, np.ndarray] = data[2] if cut.state else {}
+            width = rows.shape[1] + sum(a.shape[1] for a in state.values())
+            if count * (8 + width * itemsize) > self.limits.max_array_bytes:
                 raise BadRequestError(
                     f"cut_read of {count} rows exceeds the per-request limit "
                     f"{self.limits.max_array_bytes} bytes"
                 )
-            return {
-                "st": "OK",
-                "a": [
-                    enc.array(ids[start : start + count]),
-                    enc.array(rows[start : start + count]),
-                ],
-            }
+            window = slice(start, start + count)
+            arrays = [ids[window], rows[window], *(a[window] for a in state.values())]
+            return {"st": "OK", "a": [enc.array(a) for a in arrays], "keys": list(state)}
         assert isinstance(spec, DenseSpec)
         chunks = op.get("chunks")
         if not isinstance(chunks, list) or not all(type(c) is int for c in chunks):
             raise BadRequestError("cut_read of a dense tensor needs 'chunks', a list of integers")
         out = []
         total = 0
+        opt = spec.optimizer
+        keys = list(opt.state_widths(1)) if cut.state else []
         for c in chunks:
             start_e, stop_e = spec.chunk_range(c)
-            total += (stop_e - start_e) * itemsize
+            widths = opt.state_widths(stop_e - start_e)
+            total += (stop_e - start_e + sum(widths[k] for k in keys)) * itemsize
             if total > self.limits.max_array_bytes:
                 raise BadRequestError(
                     f"cut_read of dense chunks exceeds the per-request limit "
                     f"{self.limits.max_array_bytes} bytes"
                 )
-            values = data.get(c)
-            if values is None:
+            stored = data.get(c)
+            if stored is None:
                 values = generate(
                     spec.init, spec.seed, np.arange(start_e, stop_e), 1, np.dtype(spec.dtype)
                 ).ravel()
+                init = opt.init_state(1, stop_e - start_e, np.dtype(spec.dtype))
+                chunk_state = {k: a.reshape(-1) for k, a in init.items()}
+            elif cut.state:
+                values, chunk_state = stored
+            else:
+                values, chunk_state = stored, {}
             out.append(enc.array(values))
-        return {"st": "OK", "a": out}
+            out.extend(enc.array(chunk_state[k]) for k in keys)
+        return {"st": "OK", "a": out, "keys": keys}
 
     def op_cut_drop(
         self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
@@ -955,9 +992,12 @@ _HANDLERS: dict[str, _Handler] = {
 
 @dataclass
 class _Cut:
-    """A partition's values at one LSN, for an export: embedding tables as
-    ``(ids, rows)`` in storage order, dense tensors as ``{chunk: values}``."""
+    """A partition's values (and optimizer state) at one LSN, for an export: embedding
+    tables as ``(ids, rows)`` in storage order, dense tensors as ``{chunk: values}``."""
 
     lsn: int
     specs: dict[str, TableSpec]
     tables: dict[str, Any]
+    #: Whether the optimizer state was copied too: embedding tables as ``(ids, rows,
+    #: {column: state})``, dense tensors as ``{chunk: (values, {column: state})}``.
+    state: bool = False

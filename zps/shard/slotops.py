@@ -552,11 +552,14 @@ def owned_only(state: SlotState, tables: dict[str, Any]) -> None:
     """Filter an export cut (``ShardCore.op_cut``'s copies) to the owned slots."""
     n_slots = state.n_slots
     for name, data in tables.items():
-        if isinstance(data, tuple):
-            ids, rows = data
+        if isinstance(data, tuple):  # (ids, rows) or (ids, rows, {column: state})
+            ids = data[0]
             keep = state.owned[slots_of_ids(ids, n_slots)]
             if not keep.all():
-                tables[name] = (ids[keep], rows[keep])
+                kept = [a[keep] for a in data[:2]]
+                if len(data) > 2:
+                    kept.append({k: a[keep] for k, a in data[2].items()})
+                tables[name] = tuple(kept)
         else:
             for c in [c for c in data if not state.owned[chunk_slot(name, c, n_slots)]]:
                 del data[c]

@@ -27,7 +27,7 @@ import hashlib
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -605,9 +605,16 @@ class EmbeddingTable:
         np.put(self._stamp, pos, mark)
         return bool((self._stamp.take(pos) == mark).all())
 
-    def set_rows(self, ids: npt.ArrayLike, values: npt.ArrayLike) -> None:
-        """Set the rows of ``ids`` (distinct) to ``values`` and reset their optimizer state
-        to the optimizer's initial state (as for a new row); other rows are untouched.
+    def set_rows(
+        self,
+        ids: npt.ArrayLike,
+        values: npt.ArrayLike,
+        state: Mapping[str, npt.ArrayLike] | None = None,
+    ) -> None:
+        """Set the rows of ``ids`` (distinct) to ``values`` and their optimizer state to
+        ``state`` (every state column of the optimizer, row for row: an export's), or,
+        without it, to the optimizer's initial state (as for a new row); other rows are
+        untouched.
 
         Absent ids get rows.  All or nothing: bad input changes nothing.
         """
@@ -624,6 +631,10 @@ class EmbeddingTable:
         v = v.astype(self.dtype, copy=False)
         if v.size and not bool(np.isfinite(v).all()):
             raise BadRequestError(f"table {name!r}: values contain NaN or infinity")
+        widths = self.spec.optimizer.state_widths(self.spec.dim)
+        given = (
+            None if state is None else _given_state(name, state, widths, keys.shape[0], self.dtype)
+        )
         if keys.size == 0:
             return
         uniq, counts = np.unique(keys, return_counts=True)
@@ -634,7 +645,9 @@ class EmbeddingTable:
             self._note(keys)
         pos = self._positions(keys)
         put_rows(self._rows, pos, np.ascontiguousarray(v))
-        fresh = self.spec.optimizer.init_state(keys.shape[0], self.spec.dim, self.dtype)
+        fresh = given
+        if fresh is None:
+            fresh = self.spec.optimizer.init_state(keys.shape[0], self.spec.dim, self.dtype)
         for k, a in fresh.items():
             put_rows(self._state[k], pos, np.ascontiguousarray(a))
         if self._life:  # a row set is admitted, and as recent as the last push
@@ -662,6 +675,14 @@ class EmbeddingTable:
         if admitted is not None:
             return self._index.ids()[admitted], self._rows[:n][admitted]
         return self._index.ids(), self._rows[:n].copy()
+
+    def copy_state(self) -> dict[str, Array]:
+        """Copies of the optimizer state columns, row for row as :meth:`copy_values`."""
+        n = len(self._index)
+        admitted = self._admitted()
+        if admitted is not None:
+            return {k: self._state[k][:n][admitted] for k in self._opt_keys}
+        return {k: self._state[k][:n].copy() for k in self._opt_keys}
 
     def export(self) -> dict[str, Array]:
         """Rows and state in ascending id order: ``ids``, ``rows``, then each state array."""
@@ -817,9 +838,18 @@ class DenseTensor:
         """A copy of every stored chunk's values (1-D), by chunk index."""
         return {c: v.reshape(-1).copy() for c, v in self._values.items()}
 
-    def set_chunk(self, chunk: int, values: npt.ArrayLike) -> None:
-        """Set chunk ``chunk`` to ``values`` (1-D, the chunk's length) and reset its
-        optimizer state to the optimizer's initial state."""
+    def copy_state(self) -> dict[int, dict[str, Array]]:
+        """A copy of every stored chunk's optimizer state (each column 1-D), by chunk."""
+        return {
+            c: {k: a.reshape(-1).copy() for k, a in st.items()} for c, st in self._state.items()
+        }
+
+    def set_chunk(
+        self, chunk: int, values: npt.ArrayLike, state: Mapping[str, npt.ArrayLike] | None = None
+    ) -> None:
+        """Set chunk ``chunk`` to ``values`` (1-D, the chunk's length) and its optimizer
+        state to ``state`` (every state column, 1-D: an export's), or, without it, to the
+        optimizer's initial state."""
         start, stop = self.spec.chunk_range(chunk)
         name = self.spec.name
         v = np.asarray(values)
@@ -832,10 +862,15 @@ class DenseTensor:
             raise BadRequestError(f"dense tensor {name!r}: values must be numeric, got {v.dtype}")
         if v.size and not bool(np.isfinite(v).all()):
             raise BadRequestError(f"dense tensor {name!r}: values contain NaN or infinity")
+        opt = self.spec.optimizer
+        given = None
+        if state is not None:
+            rows = {k: np.asarray(a).reshape(1, -1) for k, a in state.items()}
+            given = _given_state(name, rows, opt.state_widths(stop - start), 1, self.dtype)
         # A new array, owning its memory: a view of the old one lent to a reply keeps its
         # values, and a view of this one counts as a reference to it (see push).
         self._values[chunk] = self._own(v, copy=True)
-        self._state[chunk] = self.spec.optimizer.init_state(1, stop - start, self.dtype)
+        self._state[chunk] = opt.init_state(1, stop - start, self.dtype) if given is None else given
 
     def load_chunk(self, chunk: int, values: Array, state: dict[str, Any]) -> None:
         """Set chunk ``chunk`` to ``values`` with its optimizer ``state`` (a slot move)."""
@@ -910,6 +945,36 @@ class DenseTensor:
 #: Where a dense chunk's values may live: an array of this shape and dtype, whose
 #: views count as references to it (its base is not an array), or None.
 DenseMemory = Callable[[tuple[int, ...], np.dtype[Any]], Array | None]
+
+
+def _given_state(
+    name: str,
+    state: Mapping[str, npt.ArrayLike],
+    widths: dict[str, int],
+    n: int,
+    dtype: np.dtype[Any],
+) -> dict[str, Array]:
+    """``state`` checked against the optimizer's columns (``widths``) for ``n`` rows:
+    every column, no other, each ``(n, width)``, numeric and finite; copies in ``dtype``."""
+    if set(state) != set(widths):
+        raise BadRequestError(
+            f"table {name!r}: optimizer state {sorted(state)} given; its optimizer keeps "
+            f"{sorted(widths)}"
+        )
+    out: dict[str, Array] = {}
+    for k, w in widths.items():
+        a = np.asarray(state[k])
+        if a.shape != (n, w):
+            raise ShapeMismatchError(
+                f"table {name!r}: optimizer state {k!r} of shape {a.shape}, expected {(n, w)}"
+            )
+        if a.size and a.dtype.kind not in "fiu":
+            raise BadRequestError(f"table {name!r}: optimizer state {k!r} must be numeric")
+        a = np.array(a, dtype=dtype)
+        if a.size and not bool(np.isfinite(a).all()):
+            raise BadRequestError(f"table {name!r}: optimizer state {k!r} has NaN or infinity")
+        out[k] = a
+    return out
 
 
 def _owner(a: Array) -> Array:

@@ -1,0 +1,149 @@
+"""Full-state exports with real processes: a model trained with Adam, Adagrad and FTRL,
+exported with its optimizer state (the default) and imported into a fresh cluster,
+continues bit for bit as the cluster that never stopped; ``--values-only`` leaves the
+state out; an export without state imports with the state reset, said in a log line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import zps
+from zps.model.format import Export
+from zps.optim import FTRL, Adagrad, Adam
+from zps.testing import LocalCluster
+
+OPTIMIZERS = {
+    "adam": Adam(lr=0.01),
+    "adagrad": Adagrad(lr=0.05),
+    "ftrl": FTRL(alpha=0.1, l1=0.001, l2=0.01),
+}
+DIM = 4
+IDS = np.arange(0, 400, dtype=np.int64) * 7919  # spread over both partitions
+DENSE = 100_000  # two chunks (65536 and 34464 elements) on the two partitions
+
+
+def cli(c: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "zps", *args, "--broker", c.address],
+        env=c.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def clusters() -> Iterator[tuple[LocalCluster, LocalCluster]]:
+    with LocalCluster(partitions=2, shards=2) as a, LocalCluster(partitions=2, shards=2) as b:
+        yield a, b
+
+
+def steps(ps: zps.SyncClient, seed: int, n: int) -> None:
+    """``n`` steps of the same gradients for the same seed: each pushes to a random half
+    of the rows (lazy updates: rows at different step counts) and to the dense tensor."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        for name in OPTIMIZERS:
+            ids = rng.choice(IDS, size=IDS.size // 2, replace=False)
+            grads = rng.normal(size=(ids.size, DIM)).astype(np.float32)
+            ps.push_rows(f"emb_{name}", ids, grads)
+            ps.push_dense(f"w_{name}", rng.normal(size=DENSE).astype(np.float32))
+    ps.flush()
+
+
+def model(ps: zps.SyncClient) -> dict[str, bytes]:
+    out = {}
+    for name in OPTIMIZERS:
+        out[f"emb_{name}"] = ps.pull_rows(f"emb_{name}", IDS).tobytes()
+        out[f"w_{name}"] = ps.pull_dense(f"w_{name}").tobytes()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_adam_adagrad_ftrl_continue_bit_for_bit_after_export_and_import(
+    clusters: tuple[LocalCluster, LocalCluster], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = clusters
+    with zps.connect_sync(a.address) as pa:
+        for name, opt in OPTIMIZERS.items():
+            pa.create_embedding(f"emb_{name}", DIM, optimizer=opt, seed=3)
+            pa.create_dense(f"w_{name}", DENSE, optimizer=opt, seed=4)
+        steps(pa, seed=1, n=3)
+
+        out = cli(a, "export", "--out", str(tmp_path / "full"))
+        assert out.returncode == 0, out.stderr
+        full = Export(tmp_path / "full")
+        for name, opt in OPTIMIZERS.items():
+            for table in (f"emb_{name}", f"w_{name}"):
+                state = full.state(table)
+                assert state is not None and sorted(state) == sorted(opt.state_widths(1))
+        assert np.asarray(full.state("emb_adam")["step"]).max() == 3  # type: ignore[index]
+
+        with zps.connect_sync(b.address) as pb:
+            pb.import_model(tmp_path / "full")
+            assert model(pb) == model(pa)  # the values as exported
+            steps(pa, seed=2, n=2)
+            steps(pb, seed=2, n=2)
+            # the same gradients on both: equal bit for bit, the optimizer state as well
+            assert model(pb) == model(pa)
+
+            # values only: no state files, and an import resets the state (Adam then
+            # takes other steps than the cluster that kept its state)
+            out = cli(a, "export", "--values-only", "--out", str(tmp_path / "values"))
+            assert out.returncode == 0, out.stderr
+            manifest = json.loads((tmp_path / "values" / "manifest.json").read_text())
+            assert all("state" not in t for t in manifest["tables"])
+            assert not list((tmp_path / "values").rglob("state-*.npy"))
+            with caplog.at_level(logging.INFO, logger="zps.export"):
+                pb.import_model(tmp_path / "values")
+            assert "import of 'emb_adam'" in caplog.text
+            assert "carries no optimizer state; adam starts afresh" in caplog.text
+            assert model(pb) == model(pa)
+            steps(pa, seed=5, n=1)
+            steps(pb, seed=5, n=1)
+            assert model(pb)["emb_adam"] != model(pa)["emb_adam"]
+
+
+@pytest.mark.timeout(180)
+def test_an_export_without_state_imports_with_the_state_reset(
+    clusters: tuple[LocalCluster, LocalCluster], tmp_path: Path
+) -> None:
+    """An export as zps wrote them before state was exported (no ``state`` in the
+    manifest, no state files): the values are set and Adam starts afresh, exactly as
+    a fresh row with those values would."""
+    a, b = clusters
+    with zps.connect_sync(a.address) as pa:
+        pa.create_embedding("old", DIM, optimizer=Adam(lr=0.01), seed=5)
+        rng = np.random.default_rng(9)
+        pa.push_rows("old", IDS, rng.normal(size=(IDS.size, DIM)).astype(np.float32))
+        pa.flush()
+        pa.export_model(tmp_path / "old", tables=["old"])
+    manifest_path = tmp_path / "old" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for t in manifest["tables"]:  # written the way an older zps wrote it
+        for key in [k for k in t["files"] if k.startswith("state.")]:
+            (tmp_path / "old" / t["files"].pop(key)).unlink()
+        del t["state"]
+    manifest_path.write_text(json.dumps(manifest))
+
+    with zps.connect_sync(b.address) as pb:
+        assert pb.import_model(tmp_path / "old") == ["old"]
+        exported = Export(tmp_path / "old")
+        ids, values = np.asarray(exported.ids("old")), np.asarray(exported.values("old"))
+        np.testing.assert_array_equal(pb.pull_rows("old", ids), values)
+        grads = rng.normal(size=(ids.size, DIM)).astype(np.float32)
+        pb.push_rows("old", ids, grads)
+        pb.flush()
+        expected = values.copy()
+        opt = Adam(lr=0.01)
+        opt.apply(expected, grads, opt.init_state(ids.size, DIM, np.float32))
+        np.testing.assert_array_equal(pb.pull_rows("old", ids), expected)
