@@ -24,6 +24,7 @@ from zmq.utils.monitor import recv_monitor_message
 import zps
 from tests.integration.wire import dealer
 from zps.ops.config import ClientConfig, Security
+from zps.ops.security import key_identity
 from zps.optim import SGD
 from zps.protocol.codec import Encoder, MsgType, Route, unpack_route
 from zps.testing import LocalCluster, free_port
@@ -134,6 +135,12 @@ def curve_dealer(
     )
 
 
+def tagged(c: RolesCluster, key: str, suffix: bytes) -> bytes:
+    """A client identity as zps makes it under CURVE: carrying ``key``'s tag."""
+    public, _ = zmq.auth.load_certificate(str(c.keys / f"{key}.key"))
+    return key_identity(b"c-", public, suffix)
+
+
 def control(mtype: MsgType, header: dict[str, Any], req_id: int = 0) -> list[bytes]:
     return [Route(mtype, req_id=req_id).pack(), msgpack.packb(header)]
 
@@ -160,7 +167,7 @@ def test_a_client_key_cannot_act_as_a_shard(roles: RolesCluster) -> None:
         sock = curve_dealer(ctx, roles, "hostile", b"s-evil", roles.address)
         register = {"host": "evil", "pid": 1, "address": "tcp://127.0.0.1:1", "claim": None}
         sock.send_multipart([b"", *control(MsgType.REGISTER, register)])
-        assert wait_log(roles, r"refused messages from s-evil .*allowed_shards_dir")
+        assert wait_log(roles, r"the broker refused s-evil .*role may not do this")
         # it got no assignment, and the broker lists no such shard
         assert not sock.poll(300)
         status = roles.status()
@@ -174,16 +181,18 @@ def test_a_client_key_cannot_act_as_a_shard(roles: RolesCluster) -> None:
 def test_an_identity_stays_with_its_key(roles: RolesCluster) -> None:
     ctx = zmq.Context()
     try:
-        victim = curve_dealer(ctx, roles, "client", b"c-victim", roles.address)
+        victim_id = tagged(roles, "client", b"victim")
+        victim = curve_dealer(ctx, roles, "client", victim_id, roles.address)
         victim.send_multipart(control(MsgType.HELLO, {"host": "v", "pid": 2, "name": "victim"}))
         assert victim.poll(5000), "the victim got no map"
-        assert "c-victim" in {x["node"] for x in roles.status()["clients"]}
-        # Another allowed key takes the identity over (ROUTER_HANDOVER) and says goodbye
-        # on the victim's behalf: refused.
-        thief = curve_dealer(ctx, roles, "hostile", b"c-victim", roles.address)
+        assert victim_id.decode() in {x["node"] for x in roles.status()["clients"]}
+        # Another allowed key presents an identity of the victim's key (not connected
+        # yet) and says goodbye on the victim's behalf: refused.
+        other_id = tagged(roles, "client", b"victim2")
+        thief = curve_dealer(ctx, roles, "hostile", other_id, roles.address)
         thief.send_multipart(control(MsgType.BYE, {}))
-        assert wait_log(roles, r"refused messages from c-victim .*belongs to another key")
-        assert "c-victim" in {x["node"] for x in roles.status()["clients"]}
+        assert wait_log(roles, rf"the broker refused {other_id.decode()} .*another key")
+        assert victim_id.decode() in {x["node"] for x in roles.status()["clients"]}
     finally:
         ctx.destroy(0)
 
@@ -240,7 +249,7 @@ def test_dedup_is_keyed_by_the_authenticated_sender(roles: RolesCluster) -> None
     frames = [bytes(f) for f in enc.build(Route(MsgType.REQUEST, 0, epoch, 77), header)]
     ctx = zmq.Context()
     try:
-        sock = curve_dealer(ctx, roles, "hostile", b"c-hostile", roles.address)
+        sock = curve_dealer(ctx, roles, "hostile", tagged(roles, "hostile", b"x"), roles.address)
         sock.send_multipart(frames)
         assert sock.poll(5000), "no answer"
         reply = sock.recv_multipart()
