@@ -71,8 +71,8 @@ def test_every_shard_sigkilled_and_restarted_the_clients_see_no_error(
             await asyncio.sleep(0.05)
         assert not pushing.done(), [w.errors for row in load.writers for w in row]
         killed_at = time.monotonic()
+        acked_at_kill = load.total_pushes
         await asyncio.to_thread(kill_shards, c, shards)
-        acked_while_down = load.total_pushes
         # Both copies are gone: the partition has no live copy.  The same data dirs
         # come back; the clients keep waiting meanwhile.
         for d in dirs:
@@ -83,12 +83,12 @@ def test_every_shard_sigkilled_and_restarted_the_clients_see_no_error(
             await asyncio.sleep(0.05)
         stop.set()
         await asyncio.wait_for(pushing, 60)
-        return await load.verify(), load, load.failover_time(0, killed_at), acked_while_down
+        return await load.verify(), load, load.failover_time(0, killed_at), acked_at_kill
 
-    problems, load, outage, acked_while_down = asyncio.run(scenario())
+    problems, load, outage, acked_at_kill = asyncio.run(scenario())
     # No caller saw an error, and every acknowledged push is there exactly once.
     assert not problems, "\n".join(problems)
-    assert acked_while_down >= 200 and load.total_pushes >= acked_while_down + 200
+    assert acked_at_kill >= 200 and load.total_pushes >= acked_at_kill + 200
     # The pushes sent after the kill waited for the restarted copies (longer than the
     # broker took to notice the kill): no survivor answered them.
     assert outage is not None and outage > 0.2, outage
@@ -114,8 +114,9 @@ def test_a_partition_away_longer_than_the_timeout_fails_naming_it_and_the_wait(
             with pytest.raises(zps.ShardUnavailableError) as e:
                 await ps.push_rows("w", ids, np.ones((8, 2)))
             waited = time.monotonic() - start
-            # It waited for its deadline, not failed at once; the error says so.
-            assert 2.0 <= waited < 4.0, waited
+            # It waited for its deadline (the loop's timer may fire a hair early), not
+            # failed at once; the error says so.
+            assert 1.9 <= waited < 4.0, waited
             err = e.value
             assert err.partition == 0 and err.waited is not None and err.waited >= 2.0
             assert err.missing in ("lost", "no primary", "no live copy"), err.missing

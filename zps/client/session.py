@@ -478,7 +478,7 @@ class ClientSession(Generic[T]):
                 f"--partition {p} --accept-data-loss`"
             )
         elif req.missing == NO_PRIMARY:
-            why = req.why or "a promotion, or the broker's start-up hold"
+            why = req.why or "a promotion, the broker's start-up hold, or no copy to elect yet"
             what = f"partition {p} has no primary ({why})"
         else:
             what = f"partition {p} has no live copy" + (f" ({req.why})" if req.why else "")
