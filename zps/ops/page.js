@@ -172,7 +172,7 @@
   function epochs(job) {
     var rows = (job.epochs || []).map(function (ep) {
       var total = Math.max(1, ep.total), done = ep.done / total * 100, run = ep.running / total * 100;
-      var state = ep.done >= ep.total ? "done" : ep.running ? "running" : "";
+      var state = ep.done >= ep.total ? "done" : ep.running || ep.done ? "running" : "";
       return '<tr data-epoch="' + e(ep.epoch) + '"><td class="num">' + e(ep.epoch) +
         '</td><td><div class="bar"><span style="width:' + done.toFixed(1) + '%"></span><span class="run" style="left:' +
         done.toFixed(1) + "%;width:" + run.toFixed(1) + '%"></span></div></td><td class="num">' + e(ep.done) +

@@ -270,7 +270,9 @@ def _epochs(job: dict[str, Any]) -> str:
     for e in job.get("epochs", []):
         total = max(1, e["total"])
         done, run = e["done"] / total * 100, e["running"] / total * 100
-        state = "done" if e["done"] >= e["total"] else "running" if e["running"] else ""
+        state = (
+            "done" if e["done"] >= e["total"] else "running" if e["running"] or e["done"] else ""
+        )
         rows.append(
             f'<tr data-epoch="{_e(e["epoch"])}"><td class="num">{_e(e["epoch"])}</td>'
             f'<td><div class="bar"><span style="width:{done:.1f}%"></span>'
