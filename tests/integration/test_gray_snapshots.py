@@ -156,7 +156,7 @@ async def test_checkpoints_of_a_large_partition_never_delay_heartbeats(
     written = r"checkpoint of partition 0 at LSN \d+ written"
     async with zps.connect(c.address, acks=1) as ps:
         await build(ps)
-        assert scrape_metric(mport, "zps_shard_bytes") >= 300e6
+        assert scrape_metric(mport, "zps_shard_table_bytes") >= 300e6
         part = (await ps.status())["partitions"][0]
         epoch, node = part["epoch"], part["primary"]
         first = count(shard, written)

@@ -242,7 +242,7 @@ class ShardServer:
         self.config = config
         self.notifier = notifier or Notifier()
         self.metrics = MetricsServer(config.metrics, self._collect, ready=self._ready)
-        #: Time to handle a request, by kind (read, write): zps_request_seconds.
+        #: Time to handle a request, by kind (read, write): zps_shard_request_seconds.
         self._latency = {k: LatencyHistogram() for k in ("read", "write")}
         self.checkpoints_written = 0
         self.checkpoint_failures = 0
@@ -680,7 +680,9 @@ class ShardServer:
         yield counter("zps_shard_receive_bytes", "Payload bytes received", s.bytes_in)
         part = {"partition": "none" if core.partition is None else str(core.partition)}
         yield gauge("zps_shard_lsn", "Log sequence number of the partition", core.lsn, part)
-        yield gauge("zps_shard_bytes", "Memory held by the partition's tables", core.store.nbytes)
+        yield gauge(
+            "zps_shard_table_bytes", "Memory held by the partition's tables", core.store.nbytes
+        )
         yield gauge("zps_shard_dedup_bytes", "Memory held by the dedup record", core.dedup.nbytes)
         yield gauge("zps_shard_dedup_entries", "Messages in the dedup record", len(core.dedup))
         yield counter(
