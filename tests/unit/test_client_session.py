@@ -327,6 +327,25 @@ def test_a_waiting_request_does_not_spin() -> None:
     assert s.stats.retries == sends - 1
 
 
+def test_a_background_push_waits_as_any_request_and_its_timers_stay_few() -> None:
+    """A lazy request (``wait=False`` pushes beside a pull) waits for a copy as a waited
+    one does; maps that keep saying lost leave no pile of timers behind."""
+    s = session(cmap(lost=True), timeout=60.0)
+    assert submit_step(s, "bg", lazy=True) == [] and submit(s, "a") == []
+    now, version = 0.0, 2
+    for _ in range(100):  # a map at each backoff time: 46 s
+        assert s.on_map(cmap(version, lost=True), now) == []
+        version += 1
+        wake = s.next_wakeup()
+        assert wake is not None
+        now = wake
+        assert s.tick(now) == []
+        assert len(s._due) <= 4  # one live timer per request, and a stale one at most
+    assert now < 60.0 and len(s) == 2
+    out = sent(s.on_map(cmap(version, epoch=2), now))
+    assert sorted(m.header.get("lz", 0) for m in out) == [0, 1]
+
+
 def test_no_count_of_attempts_cuts_a_request_short_of_its_deadline() -> None:
     """Refused thousands of times (a long promotion), a request is re-sent until its
     deadline, and answered then if a primary answers."""
