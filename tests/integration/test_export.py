@@ -57,6 +57,26 @@ def read_export(path: Path) -> dict[str, Any]:
     return out
 
 
+def read_state(path: Path) -> dict[str, Any]:
+    """An export's optimizer state read with json and numpy only: {name: {column:
+    array}} for dense tensors, {name: {column: {id: row}}} for embedding tables."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    out: dict[str, Any] = {}
+    for t in manifest["tables"]:
+        columns = {k: np.load(path / t["files"][f"state.{k}"]) for k in t.get("state", [])}
+        if t["kind"] == "embedding":
+            ids = np.load(path / t["files"]["ids"]).tolist()
+            columns = {k: dict(zip(ids, a, strict=True)) for k, a in columns.items()}
+        out[t["name"]] = columns
+    return out
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert_same(a[name], b[name])
+
+
 def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert sorted(a) == sorted(b)
     for name in a:
@@ -181,6 +201,10 @@ def test_train_export_import_round_trip(two_clusters: Any, tmp_path: Path) -> No
         with pytest.raises(TableConflictError, match=r"'m/b'.*shape"):
             ps.import_model(out)
     assert_same(read_export(b_out), exported)
+    # the optimizer state went along, row by row across another partition count
+    state = read_state(out)
+    assert sorted(state["m/e"]) == ["m", "step", "v"] and state["m/b"] == {}
+    assert_same_state(read_state(b_out), state)
 
     # a delta: what changed since the export, applied to it, is a full export again
     with zps.connect_sync(a.address, timeout=30) as ps:
@@ -211,6 +235,12 @@ def test_train_export_import_round_trip(two_clusters: Any, tmp_path: Path) -> No
     r = cli(a, "export", "--data-dir", *map(str, dirs), "--out", str(off))
     assert r.returncode == 0, r.stderr
     assert_same(read_export(off), latest)  # every acknowledged write, from checkpoints and logs
+    assert_same_state(read_state(off), read_state(full2))  # the optimizer state too
+    values = tmp_path / "values-only"
+    r = cli(a, "export", "--data-dir", *map(str, dirs), "--values-only", "--out", str(values))
+    assert r.returncode == 0, r.stderr
+    assert read_state(values) == {name: {} for name in read_export(values)}
+    assert_same(read_export(values), latest)
     half = tmp_path / "half"
     r = cli(a, "export", "--data-dir", str(dirs[0]), "--partitions", "2", "--out", str(half))
     assert r.returncode == 1, r.stdout

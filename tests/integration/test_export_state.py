@@ -1,6 +1,7 @@
 """Full-state exports with real processes: a model trained with Adam, Adagrad and FTRL,
 exported with its optimizer state (the default) and imported into a fresh cluster,
-continues bit for bit as the cluster that never stopped; ``--values-only`` leaves the
+continues bit for bit as the cluster that never stopped (also once the copy it was
+imported into has failed over); ``--values-only`` leaves the
 state out; an export without state imports with the state reset, said in a log line."""
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ def cli(c: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def clusters() -> Iterator[tuple[LocalCluster, LocalCluster]]:
-    with LocalCluster(partitions=2, shards=2) as a, LocalCluster(partitions=2, shards=2) as b:
+    """The original cluster (two partitions), and one to import into: one partition,
+    two copies and a spare, so that the imported state is seen to be replicated."""
+    with (
+        LocalCluster(partitions=2, shards=2) as a,
+        LocalCluster(partitions=1, shards=3, replication=2) as b,
+    ):
+        b.wait_healthy()
         yield a, b
 
 
@@ -94,6 +101,15 @@ def test_adam_adagrad_ftrl_continue_bit_for_bit_after_export_and_import(
             steps(pa, seed=2, n=2)
             steps(pb, seed=2, n=2)
             # the same gradients on both: equal bit for bit, the optimizer state as well
+            assert model(pb) == model(pa)
+
+            # the set state was replicated: the replica taking over continues the same
+            primary = b.shard_pid(0)
+            b.kill(primary)
+            b.wait_gone(primary)
+            b.wait_healthy()
+            steps(pa, seed=3, n=1)
+            steps(pb, seed=3, n=1)
             assert model(pb) == model(pa)
 
             # values only: no state files, and an import resets the state (Adam then
