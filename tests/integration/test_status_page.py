@@ -65,7 +65,7 @@ def trained() -> Iterator[tuple[LocalCluster, int, Any]]:
             ps.task_done(task)
             time.sleep(0.1)  # the pace of training, so the history spans seconds
         # the last reports reach the broker on the client's next heartbeat
-        steps = f'zps_job_steps_total{{job="{JOB}"}} {TASKS_DONE}.0'
+        steps = f'zps_job_steps_total{{job_name="{JOB}"}} {TASKS_DONE}.0'
         deadline = time.monotonic() + 10
         while steps not in get(port, "/metrics")[2].decode():
             assert time.monotonic() < deadline, f"the broker did not get every report of {JOB}"
@@ -103,10 +103,10 @@ def test_status_json_is_the_status_report_with_the_history(
     # the same figures in /metrics, per job
     _, _, metrics = get(port, "/metrics")
     text = metrics.decode()
-    assert f'zps_job_rows_total{{job="{JOB}"}} {TASKS_DONE * 50}.0' in text
-    assert f'zps_job_steps_total{{job="{JOB}"}} {TASKS_DONE}.0' in text
-    assert re.search(rf'^zps_job_loss{{job="{JOB}"}} 0\.1[0-9]*$', text, re.M), text
-    assert f'zps_job_tasks_done{{job="{JOB}"}} {TASKS_DONE}.0' in text
+    assert f'zps_job_rows_total{{job_name="{JOB}"}} {TASKS_DONE * 50}.0' in text
+    assert f'zps_job_steps_total{{job_name="{JOB}"}} {TASKS_DONE}.0' in text
+    assert re.search(rf'^zps_job_loss{{job_name="{JOB}"}} 0\.1[0-9]*$', text, re.M), text
+    assert f'zps_job_tasks_done{{job_name="{JOB}"}} {TASKS_DONE}.0' in text
 
 
 def test_page_is_served_rendered_and_survives_a_stalled_reader(

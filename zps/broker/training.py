@@ -551,21 +551,22 @@ class Training:
         }
 
     def metrics(self) -> Iterable[Metric]:
-        """The per-job series (``zps_job_*``; families without a job are left out)."""
+        """The per-job series (``zps_job_*{job_name}``; families without a job are left
+        out).  The label is not ``job``: Prometheus gives that one to the scrape job."""
         totals = self.reports.totals()
         if totals:
             yield labelled(
                 CounterMetricFamily,
                 "zps_job_rows",
                 "Rows the workers reported trained (ps.report), by job",
-                "job",
+                "job_name",
                 {job: rows for job, (rows, _, _) in totals.items()},
             )
             yield labelled(
                 CounterMetricFamily,
                 "zps_job_steps",
                 "Steps the workers reported (ps.report calls), by job",
-                "job",
+                "job_name",
                 {job: float(steps) for job, (_, steps, _) in totals.items()},
             )
         losses = {job: loss for job, (_, _, loss) in totals.items() if loss is not None}
@@ -574,7 +575,7 @@ class Training:
                 GaugeMetricFamily,
                 "zps_job_loss",
                 "The newest loss a worker reported (ps.report), by job",
-                "job",
+                "job_name",
                 losses,
             )
         jobs = list(self.jobs.values())
@@ -583,14 +584,14 @@ class Training:
                 GaugeMetricFamily,
                 "zps_job_tasks",
                 "Tasks of the job, all epochs",
-                "job",
+                "job_name",
                 {job.name: float(job.total) for job in jobs},
             )
             yield labelled(
                 GaugeMetricFamily,
                 "zps_job_tasks_done",
                 "Tasks of the job done, all epochs",
-                "job",
+                "job_name",
                 {job.name: float(len(job.done)) for job in jobs},
             )
 
