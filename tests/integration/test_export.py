@@ -236,11 +236,11 @@ def test_train_export_import_round_trip(two_clusters: Any, tmp_path: Path) -> No
     assert r.returncode == 0, r.stderr
     assert_same(read_export(off), latest)  # every acknowledged write, from checkpoints and logs
     assert_same_state(read_state(off), read_state(full2))  # the optimizer state too
-    values = tmp_path / "values-only"
-    r = cli(a, "export", "--data-dir", *map(str, dirs), "--values-only", "--out", str(values))
+    bare = tmp_path / "values-only"
+    r = cli(a, "export", "--data-dir", *map(str, dirs), "--values-only", "--out", str(bare))
     assert r.returncode == 0, r.stderr
-    assert read_state(values) == {name: {} for name in read_export(values)}
-    assert_same(read_export(values), latest)
+    assert read_state(bare) == {name: {} for name in read_export(bare)}
+    assert_same(read_export(bare), latest)
     half = tmp_path / "half"
     r = cli(a, "export", "--data-dir", str(dirs[0]), "--partitions", "2", "--out", str(half))
     assert r.returncode == 1, r.stdout

@@ -18,10 +18,10 @@ import pytest
 
 import zps
 from zps.model.format import Export
-from zps.optim import FTRL, Adagrad, Adam
+from zps.optim import FTRL, Adagrad, Adam, Optimizer
 from zps.testing import LocalCluster
 
-OPTIMIZERS = {
+OPTIMIZERS: dict[str, Optimizer] = {
     "adam": Adam(lr=0.01),
     "adagrad": Adagrad(lr=0.05),
     "ftrl": FTRL(alpha=0.1, l1=0.001, l2=0.01),
