@@ -1,0 +1,145 @@
+"""Storage faults with real processes: a shard whose disk fills up (a file-size limit
+set on the running process: writes past it fail with EFBIG) and frees again loses no
+acknowledged push across a SIGKILL; a flipped bit in the newest checkpoint of a stopped
+shard is survived from the previous checkpoint and the log (kept from the oldest)."""
+
+from __future__ import annotations
+
+import re
+import resource
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import zps
+from zps.optim import SGD
+from zps.testing import DataDirCluster, Proc, free_port
+
+HB = 0.1
+LIVENESS = 20
+DIM = 4096  # a push's record is about 32 KiB: larger than the room left on the disk
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator[Callable[..., DataDirCluster]]:
+    made: list[DataDirCluster] = []
+
+    def make(**kwargs: object) -> DataDirCluster:
+        c = DataDirCluster(heartbeat_interval=HB, liveness=LIVENESS, workdir=tmp_path, **kwargs)  # type: ignore[arg-type]
+        c.port = free_port()
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+def wait_log(proc: Proc, pattern: str, timeout: float = 30.0) -> re.Match[str]:
+    """Until ``proc``'s log has a line matching ``pattern``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = re.search(pattern, proc.log())
+        if m:
+            return m
+        assert proc.alive(), proc.log()[-3000:]
+        assert time.monotonic() < deadline, f"no {pattern!r} in:\n{proc.log()[-3000:]}"
+        time.sleep(0.05)
+
+
+def kill(*procs: Proc) -> None:
+    for p in procs:
+        p.popen.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.popen.wait(10)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("durability", ["fsync", "interval"])
+def test_pushes_acknowledged_while_the_disk_fills_and_frees_survive_a_sigkill(
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path, durability: str
+) -> None:
+    c = make_cluster(partitions=1, replication=1)
+    data = tmp_path / "data"
+    flags = ["--durability", durability, "--checkpoint-interval", "0"]
+    c.start_broker()
+    shard = c.start_shard(data, flags)
+    c.wait_healthy(30)
+    acked: list[int] = []  # the pushes acknowledged, in order
+    with zps.connect_sync(c.address, timeout=60) as ps:
+        ps.create_dense("v", shape=(DIM,), dtype="float64", optimizer=SGD(lr=1.0))
+        for k in range(1, 21):
+            ps.push_dense("v", np.full(DIM, float(k)))
+            acked.append(k)
+        (segment,) = sorted((data / "partition-0").glob("wal-*.log"))
+        # The disk fills up: 10 KB are left, less than one push's record.
+        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.prlimit(shard.pid, resource.RLIMIT_FSIZE, (segment.stat().st_size + 10_000, hard))
+
+        def more() -> None:
+            for k in range(21, 41):
+                ps.push_dense("v", np.full(DIM, float(k)))
+                acked.append(k)
+
+        pusher = threading.Thread(target=more, daemon=True)
+        pusher.start()
+        # A write failed (twice: it is retried) and nothing more was acknowledged.
+        wait_log(shard, r"(?s)writing failed.*writing failed")
+        assert acked == list(range(1, 21))
+        # The disk has room again: the waiting pushes are written and acknowledged.
+        resource.prlimit(shard.pid, resource.RLIMIT_FSIZE, (hard, hard))
+        pusher.join(60)
+        assert not pusher.is_alive() and acked == list(range(1, 41))
+    kill(shard, c.broker())
+    shard2 = c.start_shard(data, flags)
+    c.restart_broker()
+    c.wait_healthy(60)
+    assert "write-ahead log replay stopped" not in shard2.log(), shard2.log()[-3000:]
+    with zps.connect_sync(c.address, timeout=20) as ps:
+        # Every acknowledged push, each once: the create and 40 pushes.
+        assert np.array_equal(ps.pull_dense("v"), np.full(DIM, -float(sum(acked))))
+        assert ps.checksums()[0]["lsn"] == 41
+
+
+@pytest.mark.timeout(180)
+def test_a_flipped_bit_in_the_newest_checkpoint_restores_from_the_previous_and_the_log(
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path
+) -> None:
+    c = make_cluster(partitions=1, replication=1)
+    data = tmp_path / "data"
+    flags = ["--durability", "interval", "--checkpoint-interval", "0"]
+    c.start_broker()
+    shard = c.start_shard(data, flags)
+    c.wait_healthy(30)
+    with zps.connect_sync(c.address, timeout=20) as ps:
+        ps.create_dense("v", shape=(4,), dtype="float64", optimizer=SGD(lr=1.0))
+        for k in range(1, 41):
+            ps.push_dense("v", np.full(4, float(k)))
+            if k in (10, 20, 30):
+                ps.checkpoint()  # at LSN 11, 21, 31: each drops what it may of the log
+        lsn = ps.checksums()[0]["lsn"]
+    assert lsn == 41
+    kill(shard, c.broker())
+    folder = data / "partition-0"
+    checkpoints = sorted(folder.glob("ckpt-*.zps"))
+    assert [int(p.stem.split("-")[2]) for p in checkpoints] == [11, 21, 31]
+    newest = checkpoints[-1]
+    raw = bytearray(newest.read_bytes())
+    raw[len(raw) // 2] ^= 0x04  # one flipped bit
+    newest.write_bytes(bytes(raw))
+    shard2 = c.start_shard(data, flags)
+    c.restart_broker()
+    c.wait_healthy(60)
+    log = shard2.log()
+    assert f"checkpoint {newest} is unusable" in log
+    m = re.search(r"restored partition 0 at epoch \d+, LSN (\d+) from (\S+) and (\d+) logged", log)
+    assert m is not None, log[-3000:]
+    assert int(m.group(1)) == lsn and m.group(2) == str(checkpoints[-2]) and int(m.group(3)) > 0
+    with zps.connect_sync(c.address, timeout=20) as ps:
+        assert np.array_equal(ps.pull_dense("v"), np.full(4, -float(sum(range(1, 41)))))
+        assert ps.checksums()[0]["lsn"] == lsn
