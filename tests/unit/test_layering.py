@@ -111,6 +111,7 @@ LAYERS: dict[str, str] = {
     "zps.worker_entry": "app",
     "zps.cli": "app",
     "zps.cli.main": "app",
+    "zps.cli.jobs": "app",
     "zps.torch": "app",
     "zps.testing": "app",
     "zps.examples": "app",
