@@ -3,15 +3,19 @@ and the sample alert rules in deploy/ against the names they really export."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import shutil
 import signal
+import subprocess
 import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 from ops_jobs import Worker
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,10 +27,16 @@ from zps.testing import LocalCluster, free_port
 
 HERE = Path(__file__).resolve().parent
 ALERTS = HERE.parent.parent / "deploy" / "prometheus-alerts.yml"
+DASHBOARD = HERE.parent.parent / "deploy" / "grafana-dashboard.json"
+
+
+#: What /metrics says it serves (zps.ops.metrics's docstring names the same version).
+CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
 
 
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        assert r.headers["Content-Type"] == CONTENT_TYPE
         return r.read().decode()
 
 
@@ -64,7 +74,8 @@ _BAD_UNITS = re.compile(r"_(ms|milliseconds|us|microseconds|kb|mb|gb|kib|mib|per
 
 
 def validate_exposition(text: str) -> dict[str, str]:
-    """Check the text format 0.0.4 line by line; return {family: type}.
+    """Check the text format line by line (version 1.0.0 as served: the lines of
+    0.0.4); return {family: type}.
 
     Every sample belongs to a family declared before it (HELP and TYPE once each),
     with a suffix its type allows, valid and unique label names, a float value,
@@ -152,7 +163,7 @@ def test_broker_and_shard_export_metrics() -> None:
         assert "zps_broker_replica_lag_updates{" in broker
         shard = scrape(shard_port)
         assert sample(shard, "zps_shard_role", role="spare", partition="none") == 1
-        assert "zps_request_seconds_bucket" in shard
+        assert "zps_shard_request_seconds_bucket" in shard
         # kill the primary: the spare becomes a replica, the broker counts a failover
         c.kill(c.shard_pid(0))
         c.wait_for(lambda s: s["failovers"] == 1 and c.healthy(s), 20, "failover and refill")
@@ -186,6 +197,13 @@ def test_every_process_exposes_valid_conventional_series(tmp_path: Path) -> None
             ps.create_embedding("m", dim=4, optimizer=SGD(lr=0.1))
             ps.push_rows("m", np.arange(10), np.ones((10, 4)))
             ps.pull_rows("m", np.arange(10))
+            # a job with a report: the broker's per-job series (on the next heartbeat)
+            ps.create_job("j", n_records=10, per_task=5)
+            ps.report(rows=16, loss=0.5)
+            deadline = time.monotonic() + 20
+            while 'zps_job_loss{job_name="j"}' not in scrape(bport):
+                assert time.monotonic() < deadline, "the report did not reach the broker"
+                time.sleep(0.1)
         primary = next(p for p in ports if sample(scrape(p), "zps_shard_role", role="primary"))
         deadline = time.monotonic() + 20
         while "zps_shard_checkpoint_age_seconds" not in scrape(primary):
@@ -216,11 +234,17 @@ def test_every_process_exposes_valid_conventional_series(tmp_path: Path) -> None
             assert value(text, "process_open_fds") > 3, who
             assert abs(value(text, "process_start_time_seconds") - time.time()) < 300, who
             # renamed for the naming conventions
-            for old in ("zps_replication_lag", "zps_shard_bytes_in"):
+            for old in (
+                "zps_replication_lag",
+                "zps_shard_bytes_in",
+                "zps_shard_bytes",
+                "zps_request_seconds",
+                "zps_broker_held_bytes_peak",
+            ):
                 assert not re.search(rf"^{old}[ {{_]", text, re.M), (who, old)
 
         broker = texts["broker"]
-        assert "zps_request_seconds" not in broker  # the broker handles no requests itself
+        assert "zps_shard_request_seconds" not in broker  # the broker handles no requests
         assert sample(broker, "zps_broker_replica_lag_updates", partition="0") >= 0
         shard = scrape(primary)
         assert value(shard, "zps_shard_receive_bytes_total") > 0
@@ -231,7 +255,8 @@ def test_every_process_exposes_valid_conventional_series(tmp_path: Path) -> None
         assert 0 < value(shard, "zps_shard_checkpoint_duration_seconds") < 60
         stamp = sample(shard, "zps_shard_checkpoint_last_success_timestamp_seconds", partition="0")
         assert abs(stamp - time.time()) < 60
-        assert sample(shard, "zps_request_seconds_count", kind="write") >= 1
+        assert sample(shard, "zps_shard_request_seconds_count", kind="write") >= 1
+        assert value(shard, "zps_shard_table_bytes") > 0
         # durability: the write-ahead log under --data-dir
         assert value(shard, "zps_shard_wal_bytes_total") > 0
         assert value(shard, "zps_shard_wal_syncs_total") >= 1
@@ -266,6 +291,12 @@ def test_every_process_exposes_valid_conventional_series(tmp_path: Path) -> None
             for name in (family.name, *(s.name for s in family.samples))
         }
         check_alert_rules(ALERTS, exported)
+        check_dashboard(DASHBOARD, exported)
+        assert sample(broker, "zps_job_rows_total", job_name="j") == 16
+        assert sample(broker, "zps_job_steps_total", job_name="j") == 1
+        assert sample(broker, "zps_job_tasks", job_name="j") == 2
+        assert sample(broker, "zps_job_tasks_done", job_name="j") == 0
+        assert value(broker, "zps_broker_peak_held_bytes") >= 0
 
         worker.popen.send_signal(signal.SIGTERM)
         assert worker.popen.wait(30) == 0, worker.log()
@@ -316,6 +347,64 @@ def check_alert_rules(path: Path, exported: set[str]) -> None:
             assert names, rule
             unknown = names - exported - _SYNTHETIC
             assert not unknown, f"{rule['alert']}: {sorted(unknown)} exported by no process"
+
+
+def check_dashboard(path: Path, exported: set[str]) -> None:
+    """``path`` is a Grafana dashboard (valid JSON) whose every query selects only
+    exported series, through the datasource variable."""
+    doc = json.loads(path.read_text())
+    assert doc["title"] and doc["uid"] and isinstance(doc["schemaVersion"], int)
+    (ds,) = (v for v in doc["templating"]["list"] if v["type"] == "datasource")
+    assert ds["query"] == "prometheus"
+    panels = [p for p in doc["panels"] if p["type"] != "row"]
+    assert len(panels) >= 10
+    ids = [p["id"] for p in doc["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    queried: set[str] = set()
+    for panel in panels:
+        assert panel["title"] and set(panel["gridPos"]) == {"x", "y", "w", "h"}, panel
+        assert panel["datasource"]["uid"] == "${" + ds["name"] + "}", panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            names = metric_names(target["expr"])
+            assert names, (panel["title"], target["expr"])
+            unknown = names - exported - _SYNTHETIC
+            assert not unknown, f"{panel['title']!r}: {sorted(unknown)} exported by no process"
+            queried |= names
+    # the page's figures are on the dashboard too
+    assert {"zps_job_loss", "zps_job_rows_total", "zps_partitions", "zps_shards"} <= queried
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="no promtool (Debian: apt-get install prometheus)"
+)
+def test_alert_rules_and_dashboard_queries_with_promtool(tmp_path: Path) -> None:
+    """promtool parses every rule and dashboard query, and the rules fire as
+    prometheus_alerts_test.yml expects (ZpsCheckpointStale before a first checkpoint)."""
+    doc = json.loads(DASHBOARD.read_text())
+    queries = [
+        {"record": f"dashboard:panel{p['id']}:{t['refId']}", "expr": t["expr"]}
+        for p in doc["panels"]
+        for t in p.get("targets", [])
+    ]
+    rules = tmp_path / "dashboard-rules.yml"
+    text = yaml.safe_dump({"groups": [{"name": "dashboard", "rules": queries}]})
+    rules.write_text(text.replace("$__rate_interval", "5m"))
+    for args in (
+        ["check", "rules", str(ALERTS), str(rules)],
+        ["test", "rules", str(HERE / "prometheus_alerts_test.yml")],
+    ):
+        out = subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_metrics_docstring_names_the_format_served() -> None:
+    import zps.ops.metrics
+
+    version = re.search(r"version=([0-9.]+);", CONTENT_TYPE)
+    assert version and f"text format version {version.group(1)}" in (
+        zps.ops.metrics.__doc__ or ""
+    ).replace("\n", " ")
 
 
 def test_metric_names_of_promql() -> None:
