@@ -787,7 +787,7 @@ class Broker:
             header = decode([transport.frame_buffer(f) for f in frames[1:]]).header
         except ProtocolError:
             return ""
-        asked = [f for f in ADMIN_FIELDS if header.get(f) not in (None, False)]
+        asked = [f for f in ADMIN_FIELDS if header.get(f) is not None and header[f] is not False]
         if not asked:
             return ""
         what = ", ".join(asked)
