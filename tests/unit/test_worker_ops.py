@@ -1,11 +1,11 @@
-"""A worker's operations pieces without processes: the watchdog's progress rule, the
-client meter and its exposition, and the [worker] settings."""
+"""A worker's operations pieces without processes: the watchdog's stall rule and its
+pinging thread, the client meter and its exposition, and the [worker] settings."""
 
 from __future__ import annotations
 
-import asyncio
-import math
+import contextlib
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,108 +13,128 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from zps.cli.main import check_arguments, keyword_args
 from zps.errors import ConfigError
 from zps.ops.config import WorkerConfig, settings_from_mapping
 from zps.ops.meter import LATENCY_BUCKETS, ClientMeter
 from zps.ops.metrics import Metric, client_families
-from zps.ops.systemd import Notifier, progress_ping_due
-
-P = 5.0  # the ping period: half of WatchdogSec = 10 s
+from zps.ops.systemd import Notifier, client_stall
 
 
-def due(now: float, *, last_ping: float, last_progress: float, waiting: bool = False) -> bool:
-    return progress_ping_due(
-        P, now, last_ping=last_ping, last_progress=last_progress, waiting=waiting
+def stall(
+    now: float, deadline: float | None = None, loop_turned: float | None = None
+) -> str | None:
+    return client_stall(now, deadline=deadline, loop_turned=loop_turned, margin=10.0)
+
+
+def test_only_a_call_past_its_deadline_or_a_held_client_loop_is_a_stall() -> None:
+    # nothing in flight, the loop not judged (an async function's own loop): however
+    # long the function computes, no stall
+    assert stall(1e6) is None
+    # a call in flight, before its deadline or less than the margin after it
+    assert stall(100.0, deadline=130.0) is None
+    assert stall(100.0, deadline=90.0) is None
+    # more than the margin after its deadline: the client no longer keeps time
+    why = stall(100.0, deadline=89.0)
+    assert why is not None and "11.0s after its deadline" in why
+    # the blocking client's own loop must turn within the margin
+    assert stall(100.0, loop_turned=90.5) is None
+    why = stall(100.0, loop_turned=80.0)
+    assert why is not None and "not turned for 20.0s" in why
+
+
+def test_keyword_args_are_json_values_or_the_plain_string() -> None:
+    got = keyword_args(
+        ["lr=0.1", "epochs=3", "fast=true", "layers=[64, 32]", 'tag="3"', "data=/srv/a.csv"]
     )
+    assert got == {
+        "lr": 0.1,
+        "epochs": 3,
+        "fast": True,
+        "layers": [64, 32],
+        "tag": "3",
+        "data": "/srv/a.csv",
+    }
+    assert keyword_args(["note=a=b", "empty="]) == {"note": "a=b", "empty": ""}
+    for bad, what in [
+        ("lr", "expected NAME=VALUE"),
+        ("=1", "expected NAME=VALUE"),
+        ("1x=1", "expected NAME=VALUE"),
+        ("class=1", "expected NAME=VALUE"),
+    ]:
+        with pytest.raises(ConfigError, match=what):
+            keyword_args([bad])
+    with pytest.raises(ConfigError, match="--arg lr is given twice"):
+        keyword_args(["lr=1", "lr=2"])
 
 
-def test_pings_need_recent_progress_or_a_call_in_flight() -> None:
-    assert not progress_ping_due(None, 100.0, last_ping=0.0, last_progress=100.0, waiting=True)
-    # progress within the last period: ping
-    assert due(100.0, last_ping=90.0, last_progress=96.0)
-    assert due(100.0, last_ping=90.0, last_progress=95.0)
-    # none for longer than a period, and no call in flight: the function hangs
-    assert not due(100.0, last_ping=90.0, last_progress=94.9)
-    assert not due(1000.0, last_ping=90.0, last_progress=0.0)
-    # waiting in a call (a clock call waiting for the other workers) is progress
-    assert due(1000.0, last_ping=90.0, last_progress=0.0, waiting=True)
-    # at most one ping per half period
-    assert not due(100.0, last_ping=97.6, last_progress=100.0, waiting=True)
-    assert due(100.0, last_ping=97.5, last_progress=100.0)
-    assert due(100.0, last_ping=-math.inf, last_progress=100.0)
+def test_arguments_are_checked_against_the_function() -> None:
+    def train(ps: object, data: str, *, lr: float = 0.1, epochs: int = 1) -> None:
+        pass
+
+    check_arguments(train, "m:train", ["x"], {"lr": 0.5})
+    with pytest.raises(
+        ConfigError,
+        match=r"m:train\(ps, data, \*, lr=0.1, epochs=1\) cannot be "
+        r"called as m:train\(ps, 'x', bogus=1\): got an unexpected keyword argument 'bogus'",
+    ):
+        check_arguments(train, "m:train", ["x"], {"bogus": 1})
+    with pytest.raises(ConfigError, match="missing a required argument: 'data'"):
+        check_arguments(train, "m:train", [], {})
 
 
-def test_a_step_without_calls_up_to_watchdog_sec_survives_a_longer_one_does_not() -> None:
-    """Checked every half period, the longest gap between pings is at most the longest
-    stretch without progress: under WatchdogSec (2 P) nothing is restarted."""
-
-    def longest_gap(step: float, offset: float = 0.3) -> float:
-        """Pings of a function that makes a call every ``step`` seconds (from ``offset``)."""
-        last_ping, gaps, t = 0.0, [], 0.0
-        while t < 120:
-            last_progress = offset + step * math.floor((t - offset) / step)
-            if due(t, last_ping=last_ping, last_progress=last_progress):
-                gaps.append(t - last_ping)
-                last_ping = t
-            t += P / 2
-        return max(gaps)
-
-    assert longest_gap(1.0) <= P / 2
-    assert longest_gap(9.0) < 2 * P  # a 9 s step with WatchdogSec = 10: no restart
-    assert longest_gap(9.9, offset=2.4) < 2 * P
-    assert longest_gap(25.0) > 2 * P  # 25 s without a call: systemd restarts it
-
-
-def test_progress_watchdog_loop_pings_while_progress_and_logs_a_stall(
+def test_the_pinging_thread_pings_while_healthy_and_logs_a_stall_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    stuck = "a client call is still in flight 11.0s after its deadline"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(str(tmp_path / "notify"))
+        notifier = Notifier(str(tmp_path / "notify"), watchdog_period=0.02)
+        state: dict[str, str | None] = {"why": None}
+        answers: list[str | None] = []  # what each check said, in order
+        changed = threading.Condition()
+
+        def why() -> str | None:
+            with changed:
+                answers.append(state["why"])
+                changed.notify_all()
+                return state["why"]
+
+        def until(n: int, value: str | None) -> None:
+            with changed:
+                assert changed.wait_for(lambda: answers.count(value) >= n, 5), answers
+
+        stop = threading.Event()
+        pinger = threading.Thread(target=notifier.ping_while_healthy, args=(why, stop))
+        pinger.start()
+        try:
+            until(3, None)
+            state["why"] = stuck
+            until(4, stuck)
+            state["why"] = None
+            until(answers.count(None) + 1, None)  # healthy again
+        finally:
+            stop.set()
+            pinger.join(5)
+        assert not pinger.is_alive()
         sock.setblocking(False)
-        notifier = Notifier(str(tmp_path / "notify"), watchdog_period=0.04)
-        state = {"last": 0.0, "waiting": False}
-
-        def progress() -> tuple[float, bool]:
-            return state["last"], state["waiting"]
-
-        def drain() -> int:
-            n = 0
+        pings = 0
+        with contextlib.suppress(BlockingIOError):
             while True:
-                try:
-                    assert sock.recv(64) == b"WATCHDOG=1"
-                    n += 1
-                except BlockingIOError:
-                    return n
-
-        async def scenario() -> tuple[int, int, int]:
-            import time
-
-            task = asyncio.create_task(notifier.progress_watchdog_loop(progress))
-            for _ in range(10):  # progress all along
-                state["last"] = time.monotonic()
-                await asyncio.sleep(0.02)
-            active = drain()
-            await asyncio.sleep(0.2)  # hung: no progress, no call
-            drain()  # pings allowed just after the last progress
-            await asyncio.sleep(0.2)
-            hung = drain()
-            state["waiting"] = True  # waiting in a call again
-            await asyncio.sleep(0.2)
-            waiting = drain()
-            task.cancel()
-            return active, hung, waiting
-
-        active, hung, waiting = asyncio.run(scenario())
-        assert active >= 2 and hung == 0 and waiting >= 2, (active, hung, waiting)
-        assert "made no progress" in caplog.text
-        assert caplog.text.count("made no progress") == 1  # once per stall
+                assert sock.recv(64) == b"WATCHDOG=1"
+                pings += 1
+    # one ping per healthy check, none while stalled
+    assert pings == answers.count(None), (pings, answers)
+    assert caplog.text.count(f"watchdog pings withheld: {stuck}") == 1  # once per stall
 
 
-def test_progress_watchdog_loop_is_idle_outside_systemd() -> None:
-    async def run() -> None:
-        await asyncio.wait_for(Notifier().progress_watchdog_loop(lambda: (0.0, False)), 1)
-
-    asyncio.run(run())  # returns at once: no NOTIFY_SOCKET
+def test_the_pinging_thread_is_idle_outside_systemd() -> None:
+    pinger = threading.Thread(
+        target=Notifier().ping_while_healthy, args=(lambda: None, threading.Event())
+    )
+    pinger.start()
+    pinger.join(1)  # returns at once: no NOTIFY_SOCKET
+    assert not pinger.is_alive()
 
 
 def test_client_meter_counts_requests_latency_and_progress() -> None:

@@ -3,11 +3,11 @@ demo,...}`` and ``zps-worker``.
 
 ``main`` functions take ``argv`` and return an exit code: 0 on success, 1 on
 a runtime error, 2 on invalid arguments or configuration (``status --check`` and
-``check-config`` document their own; ``zps-worker`` exits 124 when its function
-ignored a stop request for ``worker.stop_grace`` seconds).  Settings come from
-flags, then the TOML file (``--config``, else ``$ZPS_CONFIG``, else
-``/etc/zps/zps.toml`` if it exists), then defaults; the drivers run on
-uvloop until SIGTERM or SIGINT asks them to stop gracefully.
+``check-config`` document their own; ``zps-worker`` exits 3 when its function raised
+JobFailedError, 124 when it ignored a stop request for ``worker.stop_grace`` seconds).
+Settings come from flags, then the TOML file (``--config``, else ``$ZPS_CONFIG``, else
+``/etc/zps/zps.toml`` if it exists), then defaults; the drivers run on uvloop until
+SIGTERM or SIGINT asks them to stop gracefully.
 """
 
 from __future__ import annotations
@@ -17,18 +17,20 @@ import asyncio
 import importlib
 import inspect
 import json
+import keyword
 import logging
 import os
 import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
 from zps.cli import jobs as jobs_cli
-from zps.errors import ConfigError, ZpsError
+from zps.errors import ConfigError, JobFailedError, ZpsError
 from zps.ops import logs, malloc
 from zps.ops.config import (
     DEFAULT_CONFIG_PATH,
@@ -43,7 +45,7 @@ from zps.ops.config import (
     load_settings,
     override,
 )
-from zps.ops.systemd import Notifier
+from zps.ops.systemd import Notifier, client_stall
 
 log = logging.getLogger("zps")
 LEVELS = ["debug", "info", "warning", "error"]
@@ -992,11 +994,66 @@ def load_function(spec: str) -> Callable[..., Any]:
     return cast(Callable[..., Any], func)
 
 
+def keyword_args(items: Sequence[str]) -> dict[str, Any]:
+    """zps-worker's ``--arg NAME=VALUE`` items as keyword arguments: each VALUE is read
+    as JSON (``0.1``, ``3``, ``true``, ``[64, 32]``, ``"3"``), and one that is not JSON
+    is kept as the string it is (``--arg data=/srv/adult.csv``).  Raises
+    :class:`~zps.errors.ConfigError` naming an item without ``=``, a NAME that is not
+    an identifier, or a NAME given twice."""
+    kwargs: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name.isidentifier() or keyword.iskeyword(name):
+            raise ConfigError(
+                f"--arg {item!r}: expected NAME=VALUE, NAME a Python identifier (lr=0.1)"
+            )
+        if name in kwargs:
+            raise ConfigError(f"--arg {name} is given twice")
+        try:
+            kwargs[name] = json.loads(text)
+        except ValueError:
+            kwargs[name] = text
+    return kwargs
+
+
+def check_arguments(
+    func: Callable[..., Any], target: str, args: Sequence[str], kwargs: Mapping[str, Any]
+) -> None:
+    """Raise :class:`~zps.errors.ConfigError` if ``func(ps, *args, **kwargs)`` cannot
+    bind (a missing or unknown argument), before zps-worker connects."""
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):
+        return  # no signature to check (a builtin): the call says what is wrong
+    try:
+        signature.bind(None, *args, **kwargs)
+    except TypeError as e:
+        given = ", ".join(["ps", *map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+        bare = signature.replace(
+            parameters=[q.replace(annotation=q.empty) for q in signature.parameters.values()],
+            return_annotation=signature.empty,
+        )
+        raise ConfigError(f"{target}{bare} cannot be called as {target}({given}): {e}") from None
+
+
+#: zps-worker's exit code when its function raised JobFailedError: the job failed
+#: (a task failed more often than it may), and a restart would not change that.  The
+#: worker unit does not restart on it (``RestartPreventExitStatus=``).
+EXIT_JOB_FAILED = 3
+
+#: Default of ``--stall-margin``: how late a client call may be before the worker's
+#: watchdog pings stop (see :func:`zps.ops.systemd.client_stall`).
+DEFAULT_STALL_MARGIN = 60.0
+
+
 def worker_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zps-worker",
-        description="Run FUNCTION(ps, *ARGS) with a connected client: an async function gets "
-        "zps.Client, a plain one the blocking zps.SyncClient.",
+        description="Run FUNCTION(ps, *ARGS, **--arg) with a connected client: an async "
+        "function gets zps.Client, a plain one the blocking zps.SyncClient.  Exit codes: "
+        "0 done, 1 an error (its traceback is printed), 2 bad arguments or configuration, "
+        f"{EXIT_JOB_FAILED} the job failed (JobFailedError), {EXIT_STOP_TIMEOUT} a stop "
+        "request ignored, 130 interrupted.",
     )
     _add_version(parser)
     parser.add_argument(
@@ -1038,6 +1095,26 @@ def worker_parser() -> argparse.ArgumentParser:
         "ps.stop_requested and return before zps-worker exits with code "
         f"{EXIT_STOP_TIMEOUT} (default {WorkerConfig.stop_grace:g})",
     )
+    parser.add_argument(
+        "--arg",
+        action="append",
+        default=[],
+        dest="kwargs",
+        metavar="NAME=VALUE",
+        help="a keyword argument of FUNCTION (repeatable; before MODULE:FUNCTION): VALUE "
+        'is read as JSON (0.1, 3, true, [64, 32], "3"); one that is not JSON is passed '
+        "as the string it is",
+    )
+    parser.add_argument(
+        "--stall-margin",
+        type=float,
+        default=DEFAULT_STALL_MARGIN,
+        metavar="SECONDS",
+        help="under a systemd watchdog (WatchdogSec=): the pings stop when a client call "
+        "is still in flight this long after its deadline (--timeout), or the blocking "
+        "client's event loop has not turned for this long; the function's own code may "
+        f"run as long as it needs (default {DEFAULT_STALL_MARGIN:g})",
+    )
     parser.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (default: none)")
     parser.add_argument(
         "--metrics-host",
@@ -1050,8 +1127,44 @@ def worker_parser() -> argparse.ArgumentParser:
         nargs="?",
         help="what to run (default: [worker] function)",
     )
-    parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
+    parser.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        metavar="ARGS",
+        help="positional arguments of FUNCTION, as strings (default: [worker] args)",
+    )
     return parser
+
+
+class _FunctionFailed(Exception):
+    """The training function raised ``error`` (which keeps its traceback)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def _function_failed(target: str, error: Exception) -> int:
+    """Print what the training function raised, with its whole traceback (the user's
+    frames first), then one line naming it; returns the exit code."""
+    traceback.print_exception(error, file=sys.stderr)
+    print(f"zps-worker: {target} failed: {type(error).__name__}: {error}", file=sys.stderr)
+    if isinstance(error, JobFailedError):
+        return EXIT_JOB_FAILED
+    if isinstance(error, ConfigError):
+        return 2
+    return 1
+
+
+def _nothing_done(target: str, tasks_taken: Mapping[str, int]) -> None:
+    """Say so when the function asked for tasks and got none (the job was finished)."""
+    for job in sorted(job for job, n in tasks_taken.items() if n == 0):
+        print(
+            f"zps-worker: {target} found nothing to do: job {job!r} had no task left "
+            f"(it is finished; `zps-server job reset {job}` or create_job(..., "
+            "restart=True) runs it again)",
+            file=sys.stderr,
+        )
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
@@ -1059,13 +1172,18 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     malloc.tune()
     setup_logging(args.log_level or "info")
     run: _WorkerRun | None = None
+    target = args.function or "the function"
     try:
         settings = _settings(args)
-        target = args.function or settings.worker.function
-        if not target:
+        target = args.function or settings.worker.function or target
+        if not args.function and not settings.worker.function:
             raise ConfigError("no MODULE:FUNCTION given (as an argument or [worker] function)")
         func_args = list(args.args) if args.function else list(settings.worker.args)
+        func_kwargs = keyword_args(args.kwargs)
+        if args.stall_margin <= 0:
+            raise ConfigError(f"--stall-margin must be > 0, got {args.stall_margin:g}")
         func = load_function(target)
+        check_arguments(func, target, func_args, func_kwargs)
         config = override(
             settings.client,
             timeout=args.timeout,
@@ -1079,10 +1197,11 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         notifier = Notifier.from_env(os.environ)
         grace = override(settings.worker, stop_grace=args.stop_grace).stop_grace  # checked
         run = _WorkerRun(target, notifier, worker_metrics(args, settings), grace)
+        run.stall_margin = args.stall_margin
         run.serve()  # before connecting: a taken port fails before the worker joins a job
         if inspect.iscoroutinefunction(func):
             return run_async(
-                _run_async_worker(func, broker, config, func_args, run, not args.quiet)
+                _run_async_worker(func, broker, config, func_args, func_kwargs, run, not args.quiet)
             )
         from zps.client.sync import connect_sync
 
@@ -1091,20 +1210,32 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
             _stop_on_signals(ps.client, run)
             loop = ps.client.event_loop
             assert loop is not None
-            background = [asyncio.run_coroutine_threadsafe(c, loop) for c in run.start(ps.client)]
+            background = [
+                asyncio.run_coroutine_threadsafe(c, loop)
+                for c in run.start(ps.client, own_loop=True)
+            ]
             try:
-                result = func(ps, *func_args)
+                try:
+                    result = func(ps, *func_args, **func_kwargs)
+                except Exception as e:
+                    raise _FunctionFailed(e) from e
                 run.returned()
                 notifier.stopping()
                 ps.flush()
                 ps.client.progress.close()
+                _nothing_done(target, ps.client.tasks_taken)
             finally:
                 for future in background:
                     future.cancel()
         return int(result) if isinstance(result, int) else 0
+    except _FunctionFailed as failed:
+        return _function_failed(target, failed.error)
     except ConfigError as e:
         print(f"zps-worker: {e}", file=sys.stderr)
         return 2
+    except JobFailedError as e:
+        print(f"zps-worker: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_JOB_FAILED
     except ZpsError as e:
         print(f"zps-worker: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -1130,7 +1261,7 @@ EXIT_STOP_TIMEOUT = 124
 
 class _WorkerRun:
     """What zps-worker runs beside the training function: systemd notifications, the
-    watchdog (pings only while the function makes progress), the metrics endpoint,
+    watchdog (a thread that pings while the client is healthy), the metrics endpoint,
     and the stop grace period."""
 
     def __init__(self, target: str, notifier: Notifier, metrics: Metrics, grace: float) -> None:
@@ -1138,9 +1269,12 @@ class _WorkerRun:
         self.notifier = notifier
         self.metrics_config = metrics
         self.grace = grace
+        self.stall_margin = DEFAULT_STALL_MARGIN
         self.client: Any = None  # the connected client, once there is one
         self.server: Any = None
         self._timer: threading.Timer | None = None
+        self._done = threading.Event()
+        self._pinger: threading.Thread | None = None
 
     def serve(self) -> None:
         """Serve metrics, /healthz and /ready if a port is configured (raises
@@ -1177,16 +1311,34 @@ class _WorkerRun:
             return False, "not connected to the broker"
         return True, f"running {self.target}, step {client.step}, map v{version}"
 
-    def start(self, client: Any) -> list[Coroutine[Any, Any, None]]:
-        """The client is connected: tell systemd the worker is up; returns what to run
-        on the client's event loop (the /healthz stamp and the watchdog)."""
+    def start(self, client: Any, *, own_loop: bool) -> list[Coroutine[Any, Any, None]]:
+        """The client is connected: tell systemd the worker is up and start the watchdog
+        thread; returns what to run on the client's event loop (the /healthz stamp, which
+        the watchdog also reads).  ``own_loop``: the client's loop runs no user code (the
+        blocking client), so a loop that stops turning is a stalled client."""
         self.client = client
         self.notifier.ready(f"running {self.target}")
         assert self.server is not None
-        return [
-            self.server.loop_heartbeat(),
-            self.notifier.progress_watchdog_loop(client.meter.progress),
-        ]
+        server = self.server
+        began = time.monotonic()
+
+        def stall() -> str | None:
+            stamp = server.loop_stamp
+            return client_stall(
+                time.monotonic(),
+                deadline=client.call_deadline(),
+                loop_turned=(began if stamp is None else stamp) if own_loop else None,
+                margin=self.stall_margin,
+            )
+
+        self._pinger = threading.Thread(
+            target=self.notifier.ping_while_healthy,
+            args=(stall, self._done),
+            name="zps-watchdog",
+            daemon=True,
+        )
+        self._pinger.start()
+        return [server.loop_heartbeat()]
 
     def stop_requested(self, client: Any, signum: int) -> None:
         """The first SIGTERM/SIGINT: ask the function to stop, and start the grace period."""
@@ -1224,6 +1376,10 @@ class _WorkerRun:
 
     def stop(self) -> None:
         self.returned()
+        self._done.set()
+        if self._pinger is not None:
+            self._pinger.join(5.0)
+            self._pinger = None
         if self.server is not None:
             self.server.stop()
             self.server = None
@@ -1248,16 +1404,17 @@ async def _run_async_worker(
     broker: str,
     config: ClientConfig,
     args: list[str],
+    kwargs: dict[str, Any],
     run: _WorkerRun,
     progress: bool,
 ) -> int:
     from zps.client.client import Client
 
-    async with Client(broker, config) as ps, asyncio.TaskGroup() as tg:
+    async with Client(broker, config) as ps:
         ps.progress.enabled = progress
         loop = asyncio.get_running_loop()
-        # Not in the task group: the function's own exception is raised as it is.
-        training = loop.create_task(func(ps, *args))
+        # A task of its own, outside any task group: its exception is raised as it is.
+        training = loop.create_task(func(ps, *args, **kwargs))
         interrupted = False
 
         def on_signal(signum: int) -> None:
@@ -1270,7 +1427,7 @@ async def _run_async_worker(
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
-        tasks = [tg.create_task(c) for c in run.start(ps)]
+        tasks = [loop.create_task(c) for c in run.start(ps, own_loop=False)]
         try:
             try:
                 result = await training
@@ -1278,10 +1435,13 @@ async def _run_async_worker(
                 if not interrupted:
                     raise
                 return 130
+            except Exception as e:
+                raise _FunctionFailed(e) from e
             run.returned()
             run.notifier.stopping()
             await ps.flush()
             ps.progress.close()
+            _nothing_done(run.target, ps.tasks_taken)
         finally:
             training.cancel()  # a no-op once it is done
             for task in tasks:

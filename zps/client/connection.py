@@ -607,6 +607,12 @@ class Connection:
             failed.result()  # raises
         return [f.result() for f in futs]
 
+    def call_deadline(self) -> float | None:
+        """When the oldest request or timed broker call in flight fails unless answered
+        (the loop's clock: ``time.monotonic()``'s under asyncio and uvloop); None: none
+        is in flight.  Safe from any thread (see ``ClientSession.earliest_deadline``)."""
+        return self._session.earliest_deadline()
+
     def _now(self) -> float:
         return (self._loop or asyncio.get_running_loop()).time()
 

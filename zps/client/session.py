@@ -376,6 +376,15 @@ class ClientSession(Generic[T]):
                 actions.extend(self._resend(req_id, entry, now))
         return actions
 
+    def earliest_deadline(self) -> float | None:
+        """The earliest deadline of a request or timed broker call in flight (None:
+        none has one).  Safe from another thread (zps-worker's watchdog): it only reads,
+        and a table changed during the read (the driver is busy) gives None."""
+        try:
+            return next(iter(self._deadlines.values()), None)
+        except RuntimeError:  # changed during the iteration
+            return None
+
     def next_wakeup(self) -> float | None:
         """When :meth:`tick` has something to do next (None: nothing is timed)."""
         at = None

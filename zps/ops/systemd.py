@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import socket
-import time
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -84,28 +83,34 @@ def watchdog_due(
     return now - last_ping >= period / 2 and now - last_turn <= max_lag
 
 
-def progress_ping_due(
-    period: float | None, now: float, *, last_ping: float, last_progress: float, waiting: bool
-) -> bool:
-    """Whether a worker's watchdog ping should go out now (checked every half ``period``
-    from the client's event loop, so a loop that stopped turning sends none).
+def client_stall(
+    now: float, *, deadline: float | None, loop_turned: float | None, margin: float
+) -> str | None:
+    """Why a worker's client counts as stalled at ``now``, or None while it is healthy
+    (then zps-worker's watchdog pings).
 
-    A ping proves progress: it goes out only while the training function waits in a
-    client call (the cluster has it: every call has a deadline or waits on other
-    workers) or made progress (a call started or ended, a step was reported) within the
-    last ``period``, rate-limited to one per half ``period``.  ``period`` is half of
-    ``WatchdogSec``, so a step that makes no call for up to ``WatchdogSec`` keeps the
-    unit alive, and a function hung in its own code stops the pings: systemd restarts
-    the worker within 1.5 x ``WatchdogSec`` of its last progress.
+    The training function's own code is never judged: it may compute, load data or
+    evaluate for as long as it needs.  The client is:
+
+    - a call in flight ends by its ``deadline`` (when it was made, plus the client's
+      ``timeout``: the client fails it then); one still in flight ``margin`` seconds
+      later is stalled.  Calls that wait on other workers (the step clock, the last
+      tasks of a job) have no deadline and are never stalled.
+    - the client's own event loop (the blocking client's thread; None when the loop is
+      the training function's too) turns at least once every ``margin`` seconds.
     """
-    if period is None or now - last_ping < period / 2:
-        return False
-    return waiting or now - last_progress <= period
+    if deadline is not None and now - deadline > margin:
+        return (
+            f"a client call is still in flight {now - deadline:.1f}s after its deadline "
+            "(the client's timeout)"
+        )
+    if loop_turned is not None and now - loop_turned > margin:
+        return f"the client's event loop has not turned for {now - loop_turned:.1f}s"
+    return None
 
 
-#: What a worker's watchdog asks: (when the training function last made progress,
-#: whether it waits in a client call now); time is ``time.monotonic()``.
-Progress = Callable[[], tuple[float, bool]]
+#: What a worker's watchdog asks before each ping: why the client is stalled, or None.
+Stall = Callable[[], str | None]
 
 
 def _one_line(text: str) -> str:
@@ -190,30 +195,28 @@ class Notifier:
             self.watchdog()
             await asyncio.sleep(period)
 
-    async def progress_watchdog_loop(self, progress: Progress) -> None:
-        """A worker's pings (until cancelled; returns at once if none are expected):
-        every half :attr:`watchdog_period` the event loop asks ``progress`` and pings
-        when :func:`progress_ping_due` says so.  Run it on the client's event loop.
-        Withheld pings are logged once per stall, at error."""
+    def ping_while_healthy(self, stall: Stall, stop: threading.Event) -> None:
+        """A worker's pings, from a thread of its own: every :attr:`watchdog_period`
+        until ``stop`` is set, one ping unless ``stall()`` names a stall (see
+        :func:`client_stall`), which is logged at error once per stall.  Returns at once
+        if no pings are expected.  The thread runs beside the training function, so slow
+        user code keeps the unit alive, and a frozen process (or one whose client
+        stalled) is restarted by systemd ``WatchdogSec`` after its last ping."""
         period = self.watchdog_period
         if period is None or self.address is None:
             return
-        last_ping = -math.inf
         stalled = False
         while True:
-            now = time.monotonic()
-            last_progress, waiting = progress()
-            if progress_ping_due(
-                period, now, last_ping=last_ping, last_progress=last_progress, waiting=waiting
-            ):
+            why = stall()
+            if why is None:
                 self.watchdog()
-                last_ping, stalled = now, False
-            elif not stalled and not waiting and now - last_progress > period:
+                stalled = False
+            elif not stalled:
                 stalled = True
                 log.error(
-                    "the training function made no progress (no client call, clock or "
-                    "report) for %.1fs: watchdog pings withheld, systemd restarts the "
-                    "worker once WatchdogSec passes without one",
-                    now - last_progress,
+                    "watchdog pings withheld: %s; systemd restarts the worker once "
+                    "WatchdogSec passes without one",
+                    why,
                 )
-            await asyncio.sleep(period / 2)
+            if stop.wait(period):
+                return
