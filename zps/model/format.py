@@ -1,10 +1,12 @@
-"""The export format: a model's values in files any numpy program can read.
+"""The export format: a model's values (and optimizer state) in files any numpy program
+can read.
 
 An export is a directory::
 
     manifest.json
     tables/0000-emb/ids.npy       int64, (rows,)        an embedding table's ids
     tables/0000-emb/values.npy    float32|64, (rows, dim)  their rows, in the same order
+    tables/0000-emb/state-m.npy   the optimizer's state columns, one file each (if exported)
     tables/0001-w/values.npy      float32|64, the tensor's shape   a dense tensor
 
 ``manifest.json`` holds ``format`` (``"zps-export"``), ``version`` (1), the zps release
@@ -14,6 +16,14 @@ that wrote it, when, from what (``source``), the LSN and epoch each partition wa
 relative to the directory) and ``spec`` (the table's zps spec: init, optimizer, seed, as
 ``create_*`` sends it).  The manifest is written last, atomically: a directory without
 one is an unfinished export.
+
+Optimizer state: a table exported with it lists its optimizer's state columns in
+``state`` (Adam ``m``, ``v``, ``step``; Adagrad ``accumulator``; FTRL ``z``, ``n``;
+momentum ``velocity``; SGD none) and names each file in ``files`` as ``state.COLUMN``.
+The files are in the table's dtype: an embedding table's ``(rows, width)``, row for row
+as ``values.npy``; a dense tensor's 1-D, each chunk's state in chunk order (chunks of the
+spec's ``chunk`` elements; see :func:`state_offsets`).  A table without ``state`` (an
+export of values only, or one written before state was exported) has none.
 
 Why ``.npy`` files: the format is numpy's own, documented and stable, read by
 ``numpy.load`` with no zps installed (and by readers in C, C++, Rust, Java, Julia and
@@ -30,9 +40,8 @@ export ``OLD``: per embedding table the changed and new rows and ``removed.npy``
 tables that are gone).  :func:`apply_delta` turns ``OLD`` and a delta into a full export.
 
 Embedding ids are unique and in no particular order (partition by partition); a reader
-that needs a lookup builds its own (``np.argsort(ids)`` and ``np.searchsorted``).  Only
-values are exported, not optimizer state: an import (warm start) begins each row's
-optimizer state afresh.
+that needs a lookup builds its own (``np.argsort(ids)`` and ``np.searchsorted``).  A
+delta carries values only, and so does what :func:`apply_delta` writes.
 """
 
 from __future__ import annotations
