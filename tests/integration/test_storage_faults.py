@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import resource
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -143,3 +144,64 @@ def test_a_flipped_bit_in_the_newest_checkpoint_restores_from_the_previous_and_t
     with zps.connect_sync(c.address, timeout=20) as ps:
         assert np.array_equal(ps.pull_dense("v"), np.full(4, -float(sum(range(1, 41)))))
         assert ps.checksums()[0]["lsn"] == lsn
+
+
+#: Runs a shard with ``os.fdatasync`` failing (EIO) once the file FAIL_SYNC exists in its
+#: data dir: a disk that starts failing under a running shard.
+_FAILING_DISK = """
+import errno, os, runpy, sys
+args = sys.argv[3:]
+trigger = os.path.join(args[args.index("--data-dir") + 1], "FAIL_SYNC")
+real = os.fdatasync
+def fdatasync(fd):
+    if os.path.exists(trigger):
+        raise OSError(errno.EIO, "Input/output error")
+    real(fd)
+os.fdatasync = fdatasync
+sys.argv = ["zps", *args]
+runpy.run_module("zps", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_fsync_makes_the_primary_leave_and_no_acknowledged_push_is_lost(
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path
+) -> None:
+    c = make_cluster(partitions=1, replication=2)
+    c.start_broker()
+    script = tmp_path / "failing_disk.py"
+    script.write_text(_FAILING_DISK)
+    wrapper = tmp_path / "python-failing-disk"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
+    wrapper.chmod(0o755)
+    c.python = str(wrapper)  # shards only: the broker is started
+    # Two copies and a spare, which becomes the new replica (acks="all" needs two).
+    dirs = [tmp_path / f"data{i}" for i in range(3)]
+    flags = ["--durability", "fsync", "--checkpoint-interval", "0"]
+    shards = [c.start_shard(d, flags) for d in dirs]
+    c.wait_for(lambda s: c.healthy(s) and len(s["shards"]) == 3, 30, "two copies and a spare")
+    pid = c.shard_pid(0)
+    primary = next(i for i, s in enumerate(shards) if s.pid == pid)
+    acked = 0
+    with zps.connect_sync(c.address, timeout=60) as ps:
+        ps.create_dense("v", shape=(4,), dtype="float64", optimizer=SGD(lr=1.0))
+        for k in range(1, 21):
+            ps.push_dense("v", np.full(4, float(k)))
+            acked += k
+        (dirs[primary] / "FAIL_SYNC").touch()  # the primary's disk fails its next fsync
+        for k in range(21, 41):
+            ps.push_dense("v", np.full(4, float(k)))  # acknowledged by the promoted replica
+            acked += k
+        # The primary acknowledged nothing more: it left, and exited for a restart.
+        assert shards[primary].popen.wait(30) == 1
+        log = shards[primary].log()
+        assert "write-ahead log of partition 0 lost" in log and "fdatasync failed" in log
+        assert "stopped: the write-ahead log was lost" in log
+        assert c.shard_pid(0) != pid
+        # Every acknowledged push, each once (the one in flight answered by the replica).
+        assert np.array_equal(ps.pull_dense("v"), np.full(4, -float(acked)))
+        # Restarted on a disk that works again, the shard rejoins as a replica.
+        (dirs[primary] / "FAIL_SYNC").unlink()
+        c.start_shard(dirs[primary], flags)
+        c.wait_healthy(60)
+        assert np.array_equal(ps.pull_dense("v"), np.full(4, -float(acked)))

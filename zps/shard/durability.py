@@ -230,7 +230,7 @@ class Durability:
                 try:
                     lsn = await loop.run_in_executor(self._executor, self._write, batch)
                 except WalLost as e:
-                    self._lose(str(e))
+                    self._lose(self._wal.lost if self._wal and self._wal.lost else str(e))
                     return
                 except OSError as e:
                     self.stats.errors += 1
