@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -515,3 +516,42 @@ def wait_log_file(w: Worker, pattern: str, timeout: float = 10.0) -> list[str]:
         if lines or time.monotonic() > deadline:
             return lines
         time.sleep(0.05)
+
+
+def test_an_unusable_data_dir_is_one_line_naming_it_and_why(tmp_path: Path) -> None:
+    """Not a directory, or one the process may not write in: exit 2 and one line."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if os.geteuid() == 0:  # root writes anywhere, except in an immutable directory
+        subprocess.run(["chattr", "+i", str(locked)], check=True)
+        denied = "Operation not permitted"
+    else:
+        locked.chmod(0o555)
+        denied = "Permission denied"
+    shard = ["shard", "--broker", "tcp://127.0.0.1:1"]
+    cases = [
+        (shard, afile / "sub", "cannot create it: Not a directory"),
+        (shard, afile, "cannot create it: File exists"),
+        (shard, locked / "s", f"cannot create it: {denied}"),
+        (["broker", "--bind", f"tcp://127.0.0.1:{free_port()}"], locked, "cannot open LOCK "
+         f"for writing: {denied} ({locked / 'LOCK'})"),
+    ]  # fmt: skip
+    try:
+        for args, data_dir, why in cases:
+            out = subprocess.run(
+                [sys.executable, "-m", "zps", *args, "--data-dir", str(data_dir)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env=LocalCluster().env(),
+            )
+            assert out.returncode == 2, out
+            assert out.stderr.splitlines() == [
+                f"zps-server {args[0]}: invalid configuration: data directory {data_dir}: "
+                f"{why}; give --data-dir a directory this user can write"
+            ], out.stderr
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(locked)], check=True)

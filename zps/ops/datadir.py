@@ -15,7 +15,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from zps.errors import DataDirInUseError
+from zps.errors import ConfigError, DataDirInUseError
 
 LOCK_NAME = "LOCK"
 
@@ -42,14 +42,32 @@ class DataDirLock:
         self.release()
 
 
+def unusable(root: Path, doing: str, error: OSError) -> ConfigError:
+    """The one-line error for a data directory this process cannot use: the path,
+    what failed and the system's reason (not writable, not a directory, read-only)."""
+    where = f" ({error.filename})" if error.filename and Path(error.filename) != root else ""
+    return ConfigError(
+        f"data directory {root}: cannot {doing}: {error.strerror or error}{where}; "
+        "give --data-dir a directory this user can write"
+    )
+
+
 def lock_data_dir(data_dir: str | os.PathLike[str], owner: str) -> DataDirLock:
     """Take ``data_dir`` for this process (creating it), or raise
     :class:`DataDirInUseError` naming the process that holds it.  ``owner`` says what
-    this process is ("shard s-a", "the broker"), for the other one's error."""
+    this process is ("shard s-a", "the broker"), for the other one's error.  A directory
+    that cannot be created or written raises :class:`~zps.errors.ConfigError` naming it
+    and the reason (one line, no traceback: the operator's to fix)."""
     root = Path(data_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise unusable(root, "create it", e) from None
     path = root / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise unusable(root, f"open {LOCK_NAME} for writing", e) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -62,6 +80,14 @@ def lock_data_dir(data_dir: str | os.PathLike[str], owner: str) -> DataDirLock:
     except OSError:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{owner} (pid {os.getpid()})\n".encode(), 0)
+    try:
+        # The directory itself must take new files (checkpoints, logs), not only LOCK.
+        probe = root / f".write-test-{os.getpid()}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        probe.unlink()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{owner} (pid {os.getpid()})\n".encode(), 0)
+    except OSError as e:
+        os.close(fd)
+        raise unusable(root, "write in it", e) from None
     return DataDirLock(path, fd)
