@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ import pytest
 import zps
 from zps.model.format import Export
 from zps.optim import FTRL, Adagrad, Adam, Optimizer
-from zps.testing import LocalCluster
+from zps.testing import DataDirCluster, LocalCluster, free_port
 
 OPTIMIZERS: dict[str, Optimizer] = {
     "adam": Adam(lr=0.01),
@@ -119,7 +121,7 @@ def test_adam_adagrad_ftrl_continue_bit_for_bit_after_export_and_import(
             manifest = json.loads((tmp_path / "values" / "manifest.json").read_text())
             assert all("state" not in t for t in manifest["tables"])
             assert not list((tmp_path / "values").rglob("state-*.npy"))
-            with caplog.at_level(logging.INFO, logger="zps.export"):
+            with caplog.at_level(logging.WARNING, logger="zps.export"):
                 pb.import_model(tmp_path / "values")
             assert "import of 'emb_adam'" in caplog.text
             assert "carries no optimizer state; adam starts afresh" in caplog.text
@@ -163,3 +165,54 @@ def test_an_export_without_state_imports_with_the_state_reset(
         opt = Adam(lr=0.01)
         opt.apply(expected, grads, opt.init_state(ids.size, DIM, np.float32))
         np.testing.assert_array_equal(pb.pull_rows("old", ids), expected)
+
+
+@pytest.mark.timeout(180)
+def test_a_set_with_state_is_logged_and_replayed(
+    clusters: tuple[LocalCluster, LocalCluster], tmp_path: Path
+) -> None:
+    """An import into a shard with a data dir, SIGKILLed: the offline export of its data
+    dir (its log replayed, no checkpoint) has the state that was imported."""
+    a, _ = clusters
+    with zps.connect_sync(a.address) as pa:
+        pa.create_embedding("logged", DIM, optimizer=Adagrad(lr=0.1), seed=6)
+        pa.create_dense("logged_w", DENSE, optimizer=Adam(lr=0.01), seed=7)
+        rng = np.random.default_rng(11)
+        for _ in range(2):
+            pa.push_rows("logged", IDS[::3], rng.normal(size=(IDS[::3].size, DIM)))
+            pa.push_dense("logged_w", rng.normal(size=DENSE).astype(np.float32))
+        pa.flush()
+        pa.export_model(tmp_path / "src", tables=["logged", "logged_w"])
+    work = tmp_path / "c"
+    work.mkdir()
+    c = DataDirCluster(partitions=1, shards=1, workdir=work)
+    c.port = free_port()
+    try:
+        c.start_broker()
+        shard = c.start_shard(
+            tmp_path / "data", ["--durability", "fsync", "--checkpoint-interval", "0"]
+        )
+        c.wait_healthy()
+        with zps.connect_sync(c.address) as pc:
+            pc.import_model(tmp_path / "src")
+        os.kill(shard.pid, signal.SIGKILL)
+        shard.popen.wait(10)
+    finally:
+        c.stop()
+    out = subprocess.run(
+        [sys.executable, "-m", "zps", "export", "--data-dir", str(tmp_path / "data"),
+         "--out", str(tmp_path / "offline")],
+        env=c.env(), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    src, off = Export(tmp_path / "src"), Export(tmp_path / "offline")
+    src_state, off_state = src.state("logged"), off.state("logged")
+    assert src_state is not None and off_state is not None
+    order = np.argsort(np.asarray(src.ids("logged")))
+    back = np.argsort(np.asarray(off.ids("logged")))
+    for k, column in src_state.items():
+        np.testing.assert_array_equal(np.asarray(column)[order], np.asarray(off_state[k])[back])
+    dense_src, dense_off = src.state("logged_w"), off.state("logged_w")
+    assert dense_src is not None and dense_off is not None
+    for k, column in dense_src.items():
+        np.testing.assert_array_equal(column, dense_off[k])

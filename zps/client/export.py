@@ -282,7 +282,7 @@ async def import_model(
         entry = export.entry(name)
         state = export.state(name)
         if state is None and entry.spec.optimizer.state_widths(1):
-            log.info(
+            log.warning(
                 "import of %r: the export at %s carries no optimizer state; %s starts afresh",
                 name,
                 export.path,
