@@ -600,8 +600,11 @@ class Training:
         now = time.monotonic()
         progress = job.progress()
         for e in progress["epochs"]:
-            eta = epoch_eta(
-                e["done"], e["total"], self._epoch_start.get((job.name, e["epoch"])), now
-            )
+            key = (job.name, e["epoch"])
+            start = self._epoch_start.get(key)
+            if start is not None and e["done"] < start[1]:  # the job was reset: a new pace
+                del self._epoch_start[key]
+                start = None
+            eta = epoch_eta(e["done"], e["total"], start, now)
             e["eta_s"] = None if eta is None else round(eta, 1)
         return progress
