@@ -10,6 +10,7 @@ import logging
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +127,28 @@ def test_cancel_answers_a_worker_waiting_for_a_task(cluster: LocalCluster) -> No
             await a.task_done(held)
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_job_control_survives_a_broker_restart(tmp_path: Path) -> None:
+    """A cancel and a reset are answered once on the broker's disk: a restarted broker
+    still has the job cancelled, and the reset job's orphaned task counts for nothing."""
+    with (
+        LocalCluster(partitions=1, shards=1, broker_data_dir=tmp_path / "broker") as c,
+        zps.connect_sync(c.address, name="w1", timeout=20) as w1,
+    ):
+        w1.create_job("stopped", 4, 1)
+        w1.cancel_job("stopped")
+        w1.create_job("kept", 4, 1)
+        held = w1.next_task("kept")
+        assert held is not None
+        w1.reset_job("kept")
+        c.kill(c.broker().pid)
+        c.start_broker(grace=0.5)
+        c.wait_healthy()
+        with zps.connect_sync(c.address, name="w2", timeout=20) as w2:
+            assert w2.job("stopped")["state"] == "cancelled"
+            assert w2.next_task("stopped") is None
+            assert (w2.job("kept")["state"], w2.job("kept")["done"]) == ("pending", 0)
+            w1.task_done(held)  # the orphaned task, reported to the new broker
+            assert w2.job("kept")["done"] == 0
