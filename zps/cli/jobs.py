@@ -87,7 +87,8 @@ def _percent(p: dict[str, Any]) -> str:
 def _summary(p: dict[str, Any]) -> str:
     return (
         f"{p.get('state')}, epoch {_epoch(p)}, {p.get('done')}/{p.get('total')} tasks done "
-        f"({_percent(p)}), {p.get('running', 0)} running"
+        f"({_percent(p)}), {p.get('running', 0)} running, "
+        f"{p.get('waiting', 0)} workers waiting"
     )
 
 
