@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -205,3 +207,59 @@ def test_two_copies_with_writes_are_a_conflict_and_neither_is_overwritten(
     assert "reset-partition" in log
     # Its files are as they were: nothing loaded over them.
     assert sorted(p.name for p in (tmp_path / "data" / "partition-0").iterdir()) == before
+
+
+@pytest.mark.parametrize("broker_dir", [True, False], ids=["broker-data-dir", "no-broker-dir"])
+def test_a_copy_without_a_log_waits_for_the_operator(
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path, broker_dir: bool
+) -> None:
+    """durability "none": a shard SIGKILLed comes back from a checkpoint written while it
+    ran, older than what it acknowledged.  However fresh the broker's record (or with
+    none), that copy serves again only once an operator accepts the loss."""
+    c = make_cluster(broker_dir=broker_dir, partitions=1, replication=1)
+    data = tmp_path / "only"
+    flags = ["--durability", "none", "--checkpoint-interval", "0", "--checkpoint-every", "5"]
+    c.start_broker()
+    shard = c.start_shard(data, flags)
+    c.wait_for(serves(c, shard), 20, "a primary")
+    with zps.connect_sync(c.address, timeout=20) as ps:
+        ps.create_dense("w", shape=(4,), dtype="float64", optimizer=SGD(lr=1.0))
+    push(c, 6)
+    folder = data / "partition-0"
+    c.wait_for(lambda s: bool(list(folder.glob("ckpt-*.zps"))), 20, "a checkpoint")
+    push(c, 2)  # acknowledged, in no checkpoint (the next is due 5 updates later)
+    kill(shard)
+    kill(c.broker())
+    broker = c.start_broker(grace=0.3)
+    empty = c.start_shard()  # an empty shard must not take it either
+    back = c.start_shard(data, flags)
+    status = c.wait_for(
+        lambda s: bool(s["partitions"][0].get("held_copies")) and len(s["shards"]) == 2,
+        20,
+        "the copy to be held",
+    )
+    assert status["partitions"][0]["primary"] is None, status
+    assert status["partitions"][0]["held_copies"][0]["node"] == node_of(c, back, status)
+    log = broker.log()
+    assert re.search(r"ERROR .*restored without a log and may lack acknowledged", log), log
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zps",
+            "reset-partition",
+            "--broker",
+            c.address,
+            "--partition",
+            "0",
+            "--accept-data-loss",
+        ],
+        env=c.env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    c.wait_for(serves(c, back), 20, "the held copy to serve once the loss is accepted")
+    assert -8.0 < value(c) <= -5.0  # the checkpoint's pushes, not the last ones
+    assert node_of(c, empty)  # registered all along, and given nothing
