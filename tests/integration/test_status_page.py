@@ -201,3 +201,171 @@ def test_page_in_a_headless_browser(trained: tuple[LocalCluster, int, Any], tmp_
     assert shot.exists(), out.stderr[-2000:]
     png = shot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+def synthetic_report(now: float) -> dict[str, Any]:
+    """A report with what a small healthy cluster does not show: a broker pair, a lost
+    and a degraded partition, a lagging replica, a drained shard, a job of three epochs."""
+    shard = {"host": "h1", "lsn": 120, "last_seen_s": 0.1, "stats": {"requests": 9, "nbytes": 4096}}
+    return {
+        "map_version": 9,
+        "n_partitions": 3,
+        "replication": 2,
+        "failovers": 2,
+        "partitions": [
+            {
+                "partition": 0,
+                "state": "ok",
+                "primary": "s-a",
+                "lsn": 120,
+                "epoch": 2,
+                "slots": 8,
+                "replicas": [{"node": "s-b", "in_sync": True, "lsn": 120, "lag": 0}],
+            },
+            {
+                "partition": 1,
+                "state": "degraded",
+                "primary": "s-c",
+                "lsn": 90,
+                "epoch": 3,
+                "slots": 8,
+                "replicas": [{"node": "s-d", "in_sync": False, "lsn": 40, "lag": 50}],
+            },
+            {
+                "partition": 2,
+                "state": "lost",
+                "primary": None,
+                "lsn": None,
+                "epoch": 1,
+                "slots": 8,
+                "replicas": [],
+            },
+        ],
+        "shards": [
+            {**shard, "node": "s-a", "role": "primary", "partition": 0},
+            {**shard, "node": "s-b", "role": "replica", "partition": 0},
+            {**shard, "node": "s-c", "role": "primary", "partition": 1},
+            {**shard, "node": "s-d", "role": "replica", "partition": 1},
+            {**shard, "node": "s-e", "role": "spare", "partition": None, "drained": True},
+        ],
+        "clients": [{"node": "c-1", "name": "trainer", "host": "h2", "pid": 7, "last_seen_s": 0}],
+        "training": {
+            "mode": "sync",
+            "committed_step": 41,
+            "workers": {"c-1": 42},
+            "jobs": [
+                {
+                    "job": "j",
+                    "records": 600,
+                    "per_task": 20,
+                    "done": 25,
+                    "total": 30,
+                    "running": 2,
+                    "retried": 1,
+                    "failed": None,
+                    "epochs": [
+                        {"epoch": 0, "done": 10, "running": 0, "total": 10, "eta_s": 0.0},
+                        {"epoch": 1, "done": 10, "running": 0, "total": 10, "eta_s": 0.0},
+                        {"epoch": 2, "done": 5, "running": 2, "total": 10, "eta_s": 75.0},
+                    ],
+                },
+            ],
+            "history": {
+                "j": {
+                    "t": [now - 30 + i for i in range(30)],
+                    "loss": [None if i == 3 else 1.5 / (1 + i) for i in range(30)],
+                    "rows_per_s": [900.0 + 10 * i for i in range(30)],
+                    "period_s": 1.0,
+                },
+                "orphan": {"t": [now], "loss": [0.5], "rows_per_s": [10.0], "period_s": 1.0},
+            },
+        },
+        "broker": {"endpoint": "tcp://ps:5555", "version": "9.9", "uptime_s": 3700},
+        "pair": {
+            "role": "primary",
+            "state": "active",
+            "term": 4,
+            "failovers": 1,
+            "peer": {"endpoint": "tcp://ps2:5555", "state": "passive", "term": 4, "alive": False},
+        },
+    }
+
+
+def signature(markup: str) -> dict[str, list[str]]:
+    """What a reader sees in the page's main part, independent of how the markup is
+    serialised: pills, row and chart attributes, headings, cells' text."""
+    m = re.search(r'<main id="main">(.*)</main>', markup, re.S)
+    assert m, markup[:500]
+    main = m.group(1)
+    return {
+        "pills": re.findall(r'<span class="pill ([^"]+)">([^<]*)</span>', main),
+        "rows": re.findall(r'<tr (data-[a-z]+="[^"]*")>', main),
+        "charts": re.findall(
+            r'<svg class="chart (\w+)" data-series="\w+" data-points="(\d+)"', main
+        ),
+        "headings": re.findall(r"<h[23][^>]*>([^<]*)", main),
+        # (not requests/s: the script has it from two polls, the server never)
+        "cells": [
+            html.unescape(c) for c in re.findall(r"<td(?![^>]*data-rate)[^>]*>([^<]*)</td>", main)
+        ],
+        "ticks": re.findall(r'<text class="tick"[^>]*text-anchor="end">([^<]*)</text>', main),
+    }
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no chromium binary (apt-get install chromium)")
+def test_script_draws_what_the_server_renders(tmp_path: Path) -> None:
+    """The page's script (drawing from /status.json) and the server's rendering show the
+    same things, for every kind of section."""
+    import asyncio
+    import threading
+
+    from zps.ops.config import Metrics
+    from zps.ops.metrics import MetricsServer
+    from zps.ops.page import render
+
+    report = synthetic_report(time.time())
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = MetricsServer(Metrics(port=free_port()), lambda: [], status=lambda: report)
+    heartbeat = asyncio.run_coroutine_threadsafe(server.loop_heartbeat(), loop)
+    try:
+        server.start()
+        assert server.port is not None
+        binary = _chromium()
+        assert binary is not None
+        out = _browse(
+            binary,
+            f"http://127.0.0.1:{server.port}/",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--dump-dom",
+        )
+        assert "<html" in out.stdout, out.stderr[-2000:]
+        dom = re.sub(r"<script>.*?</script>", "", out.stdout, flags=re.S)
+        assert re.search(r'<body[^>]* data-drawn="[1-9]', dom), dom[:1000]
+        drawn, rendered = signature(dom), signature(render(report))
+        for key in rendered:
+            assert drawn[key] == rendered[key], key
+        sig = rendered
+        assert ("lost", "lost") in sig["pills"] and ("degraded", "degraded") in sig["pills"]
+        assert ("lost", "drained") in sig["pills"] and ("dead", "dead") in sig["pills"]
+        assert ("loss", "29") in sig["charts"] and ("rows", "30") in sig["charts"]
+        assert ("loss", "1") in sig["charts"]  # the orphan job's single point
+        assert "1m 15s" in sig["cells"]  # epoch 2's ETA
+        assert "Broker pair" in sig["headings"]
+    finally:
+        server.stop()
+        heartbeat.cancel()
+        asyncio.run_coroutine_threadsafe(_cancel_tasks(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+async def _cancel_tasks() -> None:
+    import asyncio
+
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -76,7 +76,7 @@
       return out.join("");
     }
     var loT = pts[0][0], hiT = pts[pts.length - 1][0];
-    if (hiT <= loT) hiT = loT + 1;
+    if (hiT <= loT) { loT -= 30; hiT += 30; }  // one point: in the middle of a minute
     var loY = zero ? 0 : Math.min.apply(null, pts.map(function (p) { return p[1]; }));
     var hiY = Math.max.apply(null, pts.map(function (p) { return p[1]; }));
     var yt = ticks(zero ? Math.min(loY, 0) : loY, hiY);
@@ -124,7 +124,7 @@
     if (!p) return "";
     var peer = p.peer || {};
     return '<section id="pair"><h2>Broker pair</h2><dl class="kv"><dt>this broker</dt><dd>' +
-      pill(String(p.role), "info") + " " + pill(String(p.state)) + " term " + e(p.term) +
+      pill(String(p.role)) + " " + pill(String(p.state)) + " term " + e(p.term) +
       "</dd><dt>peer</dt><dd><code>" + e(peer.endpoint) + "</code> " + pill(String(peer.state)) + " " +
       pill(peer.alive ? "alive" : "dead") + " term " + e(peer.term) + "</dd><dt>takeovers</dt><dd>" +
       e(p.failovers) + "</dd></dl></section>";

@@ -126,8 +126,8 @@ def chart(
         out.append("no reports yet</text></svg>")
         return "".join(out)
     lo_t, hi_t = pts[0][0], pts[-1][0]
-    if hi_t <= lo_t:
-        hi_t = lo_t + 1
+    if hi_t <= lo_t:  # one point: in the middle of a minute
+        lo_t, hi_t = lo_t - 30, hi_t + 30
     lo_y = 0.0 if zero else min(y for _, y in pts)
     hi_y = max(y for _, y in pts)
     yt = ticks(min(lo_y, 0.0) if zero else lo_y, hi_y)
@@ -197,7 +197,7 @@ def _pair(report: dict[str, Any]) -> str:
     alive = "alive" if peer.get("alive") else "dead"
     return (
         '<section id="pair"><h2>Broker pair</h2><dl class="kv">'
-        f"<dt>this broker</dt><dd>{_pill(str(pair.get('role')), 'info')} "
+        f"<dt>this broker</dt><dd>{_pill(str(pair.get('role')))} "
         f"{_pill(str(pair.get('state')))} term {_e(pair.get('term'))}</dd>"
         f"<dt>peer</dt><dd><code>{_e(peer.get('endpoint'))}</code> "
         f"{_pill(str(peer.get('state')))} {_pill(alive)} term {_e(peer.get('term'))}</dd>"
