@@ -1192,6 +1192,8 @@ class Connection:
                         len(self._session),
                     )
                 self._apply(self._session.on_map(new, self._now()))
+                if old is not None and self._session.map is new:
+                    self._log_lost(old, new)
                 if self._session.map is not None:
                     self._map_event.set()
                     self._follow_routers(self._session.map)
@@ -1203,6 +1205,21 @@ class Connection:
                 raise ProtocolError(f"a client does not expect {msg.route.mtype.name}")
             case unknown:
                 assert_never(unknown)
+
+    def _log_lost(self, old: ClusterMap, new: ClusterMap) -> None:
+        """Say when a partition loses its last live copy (its calls wait: ClientSession,
+        rule 5) and when it is served again."""
+        for p, info in new.partitions.items():
+            was = old.partitions.get(p)
+            if info.lost and not (was is not None and was.lost):
+                log.warning(
+                    "partition %d has no live copy: its calls wait for a copy holding its "
+                    "data (or `zps-server reset-partition`) for at most %gs each",
+                    p,
+                    self.config.timeout,
+                )
+            elif was is not None and was.lost and not info.lost:
+                log.warning("partition %d has a live copy again", p)
 
     def _result(self, res: object, msg: Message) -> dict[str, Any]:
         if not isinstance(res, dict):
