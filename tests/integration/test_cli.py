@@ -47,6 +47,38 @@ def test_status_json_and_table(cluster: LocalCluster) -> None:
             assert str(pid) in table.stdout
 
 
+def test_status_table_lists_jobs_and_workers() -> None:
+    with (
+        LocalCluster(partitions=1, shards=1) as c,
+        zps.connect_sync(c.address, mode="sync", name="trainer") as ps,
+    ):
+        ps.create_job("adult", 100, 10, epochs=2)
+        ps.task_done(ps.next_task("adult"))
+        ps.clock()
+        ps.next_task("adult")  # held: running
+        ps.report(rows=10, loss=0.5)
+        node = ps.client.client_id.decode()
+        # the report reaches the broker with the worker's next heartbeat
+        c.wait_for(lambda s: "adult" in s["training"]["history"], 20, "the report")
+        out = run([sys.executable, "-m", "zps", "status", "--broker", c.address])
+    assert out.returncode == 0, out.stderr
+    assert re.search(
+        r"^2 client\(s\) connected; training: sync mode, step \d+ committed, 1 worker\(s\) "
+        r"on the step clock$",
+        out.stdout,
+        re.M,
+    ), out.stdout
+    assert re.search(rf"^  {node}\s+trainer\s+\S+\s+\d+\s+1\s+\S+$", out.stdout, re.M), out.stdout
+    assert re.search(
+        r"^JOB\s+STATE\s+EPOCH\s+TASKS DONE\s+RUNNING\s+RETRIED\s+EPOCH ETA\s+LOSS\s+ROWS/S$",
+        out.stdout,
+        re.M,
+    ), out.stdout
+    assert re.search(
+        r"^adult\s+running\s+1/2\s+1/20\s+1\s+0\s+[\d.]+s\s+0\.5\s+[\d.]+$", out.stdout, re.M
+    ), out.stdout
+
+
 def test_status_of_a_missing_broker_is_a_clear_error() -> None:
     out = run(
         [

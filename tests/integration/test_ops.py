@@ -26,7 +26,7 @@ from zps.errors import ProtocolError
 from zps.optim import SGD
 from zps.protocol import codec
 from zps.protocol.codec import MAGIC, PROTOCOL_VERSION, ROUTE, MsgType
-from zps.testing import LocalCluster, Proc, free_port
+from zps.testing import LocalCluster, PairCluster, Proc, free_port
 
 
 def get(port: int, path: str) -> tuple[int, str]:
@@ -126,9 +126,43 @@ def test_status_check_exit_codes() -> None:
         assert run(["status", "--broker", c.address]).returncode == 0
 
         c.kill(c.broker().pid)
+        # no answer is no verdict: UNKNOWN (3), as monitoring plugins say it
         out = run(["status", "--check", "--broker", c.address, "--timeout", "0.5"])
-        assert out.returncode == 2, out
-        assert out.stdout.startswith(f"CRITICAL: broker {c.address} unreachable"), out
+        assert out.returncode == 3, out
+        assert out.stdout.startswith(f"UNKNOWN: broker {c.address} unreachable"), out
+
+
+def test_status_check_of_a_bad_config_is_unknown(tmp_path: Path) -> None:
+    bad = tmp_path / "zps.toml"
+    bad.write_text("[worker]\nbrokr = 1\n")
+    out = run(["status", "--check", "--config", str(bad)])
+    assert out.returncode == 3, out
+    assert out.stdout.startswith("UNKNOWN: invalid configuration: "), out
+    assert "brokr" in out.stdout, out
+
+
+def test_status_check_of_a_pair_that_lost_a_broker_is_degraded() -> None:
+    with PairCluster(partitions=1, shards=1) as c:
+
+        def check() -> subprocess.CompletedProcess[str]:
+            return run(["status", "--check", "--broker", c.address, "--timeout", "5"])
+
+        c.wait_for(lambda s: (s.get("pair") or {}).get("peer", {}).get("alive"), 20, "pair")
+        out = check()
+        assert (out.returncode, out.stdout.strip()) == (0, "OK: 1 partition ok, broker pair up")
+        primary = next(p for p in c.procs if p.name == "broker-primary")
+        c.kill(primary.pid)
+        c.wait_for(
+            lambda s: s["pair"]["state"] == "active" and not s["pair"]["peer"]["alive"],
+            20,
+            "the backup active alone",
+        )
+        out = check()
+        assert out.returncode == 1, out
+        assert out.stdout.strip() == (
+            f"DEGRADED: broker pair: peer tcp://127.0.0.1:{c.ports[2]} not answering "
+            "(backup active alone)"
+        ), out
 
 
 def test_health_endpoints_of_broker_and_shard() -> None:

@@ -203,33 +203,46 @@ async def _serve_shard(config: ShardConfig) -> int:
     return 0
 
 
-#: ``zps-server status --check`` exit codes.
-CHECK_HEALTHY, CHECK_DEGRADED, CHECK_CRITICAL = 0, 1, 2
+#: ``zps-server status --check`` exit codes, as monitoring plugins use them.
+CHECK_HEALTHY, CHECK_DEGRADED, CHECK_CRITICAL, CHECK_UNKNOWN = 0, 1, 2, 3
 
 
 def check_health(report: dict[str, Any]) -> tuple[int, str]:
     """The verdict of ``status --check``: :data:`CHECK_HEALTHY` when every partition
-    is ``ok``; :data:`CHECK_DEGRADED` when every partition is served but some with
-    fewer copies in sync than configured (or the broker is still collecting claims);
-    :data:`CHECK_CRITICAL` when a partition is lost or has no shard."""
+    is ``ok`` (and, for a broker pair, both brokers answer); :data:`CHECK_DEGRADED` when
+    every partition is served but some with fewer copies in sync than configured (or
+    the broker is still collecting claims), or one broker of a pair does not answer its
+    peer; :data:`CHECK_CRITICAL` when a partition is lost or has no shard.  (No answer
+    at all is :data:`CHECK_UNKNOWN`, decided by the caller.)"""
     by_state: dict[str, list[int]] = {}
     for p in report.get("partitions", []):
         by_state.setdefault(p["state"], []).append(p["partition"])
     n = len(report.get("partitions", []))
 
-    def listed(*states: str) -> str:
-        return "; ".join(
+    def listed(*states: str) -> list[str]:
+        return [
             f"{s}: partition{'s' if len(by_state[s]) > 1 else ''} "
             + ", ".join(map(str, by_state[s]))
             for s in states
             if s in by_state
-        )
+        ]
 
+    pair = report.get("pair") or {}
+    peer = pair.get("peer") or {}
+    alone = (
+        [f"broker pair: peer {peer.get('endpoint')} not answering ({pair.get('role')} "
+         f"{pair.get('state')} alone)"]
+        if pair and not peer.get("alive")
+        else []
+    )  # fmt: skip
     if "lost" in by_state or "unassigned" in by_state:
-        return CHECK_CRITICAL, f"CRITICAL: {listed('lost', 'unassigned', 'degraded', 'holding')}"
-    if "degraded" in by_state or "holding" in by_state:
-        return CHECK_DEGRADED, f"DEGRADED: {listed('degraded', 'holding')}"
-    return CHECK_HEALTHY, f"OK: {n} partition{'s' if n != 1 else ''} ok"
+        what = [*listed("lost", "unassigned", "degraded", "holding"), *alone]
+        return CHECK_CRITICAL, f"CRITICAL: {'; '.join(what)}"
+    if "degraded" in by_state or "holding" in by_state or alone:
+        return CHECK_DEGRADED, f"DEGRADED: {'; '.join([*listed('degraded', 'holding'), *alone])}"
+    return CHECK_HEALTHY, f"OK: {n} partition{'s' if n != 1 else ''} ok" + (
+        ", broker pair up" if pair else ""
+    )
 
 
 async def _status(broker: str, client: ClientConfig, as_json: bool, check: bool = False) -> int:
@@ -241,15 +254,18 @@ async def _status(broker: str, client: ClientConfig, as_json: bool, check: bool 
     except ZpsError as e:
         if not check:
             raise
-        print(f"CRITICAL: broker {broker} unreachable: {e}")
-        return CHECK_CRITICAL
+        print(f"UNKNOWN: broker {broker} unreachable: {e}")
+        return CHECK_UNKNOWN
     if "router" in report and "partitions" not in report:
         # A routing broker answers with its own report and the active broker's address.
+        if check and not as_json:  # it owns nothing: no verdict on the cluster
+            print(f"UNKNOWN: {broker} is a routing broker; ask the broker it follows")
+            return CHECK_UNKNOWN
         print(json.dumps(report, indent=2, sort_keys=True, default=str) if as_json else (
             f"{report.get('msg', '')}\n"
             + "\n".join(f"  {k}: {v}" for k, v in sorted(report["router"].items()))
         ))  # fmt: skip
-        return CHECK_CRITICAL if check else 0
+        return CHECK_UNKNOWN if check else 0
     if as_json:
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
     if check:
@@ -492,13 +508,9 @@ def format_status(report: dict[str, Any]) -> str:
             f"{s['pid']:>7}  {s['lsn']:>9}  {seen:>6}  {s.get('version') or '?'}"
             + ("  DRAINED" if s.get("drained") else "")
         )
-    clients = report.get("clients", [])
-    lines += ["", f"{len(clients)} client(s) connected"]
-    for c in clients:
-        lines.append(
-            f"  {c['node']}  {c['host']} pid {c['pid']}  zps {c.get('version') or '?'}  "
-            f"{c.get('name') or ''}"
-        )
+    training = report.get("training") or {}
+    lines += ["", *_client_lines(report.get("clients", []), training)]
+    lines += _job_lines(training)
     routers = report.get("routers", [])
     if routers:
         lines += ["", f"{len(routers)} routing broker(s)"]
@@ -506,6 +518,63 @@ def format_status(report: dict[str, Any]) -> str:
             parts = ",".join(str(p) for p in r.get("partitions", [])) or "none"
             lines.append(f"  {r['endpoint']}  host {r.get('host') or '?'}  partitions {parts}")
     return "\n".join(lines)
+
+
+def _client_lines(clients: list[dict[str, Any]], training: dict[str, Any]) -> list[str]:
+    """The connected clients (workers and tools), each worker on the step clock with
+    the step it is in, under a line with the training mode."""
+    clock: dict[str, int] = training.get("workers") or {}
+    mode = training.get("mode")
+    if mode is None:
+        how = "no worker on the step clock (async mode)"
+    else:
+        tau = f" (staleness {training.get('staleness')})" if mode == "ssp" else ""
+        how = (
+            f"{mode} mode{tau}, step {training.get('committed_step')} committed, "
+            f"{len(clock)} worker(s) on the step clock"
+        )
+    lines = [
+        f"{len(clients)} client(s) connected; training: {how}",
+        f"  {'CLIENT':<20}  {'NAME':<20}  {'HOST':<16}  {'PID':>7}  {'STEP':>6}  VERSION",
+    ]
+    for c in clients:
+        step = clock.get(c["node"])
+        lines.append(
+            f"  {c['node']:<20}  {(c.get('name') or '-')[:20]:<20}  {c['host'][:16]:<16}  "
+            f"{c['pid']:>7}  {'-' if step is None else step:>6}  {c.get('version') or '?'}"
+        )
+    return lines
+
+
+def _job_lines(training: dict[str, Any]) -> list[str]:
+    """The data-task jobs: state, epoch, tasks done of all, the current epoch's ETA,
+    and the newest loss and rows/s the workers reported."""
+    jobs: list[dict[str, Any]] = training.get("jobs") or []
+    if not jobs:
+        return []
+    history: dict[str, dict[str, list[Any]]] = training.get("history") or {}
+    lines = [
+        "",
+        f"{'JOB':<16}  {'STATE':<9}  {'EPOCH':>5}  {'TASKS DONE':>11}  {'RUNNING':>7}  "
+        f"{'RETRIED':>7}  {'EPOCH ETA':>9}  {'LOSS':>8}  ROWS/S",
+    ]
+    for j in jobs:
+        epochs = j.get("epochs") or []
+        current = next((e for e in epochs if e["epoch"] == j.get("epoch")), None)
+        eta = None if current is None else current.get("eta_s")
+        seen = history.get(j["job"]) or {}
+        loss = next((v for v in reversed(seen.get("loss") or []) if v is not None), None)
+        rate = next((v for v in reversed(seen.get("rows_per_s") or []) if v is not None), None)
+        epoch = f"{min(j['epoch'] + 1, j['n_epochs'])}/{j['n_epochs']}"
+        lines.append(
+            f"{j['job'][:16]:<16}  {j['state']:<9}  {epoch:>5}  "
+            f"{str(j['done']) + '/' + str(j['total']):>11}  {j['running']:>7}  "
+            f"{j['retried']:>7}  {'-' if eta is None else f'{eta:g}s':>9}  "
+            f"{'-' if loss is None else f'{loss:.4g}':>8}  {'-' if rate is None else f'{rate:.4g}'}"
+        )
+        if j.get("failed"):
+            lines.append(f"  failed: {j['failed']}")
+    return lines
 
 
 def _pair_lines(pair: dict[str, Any] | None) -> list[str]:
@@ -674,7 +743,8 @@ def server_parser() -> argparse.ArgumentParser:
         "--check",
         action="store_true",
         help="print a one-line verdict and exit 0 if every partition is ok, 1 if one "
-        "is degraded, 2 if one is lost or unassigned or the broker is unreachable",
+        "is degraded (or a broker of a pair does not answer), 2 if one is lost or "
+        "unassigned, 3 if the broker is unreachable or the configuration invalid",
     )
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
     _add_common(st, heartbeat=False)
@@ -868,7 +938,13 @@ def server_main(argv: Sequence[str] | None = None) -> int:
                 setup_logging(args.log_level or "info")
                 return run_async(_serve_shard(shard_config(args, settings)))
             case "status":
-                broker, client = _admin(args)
+                try:
+                    broker, client = _admin(args)
+                except ConfigError as e:
+                    if not args.check:
+                        raise
+                    print(f"UNKNOWN: invalid configuration: {e}")
+                    return CHECK_UNKNOWN
                 return run_async(
                     _status(
                         broker,
