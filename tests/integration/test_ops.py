@@ -180,8 +180,10 @@ def test_health_endpoints_of_broker_and_shard() -> None:
             code, body = get(port, "/metrics")
             assert code == 200 and "zps_build_info" in body
             assert get(port, "/metrics?x=1")[0] == 200
-            for path in ("/", "/nope", "/metricsx", "/healthz/x"):
+            for path in ("/nope", "/metricsx", "/healthz/x", "/status.jsonx"):
                 assert get(port, path)[0] == 404, path
+        assert get(sport, "/")[0] == get(sport, "/status.json")[0] == 404  # the broker's page
+        assert get(bport, "/")[0] == get(bport, "/status.json")[0] == 200
         assert get(bport, "/ready")[1].startswith("ok: serving map v")
         assert get(sport, "/ready")[1] == "ok: primary of partition 0 at epoch 1\n"
 
