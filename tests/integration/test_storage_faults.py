@@ -205,3 +205,34 @@ def test_a_failed_fsync_makes_the_primary_leave_and_no_acknowledged_push_is_lost
         c.start_shard(dirs[primary], flags)
         c.wait_healthy(60)
         assert np.array_equal(ps.pull_dense("v"), np.full(4, -float(acked)))
+
+
+@pytest.mark.timeout(120)
+def test_without_a_log_only_a_checkpoint_written_at_a_clean_stop_is_claimed_complete(
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path
+) -> None:
+    c = make_cluster(partitions=1, replication=1)
+    data = tmp_path / "data"
+    flags = ["--durability", "none", "--checkpoint-interval", "0"]
+    c.start_broker()
+    shard = c.start_shard(data, flags)
+    c.wait_healthy(30)
+    with zps.connect_sync(c.address, timeout=20) as ps:
+        ps.create_dense("v", shape=(4,), dtype="float64", optimizer=SGD(lr=1.0))
+        for k in range(1, 6):
+            ps.push_dense("v", np.full(4, float(k)))
+    shard.popen.send_signal(signal.SIGTERM)  # hands over, then its final checkpoint
+    assert shard.popen.wait(30) == 0
+    assert (data / "partition-0" / "FINAL").exists()
+    kill(c.broker())
+    shard2 = c.start_shard(data, flags)
+    c.restart_broker()
+    c.wait_healthy(60)
+    assert "restored partition 0 at epoch 1, LSN 6" in shard2.log()
+    assert "claimed as incomplete" not in shard2.log()
+    assert not (data / "partition-0" / "FINAL").exists()  # consumed before serving
+    with zps.connect_sync(c.address, timeout=20) as ps:
+        ps.push_dense("v", np.full(4, 100.0))  # acknowledged, in memory only
+    kill(shard2)
+    shard3 = c.start_shard(data, flags)
+    wait_log(shard3, r"partition 0 at LSN 6 may lack writes this copy acknowledged")

@@ -98,3 +98,13 @@ def test_the_claim_of_a_restored_copy_says_whether_it_is_complete() -> None:
     session.restore(2, 5, 40, 0.0)
     claim = session.claim(40)
     assert claim is not None and claim.get("complete", True) is True
+
+
+def test_a_restored_copy_that_applied_nothing_is_still_complete_at_the_next_stop() -> None:
+    session: ShardSession[object] = ShardSession("s1", heartbeat_interval=0.1, liveness=10, now=0.0)
+    session.restore(2, 5, 40, 0.0)
+    assert session.unchanged_since_restore(40, 5)
+    assert not session.unchanged_since_restore(41, 5)  # it applied a write since
+    assert not session.unchanged_since_restore(40, 6)  # another history
+    session.restore(2, 5, 40, 0.0, complete=False)
+    assert not session.unchanged_since_restore(40, 5)  # never known to be complete

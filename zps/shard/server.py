@@ -539,6 +539,8 @@ class ShardServer:
                 await asyncio.wait([self._checkpointing])
             await self._checkpoint(final=True)
             self._mark_final()
+        elif self.session.unchanged_since_restore(self.core.lsn, self.core.epoch):
+            self._mark_final()  # restored whole, never changed: its checkpoint still is
 
     def _mark_final(self) -> None:
         """After the final checkpoint of a graceful stop: note that the newest

@@ -131,6 +131,7 @@ class ShardSession(Generic[T]):
         self.restored = False
         #: Whether the restored copy holds every write it acknowledged (see restore).
         self.complete = True
+        self.restored_at: tuple[int, int] | None = None  # (LSN, epoch) restored
         # broker link
         self.lease_start = NEVER
         self.last_broker = now
@@ -167,7 +168,14 @@ class ShardSession(Generic[T]):
         self.partition, self.epoch = partition, epoch
         self.restored = True
         self.complete = complete
+        self.restored_at = (lsn, epoch)
         self.last_checkpoint = (now, lsn)
+
+    def unchanged_since_restore(self, lsn: int, epoch: int) -> bool:
+        """Whether this copy was restored complete and has applied nothing since (at
+        ``lsn`` and ``epoch``): the checkpoint it came from still holds every write
+        it acknowledged."""
+        return self.restored and self.complete and self.restored_at == (lsn, epoch)
 
     def claim(self, lsn: int) -> dict[str, Any] | None:
         """What this shard tells the broker it serves, when registering."""
