@@ -43,3 +43,14 @@ def test_the_worker_unit_does_not_restart_a_failed_job_forever() -> None:
     # the per-instance flags (typed --arg values) come before the function
     assert re.search(r"\$ZPS_WORKER_OPTS \$ZPS_WORKER_FUNCTION \$ZPS_WORKER_ARGS$",
                      service["ExecStart"])  # fmt: skip
+
+
+def test_the_deploy_guide_lists_every_file_of_deploy() -> None:
+    guide = (DEPLOY.parent / "docs" / "deploy.md").read_text()
+    table = guide[
+        guide.index("| file | installed as |") : guide.index("\n\n", guide.index("| file"))
+    ]
+    listed = set(re.findall(r"`deploy/([^`]+)`", table))
+    files = {str(f.relative_to(DEPLOY)) for f in DEPLOY.rglob("*") if f.is_file()}
+    assert files - listed == set(), "deploy/ files missing from docs/deploy.md's table"
+    assert listed - files == set(), "docs/deploy.md's table names files deploy/ lacks"
