@@ -29,9 +29,10 @@ Rules:
    is sent at once on a map that names one.  Its deadline (``now + timeout`` at
    submission) ends the wait: one still waiting for a copy then fails with
    ShardUnavailableError naming the partition, what was missing and how long it waited;
-   any other with ZpsTimeoutError (naming its last refusal).  Calls made ``forever``, and
-   every request of a session whose timeout is infinite, have no deadline and wait as
-   long as it takes.  A partition the map does not have fails at once.
+   any other as rule 3 says, or with ZpsTimeoutError naming its last refusal.  Lazy
+   requests wait alike.  Calls made ``forever``, and every request of a session whose
+   timeout is infinite, have no deadline and wait as long as it takes.  A partition the
+   map does not have fails at once.
 6. With a broker pair (:class:`BrokerChoice`), a switch to the other broker re-sends
    everything in flight on its first map, whatever that map's version; a PASSIVE answer
    parks a request (and leaves a broker call waiting) until then.
