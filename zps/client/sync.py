@@ -67,6 +67,7 @@ class SyncClient:
 
     @property
     def client(self) -> Client:
+        """The async client underneath (its methods run on :attr:`client`'s event loop)."""
         return self._client
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -92,6 +93,9 @@ class SyncClient:
             self._loop.close()
 
     def close(self) -> None:
+        """Close the connection and stop the client's thread; what is still in flight
+        (a background push) fails, so call :meth:`flush` first.  Closing twice does
+        nothing."""
         if self._closed:
             return
         self._closed = True
@@ -108,6 +112,7 @@ class SyncClient:
 
     @property
     def cluster_map(self) -> ClusterMap:
+        """The newest cluster map the broker sent (partitions, epochs, primaries)."""
         return self._client.cluster_map
 
     def create_dense(
@@ -120,6 +125,8 @@ class SyncClient:
         optimizer: Optimizer | None = None,
         seed: int | None = None,
     ) -> None:
+        """Create a dense tensor on the servers (idempotent for an identical spec); see
+        :meth:`Client.create_dense <zps.client.client.Client.create_dense>`."""
         self._call(
             self._client.create_dense(name, shape, dtype, init=init, optimizer=optimizer, seed=seed)
         )
@@ -155,6 +162,8 @@ class SyncClient:
         )
 
     def pull_dense(self, name: str, *, out: np.ndarray | None = None) -> np.ndarray:
+        """The current value of a dense tensor: a fresh array, or written into ``out``
+        (C-contiguous, writable, of its shape and dtype) and returned."""
         return self._call(self._client.pull_dense(name, out=out))
 
     def gradient_buffer(self, name: str) -> np.ndarray:
@@ -162,23 +171,33 @@ class SyncClient:
         return self._call(self._client.gradient_buffer(name))
 
     def push_dense(self, name: str, grad: npt.ArrayLike, *, wait: bool = True) -> None:
+        """Send a gradient; returns once every partition acknowledged its part, or, with
+        ``wait=False``, once it is on its way (an error then surfaces at a later call)."""
         self._call(self._client.push_dense(name, grad, wait=wait))
 
     def pull_rows(self, name: str, ids: npt.ArrayLike) -> np.ndarray:
+        """Rows for ``ids``, shape ``(len(ids), dim)``, in the order of ``ids``."""
         return self._call(self._client.pull_rows(name, ids))
 
     def push_rows(
         self, name: str, ids: npt.ArrayLike, grads: npt.ArrayLike, *, wait: bool = True
     ) -> None:
+        """Send row gradients (the shard sums those of duplicate ids); ``wait`` as for
+        :meth:`push_dense`."""
         self._call(self._client.push_rows(name, ids, grads, wait=wait))
 
     def list_tables(self) -> list[str]:
+        """Names of every table, sorted."""
         return self._call(self._client.list_tables())
 
     def describe(self, name: str) -> dict[str, Any]:
+        """A table's spec and size (see :meth:`Client.describe
+        <zps.client.client.Client.describe>`); ``UnknownTableError`` if there is none."""
         return self._call(self._client.describe(name))
 
     def drop_table(self, name: str, *, missing_ok: bool = False) -> bool:
+        """Remove a table from every partition; True if it existed (``UnknownTableError``
+        if it did not, unless ``missing_ok``)."""
         return self._call(self._client.drop_table(name, missing_ok=missing_ok))
 
     def set_dense(self, name: str, values: npt.ArrayLike) -> None:
@@ -209,6 +228,9 @@ class SyncClient:
                 after = int(page[-1])
 
     def checkpoint(self, *, timeout: float = 300.0) -> dict[int, dict[str, Any]]:
+        """Have every partition's primary write a checkpoint now and wait for it: per
+        partition ``{"lsn", "epoch", "path", "time"}`` (see :meth:`Client.checkpoint
+        <zps.client.client.Client.checkpoint>`)."""
         return self._call(self._client.checkpoint(timeout=timeout))
 
     def export_model(
@@ -227,6 +249,8 @@ class SyncClient:
     def import_model(
         self, path: str | os.PathLike[str], *, tables: Sequence[str] | None = None
     ) -> list[str]:
+        """Create the tables of an export (default: all) and set their values and
+        optimizer state (a warm start); returns the names imported."""
         return self._call(self._client.import_model(path, tables=tables))
 
     def run(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -241,23 +265,32 @@ class SyncClient:
         return self.run(self._client.pull_rows(name, np.array(ids, copy=True)))
 
     def prefetch_dense(self, name: str) -> concurrent.futures.Future[np.ndarray]:
+        """Start pulling a dense tensor now; ``.result()`` gives it."""
         return self.run(self._client.pull_dense(name))
 
     def flush(self) -> None:
+        """Wait for every background push (``wait=False``); raise the first error."""
         self._call(self._client.flush())
 
     @property
     def step(self) -> int:
+        """The step this worker is in (sync and ssp: as the broker counts)."""
         return self._client.step
 
     @property
     def stop_requested(self) -> bool:
+        """True once zps-worker was asked to stop (SIGTERM): finish the step and return."""
         return self._client.stop_requested
 
     def report(self, *, rows: float = 0, loss: float | None = None, **extra: float) -> None:
+        """Per-step metrics (rows trained, loss, more by name) for zps-worker's progress
+        display and the broker's per-job loss and rows/s; returns at once."""
         self._client.report(rows=rows, loss=loss, **extra)
 
     def clock(self) -> int:
+        """Finish the current step and wait until the training mode lets the next one
+        start (sync: every live worker finished it; ssp: within ``staleness``; async: at
+        once); returns the new step."""
         return self._call(self._client.clock())
 
     def create_job(
@@ -301,18 +334,24 @@ class SyncClient:
         return self._call(self._client.reset_job(name))
 
     def next_task(self, job: str) -> Task | None:
+        """The next data task of ``job``, None when every task of every epoch is done
+        (waits while other workers still hold the last ones)."""
         return self._call(self._client.next_task(job))
 
     def task_done(self, task: Task) -> None:
+        """Report ``task`` finished."""
         self._call(self._client.task_done(task))
 
     def release_task(self, task: Task) -> None:
+        """Give ``task`` back unfinished (e.g. on shutdown): another worker takes it."""
         self._call(self._client.release_task(task))
 
     def status(self) -> dict[str, Any]:
+        """The broker's status report (as ``zps-server status --json`` prints it)."""
         return self._call(self._client.status())
 
     def checksums(self) -> dict[int, dict[str, Any]]:
+        """Per partition: a checksum of all its tables and its LSN."""
         return self._call(self._client.checksums())
 
 
