@@ -507,3 +507,18 @@ def test_a_cut_tail_is_kept_aside_with_what_it_holds(
         f.write(b"".join(bytes(p) for p in encode_record(rec(4)))[:-2])
     assert Wal(tmp_path).recover(0, 0, Applier()).set_aside == 0
     assert len(list(tmp_path.glob("wal-*.log.cut-*"))) == 2
+
+
+def test_a_log_that_ends_below_the_state_goes_on_in_a_new_segment(tmp_path: Path) -> None:
+    # A checkpoint at LSN 8 is newer than the log (which a lost log leaves behind).
+    write(tmp_path, [rec(i) for i in range(1, 6)]).close()
+    wal = Wal(tmp_path)
+    result = wal.recover(8, 1, Applier())
+    assert (result.lsn, result.applied, result.cut, result.set_aside) == (8, 0, None, 0)
+    assert [s for s, _ in wal.segments()] == [0, 8]  # the old one kept: it holds 1..5
+    wal.append([rec(9)])
+    wal.close()
+    assert not list(tmp_path.glob("*.broken"))
+    applied = Applier()
+    assert Wal(tmp_path).recover(8, 1, applied).cut is None
+    assert [r.lsn for r in applied.seen] == [9]

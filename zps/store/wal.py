@@ -23,8 +23,8 @@ Nothing is thrown away silently: the cut tail of a segment is copied to
 are renamed ``*.broken``, and both are logged with what they hold.
 
 A write that fails (a full disk: ENOSPC, EFBIG) leaves no partial record: the
-segment is truncated back to where the batch began before the error is raised, so
-the caller may write the same records again.  A failed ``fdatasync`` (or a partial
+segment is truncated back to where the failed write began before the error is
+raised, so the caller may write the same records again.  A failed ``fdatasync`` (or a partial
 record that cannot be removed) is never retried: the kernel may have dropped the
 pages it could not write, so what the file reads back is no longer what is on
 disk.  The log is then *lost* (:class:`WalLost`): it refuses every later write.
@@ -145,8 +145,9 @@ class Recovery:
     epoch: int  # the epoch of the last record replayed (or the state's)
     applied: int  # records replayed
     cut: str | None  # why the log was cut short, if it was (torn tail, gap, bad record)
-    #: Whole records the cut set aside (in a cut tail or a ``*.broken`` segment): the
-    #: state may lack writes they hold.  A torn last record alone sets aside none.
+    #: Whole records after the replayed LSN that the cut set aside (in a cut tail or a
+    #: ``*.broken`` segment): the state may lack writes they hold.  A torn last record
+    #: alone sets aside none.
     set_aside: int = 0
 
 
@@ -182,10 +183,10 @@ def _write_all(fd: int, parts: Sequence[Buffer]) -> None:
                 break
 
 
-def whole_records(data: Buffer) -> tuple[int, int | None, int | None]:
-    """(count, first LSN, last LSN) of the whole records in ``data``, a cut tail or a
-    set-aside segment: read from its start, and past one bad record whose length
-    field still frames it (a flipped bit in its body)."""
+def whole_records(data: Buffer, above: int = -1) -> tuple[int, int | None, int | None]:
+    """(count, first LSN, last LSN) of the whole records after LSN ``above`` in
+    ``data``, a cut tail or a set-aside segment: read from its start, and past one
+    bad record whose length field still frames it (a flipped bit in its body)."""
     view = memoryview(data).cast("B")
     parsed = parse_records(view)
     found = [r for r, _ in parsed.records]
@@ -194,6 +195,7 @@ def whole_records(data: Buffer) -> tuple[int, int | None, int | None]:
         after = parsed.end + _FRAME.size + length
         if length >= _BODY.size and after < len(view):
             found += [r for r, _ in parse_records(view[after:]).records]
+    found = [r for r in found if r.lsn > above]
     if not found:
         return 0, None, None
     return len(found), found[0].lsn, found[-1].lsn
@@ -327,7 +329,7 @@ class Wal:
         size = path.stat().st_size
         if size > offset:
             tail = path.read_bytes()[offset:]
-            count, first, last = whole_records(tail)
+            count, first, last = whole_records(tail, lsn)
             aside += count
             saved = _aside_name(path, f".cut-{offset}")
             with open(saved, "wb") as f:
@@ -337,7 +339,7 @@ class Wal:
             _fsync_dir(self.folder)
             held = f"{count} whole records" + (f" (LSN {first}..{last})" if count else "")
             log.error(
-                "write-ahead log %s: cut %d bytes after LSN %d (they hold %s); kept as %s",
+                "write-ahead log %s: cut %d bytes after LSN %d (they hold %s after it); kept as %s",
                 path, size - offset, lsn, held, saved,
             )  # fmt: skip
             with open(path, "r+b") as f:
@@ -350,11 +352,11 @@ class Wal:
     def _set_aside(self, path: Path, lsn: int) -> int:
         """Rename a segment that does not continue the replay ``*.broken``; returns the
         whole records it holds."""
-        count, first, last = whole_records(path.read_bytes())
+        count, first, last = whole_records(path.read_bytes(), lsn)
         broken = _aside_name(path, ".broken")
         held = f"{count} whole records" + (f" (LSN {first}..{last})" if count else "")
         log.error(
-            "write-ahead log: %s does not continue the replay (LSN %d; it holds %s); "
+            "write-ahead log: %s does not continue the replay at LSN %d (it holds %s after it); "
             "kept as %s",
             path, lsn, held, broken,
         )  # fmt: skip
