@@ -103,6 +103,7 @@ LAYERS: dict[str, str] = {
     "zps.ops.malloc": "ops",
     "zps.ops.meter": "ops",
     "zps.ops.metrics": "ops",
+    "zps.ops.page": "ops",
     "zps.ops.security": "ops",
     "zps.ops.systemd": "ops",
     # what users run and import
