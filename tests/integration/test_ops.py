@@ -591,3 +591,18 @@ def test_an_unusable_data_dir_is_one_line_naming_it_and_why(tmp_path: Path) -> N
     finally:
         if os.geteuid() == 0:
             subprocess.run(["chattr", "-i", str(locked)], check=True)
+
+
+def test_the_broker_logs_a_spare_without_a_partition_and_a_status_query_at_debug() -> None:
+    with LocalCluster(partitions=1, shards=2, replication=1) as c:
+        c.wait_for(lambda s: any(x["role"] == "spare" for x in s["shards"]), 20, "a spare")
+        spare = wait_log(c.broker(), r"assign s-\S+: spare at epoch \d+$")
+        assert spare, c.broker().log()
+        assert "partition None" not in c.broker().log()
+        joined = len(wait_log(c.broker(), r"INFO zps\.broker: client c-\S+ joined", timeout=0))
+        assert joined >= 1  # the test's own client (zps.testing) joined at info
+        for _ in range(2):
+            assert run(["status", "--broker", c.address]).returncode == 0
+        # the broker answered each query after it logged the join: none at info
+        after = wait_log(c.broker(), r"INFO zps\.broker: client c-\S+ joined", timeout=0)
+        assert len(after) == joined, after
