@@ -8,7 +8,7 @@ or locally in async mode where there is no shared clock.
 
 Every request message sent, every outcome, every broker call and every step is
 counted in :attr:`TrainingCalls.meter` (a :class:`~zps.ops.meter.ClientMeter`):
-zps-worker exports it as metrics, and its watchdog pings only while it shows progress.
+zps-worker exports it as metrics (with how long ago the function last made progress).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class TrainingCalls(Connection):
 
     def report(self, *, rows: float = 0, loss: float | None = None, **extra: float) -> None:
         """Per-step metrics for the progress display (zps-worker shows them); also
-        progress for zps-worker's watchdog."""
+        progress in the worker's metrics."""
         self.meter.stepped(time.monotonic())
         self.progress.report(rows=rows, loss=loss, **extra)
         if loss is not None and not math.isfinite(loss):

@@ -3,8 +3,8 @@
 The client's event loop updates a :class:`ClientMeter` once per request message it
 sends and once per outcome (a few additions and a bisection: no Prometheus objects
 on the hot path); a metrics scrape reads it from another thread through
-:func:`zps.ops.metrics.client_families`, and the worker's watchdog asks it whether the
-training function still makes progress (:meth:`ClientMeter.progress`).
+:func:`zps.ops.metrics.client_families`, which also exports how long ago the
+training function last made progress (:meth:`ClientMeter.progress`).
 
 Readers on other threads copy before they iterate: a dict is copied with
 ``dict.copy`` (one step under the GIL), a list with ``list(...)``; a series read
