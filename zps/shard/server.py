@@ -231,8 +231,12 @@ def shard_node_id(config: ShardConfig, *, hostname: str, pid: int) -> str:
     return f"s-{name[-60:]}"
 
 
-def _write_checkpoint(store: CheckpointStore, snap: Snapshot) -> Path:
-    return store.write(finish(snap))
+def _write_checkpoint(store: CheckpointStore, snap: Snapshot) -> tuple[Path, int]:
+    """The file written, and the LSN of the oldest checkpoint kept (the log is kept
+    from there on)."""
+    path = store.write(finish(snap))
+    oldest = store.oldest_lsn(snap.partition)
+    return path, snap.lsn if oldest is None else oldest
 
 
 class ShardServer:
@@ -634,7 +638,7 @@ class ShardServer:
         self.durability.roll()  # the log's older segments are what this checkpoint holds
         t0 = time.monotonic()
         try:
-            path = await asyncio.to_thread(_write_checkpoint, store, snap)
+            path, oldest = await asyncio.to_thread(_write_checkpoint, store, snap)
         except OSError as e:
             self.checkpoint_failures += 1
             log.error(
@@ -646,8 +650,7 @@ class ShardServer:
         self.checkpoints_written += 1
         self._checkpoint_seconds, self._checkpoint_time = time.monotonic() - t0, time.time()
         # The log goes from the oldest checkpoint kept: each of them restores with it.
-        oldest = store.oldest_lsn(snap.partition)
-        self.durability.checkpointed(snap.partition, snap.lsn if oldest is None else oldest)
+        self.durability.checkpointed(snap.partition, oldest)
         core.checkpointed = {
             "lsn": snap.lsn,
             "epoch": snap.epoch,
