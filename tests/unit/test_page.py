@@ -190,3 +190,28 @@ def _loop_thread(loop: asyncio.AbstractEventLoop) -> threading.Thread:
 
 async def _current() -> threading.Thread:
     return threading.current_thread()
+
+
+def test_a_report_the_page_cannot_show_is_a_500_naming_it(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    import urllib.error
+    import urllib.request
+
+    from zps.testing import free_port
+
+    server = metrics.MetricsServer(
+        Metrics(port=free_port()), lambda: [], status=lambda: {"partitions": 3}
+    )
+    asyncio.run_coroutine_threadsafe(_adopt(server), loop).result(5)
+    server.start()
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        with urllib.request.urlopen(base + "/status.json", timeout=5) as r:
+            assert r.read() == b'{"partitions": 3}'
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(base + "/", timeout=5)
+        assert e.value.code == 500
+        assert e.value.read().startswith(b"the status page failed: TypeError")
+    finally:
+        server.stop()

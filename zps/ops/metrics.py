@@ -10,9 +10,9 @@ registry (no global state); ``metrics.port = 0`` serves nothing.
 The HTTP endpoint (a thread of its own, so a scrape never waits for the
 event loop) answers these paths, and 404 for any other:
 
-* ``/metrics``: the exposition, in the Prometheus text format version 1.0.0 (the
-  ``Content-Type`` says ``version=1.0.0``; the lines are those of version 0.0.4, which
-  Prometheus reads as well).
+* ``/metrics``: the exposition, in the Prometheus text format version 1.0.0 (its
+  ``Content-Type`` says ``version=1.0.0``; for names of the classic character set,
+  as all of zps's are, its lines are those of version 0.0.4).
 * ``/healthz``: 200 while the process's event loop turns (its heartbeat task
   stamped the time less than :data:`LOOP_MAX_AGE_S` ago), else 503.
 * ``/ready``: 200 when the process does its job (the driver's ``ready``
@@ -81,6 +81,7 @@ __all__ = [
     "LatencyHistogram",
     "Metric",
     "MetricsServer",
+    "StatusUnavailable",
     "client_families",
     "counter",
     "gauge",
@@ -272,8 +273,14 @@ class _Handler(BaseHTTPRequestHandler):
                 if path == "/status.json":
                     code, ctype, data = 200, "application/json", report
                 else:
-                    html = render_page(json.loads(report))
-                    code, ctype, data = 200, "text/html; charset=utf-8", html.encode()
+                    try:
+                        html = render_page(json.loads(report))
+                    except Exception as e:  # a report the page cannot show: say so
+                        log.exception("rendering the status page failed")
+                        code, ctype = 500, text
+                        data = f"the status page failed: {e!r} (see /status.json)\n".encode()
+                    else:
+                        code, ctype, data = 200, "text/html; charset=utf-8", html.encode()
         else:
             code, ctype = 404, text
             also = "/, /status.json, " if owner.serves_status else ""
