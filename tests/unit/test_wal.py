@@ -522,3 +522,31 @@ def test_a_log_that_ends_below_the_state_goes_on_in_a_new_segment(tmp_path: Path
     applied = Applier()
     assert Wal(tmp_path).recover(8, 1, applied).cut is None
     assert [r.lsn for r in applied.seen] == [9]
+
+
+def test_a_segment_that_cannot_be_created_leaves_the_active_one_in_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import builtins
+
+    # Five records of 250 bytes fill the segment: the next append begins another.
+    wal = write(tmp_path, [rec(i, size=200) for i in range(1, 6)], segment_bytes=1250)
+    assert len(wal.segments()) == 1
+    real = builtins.open
+
+    def full(path: object, mode: str = "r", *args: object, **kw: object) -> object:
+        if mode == "wb":
+            raise OSError(28, "No space left on device")
+        return real(path, mode, *args, **kw)  # type: ignore[call-overload]
+
+    monkeypatch.setattr("zps.store.wal.open", full, raising=False)
+    segments = wal.segments()
+    with pytest.raises(OSError, match="No space"):
+        wal.append([rec(6, size=200)])  # the active segment is full: a new one is due
+    assert wal.segments() == segments and wal.lsn == 5 and wal.lost is None
+    monkeypatch.undo()
+    wal.append([rec(6, size=200), rec(7)])  # the retry
+    wal.close()
+    applied = Applier()
+    assert Wal(tmp_path).recover(0, 0, applied).cut is None
+    assert [r.lsn for r in applied.seen] == [1, 2, 3, 4, 5, 6, 7]

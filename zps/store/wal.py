@@ -390,10 +390,8 @@ class Wal:
         self._new_segment(base)
 
     def _new_segment(self, start: int) -> None:
-        if self._fd is not None:
-            self.sync()
-            os.close(self._fd)
-            self._fd = None
+        """Begin the segment ``wal-START.log``.  If it cannot be created (a full disk),
+        the active segment stays active and the OSError is raised."""
         path = self.folder / segment_name(start)
         with open(path, "wb"):
             pass
@@ -401,6 +399,10 @@ class Wal:
             _fsync_dir(self.folder)  # the new name must survive a crash as the records do
         except OSError as e:
             raise self._lose(f"fsync of the folder failed ({e})") from e
+        if self._fd is not None:
+            self.sync()
+            os.close(self._fd)
+            self._fd = None
         self._open(start, path, start)
 
     def append(self, records: Sequence[Record]) -> int:
