@@ -215,3 +215,39 @@ def test_a_report_the_page_cannot_show_is_a_500_naming_it(
         assert e.value.read().startswith(b"the status page failed: TypeError")
     finally:
         server.stop()
+
+
+def test_an_epochs_eta_starts_again_when_its_job_is_reset() -> None:
+    from zps.broker.training import Training
+    from zps.core.cluster import ClusterState
+    from zps.protocol.codec import MsgType, Route
+    from zps.protocol.messages import JobSettings, TaskRequest
+
+    async def send(frames: list[Any]) -> bool:
+        return True
+
+    async def run() -> list[Any]:
+        training = Training(ClusterState(1, 16), send)
+        route = Route(MsgType.TASK, req_id=1)
+        settings = JobSettings(n_records=100, per_task=10)
+        await training.on_task(b"w", "w", route, TaskRequest("create", "j", settings=settings))
+
+        async def take_and_finish() -> None:
+            nonlocal route
+            route = Route(MsgType.TASK, req_id=route.req_id + 1)
+            await training.on_task(b"w", "w", route, TaskRequest("next", "j", wait=False))
+            task = training.jobs["j"].held
+            (tid,) = list(task)
+            route = Route(MsgType.TASK, req_id=route.req_id + 1)
+            await training.on_task(b"w", "w", route, TaskRequest("done", "j", task=tid))
+
+        for _ in range(3):
+            await take_and_finish()
+        before = training._epoch_start["j", 0]
+        training.jobs["j"].reset()
+        await take_and_finish()
+        return [before, training._epoch_start["j", 0], training.status()["jobs"][0]]
+
+    before, after, progress = asyncio.run(run())
+    assert after[0] > before[0] and after[1] == 0  # a fresh start, nothing done then
+    assert progress["epochs"][0]["done"] == 1 and progress["epochs"][0]["eta_s"] is not None

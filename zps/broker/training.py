@@ -206,6 +206,7 @@ class Training:
         self.reports = TrainingReports()
         #: (job, epoch) -> (time.monotonic(), tasks done) when its first task went out.
         self._epoch_start: dict[tuple[str, int], tuple[float, int]] = {}
+        self._done_seen: dict[str, int] = {}  # job -> its tasks done at the last handout
 
     # -- what survives a restart -------------------------------------------------
 
@@ -511,10 +512,19 @@ class Training:
         self._task_waiters = still
 
     def _handed_out(self, job: Job, task: Task | None) -> None:
-        """Note when each epoch's first task went out (its ETA counts from there)."""
-        if task is not None and (job.name, task.epoch) not in self._epoch_start:
-            done = job.progress()["epochs"][task.epoch]["done"]
-            self._epoch_start[job.name, task.epoch] = (time.monotonic(), done)
+        """Note when each epoch's first task went out (its ETA counts from there); a
+        job with fewer tasks done than at its last task handed out was reset or
+        restarted, and its epochs start again."""
+        if task is None:
+            return
+        done = len(job.done)
+        if done < self._done_seen.get(job.name, 0):
+            for key in [k for k in self._epoch_start if k[0] == job.name]:
+                del self._epoch_start[key]
+        self._done_seen[job.name] = done
+        if (job.name, task.epoch) not in self._epoch_start:
+            in_epoch = job.progress()["epochs"][task.epoch]["done"]
+            self._epoch_start[job.name, task.epoch] = (time.monotonic(), in_epoch)
 
     def on_report(self, node: str, report: TrainReport, now: float) -> None:
         """A worker's heartbeat carried what it reported (``now``: Unix seconds)."""
