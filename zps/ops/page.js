@@ -88,11 +88,15 @@
       out.push(line(x0, y, x1, y, "grid"));
       out.push('<text class="tick" x="' + (x0 - 6) + '" y="' + (y + 3.5) + '" text-anchor="end">' + num(v) + "</text>");
     });
+    var shown = "";
     for (var j = 0; j < 4; j++) {
       var t = loT + (hiT - loT) * j / 3, x = sx(t);
       var anchor = j === 0 ? "start" : j === 3 ? "end" : "middle";
       out.push(line(x, y0, x, y0 + 4, "axis"));
-      out.push('<text class="tick" x="' + x + '" y="' + (y0 + 16) + '" text-anchor="' + anchor + '">' + clock(t) + "</text>");
+      if (clock(t) !== shown) {  // a span of seconds: each time once
+        shown = clock(t);
+        out.push('<text class="tick" x="' + x + '" y="' + (y0 + 16) + '" text-anchor="' + anchor + '">' + shown + "</text>");
+      }
     }
     out.push(line(x0, y0, x1, y0, "axis"), line(x0, y0, x0, y1, "axis"));
     var d = pts.map(function (p, i) { return (i === 0 ? "M" : "L") + sx(p[0]) + "," + sy(p[1]); }).join(" ");

@@ -145,14 +145,17 @@ def chart(
         out.append(
             f'<text class="tick" x="{x0 - 6}" y="{y + 3.5}" text-anchor="end">{_num(v)}</text>'
         )
+    shown = ""
     for i in range(4):
         t = lo_t + (hi_t - lo_t) * i / 3
         x = sx(t)
         anchor = "start" if i == 0 else "end" if i == 3 else "middle"
         out.append(f'<line class="axis" x1="{x}" y1="{y0}" x2="{x}" y2="{y0 + 4}"/>')
-        out.append(
-            f'<text class="tick" x="{x}" y="{y0 + 16}" text-anchor="{anchor}">{_clock(t)}</text>'
-        )
+        if _clock(t) != shown:  # a span of seconds: each time once
+            shown = _clock(t)
+            out.append(
+                f'<text class="tick" x="{x}" y="{y0 + 16}" text-anchor="{anchor}">{shown}</text>'
+            )
     out.append(f'<line class="axis" x1="{x0}" y1="{y0}" x2="{x1}" y2="{y0}"/>')
     out.append(f'<line class="axis" x1="{x0}" y1="{y0}" x2="{x0}" y2="{y1}"/>')
     line = " ".join(f"{'M' if i == 0 else 'L'}{sx(t)},{sy(y)}" for i, (t, y) in enumerate(pts))
