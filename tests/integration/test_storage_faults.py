@@ -1,13 +1,18 @@
 """Storage faults with real processes: a shard whose disk fills up (a file-size limit
-set on the running process: writes past it fail with EFBIG) and frees again loses no
-acknowledged push across a SIGKILL; a flipped bit in the newest checkpoint of a stopped
-shard is survived from the previous checkpoint and the log (kept from the oldest)."""
+set on the running process: writes past it fail with EFBIG; and, where a tmpfs can be
+mounted, a real full filesystem: ENOSPC) and frees again loses no acknowledged push
+across a SIGKILL; a primary whose fsync fails leaves and exits, and no acknowledged
+push is lost; a flipped bit in the newest checkpoint of a stopped shard is survived
+from the previous checkpoint and the log (kept from the oldest); without a log, only
+a clean stop's checkpoint is claimed complete."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import resource
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -236,3 +241,81 @@ def test_without_a_log_only_a_checkpoint_written_at_a_clean_stop_is_claimed_comp
     kill(shard2)
     shard3 = c.start_shard(data, flags)
     wait_log(shard3, r"partition 0 at LSN 6 may lack writes this copy acknowledged")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB tmpfs (skipped where this user cannot mount one)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    cmd = ["mount", "-t", "tmpfs", "-o", "size=16m", "zps-test", str(mnt)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, timeout=10, check=False)
+    except OSError as e:
+        pytest.skip(f"cannot mount a tmpfs: {e}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode(errors='replace').strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10, check=False)
+
+
+def fill(folder: Path) -> Path:
+    """Fill the filesystem of ``folder`` to the last byte; returns the filler file."""
+    filler = folder / "filler"
+    chunk = b"\0" * (1 << 20)
+    with open(filler, "wb", buffering=0) as f:
+        while True:
+            try:
+                f.write(chunk)
+            except OSError:
+                break
+        while len(chunk) > 1:  # the last partial MiB
+            chunk = chunk[: len(chunk) // 2]
+            with contextlib.suppress(OSError):
+                f.write(chunk)
+    return filler
+
+
+@pytest.mark.timeout(180)
+def test_a_real_full_disk_filled_and_freed_under_acknowledged_pushes_loses_none(
+    make_cluster: Callable[..., DataDirCluster], small_disk: Path
+) -> None:
+    c = make_cluster(partitions=1, replication=1)
+    data = small_disk / "data"
+    flags = ["--durability", "fsync", "--checkpoint-interval", "0"]
+    c.start_broker()
+    shard = c.start_shard(data, flags)
+    c.wait_healthy(30)
+    acked: list[int] = []
+    try:
+        with zps.connect_sync(c.address, timeout=60) as ps:
+            ps.create_dense("v", shape=(DIM,), dtype="float64", optimizer=SGD(lr=1.0))
+            for k in range(1, 21):
+                ps.push_dense("v", np.full(DIM, float(k)))
+                acked.append(k)
+            filler = fill(small_disk)  # ENOSPC from here on
+
+            def more() -> None:
+                for k in range(21, 41):
+                    ps.push_dense("v", np.full(DIM, float(k)))
+                    acked.append(k)
+
+            pusher = threading.Thread(target=more, daemon=True)
+            pusher.start()
+            wait_log(shard, r"(?s)writing failed \(\[Errno 28\].*writing failed")
+            assert acked == list(range(1, 21))
+            filler.unlink()  # the disk has room again
+            pusher.join(60)
+            assert not pusher.is_alive() and acked == list(range(1, 41))
+        kill(shard, c.broker())
+        shard2 = c.start_shard(data, flags)
+        c.restart_broker()
+        c.wait_healthy(60)
+        assert "write-ahead log replay stopped" not in shard2.log(), shard2.log()[-3000:]
+        with zps.connect_sync(c.address, timeout=20) as ps:
+            assert np.array_equal(ps.pull_dense("v"), np.full(DIM, -float(sum(acked))))
+            assert ps.checksums()[0]["lsn"] == 41
+    finally:
+        c.stop()  # before the filesystem goes
