@@ -73,7 +73,8 @@ class _Span:
 
     def point(self) -> tuple[float, float | None, float]:
         """(start, mean loss, rows/s: each worker's rows over its own seconds, summed)."""
-        rate = sum(rows / secs for rows, secs in self.rows.values() if secs > 0)
+        # list(): one step under the GIL, as a scrape reads this from the metrics thread
+        rate = sum(rows / secs for rows, secs in list(self.rows.values()) if secs > 0)
         loss = self.loss_sum / self.loss_steps if self.loss_steps else None
         return self.start, loss, rate
 
@@ -85,7 +86,7 @@ class _JobTrend:
     span: _Span | None = None
     rows: float = 0.0
     steps: int = 0
-    loss: float | None = None  # the mean loss of the newest report that had one
+    loss: float | None = None  # the mean loss of the newest point that had one
     last: float = 0.0
 
 
@@ -115,8 +116,6 @@ class TrainingReports:
         trend.rows += report.rows
         trend.steps += report.steps
         trend.last = now
-        if report.loss is not None:
-            trend.loss = report.loss
         if trend.span is not None and now >= trend.span.start + trend.period:
             self._close(trend)
         if trend.span is None:
@@ -125,7 +124,10 @@ class TrainingReports:
 
     def _close(self, trend: _JobTrend) -> None:
         assert trend.span is not None
-        trend.points.append(trend.span.point())
+        point = trend.span.point()
+        trend.points.append(point)
+        if point[1] is not None:
+            trend.loss = point[1]
         trend.span = None
         if len(trend.points) >= self.max_points:
             pairs = zip(trend.points[0::2], trend.points[1::2], strict=False)
@@ -152,8 +154,14 @@ class TrainingReports:
         return out
 
     def totals(self) -> dict[str, tuple[float, int, float | None]]:
-        """Per job: rows and steps reported in all, and the newest loss (for metrics)."""
-        return {job: (t.rows, t.steps, t.loss) for job, t in list(self.jobs.items())}
+        """Per job: rows and steps reported in all, and the loss of its newest point
+        that has one (every worker's reports over that span), for metrics."""
+        out = {}
+        for job, t in list(self.jobs.items()):
+            span = t.span
+            loss = span.point()[1] if span is not None and span.loss_steps else t.loss
+            out[job] = (t.rows, t.steps, loss)
+        return out
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -584,7 +592,8 @@ class Training:
             yield labelled(
                 GaugeMetricFamily,
                 "zps_job_loss",
-                "The newest loss a worker reported (ps.report), by job",
+                "The mean loss the workers reported (ps.report) over the newest point of "
+                "the job's history (a second at first), by job",
                 "job_name",
                 losses,
             )
