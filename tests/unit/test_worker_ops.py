@@ -81,6 +81,8 @@ def test_arguments_are_checked_against_the_function() -> None:
         check_arguments(train, "m:train", ["x"], {"bogus": 1})
     with pytest.raises(ConfigError, match="missing a required argument: 'data'"):
         check_arguments(train, "m:train", [], {})
+    with pytest.raises(ConfigError, match=r"too many positional.*flags \(--arg\) go before"):
+        check_arguments(train, "m:train", ["x", "--arg", "lr=1"], {})
 
 
 def test_the_pinging_thread_pings_while_healthy_and_logs_a_stall_once(

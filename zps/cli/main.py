@@ -1109,7 +1109,14 @@ def check_arguments(
             parameters=[q.replace(annotation=q.empty) for q in signature.parameters.values()],
             return_annotation=signature.empty,
         )
-        raise ConfigError(f"{target}{bare} cannot be called as {target}({given}): {e}") from None
+        hint = (
+            "; zps-worker's flags (--arg) go before MODULE:FUNCTION, what follows it is ARGS"
+            if "--arg" in args
+            else ""
+        )
+        raise ConfigError(
+            f"{target}{bare} cannot be called as {target}({given}): {e}{hint}"
+        ) from None
 
 
 #: zps-worker's exit code when its function raised JobFailedError: the job failed
