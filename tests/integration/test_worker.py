@@ -157,10 +157,10 @@ def test_watchdog_pings_stop_when_a_client_call_stalls(tmp_path: Path) -> None:
         ]  # fmt: skip
         try:
             for w in workers:
-                ready, _ = w.wait_line("ready")
+                w.wait_line("ready")
                 stalled, _ = w.wait_line("stalled")
                 withheld = w.wait_log(r"ERROR zps\.systemd: watchdog pings withheld: ")
-                assert any(ready < t < stalled for t in w.pings) or len(w.pings) >= 2, w.pings
+                assert [t for t in w.pings if t < stalled], w.pings  # pinged while healthy
                 assert withheld - stalled < 10, w.log()
             time.sleep(2.0)  # a window in which no ping may come (an absence has no event)
             for w in workers:
