@@ -226,7 +226,14 @@ def test_worker_settings() -> None:
     assert WorkerConfig().stop_grace == 10.0 and WorkerConfig().metrics_port == 0
     s = settings_from_mapping({"worker": {"stop_grace": 2.5, "metrics_port": 9105}})
     assert (s.worker.stop_grace, s.worker.metrics_port) == (2.5, 9105)
-    for bad in ({"stop_grace": 0}, {"stop_grace": -1}, {"metrics_port": 70000}):
+    assert WorkerConfig().stall_margin == 60.0
+    assert settings_from_mapping({"worker": {"stall_margin": 5}}).worker.stall_margin == 5
+    for bad in (
+        {"stop_grace": 0},
+        {"stop_grace": -1},
+        {"metrics_port": 70000},
+        {"stall_margin": 0},
+    ):
         with pytest.raises(ConfigError, match="worker"):
             settings_from_mapping({"worker": bad})
     with pytest.raises(ConfigError, match=r"did you mean 'worker\.stop_grace'"):

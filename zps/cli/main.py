@@ -1124,10 +1124,6 @@ def check_arguments(
 #: worker unit does not restart on it (``RestartPreventExitStatus=``).
 EXIT_JOB_FAILED = 3
 
-#: Default of ``--stall-margin``: how late a client call may be before the worker's
-#: watchdog pings stop (see :func:`zps.ops.systemd.client_stall`).
-DEFAULT_STALL_MARGIN = 60.0
-
 
 def worker_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -1191,12 +1187,11 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--stall-margin",
         type=float,
-        default=DEFAULT_STALL_MARGIN,
         metavar="SECONDS",
         help="under a systemd watchdog (WatchdogSec=): the pings stop when a client call "
         "is still in flight this long after its deadline (--timeout), or the blocking "
         "client's event loop has not turned for this long; the function's own code may "
-        f"run as long as it needs (default {DEFAULT_STALL_MARGIN:g})",
+        f"run as long as it needs (default: [worker] stall_margin, {WorkerConfig.stall_margin:g})",
     )
     parser.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (default: none)")
     parser.add_argument(
@@ -1263,8 +1258,6 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("no MODULE:FUNCTION given (as an argument or [worker] function)")
         func_args = list(args.args) if args.function else list(settings.worker.args)
         func_kwargs = keyword_args(args.kwargs)
-        if args.stall_margin <= 0:
-            raise ConfigError(f"--stall-margin must be > 0, got {args.stall_margin:g}")
         func = load_function(target)
         check_arguments(func, target, func_args, func_kwargs)
         config = override(
@@ -1278,9 +1271,11 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         )
         broker = args.broker or ",".join(settings.worker.endpoints)
         notifier = Notifier.from_env(os.environ)
-        grace = override(settings.worker, stop_grace=args.stop_grace).stop_grace  # checked
-        run = _WorkerRun(target, notifier, worker_metrics(args, settings), grace)
-        run.stall_margin = args.stall_margin
+        worker = override(  # checked
+            settings.worker, stop_grace=args.stop_grace, stall_margin=args.stall_margin
+        )
+        run = _WorkerRun(target, notifier, worker_metrics(args, settings), worker.stop_grace)
+        run.stall_margin = worker.stall_margin
         run.serve()  # before connecting: a taken port fails before the worker joins a job
         if inspect.iscoroutinefunction(func):
             return run_async(
@@ -1352,7 +1347,7 @@ class _WorkerRun:
         self.notifier = notifier
         self.metrics_config = metrics
         self.grace = grace
-        self.stall_margin = DEFAULT_STALL_MARGIN
+        self.stall_margin = WorkerConfig.stall_margin  # see client_stall
         self.client: Any = None  # the connected client, once there is one
         self.server: Any = None
         self._timer: threading.Timer | None = None

@@ -516,6 +516,9 @@ class WorkerConfig:
     #: Seconds the training function has, after the first SIGTERM/SIGINT, to see
     #: ``ps.stop_requested`` and return; then zps-worker exits with code 124.
     stop_grace: float = 10.0
+    #: Under systemd's watchdog: a client call still in flight this many seconds after
+    #: its deadline (or the blocking client's event loop held this long) stops the pings.
+    stall_margin: float = 60.0
     #: The worker's Prometheus endpoint (0: none).  Its own key, not ``[metrics] port``,
     #: which the broker and shards share; the address is ``[metrics] host``.
     metrics_port: int = 0
@@ -523,7 +526,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         broker_endpoints(list(self.brokers) or self.broker, "worker.brokers")
-        _positive("worker", stop_grace=self.stop_grace)
+        _positive("worker", stop_grace=self.stop_grace, stall_margin=self.stall_margin)
         _integer("worker", 0, metrics_port=self.metrics_port)
         if self.metrics_port > 65535:
             raise ConfigError(f"worker.metrics_port must be <= 65535, got {self.metrics_port}")
