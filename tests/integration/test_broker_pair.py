@@ -250,3 +250,34 @@ def test_a_pair_restarted_whole_forgets_no_partition(tmp_path: Path) -> None:
             np.testing.assert_array_equal(ps.pull_dense("w"), np.full(1000, -15.0))
     finally:
         c.stop()
+
+
+def test_a_status_query_never_makes_the_standby_take_over(pair: PairCluster) -> None:
+    """The active broker paused (its peer link silent): an operator's `zps-server status`
+    naming only the standby is answered, but does not make the standby take over; the
+    first training client asking it does (Binary Star: peer silent and a client asking)."""
+    status = wait_whole(pair)
+    active = pair.proc_by_pid(status["broker"]["pid"])
+    standby = pair.endpoint(1 if "primary" in active.name else 0)
+    active.popen.send_signal(signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 2.0  # four peer timeouts of asking
+        while time.monotonic() < deadline:
+            out = subprocess.run(
+                [sys.executable, "-m", "zps", "status", "--broker", standby, "--timeout", "0.5"],
+                env=pair.env(),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert "ACTIVE" not in out.stdout, out.stdout
+        standby_proc = next(
+            p for p in pair.procs if p.name.startswith("broker") and p is not active
+        )
+        assert "-> active" not in standby_proc.log(), standby_proc.log()[-2000:]
+        # A training client's demand is what the standby takes over for.
+        with zps.connect_sync(standby, connect_timeout=10, timeout=10) as ps:
+            assert ps.cluster_map.n_partitions == 2
+        assert "-> active" in standby_proc.log()
+    finally:
+        active.popen.send_signal(signal.SIGCONT)

@@ -112,6 +112,7 @@ from zps.protocol.codec import (
     unpack_route,
 )
 from zps.protocol.messages import (
+    ADMIN_CLIENT_PREFIX,
     Assign,
     Bye,
     ClientControl,
@@ -188,8 +189,8 @@ class Broker:
         self._incarnations: dict[str, str] = {}  # shard -> its process (from REGISTER)
         self._mismatched: set[str] = set()  # peers warned about another protocol version
         self._roles: KeyRoles | None = None  # CURVE: which keys may act as what
-        # CURVE: shard name -> the key it first registered with (kept while the broker
-        # runs, whatever becomes of the shard: a name outlives its key's process).
+        # CURVE: shard name -> the key it first registered with (kept whatever becomes
+        # of the shard, in the data dir's state too: a name outlives its key's process).
         self._bound_keys: dict[str, bytes] = {}
         self.refusals = RefusalLog(log, "the broker")
         self.metrics = MetricsServer(
@@ -240,6 +241,7 @@ class Broker:
                 clocks=clocks,
                 jobs=jobs,
                 **self.reshard_record(),
+                shard_keys=tuple(sorted((n, k.decode()) for n, k in self._bound_keys.items())),
             )
         if last is not None and rec.same_content(last):
             return last
@@ -289,6 +291,7 @@ class Broker:
             )
         self.restore_slots(rec)
         self.training.restore(rec.clocks, rec.jobs)
+        self._bound_keys = {node: key.encode() for node, key in rec.shard_keys}
         self._record = rec
         # The recorded workers are watched like any peer: one that never speaks to
         # this broker is declared dead (its tasks re-queued, its clock dropped).
@@ -763,6 +766,7 @@ class Broker:
             if idle is not None:
                 del self._bound_keys[idle]
         self._bound_keys[node] = key
+        self._state_changed()
 
     def _admin_asked(self, ident: bytes, frames: transport.Frames) -> str:
         """What of a client's message changes the cluster ("" for nothing), answered
@@ -852,7 +856,7 @@ class Broker:
                 self._versions[node] = version
                 # An admin command (status, drain, ...) connects for one query: debug only.
                 log.log(
-                    logging.DEBUG if (name or "").startswith("zps-server ") else logging.INFO,
+                    logging.DEBUG if (name or "").startswith(ADMIN_CLIENT_PREFIX) else logging.INFO,
                     "client %s joined (%s pid %s)",
                     node,
                     host,

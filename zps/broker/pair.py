@@ -47,7 +47,7 @@ from zps.core.bstar import BinaryStar, PairError, PairRole, State, Transition
 from zps.errors import ProtocolError
 from zps.ops.security import load_curve_keys
 from zps.protocol.codec import MsgType, Route, encode, unpack_route
-from zps.protocol.messages import Status, StatusReply
+from zps.protocol.messages import ADMIN_CLIENT_PREFIX, Status, StatusReply
 
 if TYPE_CHECKING:
     from zps.broker.broker import Broker
@@ -65,6 +65,24 @@ _ANSWER = {
     MsgType.TASK: MsgType.TASK,
     MsgType.STATUS: MsgType.STATUS,
 }
+
+
+def asks_to_serve(mtype: MsgType, frames: transport.Frames) -> bool:
+    """Whether a client message is the demand that lets a standby take over (Binary
+    Star: its peer silent *and* a client asking).  An operator's look (a status query,
+    or the HELLO of a ``zps-server`` command) is not, nor is a client's heartbeat: a
+    status naming only the standby during a peer-link outage must not make the pair
+    change hands."""
+    if mtype in (MsgType.STATUS, MsgType.HEARTBEAT):
+        return False
+    if mtype is MsgType.HELLO and len(frames) > 2:
+        try:
+            header = msgpack.unpackb(transport.frame_buffer(frames[2]), raw=False)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+            return True
+        name = header.get("name") if isinstance(header, dict) else None
+        return not (isinstance(name, str) and name.startswith(ADMIN_CLIENT_PREFIX))
+    return True
 
 
 class Pair:
@@ -160,7 +178,10 @@ class Pair:
             return self.star.active  # malformed: the broker counts it
         if route.mtype is MsgType.BYE:
             return self.star.active
-        serve, change = self.star.on_client(now)
+        if asks_to_serve(route.mtype, frames):
+            serve, change = self.star.on_client(now)
+        else:
+            serve, change = self.star.active, None
         if change is not None:
             await self._changed(change, now)
         if serve:

@@ -277,6 +277,10 @@ class ShardHeartbeat:
 # -- client -> broker --------------------------------------------------------------
 
 
+#: The name an operator's command (``zps-server status``, ``drain``, ...) gives its client.
+ADMIN_CLIENT_PREFIX = "zps-server "
+
+
 @dataclass(frozen=True, slots=True)
 class ClientHello:
     """HELLO, client -> broker: join and ask for the cluster map."""
