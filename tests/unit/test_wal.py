@@ -498,6 +498,7 @@ def test_a_cut_tail_is_kept_aside_with_what_it_holds(
     whole = seg.read_bytes()
     result = Wal(tmp_path).recover(0, 0, Applier(fail_at=4))
     assert result.lsn == 3 and result.set_aside == 3  # records 4, 5 and 6
+    assert result.reached == 6 and not result.complete
     (kept,) = tmp_path.glob("wal-*.log.cut-*")
     offset = int(kept.name.rsplit("-", 1)[1])
     assert seg.read_bytes() == whole[:offset] and kept.read_bytes() == whole[offset:]
@@ -505,7 +506,8 @@ def test_a_cut_tail_is_kept_aside_with_what_it_holds(
     # A torn last record alone: nothing whole is set aside.
     with open(seg, "ab") as f:
         f.write(b"".join(bytes(p) for p in encode_record(rec(4)))[:-2])
-    assert Wal(tmp_path).recover(0, 0, Applier()).set_aside == 0
+    torn = Wal(tmp_path).recover(0, 0, Applier())
+    assert torn.set_aside == 0 and torn.complete
     assert len(list(tmp_path.glob("wal-*.log.cut-*"))) == 2
 
 
@@ -515,6 +517,7 @@ def test_a_log_that_ends_below_the_state_goes_on_in_a_new_segment(tmp_path: Path
     wal = Wal(tmp_path)
     result = wal.recover(8, 1, Applier())
     assert (result.lsn, result.applied, result.cut, result.set_aside) == (8, 0, None, 0)
+    assert result.complete
     assert [s for s, _ in wal.segments()] == [0, 8]  # the old one kept: it holds 1..5
     wal.append([rec(9)])
     wal.close()
@@ -550,3 +553,13 @@ def test_a_segment_that_cannot_be_created_leaves_the_active_one_in_use(
     applied = Applier()
     assert Wal(tmp_path).recover(0, 0, applied).cut is None
     assert [r.lsn for r in applied.seen] == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_a_state_older_than_where_the_log_begins_is_not_complete(tmp_path: Path) -> None:
+    # The log restarted at base 10 (a replica's snapshot) and holds nothing yet: a state
+    # restored at LSN 5 (an older checkpoint) lacks 6..10, which the log had reached.
+    write(tmp_path, [], base=10).close()
+    result = Wal(tmp_path).recover(5, 1, Applier())
+    assert result.lsn == 5 and result.set_aside == 0
+    assert result.reached == 10 and not result.complete
+    assert [p.name for p in tmp_path.glob("*.broken")] == [segment_name(10) + ".broken"]

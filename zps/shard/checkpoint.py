@@ -312,9 +312,10 @@ class Restored:
     lsn: int
     checkpoint: Path | None  # the checkpoint it started from (None: an empty partition)
     recovery: Recovery | None  # what the log replayed (None: no log)
-    #: Whether the copy holds every write it acknowledged: with a log, unless the
-    #: replay set whole records aside; without one, only when the checkpoint was
-    #: written at a clean stop (:meth:`CheckpointStore.mark_final`).
+    #: Whether the copy holds every write it acknowledged: with a log, unless what the
+    #: replay set aside shows the log went past the state (:attr:`Recovery.complete`);
+    #: without one, only when the checkpoint was written at a clean stop
+    #: (:meth:`CheckpointStore.mark_final`).
     complete: bool = True
 
 
@@ -365,7 +366,7 @@ def restore(
         core.lsn,
         found.path if found else None,
         recovery,
-        recovery.set_aside == 0,
+        recovery.complete,
     )
     return restored, wal
 

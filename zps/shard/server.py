@@ -594,7 +594,7 @@ class ShardServer:
                 "claimed as incomplete",
                 found.partition,
                 found.lsn,
-                "whole logged records were set aside"
+                f"the log reached LSN {found.recovery.reached}, set aside"
                 if found.recovery is not None
                 else "a checkpoint with no log after it, not written at a clean stop",
             )

@@ -146,9 +146,17 @@ class Recovery:
     applied: int  # records replayed
     cut: str | None  # why the log was cut short, if it was (torn tail, gap, bad record)
     #: Whole records after the replayed LSN that the cut set aside (in a cut tail or a
-    #: ``*.broken`` segment): the state may lack writes they hold.  A torn last record
-    #: alone sets aside none.
+    #: ``*.broken`` segment).  A torn last record alone sets aside none.
     set_aside: int = 0
+    #: The highest LSN the log is known to have reached: past :attr:`lsn` when what was
+    #: set aside holds a record after it or a segment that starts after it.
+    reached: int = 0
+
+    @property
+    def complete(self) -> bool:
+        """Whether the state holds everything the log is known to have reached (else
+        it may lack writes that were acknowledged)."""
+        return self.reached <= self.lsn
 
 
 def segment_name(start: int) -> str:
@@ -304,8 +312,8 @@ class Wal:
             if cut is not None:
                 stopped_in = i
                 break
-        set_aside = self._cut(segments, position, covered, stopped_in, lsn)
-        return Recovery(lsn, epoch, applied, cut, set_aside)
+        set_aside, reached = self._cut(segments, position, covered, stopped_in, lsn)
+        return Recovery(lsn, epoch, applied, cut, set_aside, max(lsn, reached))
 
     def _cut(
         self,
@@ -314,30 +322,37 @@ class Wal:
         covered: set[Path],
         stopped_in: int | None,
         lsn: int,
-    ) -> int:
+    ) -> tuple[int, int]:
         """Open for appending at ``position`` (None: no record ends at ``lsn``, so a
         new segment starts there, after the ``covered`` segments, which the state
-        holds); set aside whatever follows.  Returns the whole records set aside."""
+        holds); set aside whatever follows.  Returns the whole records set aside and
+        the highest LSN they (or the starts of the segments set aside) show."""
+        aside, reached = 0, 0
         if position is None:
-            aside = sum(self._set_aside(p, lsn) for _, p in segments if p not in covered)
+            for start, p in segments:
+                if p not in covered:
+                    count, last = self._set_aside(p, lsn)
+                    aside, reached = aside + count, max(reached, start, last)
             self.folder.mkdir(parents=True, exist_ok=True)
             self._new_segment(lsn)
-            return aside
+            return aside, reached
         path, offset = position
         keep = [p for _, p in segments].index(path)
-        aside = sum(self._set_aside(later, lsn) for _, later in segments[keep + 1 :])
+        for start, later in segments[keep + 1 :]:
+            count, last = self._set_aside(later, lsn)
+            aside, reached = aside + count, max(reached, start, last)
         size = path.stat().st_size
         if size > offset:
             tail = path.read_bytes()[offset:]
-            count, first, last = whole_records(tail, lsn)
-            aside += count
+            count, first, tail_last = whole_records(tail, lsn)
+            aside, reached = aside + count, max(reached, tail_last or 0)
             saved = _aside_name(path, f".cut-{offset}")
             with open(saved, "wb") as f:
                 f.write(tail)
                 f.flush()
                 os.fsync(f.fileno())
             _fsync_dir(self.folder)
-            held = f"{count} whole records" + (f" (LSN {first}..{last})" if count else "")
+            held = f"{count} whole records" + (f" (LSN {first}..{tail_last})" if count else "")
             log.error(
                 "write-ahead log %s: cut %d bytes after LSN %d (they hold %s after it); kept as %s",
                 path, size - offset, lsn, held, saved,
@@ -347,11 +362,11 @@ class Wal:
                 f.flush()
                 os.fsync(f.fileno())
         self._open(segments[keep][0], path, lsn)
-        return aside
+        return aside, reached
 
-    def _set_aside(self, path: Path, lsn: int) -> int:
+    def _set_aside(self, path: Path, lsn: int) -> tuple[int, int]:
         """Rename a segment that does not continue the replay ``*.broken``; returns the
-        whole records it holds."""
+        whole records it holds after ``lsn`` and the last one's LSN (0: none)."""
         count, first, last = whole_records(path.read_bytes(), lsn)
         broken = _aside_name(path, ".broken")
         held = f"{count} whole records" + (f" (LSN {first}..{last})" if count else "")
@@ -361,7 +376,7 @@ class Wal:
             path, lsn, held, broken,
         )  # fmt: skip
         os.replace(path, broken)
-        return count
+        return count, last or 0
 
     # -- writing ----------------------------------------------------------------
 
