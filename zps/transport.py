@@ -993,6 +993,49 @@ def watch_handshakes(sock: zmq.Socket[Any], on_refused: OnRefused) -> Callable[[
     return stop
 
 
+class HandshakeWatch:
+    """What became of a CURVE client socket's handshakes (a monitor on it), so a
+    peer that never answers can be told from one that refused this key."""
+
+    _FAILED: dict[int, str] = {
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused this process's key (it is in none of "
+        "the server's allow-lists)",
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "failed the CURVE handshake (is "
+        "security.broker_public_key_file the server's key, and CURVE on there?)",
+        zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "failed the CURVE handshake (is "
+        "security.broker_public_key_file the server's key, and CURVE on there?)",
+    }
+
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED
+        for event in self._FAILED:
+            events |= event
+        address = f"inproc://zps-monitor-{id(sock):x}-{next(_monitors)}"
+        sock.monitor(address, events)
+        self._sock = sock
+        self._monitor: zmq.Socket[Any] = zmq.Socket(sock.context, zmq.PAIR)
+        self._monitor.connect(address)
+        self._last: str | None = None
+
+    def failure(self) -> str | None:
+        """How the latest handshake failed; None if it succeeded, or none ended yet."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while not self._monitor.closed:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except (zmq.ZMQError, ValueError):
+                break
+            self._last = self._FAILED.get(int(event["event"]))
+        return self._last
+
+    def close(self) -> None:
+        if not self._sock.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+        self._monitor.close(0)
+
+
 def sender_key(frame: Any) -> bytes | None:
     """The Z85 CURVE public key that authenticated the sender of a received frame (its
     ZAP User-Id); None without CURVE."""
