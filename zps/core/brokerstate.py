@@ -7,8 +7,10 @@ the map version, and the training jobs (clocks, sync commits, task queues).
 Each partition's last in-sync set (its primary and the replicas the primary
 counted for ``acks="all"``) is kept too: every acknowledged write is on each of
 those copies, so after a crash only one of them may serve the partition.
-Everything else (who serves what now, clients) is rebuilt from the shards'
-claims and the clients' re-sent calls after a restart.
+Under CURVE, the key each shard name was first registered with is kept too (a
+name outlives its key's process: no other key may take it).  Everything else
+(who serves what now, clients) is rebuilt from the shards' claims and the
+clients' re-sent calls after a restart.
 
 Rules:
 
@@ -134,6 +136,9 @@ class BrokerState:
     #: The slot -> partition map (``n_slots`` little-endian int32); empty: round-robin.
     slot_map: bytes = b""
     reshard: ReshardRecord | None = None
+    #: CURVE: (shard node id, the Z85 public key it is bound to), sorted by node id;
+    #: absent from records written before it was kept (read as none).
+    shard_keys: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.partitions) != self.n_partitions:
@@ -204,6 +209,7 @@ class BrokerState:
                     self.reshard.stage,
                 ],
             },
+            "shard_keys": [list(b) for b in self.shard_keys],
         }
 
     def to_bytes(self) -> bytes:
@@ -281,6 +287,12 @@ class BrokerState:
             if int(arr.min()) < 0 or int(arr.max()) >= n_partitions:
                 raise BrokerStateError(f"slot_map: names a partition outside 0..{n_partitions - 1}")
         reshard = _reshard(d.get("reshard"), n_slots)
+        shard_keys = []
+        for i, raw in enumerate(_list(d.get("shard_keys", []), "shard_keys")):
+            b = _list(raw, f"shard_keys[{i}]")
+            if len(b) != 2:
+                raise BrokerStateError(f"shard_keys[{i}]: [node, key] expected")
+            shard_keys.append((_str(b[0], "shard_keys.node"), _str(b[1], "shard_keys.key")))
         return cls(
             version=_int(d.get("version"), "version"),
             n_partitions=n_partitions,
@@ -292,6 +304,7 @@ class BrokerState:
             jobs=tuple(jobs),
             slot_map=slot_map,
             reshard=reshard,
+            shard_keys=tuple(shard_keys),
         )
 
 
