@@ -106,10 +106,12 @@ allowed_operators_dir = {q(self.workdir / "operators")}
         return f"[heartbeat]\ninterval = {self.heartbeat_interval}\nliveness = {self.liveness}\n"
 
     def start_broker_process(self, name: str = "broker") -> Proc:
+        assert self.workdir is not None
         return self.start_role(
             name,
             "broker",
             f'[broker]\nbind = "{self.address}"\npartitions = 1\nreplication = 2\n'
+            f"data_dir = {q(self.workdir / 'broker-data')}\n"
             f"startup_grace = 0\n[metrics]\nport = {self.metrics_port}\n"
             f"{self.hb()}{self.security('broker')}",
         )
@@ -383,6 +385,22 @@ def test_a_client_gets_its_identity_back_after_the_broker_restarts(kc: KeyCluste
         ps.push_dense("back", np.ones(2))
         np.testing.assert_array_equal(ps.pull_dense("back"), [-1.0, -1.0])
         assert ident in {x["node"] for x in kc.status()["clients"]}
+
+
+def test_a_shard_name_stays_bound_across_broker_restarts(kc: KeyCluster) -> None:
+    """The broker restarted from its data dir (the test above) still binds s-delta to
+    the key that first registered it."""
+    usurper = kc.start_shard_process("delta", "shard0")
+    try:
+        deadline = time.monotonic() + 20
+        while not broker_lines(kc, r"the broker refused s-delta .*belongs to another key"):
+            shards = {x["node"] for x in kc.status()["shards"]}
+            assert "s-delta" not in shards, "another shard key took the name"
+            assert time.monotonic() < deadline, usurper.log()
+            time.sleep(0.05)
+    finally:
+        usurper.popen.kill()
+        usurper.popen.wait(10)
 
 
 def test_the_routers_identity_table_keeps_live_bindings() -> None:
