@@ -134,7 +134,7 @@ def test_watchdog_pings_go_on_while_the_function_computes(tmp_path: Path) -> Non
             spans = [(w.wait_line("ready")[0], w.wait_line("computed")[0]) for w in workers]
             for w, (began, ended) in zip(workers, spans, strict=True):
                 assert w.popen.wait(30) == 0, w.log()
-                assert ended - began >= 20
+                assert ended - began > 19  # (the lines are stamped as they are read)
                 during = [began, *(t for t in w.pings if began < t < ended), ended]
                 gaps = [b - a for a, b in itertools.pairwise(during)]
                 # systemd would restart the unit after a gap of WatchdogSec
