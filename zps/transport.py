@@ -332,6 +332,7 @@ class Channel:
 
     def __init__(self, sock: zmq.Socket[Any], *, compiled: bool = True) -> None:
         self.sock = sock
+        self.curve_server = False  # a CURVE server's ROUTER (see router)
         # The compiled send and receive (see the module notes), with the socket's address.
         self._io = _zmqio if compiled and COMPILED_IO else None
         self._addr = int(sock.underlying)
@@ -762,9 +763,18 @@ class Outbound:
     """
 
     def __init__(
-        self, ch: Channel, *, total_limit: int, stall_timeout: float, name: str = "peers"
+        self,
+        ch: Channel,
+        *,
+        total_limit: int,
+        stall_timeout: float,
+        name: str = "peers",
+        gate: ConnectionGate | None = None,
     ) -> None:
         self.ch = ch
+        #: CURVE: a peer whose connection closed gets nothing until it proves its
+        #: identity again (see ConnectionGate); its messages count as unroutable.
+        self.gate = gate
         self.allowance = Allowance(total_limit)
         self.stall_timeout = stall_timeout
         self.dropped = 0
@@ -791,6 +801,8 @@ class Outbound:
         """Send ``frames`` (the first is the peer's identity) now, or hold them within
         ``limit`` bytes for that peer, or drop them; never waits."""
         peer = frame_bytes(frames[0])
+        if self.gate is not None and not self.gate.may_send(peer):
+            return Posted.UNROUTABLE
         queue = self._queues.get(peer)
         if queue is None:
             try:
@@ -810,6 +822,14 @@ class Outbound:
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
         return Posted.HELD
+
+    def connection_closed(self, fd: int) -> bytes | None:
+        """The connection of descriptor ``fd`` closed: its peer (returned, if one had
+        proved its identity on it) gets nothing more, held or new, until it does again."""
+        peer = self.gate.closed(fd) if self.gate is not None else None
+        if peer is not None:
+            self.forget(peer)
+        return peer
 
     def forget(self, peer: bytes) -> None:
         """Drop whatever is held for ``peer`` (it left or was declared dead)."""
@@ -905,6 +925,68 @@ def load_public_keys(directory: str) -> frozenset[bytes]:
     return frozenset(zmq.auth.load_certificates(directory))
 
 
+class ConnectionGate:
+    """Which peers of a CURVE server may be sent to: decisions only, no I/O.
+
+    A ROUTER routes by identity, and the connection holding an identity can change
+    (its owner's closed; under CURVE no new one takes an identity in use, but one may
+    take it once it is free, whatever its key).  So a peer is sent to only while the
+    connection its last accepted message came by (its descriptor, ``ZMQ_SRCFD``) is
+    open: once that closes, nothing goes to the identity until a message of its own
+    key is accepted again (on whatever connection holds it then)."""
+
+    #: Peers remembered as closed at most (the oldest are forgotten past it).
+    MAX_CLOSED = 65536
+
+    def __init__(self) -> None:
+        self._fd_of: dict[bytes, int] = {}
+        self._peer_of: dict[int, bytes] = {}
+        self._closed: dict[bytes, None] = {}  # in the order they closed
+
+    def accepted(self, peer: bytes, fd: int | None) -> None:
+        """A message from ``peer`` by connection ``fd`` was accepted (its key owns it)."""
+        if fd is None:
+            return
+        before = self._fd_of.get(peer)
+        if before != fd:
+            if before is not None and self._peer_of.get(before) == peer:
+                del self._peer_of[before]
+            self._fd_of[peer] = fd
+            self._peer_of[fd] = peer
+        self._closed.pop(peer, None)
+
+    def closed(self, fd: int) -> bytes | None:
+        """Connection ``fd`` closed: the peer it held, now gated (None: none)."""
+        peer = self._peer_of.pop(fd, None)
+        if peer is None or self._fd_of.get(peer) != fd:
+            return None
+        del self._fd_of[peer]
+        self._closed[peer] = None
+        if len(self._closed) > self.MAX_CLOSED:
+            del self._closed[next(iter(self._closed))]
+        return peer
+
+    def may_send(self, peer: bytes) -> bool:
+        return peer not in self._closed
+
+    def forget(self, peer: bytes) -> None:
+        """``peer`` left for good: nothing is sent to it anyway."""
+        fd = self._fd_of.pop(peer, None)
+        if fd is not None and self._peer_of.get(fd) == peer:
+            del self._peer_of[fd]
+
+
+def sender_fd(frame: Any) -> int | None:
+    """The descriptor of the connection a received frame came by (None: unknown)."""
+    if not isinstance(frame, zmq.Frame):
+        return None
+    try:
+        fd = frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return None
+    return fd if isinstance(fd, int) and fd >= 0 else None
+
+
 _monitors = iter(range(1 << 62))
 #: Told of each handshake refused: (peer address, Z85 key or None, reason).
 OnRefused = Callable[[str, "bytes | None", str], None]
@@ -957,13 +1039,26 @@ def start_authenticator(
     return auth
 
 
-def watch_handshakes(sock: zmq.Socket[Any], on_refused: OnRefused) -> Callable[[], None]:
+def watch_handshakes(
+    sock: zmq.Socket[Any],
+    on_refused: OnRefused,
+    on_closed: Callable[[int], Any] | None = None,
+    *,
+    auth: bool = False,
+) -> Callable[[], None]:
     """Tell ``on_refused`` of every handshake of the CURVE server ``sock`` that failed
     before its key was known (a peer with no CURVE key, or a broken handshake:
-    ``no_key``).  Runs on the event loop; returns the function that stops watching."""
+    ``no_key``; with ``auth``, a key the ZAP handler refused too: ``key_not_allowed``,
+    for a socket whose handler does not report them), and ``on_closed`` of each
+    connection that closed (its descriptor).  Runs on the event loop; returns the
+    function that stops watching."""
     from zmq.utils.monitor import parse_monitor_message
 
     events = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    if auth:
+        events |= zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    if on_closed is not None:
+        events |= zmq.EVENT_DISCONNECTED
     address = f"inproc://zps-monitor-{id(sock):x}-{next(_monitors)}"
     sock.monitor(address, events)
     monitor: zmq.Socket[Any] = zmq.Socket(sock.context, zmq.PAIR)
@@ -977,9 +1072,18 @@ def watch_handshakes(sock: zmq.Socket[Any], on_refused: OnRefused) -> Callable[[
                 event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
             except (zmq.ZMQError, ValueError):
                 return
+            kind = int(event["event"])
+            if kind == zmq.EVENT_DISCONNECTED:
+                if on_closed is not None:
+                    on_closed(int(event["value"]))
+                continue
             where = event.get("endpoint", b"?")
             peer = where.decode("utf-8", "replace") if isinstance(where, bytes) else str(where)
-            on_refused(peer, None, "no_key")
+            on_refused(
+                peer,
+                None,
+                "key_not_allowed" if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "no_key",
+            )
 
     loop.add_reader(fd, read)
     loop.call_soon(read)
@@ -1116,6 +1220,7 @@ def router(
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
     # A CURVE server reads each sender's key off its frames (sender_key): pyzmq's.
     channel = Channel(sock, compiled=curve is None)
+    channel.curve_server = curve is not None
     return channel, endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
 
 

@@ -381,7 +381,11 @@ class Broker:
             ctx, self.config.bind, max_message_bytes=self.config.max_message_bytes, curve=keys
         )
         unwatch = (
-            transport.watch_handshakes(self._sock.sock, self._handshake_refused) if keys else None
+            transport.watch_handshakes(
+                self._sock.sock, self._handshake_refused, self._connection_closed
+            )
+            if keys
+            else None
         )
         warn_if_exposed(self.config.bind, self.config.security, "the broker")
         self._sock_addr = self._sock.handle
@@ -390,6 +394,7 @@ class Broker:
             total_limit=self.config.queue_bytes,
             stall_timeout=self.config.stall_timeout,
             name="broker",
+            gate=transport.ConnectionGate() if keys else None,
         )
         log.info(
             "broker (pid %d) listening on %s: %d partitions x %d copies; only claims "
@@ -753,10 +758,18 @@ class Broker:
                 )
                 return False
         if reason is None:
+            assert self._out is not None and self._out.gate is not None
+            self._out.gate.accepted(ident, transport.sender_fd(frames[1]))
             return True
         self.stats.unauthorized += 1
         self.refusals.refused(node, key, reason, time.monotonic())
         return False
+
+    def _connection_closed(self, fd: int) -> None:
+        """CURVE: a connection closed; its identity gets nothing until it speaks again
+        (whatever connection holds the identity next may be another key's)."""
+        if self._out is not None:
+            self._out.connection_closed(fd)
 
     def _bind(self, node: str, key: bytes) -> None:
         """Bind shard name ``node`` to ``key``.  The table is bounded: past its bound a

@@ -244,7 +244,11 @@ class Router:
             ctx, cfg.bind, max_message_bytes=cfg.max_message_bytes, curve=keys
         )
         unwatch = (
-            transport.watch_handshakes(self._sock.sock, self._handshake_refused) if keys else None
+            transport.watch_handshakes(
+                self._sock.sock, self._handshake_refused, self._connection_closed
+            )
+            if keys
+            else None
         )
         warn_if_exposed(cfg.bind, cfg.security, "the routing broker")
         self._out = transport.Outbound(
@@ -252,6 +256,7 @@ class Router:
             total_limit=cfg.queue_bytes,
             stall_timeout=cfg.stall_timeout,
             name="router",
+            gate=transport.ConnectionGate() if keys else None,
         )
         self.advertised = advertised(self.endpoint, cfg)
         where = self.advertised.split("://", 1)[-1].encode()
@@ -453,10 +458,17 @@ class Router:
                 )
                 reason = "wrong_role"
         if reason is None:
+            assert self._out is not None and self._out.gate is not None
+            self._out.gate.accepted(ident, transport.sender_fd(frames[1]))
             return True
         self.stats.unauthorized += 1
         self.refusals.refused(peer, key, reason, now)
         return False
+
+    def _connection_closed(self, fd: int) -> None:
+        """CURVE: a connection closed; its identity gets nothing until it speaks again."""
+        if self._out is not None:
+            self._out.connection_closed(fd)
 
     def _bind(self, ident: bytes, key: bytes, now: float) -> bool:
         """Bind (or keep bound) shard identity ``ident`` to ``key``, heard at ``now``.
