@@ -30,6 +30,7 @@ LAYERS: dict[str, str] = {
     "zps.errors": "core",
     "zps.init": "core",
     "zps.optim": "core",
+    "zps.optim.schedules": "core",
     "zps.version": "core",
     "zps.protocol": "core",
     "zps.protocol.codec": "core",

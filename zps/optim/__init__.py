@@ -10,10 +10,20 @@ state arrays are updated in place, ``grad`` is never written.  Rows are
 independent, so applying to any subset of rows (a lazy, sparse update) is the
 same as applying to each row alone.  Arithmetic stays in ``param``'s dtype:
 hyperparameters are Python floats, which NumPy treats as weakly typed.
+
+The learning rate (FTRL's ``alpha``) is a number or a schedule of
+:mod:`zps.optim.schedules`; a scheduled optimizer is applied as
+:func:`at_step` makes it at the table's step count: the same optimizer with the
+schedule's rate at that step.  Hyperparameters may change while a table trains
+(``set_optimizer``): the state columns depend only on the kind, so an optimizer of
+the same kind takes over the state as it is.
 """
 
 from __future__ import annotations
 
+import copy
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -21,7 +31,9 @@ import numpy as np
 import numpy.typing as npt
 
 from zps.errors import BadRequestError
-from zps.init import check_number, parse_record, set_field
+from zps.init import _check_type as check_type
+from zps.init import check_number, set_field
+from zps.optim.schedules import Schedule, is_schedule, schedule_from_spec
 
 __all__ = [
     "FTRL",
@@ -30,7 +42,9 @@ __all__ = [
     "Adam",
     "Momentum",
     "Optimizer",
+    "at_step",
     "optimizer_from_spec",
+    "rate_field",
 ]
 
 Array = npt.NDArray[np.floating[Any]]
@@ -38,8 +52,13 @@ State = dict[str, Array]
 
 
 def _spec(opt: Any) -> dict[str, Any]:
-    """The wire form of an optimizer: its kind, then every field in order."""
-    return {"kind": opt.kind, **{f.name: getattr(opt, f.name) for f in fields(opt)}}
+    """The wire form of an optimizer: its kind, then every field in order (a schedule
+    as its own wire form)."""
+    out = {"kind": opt.kind, **{f.name: getattr(opt, f.name) for f in fields(opt)}}
+    rate = rate_field(opt)
+    if is_schedule(out[rate]):
+        out[rate] = out[rate].spec()
+    return out
 
 
 def _check_common(obj: Any, *, weight_decay: bool = True) -> None:
@@ -52,7 +71,19 @@ def _check_common(obj: Any, *, weight_decay: bool = True) -> None:
 
 
 def _check_lr(obj: Any, field: str = "lr") -> None:
-    set_field(obj, field, check_number(obj.kind, field, getattr(obj, field), lo=0.0, lo_open=True))
+    value = getattr(obj, field)
+    if is_schedule(value):
+        return  # validated as it was made
+    set_field(obj, field, check_number(obj.kind, field, value, lo=0.0, lo_open=True))
+
+
+def _rate(obj: Any, value: float | Schedule) -> float:
+    """The learning rate to apply: a number (a schedule must be evaluated first)."""
+    if isinstance(value, float | int):
+        return value
+    raise BadRequestError(
+        f"{obj.kind}: a scheduled optimizer is applied at a step: zps.optim.at_step(opt, step)"
+    )
 
 
 def _effective_grad(grad: Array, param: Array, clip: float | None, weight_decay: float) -> Array:
@@ -73,7 +104,7 @@ def _full_state(n: int, widths: dict[str, int], dtype: npt.DTypeLike, fill: floa
 class SGD:
     """``p -= lr * g``."""
 
-    lr: float = 0.01
+    lr: float | Schedule = 0.01
     clip: float | None = None
     weight_decay: float = 0.0
     kind: ClassVar[str] = "sgd"
@@ -93,14 +124,14 @@ class SGD:
 
     def apply(self, param: Array, grad: Array, state: State) -> None:
         g = _effective_grad(grad, param, self.clip, self.weight_decay)
-        param -= self.lr * g
+        param -= _rate(self, self.lr) * g
 
 
 @dataclass(frozen=True)
 class Momentum:
     """Heavy-ball or Nesterov momentum, PyTorch convention (``v = m v + g``)."""
 
-    lr: float = 0.01
+    lr: float | Schedule = 0.01
     momentum: float = 0.9
     nesterov: bool = False
     clip: float | None = None
@@ -131,17 +162,18 @@ class Momentum:
         v = state["velocity"]
         v *= self.momentum
         v += g
+        lr = _rate(self, self.lr)
         if self.nesterov:
-            param -= self.lr * (g + self.momentum * v)
+            param -= lr * (g + self.momentum * v)
         else:
-            param -= self.lr * v
+            param -= lr * v
 
 
 @dataclass(frozen=True)
 class Adagrad:
     """``a += g^2; p -= lr * g / (sqrt(a) + eps)``."""
 
-    lr: float = 0.01
+    lr: float | Schedule = 0.01
     initial_accumulator: float = 0.1
     eps: float = 1e-10
     clip: float | None = None
@@ -173,7 +205,7 @@ class Adagrad:
         a += t
         np.sqrt(a, out=t)
         t += self.eps
-        u = np.multiply(g, self.lr)
+        u = np.multiply(g, _rate(self, self.lr))
         u /= t
         param -= u
 
@@ -182,7 +214,7 @@ class Adagrad:
 class Adam:
     """Adam with a per-row step count, so lazy sparse updates bias-correct correctly."""
 
-    lr: float = 0.001
+    lr: float | Schedule = 0.001
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
@@ -220,14 +252,14 @@ class Adam:
         v += (1.0 - self.beta2) * (g * g)
         bc1 = 1.0 - np.power(self.beta1, t, dtype=param.dtype)
         bc2 = 1.0 - np.power(self.beta2, t, dtype=param.dtype)
-        param -= self.lr * (m / bc1) / (np.sqrt(v / bc2) + self.eps)
+        param -= _rate(self, self.lr) * (m / bc1) / (np.sqrt(v / bc2) + self.eps)
 
 
 @dataclass(frozen=True)
 class FTRL:
     """FTRL-Proximal (McMahan et al., 2013), per coordinate; L2 is the ``l2`` term."""
 
-    alpha: float = 0.05
+    alpha: float | Schedule = 0.05
     beta: float = 1.0
     l1: float = 0.0
     l2: float = 0.0
@@ -252,11 +284,12 @@ class FTRL:
     def apply(self, param: Array, grad: Array, state: State) -> None:
         g = _effective_grad(grad, param, self.clip, 0.0)
         z, n = state["z"], state["n"]
+        alpha = _rate(self, self.alpha)
         g2 = g * g
-        sigma = (np.sqrt(n + g2) - np.sqrt(n)) / self.alpha
+        sigma = (np.sqrt(n + g2) - np.sqrt(n)) / alpha
         z += g - sigma * param
         n += g2
-        denom = (self.beta + np.sqrt(n)) / self.alpha + self.l2
+        denom = (self.beta + np.sqrt(n)) / alpha + self.l2
         shrunk = z - np.sign(z) * self.l1
         param[...] = np.where(np.abs(z) <= self.l1, 0.0, -shrunk / denom)
 
@@ -265,6 +298,49 @@ Optimizer = SGD | Momentum | Adagrad | Adam | FTRL
 _OPTIMIZERS: dict[str, type[Optimizer]] = {c.kind: c for c in (SGD, Momentum, Adagrad, Adam, FTRL)}
 
 
+def rate_field(opt: Optimizer | type[Optimizer]) -> str:
+    """The name of the field a schedule may drive: ``lr`` (FTRL: ``alpha``)."""
+    return "alpha" if opt.kind == FTRL.kind else "lr"
+
+
+def at_step(opt: Optimizer, step: int) -> Optimizer:
+    """The optimizer to apply at step ``step``: ``opt`` itself with a fixed rate, else a
+    copy with its schedule's rate at that step (which may be 0: see
+    :mod:`zps.optim.schedules`)."""
+    field = rate_field(opt)
+    value = getattr(opt, field)
+    if not is_schedule(value):
+        return opt
+    out = copy.copy(opt)
+    set_field(out, field, value.value(step))
+    return out
+
+
 def optimizer_from_spec(spec: object) -> Optimizer:
-    """Parse the wire form produced by ``Optimizer.spec()``."""
-    return parse_record(spec, "optimizer", _OPTIMIZERS)
+    """Parse the wire form produced by ``Optimizer.spec()``: every field present, nothing
+    else, each of its type (the rate a number or a schedule's wire form)."""
+    if not isinstance(spec, Mapping):
+        raise BadRequestError(f"optimizer must be a map, got {type(spec).__name__}")
+    kind = spec.get("kind")
+    if not isinstance(kind, str) or kind not in _OPTIMIZERS:
+        raise BadRequestError(f"optimizer.kind must be one of {sorted(_OPTIMIZERS)}, got {kind!r}")
+    cls = _OPTIMIZERS[kind]
+    field = rate_field(cls)
+    names = [f.name for f in fields(cls)]
+    hints = typing.get_type_hints(cls)
+    for key in spec:
+        if key != "kind" and key not in names:
+            raise BadRequestError(f"optimizer: unknown field {key!r} for kind {kind!r}")
+    kwargs: dict[str, object] = {}
+    for name in names:
+        if name not in spec:
+            raise BadRequestError(f"optimizer.{name} is missing (kind {kind!r})")
+        value = spec[name]
+        if name != field:
+            check_type(kind, name, value, hints[name])
+        elif isinstance(value, Mapping):
+            value = schedule_from_spec(value)
+        else:
+            check_type(kind, name, value, float)
+        kwargs[name] = value
+    return cls(**kwargs)  # type: ignore[arg-type]

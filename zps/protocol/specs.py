@@ -7,13 +7,19 @@ constructor and :func:`spec_from_wire` validate every field (in
 field, so a spec object that exists is always a valid one.  Numbers are
 normalised (a tuple shape, float hyperparameters) so that a spec survives the
 wire round trip ``spec_from_wire(s.to_wire()) == s``.
+
+``step`` is the table's step count (``ps.advance_step``), at which a scheduled
+learning rate is evaluated: the table's progress, not its identity, so it takes no
+part in equality (a ``create_*`` of a table that has trained for a while is still
+idempotent), while ``to_wire`` carries it (when not 0) wherever a spec goes:
+replication, snapshots, checkpoints, ``describe`` and exports.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -24,6 +30,9 @@ from zps.optim import FTRL, SGD, Adagrad, Adam, Momentum, Optimizer, optimizer_f
 from zps.protocol.codec import MESSAGE_BUDGET
 
 __all__ = ["DTYPES", "DenseSpec", "EmbeddingSpec", "TableSpec", "spec_from_wire"]
+
+#: The most steps a table counts (``ps.advance_step``): integers exact in a double.
+MAX_STEP = 2**53
 
 #: Supported value dtypes.  float16 is refused: Adam's and Adagrad's small
 #: epsilons underflow and accumulators overflow in half precision.
@@ -60,6 +69,15 @@ def _check_common(
         raise BadRequestError(f"{kind} spec {name!r}: seed must be an integer in [0, 2**63)")
 
 
+def _check_step(obj: Any, kind: str) -> None:
+    step = obj.step
+    if not _is_int(step) or not 0 <= int(step) <= MAX_STEP:
+        raise BadRequestError(
+            f"{kind} spec {obj.name!r}: step must be an integer in [0, 2**53], got {step!r}"
+        )
+    object.__setattr__(obj, "step", int(step))
+
+
 @dataclass(frozen=True)
 class DenseSpec:
     """A dense tensor, stored as flat chunks of ``chunk_elems`` elements."""
@@ -71,9 +89,12 @@ class DenseSpec:
     optimizer: Optimizer
     seed: int
     chunk_elems: int
+    #: The table's step count (see the module notes).
+    step: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         _check_common("dense", self.name, self.dtype, self.init, self.optimizer, self.seed)
+        _check_step(self, "dense")
         shape = self.shape
         if not isinstance(shape, tuple | list) or not all(_is_int(d) and d >= 0 for d in shape):
             raise BadRequestError(
@@ -121,13 +142,14 @@ class DenseSpec:
             "optimizer": self.optimizer.spec(),
             "seed": self.seed,
             "chunk_elems": self.chunk_elems,
+            **({"step": self.step} if self.step else {}),
         }
 
 
 #: The optional lifecycle fields of an embedding spec (0: off), sent only when set.
 LIFECYCLE = ("admit_count", "ttl_steps", "max_rows")
-#: ... and the optional float one (1.0: off).
-OPTIONAL = (*LIFECYCLE, "admit_probability")
+#: ... and the optional float one (1.0: off); ``step`` (either kind) is sent when not 0.
+OPTIONAL = (*LIFECYCLE, "admit_probability", "step")
 
 
 @dataclass(frozen=True)
@@ -153,9 +175,12 @@ class EmbeddingSpec:
     ttl_steps: int = 0
     max_rows: int = 0
     admit_probability: float = 1.0
+    #: The table's step count (see the module notes).
+    step: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         _check_common("embedding", self.name, self.dtype, self.init, self.optimizer, self.seed)
+        _check_step(self, "embedding")
         if not _is_int(self.dim) or not 1 <= self.dim <= MAX_DIM:
             raise BadRequestError(
                 f"embedding spec {self.name!r}: dim must be an integer in [1, {MAX_DIM}], "
@@ -204,6 +229,8 @@ class EmbeddingSpec:
         wire.update({k: getattr(self, k) for k in LIFECYCLE if getattr(self, k)})
         if self.admit_probability < 1.0:
             wire["admit_probability"] = self.admit_probability
+        if self.step:
+            wire["step"] = self.step
         return wire
 
 

@@ -44,6 +44,7 @@ from zps.errors import (
     UnknownTableError,
 )
 from zps.init import generate
+from zps.optim import optimizer_from_spec
 from zps.protocol.codec import (
     CODEC_RAW,
     TRAFFIC,
@@ -61,7 +62,19 @@ from zps.store.stepbuf import Pending, StepBuffer
 from zps.store.tables import DenseMemory, EmbeddingTable
 
 MUTATIONS = (
-    frozenset({"create", "push_dense", "push_rows", "commit", "drop", "set_dense", "set_rows"})
+    frozenset(
+        {
+            "create",
+            "push_dense",
+            "push_rows",
+            "commit",
+            "drop",
+            "set_dense",
+            "set_rows",
+            "set_optimizer",
+            "advance_step",
+        }
+    )
     | slotops.SLOT_MUTATIONS
 )
 #: Cuts of the partition (for an export) a shard holds at once; a new one drops the oldest.
@@ -764,6 +777,44 @@ class ShardCore:
         table.set_rows(self._ids(op, payloads), self._array(op, "v", payloads), state)
         return OK
 
+    def op_set_optimizer(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        """Give a table another optimizer (``optimizer``, its wire form): the same kind
+        keeps the state, another kind only with ``"reset": true`` (the state then
+        starts afresh).  A mutation: replicated, logged, applied once."""
+        name = self._table_name(op)
+        reset = op.get("reset", False)
+        if not isinstance(reset, bool):
+            raise BadRequestError("set_optimizer: 'reset' must be true or false")
+        opt = optimizer_from_spec(op.get("optimizer"))
+        changed = self.store.set_optimizer(name, opt, reset=reset)
+        return {"st": "OK", "changed": changed}
+
+    def op_advance_step(
+        self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    ) -> dict[str, Any]:
+        """Advance the step count of table ``t`` (nil: every table) by ``n`` >= 1, or set
+        it to ``to`` (a table named; an import): the step a scheduled learning rate is
+        evaluated at.  A mutation: replicated, logged, applied once.  Answers each
+        table's new ``steps`` by name."""
+        name = op.get("t")
+        if name is not None and not isinstance(name, str):
+            raise BadRequestError("advance_step: 't' must be a table name or nil")
+        n, to = op.get("n"), op.get("to")
+        if to is not None:
+            if name is None or n is not None or type(to) is not int or to < 0:
+                raise BadRequestError(
+                    "advance_step: 'to' needs a table 't', no 'n', and an integer >= 0"
+                )
+            changed = self.store.set_step(name, to)
+        else:
+            if type(n) is not int or n < 1:
+                raise BadRequestError(f"advance_step: 'n' must be an integer >= 1, got {n!r}")
+            changed = self.store.advance_step(name, n)
+        specs = self.store.specs() if name is None else [self.store.table(name).spec]
+        return {"st": "OK", "changed": changed, "steps": {s.name: s.step for s in specs}}
+
     def _state_arrays(
         self, op: dict[str, Any], payloads: Sequence[BufferLike]
     ) -> dict[str, np.ndarray] | None:
@@ -980,6 +1031,8 @@ _HANDLERS: dict[str, _Handler] = {
     "drop": ShardCore.op_drop,
     "set_dense": ShardCore.op_set_dense,
     "set_rows": ShardCore.op_set_rows,
+    "set_optimizer": ShardCore.op_set_optimizer,
+    "advance_step": ShardCore.op_advance_step,
     "describe": ShardCore.op_describe,
     "ids": ShardCore.op_ids,
     "cut": ShardCore.op_cut,

@@ -12,11 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from zps.errors import BadRequestError, TableConflictError, UnknownTableError
-from zps.protocol.specs import DenseSpec, TableSpec, spec_from_wire
+from zps.optim import Optimizer
+from zps.protocol.specs import MAX_STEP, DenseSpec, TableSpec, spec_from_wire
 from zps.store.tables import Array, DenseMemory, DenseTensor, EmbeddingTable, checksum_arrays
 
 __all__ = ["PartitionStore"]
@@ -70,6 +71,40 @@ class PartitionStore:
         raise TableConflictError(
             f"table {spec.name!r} already exists with a different spec (differs in: {diff})"
         )
+
+    def set_optimizer(self, name: str, optimizer: Optimizer, *, reset: bool = False) -> bool:
+        """Give table ``name`` another optimizer (see ``retune`` of its table: the same
+        kind keeps the state, another kind only with ``reset``); False if it already
+        has exactly that one."""
+        table = self._get(name)
+        if table.spec.optimizer == optimizer:
+            return False
+        table.retune(replace(table.spec, optimizer=optimizer), reset=reset)  # type: ignore[arg-type]
+        return True
+
+    def advance_step(self, name: str | None, steps: int) -> bool:
+        """Add ``steps`` to the step count of table ``name`` (None: of every table);
+        False if that changed nothing (no table, or 0 steps)."""
+        tables = list(self._tables.values()) if name is None else [self._get(name)]
+        if not steps or not tables:
+            return False
+        for table in tables:
+            if table.spec.step + steps > MAX_STEP:
+                raise BadRequestError(
+                    f"table {table.spec.name!r}: step {table.spec.step} + {steps} exceeds 2**53"
+                )
+        for table in tables:
+            table.retune(replace(table.spec, step=table.spec.step + steps))  # type: ignore[arg-type]
+        return True
+
+    def set_step(self, name: str, step: int) -> bool:
+        """Set the step count of table ``name`` (an import restores an export's);
+        False if it was that already."""
+        table = self._get(name)
+        if table.spec.step == step:
+            return False
+        table.retune(replace(table.spec, step=step))  # type: ignore[arg-type]
+        return True
 
     def drop(self, name: str) -> bool:
         """Remove table ``name``; False if there is none."""

@@ -23,12 +23,13 @@ exports, snapshots and checkpoints do not change.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -38,7 +39,7 @@ from zps.core.memo import IdsMemo
 from zps.core.rows import put_rows, take_rows
 from zps.errors import BadRequestError, ShapeMismatchError
 from zps.init import generate
-from zps.optim import FTRL, SGD, Adagrad, Adam, Momentum
+from zps.optim import FTRL, SGD, Adagrad, Adam, Momentum, Optimizer, at_step
 from zps.protocol.specs import DenseSpec, EmbeddingSpec
 from zps.store import mapped
 from zps.store.index import IdIndex, as_ids
@@ -51,6 +52,7 @@ except ImportError:  # pragma: no cover - depends on the build
 __all__ = ["DenseTensor", "EmbeddingTable", "checksum_arrays"]
 
 Array = npt.NDArray[Any]
+TableSpecT = TypeVar("TableSpecT", DenseSpec, EmbeddingSpec)
 _GROWTH = 1.5
 _MIN_ROWS = 64
 #: Writes, and ids, a :class:`WriteLog` holds at most (then it is dropped).
@@ -136,41 +138,69 @@ def _float_grads(
 _KernelOpt = tuple[int, float, float, float, float, float, float, int]
 
 
+def _fixed(rate: object) -> float:
+    """An applied optimizer's rate (:func:`zps.optim.at_step` fixed it)."""
+    assert isinstance(rate, float | int), "a scheduled optimizer applied without at_step"
+    return float(rate)
+
+
 def _kernel_opt(opt: object) -> _KernelOpt | None:
-    """An optimizer as the kernel's ``opt`` tuple: ``(kind, clip (0: none),
-    weight_decay, four hyperparameters, flag)``, the flag Momentum's ``nesterov`` (for
-    Adam, set with its tables); None if the kernel has no such kind."""
+    """An applied optimizer (a fixed rate: see :func:`zps.optim.at_step`) as the kernel's
+    ``opt`` tuple: ``(kind, clip (0: none), weight_decay, four hyperparameters, flag)``,
+    the flag Momentum's ``nesterov`` (for Adam, set with its tables); None if the kernel
+    has no such kind."""
     if _kernel is None:
         return None
     if isinstance(opt, SGD):
-        return (_kernel.SGD, opt.clip or 0.0, opt.weight_decay, opt.lr, 0.0, 0.0, 0.0, 0)
+        return (_kernel.SGD, opt.clip or 0.0, opt.weight_decay, _fixed(opt.lr), 0.0, 0.0, 0.0, 0)
     if isinstance(opt, Momentum):
         return (
             _kernel.MOMENTUM,
             opt.clip or 0.0,
             opt.weight_decay,
-            opt.lr,
+            _fixed(opt.lr),
             opt.momentum,
             0.0,
             0.0,
             int(opt.nesterov),
         )
     if isinstance(opt, Adagrad):
-        return (_kernel.ADAGRAD, opt.clip or 0.0, opt.weight_decay, opt.lr, opt.eps, 0.0, 0.0, 0)
+        rate = _fixed(opt.lr)
+        return (_kernel.ADAGRAD, opt.clip or 0.0, opt.weight_decay, rate, opt.eps, 0.0, 0.0, 0)
     if isinstance(opt, Adam):
         return (
             _kernel.ADAM,
             opt.clip or 0.0,
             opt.weight_decay,
-            opt.lr,
+            _fixed(opt.lr),
             opt.beta1,
             opt.beta2,
             opt.eps,
             0,
         )
     if isinstance(opt, FTRL):
-        return (_kernel.FTRL, opt.clip or 0.0, 0.0, opt.alpha, opt.beta, opt.l1, opt.l2, 0)
+        alpha = _fixed(opt.alpha)
+        return (_kernel.FTRL, opt.clip or 0.0, 0.0, alpha, opt.beta, opt.l1, opt.l2, 0)
     return None
+
+
+def _check_retune(old: TableSpecT, new: TableSpecT, reset: bool) -> bool:
+    """Whether ``new`` (``old`` with another optimizer or step) changes the optimizer's
+    kind: then only with ``reset`` (the state columns are made afresh)."""
+    if type(old) is not type(new) or old.name != new.name or old != _with_opt(new, old.optimizer):
+        raise BadRequestError(f"table {old.name!r}: only the optimizer and step may change")
+    other = type(new.optimizer) is not type(old.optimizer)
+    if other and not reset:
+        raise BadRequestError(
+            f"table {old.name!r}: its optimizer is {old.optimizer.kind}, not "
+            f"{new.optimizer.kind}; another kind takes reset_state=True (its state "
+            "starts afresh)"
+        )
+    return other
+
+
+def _with_opt(spec: TableSpecT, opt: Optimizer) -> TableSpecT:
+    return dataclasses.replace(spec, optimizer=opt)
 
 
 def _adam_tables(opt: Adam, steps: int, dtype: np.dtype[Any]) -> tuple[Array, Array, bool]:
@@ -230,7 +260,8 @@ class EmbeddingTable:
         #: The compiled kernel's view of the optimizer (None: numpy only), its
         #: duplicate-check marks (one per row; a push marks its rows with a new
         #: generation) and, for Adam, its bias-correction tables by step.
-        self._kopt: _KernelOpt | None = _kernel_opt(spec.optimizer)
+        self._opt: Optimizer = at_step(spec.optimizer, spec.step)  # the one applied
+        self._kopt: _KernelOpt | None = _kernel_opt(self._opt)
         self._marks: npt.NDArray[np.uint32] = np.zeros(0, dtype=np.uint32)
         self._gen = 0
         self._bc: tuple[Array, Array] | None = None
@@ -249,6 +280,28 @@ class EmbeddingTable:
         self._state: dict[str, Array] = {
             k: mapped.empty(cap, w, self.dtype) for k, w in self._widths.items()
         }
+
+    def retune(self, spec: EmbeddingSpec, *, reset: bool = False) -> None:
+        """Take ``spec``: this table's with another optimizer or step count.  The same
+        kind of optimizer keeps every row's state; another kind only with ``reset``,
+        which gives every row the new optimizer's initial state (the values, and the
+        admission and eviction columns, stay).  BadRequestError naming both kinds
+        otherwise."""
+        if _check_retune(self.spec, spec, reset):
+            cap, n = self._rows.shape[0], len(self._index)
+            widths = spec.optimizer.state_widths(spec.dim)
+            state = {k: mapped.empty(cap, w, self.dtype) for k, w in widths.items()}
+            for k, arr in spec.optimizer.init_state(n, spec.dim, self.dtype).items():
+                state[k][:n] = arr
+            self._opt_keys = tuple(widths)
+            if self._life:
+                widths = {**widths, TOUCHED: 1, SEEN: 1}
+                state[TOUCHED], state[SEEN] = self._state[TOUCHED], self._state[SEEN]
+            self._widths, self._state = widths, state
+        self.spec = spec
+        self._opt = at_step(spec.optimizer, spec.step)
+        self._kopt = _kernel_opt(self._opt)
+        self._bc = None  # Adam's tables follow its betas
 
     def __len__(self) -> int:
         return len(self._index)
@@ -366,7 +419,7 @@ class EmbeddingTable:
         """The optimizer on the rows at ``pos`` (distinct): gather, update, scatter."""
         state = {k: take_rows(self._state[k], pos) for k in self._opt_keys}
         param = take_rows(self._rows, pos)
-        self.spec.optimizer.apply(param, summed, state)
+        self._opt.apply(param, summed, state)
         put_rows(self._rows, pos, param)
         for k, a in state.items():
             put_rows(self._state[k], pos, a)
@@ -431,7 +484,7 @@ class EmbeddingTable:
         ``check``) and, if ``apply``, update.  A status other than OK changed nothing."""
         marks, gen = self._next_marks() if check else (None, 0)
         states = tuple(self._state[k] for k in self._opt_keys)
-        opt = self.spec.optimizer
+        opt = self._opt
         if self._bc is None and isinstance(opt, Adam):
             self._adam(opt, _ADAM_STEPS)
         while True:
@@ -749,13 +802,32 @@ class DenseTensor:
         self._state: dict[int, dict[str, Array]] = {}
         #: The compiled kernel's view of the optimizer, for a chunk's update in one
         #: pass with no temporary array (None: numpy; Adam's steps stay with numpy).
-        opt = spec.optimizer
+        self._opt: Optimizer = spec.optimizer  # the one applied (see _tune)
+        self._kopt: _KernelOpt | None = None
+        self._kstate: tuple[str, ...] = ()
+        self._tune(spec)
+
+    def _tune(self, spec: DenseSpec) -> None:
+        """Apply ``spec``'s optimizer at ``spec``'s step from now on."""
+        self.spec = spec
+        opt = self._opt = at_step(spec.optimizer, spec.step)
         self._kopt = (
             _kernel_opt(opt)
             if KERNEL and not isinstance(opt, Adam) and self.dtype in (np.float32, np.float64)
             else None
         )
         self._kstate = tuple(opt.state_widths(1))
+
+    def retune(self, spec: DenseSpec, *, reset: bool = False) -> None:
+        """Take ``spec``: this tensor's with another optimizer or step count.  The same
+        kind of optimizer keeps every chunk's state; another kind only with ``reset``,
+        which gives every stored chunk the new optimizer's initial state (the values
+        stay).  BadRequestError naming both kinds otherwise."""
+        other = _check_retune(self.spec, spec, reset)
+        if other:
+            for c, values in self._values.items():
+                self._state[c] = spec.optimizer.init_state(1, values.size, self.dtype)
+        self._tune(spec)
 
     def __len__(self) -> int:
         """Number of chunks materialised here."""
@@ -832,7 +904,7 @@ class DenseTensor:
         else:
             if lent:
                 values = self._values[chunk] = self._own(values, copy=True)
-            self.spec.optimizer.apply(values, g.reshape(1, -1), state)
+            self._opt.apply(values, g.reshape(1, -1), state)
 
     def copy_values(self) -> dict[int, Array]:
         """A copy of every stored chunk's values (1-D), by chunk index."""
