@@ -109,7 +109,11 @@ class ReplicationStream:
         self.queue_bytes = queue_bytes
         # Per follower: ``queue_bytes`` of stream beyond its snapshot (see _subscribe).
         self.out = transport.Outbound(
-            channel, total_limit=1 << 62, stall_timeout=stall_timeout, name="replication"
+            channel,
+            total_limit=1 << 62,
+            stall_timeout=stall_timeout,
+            name="replication",
+            gate=transport.ConnectionGate() if channel.curve_server else None,
         )
         self.dropped = 0  # followers dropped for a full queue or silence
         #: CURVE: follower name -> the key that owns it here (see _admit), and refusals.
@@ -131,9 +135,18 @@ class ReplicationStream:
 
     async def serve(self) -> None:
         """Handle SUBSCRIBE and ACK until the ROUTER closes."""
+        unwatch = (
+            transport.watch_handshakes(
+                self.channel.sock, self._handshake_refused, self._connection_closed, auth=True
+            )
+            if self.channel.curve_server
+            else None
+        )
         try:
             await transport.serve(self.channel, self._handle, self._malformed, fast=self._take)
         finally:
+            if unwatch is not None:
+                unwatch()
             self.snapshots.close()
             self.out.close()
             self._release_shared(lambda entry: True)
@@ -150,7 +163,7 @@ class ReplicationStream:
         try:
             node = transport.frame_bytes(frames[0]).decode()
             key = transport.sender_key(frames[1]) if len(frames) > 1 else None
-            if key is not None and not self._admit(node, key):
+            if key is not None and not self._admit(node, key, transport.sender_fd(frames[1])):
                 return True  # refused, counted
             msg = decode([transport.frame_buffer(f) for f in frames[1:]])
             try:
@@ -173,7 +186,17 @@ class ReplicationStream:
             raise ProtocolError(str(e)) from e
         return True
 
-    def _admit(self, node: str, key: bytes) -> bool:
+    def _handshake_refused(self, peer: str, key: bytes | None, reason: str) -> None:
+        self.refusals.refused(f"a peer at {peer}", key, reason, time.monotonic())
+
+    def _connection_closed(self, fd: int) -> None:
+        """CURVE: a follower's connection closed: it is dropped, and nothing goes to its
+        name until its key subscribes again (the next connection may be another's)."""
+        node = self.out.connection_closed(fd)
+        if node is not None:
+            self.drop(node.decode("utf-8", "replace"), "its connection closed")
+
+    def _admit(self, node: str, key: bytes, fd: int | None) -> bool:
         """CURVE: a follower is a shard identity, and the key that first subscribed as
         an assigned replica owns that name here for this process's life: a message from
         any other key under it (a subscription, an acknowledgement that would release
@@ -184,15 +207,13 @@ class ReplicationStream:
             self.refusals.refused(node, key, "wrong_role", now, "not a shard identity")
             return False
         owner = self._owners.get(node)
-        if owner is None:
-            if node in self.session.replicas:
-                if len(self._owners) >= MAX_OWNERS:  # never a current replica's
-                    self._owners = {
-                        n: k for n, k in self._owners.items() if n in self.session.replicas
-                    }
-                self._owners[node] = key
-            return True
-        if owner == key:
+        if owner is None and node in self.session.replicas:
+            if len(self._owners) >= MAX_OWNERS:  # never a current replica's
+                self._owners = {n: k for n, k in self._owners.items() if n in self.session.replicas}
+            owner = self._owners[node] = key
+        if owner is None or owner == key:
+            if self.out.gate is not None:
+                self.out.gate.accepted(node.encode(), fd)
             return True
         self.refusals.refused(node, key, "identity_of_another_key", now)
         return False
