@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -44,7 +45,7 @@ from zps.errors import (
 )
 from zps.init import Initializer, Zeros
 from zps.ops.config import ClientConfig
-from zps.optim import SGD, Optimizer
+from zps.optim import FTRL, SGD, Adagrad, Adam, Momentum, Optimizer
 from zps.protocol.specs import DenseSpec, EmbeddingSpec, spec_from_wire
 
 
@@ -502,6 +503,55 @@ class Client(TrainingCalls):
         if not dropped and not missing_ok:
             raise UnknownTableError(f"unknown table {name!r}: nothing to drop")
         return dropped
+
+    async def set_optimizer(
+        self, name: str, optimizer: Optimizer, *, reset_state: bool = False
+    ) -> None:
+        """Give table ``name`` another optimizer from its next push on: new
+        hyperparameters, or a learning-rate schedule (:mod:`zps.optim.schedules`).  The
+        same kind keeps its state (Adam keeps its moments and step counts); another kind
+        is refused (``BadRequestError`` naming both) unless ``reset_state``, which gives
+        every row and chunk the new optimizer's initial state, as in a new table (the
+        values stay).  Sent to every partition; replicated, logged and applied once,
+        like a push; snapshots, checkpoints, ``describe`` and exports show the new
+        optimizer.  A later ``create_*`` of the table must name the new optimizer."""
+        if not isinstance(optimizer, SGD | Momentum | Adagrad | Adam | FTRL):
+            raise BadRequestError(
+                f"set_optimizer of {name!r}: optimizer must be a zps.optim optimizer, "
+                f"got {type(optimizer).__name__}"
+            )
+        if not isinstance(reset_state, bool):
+            raise BadRequestError(f"set_optimizer of {name!r}: reset_state must be a bool")
+        op: dict[str, Any] = {"op": "set_optimizer", "t": name, "optimizer": optimizer.spec()}
+        if reset_state:
+            op["reset"] = True
+        n = self.cluster_map.n_partitions
+        await self._gather(self._submit(p, dict(op), {}) for p in range(n))
+        spec = self._specs.get(name)
+        if spec is not None:
+            self._specs[name] = dataclasses.replace(spec, optimizer=optimizer)
+
+    async def advance_step(self, table: str | None = None, steps: int = 1) -> dict[str, int]:
+        """Advance the step count of ``table`` (None: of every table) by ``steps`` (>= 1),
+        on every partition; returns each table's new count by name.  A scheduled learning
+        rate (:mod:`zps.optim.schedules`) is evaluated at this count: a push applied
+        after this call returns uses the new step's rate.  Replicated, logged and
+        applied once like a push (a retried call does not count twice), so the count,
+        and the rate, are exact across failover and restarts.  Typically one worker
+        advances after each training step (every worker calling it counts each call)."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise BadRequestError(f"advance_step: steps must be an integer >= 1, got {steps!r}")
+        if table is not None and not isinstance(table, str):
+            raise BadRequestError(f"advance_step: table must be a name or None, got {table!r}")
+        n = self.cluster_map.n_partitions
+        results = await self._gather(
+            self._submit(p, {"op": "advance_step", "t": table, "n": steps}, {}) for p in range(n)
+        )
+        out: dict[str, int] = {}
+        for r in results:
+            for name, step in r.get("steps", {}).items():
+                out[name] = max(out.get(name, 0), int(step))
+        return out
 
     async def set_dense(self, name: str, values: npt.ArrayLike) -> None:
         """Set a dense tensor's values (an array of its shape).  Its optimizer state is

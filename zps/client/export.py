@@ -10,12 +10,13 @@ primary changes while its cut is read (a failover), the copy is gone with it and
 export starts again (at most ``attempts`` times).
 
 Import (:func:`import_model`): creates each table with the exported spec (idempotent for
-an identical one; ``TableConflictError`` naming the fields if a table of that name differs)
-and sets its values and optimizer state with ``set_dense`` / ``set_rows`` carrying the
-state columns, which are replicated, logged and applied once like pushes: what was
-exported continues exactly where it stopped.  A table exported without state (values
-only, or by a zps that exported none) gets the optimizer's initial state, said in a log
-line.  A delta (``since``) carries values only.
+an identical one; ``TableConflictError`` naming the fields if a table of that name differs),
+sets its step count to the exported one (``advance_step`` with ``to``: a learning-rate
+schedule continues where it was), and sets its values and optimizer state with
+``set_dense`` / ``set_rows`` carrying the state columns, which are replicated, logged and
+applied once like pushes: what was exported continues exactly where it stopped.  A table
+exported without state (values only, or by a zps that exported none) gets the optimizer's
+initial state, said in a log line.  A delta (``since``) carries values only.
 """
 
 from __future__ import annotations
@@ -275,9 +276,13 @@ async def import_model(
     returns the names imported."""
     export = Export(path)
     names = list(export.tables) if tables is None else list(tables)
+    n = client.cluster_map.n_partitions
     for name in names:
         entry = export.entry(name)
         await client._create(entry.spec)
+        # A table that existed already keeps its count through create: set it.
+        op = {"op": "advance_step", "t": name, "to": entry.spec.step}
+        await client._gather(client._submit(p, dict(op), {}) for p in range(n))
     for name in names:
         entry = export.entry(name)
         state = export.state(name)

@@ -200,6 +200,16 @@ class SyncClient:
         if it did not, unless ``missing_ok``)."""
         return self._call(self._client.drop_table(name, missing_ok=missing_ok))
 
+    def set_optimizer(self, name: str, optimizer: Optimizer, *, reset_state: bool = False) -> None:
+        """Give a table another optimizer (the same kind keeps its state; another kind
+        only with ``reset_state``): see :meth:`Client.set_optimizer`."""
+        self._call(self._client.set_optimizer(name, optimizer, reset_state=reset_state))
+
+    def advance_step(self, table: str | None = None, steps: int = 1) -> dict[str, int]:
+        """Advance the step count a learning-rate schedule follows (None: every table);
+        each table's new count: see :meth:`Client.advance_step`."""
+        return self._call(self._client.advance_step(table, steps))
+
     def set_dense(self, name: str, values: npt.ArrayLike) -> None:
         """See :meth:`Client.set_dense <zps.client.client.Client.set_dense>` (the
         optimizer state is reset)."""

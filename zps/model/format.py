@@ -13,8 +13,10 @@ An export is a directory::
 that wrote it, when, from what (``source``), the LSN and epoch each partition was cut at
 (``partitions``) and one entry per table: ``name``, ``kind`` (``"embedding"`` or
 ``"dense"``), ``rows`` (embedding) or ``shape`` (dense), ``dtype``, ``files`` (paths
-relative to the directory) and ``spec`` (the table's zps spec: init, optimizer, seed, as
-``create_*`` sends it).  The manifest is written last, atomically: a directory without
+relative to the directory), ``spec`` (the table's zps spec: init, optimizer with its
+learning-rate schedule if any, seed, and ``step``, the step count the schedule was at, when
+not 0) and ``step`` (that count again, for readers without zps; an import restores the
+spec's).  The manifest is written last, atomically: a directory without
 one is an unfinished export.
 
 Optimizer state: a table exported with it lists its optimizer's state columns in
@@ -212,6 +214,7 @@ class ExportWriter:
             "dtype": spec.dtype,
             "files": files,
             "spec": spec.to_wire(),
+            "step": spec.step,
         }
         if state:
             entry["state"] = keys
@@ -230,6 +233,7 @@ class ExportWriter:
                 "dtype": spec.dtype,
                 "files": {"values": f"{rel}/values.npy"},
                 "spec": spec.to_wire(),
+                "step": spec.step,
             }
         )
         out: np.memmap[Any, Any] = np.lib.format.open_memmap(
