@@ -222,6 +222,29 @@ def test_a_connected_identity_is_not_handed_to_another_key(kc: KeyCluster) -> No
     assert kc.healthy(kc.status())
 
 
+def test_a_free_identity_gets_nothing_meant_for_its_owner(kc: KeyCluster) -> None:
+    """The owner's connection closes (no goodbye: the broker still knows it and keeps
+    sending to it); another key connects with the identity at once, which is free now.
+    It gets nothing meant for the owner, not even the broker's probes, until the owner's
+    key speaks again."""
+    ident = key_identity(b"c-", kc.public("client"), b"gone")
+    ctx = zmq.Context()
+    try:
+        owner, monitor = curve_dealer(ctx, kc, "client", ident, kc.address, "broker")
+        handshake_done(monitor)
+        owner.send_multipart(control(MsgType.HELLO, {"host": "o", "pid": 3, "name": "owner"}))
+        assert owner.poll(5000), "the owner got no map"
+        owner.close(0)
+        thief, monitor = curve_dealer(ctx, kc, "hostile", ident, kc.address, "broker")
+        handshake_done(monitor)
+        # The broker probes every client each heartbeat interval (0.1 s), the owner
+        # among them until it is declared dead (after 2 s).
+        assert ident.decode() in {x["node"] for x in kc.status()["clients"]}
+        assert not thief.poll(1000), "the thief received a message meant for the owner"
+    finally:
+        ctx.destroy(0)
+
+
 def test_a_clients_identity_and_sequence_numbers_stay_its_keys(kc: KeyCluster) -> None:
     """After a client left (the broker forgot it), another key presents its identity and
     its next sequence number: refused, so the dedup record stays the client's own."""
