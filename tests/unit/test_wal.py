@@ -563,3 +563,27 @@ def test_a_state_older_than_where_the_log_begins_is_not_complete(tmp_path: Path)
     assert result.lsn == 5 and result.set_aside == 0
     assert result.reached == 10 and not result.complete
     assert [p.name for p in tmp_path.glob("*.broken")] == [segment_name(10) + ".broken"]
+
+
+@pytest.mark.asyncio
+async def test_a_failed_sync_on_the_way_out_is_reported_not_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = Durability("interval", interval=60.0)
+    lost: list[str] = []
+    d.on_lost = lost.append
+    d.start(tmp_path, 0, 0)
+    writer = asyncio.create_task(d.run())
+    released: list[int] = []
+    d.log(1, 0, 1, [b"h1"])
+    d.after(1, lambda: released.append(1))
+    await _until(lambda: released == [1])  # written, not yet synced
+
+    def eio(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr("zps.store.wal.os.fdatasync", eio)
+    writer.cancel()  # the shard stops: the log is synced and closed
+    with contextlib.suppress(asyncio.CancelledError):
+        await writer
+    assert lost and "fdatasync failed" in lost[0] and d.lost == lost[0]

@@ -249,8 +249,12 @@ class Durability:
                 if self.on_durable is not None and self.waits:
                     self.on_durable()
         finally:
-            await loop.run_in_executor(self._executor, self._close)
-            self._executor.shutdown(wait=False)
+            try:
+                await loop.run_in_executor(self._executor, self._close)
+            except WalLost as e:  # the last sync, on the way out
+                self._lose(self._wal.lost if self._wal and self._wal.lost else str(e))
+            finally:
+                self._executor.shutdown(wait=False)
 
     def _lose(self, why: str) -> None:
         """The log is lost: write nothing more, release nothing, tell the shard."""
