@@ -587,3 +587,32 @@ async def test_a_failed_sync_on_the_way_out_is_reported_not_raised(
     with contextlib.suppress(asyncio.CancelledError):
         await writer
     assert lost and "fdatasync failed" in lost[0] and d.lost == lost[0]
+
+
+def test_a_cut_that_cannot_be_kept_aside_destroys_no_whole_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import builtins
+
+    from zps.store.wal import WalError
+
+    real = builtins.open
+
+    def full(path: object, mode: str = "r", *args: object, **kw: object) -> object:
+        if ".cut-" in str(path):
+            raise OSError(28, "No space left on device")
+        return real(path, mode, *args, **kw)  # type: ignore[call-overload]
+
+    write(tmp_path, [rec(i) for i in range(1, 7)]).close()
+    (seg,) = tmp_path.glob("wal-*.log")
+    whole = seg.read_bytes()
+    monkeypatch.setattr("zps.store.wal.open", full, raising=False)
+    # Records 4..6 would be cut (4 does not apply): refused, the segment untouched.
+    with pytest.raises(WalError, match=r"3 whole records .* make room"):
+        Wal(tmp_path).recover(0, 0, Applier(fail_at=4))
+    assert seg.read_bytes() == whole and not list(tmp_path.glob("*.cut-*"))
+    # A torn last record only: nothing whole is lost, so it is cut even so.
+    with open(seg, "ab") as f:
+        f.write(b"".join(bytes(p) for p in encode_record(rec(7)))[:-2])
+    result = Wal(tmp_path).recover(0, 0, Applier())
+    assert result.lsn == 6 and result.complete and seg.read_bytes() == whole

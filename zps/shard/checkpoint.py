@@ -58,7 +58,7 @@ from zps.store.snapshot import (
     encode_snapshot,
     ordered,
 )
-from zps.store.wal import Record, Recovery, Wal
+from zps.store.wal import Record, Recovery, Wal, WalError
 
 log = logging.getLogger("zps.checkpoint")
 
@@ -354,7 +354,10 @@ def restore(
     else:
         core.assign(partition, 0, primary=False)  # the log may start from nothing
     wal = Wal(store.folder(partition), segment_bytes=log_segment_bytes)
-    recovery = wal.recover(core.lsn, core.epoch, lambda rec: apply_record(core, rec))
+    try:
+        recovery = wal.recover(core.lsn, core.epoch, lambda rec: apply_record(core, rec))
+    except WalError as e:
+        raise CheckpointError(str(e)) from e
     core.epoch = recovery.epoch
     if found is None and core.lsn == 0:
         core.assign(None, 0)

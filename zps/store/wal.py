@@ -347,16 +347,32 @@ class Wal:
             count, first, tail_last = whole_records(tail, lsn)
             aside, reached = aside + count, max(reached, tail_last or 0)
             saved = _aside_name(path, f".cut-{offset}")
-            with open(saved, "wb") as f:
-                f.write(tail)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(self.folder)
             held = f"{count} whole records" + (f" (LSN {first}..{tail_last})" if count else "")
-            log.error(
-                "write-ahead log %s: cut %d bytes after LSN %d (they hold %s after it); kept as %s",
-                path, size - offset, lsn, held, saved,
-            )  # fmt: skip
+            try:
+                with open(saved, "wb") as f:
+                    f.write(tail)
+                    f.flush()
+                    os.fsync(f.fileno())
+                _fsync_dir(self.folder)
+            except OSError as e:
+                saved.unlink(missing_ok=True)
+                if count:  # never destroyed: the operator makes room first
+                    raise WalError(
+                        f"write-ahead log {path}: the {size - offset} bytes after LSN {lsn} "
+                        f"hold {held} and cannot be kept aside as {saved} ({e}); make room "
+                        "in the data dir and start again"
+                    ) from e
+                log.error(
+                    "write-ahead log %s: the %d bytes after LSN %d (no whole record) cannot "
+                    "be kept aside (%s): cut",
+                    path, size - offset, lsn, e,
+                )  # fmt: skip
+            else:
+                log.error(
+                    "write-ahead log %s: cut %d bytes after LSN %d (they hold %s after it); "
+                    "kept as %s",
+                    path, size - offset, lsn, held, saved,
+                )  # fmt: skip
             with open(path, "r+b") as f:
                 f.truncate(offset)
                 f.flush()
