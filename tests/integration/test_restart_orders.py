@@ -263,3 +263,28 @@ def test_a_copy_without_a_log_waits_for_the_operator(
     c.wait_for(serves(c, back), 20, "the held copy to serve once the loss is accepted")
     assert -8.0 < value(c) <= -5.0  # the checkpoint's pushes, not the last ones
     assert node_of(c, empty)  # registered all along, and given nothing
+
+
+def test_a_planned_stop_of_the_last_copy_is_no_error(
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path
+) -> None:
+    """SIGTERM of a partition's only shard (an operator's stop) leaves the partition
+    without a copy: logged at WARNING, not as an ERROR 'partition lost'; it serves again
+    when the shard comes back."""
+    c = make_cluster(broker_dir=True, partitions=1, replication=1)
+    broker = c.start_broker()
+    shard = c.start_shard(tmp_path / "only")
+    c.wait_for(serves(c, shard), 20, "a primary")
+    with zps.connect_sync(c.address, timeout=20) as ps:
+        ps.create_dense("w", shape=(4,), dtype="float64", optimizer=SGD(lr=1.0))
+    push(c, 3)
+    shard.popen.send_signal(signal.SIGTERM)
+    assert shard.popen.wait(20) == 0, shard.log()[-2000:]
+    c.wait_for(lambda s: s["partitions"][0]["state"] == "lost", 20, "no copy serving")
+    log = broker.log()
+    assert re.search(r"WARNING .*partition 0 has no copy serving: its last one, s-", log), log
+    assert re.search(r"WARNING .*partition 0: ok -> lost.*its last copy was stopped", log), log
+    assert " ERROR " not in log, log
+    back = c.start_shard(tmp_path / "only")
+    c.wait_for(serves(c, back), 20, "the copy back")
+    assert value(c) == -3.0

@@ -580,15 +580,19 @@ class Broker:
             if new == old:
                 continue
             self._part_states[p] = new
+            stopped = new == "lost" and self.state.stopped(p)
             level = (
-                logging.ERROR
+                logging.WARNING
+                if stopped or (new == "degraded" and old == "ok")
+                else logging.ERROR
                 if new == "lost"
-                else logging.WARNING
-                if new == "degraded" and old == "ok"
                 else logging.INFO
             )
             why = {
-                "lost": "no copy left; its requests fail until a shard holding it registers",
+                "lost": "its last copy was stopped; its requests wait until a shard holding "
+                "it registers"
+                if stopped
+                else "no copy left; its requests wait until a shard holding it registers",
                 "degraded": "fewer copies in sync than configured",
             }.get(new, "")
             primary = self.state.primary_of(p)
@@ -1067,7 +1071,7 @@ class Broker:
                 self.detector.forget(node)
                 self._forget_queue(ident)
                 self._keys.pop(node, None)
-                await self._apply(self.state.node_gone(node, now))
+                await self._apply(self.state.node_gone(node, now, planned=True))
             case _:
                 assert_never(message)
 

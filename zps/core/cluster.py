@@ -145,6 +145,8 @@ class _Partition:
     #: The (epoch, LSN) of the copy its primary was granted from, and its LSN then.
     origin: tuple[int, int] = (0, 0)
     granted_lsn: int = 0
+    #: Lost because its last copy was stopped on purpose (a planned shutdown).
+    stopped: bool = False
     #: A newer copy waiting for the serving primary to be fenced (rule 8).
     contender: str | None = None
     #: The shard-clock time after which the fenced primary's lease has run out.
@@ -298,6 +300,11 @@ class ClusterState:
 
     def is_lost(self, partition: int) -> bool:
         return self._parts[partition].lost
+
+    def stopped(self, partition: int) -> bool:
+        """Lost because its last copy was stopped on purpose (no error)."""
+        part = self._parts[partition]
+        return part.lost and part.stopped
 
     def handing_over(self, partition: int) -> str | None:
         """The newer copy ``partition`` is being handed to (rule 8): the map names no
@@ -629,8 +636,11 @@ class ClusterState:
         self._publish()
         return True
 
-    def node_gone(self, node_id: str, now: float = 0.0) -> list[Assignment]:
-        """A node died or left; returns the assignments that follow (promotions)."""
+    def node_gone(
+        self, node_id: str, now: float = 0.0, *, planned: bool = False
+    ) -> list[Assignment]:
+        """A node died or left (``planned``: it said goodbye, a stop an operator asked
+        for); returns the assignments that follow (promotions)."""
         for part in self._parts:
             if part.contender is not None and node_id in (part.contender, part.primary):
                 # The hand-over is off: a dead primary's last writes are unknown, so
@@ -652,7 +662,7 @@ class ClusterState:
             self._publish()
             out += [self._assignment(r) for r in part.replicas]
         elif part.primary == node_id:
-            out += self._failover(node.partition)
+            out += self._failover(node.partition, stopped=node_id if planned else None)
         elif node_id in part.replicas:
             part.replicas.remove(node_id)
             part.in_sync.discard(node_id)
@@ -672,21 +682,17 @@ class ClusterState:
 
     # -- internals -----------------------------------------------------------
 
-    def _failover(self, p: int) -> list[Assignment]:
+    def _failover(self, p: int, *, stopped: str | None = None) -> list[Assignment]:
+        """Promote the best in-sync replica of ``p``; with none it is lost (``stopped``:
+        its last copy was stopped on purpose, which is no error)."""
         part = self._parts[p]
         part.primary = None
         candidates = [r for r in part.replicas if r in part.in_sync and r in self.shards]
-        if not candidates:
-            self._lose(p)
-            out = [a for r in list(part.replicas) for a in self._demote(r, p)]
-            part.replicas, part.in_sync = [], set()
-            self._publish()
-            return out
         if part.pinned and not part.released:
             # After a restart, only the recorded in-sync set holds every write.
             candidates = [r for r in candidates if r in part.members]
         if not candidates:
-            self._lose(p)
+            self._lose(p, stopped=stopped)
             out = [a for r in list(part.replicas) for a in self._demote(r, p)]
             part.replicas, part.in_sync = [], set()
             self._publish()
@@ -704,19 +710,31 @@ class ClusterState:
         self._publish()
         return out
 
-    def _lose(self, p: int) -> None:
+    def _lose(self, p: int, *, stopped: str | None = None) -> None:
         part = self._parts[p]
         if part.lost:
             return
-        part.lost = True
+        part.lost, part.stopped = True, stopped is not None
         where = f" (its copies were on {', '.join(part.hosts)})" if part.hosts else ""
+        after = (
+            "requests for it wait (up to their timeout) until a shard holding such a copy "
+            f"registers, or until zps-server reset-partition --partition {p} "
+            "--accept-data-loss"
+        )
+        if stopped is not None:
+            self.notices.append(
+                (
+                    "warning",
+                    f"partition {p} has no copy serving: its last one, {stopped}, was "
+                    f"stopped (at epoch {part.floor_epoch}, LSN {part.floor_lsn}){where}; " + after,
+                )
+            )
+            return
         self.notices.append(
             (
                 "error",
                 f"partition {p} is lost: no copy of it at epoch {part.floor_epoch}, LSN "
-                f"{part.floor_lsn} or newer is left{where}; requests for it fail until a "
-                "shard holding such a copy registers, or until zps-server reset-partition "
-                f"--partition {p} --accept-data-loss",
+                f"{part.floor_lsn} or newer is left{where}; " + after,
             )
         )
 
