@@ -331,7 +331,7 @@ def test_refusals_are_logged_once_a_minute_per_peer_and_key_and_counted(
     try:
         sock = dealer(ctx, kc.address, b"c-plain")
         sock.send_multipart(control(MsgType.HELLO, {"host": "p", "pid": 1}))
-        assert wait_lines(kc, r"WARNING.*the broker refused .*presented no CURVE key")
+        assert wait_lines(kc, r"WARNING.*the broker refused .*no CURVE key")
         assert kc.refusals("no_key") >= 1
     finally:
         ctx.destroy(0)
@@ -362,6 +362,20 @@ def test_a_replicas_identity_is_not_handed_to_another_shard_key(kc: KeyCluster) 
         ctx.destroy(0)
     status = kc.wait_healthy(10)
     assert {s["node"] for s in status["shards"]} == {"s-alpha", "s-beta"}
+    # A client key is refused at the handshake there, and the primary logs it.
+    ctx = zmq.Context()
+    try:
+        # (kept referenced: a collected socket would close mid-handshake)
+        stranger, _ = curve_dealer(ctx, kc, "hostile", b"s-beta", primary["address"], primary_key)
+        log = kc.proc_by_pid(primary["pid"])
+        deadline = time.monotonic() + 10
+        pattern = r"WARNING.*the replication endpoint refused .*no allow-list"
+        while not re.search(pattern, log.log()):
+            assert time.monotonic() < deadline, (log.name, log.log()[-2000:])
+            time.sleep(0.05)
+        assert not stranger.poll(0)
+    finally:
+        ctx.destroy(0)
 
 
 def test_a_shard_name_outlives_its_key(kc: KeyCluster) -> None:

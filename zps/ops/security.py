@@ -203,7 +203,7 @@ TAG_CHARS = 16
 REFUSAL_REASONS = ("no_key", "key_not_allowed", "wrong_role", "identity_of_another_key")
 #: The words a log line gives each reason.
 REFUSAL_WORDS = {
-    "no_key": "it presented no CURVE key",
+    "no_key": "no CURVE key (it did not complete a CURVE handshake)",
     "key_not_allowed": "its key is in no allow-list",
     "wrong_role": "its key's role may not do this",
     "identity_of_another_key": "the identity belongs to another key",
@@ -276,33 +276,34 @@ def admin_ops(header_frame: bytes | memoryview) -> list[str]:
 
 
 class RefusalLog:
-    """Refusals counted by reason and logged at WARNING once per peer and key per
-    ``window`` seconds (a flood of refused messages costs one line a minute each)."""
+    """Refusals counted by reason and logged at WARNING once per peer, key and reason
+    per ``window`` seconds (a flood of refused messages costs one line a minute each)."""
 
     def __init__(self, log: logging.Logger, where: str, window: float = 60.0) -> None:
         self.log = log
         self.where = where
         self.window = window
         self.counts: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
-        self._last: dict[tuple[str, bytes | None], float] = {}
+        self._last: dict[tuple[str, bytes | None, str], float] = {}
 
-    def due(self, peer: str, key: bytes | None, now: float) -> bool:
-        """Whether a refusal of ``(peer, key)`` at ``now`` is logged (and note it)."""
-        last = self._last.get((peer, key))
+    def due(self, peer: str, key: bytes | None, reason: str, now: float) -> bool:
+        """Whether a refusal of ``(peer, key)`` for ``reason`` at ``now`` is logged (and
+        note it)."""
+        last = self._last.get((peer, key, reason))
         if last is not None and now - last < self.window:
             return False
         if len(self._last) >= 4096:  # forget those past their window
             self._last = {k: t for k, t in self._last.items() if now - t < self.window}
             if len(self._last) >= 4096:
                 return False  # a flood of fresh peers: counted, not logged
-        self._last[(peer, key)] = now
+        self._last[(peer, key, reason)] = now
         return True
 
     def refused(
         self, peer: str, key: bytes | None, reason: str, now: float, detail: str = ""
     ) -> None:
         self.counts[reason] = self.counts.get(reason, 0) + 1
-        if self.due(peer, key, now):
+        if self.due(peer, key, reason, now):
             self.log.warning(
                 "%s refused %s (key %s): %s%s",
                 self.where,

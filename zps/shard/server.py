@@ -67,7 +67,12 @@ from zps.ops.metrics import (
     labelled,
     request_seconds,
 )
-from zps.ops.security import load_curve_keys, load_key_roles, warn_if_exposed
+from zps.ops.security import (
+    REFUSAL_REASONS,
+    load_curve_keys,
+    load_key_roles,
+    warn_if_exposed,
+)
 from zps.ops.systemd import Notifier
 from zps.protocol.codec import (
     CODEC_RAW,
@@ -267,6 +272,9 @@ class ShardServer:
             checkpoint_every_updates=ckpt.every_updates,
             checkpoints=bool(config.data_dir),
             min_in_sync=config.replication.min_in_sync,
+            repair=config.replication.write_while_repairing
+            and bool(config.data_dir)
+            and config.durability != "none",
             now=time.monotonic(),
         )
         self.address = ""
@@ -682,6 +690,15 @@ class ShardServer:
             "zps_shard_duplicates", "Re-sent messages answered from the dedup record", s.duplicates
         )
         yield counter("zps_shard_malformed", "Malformed messages dropped or refused", s.malformed)
+        if self._stream is not None:
+            counts = self._stream.refusals.counts
+            yield labelled(
+                CounterMetricFamily,
+                "zps_shard_replication_refusals",
+                "CURVE peers and messages refused at the replication endpoint, by reason",
+                "reason",
+                {r: float(counts.get(r, 0)) for r in REFUSAL_REASONS},
+            )
         yield counter("zps_shard_receive_bytes", "Payload bytes received", s.bytes_in)
         part = {"partition": "none" if core.partition is None else str(core.partition)}
         yield gauge("zps_shard_lsn", "Log sequence number of the partition", core.lsn, part)
