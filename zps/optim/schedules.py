@@ -89,8 +89,8 @@ def _cos_series(u: float) -> float:
 
 
 def cos_pi(x: float) -> float:
-    """cos(pi * x) for x in [0, 1], with basic arithmetic only (rule 2); within a few
-    ulps of ``math.cos(math.pi * x)``."""
+    """cos(pi * x) for x in [0, 1], with basic arithmetic only (rule 2); within 1e-15 of
+    ``math.cos(math.pi * x)``."""
     if not 0.0 <= x <= 1.0:
         raise ValueError(f"cos_pi takes x in [0, 1], got {x}")
     sign = 1.0
@@ -232,12 +232,12 @@ class LinearWarmup:
 Schedule = Constant | Step | Cosine | LinearWarmup
 _SCHEDULE_TYPES = (Constant, Step, Cosine, LinearWarmup)
 _SCHEDULES: dict[str, type[Schedule]] = {c.kind: c for c in _SCHEDULE_TYPES}
-#: Wire field -> what it must be ("number", "integer" or "schedule"), by kind.
+#: Wire field -> what it must be ("a number", "an integer" or "a schedule"), by kind.
 _FIELDS: dict[str, dict[str, str]] = {
-    "constant": {"lr": "number"},
-    "step": {"lr": "number", "step_size": "integer", "gamma": "number"},
-    "cosine": {"lr": "number", "total_steps": "integer", "min_lr": "number"},
-    "linear_warmup": {"schedule": "schedule", "warmup_steps": "integer"},
+    "constant": {"lr": "a number"},
+    "step": {"lr": "a number", "step_size": "an integer", "gamma": "a number"},
+    "cosine": {"lr": "a number", "total_steps": "an integer", "min_lr": "a number"},
+    "linear_warmup": {"schedule": "a schedule", "warmup_steps": "an integer"},
 }
 #: How deeply warmups may nest on the wire (a hostile spec cannot recurse for ever).
 _MAX_DEPTH = 4
@@ -266,11 +266,11 @@ def schedule_from_spec(spec: object, _depth: int = 0) -> Schedule:
         if name not in spec:
             raise BadRequestError(f"{kind}.{name} is missing")
         value = spec[name]
-        if what == "schedule":
+        if what == "a schedule":
             value = schedule_from_spec(value, _depth + 1)
         elif isinstance(value, bool) or not isinstance(
-            value, int if what == "integer" else int | float
+            value, int if what == "an integer" else int | float
         ):
-            raise BadRequestError(f"{kind}.{name} must be a {what}, got {type(value).__name__}")
+            raise BadRequestError(f"{kind}.{name} must be {what}, got {type(value).__name__}")
         kwargs[name] = value
     return _SCHEDULES[kind](**kwargs)
