@@ -642,3 +642,30 @@ def test_dropping_a_follower_below_min_in_sync_refuses_what_waits() -> None:
     done = s.settle()
     assert done.released == [] and done.refused == ["w1"]
     assert not s.enough_in_sync()
+
+
+def test_a_repairing_partition_takes_writes_on_the_copies_in_sync() -> None:
+    """Replication 2, min_in_sync 2: this replica was promoted and a spare replaces the
+    lost copy.  While the spare loads its snapshot, acks="all" writes need only this
+    primary (its log holds them); before the spare subscribes, and without a log, they
+    are refused as before."""
+    for repair in (True, False):
+        s: ShardSession[str] = ShardSession(
+            ME, heartbeat_interval=HB, liveness=LIVENESS, min_in_sync=2, repair=repair, now=0
+        )
+        s.assign(Role.REPLICA, P, E, "tcp://p:1")
+        s.on_map(E, {ME}, {ME})
+        s.assign(Role.PRIMARY, P, E + 1)
+        s.on_map(E + 1, set(), {"spare"})
+        assert not s.enough_in_sync()  # the spare has not subscribed yet
+        assert s.accepts_subscription("spare", P, E + 1)
+        s.subscribed("spare", 40, 0.1)
+        assert s.enough_in_sync() is repair and s.repairing is repair
+        if repair:
+            # Nothing to wait for but this copy: released as soon as it is logged.
+            assert s.add_write(41, "w") == ["w"]
+        assert ack(s, "spare", 41, E + 1, 0.2).in_sync  # caught up: the usual rule again
+        assert s.enough_in_sync() and not s.repairing
+        assert s.follower_gone("spare")
+        s.on_map(E + 1, set(), set())  # lost again, no spare to load: refused
+        assert not s.enough_in_sync()

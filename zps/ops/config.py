@@ -172,12 +172,23 @@ class Replication:
     #: with fewer in sync such writes get NOT_ENOUGH_REPLICAS.  1: acks="all" becomes
     #: acks=1 whenever no replica is in sync.
     min_in_sync: int = 2
+    #: While a copy that replaces a lost one loads its snapshot, ``acks="all"`` writes
+    #: need only the copies in sync (the primary's own write-ahead log holds them),
+    #: so a failover stalls writes no longer for a large partition than for a small
+    #: one.  Needs a log (a data dir, durability other than "none"); false: writes
+    #: wait for ``min_in_sync`` copies even then.
+    write_while_repairing: bool = True
     #: Bytes of the stream held for one replica that reads slower than it is sent;
     #: past it the replica is dropped from the in-sync set and must resynchronise.
     follower_queue_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         _integer("replication", 1, min_in_sync=self.min_in_sync)
+        if not isinstance(self.write_while_repairing, bool):
+            raise ConfigError(
+                "replication.write_while_repairing must be true or false, got "
+                f"{self.write_while_repairing!r}"
+            )
         _integer("replication", 1, follower_queue_bytes=self.follower_queue_bytes)
 
 

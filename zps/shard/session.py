@@ -33,7 +33,11 @@ Rules:
    driver refuses such writes before applying them (:meth:`ShardSession.enough_in_sync`),
    and writes already waiting when the set shrinks are refused too
    (:attr:`MapResult.refused`): they stay applied, and a re-sent copy is
-   answered from the dedup record once enough copies hold it.
+   answered from the dedup record once enough copies hold it.  Except while
+   the partition is *repairing* (``repair``: the primary has a write-ahead log
+   and a replica the map lists is loading its snapshot to replace a lost
+   copy): then the copies in sync are enough, the primary alone included, and
+   the broker's in-sync set says so (only they hold those writes).
 """
 
 from __future__ import annotations
@@ -111,12 +115,14 @@ class ShardSession(Generic[T]):
         checkpoint_every_updates: int = 0,
         checkpoints: bool = False,
         min_in_sync: int = 1,
+        repair: bool = False,
         now: float,
     ) -> None:
         if min_in_sync < 1:
             raise ValueError(f"min_in_sync must be >= 1, got {min_in_sync}")
         self.node_id = node_id
         self.min_in_sync = min_in_sync
+        self.repair = repair
         self.copies = 1  # the most copies the map has listed for this partition
         self.interval = heartbeat_interval
         self.liveness = liveness
@@ -351,7 +357,8 @@ class ShardSession(Generic[T]):
         required = self.published_in_sync | self.local_in_sync
         # Too few copies left: what waits was applied here but is held by too few;
         # refuse it before a smaller required set could release it.
-        refused = [] if 1 + len(required) >= self.needed_copies else self.tracker.take_all()
+        enough = 1 + len(required) >= self.needed_copies or self.repairing
+        refused = [] if enough else self.tracker.take_all()
         return MapResult(self.tracker.set_required(required), refused)
 
     @property
@@ -359,11 +366,21 @@ class ShardSession(Generic[T]):
         """Copies (this primary included) an acks="all" write needs (rule 6)."""
         return min(self.min_in_sync, self.copies)
 
+    @property
+    def repairing(self) -> bool:
+        """A replica the map lists is loading its snapshot, and this primary's log holds
+        what it acknowledges meanwhile (rule 6)."""
+        if not self.repair:
+            return False
+        return any(
+            node in self.replicas and node not in self.local_in_sync for node in self.followers
+        )
+
     def enough_in_sync(self) -> bool:
         """Whether an acks="all" write may be taken now (rule 6)."""
         if self.role is not Role.PRIMARY:
             return True  # the core refuses the write anyway (NOT_PRIMARY)
-        return 1 + len(self.tracker.required) >= self.needed_copies
+        return 1 + len(self.tracker.required) >= self.needed_copies or self.repairing
 
     def accepts_subscription(self, node: str, partition: object, epoch: object) -> bool:
         """Only the primary of that partition and epoch streams, and only to its replicas."""
