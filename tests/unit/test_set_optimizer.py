@@ -267,3 +267,13 @@ def test_scheduled_rates_reach_the_kernel_and_numpy_alike(
         at_step(opt, step).apply(param, g, state)
         call(core, [push_rows([7], g), advance()])
     assert row(core).tolist() == param[0].tolist()
+
+
+def test_reset_state_starts_the_same_kind_afresh_too() -> None:
+    core = new_core(Adam(lr=0.1))
+    call(core, [push_rows([7], np.ones((1, 3)))])
+    assert core.store.table("emb").copy_state()["step"].tolist() == [[1.0]]
+    lsn = core.lsn
+    assert call(core, [set_opt(Adam(lr=0.1), reset=True)])[0]["changed"] is True
+    assert core.lsn == lsn + 1
+    assert core.store.table("emb").copy_state()["step"].tolist() == [[0.0]]

@@ -511,8 +511,8 @@ class Client(TrainingCalls):
         hyperparameters, or a learning-rate schedule (:mod:`zps.optim.schedules`).  The
         same kind keeps its state (Adam keeps its moments and step counts); another kind
         is refused (``BadRequestError`` naming both) unless ``reset_state``, which gives
-        every row and chunk the new optimizer's initial state, as in a new table (the
-        values stay).  Sent to every partition; replicated, logged and applied once,
+        every row and chunk the new optimizer's initial state, as in a new table, whatever
+        the kind (the values stay).  Sent to every partition; replicated, logged and applied once,
         like a push; snapshots, checkpoints, ``describe`` and exports show the new
         optimizer.  A later ``create_*`` of the table must name the new optimizer."""
         if not isinstance(optimizer, SGD | Momentum | Adagrad | Adam | FTRL):

@@ -781,8 +781,8 @@ class ShardCore:
         self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
     ) -> dict[str, Any]:
         """Give a table another optimizer (``optimizer``, its wire form): the same kind
-        keeps the state, another kind only with ``"reset": true`` (the state then
-        starts afresh).  A mutation: replicated, logged, applied once."""
+        keeps the state, another kind only with ``"reset": true``, which starts the state
+        afresh (whatever the kind).  A mutation: replicated, logged, applied once."""
         name = self._table_name(op)
         reset = op.get("reset", False)
         if not isinstance(reset, bool):

@@ -73,11 +73,12 @@ class PartitionStore:
         )
 
     def set_optimizer(self, name: str, optimizer: Optimizer, *, reset: bool = False) -> bool:
-        """Give table ``name`` another optimizer (see ``retune`` of its table: the same
-        kind keeps the state, another kind only with ``reset``); False if it already
-        has exactly that one."""
+        """Give table ``name`` another optimizer (see ``retune`` of its table: without
+        ``reset`` the same kind keeps the state and another kind is refused; ``reset``
+        starts the state afresh); False if that changed nothing (the same optimizer,
+        without ``reset``)."""
         table = self._get(name)
-        if table.spec.optimizer == optimizer:
+        if table.spec.optimizer == optimizer and not reset:
             return False
         table.retune(replace(table.spec, optimizer=optimizer), reset=reset)  # type: ignore[arg-type]
         return True

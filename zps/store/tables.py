@@ -185,8 +185,8 @@ def _kernel_opt(opt: object) -> _KernelOpt | None:
 
 
 def _check_retune(old: TableSpecT, new: TableSpecT, reset: bool) -> bool:
-    """Whether ``new`` (``old`` with another optimizer or step) changes the optimizer's
-    kind: then only with ``reset`` (the state columns are made afresh)."""
+    """Whether the state columns are made afresh for ``new`` (``old`` with another
+    optimizer or step): with ``reset``, whatever the kind; another kind takes ``reset``."""
     if type(old) is not type(new) or old.name != new.name or old != _with_opt(new, old.optimizer):
         raise BadRequestError(f"table {old.name!r}: only the optimizer and step may change")
     other = type(new.optimizer) is not type(old.optimizer)
@@ -196,7 +196,7 @@ def _check_retune(old: TableSpecT, new: TableSpecT, reset: bool) -> bool:
             f"{new.optimizer.kind}; another kind takes reset_state=True (its state "
             "starts afresh)"
         )
-    return other
+    return reset
 
 
 def _with_opt(spec: TableSpecT, opt: Optimizer) -> TableSpecT:
@@ -282,11 +282,10 @@ class EmbeddingTable:
         }
 
     def retune(self, spec: EmbeddingSpec, *, reset: bool = False) -> None:
-        """Take ``spec``: this table's with another optimizer or step count.  The same
-        kind of optimizer keeps every row's state; another kind only with ``reset``,
-        which gives every row the new optimizer's initial state (the values, and the
-        admission and eviction columns, stay).  BadRequestError naming both kinds
-        otherwise."""
+        """Take ``spec``: this table's with another optimizer or step count.  Without
+        ``reset`` the same kind of optimizer keeps every row's state, and another kind is
+        a BadRequestError naming both; ``reset`` gives every row the new optimizer's
+        initial state (the values, and the admission and eviction columns, stay)."""
         if _check_retune(self.spec, spec, reset):
             cap, n = self._rows.shape[0], len(self._index)
             widths = spec.optimizer.state_widths(spec.dim)
@@ -819,12 +818,11 @@ class DenseTensor:
         self._kstate = tuple(opt.state_widths(1))
 
     def retune(self, spec: DenseSpec, *, reset: bool = False) -> None:
-        """Take ``spec``: this tensor's with another optimizer or step count.  The same
-        kind of optimizer keeps every chunk's state; another kind only with ``reset``,
-        which gives every stored chunk the new optimizer's initial state (the values
-        stay).  BadRequestError naming both kinds otherwise."""
-        other = _check_retune(self.spec, spec, reset)
-        if other:
+        """Take ``spec``: this tensor's with another optimizer or step count.  Without
+        ``reset`` the same kind of optimizer keeps every chunk's state, and another kind
+        is a BadRequestError naming both; ``reset`` gives every stored chunk the new
+        optimizer's initial state (the values stay)."""
+        if _check_retune(self.spec, spec, reset):
             for c, values in self._values.items():
                 self._state[c] = spec.optimizer.init_state(1, values.size, self.dtype)
         self._tune(spec)
