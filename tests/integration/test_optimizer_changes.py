@@ -18,7 +18,7 @@ import pytest
 
 import zps
 from zps.errors import BadRequestError
-from zps.optim import SGD, Adam
+from zps.optim import FTRL, SGD, Adam
 from zps.optim.schedules import Cosine, LinearWarmup, Schedule, Step
 from zps.testing import DataDirCluster, free_port
 
@@ -147,6 +147,15 @@ def test_optimizer_changes_and_a_schedule_survive_failover_restart_and_export(
             await train_more(ps, 11, expect, tmp_path / "export")
 
     asyncio.run(scenario())
+    # The blocking client: the same calls.
+    with zps.connect_sync(c.address, timeout=60) as ps:
+        ps.set_optimizer("w", SGD(lr=Step(1.0, step_size=1, gamma=0.5)))
+        assert ps.advance_step("w", steps=2) == {"w": 3}
+        before = ps.pull_dense("w")
+        ps.push_dense("w", np.ones(8))
+        assert (ps.pull_dense("w") == before - 0.125).all()
+        with pytest.raises(BadRequestError, match=r"sgd.*ftrl"):
+            ps.set_optimizer("w", FTRL())
 
 
 async def train_more(ps: zps.Client, step: int, expect: np.ndarray, out: Path) -> None:
