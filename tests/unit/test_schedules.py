@@ -79,8 +79,12 @@ def test_wire_round_trip(schedule: Schedule) -> None:
     assert schedule_from_spec(schedule.spec()) == schedule
     for opt in (SGD(lr=schedule), Momentum(lr=schedule), Adagrad(lr=schedule), Adam(lr=schedule)):
         assert optimizer_from_spec(opt.spec()) == opt
-    ftrl = FTRL(alpha=schedule, l1=0.1)
-    assert optimizer_from_spec(ftrl.spec()) == ftrl
+    if schedule.floor > 0:
+        ftrl = FTRL(alpha=schedule, l1=0.1)
+        assert optimizer_from_spec(ftrl.spec()) == ftrl
+    else:  # FTRL divides by its alpha
+        with pytest.raises(BadRequestError, match=r"ftrl\.alpha: FTRL divides by its alpha"):
+            FTRL(alpha=schedule)
     spec = EmbeddingSpec("e", 4, "float32", Zeros(), Adam(lr=schedule), 1)
     assert spec_from_wire(spec.to_wire()) == spec
 
@@ -141,6 +145,16 @@ def test_an_optimizer_with_a_bad_schedule_on_the_wire_names_it() -> None:
     wire = {**Adam(lr=Constant(0.1)).spec(), "beta1": "x"}
     with pytest.raises(BadRequestError, match="beta1 must be a number"):
         optimizer_from_spec(wire)
+
+
+def test_floor_is_the_lowest_rate_a_schedule_reaches() -> None:
+    assert Constant(0.1).floor == 0.1 and Step(1.0, 2, gamma=1.0).floor == 1.0
+    assert Step(1.0, 1, gamma=0.5).floor == 0.0 and Step(1.0, 1, gamma=0.5).value(2000) == 0.0
+    assert Cosine(1.0, 10, min_lr=0.2).floor == 0.2
+    assert LinearWarmup(Constant(1.0), 4).floor == 0.25
+    for schedule in SCHEDULES:
+        values = [schedule.value(s) for s in range(0, 30_000, 7)]
+        assert schedule.floor <= min(values) and max(values) <= schedule.peak
 
 
 def test_at_step_fixes_the_rate_and_apply_needs_it() -> None:

@@ -268,6 +268,12 @@ class FTRL:
 
     def __post_init__(self) -> None:
         _check_lr(self, "alpha")
+        if is_schedule(self.alpha) and not self.alpha.floor > 0.0:
+            raise BadRequestError(
+                "ftrl.alpha: FTRL divides by its alpha, so its schedule must stay above 0 "
+                f"(this one reaches {self.alpha.floor}: give cosine a min_lr > 0; a step "
+                "decay reaches 0)"
+            )
         for field in ("beta", "l1", "l2"):
             set_field(self, field, check_number(self.kind, field, getattr(self, field), lo=0.0))
         _check_common(self, weight_decay=False)

@@ -16,15 +16,16 @@ Rules:
    additions, multiplications and divisions only (no ``math.cos`` or ``pow`` from the
    platform's C library, whose last bit may differ between machines), so every copy of a
    table, on any host, gets the same rate bit for bit.
-3. Values are never negative and never above the schedule's peak rate; they may reach
-   0 (a cosine decayed to ``min_lr=0``): a step at rate 0 changes no value.
+3. Values lie in ``[floor, peak]``; they may reach 0 (a cosine decayed to ``min_lr=0``,
+   a step decay after enough steps): a step at rate 0 changes no value (FTRL, which
+   divides by its ``alpha``, takes only a schedule whose floor is above 0).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 from zps.errors import BadRequestError
 from zps.init import check_number, set_field
@@ -115,6 +116,10 @@ class Constant:
     def peak(self) -> float:
         return self.lr
 
+    @property
+    def floor(self) -> float:
+        return self.lr
+
     def value(self, step: int) -> float:
         _check_step(step)
         return self.lr
@@ -142,6 +147,11 @@ class Step:
     @property
     def peak(self) -> float:
         return self.lr
+
+    @property
+    def floor(self) -> float:
+        # gamma < 1: the rate underflows to 0 after enough steps.
+        return self.lr if self.gamma == 1.0 else 0.0
 
     def value(self, step: int) -> float:
         _check_step(step)
@@ -174,6 +184,10 @@ class Cosine:
     @property
     def peak(self) -> float:
         return self.lr
+
+    @property
+    def floor(self) -> float:
+        return self.min_lr
 
     def value(self, step: int) -> float:
         _check_step(step)
@@ -215,6 +229,10 @@ class LinearWarmup:
     def peak(self) -> float:
         return self.schedule.peak
 
+    @property
+    def floor(self) -> float:
+        return min(self.schedule.value(0) / self.warmup_steps, self.schedule.floor)
+
     def value(self, step: int) -> float:
         _check_step(step)
         if step < self.warmup_steps:
@@ -243,7 +261,7 @@ _FIELDS: dict[str, dict[str, str]] = {
 _MAX_DEPTH = 4
 
 
-def is_schedule(obj: object) -> bool:
+def is_schedule(obj: object) -> TypeGuard[Schedule]:
     return isinstance(obj, _SCHEDULE_TYPES)
 
 
