@@ -304,6 +304,10 @@ Optimizer = SGD | Momentum | Adagrad | Adam | FTRL
 _OPTIMIZERS: dict[str, type[Optimizer]] = {c.kind: c for c in (SGD, Momentum, Adagrad, Adam, FTRL)}
 
 
+#: Each kind's field annotations, resolved once (the wire parser checks types by them).
+_HINTS: dict[str, dict[str, Any]] = {k: typing.get_type_hints(c) for k, c in _OPTIMIZERS.items()}
+
+
 def rate_field(opt: Optimizer | type[Optimizer]) -> str:
     """The name of the field a schedule may drive: ``lr`` (FTRL: ``alpha``)."""
     return "alpha" if opt.kind == FTRL.kind else "lr"
@@ -333,7 +337,7 @@ def optimizer_from_spec(spec: object) -> Optimizer:
     cls = _OPTIMIZERS[kind]
     field = rate_field(cls)
     names = [f.name for f in fields(cls)]
-    hints = typing.get_type_hints(cls)
+    hints = _HINTS[kind]
     for key in spec:
         if key != "kind" and key not in names:
             raise BadRequestError(f"optimizer: unknown field {key!r} for kind {kind!r}")
