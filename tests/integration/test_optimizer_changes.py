@@ -18,9 +18,9 @@ import pytest
 
 import zps
 from zps.errors import BadRequestError
-from zps.optim import FTRL, SGD, Adam
+from zps.optim import FTRL, SGD, Adam, at_step
 from zps.optim.schedules import Cosine, LinearWarmup, Schedule, Step
-from zps.testing import DataDirCluster, free_port
+from zps.testing import DataDirCluster, LocalCluster, free_port
 
 #: 2 s of silence before a peer is dead: a loaded 2-core machine must not fake deaths.
 HB, LIVENESS = 0.1, 20
@@ -35,7 +35,7 @@ LATE = Cosine(0.3, total_steps=20, min_lr=0.01)
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[DataDirCluster]:
+def dd_cluster(tmp_path: Path) -> Iterator[DataDirCluster]:
     c = DataDirCluster(
         partitions=2, replication=2, heartbeat_interval=HB, liveness=LIVENESS, workdir=tmp_path
     )
@@ -61,9 +61,9 @@ def kill_all(c: DataDirCluster) -> None:
 
 @pytest.mark.timeout(300)
 def test_optimizer_changes_and_a_schedule_survive_failover_restart_and_export(
-    cluster: DataDirCluster, tmp_path: Path
+    dd_cluster: DataDirCluster, tmp_path: Path
 ) -> None:
-    c = cluster
+    c = dd_cluster
     dirs = [tmp_path / f"data{i}" for i in range(6)]  # 2 primaries, 2 replicas, 2 spares
     c.start_broker()
     for d in dirs:
@@ -176,6 +176,32 @@ async def train_more(ps: zps.Client, step: int, expect: np.ndarray, out: Path) -
     await ps.push_rows("emb", IDS, g)
     expect = expect - LATE.value(step + 1) * g
     assert (await ps.pull_rows("emb", IDS) == expect).all()
+
+
+@pytest.mark.timeout(120)
+async def test_scheduled_adam_continues_bit_for_bit_after_export_and_import(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Adam with a warmup and a cosine, its state and step count exported, the table
+    dropped and imported: the next steps equal a local Adam that never stopped."""
+    opt = Adam(lr=LinearWarmup(Cosine(0.05, total_steps=12), warmup_steps=3))
+    ids = np.arange(40, dtype=np.int64)
+    rng = np.random.default_rng(5)
+    param = np.zeros((ids.size, DIM))
+    state = opt.init_state(ids.size, DIM, np.float64)
+    async with zps.connect(cluster.address, timeout=60) as ps:
+        await ps.create_embedding("adam_sched", dim=DIM, dtype="float64", optimizer=opt)
+        for step in range(8):
+            if step == 5:
+                await ps.export_model(tmp_path / "export", tables=["adam_sched"])
+                await ps.drop_table("adam_sched")
+                await ps.import_model(tmp_path / "export")
+                assert (await ps.describe("adam_sched"))["spec"].step == 5
+            g = rng.normal(size=(ids.size, DIM))
+            await ps.push_rows("adam_sched", ids, g)
+            at_step(opt, step).apply(param, g, state)
+            await ps.advance_step("adam_sched")
+        assert (await ps.pull_rows("adam_sched", ids) == param).all()
 
 
 def test_the_schedules_rate_is_what_the_test_expects() -> None:
