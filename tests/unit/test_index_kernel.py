@@ -153,3 +153,30 @@ def test_compiled_insertion_refuses_what_would_break_the_table() -> None:
         index._probe.get_or_insert(idx._slots, ids, 4, np.arange(100, 109), np.empty(9, np.int64))
     # 12 of 16: the most a table takes while the index builds its next one
     assert index._probe.get_or_insert(idx._slots, ids, 4, np.arange(100, 108), out) == 8
+
+
+@pytest.mark.skipif(index._probe is None, reason="the C kernel was not built")
+@pytest.mark.parametrize("n0", [2**63 - 4, 2**63 - 1, 2**62, 9, 5])
+def test_compiled_insertion_refuses_a_count_past_the_ids_buffer(n0: int) -> None:
+    """A count of ids already there that, with the keys, passes the room in ids (however
+    large: no wrap in the check) is refused, and nothing is written."""
+    slots = np.full((16, 2), EMPTY, dtype=np.int64)
+    slots[:, 1] = -1
+    ids = np.zeros(8, np.int64)
+    before = slots.copy()
+    with pytest.raises(ValueError, match="room for 8 items"):
+        index._probe.get_or_insert(slots, ids, n0, np.arange(100, 104), np.empty(4, np.int64))
+    assert (slots == before).all() and not ids.any()
+    with pytest.raises(ValueError, match="room for 8 items, not the -1"):
+        index._probe.get_or_insert(slots, ids, -1, np.arange(100, 104), np.empty(4, np.int64))
+
+
+@pytest.mark.skipif(index._probe is None, reason="the C kernel was not built")
+def test_compiled_placement_refuses_positions_past_int64() -> None:
+    slots = np.full((16, 2), EMPTY, dtype=np.int64)
+    slots[:, 1] = -1
+    with pytest.raises(ValueError, match="int64"):
+        index._probe.place(slots, np.arange(100, 104), 2**63 - 2)
+    assert (slots[:, 0] == EMPTY).all()
+    index._probe.place(slots, np.arange(100, 104), 2**63 - 5)  # the next would be 2**63 - 1
+    assert sorted(slots[slots[:, 0] != EMPTY, 1].tolist()) == list(range(2**63 - 5, 2**63 - 1))

@@ -133,10 +133,11 @@ static PyObject *place(PyObject *self, PyObject *args)
         return NULL;
     Py_buffer slots = b[0], keys = b[1];
     Py_ssize_t cap = slots.len / 16, n = keys.len / 8;
-    if (cap < 1 || (cap & (cap - 1)) != 0 || first < 0) {
+    /* first + n, the position after the last one written, must be an int64 (no wrap). */
+    if (cap < 1 || (cap & (cap - 1)) != 0 || first < 0 || first > INT64_MAX - n) {
         PyErr_SetString(PyExc_ValueError,
                         "slots must hold a power of two of (key, position) pairs and the "
-                        "first position must be >= 0");
+                        "positions first, first + 1, ... must be int64 values >= 0");
         release_all(2, b);
         return NULL;
     }
@@ -200,9 +201,21 @@ static PyObject *get_or_insert(PyObject *self, PyObject *args)
     if (get_all(4, objs, b, "wwrw", names) < 0)
         return NULL;
     Py_buffer slots = b[0], ids = b[1], keys = b[2], out = b[3];
-    Py_ssize_t cap = slots.len / 16, n = keys.len / 8;
-    if (cap < 1 || (cap & (cap - 1)) != 0 || out.len != keys.len || n0 < 0 ||
-        ids.len / 8 < n0 + n || 4 * (n0 + n) > 3 * cap) {
+    /* Every count is a number of items of a buffer that exists, compared without an
+     * addition that could wrap: n0 and n are checked against the room in ids first, so
+     * their sum and four times it fit (buffers hold at most PY_SSIZE_T_MAX bytes). */
+    Py_ssize_t cap = slots.len / 16, n = keys.len / 8, room = ids.len / 8;
+    if (n0 < 0 || (unsigned long long)n0 > (unsigned long long)room ||
+        n > room - (Py_ssize_t)n0) {
+        PyErr_Format(PyExc_ValueError,
+                     "ids has room for %zd items, not the %lld already there and the "
+                     "%zd keys",
+                     room, n0, n);
+        release_all(4, b);
+        return NULL;
+    }
+    Py_ssize_t total = (Py_ssize_t)n0 + n;
+    if (cap < 1 || (cap & (cap - 1)) != 0 || out.len != keys.len || 4 * total > 3 * cap) {
         PyErr_SetString(PyExc_ValueError,
                         "slots must hold a power of two of (key, position) pairs, at least "
                         "4/3 of the ids after the insert, ids room for every key and out "
