@@ -152,3 +152,18 @@ def test_an_older_copy_after_the_hold_becomes_a_replica() -> None:
     out = reg(cs, "old", claim=claim_primary(0, 2, 70), now=1.0)
     assert by_node(out)["old"] == replica("old", 0, 3, "p")
     assert cs.handing_over(0) is None
+
+
+def test_a_failed_over_primary_that_comes_back_longer_just_follows() -> None:
+    """The usual crash: the primary dies with writes its replica never got (so they were
+    never acknowledged under acks="all"); the replica is promoted and writes on.  The old
+    primary's restart claims more updates at the old epoch, which this broker gave it: it
+    resynchronises as a replica, with no hand-over and no conflict."""
+    cs = two_copies()
+    cs.report("r", lsn=10, epoch=1, t=1.0)
+    cs.node_gone("p")
+    cs.report("r", lsn=25, epoch=2, in_sync=[], t=2.0)  # confirmed, and wrote on
+    out = by_node(reg(cs, "p", claim=claim_primary(0, 1, 12), now=3.0))
+    assert out["p"] == replica("p", 0, 2, "r")
+    assert cs.handing_over(0) is None and cs.shards["p"].held is None
+    assert not [m for level, m in cs.notices if level == "error"]

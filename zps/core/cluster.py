@@ -26,19 +26,23 @@ Rules:
    leaves the recorded set before its primary acknowledges a write without it.
 5. The in-sync set of a partition comes from its primary's reports (it sees
    the acknowledgements) and shrinks when the broker loses a replica.
-8. A copy that registers with a newer history (epoch, LSN) than the one the
-   serving primary was granted from takes the partition over only if that
-   primary took no write since: the primary is first *fenced* (the map names no
-   primary, its lease is no longer renewed) until a heartbeat it sent after its
-   lease ran out shows its final LSN.  If it took writes, both histories hold
-   writes the other lacks: neither is overwritten (the newer copy is held) and
-   an error names both copies and the operator's choices.  A partition with a
-   held copy is never handed to an empty shard.
 6. Never two primaries for one partition.
 7. Never two copies of a partition on one host (or one zone) while a spare
    elsewhere could hold one; a copy placed together for want of a spare is
    moved when one turns up (a well-placed replica is added first and the
    other dropped once it is in sync), and :meth:`ClusterState.status` warns.
+8. A copy that registers with a newer history (epoch, LSN) than the one the
+   serving primary's line was granted from (a claim, or nothing; a failover
+   keeps it), of an epoch this broker never gave that shard, while the
+   partition has no recorded in-sync set (whose members hold every
+   acknowledged write: a newer member only holds unacknowledged ones), takes
+   the partition over only if that primary took no write since: the primary
+   is first *fenced* (the map names no primary, its lease is no longer
+   renewed) until a heartbeat it sent after its lease ran out shows its final
+   LSN.  If it took writes, both histories hold writes the other lacks:
+   neither is overwritten (the newer copy is held) and an error names both
+   copies and the operator's choices.  A partition with a
+   held copy is never handed to an empty shard.
 
 No I/O and no clock: the broker driver calls these methods with ``now`` and
 sends what they return.
@@ -142,9 +146,12 @@ class _Partition:
     #: 4); binding on claims once restored from a broker's record (``pinned``).
     members: tuple[str, ...] = ()
     pinned: bool = False
-    #: The (epoch, LSN) of the copy its primary was granted from, and its LSN then.
+    #: The (epoch, LSN) of the copy its primary's line was granted from (a claim or
+    #: nothing; kept across failovers), and the LSN then (rule 8).
     origin: tuple[int, int] = (0, 0)
     granted_lsn: int = 0
+    #: (epoch, shard) pairs this broker gave or granted: histories it has seen.
+    seen: set[tuple[int, str]] = field(default_factory=set)
     #: Lost because its last copy was stopped on purpose (a planned shutdown).
     stopped: bool = False
     #: A newer copy waiting for the serving primary to be fenced (rule 8).
@@ -385,7 +392,12 @@ class ClusterState:
         if claim.role is Role.PRIMARY:
             why_not = self._distrust(part, claim, node.node_id)
             current = self.shards.get(part.primary) if part.primary else None
-            newer = current is not None and (claim.epoch, claim.lsn) > part.origin
+            newer = (
+                current is not None
+                and not part.pinned
+                and (claim.epoch, node.node_id) not in part.seen
+                and (claim.epoch, claim.lsn) > part.origin
+            )
             if why_not is None and current is not None and newer:
                 if self.holding(now):
                     # A newer copy than the one granted earlier in the hold (no write
@@ -700,7 +712,7 @@ class ClusterState:
         best = max(candidates, key=lambda r: (self.shards[r].lsn, r))
         part.replicas.remove(best)
         self.failovers += 1
-        out = self._make_primary(self.shards[best], p, part.epoch + 1)
+        out = self._make_primary(self.shards[best], p, part.epoch + 1, keep_origin=True)
         # The others may hold writes the new primary lacks (or lack ones it has):
         # they resynchronise from it at the new epoch.
         part.in_sync = set()
@@ -739,13 +751,23 @@ class ClusterState:
         )
 
     def _make_primary(
-        self, node: ShardNode, partition: int, epoch: int, claim: Claim | None = None
+        self,
+        node: ShardNode,
+        partition: int,
+        epoch: int,
+        claim: Claim | None = None,
+        *,
+        keep_origin: bool = False,
     ) -> list[Assignment]:
         """``node`` serves ``partition`` at ``epoch``, from its claimed copy (else from
-        what it holds: a replica's LSN, or nothing)."""
+        what it holds; ``keep_origin``: a promoted in-sync replica, which holds what
+        its primary's line holds)."""
         part = self._parts[partition]
-        part.origin = (claim.epoch, claim.lsn) if claim else (node.epoch, node.lsn)
-        part.granted_lsn = node.lsn
+        if claim is not None:
+            part.seen.add((claim.epoch, node.node_id))
+        if not keep_origin:
+            part.origin = (claim.epoch, claim.lsn) if claim else (0, 0)
+            part.granted_lsn = node.lsn
         if node.node_id in part.replicas:
             part.replicas.remove(node.node_id)
         part.in_sync.discard(node.node_id)
@@ -984,6 +1006,9 @@ class ClusterState:
     def _publish(self) -> None:
         for part in self._parts:
             self._refresh_members(part)
+            for n in (part.primary, *part.replicas):
+                if n is not None and n in self.shards:
+                    part.seen.add((self.shards[n].epoch, n))
         self.map_version += 1
         self.map = self._build_map()
 
