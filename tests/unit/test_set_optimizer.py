@@ -277,3 +277,18 @@ def test_reset_state_starts_the_same_kind_afresh_too() -> None:
     assert call(core, [set_opt(Adam(lr=0.1), reset=True)])[0]["changed"] is True
     assert core.lsn == lsn + 1
     assert core.store.table("emb").copy_state()["step"].tolist() == [[0.0]]
+
+
+def test_new_adam_betas_take_new_bias_corrections() -> None:
+    """The kernel's tables of bias corrections follow the betas (kept across new rates)."""
+    core = new_core(Adam(lr=Step(0.1, 2)))
+    param = np.full((1, 3), 0.5)
+    state = Adam().init_state(1, 3, np.float64)
+    opts = [Adam(lr=Step(0.1, 2))] * 3 + [Adam(lr=Step(0.1, 2), beta1=0.5, beta2=0.9)] * 3
+    for step, opt in enumerate(opts):
+        if step == 3:
+            call(core, [set_opt(opt)])
+        g = np.full((1, 3), 0.3 - 0.1 * step)
+        at_step(opt, step).apply(param, g, state)
+        call(core, [push_rows([7], g), advance()])
+    assert row(core).tolist() == param[0].tolist()

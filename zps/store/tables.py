@@ -298,9 +298,21 @@ class EmbeddingTable:
                 state[TOUCHED], state[SEEN] = self._state[TOUCHED], self._state[SEEN]
             self._widths, self._state = widths, state
         self.spec = spec
-        self._opt = at_step(spec.optimizer, spec.step)
-        self._kopt = _kernel_opt(self._opt)
-        self._bc = None  # Adam's tables follow its betas
+        old, self._opt = self._opt, at_step(spec.optimizer, spec.step)
+        kopt = _kernel_opt(self._opt)
+        if (
+            isinstance(old, Adam)
+            and isinstance(self._opt, Adam)
+            and (old.beta1, old.beta2) == (self._opt.beta1, self._opt.beta2)
+            and self._kopt is not None
+            and kopt is not None
+        ):
+            # Adam's bias-correction tables depend on its betas only: a new rate (each
+            # step of a schedule) keeps them, and their saturation flag.
+            kopt = (*kopt[:7], self._kopt[7])
+        else:
+            self._bc = None
+        self._kopt = kopt
 
     def __len__(self) -> int:
         return len(self._index)
