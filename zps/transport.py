@@ -333,6 +333,8 @@ class Channel:
     def __init__(self, sock: zmq.Socket[Any], *, compiled: bool = True) -> None:
         self.sock = sock
         self.curve_server = False  # a CURVE server's ROUTER (see router)
+        self.received = 0  # messages received through _recv_message
+        self.reconnects = 0  # connections made again after silence (see dealer)
         # The compiled send and receive (see the module notes), with the socket's address.
         self._io = _zmqio if compiled and COMPILED_IO else None
         self._addr = int(sock.underlying)
@@ -479,6 +481,7 @@ class Channel:
         if io is not None and not self.sock.closed:
             got = io.recv(self._addr, RECV_COPY_MAX)
             if type(got) is list:
+                self.received += 1
                 return got
             if got is None:
                 raise zmq.Again()
@@ -488,7 +491,32 @@ class Channel:
         while frame.more:
             frame = _raw_recv(self.sock, _NOBLOCK, False, False)
             frames.append(frame)
+        self.received += 1
         return frames
+
+    def reconnect_when_silent(self, endpoint: str, silence: float) -> None:
+        """Make the connection to ``endpoint`` again whenever ``silence`` seconds pass
+        without a message received.  For a CURVE client of a server that no connection
+        may take an identity in use from: a connection made while the server still held
+        this identity's dead one is never heard, and only a new one is."""
+
+        seen = -1
+
+        def check() -> None:
+            nonlocal seen
+            if self.sock.closed:
+                return
+            if self.received == seen:
+                try:
+                    self.sock.disconnect(endpoint)
+                    self.sock.connect(endpoint)
+                    self.reconnects += 1
+                except zmq.ZMQError as e:
+                    _log.warning("cannot connect to %s again: %s", endpoint, e.strerror)
+            seen = self.received
+            self._loop.call_later(silence, check)
+
+        self._loop.call_later(silence, check)
 
     async def recv_burst(self, timeout: float | None = None) -> list[Frames]:
         """Every queued message (at most DRAIN_BATCH), waiting for the first; with
@@ -1162,10 +1190,15 @@ def _curve_server(sock: zmq.Socket[Any], keys: CurveKeys | None) -> None:
 #: ZMTP heartbeats of a CURVE server socket: (interval, timeout) in seconds.  A
 #: connection silent for the timeout (its peer's libzmq answers pings whatever its
 #: process does) is dead and closed, freeing its identity.
-CURVE_SERVER_HEARTBEAT = (1.0, 3.0)
+CURVE_SERVER_HEARTBEAT = (0.5, 1.5)
 #: A CURVE client's: a longer timeout than the server's, so the server has let go of
 #: a dead connection's identity before the client connects again with it.
-CURVE_CLIENT_HEARTBEAT = (1.0, 6.0)
+CURVE_CLIENT_HEARTBEAT = (1.0, 4.0)
+#: A CURVE client that waits for the server to let go of its identity (``dealer``'s
+#: ``wait_for_release``) connects again this long after losing its connection: past a
+#: server's ping and its timeout (CURVE_SERVER_HEARTBEAT), so a dead connection the
+#: server still held is closed, the identity free, and the new one heard.
+CURVE_CLIENT_RECONNECT = 2.5
 
 
 def _heartbeats(sock: zmq.Socket[Any], ivl_timeout: tuple[float, float]) -> None:
@@ -1224,6 +1257,13 @@ def router(
     return channel, endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
 
 
+def reconnect_silence(interval: float, liveness: int) -> float:
+    """How long a CURVE client hears nothing from a server that probes it every
+    ``interval`` seconds (declaring it dead after ``liveness`` of them) before making
+    its connection again: three liveness timeouts, at least 5 s."""
+    return max(5.0, 3.0 * interval * liveness)
+
+
 def dealer(
     ctx: zmq.asyncio.Context,
     connect: str,
@@ -1233,18 +1273,29 @@ def dealer(
     hwm: int = DEFAULT_HWM,
     curve: CurveKeys | None = None,
     server_public: bytes | None = None,
+    silence: float | None = None,
+    wait_for_release: bool = False,
 ) -> Channel:
-    return Channel(
-        _dealer_socket(
-            ctx,
-            connect,
-            identity,
-            max_message_bytes=max_message_bytes,
-            hwm=hwm,
-            curve=curve,
-            server_public=server_public,
-        )
+    """A DEALER connected to ``connect``.  With CURVE: ``silence`` (seconds, for a
+    server that sends something at least that often): a connection silent that long is
+    made again (see :meth:`Channel.reconnect_when_silent`); ``wait_for_release``: a
+    lost connection is made again only after CURVE_CLIENT_RECONNECT, when the server
+    has let go of the identity (messages sent meanwhile wait in the socket), rather
+    than at once, when the new connection may not be heard."""
+    sock = _dealer_socket(
+        ctx,
+        connect,
+        identity,
+        max_message_bytes=max_message_bytes,
+        hwm=hwm,
+        curve=curve,
+        server_public=server_public,
+        connect_later=curve is not None and wait_for_release,
     )
+    ch = Channel(sock)
+    if curve is not None and silence is not None:
+        ch.reconnect_when_silent(connect, silence)
+    return ch
 
 
 def _dealer_socket(
@@ -1256,11 +1307,16 @@ def _dealer_socket(
     hwm: int = DEFAULT_HWM,
     curve: CurveKeys | None = None,
     server_public: bytes | None = None,
+    connect_later: bool = False,
 ) -> zmq.Socket[Any]:
     """:func:`dealer`'s socket alone (for :class:`LinkThread`: no event loop)."""
     sock: zmq.Socket[Any] = zmq.Socket(ctx, zmq.DEALER)
     _common(sock, max_message_bytes, hwm)
     _curve_client(sock, curve, server_public)
+    if connect_later:
+        ivl = int(CURVE_CLIENT_RECONNECT * 1000)
+        sock.setsockopt(zmq.RECONNECT_IVL, ivl)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, ivl)
     sock.setsockopt(zmq.IDENTITY, identity)
     try:
         sock.connect(connect)

@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -422,6 +425,87 @@ def test_a_client_gets_its_identity_back_after_the_broker_restarts(kc: KeyCluste
         ps.push_dense("back", np.ones(2))
         np.testing.assert_array_equal(ps.pull_dense("back"), [-1.0, -1.0])
         assert ident in {x["node"] for x in kc.status()["clients"]}
+
+
+class HalfOpenProxy:
+    """A TCP relay to ``upstream``: ``cut()`` closes the client side of every relayed
+    connection but holds the server side open and silent, as a dead network path
+    that only one end has noticed."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.pairs: list[tuple[socket.socket, socket.socket]] = []
+        self.held: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.stopped = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.stopped:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.upstream)
+            with self.lock:
+                self.pairs.append((down, up))
+            threading.Thread(target=self._pump, args=(down, up), daemon=True).start()
+
+    def _pump(self, down: socket.socket, up: socket.socket) -> None:
+        socks = [down, up]
+        try:
+            while not self.stopped:
+                with self.lock:
+                    if (down, up) not in self.pairs:
+                        return  # cut: the server side is held, silent
+                ready, _, _ = select.select(socks, [], [], 0.05)
+                for r in ready:
+                    data = r.recv(65536)
+                    if not data:
+                        return
+                    (up if r is down else down).sendall(data)
+        except OSError:
+            return
+
+    def cut(self) -> None:
+        with self.lock:
+            pairs, self.pairs = self.pairs, []
+        for down, up in pairs:
+            down.close()
+            self.held.append(up)
+
+    def close(self) -> None:
+        self.stopped = True
+        self.listener.close()
+        with self.lock:
+            pairs, self.pairs = self.pairs, []
+        for down, up in pairs:
+            down.close()
+            up.close()
+        for up in self.held:
+            up.close()
+
+
+def test_a_client_whose_connection_half_died_is_heard_again(kc: KeyCluster) -> None:
+    """The client's side of its connection closes while the broker still holds the
+    identity on the other side: the client's new connection is not heard (no connection
+    takes an identity in use), so after a silence it makes one again, which is."""
+    proxy = HalfOpenProxy(("127.0.0.1", kc.port))
+    try:
+        cfg = kc.client_config(timeout=30.0)
+        with zps.connect_sync(f"tcp://127.0.0.1:{proxy.port}", cfg) as ps:
+            ps.create_dense("half", shape=(2,), dtype="float64", optimizer=SGD(lr=1.0))
+            ident = ps.client.client_id.decode()
+            proxy.cut()
+            # The broker hears nothing of it (liveness 2 s), then hears it again.
+            assert wait_lines(kc, rf"client {ident} missed its heartbeats", 20)
+            kc.wait_for(lambda s: ident in {x["node"] for x in s["clients"]}, 20, "the client")
+            ps.push_dense("half", np.ones(2))
+            np.testing.assert_array_equal(ps.pull_dense("half"), [-1.0, -1.0])
+    finally:
+        proxy.close()
 
 
 def test_a_shard_name_stays_bound_across_broker_restarts(kc: KeyCluster) -> None:

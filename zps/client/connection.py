@@ -300,6 +300,7 @@ class Connection:
         self._ctx = transport.new_context(client=True)
         self._io = transport.IoThreads(self._ctx)  # before its first socket starts them
         keys = load_curve_keys(self.config.security)
+        hb = self.config.heartbeat
         self._socks = [
             transport.dealer(
                 self._ctx,
@@ -308,6 +309,8 @@ class Connection:
                 max_message_bytes=self.config.max_message_bytes,
                 curve=keys,
                 server_public=keys.server_public if keys else None,
+                silence=transport.reconnect_silence(hb.interval, hb.liveness),
+                wait_for_release=True,
             )
             for address in self.addresses
         ]

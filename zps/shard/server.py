@@ -439,6 +439,7 @@ class ShardServer:
             max_message_bytes=cfg.max_message_bytes,
             curve=keys,
             server_public=keys.server_public if keys else None,
+            silence=transport.reconnect_silence(cfg.heartbeat.interval, cfg.heartbeat.liveness),
         )
         self._out = transport.Outbound(
             self._sock,
