@@ -292,3 +292,10 @@ def test_new_adam_betas_take_new_bias_corrections() -> None:
         at_step(opt, step).apply(param, g, state)
         call(core, [push_rows([7], g), advance()])
     assert row(core).tolist() == param[0].tolist()
+
+
+def test_a_create_with_the_old_optimizer_conflicts_naming_the_optimizer_only() -> None:
+    core = new_core(SGD(lr=1.0))
+    call(core, [set_opt(SGD(lr=0.5)), advance(n=4)])
+    res = call(core, [({"op": "create", "spec": emb_spec(SGD(lr=1.0)).to_wire()}, {})])[0]
+    assert res["st"] == "TABLE_CONFLICT" and res["msg"].endswith("(differs in: optimizer)")

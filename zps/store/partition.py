@@ -34,7 +34,10 @@ def _make(spec: TableSpec, memory: DenseMemory | None) -> Table:
 def _differences(old: TableSpec, new: TableSpec) -> list[str]:
     if type(old) is not type(new):
         return ["kind"]
-    return [f.name for f in fields(old) if getattr(old, f.name) != getattr(new, f.name)]
+    # The step count is progress, not identity (see zps/protocol/specs.py).
+    return [
+        f.name for f in fields(old) if f.compare and getattr(old, f.name) != getattr(new, f.name)
+    ]
 
 
 class PartitionStore:
