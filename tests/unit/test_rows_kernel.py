@@ -190,3 +190,37 @@ def test_copy_finite_without_the_kernel_copies_and_knows_nothing(
     dst = np.zeros_like(src)
     assert rows.copy_finite(dst.view(np.uint8), src.view(np.uint8), 4) is False
     assert dst.tobytes() == src.tobytes()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shift", [1, 3, 5])
+def test_copy_finite_at_any_byte_offset(
+    dtype: type, shift: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Source and copy at byte offsets that are no multiple of the float's size (a
+    shared-memory region starts where the peer says): the same bytes and the same verdict
+    as aligned buffers give."""
+    monkeypatch.setattr(rows, "KERNEL", True)
+    size = np.dtype(dtype).itemsize
+    rng = np.random.default_rng(shift)
+    for n in (1, 9, 4099):
+        x = rng.normal(0.0, 1.0, n).astype(dtype)
+        for bad in (None, np.nan, -np.inf):
+            if bad is not None:
+                x[n // 2] = bad
+            raw = np.zeros(n * size + 16, np.uint8)
+            src = raw[shift : shift + n * size]
+            src[:] = x.view(np.uint8)
+            out = np.zeros(n * size + 16, np.uint8)
+            dst = out[16 - shift : 16 - shift + n * size]
+            assert src.ctypes.data % size != 0 and dst.ctypes.data % size != 0
+            got = rows.copy_finite(dst, src, size)
+            assert got == bool(np.isfinite(x).all()), (n, bad)
+            assert dst.tobytes() == x.tobytes()
+            assert not out[: 16 - shift].any() and not out[16 - shift + n * size :].any()
+            monkeypatch.setattr(rows, "KERNEL", False)  # the fallback: the same bytes
+            dst[:] = 0
+            assert rows.copy_finite(dst, src, size) is False
+            assert dst.tobytes() == x.tobytes()
+            monkeypatch.setattr(rows, "KERNEL", True)

@@ -273,21 +273,26 @@ static PyObject *copy_finite(PyObject *self, PyObject *args)
      * infinity or a NaN: adding one to the exponent field then carries into the sign
      * bit, for no other exponent (ands, adds and ors: the loop vectorizes and runs at
      * the speed of a memcpy). */
+    /* The buffers may sit at any byte offset (a shared-memory region starts where the
+     * peer says): words are loaded and stored through memcpy, which has no alignment
+     * requirement and compiles to plain unaligned moves. */
+    const unsigned char *x = (const unsigned char *)src.buf;
+    unsigned char *y = (unsigned char *)dst.buf;
     if (itemsize == 4) {
-        const uint32_t *x = (const uint32_t *)src.buf;
-        uint32_t *y = (uint32_t *)dst.buf, acc = 0;
+        uint32_t acc = 0;
         for (Py_ssize_t i = 0; i < len / 4; i++) {
-            uint32_t v = x[i];
-            y[i] = v;
+            uint32_t v;
+            memcpy(&v, x + 4 * i, 4);
+            memcpy(y + 4 * i, &v, 4);
             acc |= (v & 0x7f800000u) + 0x00800000u;
         }
         bad = acc >> 31;
     } else {
-        const uint64_t *x = (const uint64_t *)src.buf;
-        uint64_t *y = (uint64_t *)dst.buf, acc = 0;
+        uint64_t acc = 0;
         for (Py_ssize_t i = 0; i < len / 8; i++) {
-            uint64_t v = x[i];
-            y[i] = v;
+            uint64_t v;
+            memcpy(&v, x + 8 * i, 8);
+            memcpy(y + 8 * i, &v, 8);
             acc |= (v & 0x7ff0000000000000ull) + 0x0010000000000000ull;
         }
         bad = acc >> 63;
