@@ -189,6 +189,30 @@ def test_dense_chunks_match_numpy_bit_for_bit(opt: Optimizer, dtype: str, spy: S
     assert kernel_pushes == (0 if isinstance(opt, Adam) else len(pushes))
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's overflow warnings
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("l1", [0.0, 0.01])
+def test_ftrl_stores_one_nan_on_both_paths(dtype: str, l1: float, spy: Spy) -> None:
+    """Finite gradients whose squares overflow make FTRL's state and rows NaN (inf - inf):
+    each NaN is stored as the one quiet NaN (numpy's ``np.nan``), by the kernel and by
+    numpy alike, so the two paths stay bit for bit the same."""
+    spec = EmbeddingSpec("e", 4, dtype, Normal(0.0, 0.1), FTRL(alpha=0.1, l1=l1, l2=0.1), 3)
+    big = float(np.finfo(dtype).max) / 2
+    ids = np.arange(6, dtype=np.int64)
+    g = np.array([[big, -big, 1.0, 0.0]] * 6, dtype=dtype)
+    g[1] = [-big, big, big, 0.0]
+    ops = [("pull", ids, None)] + [("push", ids, g)] * 2 + [("push", ids, np.ones_like(g))]
+    got, _, _ = replay(True, spec, ops)
+    assert spy.calls["push probe=True check=True apply=True -> 0"]
+    want, _, _ = replay(False, spec, ops)
+    assert_same_export(got, want)
+    one_nan = np.array([np.nan], dtype=dtype).tobytes()
+    for name in ("rows", "z"):
+        nans = got[name][np.isnan(got[name])]
+        assert nans.size, name
+        assert {x.tobytes() for x in nans} == {one_nan}, name
+
+
 @pytest.mark.parametrize(
     "life",
     [

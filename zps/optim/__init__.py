@@ -298,6 +298,12 @@ class FTRL:
         denom = (self.beta + np.sqrt(n)) / alpha + self.l2
         shrunk = z - np.sign(z) * self.l1
         param[...] = np.where(np.abs(z) <= self.l1, 0.0, -shrunk / denom)
+        # A NaN (an overflow: inf - inf) is stored as the one quiet NaN, whatever sign
+        # the arithmetic gave it, as the compiled update stores it (zps/store/_kernel_update.h).
+        for a in (z, param):
+            bad = np.isnan(a)
+            if bad.any():
+                a[bad] = np.nan
 
 
 Optimizer = SGD | Momentum | Adagrad | Adam | FTRL

@@ -170,6 +170,9 @@ UPDATE_CLONES static void CAT(update, SUF)(const Opt *o, Py_ssize_t n, Py_ssize_
                 T nj = nn[j];
                 T sigma = (SQRT(nj + g2) - SQRT(nj)) / alpha;
                 T zj = z[j] + (e - sigma * was[j]);
+                /* A NaN is stored as the one quiet NaN (NAN), whatever sign and payload
+                 * the arithmetic gave it, as zps.optim's numpy version stores it. */
+                zj = zj != zj ? (T)NAN : zj;
                 z[j] = zj;
                 nj = nj + g2;
                 nn[j] = nj;
@@ -180,7 +183,8 @@ UPDATE_CLONES static void CAT(update, SUF)(const Opt *o, Py_ssize_t n, Py_ssize_
                 T shrunk = zj - sign * l1;
                 T q = -shrunk / denom;
                 T az = zj < 0 ? -zj : zj;
-                p[j] = az <= l1 ? (T)0 : q;
+                T pj = az <= l1 ? (T)0 : q;
+                p[j] = pj != pj ? (T)NAN : pj;
             }
             break;
         }
