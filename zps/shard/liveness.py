@@ -3,11 +3,11 @@ thread that serves its liveness links (:class:`zps.transport.LinkThread`).
 
 The broker declares a shard dead after ``interval * liveness`` seconds without a
 heartbeat (1 s by default).  A shard's event loop can be held longer by one step that
-cannot be cut, such as a table outgrowing its arrays (a push that grew a table of dim
-32 with Adagrad from 2.5M to 3.7M rows took 1.1 s here when rows were copied; its
-index's rehash still takes 0.2-0.5 s at 2-4M ids, growing with the table): with
-heartbeats sent by the loop, the broker then failed over a shard that was
-working, and with one copy the partition was lost until the shard registered again.
+cannot be cut, such as a table outgrowing its arrays or its index's rehash, which grows
+with the table (figures: docs/performance.md, "Figures behind the code's rules"):
+heartbeats sent by the loop alone would stop meanwhile, the broker would fail over a
+shard that is working, and with one copy the partition would be lost until the shard
+registered again.
 
 So the liveness links (see :mod:`zps.core.membership`) are served by a thread.  The loop
 still decides what a heartbeat says and when, and posts it; the thread sends it on every
@@ -18,7 +18,7 @@ the loop beats again (:meth:`Liveness.tick`), without the in-sync set and durabl
 not change, and a lease from its echo runs from ``t`` as always (the broker heard
 from the shard then, so it promoted no other copy).  A loop held for ``max_loop_stall``
 seconds is taken for stuck: the thread stops sending, and the broker fails the shard
-over.  A process stopped whole (SIGSTOP) or killed sends nothing, as before.
+over.  A process stopped whole (SIGSTOP) or killed sends nothing.
 
 No sockets and no clock here: the thread passes ``now`` in.
 """

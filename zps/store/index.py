@@ -58,21 +58,24 @@ EMPTY = int(np.iinfo(np.int64).min)
 _MIN_CAPACITY = 16
 _WINDOW = 16
 _SLOT = np.dtype((np.void, 16))
-#: Batches of at most this many ids are probed one id at a time in Python: for
-#: a single id that is about 3x faster than a round of numpy calls.
+#: Batches of at most this many ids are probed one id at a time in Python, which
+#: costs less than a round of numpy calls (figures: docs/performance.md, "Figures
+#: behind the code's rules").
 _FEW = 4
 _M64 = (1 << 64) - 1
 #: Whether the compiled lookup is in use (``ZPS_NO_KERNEL=1`` in the environment turns it off).
 KERNEL = _probe is not None and os.environ.get("ZPS_NO_KERNEL", "") in ("", "0")
 #: Tables of at least this many slots (16 MiB; 512k ids) are rebuilt by a thread; a
-#: smaller one's rebuild takes the caller a few tens of milliseconds at most.
+#: smaller one is rebuilt by the caller, a pause the event loop can take (figures:
+#: docs/performance.md, "Figures behind the code's rules").
 BACKGROUND_SLOTS = 1 << 20
 #: While a thread builds the next table, the current one takes new ids up to this
 #: load (at 3/4 a lookup of an absent id takes about 8 probes, not 2.5, most of them
 #: in the same cache line): half again as many ids as the table held at the start.
 BUILD_LOAD = (3, 4)
 #: The thread stops catching up with new ids when fewer than this many are left for
-#: the swap (placing them takes the caller about a millisecond).
+#: the swap: the caller places that many itself, a short pause (figures:
+#: docs/performance.md, "Figures behind the code's rules").
 CATCH_UP_IDS = 1 << 14
 
 
@@ -151,7 +154,7 @@ class IdIndex:
     def lookup(self, ids: npt.ArrayLike) -> I64:
         """Position of each id, or -1 where absent."""
         keys = as_ids(ids)
-        if KERNEL:  # about 0.5 us for one id, 15-110 us for 2048 (numpy: 4 us, 350-560 us)
+        if KERNEL:  # one compiled pass, whatever the batch (figures: docs/performance.md)
             out = np.empty(keys.shape[0], dtype=np.int64)
             _probe.lookup(self._slots, np.ascontiguousarray(keys), out)
             return out
@@ -165,8 +168,8 @@ class IdIndex:
         mask = self.capacity - 1
         slot = self._home(keys)
         # Round one probes each id's home slot, which settles most of them: one
-        # gather of whole slots (``take`` of records is several times faster than
-        # fancy indexing, and key and position share a cache line).
+        # gather of whole slots (``take`` of records, not fancy indexing: key and
+        # position share a cache line and move as one record).
         home = self._records.take(slot).view(np.int64).reshape(-1, 2)
         found = home[:, 0]
         out = home[:, 1].copy()
@@ -297,7 +300,7 @@ class IdIndex:
         """The built table, with the ids added since its build began, in use."""
         build.thread.join()
         self._build = None
-        if build.error is not None:  # (MemoryError, say): rebuilt in place, as before
+        if build.error is not None:  # (MemoryError, say): rebuilt in place by the caller
             self._rehash(build.slots.shape[0])
             return
         n0 = build.placed

@@ -1,20 +1,19 @@
 """Row arrays that grow in place: an embedding table's rows and optimizer state, and
 its id index's slot table and ids.
 
-A table that outgrows its arrays used to copy every row into new, larger ones.  The
-copy itself is quick; touching the new memory is not: each page is faulted in on
-first write, which took 1.06 s for 3.7M rows of 32 float32 here (a virtual machine,
-where a first touch costs the host a fault too), and the shard's event loop waited
-all that time (its requests with it).
+A table that outgrows its arrays must not copy every row into new, larger ones: the
+copy itself is quick, touching the new memory is not (each page is faulted in on its
+first write, dearest on a virtual machine, where a first touch costs the host a fault
+too), and the shard's event loop, its requests with it, would wait all that time
+(figures: docs/performance.md, "Figures behind the code's rules").
 
 An array from :func:`empty` (of at least :data:`MIN_BYTES`) lives in anonymous memory
 of its own, and :func:`grow` extends it with ``mremap``: the pages move to the larger
 mapping as they are, no row is copied and no page touched; the new rows' pages are
-faulted in as rows are written there, a few at a time.  The same 3.7M rows grew in
-3.5 ms.  Where that cannot be done (an array that is not mapped here, or one that
-something else still views: a move's or an export's arrays), :func:`grow` copies into
-a new array, as before.  Huge pages are asked for (``MADV_HUGEPAGE``), as numpy does
-for its own large arrays.
+faulted in as rows are written there, a few at a time.  Where that cannot be done (an
+array that is not mapped here, or one that something else still views: a move's or an
+export's arrays), :func:`grow` copies into a new array.  Huge pages are asked for
+(``MADV_HUGEPAGE``), as numpy does for its own large arrays.
 """
 
 from __future__ import annotations
