@@ -52,13 +52,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from zps.core import cluster_status, placement, recovery
 from zps.core.brokerstate import PartitionRecord
+from zps.core.nodes import Assignment, Claim, ClientNode, Partition, ShardNode, merge
 from zps.core.routing import (
     DEFAULT_SLOTS,
     ClusterMap,
@@ -68,100 +69,7 @@ from zps.core.routing import (
 )
 from zps.protocol.messages import Role
 
-
-@dataclass(frozen=True)
-class Claim:
-    """What a shard says it already serves when it (re)registers."""
-
-    partition: int
-    epoch: int
-    role: Role
-    lsn: int = 0
-    in_sync: bool = False
-    #: False: the copy may lack writes it acknowledged (see ``ShardClaim.complete``).
-    complete: bool = True
-
-
-@dataclass
-class ShardNode:
-    node_id: str
-    host: str
-    pid: int
-    address: str
-    registered_at: float
-    role: Role = Role.SPARE
-    partition: int | None = None
-    epoch: int = 0
-    lsn: int = 0
-    stats: dict[str, Any] = field(default_factory=dict)
-    zone: str = ""
-    #: The send time of its last heartbeat answered with a renewing lease echo.
-    lease_t: float | None = None
-    #: A primary being fenced (rule 8): its lease echoes renew nothing.
-    fenced: bool = False
-    #: The LSN a fenced primary reported after its lease ran out.
-    final_lsn: int | None = None
-    #: A copy it came back with that is older than its partition's floor: kept
-    #: (the shard is not made a spare) until a newer copy returns or an operator
-    #: accepts this one.
-    held: Claim | None = None
-
-
-@dataclass
-class ClientNode:
-    node_id: str
-    host: str
-    pid: int
-    name: str
-    registered_at: float
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """Tell ``node_id`` its role; a replica also learns whom to follow."""
-
-    node_id: str
-    role: Role
-    partition: int | None
-    epoch: int
-    primary: str | None = None
-    primary_address: str = ""
-
-
-@dataclass
-class _Partition:
-    epoch: int = 0
-    primary: str | None = None
-    replicas: list[str] = field(default_factory=list)
-    in_sync: set[str] = field(default_factory=set)
-    lost: bool = False
-    #: The newest (epoch, LSN) a primary of it confirmed (see rule 4).
-    floor_epoch: int = 0
-    floor_lsn: int = 0
-    #: Hosts of its copies as last recorded (for the operator when it is lost).
-    hosts: tuple[str, ...] = ()
-    #: An operator accepted the loss of what the missing copies held.
-    released: bool = False
-    #: Its last in-sync set, primary first, as its confirmed primary reported it (rule
-    #: 4); binding on claims once restored from a broker's record (``pinned``).
-    members: tuple[str, ...] = ()
-    pinned: bool = False
-    #: The (epoch, LSN) of the copy its primary's line was granted from (a claim or
-    #: nothing; kept across failovers), and the LSN then (rule 8).
-    origin: tuple[int, int] = (0, 0)
-    granted_lsn: int = 0
-    #: (epoch, shard) pairs this broker gave or granted: histories it has seen.
-    seen: set[tuple[int, str]] = field(default_factory=set)
-    #: Lost because its last copy was stopped on purpose (a planned shutdown).
-    stopped: bool = False
-    #: A newer copy waiting for the serving primary to be fenced (rule 8).
-    contender: str | None = None
-    #: The shard-clock time after which the fenced primary's lease has run out.
-    fence_after: float = 0.0
-
-    @property
-    def floor(self) -> tuple[int, int]:
-        return (self.floor_epoch, self.floor_lsn)
+__all__ = ["Assignment", "Claim", "ClientNode", "ClusterState", "ShardNode"]
 
 
 class ClusterState:
@@ -193,7 +101,7 @@ class ClusterState:
         #: Routing brokers (``zps-server broker --follow``): watched like clients, listed
         #: in the map, each partition's requests sent to one (see ``_routers_of``).
         self.routers: dict[str, RouterInfo] = {}
-        self._parts = [_Partition() for _ in range(n_partitions)]
+        self._parts = [Partition() for _ in range(n_partitions)]
         self.map_version = 0
         self.failovers = 0
         #: (level, message) for the driver to log: "error" for what an operator must see.
@@ -252,7 +160,7 @@ class ClusterState:
 
     def _resize(self, n: int) -> None:
         while len(self._parts) < n:
-            self._parts.append(_Partition())
+            self._parts.append(Partition())
         del self._parts[n:]
         self.n_partitions = n
 
@@ -266,7 +174,7 @@ class ClusterState:
             return []
         self._resize(n)
         self._publish()
-        return _merge(self._fill(now))
+        return merge(self._fill(now))
 
     def shrink(self, n: int) -> list[Assignment]:
         """Remove the partitions from ``n`` up, which must hold no slot: their shards
@@ -283,7 +191,7 @@ class ClusterState:
                     out += self._demote(node, p)
         self._resize(n)
         self._publish()
-        return _merge(out)
+        return merge(out)
 
     def move_slots(self, slots: Sequence[int], dest: int) -> None:
         """The cut-over of a move: ``slots`` belong to ``dest`` from the next map."""
@@ -384,7 +292,7 @@ class ClusterState:
             out += self._grant(node, claim, now)
         if node.role is Role.SPARE and node.held is None:
             out.append(Assignment(node_id, Role.SPARE, None, 0))
-        return _merge(out + self._fill(now))
+        return merge(out + self._fill(now))
 
     def _grant(self, node: ShardNode, claim: Claim, now: float) -> list[Assignment]:
         part = self._parts[claim.partition]
@@ -392,12 +300,7 @@ class ClusterState:
         if claim.role is Role.PRIMARY:
             why_not = self._distrust(part, claim, node.node_id)
             current = self.shards.get(part.primary) if part.primary else None
-            newer = (
-                current is not None
-                and not part.pinned
-                and (claim.epoch, node.node_id) not in part.seen
-                and (claim.epoch, claim.lsn) > part.origin
-            )
+            newer = current is not None and recovery.unseen_newer(part, claim, node.node_id)
             if why_not is None and current is not None and newer:
                 if self.holding(now):
                     # A newer copy than the one granted earlier in the hold (no write
@@ -415,16 +318,7 @@ class ClusterState:
                 )
             if why_not is not None and part.primary is None:
                 node.held = claim
-                self.notices.append(
-                    (
-                        "error",
-                        f"shard {node.node_id} ({node.host}) came back with partition "
-                        f"{claim.partition} at epoch {claim.epoch}, LSN {claim.lsn}: not taken "
-                        f"({why_not}; acknowledged writes would be lost); the partition waits "
-                        "for a copy that holds them, or for zps-server reset-partition "
-                        f"--partition {claim.partition} --accept-data-loss",
-                    )
-                )
+                self.notices.append(("error", recovery.not_taken(node, claim, why_not)))
             return []
         if (
             claim.role is Role.REPLICA
@@ -443,31 +337,8 @@ class ClusterState:
             return [*raised, self._assignment(node.node_id)]
         return []
 
-    @staticmethod
-    def _claim_epoch(part: _Partition, claim: Claim) -> int:
-        """The epoch a claimed copy serves at: its own, unless the partition has moved
-        past it (a copy from before a promotion that never took writes is as good)."""
-        return claim.epoch if claim.epoch >= part.epoch else part.epoch + 1
-
-    @staticmethod
-    def _distrust(part: _Partition, claim: Claim, node_id: str) -> str | None:
-        """Why a primary claim may not have its partition (rule 4), or None."""
-        if part.released:
-            return None
-        if not claim.complete:
-            return "it was restored without a log and may lack acknowledged writes"
-        if (claim.epoch, claim.lsn) < part.floor:
-            return (
-                f"older than the epoch {part.floor_epoch}, LSN {part.floor_lsn} its "
-                "primary confirmed"
-            )
-        if part.pinned and node_id not in part.members:
-            return f"it is not in the partition's last in-sync set ({', '.join(part.members)})"
-        # At or past the floor.  Below the current epoch only when a floor is known
-        # (the newer epoch was never confirmed, so it took no writes).
-        if claim.epoch >= part.epoch or part.floor_epoch > 0:
-            return None
-        return f"its epoch {claim.epoch} is older than the partition's {part.epoch}"
+    _claim_epoch = staticmethod(recovery.claim_epoch)
+    _distrust = staticmethod(recovery.distrust)
 
     def _contend(self, node: ShardNode, claim: Claim) -> list[Assignment]:
         """A newer copy than the serving primary's origin came back (rule 8)."""
@@ -476,13 +347,7 @@ class ClusterState:
         current = self.shards[part.primary] if part.primary else None
         assert current is not None
         if part.contender is not None and part.contender in self.shards:
-            self.notices.append(
-                (
-                    "info",
-                    f"shard {node.node_id}: partition {p} is already being handed to "
-                    f"{part.contender}; {node.node_id} waits with its copy",
-                )
-            )
+            self.notices.append(("info", recovery.waits_behind(p, node, part.contender)))
             return []
         if current.lsn > part.granted_lsn:
             self._conflict(p, node, claim, current.lsn)
@@ -490,34 +355,12 @@ class ClusterState:
         part.contender = node.node_id
         part.fence_after = (current.lease_t or float("-inf")) + self.lease
         current.fenced, current.final_lsn = True, None
-        self.notices.append(
-            (
-                "info",
-                f"partition {p}: {node.node_id} came back with epoch {claim.epoch}, LSN "
-                f"{claim.lsn}, newer than {current.node_id}'s (epoch {part.origin[0]}, LSN "
-                f"{part.origin[1]}); fencing {current.node_id} to hand the partition over "
-                "if it took no write",
-            )
-        )
+        self.notices.append(("info", recovery.fencing(p, node, claim, current, part)))
         self._publish()
         return []
 
     def _conflict(self, p: int, node: ShardNode, claim: Claim, lsn: int) -> None:
-        part = self._parts[p]
-        self.notices.append(
-            (
-                "error",
-                f"partition {p}: two copies hold writes the other lacks. {node.node_id} "
-                f"came back with epoch {claim.epoch}, LSN {claim.lsn}; {part.primary} "
-                f"serves it from epoch {part.origin[0]}, LSN {part.origin[1]} and has "
-                f"taken writes since (LSN {part.granted_lsn} -> {lsn}). Neither is "
-                f"overwritten: {node.node_id} is kept with no role. To keep the serving "
-                f"copy, stop {node.node_id}, set its data dir aside and start it empty; "
-                f"to serve {node.node_id}'s copy instead, stop {part.primary} (set its "
-                "data dir aside) and run zps-server reset-partition --partition "
-                f"{p} --accept-data-loss",
-            )
-        )
+        self.notices.append(("error", recovery.conflict(p, node, claim, self._parts[p], lsn)))
 
     def _settle(self, now: float) -> list[Assignment]:
         """Finish the hand-overs whose fenced primary reported its final LSN."""
@@ -543,14 +386,7 @@ class ClusterState:
                 self._conflict(p, contender, claim, current.final_lsn)
                 self._publish()
                 continue
-            self.notices.append(
-                (
-                    "warning",
-                    f"partition {p}: {contender.node_id} holds a newer copy (epoch "
-                    f"{claim.epoch}, LSN {claim.lsn}) than {current.node_id}, which took "
-                    f"no write since it took the partition: {contender.node_id} serves it",
-                )
-            )
+            self.notices.append(("warning", recovery.handed_over(p, contender, claim, current)))
             out += self._demote(current.node_id, p)
             part.primary = None
             # Past the fenced primary's epoch: nothing it sent can count any more.
@@ -679,7 +515,7 @@ class ClusterState:
             part.replicas.remove(node_id)
             part.in_sync.discard(node_id)
             self._publish()
-        return _merge(out + self._fill(now))
+        return merge(out + self._fill(now))
 
     def tick(self, now: float) -> list[Assignment]:
         """Time passes: ends the start-up hold (then fills what is still empty)."""
@@ -687,10 +523,10 @@ class ClusterState:
             self._holding = False
             if self.routers:
                 self._publish()  # the partitions' routers, withheld during the hold
-            return _merge(self._fill(now))
+            return merge(self._fill(now))
         if self.holding(now):
             return []
-        return _merge(self._settle(now) + self._rebalance())
+        return merge(self._settle(now) + self._rebalance())
 
     # -- internals -----------------------------------------------------------
 
@@ -727,28 +563,8 @@ class ClusterState:
         if part.lost:
             return
         part.lost, part.stopped = True, stopped is not None
-        where = f" (its copies were on {', '.join(part.hosts)})" if part.hosts else ""
-        after = (
-            "requests for it wait (up to their timeout) until a shard holding such a copy "
-            f"registers, or until zps-server reset-partition --partition {p} "
-            "--accept-data-loss"
-        )
-        if stopped is not None:
-            self.notices.append(
-                (
-                    "warning",
-                    f"partition {p} has no copy serving: its last one, {stopped}, was "
-                    f"stopped (at epoch {part.floor_epoch}, LSN {part.floor_lsn}){where}; " + after,
-                )
-            )
-            return
-        self.notices.append(
-            (
-                "error",
-                f"partition {p} is lost: no copy of it at epoch {part.floor_epoch}, LSN "
-                f"{part.floor_lsn} or newer is left{where}; " + after,
-            )
-        )
+        level = "error" if stopped is None else "warning"
+        self.notices.append((level, recovery.lost(p, part, stopped)))
 
     def _make_primary(
         self,
@@ -808,14 +624,6 @@ class ClusterState:
         part = self._parts[p]
         return [self.shards[n] for n in (part.primary, *part.replicas) if n in self.shards]
 
-    @staticmethod
-    def _clash(node: ShardNode, copies: list[ShardNode]) -> tuple[bool, bool]:
-        """(same host as a copy, same zone as a copy): False sorts first."""
-        return (
-            any(c.host == node.host for c in copies),
-            bool(node.zone) and any(c.zone == node.zone for c in copies),
-        )
-
     def _fill(self, now: float) -> list[Assignment]:
         """Give empty partitions a primary and short ones replicas, from the spares."""
         if self.holding(now):
@@ -848,22 +656,7 @@ class ClusterState:
             ]
             if not short:
                 break
-            copies = {p: self._copies(p) for p in short}
-
-            def rank(
-                p: int, n: ShardNode, copies: dict[int, list[ShardNode]] = copies
-            ) -> tuple[bool, bool]:
-                return self._clash(n, copies[p])
-
-            def good(p: int) -> list[ShardNode]:
-                best = min(rank(p, n) for n in spares)
-                return [n for n in spares if rank(p, n) == best]
-
-            p = min(short, key=lambda q: (min(rank(q, n) for n in spares), len(good(q)), q))
-            node = min(
-                good(p),
-                key=lambda n: sum(1 for q in short if q != p and rank(q, n) == (False, False)),
-            )
+            p, node = placement.pick_replica({p: self._copies(p) for p in short}, spares)
             spares.remove(node)
             out.append(self._add_replica(node, p))
         return out
@@ -884,7 +677,7 @@ class ClusterState:
                 continue
             for r in list(part.replicas):
                 others = [c for c in self._copies(p) if c.node_id != r]
-                if not self._clash(self.shards[r], others) > (False, False):
+                if not placement.clash(self.shards[r], others) > (False, False):
                     continue
                 if len(part.replicas) > self.replication - 1:
                     # An extra replica was added for this: drop the clashing one once
@@ -893,7 +686,7 @@ class ClusterState:
                         x
                         for x in part.in_sync
                         if x != r
-                        and not self._clash(
+                        and not placement.clash(
                             self.shards[x], [c for c in self._copies(p) if c.node_id != x]
                         )
                         > (False, False)
@@ -904,8 +697,8 @@ class ClusterState:
                         self._publish()
                         out += self._demote(r, p)
                     continue
-                rank = self._clash(self.shards[r], others)
-                better = [n for n in self._spares() if self._clash(n, others) < rank]
+                rank = placement.clash(self.shards[r], others)
+                better = [n for n in self._spares() if placement.clash(n, others) < rank]
                 if better and r in part.in_sync:
                     out.append(self._add_replica(better[0], p))
         return out
@@ -944,14 +737,14 @@ class ClusterState:
             self._publish()
         else:
             self.drained.add(node_id)
-        return _merge(out + self._fill(now))
+        return merge(out + self._fill(now))
 
     def undrain(self, node_id: str, now: float) -> list[Assignment]:
         """Let a drained shard take roles again (it is a spare until placed)."""
         if node_id not in self.drained:
             raise ValueError(f"{node_id} is not drained")
         self.drained.discard(node_id)
-        return _merge(self._fill(now))
+        return merge(self._fill(now))
 
     def reset_partition(self, p: int, now: float) -> list[Assignment]:
         """An operator accepts losing what the missing copies of ``p`` held: the
@@ -977,7 +770,7 @@ class ClusterState:
         )
         part.lost, part.released = False, True
         self._publish()
-        return _merge(self._take_over(p) + self._fill(now))
+        return merge(self._take_over(p) + self._fill(now))
 
     def _take_over(self, p: int) -> list[Assignment]:
         """A released partition goes to its newest held copy, else to a spare."""
@@ -997,7 +790,7 @@ class ClusterState:
         return []  # the first spare to register takes it
 
     @staticmethod
-    def _refresh_members(part: _Partition) -> None:
+    def _refresh_members(part: Partition) -> None:
         """A confirmed primary's in-sync set is the partition's members (a promoted
         copy takes no write before it is confirmed: its lease starts then)."""
         if part.primary is not None and part.floor_epoch == part.epoch and part.epoch > 0:
@@ -1057,129 +850,25 @@ class ClusterState:
 
     def status(self, now: float, last_seen: dict[str, float | None]) -> dict[str, Any]:
         """A plain-data report for ``zps-server status``."""
-
-        def age(node_id: str) -> float | None:
-            seen = last_seen.get(node_id)
-            return None if seen is None else round(now - seen, 3)
-
-        partitions: list[dict[str, Any]] = []
-        for p, part in enumerate(self._parts):
-            primary = self.shards.get(part.primary) if part.primary else None
-            head = primary.lsn if primary else None
-            replicas = []
-            for r in part.replicas:
-                rnode = self.shards.get(r)
-                lsn = rnode.lsn if rnode else None
-                replicas.append(
-                    {
-                        "node": r,
-                        "in_sync": r in part.in_sync,
-                        "lsn": lsn,
-                        "lag": None if head is None or lsn is None else max(0, head - lsn),
-                    }
-                )
-            state = self.partition_state(p, now)
-            entry: dict[str, Any] = {
-                "partition": p,
-                "slots": int((self.slot_map == p).sum()),
-                "epoch": part.epoch,
-                "state": state,
-                "primary": part.primary,
-                "lsn": head,
-                "replicas": replicas,
-                "floor": {"epoch": part.floor_epoch, "lsn": part.floor_lsn},
-                "in_sync_set": list(part.members),
-                "placement": self.placement_warning(p),
-            }
-            if part.contender is not None:
-                entry["handing_over_to"] = part.contender
-            held = [
-                {"node": n.node_id, "host": n.host, "epoch": n.held.epoch, "lsn": n.held.lsn}
-                for n in self.shards.values()
-                if n.held is not None and n.held.partition == p
-            ]
-            if held or part.lost:
-                entry["held_copies"] = held
-            if part.lost:
-                entry["awaiting"] = (
-                    f"a copy at epoch {part.floor_epoch}, LSN {part.floor_lsn} or newer"
-                    + (f" from its in-sync set ({', '.join(part.members)})" if part.members else "")
-                    + (f" (last on {', '.join(part.hosts)})" if part.hosts else "")
-                )
-            partitions.append(entry)
-        warnings = [
-            f"partition {e['partition']}: {e['placement']}" for e in partitions if e["placement"]
-        ]
-        shards = [
-            {
-                "node": n.node_id,
-                "host": n.host,
-                "pid": n.pid,
-                "address": n.address,
-                "zone": n.zone,
-                "role": n.role.value,
-                "partition": n.partition,
-                "epoch": n.epoch,
-                "lsn": n.lsn,
-                "last_seen_s": age(n.node_id),
-                "stats": n.stats,
-                "drained": n.node_id in self.drained,
-            }
-            for n in sorted(
-                self.shards.values(),
-                key=lambda n: (
-                    n.partition is None,
-                    n.partition or 0,
-                    n.role != Role.PRIMARY,
-                    n.node_id,
-                ),
-            )
-        ]
-        clients = [
-            {
-                "node": c.node_id,
-                "host": c.host,
-                "pid": c.pid,
-                "name": c.name,
-                "last_seen_s": age(c.node_id),
-            }
-            for c in sorted(self.clients.values(), key=lambda c: c.node_id)
-        ]
-        return {
-            "map_version": self.map_version,
-            "incarnation": self.incarnation,
-            "n_partitions": self.n_partitions,
-            "replication": self.replication,
-            "n_slots": self.n_slots,
-            "failovers": self.failovers,
-            "partitions": partitions,
-            "placement_warnings": warnings,
-            "shards": shards,
-            "clients": clients,
-        }
+        return cluster_status.report(
+            self._parts,
+            self.shards,
+            self.clients,
+            now=now,
+            last_seen=last_seen,
+            states=[self.partition_state(p, now) for p in range(self.n_partitions)],
+            slots=[int((self.slot_map == p).sum()) for p in range(self.n_partitions)],
+            drained=self.drained,
+            header={
+                "map_version": self.map_version,
+                "incarnation": self.incarnation,
+                "n_partitions": self.n_partitions,
+                "replication": self.replication,
+                "n_slots": self.n_slots,
+                "failovers": self.failovers,
+            },
+        )
 
     def placement_warning(self, p: int) -> str | None:
         """Copies of ``p`` sharing a host (or a zone), or None."""
-        copies = self._copies(p)
-        for attr, what in (("host", "host"), ("zone", "zone")):
-            seen: dict[str, int] = {}
-            for c in copies:
-                label = getattr(c, attr)
-                if label:
-                    seen[label] = seen.get(label, 0) + 1
-            shared = sorted(k for k, v in seen.items() if v > 1)
-            if shared:
-                return (
-                    f"{seen[shared[0]]} copies on {what} {shared[0]}: one {what} failure "
-                    "loses them together (no spare shard elsewhere)"
-                )
-        return None
-
-
-def _merge(assignments: list[Assignment]) -> list[Assignment]:
-    """The last assignment per node wins (one message each)."""
-    last: dict[str, Assignment] = {}
-    for a in assignments:
-        last.pop(a.node_id, None)
-        last[a.node_id] = a
-    return list(last.values())
+        return placement.warning(self._copies(p))

@@ -1,0 +1,110 @@
+"""Which copy may serve a partition after a crash (rules 4 and 8 of
+:mod:`zps.core.cluster`), and what the broker tells the operator about it.
+
+Pure functions over the broker's records; :class:`zps.core.cluster.ClusterState`
+carries out what they decide.
+"""
+
+from __future__ import annotations
+
+from zps.core.nodes import Claim, Partition, ShardNode
+
+_RESET = "zps-server reset-partition --partition {p} --accept-data-loss"
+
+
+def claim_epoch(part: Partition, claim: Claim) -> int:
+    """The epoch a claimed copy serves at: its own, unless the partition has moved
+    past it (a copy from before a promotion that never took writes is as good)."""
+    return claim.epoch if claim.epoch >= part.epoch else part.epoch + 1
+
+
+def distrust(part: Partition, claim: Claim, node_id: str) -> str | None:
+    """Why a primary claim may not have its partition (rule 4), or None."""
+    if part.released:
+        return None
+    if not claim.complete:
+        return "it was restored without a log and may lack acknowledged writes"
+    if (claim.epoch, claim.lsn) < part.floor:
+        return (
+            f"older than the epoch {part.floor_epoch}, LSN {part.floor_lsn} its primary confirmed"
+        )
+    if part.pinned and node_id not in part.members:
+        return f"it is not in the partition's last in-sync set ({', '.join(part.members)})"
+    # At or past the floor.  Below the current epoch only when a floor is known
+    # (the newer epoch was never confirmed, so it took no writes).
+    if claim.epoch >= part.epoch or part.floor_epoch > 0:
+        return None
+    return f"its epoch {claim.epoch} is older than the partition's {part.epoch}"
+
+
+def unseen_newer(part: Partition, claim: Claim, node_id: str) -> bool:
+    """Whether a claim is a newer history than the serving line's origin that this
+    broker never saw, with no recorded in-sync set to vouch for the line (rule 8)."""
+    return (
+        not part.pinned
+        and (claim.epoch, node_id) not in part.seen
+        and (claim.epoch, claim.lsn) > part.origin
+    )
+
+
+def not_taken(node: ShardNode, claim: Claim, why: str) -> str:
+    return (
+        f"shard {node.node_id} ({node.host}) came back with partition {claim.partition} at "
+        f"epoch {claim.epoch}, LSN {claim.lsn}: not taken ({why}; acknowledged writes would "
+        "be lost); the partition waits for a copy that holds them, or for "
+        + _RESET.format(p=claim.partition)
+    )
+
+
+def waits_behind(p: int, node: ShardNode, contender: str) -> str:
+    return (
+        f"shard {node.node_id}: partition {p} is already being handed to {contender}; "
+        f"{node.node_id} waits with its copy"
+    )
+
+
+def fencing(p: int, node: ShardNode, claim: Claim, current: ShardNode, part: Partition) -> str:
+    return (
+        f"partition {p}: {node.node_id} came back with epoch {claim.epoch}, LSN {claim.lsn}, "
+        f"newer than {current.node_id}'s (epoch {part.origin[0]}, LSN {part.origin[1]}); "
+        f"fencing {current.node_id} to hand the partition over if it took no write"
+    )
+
+
+def conflict(p: int, node: ShardNode, claim: Claim, part: Partition, lsn: int) -> str:
+    """Two copies hold writes the other lacks: the operator's two choices."""
+    return (
+        f"partition {p}: two copies hold writes the other lacks. {node.node_id} came back "
+        f"with epoch {claim.epoch}, LSN {claim.lsn}; {part.primary} serves it from epoch "
+        f"{part.origin[0]}, LSN {part.origin[1]} and has taken writes since (LSN "
+        f"{part.granted_lsn} -> {lsn}). Neither is overwritten: {node.node_id} is kept "
+        f"with no role. To keep the serving copy, stop {node.node_id}, set its data dir "
+        f"aside and start it empty; to serve {node.node_id}'s copy instead, stop "
+        f"{part.primary} (set its data dir aside) and run " + _RESET.format(p=p)
+    )
+
+
+def handed_over(p: int, contender: ShardNode, claim: Claim, current: ShardNode) -> str:
+    return (
+        f"partition {p}: {contender.node_id} holds a newer copy (epoch {claim.epoch}, LSN "
+        f"{claim.lsn}) than {current.node_id}, which took no write since it took the "
+        f"partition: {contender.node_id} serves it"
+    )
+
+
+def lost(p: int, part: Partition, stopped: str | None) -> str:
+    """No copy serves ``p`` (``stopped``: its last one was stopped on purpose)."""
+    where = f" (its copies were on {', '.join(part.hosts)})" if part.hosts else ""
+    after = (
+        "requests for it wait (up to their timeout) until a shard holding such a copy "
+        "registers, or until " + _RESET.format(p=p)
+    )
+    if stopped is not None:
+        return (
+            f"partition {p} has no copy serving: its last one, {stopped}, was stopped (at "
+            f"epoch {part.floor_epoch}, LSN {part.floor_lsn}){where}; " + after
+        )
+    return (
+        f"partition {p} is lost: no copy of it at epoch {part.floor_epoch}, LSN "
+        f"{part.floor_lsn} or newer is left{where}; " + after
+    )
