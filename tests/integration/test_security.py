@@ -358,3 +358,44 @@ def test_traffic_on_the_wire_is_encrypted(secure: SecureCluster) -> None:
     assert len(mine) > 10
     assert not any(secret_marker in p for p in sniff.packets)
     assert not any(b"push_dense" in p or b"pull_dense" in p for p in mine)
+
+
+def test_a_request_may_carry_only_its_senders_dedup_id(secure: SecureCluster) -> None:
+    """Without key roles too (no allowed_shards_dir here), CURVE binds a request's dedup
+    id to its sender: the broker refuses one whose 'cid' is another identity's."""
+    import msgpack
+    import zmq
+    import zmq.auth
+
+    from zps.ops.security import key_identity
+    from zps.protocol.codec import Encoder, MsgType, Route, unpack_route
+
+    cfg = ClientConfig(security=secure.admin, connect_timeout=5, timeout=10)
+    with zps.connect_sync(secure.address, cfg) as ps:
+        ps.create_dense("cid", shape=(2,), dtype="float64", optimizer=SGD(lr=1.0))
+        victim = ps.client.client_id
+    public, secret = zmq.auth.load_certificate(str(secure.keys / "client.key_secret"))
+    server, _ = zmq.auth.load_certificate(str(secure.keys / "broker.key"))
+    assert public is not None and secret is not None and server is not None
+    epoch = secure.status()["partitions"][0]["epoch"]
+    enc = Encoder()
+    op = {"op": "push_dense", "t": "cid", "chunk": 0, "g": enc.array(np.ones(2))}
+    header = {"cid": victim, "seq": 10**6, "ops": [op]}
+    frames = [bytes(f) for f in enc.build(Route(MsgType.REQUEST, 0, epoch, 5), header)]
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, key_identity(b"c-", public, b"other"))
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server
+        sock.connect(secure.address)
+        sock.send_multipart(frames)
+        assert sock.poll(5000), "no answer"
+        reply = sock.recv_multipart()
+        assert unpack_route(reply[0]).req_id == 5
+        answer = msgpack.unpackb(reply[1])
+        assert answer["st"] == "BAD_REQUEST" and "'cid' must be its sender's" in answer["msg"]
+    finally:
+        ctx.destroy(0)
+    with zps.connect_sync(secure.address, cfg) as ps:
+        np.testing.assert_array_equal(ps.pull_dense("cid"), [0.0, 0.0])  # nothing applied

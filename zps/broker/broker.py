@@ -94,11 +94,12 @@ from zps.ops.security import (
     REFUSAL_REASONS,
     KeyRoles,
     RefusalLog,
-    admin_ops,
     identity_refusal,
     is_shard_identity,
     load_curve_keys,
     load_roles,
+    refused_by_role,
+    request_refusal,
     warn_if_exposed,
 )
 from zps.ops.systemd import Notifier, watchdog_due
@@ -753,13 +754,11 @@ class Broker:
         if reason is None and shard and owner is None:
             assert key is not None
             self._bind(node, key)
-        if reason is None and not shard and "operator" not in self._roles.roles(key):
-            asked = self._admin_asked(ident, frames)
-            if asked:
+        if reason is None and not shard:
+            refused = self._command_refusal(ident, frames, "operator" in self._roles.roles(key))
+            if refused is not None:
                 self.stats.unauthorized += 1
-                self.refusals.refused(
-                    node, key, "wrong_role", time.monotonic(), f"{asked} needs an operator key"
-                )
+                self.refusals.refused(node, key, refused[0], time.monotonic(), refused[1])
                 return False
         if reason is None:
             assert self._out is not None and self._out.gate is not None
@@ -785,39 +784,39 @@ class Broker:
         self._bound_keys[node] = key
         self._state_changed()
 
-    def _admin_asked(self, ident: bytes, frames: transport.Frames) -> str:
-        """What of a client's message changes the cluster ("" for nothing), answered
-        refused at once: a REQUEST's drop or checkpoint operations, a STATUS request's
-        commands.  Reading the status report stays open to every key."""
+    def _command_refusal(
+        self, ident: bytes, frames: transport.Frames, operator: bool
+    ) -> tuple[str, str] | None:
+        """Why a client's message is refused (``(reason, what)``), answered at once, or
+        None: a REQUEST whose dedup id is not its sender's or, from a key that is not an
+        operator's, with drop or checkpoint operations (zps.ops.security.request_refusal);
+        a STATUS request's commands from such a key.  The status report stays open."""
         if len(frames) < 3:
-            return ""
+            return None
         try:
             route = unpack_route(transport.frame_buffer(frames[1]))
         except ProtocolError:
-            return ""
+            return None
         if route.mtype is MsgType.REQUEST:
-            ops = admin_ops(transport.frame_buffer(frames[2]))
-            if not ops:
-                return ""
-            what = " and ".join(f"the {op!r} operation" for op in ops)
-            self._refuse(ident, route, Status.BAD_REQUEST, _refused_by_role(what))
-            return what
-        if route.mtype is not MsgType.STATUS:
-            return ""
+            refused = request_refusal(transport.frame_buffer(frames[2]), ident, operator)
+            if refused is not None:
+                self._refuse(ident, route, Status.BAD_REQUEST, refused[1])
+            return refused
+        if route.mtype is not MsgType.STATUS or operator:
+            return None
         try:
             header = decode([transport.frame_buffer(f) for f in frames[1:]]).header
         except ProtocolError:
-            return ""
+            return None
         asked = [f for f in ADMIN_FIELDS if header.get(f) is not None and header[f] is not False]
         if not asked:
-            return ""
-        what = ", ".join(asked)
-        msg = _refused_by_role(what)
+            return None
+        msg = refused_by_role(", ".join(asked))
         report: dict[str, Any] = {"st": Status.BAD_REQUEST.value, "msg": msg, "refused": "role"}
         for command in ("reset", "drain", "scale"):
             report[command] = {"ok": False, "msg": msg}
         self._post([ident, *encode(Route(MsgType.STATUS, req_id=route.req_id), report)])
-        return what
+        return "wrong_role", msg
 
     def _handshake_refused(self, peer: str, key: bytes | None, reason: str) -> None:
         """A handshake the ZAP handler or the socket refused: counted, logged."""
@@ -1283,13 +1282,6 @@ def _collect_status(report: dict[str, Any]) -> Iterable[Metric]:
 
 #: Shard names bound to keys at most (past it a name no live shard holds is forgotten).
 _MAX_BOUND_NAMES = 65536
-
-
-def _refused_by_role(what: str) -> str:
-    return (
-        f"refused by role: {what} changes the cluster and needs an operator key "
-        "(security.allowed_operators_dir at the broker); this key is not one"
-    )
 
 
 def _claim(claim: ShardClaim | None) -> Claim | None:

@@ -56,12 +56,12 @@ from zps.ops.security import (
     REFUSAL_REASONS,
     KeyRoles,
     RefusalLog,
-    admin_ops,
     identity_refusal,
     is_shard_identity,
     key_identity,
     load_curve_keys,
     load_roles,
+    request_refusal,
     warn_if_exposed,
 )
 from zps.ops.systemd import Notifier
@@ -437,26 +437,23 @@ class Router:
                 self.stats.unauthorized += 1
                 self.refusals.refused(peer, key, "wrong_role", now, "too many shard names")
                 return False
-        elif reason is None and "operator" not in self._roles.roles(key) and len(frames) > 2:
+        elif reason is None and len(frames) > 2:
             try:
                 route = unpack_route(transport.frame_buffer(frames[1]))
             except ProtocolError:
                 return True  # answered VERSION_MISMATCH, or dropped as malformed
-            ops = (
-                admin_ops(transport.frame_buffer(frames[2]))
-                if route.mtype is MsgType.REQUEST
-                else []
-            )
-            if ops:
-                what = " and ".join(f"the {op!r} operation" for op in ops)
-                self._reply_error(
-                    ident,
-                    route,
-                    Status.BAD_REQUEST,
-                    f"refused by role: {what} changes the cluster and needs an operator "
-                    "key (security.allowed_operators_dir); this key is not one",
+            refused = (
+                request_refusal(
+                    transport.frame_buffer(frames[2]), ident, "operator" in self._roles.roles(key)
                 )
-                reason = "wrong_role"
+                if route.mtype is MsgType.REQUEST
+                else None
+            )
+            if refused is not None:
+                self._reply_error(ident, route, Status.BAD_REQUEST, refused[1])
+                self.stats.unauthorized += 1
+                self.refusals.refused(peer, key, refused[0], now, refused[1])
+                return False
         if reason is None:
             assert self._out is not None and self._out.gate is not None
             self._out.gate.accepted(ident, transport.sender_fd(frames[1]))

@@ -256,23 +256,40 @@ def identity_refusal(
 ADMIN_FIELDS = ("reset_partition", "drain", "undrain", "scale", "scale_cancel")
 #: Shard operations that change the cluster rather than a table's values.
 ADMIN_OPS = frozenset({"drop", "checkpoint"})
-_ADMIN_OP_BYTES = tuple(msgpack.packb(op) for op in sorted(ADMIN_OPS))
 
 
-def admin_ops(header_frame: bytes | memoryview) -> list[str]:
-    """The operations of :data:`ADMIN_OPS` a REQUEST's header frame asks for (an
-    undecodable header: none; the shard refuses it)."""
-    raw = bytes(header_frame)
-    if not any(op in raw for op in _ADMIN_OP_BYTES):
-        return []
+def request_refusal(
+    header_frame: bytes | memoryview, ident: bytes, operator: bool
+) -> tuple[str, str] | None:
+    """Why a client's REQUEST (its header frame, from ``ident``) is refused under CURVE:
+    ``(reason, what)``, or None.  Its dedup id (``cid``, the shard's default: the sender)
+    must be the sender's own identity, so no key's requests can take another's sequence
+    numbers; its :data:`ADMIN_OPS` need an ``operator`` key.  A header that does not
+    decode is left to the shard (which refuses it)."""
     try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        header = msgpack.unpackb(bytes(header_frame), raw=False, strict_map_key=False)
     except (ValueError, msgpack.UnpackException):
-        return []
-    ops = header.get("ops") if isinstance(header, dict) else None
-    if not isinstance(ops, list):
-        return []
-    return sorted({o["op"] for o in ops if isinstance(o, dict) and o.get("op") in ADMIN_OPS})
+        return None
+    if not isinstance(header, dict):
+        return None
+    cid = header.get("cid")
+    if cid is not None and cid != ident:
+        return "identity_of_another_key", "a request's 'cid' must be its sender's identity"
+    ops = header.get("ops")
+    if operator or not isinstance(ops, list):
+        return None
+    asked = sorted({o["op"] for o in ops if isinstance(o, dict) and o.get("op") in ADMIN_OPS})
+    if not asked:
+        return None
+    return "wrong_role", refused_by_role(" and ".join(f"the {op!r} operation" for op in asked))
+
+
+def refused_by_role(what: str) -> str:
+    """The answer to a command ``what`` from a key that is not an operator's."""
+    return (
+        f"refused by role: {what} changes the cluster and needs an operator key "
+        "(security.allowed_operators_dir); this key is not one"
+    )
 
 
 class RefusalLog:
