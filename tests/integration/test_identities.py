@@ -302,6 +302,11 @@ def test_commands_that_change_the_cluster_need_an_operator_key(kc: KeyCluster) -
         with pytest.raises(BadRequestError, match="refused by role: the 'checkpoint'"):
             ps.checkpoint(timeout=5)
         assert "keep" in ps.list_tables()
+        ps.create_job("job", n_records=10, per_task=5)  # a client key creates and runs jobs
+        for change in (ps.cancel_job, ps.reset_job):
+            with pytest.raises(BadRequestError, match=r"refused by role: (cancel|reset) of job"):
+                change("job")
+        assert ps.job("job")["state"] != "cancelled"
     status = kc.status()
     assert kc.healthy(status) and not any(s.get("drained") for s in status["shards"]), status
     # An operator key gets through (the partition has a primary: nothing to reset).
@@ -309,6 +314,7 @@ def test_commands_that_change_the_cluster_need_an_operator_key(kc: KeyCluster) -
     assert not report["reset"]["ok"] and "nothing to reset" in report["reset"]["msg"]
     with zps.connect_sync(kc.address, kc.client_config("operator")) as ps:
         assert ps.drop_table("keep")
+        assert ps.cancel_job("job")["state"] == "cancelled"
 
 
 def test_refusals_are_logged_once_a_minute_per_peer_and_key_and_counted(

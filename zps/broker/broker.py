@@ -790,7 +790,8 @@ class Broker:
         """Why a client's message is refused (``(reason, what)``), answered at once, or
         None: a REQUEST whose dedup id is not its sender's or, from a key that is not an
         operator's, with drop or checkpoint operations (zps.ops.security.request_refusal);
-        a STATUS request's commands from such a key.  The status report stays open."""
+        from such a key, a STATUS request's commands and a TASK request that changes a job
+        (``TaskRequest.operator_only``).  The status report stays open."""
         if len(frames) < 3:
             return None
         try:
@@ -802,12 +803,20 @@ class Broker:
             if refused is not None:
                 self._refuse(ident, route, Status.BAD_REQUEST, refused[1])
             return refused
-        if route.mtype is not MsgType.STATUS or operator:
+        if route.mtype not in (MsgType.STATUS, MsgType.TASK) or operator:
             return None
         try:
             header = decode([transport.frame_buffer(f) for f in frames[1:]]).header
+            task = TaskRequest.parse(header) if route.mtype is MsgType.TASK else None
         except ProtocolError:
-            return None
+            return None  # answered BAD_REQUEST, or dropped as malformed, by the usual path
+        if task is not None:
+            if not task.operator_only:
+                return None
+            what = f"{'a restart' if task.op == 'create' else task.op} of job {task.job!r}"
+            msg = refused_by_role(what)
+            self._refuse_call(ident, route, msg)
+            return "wrong_role", msg
         asked = [f for f in ADMIN_FIELDS if header.get(f) is not None and header[f] is not False]
         if not asked:
             return None
@@ -817,6 +826,11 @@ class Broker:
             report[command] = {"ok": False, "msg": msg}
         self._post([ident, *encode(Route(MsgType.STATUS, req_id=route.req_id), report)])
         return "wrong_role", msg
+
+    def _refuse_call(self, ident: bytes, route: Route, msg: str) -> None:
+        """Answer a broker call (TASK) BAD_REQUEST, in its own message type."""
+        header = StatusReply(Status.BAD_REQUEST, msg).to_wire()
+        self._post([ident, *encode(Route(route.mtype, req_id=route.req_id), header)])
 
     def _handshake_refused(self, peer: str, key: bytes | None, reason: str) -> None:
         """A handshake the ZAP handler or the socket refused: counted, logged."""
