@@ -120,8 +120,9 @@ class Security:
     allowed_shards_dir: str | None = None
     #: Roles: a directory of the operators' public keys.  Under CURVE only these keys
     #: may change the cluster rather than a table's values (drain, undrain, scale,
-    #: reset-partition, a checkpoint, dropping a table); they are admitted at the
-    #: broker as clients too.  Unset: no key may.
+    #: reset-partition, a checkpoint, dropping a table, cancelling, resetting or
+    #: restarting a job); they are admitted at the broker as clients too.  Unset: no
+    #: key may.
     allowed_operators_dir: str | None = None
 
     def __post_init__(self) -> None:
