@@ -354,7 +354,8 @@ def test_a_peer_of_another_protocol_version_is_told_so(monkeypatch: pytest.Monke
 
 
 def test_the_metrics_endpoint_binds_loopback_unless_told() -> None:
-    from zps.cli.main import broker_config, server_parser, shard_config
+    from zps.cli.main import server_parser
+    from zps.cli.server import broker_config, shard_config
     from zps.ops.config import Metrics, Settings
 
     parse = server_parser().parse_args
@@ -366,7 +367,7 @@ def test_the_metrics_endpoint_binds_loopback_unless_told() -> None:
         assert (config.metrics.host, config.metrics.port) == ("0.0.0.0", 9100)
 
     # a worker: its own port key, the shared host
-    from zps.cli.main import worker_metrics, worker_parser
+    from zps.cli.worker import worker_metrics, worker_parser
     from zps.ops.config import settings_from_mapping
 
     wparse = worker_parser().parse_args

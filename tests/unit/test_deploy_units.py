@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from zps.cli.main import EXIT_JOB_FAILED
+from zps.cli.worker import EXIT_JOB_FAILED
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNITS = sorted(DEPLOY.glob("*.service"))

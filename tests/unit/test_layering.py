@@ -117,7 +117,14 @@ LAYERS: dict[str, str] = {
     "zps.worker_entry": "app",
     "zps.cli": "app",
     "zps.cli.main": "app",
+    "zps.cli.common": "app",
+    "zps.cli.server": "app",
+    "zps.cli.status": "app",
+    "zps.cli.admin": "app",
+    "zps.cli.data": "app",
     "zps.cli.jobs": "app",
+    "zps.cli.keys": "app",
+    "zps.cli.worker": "app",
     "zps.torch": "app",
     "zps.testing": "app",
     "zps.examples": "app",
@@ -265,9 +272,12 @@ def test_the_runtime_never_imports_the_app_layer_examples_or_tests() -> None:
 
 
 def test_the_cli_loads_the_demo_and_the_harness_only_lazily() -> None:
-    path = all_modules()["zps.cli.main"]
-    eager = set(module_level_imports(path))
-    assert not {n for n in eager if under(n, "zps.examples") or under(n, "zps.testing")}
+    cli = {m: p for m, p in all_modules().items() if under(m, "zps.cli")}
+    for mod, path in cli.items():
+        eager = set(module_level_imports(path))
+        bad = {n for n in eager if under(n, "zps.examples") or under(n, "zps.testing")}
+        assert not bad, f"{mod} imports {sorted(bad)} at module level"
+    path = cli["zps.cli.main"]
     assert any(under(n, "zps.examples") for n in imports(path))  # the scan sees the lazy one
 
 

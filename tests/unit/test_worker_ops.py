@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from zps.cli.main import check_arguments, keyword_args
+from zps.cli.worker import check_arguments, keyword_args
 from zps.errors import ConfigError
 from zps.ops.config import WorkerConfig, settings_from_mapping
 from zps.ops.meter import LATENCY_BUCKETS, ClientMeter

@@ -40,7 +40,7 @@ def add_parser(
 
 def run(args: argparse.Namespace, broker: str, client: ClientConfig) -> int:
     """Carry out ``zps-server job``; returns the exit code."""
-    from zps.cli.main import run_async
+    from zps.cli.common import run_async
 
     if args.verb != "list" and not args.name:
         print(f"zps-server job {args.verb}: name the job (zps-server job {args.verb} NAME)")
