@@ -329,6 +329,16 @@ class Broker:
         if self._writer is not None:
             self._writer.changed()
 
+    def _epoch_unrecorded(self, p: int) -> bool:
+        """Whether partition ``p``'s confirmed epoch is newer than the one on disk (its
+        new primary's lease echoes wait for the record; none without a data dir)."""
+        written = self._writer.written if self._writer is not None else None
+        if self._writer is None:
+            return False
+        if written is None or p >= len(written.partitions):
+            return True
+        return written.partitions[p].floor_epoch < self.state.floor_of(p)[0]
+
     def _lease(self) -> float:
         """How long a primary's lease runs past the heartbeat an echo renews."""
         hb = self.config.heartbeat
@@ -1057,7 +1067,6 @@ class Broker:
                     await self._control(ident, MsgType.REGISTER, {})
                     return
                 p = shard.partition
-                floor = self.state.floor_of(p) if p is not None else None
                 self.state.report(
                     node,
                     lsn=message.lsn,
@@ -1072,13 +1081,13 @@ class Broker:
                 # The echo renews the shard's lease, for exactly this role (nothing while
                 # it is fenced); it goes back on the connection the heartbeat came by (the
                 # shard's liveness link, so it never waits behind data queued for the
-                # shard).  The first echo of a promoted primary's epoch waits for the
-                # record that names it the partition's in-sync set: it takes no write
-                # before that is durable.
+                # shard).  Until the record names a promoted primary's epoch (and so it as
+                # the partition's in-sync set), its echoes wait for the record: it takes
+                # no write before that is durable.
                 role, partition, epoch = self.state.lease_echo(node)
                 echo = LeaseEcho(message.t, role, partition, epoch)
-                confirmed = p is not None and self.state.floor_of(p)[0] != (floor or (0, 0))[0]
-                await self._control(ident, MsgType.HEARTBEAT, echo.to_wire(), durable=confirmed)
+                unrecorded = p is not None and role is Role.PRIMARY and self._epoch_unrecorded(p)
+                await self._control(ident, MsgType.HEARTBEAT, echo.to_wire(), durable=unrecorded)
             case Bye():
                 log.info("shard %s left", node)
                 self.detector.forget(node)
