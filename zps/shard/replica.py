@@ -40,7 +40,13 @@ from zps.protocol.messages import (
     StreamAck,
     Subscribe,
 )
-from zps.shard.checkpoint import CheckpointError, CheckpointStore, decode_checkpoint
+from zps.shard.checkpoint import (
+    DIGEST_BYTES,
+    CheckpointError,
+    CheckpointStore,
+    Digest,
+    decode_checkpoint,
+)
 from zps.shard.core import ShardCore
 from zps.shard.durability import Durability
 from zps.shard.session import ShardSession
@@ -79,6 +85,9 @@ class Upstream:
         self._assembly: ChunkAssembly | None = None
         self._last_chunk = 0.0
         self._abandoned: int | None = None
+        #: The checksum of the snapshot being received, fed chunk by chunk in a worker
+        #: thread: (its assembly, the digest, the task feeding the last chunk taken).
+        self._hashing: tuple[ChunkAssembly, Digest, asyncio.Future[None] | None] | None = None
         #: Stream messages that arrived during the snapshot: (route, header, payloads).
         self._held: list[tuple[Route, Replicate, Any]] = []
         self._held_bytes = 0
@@ -197,7 +206,29 @@ class Upstream:
             return None
         return Message(msg.route, got.header, got.frames[2:])
 
+    def _hash_chunk(self, assembly: ChunkAssembly, seq: int) -> None:
+        """Feed chunk ``seq`` to the snapshot's checksum in a worker thread, after the
+        chunks before it: the stream is verified as it arrives, not in a pass at the end."""
+        hashing = self._hashing
+        if hashing is None or hashing[0] is not assembly:
+            return
+        digest, before = hashing[1], hashing[2]
+        view = assembly.chunk_view(seq)
+
+        async def feed() -> None:
+            if before is not None:
+                await before
+            await asyncio.to_thread(digest.feed, [view])
+
+        self._hashing = (assembly, digest, asyncio.ensure_future(feed()))
+
+    def _stop_hashing(self) -> None:
+        if self._hashing is not None and self._hashing[2] is not None:
+            self._hashing[2].cancel()
+        self._hashing = None
+
     def _abandon(self) -> None:
+        self._stop_hashing()
         if self._assembly is not None:
             self._abandoned = self._assembly.snapshot_id
         self._assembly = None
@@ -228,6 +259,8 @@ class Upstream:
         seq, sid = chunk.seq, chunk.id
         if seq == 0 and (self._assembly is None or self._assembly.snapshot_id != sid):
             self._assembly = ChunkAssembly.from_header(header, max_bytes=MAX_SNAPSHOT_BYTES)
+            self._stop_hashing()
+            self._hashing = (self._assembly, Digest(self._assembly.total), None)
         assembly = self._assembly
         if assembly is None:  # the rest of a transfer this replica does not hold
             if sid != self._abandoned:
@@ -243,34 +276,51 @@ class Upstream:
         await transport.send(
             self.channel, encode(Route(MsgType.SNAPSHOT_ACK), SnapshotAck(sid, seq).to_wire())
         )
+        self._hash_chunk(assembly, seq)
         if not done:
             # A chunk is megabytes copied: the loop's other work (its heartbeat, the
             # stream's ACKs) runs between two chunks of a burst, not after all of them.
             await asyncio.sleep(0)
             return
+        hashing = self._hashing
+        if hashing is None or hashing[0] is not assembly or hashing[2] is None:
+            self._abandon()
+            raise ProtocolError(f"snapshot {sid} was not checksummed as it arrived")
+        await hashing[2]
+        if self._assembly is not assembly:
+            return  # replaced while hashing
+        stream = assembly.stream()
+        if not hashing[1].complete or hashing[1].digest() != bytes(stream[-DIGEST_BYTES:]):
+            self._abandon()
+            raise ProtocolError(f"snapshot {sid} does not decode: checksum mismatch")
         try:
             # Views of the assembled stream (the tables copy what they load): two copies
             # of the partition fewer than owned arrays, in memory that faults page by page.
-            snap = await asyncio.to_thread(decode_checkpoint, assembly.stream(), copy=False)
+            snap = await asyncio.to_thread(decode_checkpoint, stream, copy=False, verified=True)
         except CheckpointError as e:
             self._abandon()
             raise ProtocolError(f"snapshot {sid} does not decode: {e}") from None
-        if not await self._keep(snap, assembly):
-            return
         if self._assembly is not assembly:
             return  # replaced while decoding
+        # Written as this copy's checkpoint (with a log) while its tables are built: the
+        # write and the build (seconds each for a GB) overlap, in two worker threads.
+        keeping = asyncio.ensure_future(self._keep(snap, assembly))
         store = None
         if snap.epoch == self.core.epoch and snap.partition == self.core.partition:
-            # Seconds for a large partition (sorting, indexing and copying its rows): off
-            # the event loop, so heartbeats and the stream's ACKs go on meanwhile.
+            # Seconds for a large partition (indexing and copying its rows): off the
+            # event loop, so heartbeats and the stream's ACKs go on meanwhile.
             try:
                 store = await asyncio.to_thread(self.core.build_store, snap)
             except ZpsError as e:
+                await asyncio.gather(keeping, return_exceptions=True)
                 if self._assembly is assembly:
                     self._abandon()
                 raise ProtocolError(f"snapshot {sid} does not load: {e}") from None
-            if self._assembly is not assembly:
-                return  # replaced while loading
+        if not await keeping:
+            return
+        if self._assembly is not assembly:
+            return  # replaced while loading
+        self._stop_hashing()
         held, self._held, self._held_bytes = self._held, [], 0
         self._assembly = None
         self._abandoned = None

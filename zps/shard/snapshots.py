@@ -12,7 +12,10 @@ the replica keeps it until the snapshot is loaded (:mod:`zps.shard.replica`).
 Invariants: at most one transfer per replica (a SUBSCRIBE while one runs leaves
 it running, unless it names that transfer as abandoned); the event loop only
 takes the cut (memory copies into pre-faulted buffers, see
-:mod:`zps.store.snapshot`); encoding and checksumming run in a worker thread;
+:mod:`zps.store.snapshot`); encoding runs in a worker thread, and the checksum is
+taken in one as the chunks go (a chunk is hashed after it is posted, the checksum
+sent once every byte before it is hashed), so no pass over the partition comes
+before the first chunk;
 the primary holds one copy of the partition per transfer; a transfer nobody
 acknowledges for ``timeout`` seconds is given up and the replica is dropped (it
 subscribes again).
@@ -30,7 +33,7 @@ from typing import Any
 
 from zps.protocol.codec import MsgType, Route, encode
 from zps.protocol.messages import Role, SnapshotAck, SnapshotChunk
-from zps.shard.checkpoint import cut, encode_checkpoint
+from zps.shard.checkpoint import DIGEST_BYTES, Digest, cut, encode_parts
 from zps.shard.core import ShardCore
 from zps.shard.session import ShardSession
 from zps.store.snapshot import (
@@ -54,8 +57,18 @@ async def prepare(core: ShardCore) -> CutSpace:
 
 def _encode(snap: Snapshot) -> list[bytes | memoryview]:
     # Rows stay in storage order: a table loads them in any order, and sorting
-    # would cost a second copy of the partition while it is sent.
-    return encode_checkpoint(snap)
+    # would cost a second copy of the partition while it is sent.  The checksum is
+    # taken as the chunks go (see SnapshotSender._send), not in a pass before the first.
+    return encode_parts(snap)
+
+
+async def _fed(
+    before: asyncio.Future[None] | None, digest: Digest, views: list[memoryview]
+) -> None:
+    """Feed ``views`` to ``digest`` in a worker thread, once ``before`` has fed its own."""
+    if before is not None:
+        await before
+    await asyncio.to_thread(digest.feed, views)
 
 
 @dataclass
@@ -165,7 +178,12 @@ class SnapshotSender:
         t0 = time.monotonic()
         parts = await asyncio.to_thread(_encode, snap)
         del snap
-        plan = plan_chunks([len(p) for p in parts], self.chunk_bytes)
+        # The stream's last part is its checksum: each chunk is fed to it in a worker
+        # thread once posted, and it is known when every chunk before it is hashed.
+        last = len(parts)
+        plan = plan_chunks([*(len(p) for p in parts), DIGEST_BYTES], self.chunk_bytes)
+        digest = Digest(plan.total)
+        hashing: asyncio.Future[None] | None = None
         log.info(
             "replica %s subscribed: snapshot %d at LSN %d, %d bytes in %d chunks",
             node,
@@ -175,18 +193,33 @@ class SnapshotSender:
             plan.count,
         )
         route = Route(MsgType.SNAPSHOT_CHUNK, partition, epoch, lsn).pack()
-        for seq, pieces in enumerate(plan.chunks):
-            if not await self._room(node, transfer, seq):
-                return
-            header = SnapshotChunk(
-                transfer.snapshot_id, seq, plan.count, plan.total, plan.chunk_bytes, lsn
-            )
-            payload = [memoryview(parts[i]).cast("B")[a:b] for i, a, b in pieces]
-            head = encode(Route(MsgType.SNAPSHOT_CHUNK), header.to_wire())[1]
-            if not self._post(node, [route, head, *payload]):
-                self._give_up(node, transfer, "it cannot take its snapshot")
-                return
-            self.chunks_sent += 1
+        try:
+            for seq, pieces in enumerate(plan.chunks):
+                if not await self._room(node, transfer, seq):
+                    return
+                header = SnapshotChunk(
+                    transfer.snapshot_id, seq, plan.count, plan.total, plan.chunk_bytes, lsn
+                )
+                data = [memoryview(parts[i]).cast("B")[a:b] for i, a, b in pieces if i < last]
+                payload = list(data)
+                if len(data) < len(pieces):  # (part of) the checksum: after all the rest
+                    hashing = asyncio.ensure_future(_fed(hashing, digest, data))
+                    await hashing
+                    if not self._current(node, transfer):
+                        return
+                    sums = memoryview(digest.digest())
+                    payload += [sums[a:b] for i, a, b in pieces if i == last]
+                    data = []
+                head = encode(Route(MsgType.SNAPSHOT_CHUNK), header.to_wire())[1]
+                if not self._post(node, [route, head, *payload]):
+                    self._give_up(node, transfer, "it cannot take its snapshot")
+                    return
+                self.chunks_sent += 1
+                if data:
+                    hashing = asyncio.ensure_future(_fed(hashing, digest, data))
+        finally:
+            if hashing is not None and not hashing.done():
+                hashing.cancel()
         if await self._room(node, transfer, plan.count + self.window - 1):
             self.completed += 1
             log.info(

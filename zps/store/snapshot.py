@@ -367,6 +367,13 @@ class ChunkAssembly:
         self.received += 1
         return self.done
 
+    def chunk_view(self, seq: int) -> memoryview:
+        """The bytes of chunk ``seq`` (taken already) in the assembled stream."""
+        if type(seq) is not int or not 0 <= seq < self.received:
+            raise ProtocolError(f"snapshot chunk {seq!r} has not been taken")
+        start = seq * self.chunk_bytes
+        return self._buf.data[start : min(self.total, start + self.chunk_bytes)]
+
     def stream(self) -> memoryview:
         """The assembled stream (only once :attr:`done`)."""
         if not self.done:
