@@ -1568,7 +1568,9 @@ class LinkThread:
     the thread (so it must be thread-safe: ``loop.call_soon_threadsafe``), in order.
     If the thread fails (the policy raised, a socket error other than the context's
     end), its links fall silent and ``on_failure(error)`` is called in the thread, so
-    that the owner can stop rather than go on unheard."""
+    that the owner can stop rather than go on unheard.  With CURVE and ``silence``, a
+    link that receives nothing for that long makes its connection again (as
+    :meth:`Channel.reconnect_when_silent`)."""
 
     def __init__(
         self,
@@ -1583,8 +1585,13 @@ class LinkThread:
         server_public: bytes | None = None,
         name: str = "zps-links",
         on_failure: Callable[[BaseException], object] | None = None,
+        silence: float | None = None,
     ) -> None:
         self.policy = policy
+        self._endpoints = list(endpoints)
+        self._silence = silence if curve is not None else None
+        self._heard = [time.monotonic()] * len(self._endpoints)
+        self.reconnects = 0
         self._deliver = deliver
         self._on_failure = on_failure
         self._links: list[zmq.Socket[Any]] = []
@@ -1657,9 +1664,12 @@ class LinkThread:
             while True:
                 now = time.monotonic()
                 due = self.policy.due(now)
+                if self._silence is not None and self._heard:
+                    due = min(due, min(self._heard) + self._silence)
                 wait = None if due == math.inf else max(0, math.ceil((due - now) * 1000))
                 ready = dict(poller.poll(wait))
                 now = time.monotonic()
+                self._reconnect_silent(now)
                 if self._inbox in ready:
                     while True:
                         try:
@@ -1686,6 +1696,21 @@ class LinkThread:
         finally:
             self._close_thread_sockets()
 
+    def _reconnect_silent(self, now: float) -> None:
+        silence = self._silence
+        if silence is None:
+            return
+        for i, sock in enumerate(self._links):
+            if now - self._heard[i] >= silence:
+                self._heard[i] = now
+                endpoint = self._endpoints[i]
+                try:
+                    sock.disconnect(endpoint)
+                    sock.connect(endpoint)
+                    self.reconnects += 1
+                except zmq.ZMQError as e:
+                    _log.warning("cannot connect to %s again: %s", endpoint, e.strerror)
+
     def _failed(self, error: BaseException) -> None:
         _log.error(
             "%s failed: nothing more is sent on its links", self._thread.name, exc_info=error
@@ -1700,6 +1725,7 @@ class LinkThread:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._heard[i] = time.monotonic()
             try:
                 self._deliver(i, frames)
             except RuntimeError:  # the loop is closed: the process is stopping

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import select
 import shutil
@@ -548,3 +549,86 @@ def test_the_routers_identity_table_keeps_live_bindings() -> None:
     assert r._bind(b"s-victim", b"K" * 40, later)  # heard again: most recent
     assert r._bind(b"s-one-more", b"F" * 40, later)  # the oldest idle one went
     assert b"s-victim" in r._bound_keys and len(r._bound_keys) == limit
+
+
+class _Quiet:
+    """A LinkPolicy that sends nothing of its own."""
+
+    def posted(self, frames: list[bytes], now: float) -> list[bytes] | None:
+        return frames
+
+    def due(self, now: float) -> float:
+        return math.inf
+
+    def tick(self, now: float) -> list[bytes] | None:
+        return None
+
+
+def test_silent_curve_links_connect_again() -> None:
+    """A CURVE client's link (a Channel, and a LinkThread: a shard's liveness link) that
+    hears nothing for its silence makes its connection again: the server sees a second
+    connection come in."""
+    from zps import transport
+    from zps.transport import CurveKeys
+
+    async def run() -> None:
+        server_public, server_secret = zmq.curve_keypair()
+        public, secret = zmq.curve_keypair()
+        ctx = transport.new_context()
+        server_keys = CurveKeys(server_public, server_secret, None, None)
+        client_keys = CurveKeys(public, secret, server_public, None)
+        auth = transport.start_authenticator(ctx, None)
+        server, endpoint = transport.router(
+            ctx, "tcp://127.0.0.1:0", max_message_bytes=1 << 20, curve=server_keys
+        )
+        accepted: asyncio.Queue[int] = asyncio.Queue()
+        server.sock.monitor("inproc://accepted", zmq.EVENT_ACCEPTED)
+        monitor: zmq.Socket[Any] = zmq.Socket(ctx, zmq.PAIR)
+        monitor.connect("inproc://accepted")
+        loop = asyncio.get_running_loop()
+
+        def read() -> None:
+            while int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                monitor.recv_multipart()
+                accepted.put_nowait(1)
+
+        loop.add_reader(monitor.FD, read)
+        loop.call_soon(read)
+        link = transport.LinkThread(
+            ctx,
+            [endpoint],
+            key_identity(b"c-", public, b"link"),
+            policy=_Quiet(),
+            deliver=lambda i, frames: None,
+            max_message_bytes=1 << 20,
+            curve=client_keys,
+            server_public=server_public,
+            silence=0.5,
+        )
+        channel = transport.dealer(
+            ctx,
+            endpoint,
+            key_identity(b"c-", public, b"chan"),
+            max_message_bytes=1 << 20,
+            curve=client_keys,
+            server_public=server_public,
+            silence=0.5,
+        )
+        link.start()
+        try:
+            # Each connects, then again after its silence: the server accepts each.
+            count, deadline = 0, loop.time() + 10
+            while not (count >= 4 and link.reconnects and channel.reconnects):
+                await asyncio.wait_for(accepted.get(), deadline - loop.time())
+                count += 1
+        finally:
+            loop.remove_reader(monitor.FD)
+            link.stop()
+            transport.close(channel)
+            server.sock.disable_monitor()
+            monitor.close(0)
+            transport.close(server)
+            auth.stop()
+            transport.term(ctx)
+
+    asyncio.run(run())

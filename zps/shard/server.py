@@ -465,6 +465,7 @@ class ShardServer:
             curve=self._keys,
             server_public=self._keys.server_public if self._keys else None,
             name="zps-liveness",
+            silence=transport.reconnect_silence(cfg.heartbeat.interval, cfg.heartbeat.liveness),
         )
         self._liveness.start()
         self._beat_heard = [float("-inf")] * len(brokers)
