@@ -67,6 +67,11 @@ LAYERS: dict[str, str] = {
     # per-role pure state machines and their drivers
     "zps.transport": "driver",
     "zps.shm": "driver",
+    "zps.shm.region": "driver",
+    "zps.shm.arena": "driver",
+    "zps.shm.mapper": "driver",
+    "zps.shm.header": "driver",
+    "zps.shm.memory": "driver",
     "zps.broker": "driver",
     "zps.broker.acceptance": "core",
     "zps.broker.broker": "driver",

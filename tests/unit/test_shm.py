@@ -414,7 +414,7 @@ def test_off_where_the_tokens_order_cannot_be_kept(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(rows, "_FENCE", None)
     assert rows.memory_ordered("x86_64") and rows.memory_ordered("AMD64")
     assert not rows.memory_ordered("aarch64") and not rows.memory_ordered("ppc64le")
-    monkeypatch.setattr(shm, "memory_ordered", lambda: False)
+    monkeypatch.setattr(shm.memory, "memory_ordered", lambda: False)
     assert shm.SharedMemory.create(MiB, "x") is None
 
 
@@ -436,7 +436,7 @@ def test_barriers_between_tokens_and_bytes(monkeypatch: pytest.MonkeyPatch) -> N
             if len(calls) == 1:  # the reader's: the owner frees the region meanwhile
                 arena.free(desc[5])  # (its own barrier after the token's store)
 
-        monkeypatch.setattr(shm, "fence", reuse_at_the_barrier)
+        monkeypatch.setattr(shm.region, "fence", reuse_at_the_barrier)
         with pytest.raises(shm.ShmUnavailableError, match="reused while it was read") as e:
             reader.read(desc)
         assert e.value.token == desc[5] and not e.value.permanent  # told to the client
