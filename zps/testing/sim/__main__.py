@@ -1,0 +1,3 @@
+from zps.testing.sim.cli import main
+
+raise SystemExit(main())

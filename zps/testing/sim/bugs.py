@@ -1,0 +1,124 @@
+"""Known defects, patched in from the simulator's side (``--bug NAME``).
+
+Each one re-introduces a defect zps once had or could have, by replacing a function of
+the real code for the duration of a run; the product carries no switch for any of them.
+The simulator must catch each within the CI budget of seeds (tests/unit/test_sim.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+BUGS: dict[str, str] = {}
+_PATCHES: dict[str, Callable[[], list[tuple[Any, str, Any]]]] = {}
+
+
+def _bug(name: str, doc: str) -> Callable[[Callable[[], list[tuple[Any, str, Any]]]], Any]:
+    def register(fn: Callable[[], list[tuple[Any, str, Any]]]) -> Any:
+        BUGS[name] = doc
+        _PATCHES[name] = fn
+        return fn
+
+    return register
+
+
+@_bug("older-copy-wins", "ClusterState._distrust ignores the recorded in-sync set (members)")
+def _older_copy_wins() -> list[tuple[Any, str, Any]]:
+    from zps.core.cluster import ClusterState
+
+    real = ClusterState._distrust
+
+    def distrust(part: Any, claim: Any, node_id: str) -> str | None:
+        pinned, part.pinned = part.pinned, False
+        try:
+            return real(part, claim, node_id)
+        finally:
+            part.pinned = pinned
+
+    return [(ClusterState, "_distrust", staticmethod(distrust))]
+
+
+@_bug(
+    "empty-shard-takes-partition",
+    "ClusterState._held says no copy is held, and _fill hands a partition that held data "
+    "and has no copy serving to a spare",
+)
+def _empty_shard() -> list[tuple[Any, str, Any]]:
+    from zps.core.cluster import ClusterState
+
+    real_fill = ClusterState._fill
+
+    def fill(self: Any, now: float) -> Any:
+        parts = self._parts
+        saved = [(p.epoch, p.lost) for p in parts]
+        for p in parts:  # the partition looks as if it never held data
+            if p.primary is None and not p.replicas and not p.released:
+                p.epoch = 0
+        try:
+            return real_fill(self, now)
+        finally:
+            for p, (epoch, _lost) in zip(parts, saved, strict=True):
+                p.epoch = max(p.epoch, epoch)
+
+    return [(ClusterState, "_held", lambda self, p: False), (ClusterState, "_fill", fill)]
+
+
+@_bug("ack-before-durable", "a replica acknowledges LSNs its log does not hold yet")
+def _ack_before_durable() -> list[tuple[Any, str, Any]]:
+    from zps.shard.durability import Durability
+
+    return [(Durability, "acked_lsn", lambda self, lsn: lsn)]
+
+
+@_bug(
+    "wal-retry-partial", "a failed log write leaves its partial record; the retry appends behind it"
+)
+def _wal_retry_partial() -> list[tuple[Any, str, Any]]:
+    from zps.store import wal as walmod
+
+    def write(self: Any, parts: list[Any], size: int, lsn: int) -> int:
+        fd = self._check()
+        walmod._write_all(fd, parts)  # no truncation back on failure
+        self._size += size
+        self.lsn = lsn
+        self._dirty = True
+        return size
+
+    return [(walmod.Wal, "_write", write)]
+
+
+@_bug(
+    "stale-replica-in-tracker",
+    "the primary keeps counting a replica the broker's map replaced (its acks release writes)",
+)
+def _stale_replica() -> list[tuple[Any, str, Any]]:
+    from zps.shard.session import ShardSession
+
+    real_on_map = ShardSession.on_map
+
+    def on_map(self: Any, epoch: int, in_sync: set[str], replicas: set[str]) -> Any:
+        # The replicas the map no longer lists stay counted as this primary saw them.
+        return real_on_map(self, epoch, in_sync | self.published_in_sync, replicas | self.replicas)
+
+    return [(ShardSession, "on_map", on_map)]
+
+
+@contextlib.contextmanager
+def patched(name: str | None) -> Iterator[None]:
+    """Run with the defect ``name`` in place (None: none)."""
+    if name is None:
+        yield
+        return
+    if name not in _PATCHES:
+        raise ValueError(f"unknown bug {name!r}; known: {', '.join(sorted(BUGS))}")
+    patches = _PATCHES[name]()
+    saved = [(obj, attr, obj.__dict__[attr]) for obj, attr, _ in patches]
+    for obj, attr, value in patches:
+        setattr(obj, attr, value)
+    try:
+        yield
+    finally:
+        for obj, attr, value in saved:
+            setattr(obj, attr, value)

@@ -1,0 +1,81 @@
+"""``python -m zps.testing.sim``: run seeds, report failures with what replays them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from zps.testing.sim import bugs
+from zps.testing.sim.world import FAULTS, Result, run_seed
+
+
+def _faults(text: str) -> list[str]:
+    names = [f for f in text.split(",") if f]
+    unknown = [f for f in names if f not in FAULTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown fault {', '.join(unknown)}; known: {', '.join(FAULTS)}"
+        )
+    return names
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m zps.testing.sim", description=__doc__)
+    p.add_argument("--seeds", type=int, default=100, help="how many seeds to run (default 100)")
+    p.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
+    p.add_argument("--trace", action="store_true", help="print each run's trace")
+    p.add_argument(
+        "--faults",
+        type=_faults,
+        default=list(FAULTS),
+        help=f"comma-separated faults to draw from (default all: {','.join(FAULTS)})",
+    )
+    p.add_argument("--bug", choices=sorted(bugs.BUGS), help="re-introduce a known defect")
+    p.add_argument("--keep-going", action="store_true", help="run every seed after a failure")
+    return p
+
+
+def report(r: Result, bug: str | None, faults: Sequence[str]) -> str:
+    replay = f"python -m zps.testing.sim --seed {r.seed} --seeds 1 --trace"
+    if bug:
+        replay += f" --bug {bug}"
+    if list(faults) != list(FAULTS):
+        replay += f" --faults {','.join(faults)}"
+    lines = [f"seed {r.seed}: FAILED (trace {r.digest})", *("  " + f for f in r.failures[:10])]
+    lines += ["  fault schedule:", *("    " + s for s in r.schedule or ["(none)"])]
+    lines.append(f"  replay: {replay}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.seeds < 1:
+        parser().error("--seeds must be >= 1")
+    t0 = time.monotonic()
+    failed: list[int] = []
+    unavailable = 0
+    n = 0
+    for seed in range(args.seed, args.seed + args.seeds):
+        with bugs.patched(args.bug):
+            r = run_seed(seed, faults=args.faults, trace=args.trace)
+        n += 1
+        unavailable += bool(r.unavailable)
+        if args.trace:
+            print("\n".join(r.trace))
+            print(f"seed {seed}: trace {r.digest}, {r.events} events, {r.acked} acknowledged, "
+                  f"{r.maybe} failed or unanswered")  # fmt: skip
+        if not r.ok:
+            failed.append(seed)
+            print(report(r, args.bug, args.faults), flush=True)
+            if not args.keep_going:
+                break
+    took = time.monotonic() - t0
+    print(
+        f"{n} seeds in {took:.1f}s ({60 * n / took:.0f} per minute): {len(failed)} failed"
+        f"{' ' + str(failed) if failed else ''}; {unavailable} ended with a partition "
+        "unavailable",
+        file=sys.stderr,
+    )
+    return 1 if failed else 0

@@ -1,0 +1,138 @@
+"""Simulated disks under the real write-ahead log and checkpoint code.
+
+The files are real (in a scratch directory, tmpfs where there is one); what is
+simulated is what a machine's disk does that a healthy run never shows.  The seam is
+the ``os`` name that :mod:`zps.store.wal` and :mod:`zps.shard.checkpoint` call
+(:func:`install` puts a :class:`SimOS` there for the run; the product code is unchanged):
+
+* what was written but not yet ``fsync``'d / ``fdatasync``'d is lost at a crash of
+  the node (:meth:`Disk.crash`), or survives in part (a torn write);
+* a write may stop part-way with ENOSPC (the bytes before it are in the file, as a
+  short ``writev`` followed by a failing one leaves them);
+* an fsync may fail with EIO (the kernel may have dropped the pages).
+
+Renames, creations and truncations are taken as durable at once (the code under test
+fsyncs the directory after each).
+"""
+
+from __future__ import annotations
+
+import errno
+import os as _os
+import random
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class Disk:
+    """One node's data dir and what of it is on the platter."""
+
+    def __init__(self, root: Path, rng: random.Random) -> None:
+        self.root = root
+        self.rng = rng
+        self.synced: dict[str, int] = {}  # path -> length known durable
+        self.enospc = 0  # the next N writes fail part-way with ENOSPC
+        self.fsync_eio = 0  # the next N fsyncs fail with EIO
+        self.faults: list[str] = []
+        root.mkdir(parents=True, exist_ok=True)
+
+    def crash(self, *, torn: bool) -> list[str]:
+        """The machine stopped: each file keeps what was synced (and, ``torn``, a random
+        part of what was not).  Returns what was cut, for the trace."""
+        cut = []
+        for path in sorted(p for p in self.root.rglob("*") if p.is_file()):
+            size = path.stat().st_size
+            keep = self.synced.get(str(path), 0)
+            if size > keep:
+                if torn:
+                    keep += self.rng.randrange(size - keep + 1)
+                with open(path, "r+b") as f:
+                    f.truncate(keep)
+                cut.append(f"{path.name}:{size}->{keep}")
+        return cut
+
+    def wipe(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.synced.clear()
+
+
+class SimOS:
+    """The ``os`` of the log and checkpoint modules for a run: every name is the real
+    one except the writes and syncs, which go through the owning :class:`Disk`."""
+
+    def __init__(self) -> None:
+        self.disks: list[Disk] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_os, name)
+
+    def _disk(self, fd: int) -> tuple[Disk | None, str]:
+        try:
+            path = _os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return None, ""
+        for d in self.disks:
+            if path.startswith(str(d.root) + "/") or path == str(d.root):
+                return d, path
+        return None, path
+
+    def writev(self, fd: int, buffers: Sequence[Any]) -> int:
+        disk, _ = self._disk(fd)
+        if disk is not None and disk.enospc > 0:
+            disk.enospc -= 1
+            total = sum(memoryview(b).nbytes for b in buffers)
+            part = disk.rng.randrange(total) if total else 0
+            data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)[:part]
+            if data:
+                _os.write(fd, data)
+            disk.faults.append(f"ENOSPC after {part} of {total} bytes")
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        return _os.writev(fd, buffers)
+
+    def _sync(self, fd: int, real: Any) -> None:
+        disk, path = self._disk(fd)
+        if disk is not None and disk.fsync_eio > 0:
+            disk.fsync_eio -= 1
+            disk.faults.append(f"EIO on fsync of {Path(path).name}")
+            raise OSError(errno.EIO, "Input/output error (simulated)")
+        real(fd)
+        if disk is not None and _os.path.isfile(path):
+            disk.synced[path] = _os.fstat(fd).st_size
+
+    def fsync(self, fd: int) -> None:
+        self._sync(fd, _os.fsync)
+
+    def fdatasync(self, fd: int) -> None:
+        self._sync(fd, _os.fdatasync)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        _os.ftruncate(fd, length)
+        disk, path = self._disk(fd)
+        if disk is not None:
+            disk.synced[path] = min(disk.synced.get(path, 0), length)
+
+    def replace(self, src: Any, dst: Any) -> None:
+        _os.replace(src, dst)
+        for d in self.disks:
+            if str(src) in d.synced:
+                d.synced[str(dst)] = d.synced.pop(str(src))
+
+
+def install(sim_os: SimOS) -> list[tuple[Any, Any]]:
+    """Put ``sim_os`` where the log and checkpoint modules look up ``os``; returns what
+    to put back (:func:`uninstall`)."""
+    import zps.shard.checkpoint as checkpoint
+    import zps.store.wal as wal
+
+    saved = [(module, module.__dict__["os"]) for module in (wal, checkpoint)]
+    for module, _ in saved:
+        setattr(module, "os", sim_os)  # noqa: B010 (the seam: the module's os name)
+    return saved
+
+
+def uninstall(saved: list[tuple[Any, Any]]) -> None:
+    for module, real in saved:
+        setattr(module, "os", real)  # noqa: B010

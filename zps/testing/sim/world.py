@@ -1,0 +1,336 @@
+"""One simulated run: the cluster, the fault schedule drawn from the seed, the checks."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zps.protocol.messages import Role
+from zps.testing.sim import disk as simdisk
+from zps.testing.sim.net import HWM, Network
+from zps.testing.sim.nodes import HB, LIVE, TICK, Op, SimBroker, SimClient, SimShard
+from zps.testing.sim.sched import Scheduler
+
+FAULTS = ("kill", "power", "wipe", "pause", "partition", "disk", "crash-all", "broker")
+#: Bounds on what any queue may hold (the "queues bounded" check).
+QUEUE_BOUND = 2000
+
+
+@dataclass
+class Result:
+    seed: int
+    failures: list[str]
+    schedule: list[str]
+    digest: str
+    events: int
+    acked: int
+    maybe: int
+    unavailable: list[int]
+    sim_seconds: float
+    trace: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+class World:
+    def __init__(
+        self,
+        seed: int,
+        *,
+        faults: Iterable[str] = FAULTS,
+        trace: bool = False,
+        n_shards: int = 5,
+        n_partitions: int = 2,
+        replication: int = 2,
+        n_clients: int = 2,
+        rows: int = 6,
+        duration: float = 12.0,
+        timeout: float = 3.0,
+    ) -> None:
+        self.seed = seed
+        self.faults = set(faults)
+        unknown = self.faults - set(FAULTS)
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
+        self.sched = Scheduler(seed, trace=trace)
+        self.net = Network(self.sched)
+        self.n_partitions = n_partitions
+        self.rows = rows
+        self.duration = duration
+        self.timeout = timeout
+        #: acks="all" needs every copy (2) or the primary alone while a replica is out
+        #: of sync (1, the default): drawn per seed.
+        self.min_in_sync = replication if self.sched.rng.random() < 0.5 else 1
+        self.ops: list[Op] = []
+        self.notices: list[tuple[str, str]] = []
+        self.failures: list[str] = []
+        self.schedule: list[str] = []
+        self.acks: dict[tuple[int, int], set[str]] = {}
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+        self.tmp = Path(tempfile.mkdtemp(prefix="zps-sim-", dir=base))
+        self.os = simdisk.SimOS()
+        self.broker = SimBroker(self, n_partitions, replication)
+        self.shards = [SimShard(self, f"s{i}") for i in range(n_shards)]
+        self.clients = [SimClient(self, f"c{i}", timeout=timeout) for i in range(n_clients)]
+        # A data dir lost with min_in_sync 1 may hold the only copy of acknowledged writes.
+        self.wipes_left = 1 if self.min_in_sync > 1 else 0
+
+    def new_disk(self, name: str) -> simdisk.Disk:
+        d = simdisk.Disk(self.tmp / name, self.sched.rng)
+        self.os.disks.append(d)
+        return d
+
+    # -- the checks --------------------------------------------------------------
+
+    def fail(self, what: str) -> None:
+        self.sched.log(f"CHECK FAILED: {what}")
+        self.failures.append(f"t={self.sched.now:.3f} {what}")
+
+    def on_outcome(self, op: Op) -> None:
+        if op.at > op.deadline + TICK:
+            self.fail(f"{op.client} request to p{op.partition} answered at {op.at:.3f}, "
+                      f"after its deadline {op.deadline:.3f}")  # fmt: skip
+        self.sched.log(f"{op.client} p{op.partition} row {op.row} +{op.grad}: {op.outcome} "
+                       f"by {op.shard}@{op.epoch}")  # fmt: skip
+        if op.outcome == "acked" and op.row >= 0:
+            self.acks.setdefault((op.partition, op.epoch), set()).add(op.shard)
+
+    def on_write_taken(self, shard: SimShard, partition: int, epoch: int) -> None:
+        """``shard`` took a write of ``partition`` at ``epoch`` (to acknowledge once its
+        copies hold it): no other shard may, at this moment, be a primary of it that
+        could do the same (a role of that partition and a lease that has not run out)."""
+        now = self.sched.now
+        for other in self.shards:
+            s = other.session if other.alive else None
+            if (
+                other is not shard
+                and s is not None
+                and s.role is Role.PRIMARY
+                and s.partition == partition
+                and s.may_write(now)
+            ):
+                self.fail(
+                    f"two primaries of p{partition} take writes at once: {shard.name} "
+                    f"(epoch {epoch}) and {other.name} (epoch {s.epoch})"
+                )
+
+    def check_queues(self) -> None:
+        sizes: dict[str, int] = {"net": self.net.max_inflight}
+        for s in self.shards:
+            if s.alive:
+                sizes[f"{s.name}.tracker"] = len(s.session.tracker)
+                sizes[f"{s.name}.log-queue"] = len(s.dur._queue)
+                sizes[f"{s.name}.log-waiters"] = len(s.dur._waiters)
+        for c in self.clients:
+            if c.alive:
+                sizes[f"{c.name}.in-flight"] = len(c.session)
+        for what, n in sizes.items():
+            if n > (HWM if what == "net" else QUEUE_BOUND):
+                self.fail(f"queue {what} holds {n}")
+        if self.sched.now < self.end:
+            self.sched.after(0.5, self.check_queues)
+
+    # -- faults ------------------------------------------------------------------
+
+    def stop_shard(self, shard: SimShard, *, restart_after: float, power: bool = False,
+                   wipe: bool = False) -> None:  # fmt: skip
+        if not shard.alive:
+            return
+        shard.crash()
+        if power:
+            cut = shard.disk.crash(torn=self.sched.rng.random() < 0.5)
+            self.sched.log(f"{shard.name} power loss: {cut}")
+        if wipe:
+            shard.disk.wipe()
+        gen = shard.gen
+        self.sched.after(restart_after, lambda: self._restart(shard, gen))
+
+    def _restart(self, shard: SimShard, gen: int) -> None:
+        if shard.gen == gen and not shard.alive:
+            self.sched.log(f"{shard.name} restarts")
+            if not shard.start():
+                self.sched.after(1.0, lambda: self._restart(shard, shard.gen))
+
+    def draw_schedule(self) -> None:
+        rng = self.sched.rng
+        kinds = sorted(self.faults)
+        if not kinds:
+            return
+        t = 1.5
+        while True:
+            t += rng.expovariate(1 / 1.2)
+            if t > self.duration - 1:
+                break
+            weights = [3 if k == "crash-all" else 1 for k in kinds]
+            kind = rng.choices(kinds, weights)[0]
+            self.sched.at(t, functools.partial(self.inject, kind))
+
+    def note(self, text: str) -> None:
+        line = f"t={self.sched.now:.3f} {text}"
+        self.schedule.append(line)
+        self.sched.log(f"FAULT {text}")
+
+    def inject(self, kind: str) -> None:
+        rng = self.sched.rng
+        shard = rng.choice(self.shards)
+        back = rng.uniform(0.2, 3.0)
+        if kind in ("kill", "power") or (kind == "wipe" and self.wipes_left <= 0):
+            if not shard.alive:
+                return
+            self.note(f"{kind if kind != 'wipe' else 'kill'} {shard.name}, back in {back:.2f}s")
+            self.stop_shard(shard, restart_after=back, power=kind == "power")
+        elif kind == "wipe":
+            if not shard.alive:
+                return
+            self.wipes_left -= 1
+            self.note(f"kill {shard.name} and wipe its data dir, back in {back:.2f}s")
+            self.stop_shard(shard, restart_after=back, wipe=True)
+        elif kind == "pause":
+            node = rng.choice([s.name for s in self.shards] + ["broker"])
+            if node not in self.net.up or node in self.net.paused:
+                return
+            length = rng.uniform(HB * LIVE + 0.1, 2.0)
+            self.note(f"pause {node} for {length:.2f}s")
+            self.net.pause(node)
+            self.sched.after(length, lambda: self.net.resume(node))
+        elif kind == "partition":
+            names = [s.name for s in self.shards] + ["broker"] + [c.name for c in self.clients]
+            a, b = rng.sample(names, 2)
+            one_way = rng.random() < 0.5
+            pairs = {(a, b)} if one_way else {(a, b), (b, a)}
+            pairs -= self.net.cut
+            length = rng.uniform(0.2, 3.0)
+            self.note(f"cut {a} {'->' if one_way else '<->'} {b} for {length:.2f}s")
+            self.net.cut |= pairs
+            self.sched.after(length, lambda: self._heal(pairs))
+        elif kind == "disk":
+            for target in rng.sample(self.shards, rng.randint(1, 3)):
+                if rng.random() < 0.7:
+                    n = rng.randint(1, 3)
+                    target.disk.enospc += n
+                    self.note(f"{target.name}: next {n} log writes fail part-way with ENOSPC")
+                else:
+                    target.disk.fsync_eio += 1
+                    self.note(f"{target.name}: next fsync fails with EIO")
+        elif kind == "crash-all":
+            self.note("whole cluster loses power")
+            self.broker.stop(keep_record=True)
+            for s in self.shards:
+                self.stop_shard(s, restart_after=rng.uniform(0.1, 3.0), power=True)
+            self.sched.after(rng.uniform(0.1, 1.5), self._broker_back)
+        elif kind == "broker":
+            if not self.broker.alive:
+                return
+            keep = rng.random() < 0.7
+            self.note(f"broker restarts {'with' if keep else 'WITHOUT'} its record in {back:.2f}s")
+            self.broker.stop(keep_record=keep)
+            self.sched.after(back, self._broker_back)
+
+    def _broker_back(self) -> None:
+        if not self.broker.alive:
+            self.broker.start()
+
+    def _heal(self, pairs: set[tuple[str, str]]) -> None:
+        self.net.cut -= pairs
+
+    # -- the run -----------------------------------------------------------------
+
+    def run(self) -> Result:
+        saved = simdisk.install(self.os)
+        logging.disable(logging.CRITICAL)  # the nodes' logs: the trace says what happened
+        try:
+            return self._run()
+        finally:
+            simdisk.uninstall(saved)
+            logging.disable(logging.NOTSET)
+            for s in self.shards:
+                wal = s.dur._wal if hasattr(s, "dur") else None
+                if wal is not None and wal._fd is not None:
+                    self.os.close(wal._fd)
+                    wal._fd = None
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _run(self) -> Result:
+        sched = self.sched
+        settle = self.timeout + 6.0
+        self.end = self.duration + settle + self.timeout + 2.0
+        self.broker.start()
+        for s in self.shards:
+            sched.after(sched.rng.uniform(0, 0.3), functools.partial(self._restart, s, s.gen))
+        for c in self.clients:
+            c.start()
+            c.pushing = True
+        self.draw_schedule()
+        sched.after(0.5, self.check_queues)
+        sched.run_until(self.duration)
+        # Heal: every fault ends, every node runs again; the clients stop pushing.
+        sched.log("HEAL")
+        self.net.cut.clear()
+        for node in list(self.net.paused):
+            self.net.resume(node)
+        for s in self.shards:
+            s.disk.enospc = s.disk.fsync_eio = 0
+        for c in self.clients:
+            c.pushing = False
+        self._broker_back()
+        for s in self.shards:
+            if not s.alive:
+                s.start()
+        sched.run_until(self.duration + settle)
+        reader = SimClient(self, "reader", timeout=self.timeout)
+        reader.start()
+        reads: list[Op] = []
+
+        def read() -> None:
+            for p in range(self.n_partitions):
+                rows = [r for r in range(self.rows) if r % self.n_partitions == p]
+                reads.append(reader.read(p, rows))
+
+        sched.after(0.2, read)
+        sched.run_until(self.end)
+        return self._verdict(reads)
+
+    def _verdict(self, reads: list[Op]) -> Result:
+        now = self.sched.now
+        for op in self.ops:
+            if op.outcome == "" and op.deadline + 0.05 < now:
+                self.fail(f"{op.client} request to p{op.partition} (row {op.row}) never "
+                          f"answered; its deadline was {op.deadline:.3f}")  # fmt: skip
+        acked = {r: 0 for r in range(self.rows)}
+        maybe = {r: 0 for r in range(self.rows)}
+        for op in self.ops:
+            if op.outcome == "acked":
+                acked[op.row] += op.grad
+            else:
+                maybe[op.row] += op.grad
+        unavailable = []
+        for op in reads:
+            if op.outcome != "acked":
+                unavailable.append(op.partition)
+                self.sched.log(f"final read of p{op.partition}: {op.outcome}")
+                continue
+            for row, value in zip(op.rows, op.values, strict=True):
+                lo, hi = acked[row], acked[row] + maybe[row]
+                if not lo <= value <= hi:
+                    kind = "lost" if value < lo else "doubled"
+                    self.fail(f"row {row} (p{op.partition}) reads {value:g}; acknowledged "
+                              f"pushes sum to {lo}, at most {hi} with the maybe-applied: "
+                              f"acknowledged writes {kind}")  # fmt: skip
+        return Result(
+            self.seed, self.failures, self.schedule, self.sched.digest, self.sched.events,
+            sum(1 for o in self.ops if o.outcome == "acked"),
+            sum(1 for o in self.ops if o.outcome != "acked"), unavailable, now,
+            self.sched.lines,
+        )  # fmt: skip
+
+
+def run_seed(seed: int, **kw: Any) -> Result:
+    return World(seed, **kw).run()
