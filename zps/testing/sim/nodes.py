@@ -220,6 +220,7 @@ class SimShard:
         self.alive = False
         self.gen = 0
         self.writing = False
+        self.was_durable: tuple[int | None, int] | None = None
 
     # -- life ----------------------------------------------------------------
 
@@ -243,6 +244,12 @@ class SimShard:
             w.sched.log(f"{self.name} start refused: {e}")
             w.notices.append(("error", f"{self.name} start refused: {e}"))
             return False
+        if self.was_durable is not None:
+            p, lsn = self.was_durable
+            got = (found.partition, found.lsn) if found is not None else None
+            if lsn > 0 and (got is None or got[0] != p or got[1] < lsn):
+                w.fail(f"{self.name} restarted with {got} (partition, LSN) where its log had "
+                       f"partition {p} synced to LSN {lsn}: a synced record was lost")  # fmt: skip
         if found is not None:
             if wal is not None:
                 self.dur.adopt(wal, found.partition)
@@ -342,6 +349,8 @@ class SimShard:
         self.writing = False
         if generation == d._generation and lsn is not None:
             d.durable = max(d.durable, lsn)
+            # What this log synced (fsync mode): a restart must find it again.
+            self.was_durable = (d.partition, d.durable)
         d._release()
         if d.on_durable is not None and d.waits:
             d.on_durable()
@@ -401,6 +410,8 @@ class SimShard:
             return
         self.w.sched.log(f"{self.name} assigned {a.role.value} p={a.partition} e={a.epoch}")
         self._refuse(change.refused, "NOT_PRIMARY", "the primary stepped down")
+        if a.partition != change.was[1]:
+            self.was_durable = None  # another partition's log from now on
         if change.stop_following:
             self.upstream = None
         if a.role is Role.PRIMARY:
@@ -578,6 +589,7 @@ class SimShard:
             self.session.resync()
             return
         self.dur.log(epoch, prev, lsn, payloads)
+        self._ack_now()  # Upstream._after_burst: each message here is a burst of one
 
     def _ack_now(self) -> None:
         assert self.upstream is not None

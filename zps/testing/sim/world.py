@@ -150,6 +150,7 @@ class World:
             self.sched.log(f"{shard.name} power loss: {cut}")
         if wipe:
             shard.disk.wipe()
+            shard.was_durable = None
         gen = shard.gen
         self.sched.after(restart_after, lambda: self._restart(shard, gen))
 
