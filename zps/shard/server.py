@@ -297,6 +297,8 @@ class ShardServer:
         self._beat_policy: Liveness | None = None
         self._beat_inbox: asyncio.Queue[tuple[int, list[bytes]]] = asyncio.Queue(1024)
         self._beat_heard: list[float] = []
+        # Per data link: the messages it had received, and since when (see _report).
+        self._data_heard: dict[int, tuple[int, float]] = {}
         #: Set (in the loop) if the liveness thread fails: see _links_failed.
         self._links_dead: asyncio.Future[BaseException] | None = None
         # Everything to the broker but heartbeats goes through _out, bounded in bytes:
@@ -946,6 +948,17 @@ class ShardServer:
         self._beat_heard[link] = time.monotonic()
         await self._on_broker_frames(frames, link)
 
+    def _data_link_quiet(self, sock: transport.Channel, now: float) -> bool:
+        """Whether the broker sent nothing on data link ``sock`` (its probes come every
+        heartbeat interval) for a lease.  Under CURVE it sends nothing on a data link
+        whose connection closed until the shard speaks on the new one: the heartbeat
+        goes there too then."""
+        count, since = self._data_heard.get(id(sock), (-1, now))
+        if sock.received != count:
+            self._data_heard[id(sock)] = (sock.received, now)
+            return False
+        return now - since >= self.session.lease
+
     def _broker_socks(self) -> list[transport.Channel]:
         assert self._sock is not None
         return [sock for sock, _ in self._links] or [self._sock]
@@ -1004,7 +1017,11 @@ class ShardServer:
             self._liveness.post(frames)  # on every liveness link
         now = time.monotonic()
         for i, sock in enumerate(self._broker_socks()):
-            if i < len(self._beat_heard) and now - self._beat_heard[i] < self.session.lease:
+            if (
+                i < len(self._beat_heard)
+                and now - self._beat_heard[i] < self.session.lease
+                and not self._data_link_quiet(sock, now)
+            ):
                 continue  # the broker answers on the liveness link
             transport.try_send(sock, frames)  # not yet (or an older broker): both
 
