@@ -108,6 +108,15 @@ class RouterStats:
     stale_maps: int = 0
 
 
+def _is_heartbeat(frames: transport.Frames) -> bool:
+    """A shard's heartbeat (``[shard, b"", route, header]``): shards send them to the
+    routers they are linked to, which take them as the link's word and nothing more."""
+    try:
+        return len(frames) > 2 and unpack_route(frames[2]).mtype is MsgType.HEARTBEAT
+    except ProtocolError:
+        return False
+
+
 def advertised(bound: str, config: BrokerConfig) -> str:
     """The endpoint clients and shards reach the router at."""
     if config.advertise:
@@ -550,6 +559,8 @@ class Router:
         assert self._out is not None
         target = transport.frame_bytes(frames[1])
         if not target:
+            if _is_heartbeat(frames):
+                return  # the shard's word that this connection is its (see ConnectionGate)
             if ident not in self._warned and len(self._warned) < 1024:
                 self._warned.add(ident)
                 log.warning(

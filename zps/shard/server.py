@@ -1024,6 +1024,10 @@ class ShardServer:
             ):
                 continue  # the broker answers on the liveness link
             transport.try_send(sock, frames)  # not yet (or an older broker): both
+        # Routing brokers send nothing to a link whose connection closed until the shard
+        # speaks on its new one (under CURVE): the heartbeat is that word, taken as such.
+        for sock, _, _ in self._routers.values():
+            transport.try_send(sock, frames)
 
     async def _heartbeat_loop(self) -> None:
         while True:
