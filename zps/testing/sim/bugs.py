@@ -91,18 +91,44 @@ def _wal_retry_partial() -> list[tuple[Any, str, Any]]:
 
 @_bug(
     "stale-replica-in-tracker",
-    "the primary keeps counting a replica the broker's map replaced (its acks release writes)",
+    "a replica the broker replaced stays in the primary's ack tracker: its acks are taken "
+    "back, and a drop by the primary does not settle the tracker (writes wait for ever)",
 )
 def _stale_replica() -> list[tuple[Any, str, Any]]:
-    from zps.shard.session import ShardSession
+    from zps.protocol.messages import Role
+    from zps.shard.session import MapResult, ShardSession
 
-    real_on_map = ShardSession.on_map
+    real_acked = ShardSession.acked
 
     def on_map(self: Any, epoch: int, in_sync: set[str], replicas: set[str]) -> Any:
-        # The replicas the map no longer lists stay counted as this primary saw them.
-        return real_on_map(self, epoch, in_sync | self.published_in_sync, replicas | self.replicas)
+        self.in_sync_published = self.node_id in in_sync
+        if self.partition is not None:
+            self.copies = max(self.copies, 1 + len(replicas))
+        if epoch != self.epoch:
+            return MapResult()
+        self.replicas = set(replicas)
+        if self.role is not Role.PRIMARY:
+            return MapResult()
+        self.local_in_sync -= self.published_in_sync - in_sync
+        self.published_in_sync = set(in_sync)
+        required = in_sync | self.local_in_sync
+        enough = 1 + len(required) >= self.needed_copies or self.repairing
+        refused = [] if enough else self.tracker.take_all()
+        return MapResult(self.tracker.set_required(required), refused)
 
-    return [(ShardSession, "on_map", on_map)]
+    def acked(self: Any, node: str, lsn: int, epoch: object, now: float, base: object) -> Any:
+        replicas = self.replicas
+        self.replicas = replicas | {node}  # an ack from a replaced replica counts
+        try:
+            return real_acked(self, node, lsn, epoch, now, base)
+        finally:
+            self.replicas = replicas
+
+    return [
+        (ShardSession, "on_map", on_map),
+        (ShardSession, "settle", lambda self: MapResult()),
+        (ShardSession, "acked", acked),
+    ]
 
 
 @contextlib.contextmanager

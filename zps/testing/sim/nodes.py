@@ -53,6 +53,8 @@ HB = 0.1  # heartbeat interval (s)
 LIVE = 5  # heartbeats missed before a node is declared dead
 HOLD = 1.0  # the broker's start-up hold (s)
 TICK = 0.025  # a client's timer (s): it ticks its session and may push
+#: The longest a write may wait for replicas at a primary the broker keeps renewing (s).
+STALL = 3.0
 SEGMENT = 4096  # bytes per log segment: many segments, many rolls
 TABLE = EmbeddingSpec("emb", 1, "float32", Zeros(), SGD(lr=1.0), 0)
 
@@ -238,6 +240,7 @@ class SimShard:
         self.store = CheckpointStore(self.disk.root, keep=2)
         self.upstream: _Upstream | None = None
         self.writing = False
+        self.waiting_since: dict[int, float] = {}  # LSN -> when it began to wait for replicas
         try:
             found, wal = restore(self.core, self.store, log_segment_bytes=SEGMENT)
         except CheckpointError as e:
@@ -294,6 +297,7 @@ class SimShard:
             tick = self.session.tick(now, requests=self.core.stats.requests, lsn=self.core.lsn)
             for node in tick.lagging:
                 self._drop(node, "no acknowledgement for a liveness timeout")
+            self._check_stall(now)
             if tick.checkpoint:
                 self._checkpoint()
             elif tick.ack_upstream and self.upstream is not None:
@@ -302,6 +306,25 @@ class SimShard:
                 self._ask()
             self._pump()
         self.w.sched.after(HB, lambda: self._beat(gen))
+
+    def _check_stall(self, now: float) -> None:
+        """A write waits for replicas at most until the broker drops the silent ones: a
+        primary whose lease the broker keeps renewing never holds one for STALL seconds."""
+        waiting = self.session.tracker._waiting
+        if not waiting:
+            self.waiting_since.clear()
+            return
+        lsn = waiting[0][0]
+        for old in [k for k in self.waiting_since if k < lsn]:
+            del self.waiting_since[old]
+        since = self.waiting_since.get(lsn, now)
+        if now - since > STALL and self.session.may_write(now):
+            required = sorted(self.session.tracker.required)
+            self.w.fail(
+                f"{self.name}: a write at LSN {lsn} has waited for the replicas "
+                f"{now - since:.2f}s (required: {required})"
+            )
+            self.waiting_since[lsn] = now  # reported once per STALL
 
     def _report(self) -> None:
         f = self.session.heartbeat_fields(self.w.sched.now)
@@ -513,6 +536,7 @@ class SimShard:
 
     def _logged_write(self, lsn: int, epoch: int, item: Reply) -> None:
         if self.core.primary and self.core.epoch == epoch and self.session.role is Role.PRIMARY:
+            self.waiting_since.setdefault(lsn, self.w.sched.now)
             self._release(self.session.add_write(lsn, item))
         else:
             self._refuse([item], "NOT_PRIMARY", "the primary stepped down")
@@ -679,6 +703,20 @@ class SimClient:
         op = Op(self.name, p, row, grad, now, now + self.timeout)
         w.ops.append(op)
         self._do(self.session.submit(p, ops, enc, op, now))
+
+    def probe(self, p: int) -> Op:
+        """A write of nothing (a gradient of 0) to ``p``: whether it takes writes."""
+        enc = Encoder()
+        ops: list[dict[str, Any]] = [
+            {"op": "create", "spec": TABLE.to_wire()},
+            {"op": "push_rows", "t": "emb",
+             "ids": enc.array(np.array([p], dtype=np.int64)),
+             "g": enc.array(np.zeros((1, 1), dtype=np.float32))},
+        ]  # fmt: skip
+        now = self.w.sched.now
+        op = Op(self.name, p, p, 0, now, now + self.timeout)
+        self._do(self.session.submit(p, ops, enc, op, now))
+        return op
 
     def read(self, p: int, rows: list[int]) -> Op:
         enc = Encoder()

@@ -289,18 +289,27 @@ class World:
         reader = SimClient(self, "reader", timeout=self.timeout)
         reader.start()
         reads: list[Op] = []
+        probes: list[Op] = []
 
         def read() -> None:
             for p in range(self.n_partitions):
                 rows = [r for r in range(self.rows) if r % self.n_partitions == p]
                 reads.append(reader.read(p, rows))
+                probes.append(reader.probe(p))
 
         sched.after(0.2, read)
         sched.run_until(self.end)
-        return self._verdict(reads)
+        return self._verdict(reads, probes)
 
-    def _verdict(self, reads: list[Op]) -> Result:
+    def _verdict(self, reads: list[Op], probes: list[Op]) -> Result:
         now = self.sched.now
+        cmap = self.broker.state.map
+        for op in probes:
+            info = cmap.partitions.get(op.partition)
+            if op.outcome != "acked" and info is not None and info.primary is not None:
+                # Every node runs, every link works: a partition a primary serves takes writes.
+                self.fail(f"p{op.partition} is served by {info.primary} (epoch {info.epoch}) "
+                          f"but a write to it ended {op.outcome!r}: writes stall")  # fmt: skip
         for op in self.ops:
             if op.outcome == "" and op.deadline + 0.05 < now:
                 self.fail(f"{op.client} request to p{op.partition} (row {op.row}) never "
