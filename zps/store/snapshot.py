@@ -146,8 +146,9 @@ def decode_snapshot(
 # Copying a large table into fresh memory costs mostly page faults.  So a cut is
 # taken in three steps: :func:`cut_space` sizes buffers (on the loop, instant),
 # :meth:`CutSpace.prefault` touches them (in a worker thread), :func:`cut_export`
-# copies the tables into them (on the loop: memory copies only), and
-# :func:`ordered` sorts rows by id (in a worker thread again).
+# copies the tables into them (on the loop: memory copies only).  Snapshots and
+# checkpoints keep the rows in storage order; :func:`ordered` sorts them by id for a
+# caller that wants :meth:`PartitionStore.export`'s order.
 
 
 @dataclass
