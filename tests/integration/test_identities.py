@@ -121,11 +121,14 @@ allowed_operators_dir = {q(self.workdir / "operators")}
             f"{self.hb()}{self.security('broker')}",
         )
 
-    def start_shard_process(self, name: str, key: str, broker: str | None = None) -> Proc:
+    def start_shard_process(
+        self, name: str, key: str, broker: str | None = None, data_dir: Path | None = None
+    ) -> Proc:
+        data = f"data_dir = {q(data_dir)}\n" if data_dir is not None else ""
         return self.start_role(
             f"shard-{name}-{key}",
             "shard",
-            f'[shard]\nbroker = "{broker or self.address}"\nname = "{name}"\n'
+            f'[shard]\nbroker = "{broker or self.address}"\nname = "{name}"\n{data}'
             f'replication_bind = "tcp://127.0.0.1:0"\nadvertise_host = "127.0.0.1"\n'
             f"{self.hb()}{self.security(key)}",
         )
@@ -562,6 +565,65 @@ def test_a_shard_whose_data_link_half_died_serves_again(kc: KeyCluster, tmp_path
     finally:
         proxy.close()
         c.stop()
+
+
+def test_a_routing_broker_under_curve(kc: KeyCluster, tmp_path: Path) -> None:
+    """A routing broker applies the broker's rules (a client key's drop is refused by
+    role there too), and routes to a restarted shard again: the shard's heartbeat on its
+    new link is the word that lets the router send to its identity."""
+    assert kc.workdir is not None
+    for directory in ("clients", "shards", "operators"):
+        shutil.copytree(kc.workdir / directory, tmp_path / directory)
+    # A router serves with the broker's key pair (the one its clients and shards know),
+    # and is a client of the broker with it.
+    shutil.copy(kc.keys / "broker.key", tmp_path / "clients" / "router.key")
+    c = KeyCluster(partitions=1, replication=1, liveness=20, workdir=tmp_path)
+    c.keys, c.port, c.metrics_port = kc.keys, free_port(), free_port()
+    router = f"tcp://127.0.0.1:{free_port()}"
+    try:
+        c.start_broker_process()
+        shard = c.start_shard_process("solo", "shard0", data_dir=tmp_path / "solo")
+        c.start_role(
+            "router",
+            "broker",
+            f'[broker]\nbind = "{router}"\nfollow = "{c.address}"\n{c.hb()}{c.security("broker")}',
+        )
+
+        def routed(s: dict[str, Any]) -> bool:
+            return c.healthy(s) and any(0 in r["partitions"] for r in s["routers"])
+
+        c.wait_for(routed, 30, "the router to route partition 0")
+        cfg = c.client_config("hostile", timeout=20.0)
+        with zps.connect_sync(c.address, cfg) as ps:
+            ps.create_dense("via", shape=(2,), dtype="float64", optimizer=SGD(lr=1.0))
+            ps.push_dense("via", np.ones(2))
+            np.testing.assert_array_equal(ps.pull_dense("via"), [-1.0, -1.0])
+            with pytest.raises(BadRequestError, match="refused by role: the 'drop'"):
+                ps.drop_table("via")
+        log = next(p for p in c.procs if p.name == "router").log()
+        assert re.search(r"the routing broker refused c-\S+ .*role may not do this", log), log
+        before = router_routed(router, cfg)
+        shard.popen.terminate()  # a checkpoint, then the same name and key again
+        assert shard.popen.wait(20) == 0, shard.log()
+        c.start_shard_process("solo", "shard0", data_dir=tmp_path / "solo")
+        c.wait_for(routed, 30, "the router to route partition 0 again")
+        with zps.connect_sync(c.address, cfg) as ps:
+            ps.push_dense("via", np.ones(2))
+            np.testing.assert_array_equal(ps.pull_dense("via"), [-2.0, -2.0])
+        assert router_routed(router, cfg) >= before + 2  # through the router
+    finally:
+        c.stop()
+
+
+def router_routed(endpoint: str, cfg: ClientConfig) -> int:
+    """Requests the routing broker at ``endpoint`` routed (from its own report)."""
+
+    async def ask() -> int:
+        async with zps.connect(endpoint, cfg) as ps:
+            reply = await ps.status()
+        return int(reply["router"]["routed"])
+
+    return asyncio.run(ask())
 
 
 def test_a_shard_name_stays_bound_across_broker_restarts(kc: KeyCluster) -> None:
