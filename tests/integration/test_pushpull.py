@@ -198,7 +198,7 @@ async def test_background_pushes_and_prefetch(cluster: LocalCluster) -> None:
         prefetched = ps.prefetch_rows(name, [1, 2])  # starts now, awaited later
         for _ in range(50):
             await ps.push_rows(name, [1, 2], np.ones((2, 2)), wait=False)
-            assert len(ps._background) <= 4  # bounded in flight
+            assert ps.in_background <= 4  # bounded in flight
         first = await prefetched
         assert first.shape == (2, 2) and np.all(first <= 0)  # some pushes may be applied
         await ps.flush()

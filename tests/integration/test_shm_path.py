@@ -86,7 +86,7 @@ async def _side_by_side(
         connect(address, timeout=20, **options) as fast,
         connect(address, timeout=20, shm_bytes=0) as inline,
     ):
-        assert fast._shm is not None
+        assert fast.shm_path.memory is not None
         await fast.create_dense(names[0], (ELEMS,), optimizer=SGD(lr=LR))
         await inline.create_dense(names[1], (ELEMS,), optimizer=SGD(lr=LR))
         yield fast, inline
@@ -95,8 +95,8 @@ async def _side_by_side(
 def _record_reads(ps: Client, monkeypatch: pytest.MonkeyPatch) -> list[np.ndarray | None]:
     """Where each read from a shard's shared memory goes (``into``, None: a fresh
     array), from now on, for the client ``ps``."""
-    assert ps._shm is not None
-    mapper = ps._shm.mapper
+    assert ps.shm_path.memory is not None
+    mapper = ps.shm_path.memory.mapper
     real = mapper.read
     targets: list[np.ndarray | None] = []
 
@@ -162,11 +162,11 @@ async def test_shared_memory_gives_the_bits_of_inline_frames_through_failover(
     c = replicated
     grads = _grads(6, 1)
     async with _side_by_side(c.address, ("a", "b")) as (fast, inline):
-        assert inline._shm is None
+        assert inline.shm_path.memory is None
         got = await _alike(fast, inline, ("a", "b"), grads[:3])
-        stats = fast._shm.stats()
+        stats = fast.shm_path.memory.stats()
         assert stats["puts"] >= 6 and stats["reads"] >= 6  # both ways, every chunk
-        assert stats["refused"] == 0 and not fast._shm_refused
+        assert stats["refused"] == 0 and not fast.shm_path.refused
         assert stats["live"] == 0  # every request's regions were freed once answered
 
         # The replicas applied the primaries' own copies: after both primaries die, the
@@ -217,16 +217,16 @@ async def test_sparse_steps_through_shared_memory_give_the_bits_of_inline_frames
         connect(c.address, timeout=20) as fast,
         connect(c.address, timeout=20, shm_bytes=0) as inline,
     ):
-        assert fast._shm is not None and inline._shm is None
+        assert fast.shm_path.memory is not None and inline.shm_path.memory is None
         for ps, name in ((fast, "rows-a"), (inline, "rows-b")):
             await ps.create_embedding(name, dim=DIM, init=Zeros(), optimizer=opt)
-        puts, reads = fast._shm.stats()["puts"], fast._shm.stats()["reads"]
+        puts, reads = fast.shm_path.memory.stats()["puts"], fast.shm_path.memory.stats()["reads"]
         got, after = await _row_steps(fast, "rows-a", steps)
         want, after_inline = await _row_steps(inline, "rows-b", steps)
         for x, y in zip(got, want, strict=True):
             assert x.tobytes() == y.tobytes()
         assert after.tobytes() == after_inline.tobytes()
-        stats = fast._shm.stats()
+        stats = fast.shm_path.memory.stats()
         # Both ways, each partition's frame: 5 pushes out, 6 pulls back (2 partitions).
         assert stats["puts"] - puts >= 10 and stats["reads"] - reads >= 12, stats
         assert stats["refused"] == 0 and stats["live"] == 0
@@ -342,7 +342,7 @@ async def test_pushes_through_shared_memory_apply_exactly_once_across_a_failover
     naming the same regions of this client's memory: each applies once."""
     with LocalCluster(partitions=2, shards=5, replication=2) as c:
         async with connect(c.address, timeout=30) as ps:
-            assert ps._shm is not None
+            assert ps.shm_path.memory is not None
             await ps.create_dense("e", (ELEMS,), optimizer=SGD(lr=1.0))
             ones = np.ones(ELEMS, np.float32)
             sent = 0
@@ -368,7 +368,9 @@ async def test_pushes_through_shared_memory_apply_exactly_once_across_a_failover
             assert np.array_equal(got, np.full(ELEMS, -float(sent), np.float32)), (
                 f"{sent} pushes; values {np.unique(got)}"
             )
-            assert ps._shm.stats()["puts"] > 0 and ps._shm.stats()["live"] == 0
+            assert (
+                ps.shm_path.memory.stats()["puts"] > 0 and ps.shm_path.memory.stats()["live"] == 0
+            )
 
 
 def test_the_log_holds_the_bytes_of_pushes_sent_through_shared_memory(tmp_path: Path) -> None:
@@ -386,11 +388,11 @@ def test_the_log_holds_the_bytes_of_pushes_sent_through_shared_memory(tmp_path: 
 
         async def before() -> np.ndarray:
             async with connect(c.address, timeout=20) as ps:
-                assert ps._shm is not None
+                assert ps.shm_path.memory is not None
                 await ps.create_dense("l", (ELEMS,), optimizer=SGD(lr=LR))
                 for g in _grads(3, 6):
                     await ps.push_dense("l", g)
-                assert ps._shm.stats()["puts"] >= 6
+                assert ps.shm_path.memory.stats()["puts"] >= 6
                 return await ps.pull_dense("l")
 
         want = asyncio.run(before())
@@ -427,8 +429,10 @@ async def test_a_shard_that_cannot_read_the_memory_gets_inline_frames(
     async with _side_by_side(c.address, ("a", "b")) as (fast, inline):
         await _alike(fast, inline, ("a", "b"), grads)
         # Each primary refused once, then got inline frames; no reply came this way.
-        assert fast._shm_refused
-        assert fast._shm.stats()["reads"] == 0 and fast._shm.stats()["live"] == 0
+        assert fast.shm_path.refused
+        assert (
+            fast.shm_path.memory.stats()["reads"] == 0 and fast.shm_path.memory.stats()["live"] == 0
+        )
 
 
 METRICS_PORT = free_port()
@@ -455,9 +459,9 @@ async def test_a_client_of_another_host_sends_and_gets_inline_frames(
 ) -> None:
     grads = _grads(2, 4)
     async with _side_by_side(cluster.address, ("h1", "h2")) as (other, inline):
-        other._shm.host = "another-boot/1"  # what a client elsewhere would say
+        other.shm_path.memory.host = "another-boot/1"  # what a client elsewhere would say
         await _alike(other, inline, ("h1", "h2"), grads)
-        assert other._shm_refused and other._shm.stats()["reads"] == 0
+        assert other.shm_path.refused and other.shm_path.memory.stats()["reads"] == 0
 
 
 async def test_a_shard_on_another_host_says_so_once_for_replies(
@@ -467,24 +471,24 @@ async def test_a_shard_on_another_host_says_so_once_for_replies(
     cannot send them that way (another host), is told so on the answer (noshm: open,
     by that shard), and asks it no more: its next requests carry no such header."""
     async with connect(cluster.address, timeout=20) as ps:
-        assert ps._shm is not None
-        ps._shm.host = "another-boot/1"  # what a client elsewhere would say
+        assert ps.shm_path.memory is not None
+        ps.shm_path.memory.host = "another-boot/1"  # what a client elsewhere would say
         await ps.create_embedding("far", dim=64, init=Zeros(), optimizer=SGD(lr=LR))
         asked: list[bool] = []
-        real = ps._shm.outbound
+        real = ps.shm_path.memory.outbound
 
         def recording(frames: Any, **kw: Any) -> Any:
             asked.append(bool(kw.get("reply_ok")))
             return real(frames, **kw)
 
-        monkeypatch.setattr(ps._shm, "outbound", recording)
+        monkeypatch.setattr(ps.shm_path.memory, "outbound", recording)
         ids = np.arange(1024, dtype=np.int64)  # 256 KiB of float32 rows: above MIN_BYTES
         for _ in range(3):
             rows = await ps.pull_rows("far", ids)
             assert rows.shape == (1024, 64) and not rows.any()
         (primary,) = {s["node"] for s in (await asyncio.to_thread(cluster.status))["shards"]}
-        assert asked == [True, False, False] and set(ps._shm_refused) == {primary}
-        assert ps._shm.stats()["reads"] == 0
+        assert asked == [True, False, False] and set(ps.shm_path.refused) == {primary}
+        assert ps.shm_path.memory.stats()["reads"] == 0
 
 
 async def test_a_small_dense_tensor_stays_on_the_heap_and_is_copied(cluster: LocalCluster) -> None:
@@ -509,7 +513,7 @@ async def test_a_spent_budget_sends_the_rest_inline(cluster: LocalCluster) -> No
     grads = _grads(2, 7)
     async with _side_by_side(cluster.address, ("s1", "s2"), shm_bytes=3 << 20) as (small, inline):
         await _alike(small, inline, ("s1", "s2"), grads)
-        stats = small._shm.stats()
+        stats = small.shm_path.memory.stats()
         assert stats["puts"] >= 1 and stats["full"] >= 1 and stats["live"] == 0
 
 
@@ -518,11 +522,11 @@ async def test_a_reply_region_that_cannot_be_read_is_asked_for_again(
 ) -> None:
     grads = _grads(1, 5)
     async with connect(cluster.address, timeout=20) as ps:
-        assert ps._shm is not None
+        assert ps.shm_path.memory is not None
         await ps.create_dense("r", (ELEMS,), optimizer=SGD(lr=LR))
         await ps.push_dense("r", grads[0])
         want = (await ps.pull_dense("r")).copy()
-        mapper = ps._shm.mapper
+        mapper = ps.shm_path.memory.mapper
         real = mapper.read
         failures = iter(
             [
@@ -540,10 +544,10 @@ async def test_a_reply_region_that_cannot_be_read_is_asked_for_again(
         monkeypatch.setattr(mapper, "read", flaky)
         got = await ps.pull_dense("r")  # retried, never the wrong bytes
         assert got.tobytes() == want.tobytes()
-        assert ps._shm_replies_off == math.inf  # "cannot open": replies inline from now on
-        reads = ps._shm.stats()["reads"]
+        assert ps.shm_path.replies_off == math.inf  # "cannot open": replies inline from now on
+        reads = ps.shm_path.memory.stats()["reads"]
         assert (await ps.pull_dense("r")).tobytes() == want.tobytes()
-        assert ps._shm.stats()["reads"] == reads
+        assert ps.shm_path.memory.stats()["reads"] == reads
     # The shard's side, in its metrics: pushes read, replies sent, none inline for want of room.
     assert _metric("zps_shard_shm_read_frames_total") >= 4
     assert _metric("zps_shard_shm_sent_frames_total") >= 4
@@ -559,10 +563,10 @@ async def test_a_request_region_found_reused_is_sent_again_in_new_regions(
     it applies once."""
     (grad,) = _grads(1, 6)
     async with connect(cluster.address, timeout=20) as ps:
-        assert ps._shm is not None
+        assert ps.shm_path.memory is not None
         await ps.create_dense("gone", (ELEMS,), optimizer=SGD(lr=LR))
         before = (await ps.pull_dense("gone")).copy()
-        arena = ps._shm.arena
+        arena = ps.shm_path.memory.arena
         real_put = arena.put
         spoiled: list[int] = []
 
@@ -574,17 +578,17 @@ async def test_a_request_region_found_reused_is_sent_again_in_new_regions(
             return got
 
         refusals: list[dict[str, Any]] = []
-        real_refusal = ps._shm_refusal
+        real_refusal = ps.shm_path.refusal
 
         def seen(msg: Message) -> None:
             refusals.append(dict(msg.header))
             real_refusal(msg)
 
         monkeypatch.setattr(arena, "put", spoil_first)
-        monkeypatch.setattr(ps, "_shm_refusal", seen)
+        monkeypatch.setattr(ps.shm_path, "refusal", seen)
         await ps.push_dense("gone", grad)
         after = await ps.pull_dense("gone")
-        assert ps._shm.stats()["live"] == 0  # the spoiled region freed, the new one too
+        assert ps.shm_path.memory.stats()["live"] == 0  # the spoiled region freed, the new one too
     assert [(r["noshm"], r.get("tok")) for r in refusals] == [("gone", spoiled)]
     np.testing.assert_array_equal(after, before - np.float32(LR) * grad)  # applied once
 
@@ -620,7 +624,7 @@ async def test_a_push_that_does_not_wait_is_copied_once_into_shared_memory(
     are freed once the pushes are over."""
     grads = _grads(3, 13)
     async with _side_by_side(cluster.address, ("d1", "d2")) as (fast, inline):
-        sm = fast._shm
+        sm = fast.shm_path.memory
         chunks = ELEMS * 4 // (2 << 20)
         for g in grads:
             buf = g.copy()
@@ -647,7 +651,7 @@ async def test_a_push_from_a_gradient_buffer_is_read_where_it_was_written(
     as a slice of the buffer, and the values are the inline client's, bit for bit."""
     grads = _grads(3, 17)
     async with _side_by_side(cluster.address, ("b1", "b2")) as (fast, inline):
-        sm = fast._shm
+        sm = fast.shm_path.memory
         assert sm is not None
         buf = await fast.gradient_buffer("b1")
         assert buf.shape == (ELEMS,) and buf.dtype == np.float32 and not buf.any()
@@ -694,7 +698,9 @@ async def test_a_push_given_up_on_never_sends_what_the_caller_writes_after(
         await ps.create_dense("late", (BIG,), init=Zeros(), optimizer=SGD(lr=LR))
         await ps.create_dense("twin", (BIG,), init=Zeros(), optimizer=SGD(lr=LR))
         buf = await ps.gradient_buffer("late")
-        assert (ps._shm is not None and bool(ps._shm._buffers)) == bool(shm_bytes)
+        assert (ps.shm_path.memory is not None and bool(ps.shm_path.memory._buffers)) == bool(
+            shm_bytes
+        )
         buf[:] = g
         broker = next(p for p in c.procs if p.name == "broker")
         pid = c.shard_pid(0) if stopped == "shard" else broker.pid
@@ -727,7 +733,7 @@ async def test_a_push_given_up_on_lets_a_buffer_go_that_another_call_names(
             await ps.create_dense(name, (n,), init=Zeros(), optimizer=SGD(lr=LR))
         buf = await ps.gradient_buffer("whole")
         buf[:] = g
-        retokened = ps._shm.stats()["retokened"]
+        retokened = ps.shm_path.memory.stats()["retokened"]
         pid = c.shard_pid(0)
         c.kill(pid, signal.SIGSTOP)
         try:
@@ -736,7 +742,7 @@ async def test_a_push_given_up_on_lets_a_buffer_go_that_another_call_names(
             await _until(lambda: list(ps._session.in_flight()), 10, "the second call sent")
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(ps.push_dense("a", buf[:n]), 0.3)
-            assert ps._shm.stats()["retokened"] == retokened + 1
+            assert ps.shm_path.memory.stats()["retokened"] == retokened + 1
             buf[:n] = 1e6
         finally:
             c.kill(pid, signal.SIGCONT)
@@ -808,7 +814,7 @@ def test_an_interrupted_blocking_push_is_given_up_on_before_the_caller_goes_on(
         ps.create_dense("sync", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
         ps.create_dense("twin", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
         buf = ps.gradient_buffer("sync")
-        assert ps.client._shm is not None and ps.client._shm._buffers
+        assert ps.client.shm_path.memory is not None and ps.client.shm_path.memory._buffers
         buf[:] = g
         pid = c.shard_pid(0)
         old = signal.signal(signal.SIGUSR1, interrupt)
@@ -928,7 +934,7 @@ async def test_a_replica_without_shared_memory_gets_the_stream_inline(
     async with connect(c.address, timeout=20) as ps:
         await ps.create_dense("a", (ELEMS,), optimizer=SGD(lr=LR))
         got = await _steps(ps, "a", grads)
-        assert ps._shm is not None and ps._shm.stats()["puts"] > 0
+        assert ps.shm_path.memory is not None and ps.shm_path.memory.stats()["puts"] > 0
     assert scrape_metric(ports[0], "zps_shard_replication_shm_messages_total") == 0
     c.kill(c.shard_pid(0), signal.SIGKILL)
     async with connect(c.address, timeout=20, acks=1) as ps:
@@ -997,11 +1003,15 @@ async def test_pushes_that_do_not_wait_survive_the_primarys_sigkill_exactly_once
                     c.kill(primary, signal.SIGKILL)
             await ps.flush()
             assert ps.stats.retries > 0  # some were sent again, to the promoted replica
-            assert ps._shm is not None and ps._shm.stats()["reserved"] >= len(grads)
+            assert ps.shm_path.memory is not None and ps.shm_path.memory.stats()["reserved"] >= len(
+                grads
+            )
             got = await ps.pull_dense("a")
             assert c.shard_pid(0) != primary
             assert got.tobytes() == want.tobytes()
-            assert not ps._shm._staged and ps._shm.arena.live == 0, ps._shm.stats()
+            assert not ps.shm_path.memory._staged and ps.shm_path.memory.arena.live == 0, (
+                ps.shm_path.memory.stats()
+            )
 
 
 async def test_a_cancelled_pull_never_writes_into_its_out_later(
@@ -1012,7 +1022,7 @@ async def test_a_cancelled_pull_never_writes_into_its_out_later(
     caller owns again."""
     c = fresh_cluster
     async with connect(c.address, timeout=20) as ps:
-        assert ps._shm is not None
+        assert ps.shm_path.memory is not None
         await ps.create_dense("d", (ELEMS,), optimizer=SGD(lr=LR))
         await ps.push_dense("d", _grads(1, 26)[0])
         want = await ps.pull_dense("d")
@@ -1147,7 +1157,7 @@ async def main(address, stop):
                 return
             pulls += 1
             print("PULL", got[0], flush=True)
-        print("DONE", pulls, ps._shm.stats()["refused"], flush=True)
+        print("DONE", pulls, ps.shm_path.memory.stats()["refused"], flush=True)
 
 asyncio.run(main(sys.argv[1], sys.argv[2]))
 """.replace("ELEMS", str(ELEMS)).replace("PAUSE_AT", str(4 * 10 + 3))
@@ -1212,7 +1222,7 @@ async def test_a_gradient_read_from_shared_memory_is_checked_as_it_is_read(
     own); a finite one is applied."""
     chunk = 1 << 19  # elements of a 2 MiB float32 chunk
     async with connect(lending.address, timeout=20) as ps:
-        assert ps._shm is not None
+        assert ps.shm_path.memory is not None
         await ps.create_dense("checked", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
         reads = _lend_metric("zps_shard_shm_read_frames_total")
         for at, bad in ((0, np.nan), (chunk - 1, np.inf), (chunk // 2 + 3, -np.inf)):
@@ -1252,10 +1262,10 @@ async def test_a_shard_out_of_descriptors_gets_inline_frames_for_a_while(
             await _alike(fast, inline, ("busy", "busy-inline"), grads[:1])
         finally:
             resource.prlimit(shard.pid, resource.RLIMIT_NOFILE, (soft, hard))
-        until = fast._shm_refused[primary]
-        assert until != math.inf and not fast._shm_to(0)  # busy, not "open"
+        until = fast.shm_path.refused[primary]
+        assert until != math.inf and not fast.shm_path.to(0)  # busy, not "open"
         assert _metric("zps_shard_shm_read_frames_total") == read
-        while not fast._shm_to(0):  # RETRY_S after the refusal
+        while not fast.shm_path.to(0):  # RETRY_S after the refusal
             assert fast._now() < until + 5, "shared memory was not offered again"
             await asyncio.sleep(0.05)
         await _alike(fast, inline, ("busy", "busy-inline"), grads[1:])

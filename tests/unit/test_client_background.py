@@ -1,6 +1,7 @@
 """The client's background calls (``wait=False``) and its gathering of operation futures,
 driven with futures alone (no sockets): bounded in flight, the first error raised once,
-flush waits for every one, and no error is left unretrieved."""
+flush waits for every one, and no error is left unretrieved; a reply's answers end the
+routing brokers' tracking of the requests they answer."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ from typing import Any
 
 import pytest
 
+from zps.client.background import Background
 from zps.client.connection import Connection
+from zps.client.futures import gather
 from zps.ops.config import ClientConfig
 
 _opened: list[Connection] = []
 
 
 def _conn(max_background: int = 8) -> Connection:
-    """A connection never started (no sockets): its background machinery alone."""
+    """A connection never started (no sockets)."""
     conn = Connection("tcp://127.0.0.1:1", ClientConfig(max_background=max_background))
     _opened.append(conn)
     return conn
@@ -42,28 +45,28 @@ async def _turns(n: int = 3) -> None:
 
 
 async def test_a_background_call_is_in_flight_until_each_operation_is_done() -> None:
-    conn = _conn()
+    bg = Background(max_background=8)
     a, b = _futures(2)
-    await conn._finish([a, b], wait=False)
-    assert len(conn._background) == 1
+    await bg.add([a, b])
+    assert len(bg) == 1
     a.set_result({})
     await _turns()
-    assert len(conn._background) == 1
+    assert len(bg) == 1
     b.set_result({})
     await _turns()
-    assert len(conn._background) == 0
-    conn._raise_background()  # no error
-    await conn._finish([], wait=False)  # nothing to wait for
-    assert len(conn._background) == 0
+    assert len(bg) == 0
+    bg.raise_error()  # no error
+    await bg.add([])  # nothing to wait for
+    assert len(bg) == 0
 
 
 async def test_the_first_error_is_raised_once_and_flush_waits_for_all() -> None:
-    conn = _conn()
+    bg = Background(max_background=8)
     first, second = _futures(2)
     other = _futures(1)[0]
-    await conn._finish([first, second], wait=False)
-    await conn._finish([other], wait=False)
-    flushing = asyncio.ensure_future(conn.flush())
+    await bg.add([first, second])
+    await bg.add([other])
+    flushing = asyncio.ensure_future(bg.drain())
     second.set_exception(ValueError("one"))
     first.set_exception(ValueError("two"))  # the same call's second error: not kept
     await _turns()
@@ -71,57 +74,56 @@ async def test_the_first_error_is_raised_once_and_flush_waits_for_all() -> None:
     other.set_result({})
     with pytest.raises(ValueError, match="one"):
         await asyncio.wait_for(flushing, 5)
-    conn._raise_background()  # raised once only
-    await conn.flush()
+    bg.raise_error()  # raised once only
+    await bg.drain()
 
 
 async def test_background_calls_are_bounded() -> None:
-    conn = _conn(max_background=2)
+    bg = Background(max_background=2)
     futs = _futures(3)
-    await conn._finish([futs[0]], wait=False)
-    await conn._finish([futs[1]], wait=False)
-    third = asyncio.ensure_future(conn._finish([futs[2]], wait=False))
+    await bg.add([futs[0]])
+    await bg.add([futs[1]])
+    third = asyncio.ensure_future(bg.add([futs[2]]))
     await _turns()
-    assert not third.done() and len(conn._background) == 2
+    assert not third.done() and len(bg) == 2
     # a cancelled waiter leaves the others waiting
-    fourth = asyncio.ensure_future(conn._finish(_futures(1), wait=False))
+    fourth = asyncio.ensure_future(bg.add(_futures(1)))
     await _turns()
     fourth.cancel()
     await _turns()
     assert not third.done()
     futs[0].set_result({})
     await asyncio.wait_for(third, 5)
-    assert len(conn._background) == 2
-    assert conn._bg_waiters == []
+    assert len(bg) == 2
+    assert bg.waiting == 0
 
 
 async def test_a_cancelled_operation_is_not_an_error() -> None:
-    conn = _conn()
+    bg = Background(max_background=8)
     (fut,) = _futures(1)
-    await conn._finish([fut], wait=False)
+    await bg.add([fut])
     fut.cancel()
     await _turns()
-    assert len(conn._background) == 0
-    conn._raise_background()
+    assert len(bg) == 0
+    bg.raise_error()
 
 
 async def test_gather_keeps_order_and_leaves_no_error_unretrieved() -> None:
-    conn = _conn()
     futs = _futures(3)
     loop = asyncio.get_running_loop()
     for i, f in enumerate(reversed(futs)):
         loop.call_soon(f.set_result, {"i": 2 - i})
-    assert [r["i"] for r in await conn._gather(futs)] == [0, 1, 2]
+    assert [r["i"] for r in await gather(futs)] == [0, 1, 2]
     futs = _futures(2)
     futs[1].set_result({"i": 1})  # some done before the call
     loop.call_soon(futs[0].set_result, {"i": 0})
-    assert [r["i"] for r in await conn._gather(futs)] == [0, 1]
+    assert [r["i"] for r in await gather(futs)] == [0, 1]
 
     unretrieved: list[dict[str, Any]] = []
     loop.set_exception_handler(lambda _loop, ctx: unretrieved.append(ctx))
     for already in (True, False):
         futs = _futures(3)
-        task = asyncio.ensure_future(conn._gather(futs))
+        task = asyncio.ensure_future(gather(futs))
         if not already:
             await _turns()
         # the first failure ends the call at once, whatever is still pending before it
@@ -138,10 +140,9 @@ async def test_gather_keeps_order_and_leaves_no_error_unretrieved() -> None:
 
 
 async def test_a_cancelled_gather_cancels_its_operations() -> None:
-    conn = _conn()
     futs = _futures(3)
     futs[0].set_result({})
-    task = asyncio.ensure_future(conn._gather(futs))
+    task = asyncio.ensure_future(gather(futs))
     await _turns()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -149,7 +150,7 @@ async def test_a_cancelled_gather_cancels_its_operations() -> None:
     assert futs[1].cancelled() and futs[2].cancelled() and not futs[0].cancelled()
     # a cancelled operation fails the call, as asyncio.gather does
     futs = _futures(2)
-    task = asyncio.ensure_future(conn._gather(futs))
+    task = asyncio.ensure_future(gather(futs))
     await _turns()
     futs[1].cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -157,7 +158,6 @@ async def test_a_cancelled_gather_cancels_its_operations() -> None:
 
 
 async def test_gather_of_coroutines_runs_them_at_once() -> None:
-    conn = _conn()
     order: list[int] = []
 
     async def job(i: int) -> int:
@@ -165,7 +165,7 @@ async def test_gather_of_coroutines_runs_them_at_once() -> None:
         order.append(i)
         return i
 
-    assert await conn._gather([job(0), job(1), job(2)]) == [0, 1, 2]
+    assert await gather([job(0), job(1), job(2)]) == [0, 1, 2]
     assert order == [2, 1, 0]
 
 
@@ -175,7 +175,7 @@ async def test_a_read_the_first_part_never_answered_is_asked_again_not_given_a_s
     place, and the read is queued again rather than answered with a status alone."""
     import numpy as np
 
-    from zps.client.connection import _Op
+    from zps.client.ops import Op as _Op
     from zps.core.routing import ClusterMap, PartitionInfo
     from zps.protocol.codec import Encoder, Message, MsgType, Route
 
@@ -206,12 +206,19 @@ async def test_routing_brokers_track_a_request_until_its_writes_are_answered() -
     """A request sent through a routing broker stays tracked (re-sent if that router
     goes silent) until its writes are answered: not at its first part; and answers
     carried by another reply end the tracking of the requests they answer."""
+    from zps.client.routerlinks import RouterLinks
     from zps.protocol.codec import Message, MsgType, Route
 
-    conn = _conn()
-    conn._routers.inflight.update({7: ("tcp://r:1", 0), 8: ("tcp://r:1", 0)})
+    links = RouterLinks(
+        b"c-test",
+        ClientConfig(),
+        now=lambda: 0.0,
+        unsent=lambda r, t: None,
+        reschedule=lambda: None,
+    )
+    links.table.inflight.update({7: ("tcp://r:1", 0), 8: ("tcp://r:1", 0)})
     first = {"st": "OK", "res": [None, {"st": "OK"}], "part": 1, "acked": [[8, [{"st": "OK"}]]]}
-    conn._on_answer(Message(Route(MsgType.REPLY, 0, 1, 7), first, []))
-    assert list(conn._routers.inflight) == [7]
-    conn._on_answer(Message(Route(MsgType.REPLY, 0, 1, 7), {"st": "OK", "res": []}, []))
-    assert conn._routers.inflight == {}
+    links.answered(Message(Route(MsgType.REPLY, 0, 1, 7), first, []))
+    assert list(links.table.inflight) == [7]
+    links.answered(Message(Route(MsgType.REPLY, 0, 1, 7), {"st": "OK", "res": []}, []))
+    assert links.table.inflight == {}

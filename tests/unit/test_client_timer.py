@@ -13,22 +13,25 @@ import asyncio
 
 import pytest
 
-from zps.client.connection import Connection
+from zps.client.timer import SessionTimer
 
 uvloop = pytest.importorskip("uvloop")
 
 
 def test_a_wakeup_already_due_twice_is_scheduled_once() -> None:
     async def scenario() -> tuple[float, list[float | None]]:
-        conn = Connection("tcp://127.0.0.1:1")
-        now = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         wakeups = iter([now - 1.0, now - 0.5, now - 2.0])
-        conn._session.next_wakeup = lambda: next(wakeups)  # type: ignore[method-assign]
         ticks: list[float | None] = []  # the tick each flush was due
-        conn._flush = lambda: ticks.append(conn._tick_at)  # type: ignore[method-assign]
-        conn._schedule()  # a Handle under uvloop: the time has passed
-        conn._schedule()  # later than the pending one: kept
-        conn._schedule()  # sooner: replaces it
+        timer = SessionTimer(lambda: loop, lambda: next(wakeups), lambda: ticks.append(tick_at()))
+
+        def tick_at() -> float | None:
+            return timer.tick_at
+
+        timer.schedule()  # a Handle under uvloop: the time has passed
+        timer.schedule()  # later than the pending one: kept
+        timer.schedule()  # sooner: replaces it
         await asyncio.sleep(0.01)
         return now, ticks
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from zps.client.connection import _from_broker as client_reads
+from zps.client.inbound import from_broker as client_reads
 from zps.errors import ProtocolError
 from zps.protocol.codec import MsgType
 from zps.protocol.messages import (

@@ -1,0 +1,131 @@
+"""One operation of a client's call as the request pipeline carries it (:class:`Op`):
+merged with others of its kind, copied when the caller takes its memory back, and its
+result read from a reply."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from zps.client.futures import split_result
+from zps.core.batching import MERGEABLE, merge_row_ops
+from zps.errors import ProtocolError, remote_error
+from zps.protocol.codec import array_from
+
+#: Operations that change nothing (a request of these and background pushes is lazy).
+READS = frozenset({"pull_rows", "pull_dense"})
+
+
+@dataclass(slots=True)
+class Op:
+    body: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    future: asyncio.Future[dict[str, Any]]
+    reply_bytes: int = 0  # the array bytes the reply will carry
+    partition: int = -1  # where it was last sent (an answer MOVED re-sends it)
+    #: Where the caller wants the reply's arrays, in order (a pulled tensor's pieces):
+    #: those that come through shared memory are copied there directly.
+    into: list[np.ndarray] | None = None
+    #: Its arrays are the caller's memory, for as long as the call waits: sent inline,
+    #: their frames are copies (zmq may read a frame after the call ended: _transmit).
+    borrowed: bool = False
+    #: A background push (``wait=False``): no caller waits for its answer, which may
+    #: then ride on a later reply (see ClientSession, rule 7).
+    lazy: bool = False
+    #: The operation's cost: the larger of its request and its reply payload (read
+    #: several times per request, so computed once).
+    nbytes: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        size = 0
+        for a in self.arrays.values():
+            size += a.nbytes
+        self.nbytes = max(size, self.reply_bytes)
+
+
+def copy_shared(frames: list[Any], arr: np.ndarray | None, *, start: int) -> bool:
+    """Replace the frames from ``start`` on that share ``arr``'s memory (None: any
+    array's) with copies of their bytes; whether any did (``bytes`` frames are copies
+    already)."""
+    shared = False
+    for i in range(start, len(frames)):
+        f = frames[i]
+        if (
+            isinstance(f, memoryview | np.ndarray)
+            and f.nbytes
+            and (arr is None or np.may_share_memory(f, arr))
+        ):
+            frames[i] = bytes(f)
+            shared = True
+    return shared
+
+
+def copy_arrays(op: Op, arr: np.ndarray) -> None:
+    for key, a in op.arrays.items():
+        if np.may_share_memory(a, arr):
+            op.arrays[key] = a.copy()
+
+
+#: What the session hands back for a request: its operations, or a broker call's future.
+Token = list[Op] | asyncio.Future[dict[str, Any]]
+
+
+def merge(ops: list[Op], *, max_ops: int, max_bytes: int) -> list[Op]:
+    """Row operations on one table become one operation (see batching.merge_row_ops), of
+    at most ``max_ops`` operations and ``max_bytes``; each merged one's future hands each
+    original operation its part."""
+    if len(ops) < 2:
+        return ops
+    keys: set[tuple[Any, ...]] = set()
+    for op in ops:  # the common case: no two row operations of a kind on one table
+        body = op.body
+        name = body.get("op")
+        if name in MERGEABLE:
+            key = (name, body.get("t"), body.get("step"))
+            if key in keys:
+                break
+            keys.add(key)
+    else:
+        return ops
+    out = []
+    loop = asyncio.get_running_loop()
+    merged = merge_row_ops(
+        [(op.body, op.arrays) for op in ops],
+        max_ops,
+        sizes=[op.nbytes for op in ops],
+        max_bytes=max_bytes,
+    )
+    for m in merged:
+        if len(m.parts) == 1:
+            out.append(ops[m.parts[0][0]])
+            continue
+        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+        members = [(ops[i].future, a, b) for i, a, b in m.parts]
+        fut.add_done_callback(functools.partial(split_result, members=members))
+        reply = sum(ops[i].reply_bytes for i, _, _ in m.parts)
+        lazy = all(ops[i].lazy for i, _, _ in m.parts)
+        out.append(Op(m.body, m.arrays, fut, reply, lazy=lazy))
+    return out
+
+
+def result(res: object, payloads: Sequence[Any], max_bytes: int) -> dict[str, Any]:
+    """An operation's result in a reply (its arrays, of at most ``max_bytes``, read from the
+    reply's ``payloads``); raises the error it names."""
+    if not isinstance(res, dict):
+        raise ProtocolError("operation result is not a map")
+    st = res.get("st")
+    if st != "OK":
+        raise remote_error(str(st), str(res.get("msg", "")))
+    desc = res.get("a")
+    if desc is not None:
+        limit = max_bytes
+        if isinstance(desc, list) and desc and isinstance(desc[0], list):
+            res["arrays"] = [array_from(d, payloads, max_bytes=limit) for d in desc]
+        else:
+            res["arrays"] = array_from(desc, payloads, max_bytes=limit)
+    return res
