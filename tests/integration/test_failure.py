@@ -107,7 +107,7 @@ async def test_sends_a_full_queue_held_back_all_arrive_in_order(
         c.kill(broker.pid, signal.SIGSTOP)
         try:
             deadline = time.monotonic() + 20
-            while not ps._blocked or len(pushes) < 20:
+            while not ps.sends_held_back or len(pushes) < 20:
                 assert time.monotonic() < deadline, "the client's queue never filled"
                 i = len(pushes) % 4
                 g = rng.standard_normal((1, dim)).astype(np.float32)
@@ -122,6 +122,6 @@ async def test_sends_a_full_queue_held_back_all_arrive_in_order(
         finally:
             c.kill(broker.pid, signal.SIGCONT)
         await asyncio.wait_for(asyncio.gather(*pushes), 30)
-        assert not ps._blocked
+        assert not ps.sends_held_back
         after = await ps.pull_rows("held", ids)
     np.testing.assert_allclose(after, before - total, rtol=1e-4, atol=1e-3)

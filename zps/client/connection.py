@@ -291,6 +291,16 @@ class Connection:
         return len(self._background)
 
     @property
+    def requests_in_flight(self) -> int:
+        """How many requests are sent and not answered yet (broker calls aside)."""
+        return sum(1 for _ in self._session.in_flight())
+
+    @property
+    def sends_held_back(self) -> int:
+        """How many sends wait for room in the socket's queue (see :meth:`_flush`)."""
+        return len(self._blocked)
+
+    @property
     def cluster_map(self) -> ClusterMap:
         cmap = self._session.map
         if cmap is None:
