@@ -43,14 +43,16 @@ class Disk:
         part of what was not).  Returns what was cut, for the trace."""
         cut = []
         for path in sorted(p for p in self.root.rglob("*") if p.is_file()):
-            size = path.stat().st_size
+            st = path.stat()
             keep = self.synced.get(str(path), 0)
-            if size > keep:
+            if st.st_size > keep:
                 if torn:
-                    keep += self.rng.randrange(size - keep + 1)
+                    keep += self.rng.randrange(st.st_size - keep + 1)
                 with open(path, "r+b") as f:
                     f.truncate(keep)
-                cut.append(f"{path.name}:{size}->{keep}")
+                # What the disk lost is no change of the file's: its times stay.
+                _os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+                cut.append(f"{path.name}:{st.st_size}->{keep}")
         return cut
 
     def wipe(self) -> None:

@@ -14,10 +14,20 @@ from typing import Any
 from zps.protocol.messages import Role
 from zps.testing.sim import disk as simdisk
 from zps.testing.sim.net import HWM, Network
-from zps.testing.sim.nodes import HB, LIVE, TICK, Op, SimBroker, SimClient, SimShard
+from zps.testing.sim.nodes import HB, HOLD, LIVE, TICK, Op, SimBroker, SimClient, SimShard
 from zps.testing.sim.sched import Scheduler
 
-FAULTS = ("kill", "power", "wipe", "pause", "partition", "disk", "crash-all", "broker")
+FAULTS = (
+    "kill",
+    "power",
+    "wipe",
+    "pause",
+    "partition",
+    "disk",
+    "crash-all",
+    "broker",
+    "pause-crash",
+)
 #: Bounds on what any queue may hold (the "queues bounded" check).
 QUEUE_BOUND = 2000
 
@@ -82,6 +92,7 @@ class World:
         self.clients = [SimClient(self, f"c{i}", timeout=timeout) for i in range(n_clients)]
         # A data dir lost with min_in_sync 1 may hold the only copy of acknowledged writes.
         self.wipes_left = 1 if self.min_in_sync > 1 else 0
+        self.quiet_until = 0.0
 
     def new_disk(self, name: str) -> simdisk.Disk:
         d = simdisk.Disk(self.tmp / name, self.sched.rng)
@@ -181,6 +192,10 @@ class World:
 
     def inject(self, kind: str) -> None:
         rng = self.sched.rng
+        if self.sched.now < self.quiet_until:
+            # A broker without its record rebuilds the map from the shards' claims
+            # (docs/design.md, "Broker restart"): nothing else fails meanwhile.
+            return
         shard = rng.choice(self.shards)
         back = rng.uniform(0.2, 3.0)
         if kind in ("kill", "power") or (kind == "wipe" and self.wipes_left <= 0):
@@ -221,6 +236,19 @@ class World:
                 else:
                     target.disk.fsync_eio += 1
                     self.note(f"{target.name}: next fsync fails with EIO")
+        elif kind == "pause-crash":
+            # A copy falls behind (paused past the liveness timeout), catches up again,
+            # and the whole cluster loses power while it does.
+            length = rng.uniform(HB * LIVE + 0.1, 1.5)
+            node = shard.name
+            if node not in self.net.up or node in self.net.paused:
+                return
+            self.note(f"pause {node} for {length:.2f}s, then the whole cluster loses power")
+            self.net.pause(node)
+            self.sched.after(length, lambda: self.net.resume(node))
+            self.sched.after(
+                length + rng.uniform(0.05, 1.5), functools.partial(self.inject, "crash-all")
+            )
         elif kind == "crash-all":
             self.note("whole cluster loses power")
             self.broker.stop(keep_record=True)
@@ -230,7 +258,9 @@ class World:
         elif kind == "broker":
             if not self.broker.alive:
                 return
-            keep = rng.random() < 0.7
+            keep = rng.random() < 0.7 or not all(s.alive for s in self.shards)
+            if not keep:
+                self.quiet_until = self.sched.now + back + HOLD + 2.0
             self.note(f"broker restarts {'with' if keep else 'WITHOUT'} its record in {back:.2f}s")
             self.broker.stop(keep_record=keep)
             self.sched.after(back, self._broker_back)
