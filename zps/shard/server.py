@@ -953,6 +953,8 @@ class ShardServer:
         heartbeat interval) for a lease.  Under CURVE it sends nothing on a data link
         whose connection closed until the shard speaks on the new one: the heartbeat
         goes there too then."""
+        if self._keys is None:
+            return False  # without CURVE a reconnected link is heard at once
         count, since = self._data_heard.get(id(sock), (-1, now))
         if sock.received != count:
             self._data_heard[id(sock)] = (sock.received, now)
@@ -1026,7 +1028,7 @@ class ShardServer:
             transport.try_send(sock, frames)  # not yet (or an older broker): both
         # Routing brokers send nothing to a link whose connection closed until the shard
         # speaks on its new one (under CURVE): the heartbeat is that word, taken as such.
-        for sock, _, _ in self._routers.values():
+        for sock, _, _ in self._routers.values() if self._keys is not None else ():
             transport.try_send(sock, frames)
 
     async def _heartbeat_loop(self) -> None:
