@@ -25,9 +25,8 @@ from zps.shm.region import ShmUnavailableError, disabled_by_env, host_key
 
 #: Payload frames of at least this many bytes go through shared memory: a sparse
 #: step's rows and gradients from 1,536 rows of 32 float32s on, and dense chunks.
-#: Below it the sockets are cheaper (measured: 64 and 128 KiB frames 3-11% slower
-#: through shared memory, 192 KiB even, 256 KiB 14% faster, 512 KiB 26-66%; see
-#: docs/performance.md).
+#: Below it the sockets are cheaper (figures: docs/performance.md, "Figures behind the
+#: code's rules").
 MIN_BYTES = 192 << 10
 
 
