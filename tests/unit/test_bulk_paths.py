@@ -153,10 +153,15 @@ async def test_a_snapshot_sent_in_chunks_carries_the_checksum_of_what_was_sent()
     core = _shuffled_core(5000)
     want = core.store.checksum()
     sent: list[list[Any]] = []
+
+    def post(node: str, frames: list[Any]) -> bool:
+        sent.append(frames)
+        return True
+
     sender = SnapshotSender(
         _Session(),  # type: ignore[arg-type]
         core,
-        post=lambda node, frames: sent.append(frames) or True,
+        post=post,
         drop=lambda node, why: pytest.fail(why),
         chunk_bytes=10_000,
         window=2,
