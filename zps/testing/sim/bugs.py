@@ -92,7 +92,8 @@ def _wal_retry_partial() -> list[tuple[Any, str, Any]]:
 @_bug(
     "stale-replica-in-tracker",
     "a replica the broker replaced stays in the primary's ack tracker: its acks are taken "
-    "back, and a drop by the primary does not settle the tracker (writes wait for ever)",
+    "back (neither the session nor the primary driver refuses them), and a drop by the "
+    "primary does not settle the tracker (writes wait for ever)",
 )
 def _stale_replica() -> list[tuple[Any, str, Any]]:
     from zps.protocol.messages import Role
@@ -124,10 +125,23 @@ def _stale_replica() -> list[tuple[Any, str, Any]]:
         finally:
             self.replicas = replicas
 
+    from zps.testing.sim.nodes import SimShard
+
+    def on_ack(self: Any, node: str, lsn: int, epoch: int, base: int) -> None:
+        # primary.Stream._on_ack as it was: no drop of a node the map no longer lists.
+        s = self.session
+        if node not in s.followers:
+            return
+        result = s.acked(node, lsn, epoch, self.w.sched.now, base)
+        if result.in_sync:
+            self._report()
+        self._release(result.released)
+
     return [
         (ShardSession, "on_map", on_map),
         (ShardSession, "settle", lambda self: MapResult()),
         (ShardSession, "acked", acked),
+        (SimShard, "_on_ack", on_ack),
     ]
 
 

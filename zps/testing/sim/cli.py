@@ -8,15 +8,15 @@ import time
 from collections.abc import Sequence
 
 from zps.testing.sim import bugs
-from zps.testing.sim.world import FAULTS, Result, run_seed
+from zps.testing.sim.world import FAULTS, LOADS, Result, run_seed
 
 
 def _faults(text: str) -> list[str]:
     names = [f for f in text.split(",") if f]
-    unknown = [f for f in names if f not in FAULTS]
+    unknown = [f for f in names if f not in FAULTS and f not in LOADS]
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown fault {', '.join(unknown)}; known: {', '.join(FAULTS)}"
+            f"unknown fault {', '.join(unknown)}; known: {', '.join((*FAULTS, *LOADS))}"
         )
     return names
 
@@ -30,7 +30,8 @@ def parser() -> argparse.ArgumentParser:
         "--faults",
         type=_faults,
         default=list(FAULTS),
-        help=f"comma-separated faults to draw from (default all: {','.join(FAULTS)})",
+        help=f"comma-separated faults to draw from (default all: {','.join(FAULTS)}; "
+        f"also {','.join(LOADS)})",
     )
     p.add_argument("--bug", choices=sorted(bugs.BUGS), help="re-introduce a known defect")
     p.add_argument("--keep-going", action="store_true", help="run every seed after a failure")

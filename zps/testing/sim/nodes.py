@@ -648,6 +648,7 @@ class SimClient:
         self.alive = False
         self.gen = 0
         self.pushing = False
+        self.idle_until = 0.0
 
     def start(self) -> None:
         self.gen += 1
@@ -680,6 +681,7 @@ class SimClient:
             self.send(("client-hb",))
         if (
             self.pushing
+            and now >= self.idle_until
             and len(self.session) < 4
             and self.session.map is not None
             and self.w.sched.rng.random() < 0.6

@@ -28,6 +28,9 @@ FAULTS = (
     "broker",
     "pause-crash",
 )
+#: Changes of load drawn like faults, only when named in ``faults``: ``idle``, the clients
+#: stop pushing for a while (a primary with nothing waiting drops no silent replica).
+LOADS = ("idle",)
 #: Bounds on what any queue may hold (the "queues bounded" check).
 QUEUE_BOUND = 2000
 
@@ -67,9 +70,10 @@ class World:
     ) -> None:
         self.seed = seed
         self.faults = set(faults)
-        unknown = self.faults - set(FAULTS)
+        unknown = self.faults - set(FAULTS) - set(LOADS)
         if unknown:
-            raise ValueError(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
+            known = ", ".join((*FAULTS, *LOADS))
+            raise ValueError(f"unknown faults {sorted(unknown)}; known: {known}")
         self.sched = Scheduler(seed, trace=trace)
         self.net = Network(self.sched)
         self.n_partitions = n_partitions
@@ -249,6 +253,11 @@ class World:
             self.sched.after(
                 length + rng.uniform(0.05, 1.5), functools.partial(self.inject, "crash-all")
             )
+        elif kind == "idle":
+            length = rng.uniform(1.0, 3.0)
+            self.note(f"the clients stop pushing for {length:.2f}s")
+            for c in self.clients:
+                c.idle_until = self.sched.now + length
         elif kind == "crash-all":
             self.note("whole cluster loses power")
             self.broker.stop(keep_record=True)
