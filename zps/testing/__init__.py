@@ -146,7 +146,7 @@ class LocalCluster:
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         # Make `python -m zps` find this very package, installed or not.
-        root = str(Path(__file__).resolve().parent.parent)
+        root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
