@@ -42,7 +42,7 @@ from zps import shm, transport
 from zps.client.background import Background
 from zps.client.futures import gather, ignore, join_moved, pass_on
 from zps.client.inbound import REPLIES, from_broker
-from zps.client.ops import READS, Op, Token, copy_arrays, copy_shared, merge, result
+from zps.client.ops import READS, Op, Token, copy_arrays, copy_shared, deliver, merge
 from zps.client.pair import PairFollower
 from zps.client.routerlinks import RouterLinks
 from zps.client.session import (
@@ -63,7 +63,6 @@ from zps.errors import (
     BrokenError,
     ClosedError,
     ProtocolError,
-    RemoteError,
     ZpsTimeoutError,
 )
 from zps.ops import malloc
@@ -626,34 +625,7 @@ class Connection:
             joined.add_done_callback(functools.partial(join_moved, target=op.future, plan=plan))
 
     def _deliver(self, ops: list[Op], msg: Message, partial: bool = False) -> None:
-        """Each operation's result; a ``partial`` reply has one only for each read (the
-        writes wait for the final reply)."""
-        results = msg.header.get("res")
-        if not isinstance(results, list) or len(results) != len(ops):
-            err = ProtocolError("reply does not match the request's operations")
-            for op in ops:
-                if not op.future.done():
-                    op.future.set_exception(err)
-            return
-        for op, res in zip(ops, results, strict=True):
-            if op.future.done() or (partial and res is None):
-                continue
-            if res is None and op.body.get("op") in READS:
-                # A read whose answer (a first part) never came: asked again (a write
-                # is never sent again under a new sequence number: None is no status).
-                try:
-                    again = self._submit(
-                        op.partition, op.body, op.arrays, reply_bytes=op.reply_bytes, into=op.into
-                    )
-                except ClosedError as e:
-                    op.future.set_exception(e)
-                    continue
-                again.add_done_callback(functools.partial(pass_on, target=op.future))
-                continue
-            try:
-                op.future.set_result(result(res, msg.payloads, self.config.max_message_bytes))
-            except (ProtocolError, RemoteError) as e:
-                op.future.set_exception(e)
+        deliver(ops, msg, partial, submit=self._submit, max_bytes=self.config.max_message_bytes)
 
     async def _hello(self) -> None:
         assert self._sock is not None

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from zps.client.futures import split_result
+from zps.client.futures import pass_on, split_result
 from zps.core.batching import MERGEABLE, merge_row_ops
-from zps.errors import ProtocolError, remote_error
-from zps.protocol.codec import array_from
+from zps.errors import ClosedError, ProtocolError, RemoteError, remote_error
+from zps.protocol.codec import Message, array_from
 
 #: Operations that change nothing (a request of these and background pushes is lazy).
 READS = frozenset({"pull_rows", "pull_dense"})
@@ -129,3 +129,41 @@ def result(res: object, payloads: Sequence[Any], max_bytes: int) -> dict[str, An
         else:
             res["arrays"] = array_from(desc, payloads, max_bytes=limit)
     return res
+
+
+def deliver(
+    ops: list[Op],
+    msg: Message,
+    partial: bool,
+    *,
+    submit: Callable[..., asyncio.Future[dict[str, Any]]],
+    max_bytes: int,
+) -> None:
+    """Each operation's result in reply ``msg``; a ``partial`` reply has one only for each
+    read (the writes wait for the final reply).  A read whose answer (a first part) never
+    came is asked again, as ``submit(partition, body, arrays, reply_bytes=, into=)`` (a
+    write is never sent again under a new sequence number: None is no status)."""
+    results = msg.header.get("res")
+    if not isinstance(results, list) or len(results) != len(ops):
+        err = ProtocolError("reply does not match the request's operations")
+        for op in ops:
+            if not op.future.done():
+                op.future.set_exception(err)
+        return
+    for op, res in zip(ops, results, strict=True):
+        if op.future.done() or (partial and res is None):
+            continue
+        if res is None and op.body.get("op") in READS:
+            try:
+                again = submit(
+                    op.partition, op.body, op.arrays, reply_bytes=op.reply_bytes, into=op.into
+                )
+            except ClosedError as e:
+                op.future.set_exception(e)
+                continue
+            again.add_done_callback(functools.partial(pass_on, target=op.future))
+            continue
+        try:
+            op.future.set_result(result(res, msg.payloads, max_bytes))
+        except (ProtocolError, RemoteError) as e:
+            op.future.set_exception(e)
