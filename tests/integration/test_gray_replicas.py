@@ -329,11 +329,11 @@ async def test_a_pipelined_pull_is_answered_while_a_paused_replica_holds_its_pus
                 got = await asyncio.wait_for(pull, 3.0)
                 np.testing.assert_array_equal(got, np.full((64, DIM), -2.0))  # saw the push
                 assert ps.stats.early_replies == 1
-                assert len(ps._session) == 1  # the push: not acknowledged by one copy alone
+                assert ps.requests_in_flight == 1  # the push: not acknowledged by one copy alone
             finally:
                 c.kill(replica, signal.SIGCONT)
             await asyncio.wait_for(ps.flush(), 10.0)
-            assert len(ps._session) == 0
+            assert ps.requests_in_flight == 0
             np.testing.assert_array_equal(await ps.pull_rows("t", ids), np.full((64, DIM), -2.0))
         status = c.status()
         assert status["partitions"][0]["epoch"] == 1  # no failover
