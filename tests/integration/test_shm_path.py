@@ -829,7 +829,7 @@ def test_an_interrupted_blocking_push_is_given_up_on_before_the_caller_goes_on(
             timer.cancel()
             signal.signal(signal.SIGUSR1, old)
             c.kill(pid, signal.SIGCONT)
-        _wait_until(lambda: not list(ps.client._session.in_flight()), 30, "the push applied")
+        _wait_until(lambda: ps.client.requests_in_flight == 0, 30, "the push applied")
         ps.push_dense("twin", g)
         assert ps.pull_dense("sync").tobytes() == ps.pull_dense("twin").tobytes()
 
