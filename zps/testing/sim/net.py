@@ -2,14 +2,16 @@
 
 What zps relies on from ZeroMQ, and so what is kept: messages arrive whole or not at
 all (atomicity), in the order they were sent on one pipe (a pipe: one sender to one
-receiver), after a delay.  A message to a node that is down, across a cut link, or past
-a pipe's high-water mark is dropped, as a ROUTER drops what it cannot route and a full
-pipe drops what the sender posts without waiting (zps never blocks on a peer).  A cut
-may be one-way (``a`` cannot reach ``b``, ``b`` still reaches ``a``).
+receiver), after a delay.  A message to a node that is down, or past a pipe's high-water
+mark, is dropped, as a ROUTER drops what it cannot route and a full pipe drops what the
+sender posts without waiting (zps never blocks on a peer).  A cut link holds what is sent
+across it (as a TCP connection that stops moving does) and delivers it, in order, when
+it heals; a cut may be one-way (``a`` cannot reach ``b``, ``b`` still reaches ``a``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +31,7 @@ class Network:
         self._last: dict[tuple[str, str], float] = {}  # pipe -> last arrival time
         self._inflight: dict[tuple[str, str], int] = {}
         self._held: dict[str, list[tuple[str, Any]]] = {}  # paused node -> arrived
+        self._blocked: dict[tuple[str, str], list[Any]] = {}  # cut pipe -> held messages
         self.dropped = 0
         self.max_inflight = 0
 
@@ -44,10 +47,11 @@ class Network:
         for pipe in [p for p in self._last if node in p]:
             del self._last[pipe]
             self._inflight.pop(pipe, None)
+            self._blocked.pop(pipe, None)
 
     def send(self, src: str, dst: str, msg: Any) -> None:
         pipe = (src, dst)
-        if src not in self.up or dst not in self.up or pipe in self.cut:
+        if src not in self.up or dst not in self.up:
             self.dropped += 1
             return
         n = self._inflight.get(pipe, 0)
@@ -65,14 +69,24 @@ class Network:
         src, dst = pipe
         if pipe not in self._inflight:
             return  # a pipe of a process that is gone
+        if pipe in self.cut:  # held until the link heals
+            self._blocked.setdefault(pipe, []).append(msg)
+            return
         self._inflight[pipe] -= 1
-        if dst not in self.up or pipe in self.cut:
+        if dst not in self.up:
             self.dropped += 1
             return
         if dst in self.paused:
             self._held.setdefault(dst, []).append((src, msg))
             return
         self.handlers[dst](src, msg)
+
+    def heal(self, pairs: set[tuple[str, str]]) -> None:
+        """The links in ``pairs`` move again: what they held arrives, in order."""
+        self.cut -= pairs
+        for pipe in sorted(pairs):
+            for msg in self._blocked.pop(pipe, []):
+                self.sched.at(self.sched.now, functools.partial(self._arrive, pipe, msg))
 
     def pause(self, node: str) -> None:
         self.paused.add(node)

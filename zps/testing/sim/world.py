@@ -279,7 +279,7 @@ class World:
             self.broker.start()
 
     def _heal(self, pairs: set[tuple[str, str]]) -> None:
-        self.net.cut -= pairs
+        self.net.heal(pairs)
 
     # -- the run -----------------------------------------------------------------
 
@@ -313,7 +313,7 @@ class World:
         sched.run_until(self.duration)
         # Heal: every fault ends, every node runs again; the clients stop pushing.
         sched.log("HEAL")
-        self.net.cut.clear()
+        self.net.heal(set(self.net.cut))
         for node in list(self.net.paused):
             self.net.resume(node)
         for s in self.shards:
