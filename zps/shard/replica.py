@@ -85,6 +85,8 @@ class Upstream:
         self._assembly: ChunkAssembly | None = None
         self._last_chunk = 0.0
         self._abandoned: int | None = None
+        #: The load of a snapshot whose chunks are all here (a task beside the stream).
+        self._loading: asyncio.Future[None] | None = None
         #: The checksum of the snapshot being received, fed chunk by chunk in a worker
         #: thread: (its assembly, the digest, the task feeding the last chunk taken).
         self._hashing: tuple[ChunkAssembly, Digest, asyncio.Future[None] | None] | None = None
@@ -115,6 +117,8 @@ class Upstream:
                 on_idle=self._ask,
             )
         finally:
+            if self._loading is not None:
+                self._loading.cancel()
             if self._durability is not None and self._durability.on_durable == self._durable:
                 self._durability.on_durable = None
 
@@ -144,6 +148,12 @@ class Upstream:
 
     async def _ask(self) -> None:
         now = time.monotonic()
+        if self._loading is not None:
+            if not self._loading.done():
+                return  # a snapshot is being loaded: the next step is its own
+            loading, self._loading = self._loading, None
+            if not loading.cancelled() and loading.exception() is not None:
+                raise loading.exception()  # type: ignore[misc]  # a bug: it propagates
         if self._assembly is not None and now - self._last_chunk < CHUNK_STALL_S:
             return  # a snapshot is on its way: asking again would not speed it up
         if self._assembly is not None:
@@ -282,6 +292,21 @@ class Upstream:
             # stream's ACKs) runs between two chunks of a burst, not after all of them.
             await asyncio.sleep(0)
             return
+        # Loaded in a task of its own: this handler returns, so the stream that follows
+        # the snapshot is read (and held) meanwhile; a primary drops what a replica
+        # leaves unread for seconds, and the gap would cost another snapshot.
+        self._loading = asyncio.ensure_future(self._load_assembled(assembly, sid))
+
+    async def _load_assembled(self, assembly: ChunkAssembly, sid: int) -> None:
+        try:
+            await self._finish_snapshot(assembly, sid)
+        except ProtocolError as e:
+            log.warning("snapshot %d from the primary: %s; resync", sid, e)
+            self.session.resync()
+
+    async def _finish_snapshot(self, assembly: ChunkAssembly, sid: int) -> None:
+        """Every chunk of ``assembly`` is here: check, decode, keep and load it, then
+        apply the stream held meanwhile."""
         hashing = self._hashing
         if hashing is None or hashing[0] is not assembly or hashing[2] is None:
             self._abandon()
