@@ -1,14 +1,18 @@
-/* The libzmq that pyzmq loaded, for compiled code that drives pyzmq's own sockets
+/* The libzmq that pyzmq calls, for compiled code that drives pyzmq's own sockets
  * (zps._zmqio: a channel's send and receive; zps.broker._forward: the broker's data
  * path).  Included by each of them: every translation unit gets its own pointers.
  *
  * libzmq_bind(path) opens the library at path only if this process has loaded it
- * already (RTLD_NOLOAD: the same instance, whose sockets pyzmq's are), checks that it
- * has every function used here before taking any (a library without them leaves the
- * bound one as it was), and returns its version, or False.  The caller checks that
- * version against pyzmq's (zps.transport.bind_libzmq).  See docs/design.md for the
- * rules such code follows: the owning thread, the GIL held, non-blocking, never a
- * closed socket, nothing decided that the Python path does not.
+ * already (RTLD_NOLOAD: no second copy) and looks every function used here up through
+ * its handle, which searches that library and then the ones it depends on, in load
+ * order.  zps.transport passes pyzmq's backend module, so the functions found are the
+ * ones pyzmq's sockets run on (linked into the module or a library it needs), whatever
+ * other libzmq the process holds.  A library without all of them leaves the bound one
+ * as it was.  It returns the version bound, or False; the caller checks it against
+ * pyzmq's.  libzmq_bound() names the file the bound functions are in (dladdr), for the
+ * log and the tests.  See docs/design.md for the rules such code follows: the owning
+ * thread, the GIL held, non-blocking, never a closed socket, nothing decided that the
+ * Python path does not.
  */
 #ifndef ZPS_LIBZMQ_H
 #define ZPS_LIBZMQ_H
@@ -82,6 +86,16 @@ static PyObject *libzmq_bind(PyObject *arg)
     int major, minor, patch;
     z_version(&major, &minor, &patch);
     return Py_BuildValue("(iii)", major, minor, patch);
+}
+
+/* The file the bound functions are in, or None before a bind. */
+static Z_UNUSED PyObject *libzmq_bound(void)
+{
+    Dl_info info;
+    void *fn = *(void **)&z_msg_send;
+    if (z_lib == NULL || fn == NULL || dladdr(fn, &info) == 0 || info.dli_fname == NULL)
+        Py_RETURN_NONE;
+    return PyUnicode_DecodeFSDefault(info.dli_fname);
 }
 
 #endif

@@ -39,6 +39,8 @@
 
 static PyObject *bind(PyObject *self, PyObject *arg) { return libzmq_bind(arg); }
 
+static PyObject *bound(PyObject *self, PyObject *unused) { return libzmq_bound(); }
+
 /* -- Frame: a received libzmq message, read through the buffer protocol ----------- */
 
 typedef struct {
@@ -204,6 +206,7 @@ static PyObject *events(PyObject *self, PyObject *arg)
 }
 
 static PyMethodDef methods[] = {
+    {"bound", bound, METH_NOARGS, "bound() -> the file of the libzmq bound, or None."},
     {"bind", bind, METH_O,
      "bind(path): use the libzmq at path (already loaded); its version, or False."},
     {"recv", recv, METH_VARARGS, "recv(sock, big): one whole message (see the module)."},

@@ -18,14 +18,14 @@ mailbox and checks the pid), so none is repeated while one still holds.
 
 Where the optional extension ``zps._zmqio`` was built, a channel sends a message of
 small frames, receives a whole message and reads ``ZMQ_EVENTS`` with one compiled
-call each, on pyzmq's own socket through the libzmq pyzmq loaded (pyzmq takes a
-Python call, and on receipt a ``zmq.Frame``, per frame: a third to a half of a send's
-and a receive's cost for the small messages that are most of zps's traffic).  Received frames are
-then ``bytes``, or from :data:`RECV_COPY_MAX` bytes on a buffer that holds libzmq's
-message (no copy).  It decides nothing: a frame of :data:`ZERO_COPY_BYTES` or more
-to send, and every error, go through pyzmq as before.  Off on a CURVE server's
-socket (its frames carry the sender's key: :func:`sender_key`) and with
-``ZPS_NO_KERNEL=1``.
+call each, on pyzmq's own socket through the libzmq pyzmq calls (:func:`bind_libzmq`),
+where pyzmq takes a Python call, and on receipt a ``zmq.Frame``, per frame (figures:
+docs/performance.md, "The compiled I/O, end to end").  Received frames are then
+``bytes``, or from :data:`RECV_COPY_MAX` bytes on a buffer that holds libzmq's message
+(no copy).  It decides nothing: a frame of :data:`ZERO_COPY_BYTES` or more to send, and
+every error, go through pyzmq.  Off on a CURVE server's socket (its frames carry the
+sender's key: :func:`sender_key`) and with ``ZPS_NO_KERNEL=1``; each process logs at
+INFO which way its channels go (:data:`IO_PATH`).
 
 An :class:`Outbound` sends from a ROUTER to many peers without ever waiting on
 one of them: a message that zmq cannot queue for its peer is held in that
@@ -83,9 +83,9 @@ class CurveKeys:
 
 #: Frames at or above this size are sent without copying.  Below it a copy costs
 #: less CPU than pyzmq's zero-copy bookkeeping (a Frame, a tracker, and a wake-up of
-#: its collector thread when zmq releases the buffer): 11-16% less per 128-256 KiB
-#: frame measured alone; from 512 KiB on the two cost the same in total and the copy
-#: costs the sending thread more.
+#: its collector thread when zmq releases the buffer); from this size on the two cost
+#: the same in total and the copy costs the sending thread more (figures:
+#: docs/performance.md, "Figures behind the code's rules").
 ZERO_COPY_BYTES = 512 * 1024
 #: Received frames below this size are copied into ``bytes`` by the compiled receive
 #: (cheaper than holding libzmq's message for them); larger ones are held, not copied.
@@ -140,9 +140,9 @@ class IoThreads:
     preempts the client's own thread at once: what a lone request's caller wants (it
     waits for that one reply), and two context switches per message for a client with
     more to send and more replies to read (a training step's requests to every
-    partition, a pipelined step, a tensor's chunks).  Measured (docs/performance.md,
-    the levers table): 16-17% more sparse steps with ``SCHED_BATCH``, and one-row
-    pulls 6-13% slower with it.
+    partition, a pipelined step, a tensor's chunks): such a client makes more sparse
+    steps under ``SCHED_BATCH``, and a lone request is answered later under it
+    (figures: docs/performance.md, the levers table).
 
     The context's threads are named with a prefix no live thread of the process uses
     (``ZMQ_THREAD_NAME_PREFIX``) and found by that name once they have started (they
@@ -265,11 +265,11 @@ def io_sched_batch(client: bool) -> bool:
     its I/O thread for each message sent, and under the default policy that thread
     preempted the sender at once, mid-handler: two context switches per message.  A
     server's handler then runs to its end (its wait for the next message) first, and
-    the I/O thread after it, or at once on an idle core.  Measured (docs/performance.md,
-    the levers table): for servers, 9% less time and 12% less CPU per one-row pull and
-    13% more pipelined sparse steps; for clients too, 16-17% more sparse steps but
-    one-row pulls 6-13% slower (a lone request's caller waits for its reply, so its send
-    should leave at once): hence ``auto``.  The cost: while every core is busy, such a
+    the I/O thread after it, or at once on an idle core.  Servers then take less time
+    and CPU per one-row pull and make more pipelined sparse steps; clients make more
+    sparse steps too, but answer one-row pulls later (a lone request's caller waits for
+    its reply, so its send should leave at once): hence ``auto`` (figures:
+    docs/performance.md, the levers table).  The cost: while every core is busy, such a
     thread waits for the running one to block or use up its time slice (a few
     milliseconds at most) instead of preempting it."""
     mode = _io_sched_mode()
@@ -337,6 +337,7 @@ class Channel:
         self.reconnects = 0  # connections made again after silence (see dealer)
         # The compiled send and receive (see the module notes), with the socket's address.
         self._io = _zmqio if compiled and COMPILED_IO else None
+        _log_io_path()
         self._addr = int(sock.underlying)
         self._loop = asyncio.get_running_loop()
         self._readable = asyncio.Event()
@@ -580,7 +581,7 @@ class Channel:
         A wait only records its deadline: one timer, armed at the first, serves the
         waits after it (when it fires before the current deadline, it is armed again
         for that), so a message that arrives in time costs no timer.  (asyncio.timeout
-        would make and cancel a timer per wait, 7 us here; and not wait_for: on Python
+        would make and cancel a timer per wait: docs/performance.md; and not wait_for: on Python
         3.11 it swallows a cancellation that lands as the event is set.)  Plain
         ``Event.wait``: a cancellation always propagates."""
         loop = self._loop
@@ -922,8 +923,8 @@ def _common(sock: zmq.Socket[Any], max_message_bytes: int, hwm: int) -> None:
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
     # Reconnect every 0.1-0.35 s (zmq adds up to RECONNECT_IVL of jitter): a restarted
     # broker hears from every peer well inside its start-up hold (two liveness
-    # timeouts), whatever the outage lasted; a longer back-off let shards come back
-    # after the hold, which then found their partitions lost.
+    # timeouts), whatever the outage lasted: a back-off longer than the hold would
+    # bring shards back after it, to find their partitions lost.
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 250)
 
@@ -1380,8 +1381,8 @@ async def serve(
 
     ``fast``, a synchronous handler for the common messages (a request to forward, a
     reply to match), runs in the channel's reader callback: a message it handles wakes
-    no task, which takes 15 us of CPU and 35 us of latency off each hop
-    (``bench/latency_cpu.py``).  It returns False for a message it leaves to
+    no task, which saves CPU and latency on each hop (figures: docs/performance.md,
+    "Figures behind the code's rules").  It returns False for a message it leaves to
     ``handle``; that message and every one after it then go to this task, in order,
     and the callback takes over again once they are handled.  Messages are handled one
     at a time, in order, either way.  With ``fast``, ``on_burst`` must be synchronous.
@@ -1477,48 +1478,51 @@ def libzmq_version() -> tuple[int, int, int]:
     return major, minor, patch
 
 
-def libzmq_paths() -> list[str]:
-    """The files mapped into this process that may be pyzmq's libzmq, for compiled code
-    to bind (``bind(path)``, opened without loading another copy): a shared libzmq
-    first, then pyzmq's backend (which holds libzmq where it was linked in)."""
+def pyzmq_backend_path() -> str | None:
+    """The file of pyzmq's backend module (None: not the Cython backend).  Looked up
+    through its handle, libzmq's functions are the ones pyzmq's sockets run on: those
+    linked into the module, or of the libzmq it depends on."""
     try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return []
-    found: list[str] = []
-    for line in lines:
-        fields = line.split(None, 5)  # address, perms, offset, dev, inode, path
-        path = fields[5] if len(fields) == 6 else ""
-        if path.startswith("/") and "zmq" in Path(path).name and path not in found:
-            found.append(path)
-    found.sort(key=lambda p: "libzmq" not in Path(p).name)
-    return found
+        from zmq.backend.cython import _zmq
+    except ImportError:  # pragma: no cover - another backend (CFFI on PyPy)
+        return None
+    return str(_zmq.__file__)
 
 
 def bind_libzmq(bind: Callable[[str], Any]) -> bool:
-    """Bind a compiled module to pyzmq's libzmq (its ``bind(path)`` returns the version
-    it bound, or False): whether one of :func:`libzmq_paths` is that libzmq."""
-    want = libzmq_version()
-    for path in libzmq_paths():
-        version = bind(path)
-        if version and tuple(version) == want:
-            return True
-    return False
-
-
-def _bind_io() -> bool:
-    if _zmqio is None or os.environ.get("ZPS_NO_KERNEL", "") not in ("", "0"):
+    """Bind a compiled module to the libzmq pyzmq calls: its ``bind(path)`` opens the
+    loaded library at ``path`` (no second copy) and looks the functions up through its
+    handle, returning the version it bound, or False.  ``path`` is pyzmq's backend
+    module (:func:`pyzmq_backend_path`), never a file found by name: another libzmq
+    in the process, of any version, is not bound.  The version must be pyzmq's."""
+    path = pyzmq_backend_path()
+    if path is None:
         return False
+    version = bind(path)
+    return bool(version) and tuple(version) == libzmq_version()
+
+
+def _bind_io() -> tuple[bool, str]:
+    """Whether channels use ``zps._zmqio``, and the way they go, in words."""
+    if _zmqio is None:
+        return False, "pyzmq (zps._zmqio was not built)"
+    if os.environ.get("ZPS_NO_KERNEL", "") not in ("", "0"):
+        return False, "pyzmq (ZPS_NO_KERNEL=1)"
+    version = ".".join(map(str, libzmq_version()))
     if bind_libzmq(_zmqio.bind):
-        return True
-    want = libzmq_version()
-    _log.debug("no loaded libzmq %s found: channels send and receive through pyzmq", want)
-    return False
+        return True, f"zps._zmqio (pyzmq's libzmq {version}, {_zmqio.bound()})"
+    return False, f"pyzmq (pyzmq's libzmq {version} could not be bound)"
 
 
 #: Whether channels send and receive through ``zps._zmqio`` (built, and bound to the
-#: libzmq pyzmq loaded; see the module notes).
-COMPILED_IO = _bind_io()
+#: libzmq pyzmq calls; see the module notes); :data:`IO_PATH`: which, in words.
+COMPILED_IO, IO_PATH = _bind_io()
+
+
+@functools.cache
+def _log_io_path() -> None:
+    """Once per process, at its first channel: which way channels send and receive."""
+    _log.info("channels send and receive through %s", IO_PATH)
 
 
 def frame_bytes(frame: Any) -> bytes:

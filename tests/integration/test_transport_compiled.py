@@ -6,6 +6,7 @@ left to pyzmq."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -226,7 +227,7 @@ def test_the_extension_is_built_and_bound_where_a_compiler_is() -> None:
     if os.environ.get("ZPS_NO_KERNEL", "") not in ("", "0"):
         pytest.skip("ZPS_NO_KERNEL is set")
     assert transport._zmqio is not None, "zps._zmqio was not built"
-    assert transport.COMPILED_IO, f"no loaded libzmq bound: {transport.libzmq_paths()}"
+    assert transport.COMPILED_IO, transport.IO_PATH
     off = subprocess.run(
         [sys.executable, "-c", "from zps import transport; print(transport.COMPILED_IO)"],
         env={**os.environ, "ZPS_NO_KERNEL": "1"},
@@ -235,3 +236,60 @@ def test_the_extension_is_built_and_bound_where_a_compiler_is() -> None:
         timeout=60,
     )
     assert off.stdout.strip() == "False", off.stderr
+
+
+_ANOTHER_LIBZMQ = """
+import asyncio, ctypes, logging, sys
+import zmq  # pyzmq loads its libzmq
+ctypes.CDLL(sys.argv[1])  # then a second libzmq of the same version, before zps binds
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s: %(message)s")
+from zps import transport
+from zps.broker import forward
+from zps.testing import free_port
+
+
+async def main() -> None:
+    ctx = transport.new_context()
+    ch = transport.dealer(ctx, f"tcp://127.0.0.1:{free_port()}", b"c-x", max_message_bytes=1024)
+    transport.close(ch)
+    transport.term(ctx)
+
+
+asyncio.run(main())
+print("BOUND", transport._zmqio.bound())
+print("BOUND", forward._forward.bound())
+print("PATH", forward.PATH)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_libzmq_bound_is_pyzmqs_with_another_copy_loaded(tmp_path: Any) -> None:
+    """A copy of pyzmq's libzmq under another name, loaded into the process first: the
+    compiled send and receive and the broker's step still bind the libzmq pyzmq's
+    sockets run on (found through pyzmq's backend module, not by a scan for a name),
+    and the process says at INFO which path its channels take (a broker logs its own
+    at start: test_broker_forward.py)."""
+    from zps import _zmqio  # type: ignore[attr-defined]
+
+    if os.environ.get("ZPS_NO_KERNEL", "") not in ("", "0") or not transport.COMPILED_IO:
+        pytest.skip("zps._zmqio is not in use")
+    ours = _zmqio.bound()
+    assert ours is not None
+    src = os.path.realpath(ours)
+    copy = tmp_path / "libzmq.so.5"
+    shutil.copyfile(src, copy)
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{tmp_path}:{os.path.dirname(src)}"}
+    run = subprocess.run(
+        [sys.executable, "-c", _ANOTHER_LIBZMQ, str(copy)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    bound = [line.split(" ", 1)[1] for line in run.stdout.splitlines() if line.startswith("BOUND")]
+    assert len(bound) == 2
+    for path in bound:
+        assert os.path.realpath(path) == src, (path, run.stdout)
+    assert "zps.transport: channels send and receive through zps._zmqio" in run.stdout
+    assert "PATH compiled (zps.broker._forward" in run.stdout

@@ -38,6 +38,8 @@
 
 static PyObject *bind(PyObject *self, PyObject *arg) { return libzmq_bind(arg); }
 
+static PyObject *bound(PyObject *self, PyObject *unused) { return libzmq_bound(); }
+
 /* ZMQ_EVENTS, or -1 when the socket failed. */
 static int events_of(void *sock)
 {
@@ -286,6 +288,7 @@ fail:
 }
 
 static PyMethodDef methods[] = {
+    {"bound", bound, METH_NOARGS, "bound() -> the file of the libzmq bound, or None."},
     {"bind", bind, METH_O,
      "bind(path) -> (major, minor, patch) or False: use the libzmq already loaded from "
      "path."},

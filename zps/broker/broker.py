@@ -629,6 +629,11 @@ class Broker:
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
+        log.info(
+            "data path: %s%s",
+            forward.PATH,
+            "; off while this broker checks CURVE roles" if self._roles is not None else "",
+        )
         await transport.serve(
             self._sock,
             self._on_message,

@@ -3,14 +3,17 @@
 One job: give the broker a :data:`step` that forwards the queued clients' REQUESTs and
 shards' replies of its ROUTER socket without a Python call per message (see
 ``_forward.c``), and hands back, untouched, the first message that needs a decision
-of the Python code.  Forwarding is the broker's whole data path: per message, its
-Python fast path (``Broker._forward``) makes about 58 calls, the pump none.
+of the Python code.  Forwarding is the broker's whole data path: the compiled step
+makes no Python call per message, the Python fast path (``Broker._forward``) several
+dozen.
 
-The extension drives pyzmq's own socket through the libzmq that pyzmq loaded (found in
-``/proc/self/maps``, opened without loading another copy).  Where the extension was
-not built (no compiler), no such libzmq is found, or ``ZPS_NO_KERNEL=1`` is in the
-environment, :data:`AVAILABLE` is False and the broker forwards in Python, with the
-same results.
+The extension drives pyzmq's own socket through the libzmq that pyzmq's backend module
+loaded: its functions are looked up through that module's handle (opened without
+loading another copy), so they are the ones pyzmq calls, whatever other libzmq the
+process holds.  Where the extension was not built (no compiler), that libzmq cannot
+be bound, or ``ZPS_NO_KERNEL=1`` is in the environment, :data:`AVAILABLE` is False and
+the broker forwards in Python, with the same results.  :data:`PATH` says which, for the
+broker to log at start-up.
 """
 
 from __future__ import annotations
@@ -28,18 +31,21 @@ except ImportError:  # pragma: no cover - depends on the build
 log = logging.getLogger("zps.broker")
 
 
-def _bind() -> bool:
-    if _forward is None or os.environ.get("ZPS_NO_KERNEL", "") not in ("", "0"):
-        return False
+def _bind() -> tuple[bool, str]:
+    """Whether the step is bound, and the data path in words."""
+    if _forward is None:
+        return False, "python (zps.broker._forward was not built)"
+    if os.environ.get("ZPS_NO_KERNEL", "") not in ("", "0"):
+        return False, "python (ZPS_NO_KERNEL=1)"
+    version = ".".join(map(str, transport.libzmq_version()))
     if transport.bind_libzmq(_forward.bind):
-        return True
-    want = transport.libzmq_version()
-    log.debug("no loaded libzmq %s found: the broker forwards in Python", want)
-    return False
+        return True, f"compiled (zps.broker._forward, on pyzmq's libzmq {version})"
+    return False, f"python (pyzmq's libzmq {version} could not be bound)"
 
 
-#: Whether :data:`step` is in use (the extension built and bound to pyzmq's libzmq).
-AVAILABLE = _bind()
+#: Whether :data:`step` is in use (the extension built and bound to pyzmq's libzmq);
+#: :data:`PATH`: the data path in words ("compiled (...)" or "python (why)").
+AVAILABLE, PATH = _bind()
 
 #: ``step(sock, limit, routes, shards, last, queues, holding, now) -> (events, routed,
 #: replies, declined)``: forwards what is queued on the socket at address ``sock``
