@@ -1510,7 +1510,8 @@ def _bind_io() -> tuple[bool, str]:
         return False, "pyzmq (ZPS_NO_KERNEL=1)"
     version = ".".join(map(str, libzmq_version()))
     if bind_libzmq(_zmqio.bind):
-        return True, f"zps._zmqio (pyzmq's libzmq {version}, {_zmqio.bound()})"
+        bound = getattr(_zmqio, "bound", None)  # None: built before bound() existed
+        return True, f"zps._zmqio (pyzmq's libzmq {version}, {bound() if bound else '?'})"
     return False, f"pyzmq (pyzmq's libzmq {version} could not be bound)"
 
 
