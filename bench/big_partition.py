@@ -29,8 +29,8 @@ percentiles.  Every process is stopped on the way out (Ctrl-C and SIGTERM too); 
 (each shard keeps 3 checkpoints and its log), which the caller removes.  Memory, at
 the peak of a catch-up: the primary 3.3x the partition when a periodic checkpoint
 and the snapshot each hold a cut (``--checkpoint-interval 0`` saves one), the joining
-copy 2.2x, the restarted shard about 1x: it refuses to start (exit status 2) when MemAvailable is below 7x the
-partition, unless ``--force``.
+copy 2.2x, the restarted shard about 1x: it refuses to start (exit status 2) when
+MemAvailable is below 7x the partition, unless ``--force``.
 """
 
 from __future__ import annotations
