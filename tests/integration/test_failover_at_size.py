@@ -85,6 +85,31 @@ async def test_writes_go_on_while_a_large_partitions_new_copy_loads(
                 loading_seen_at = time.monotonic()
             await asyncio.sleep(0.05)
         assert loading_seen_at is not None, "the new copy was never seen loading"
+        # The rebuilt copy is in sync: it holds every write the primary acknowledged
+        # alone meanwhile, so it may take over at once (with the killed shard back as
+        # the spare) without losing one.
+        back = c.start_shard(tmp_path / ("a" if primary is procs[0] else "b"))
+        await asyncio.to_thread(
+            c.wait_for,
+            lambda x: any(y["pid"] == back.pid and y["role"] == "spare" for y in x["shards"]),
+            60,
+            "the killed shard back as the spare",
+        )
+        s = await asyncio.to_thread(c.status)
+        serving = s["partitions"][0]["primary"]
+        pid = next(x["pid"] for x in s["shards"] if x["node"] == serving)
+        second = next(p for p in procs if p.pid == pid)
+        second.popen.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(
+            c.wait_for,
+            lambda x: (
+                x["partitions"][0]["epoch"] > s["partitions"][0]["epoch"]
+                and x["partitions"][0]["primary"] is not None
+            ),
+            60,
+            "the rebuilt copy to take over",
+        )
+        await asyncio.sleep(1.0)
     finally:
         stop.set()
         await asyncio.wait_for(task, 60)

@@ -167,3 +167,21 @@ def test_a_failed_over_primary_that_comes_back_longer_just_follows() -> None:
     assert out["p"] == replica("p", 0, 2, "r")
     assert cs.handing_over(0) is None and cs.shards["p"].held is None
     assert not [m for level, m in cs.notices if level == "error"]
+
+
+def test_a_promoted_copy_that_took_no_write_is_its_own_floor_after_a_power_loss() -> None:
+    """Simulator seed 1015: the replica is promoted and confirmed at epoch 2 at LSN 45,
+    takes no write, and every host loses power.  Its log's last record is of epoch 1, so
+    it claims (1, 45): it is the floor's copy (a member, at the floor's LSN), not older."""
+    cs = two_copies()
+    cs.report("p", lsn=45, epoch=1, in_sync=["r"], t=2.0)
+    cs.report("r", lsn=45, epoch=1, t=2.0)
+    cs.node_gone("p")
+    cs.report("r", lsn=45, epoch=2, in_sync=[], t=3.0)
+    assert cs.floor_of(0) == (2, 45) and cs.members_of(0) == ("r",)
+    cs.node_gone("r")
+    cs = restarted(cs, now=10.0, hold=1.0)
+    assert reg(cs, "r", claim=claim_primary(0, 1, 45), now=10.1) == [primary("r", 0, 3)]
+    # Another copy at the same LSN and epoch 1 is not the floor's: it is refused.
+    cs2 = restarted(cs, now=20.0, hold=1.0)
+    assert reg(cs2, "p", claim=claim_primary(0, 1, 45), now=20.1) == []

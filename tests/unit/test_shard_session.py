@@ -509,9 +509,11 @@ def test_an_acknowledgement_from_another_history_counts_for_nothing() -> None:
     assert not s.acked("r1", 100, E, 0.1, 39).in_sync  # an earlier snapshot's stream
     assert not s.acked("r1", 100, E, 0.1, None).in_sync  # an ack without a base
     assert s.add_write(41, "w41") == ["w41"]  # r1 holds nothing back: it is not in sync
-    assert s.acked("r1", 40, E, 0.2, 40).in_sync
-    assert s.add_write(42, "w42") == []  # now it holds writes back
-    assert s.acked("r1", 41, E, 0.3, 40).released == []
+    # Loaded, but w41 was acknowledged without it: in sync once it holds w41 too.
+    assert not s.acked("r1", 40, E, 0.2, 40).in_sync
+    assert s.add_write(42, "w42") == []  # from now on it holds writes back
+    got = s.acked("r1", 41, E, 0.3, 40)
+    assert got.in_sync and got.released == []
     assert s.acked("r1", 42, E, 0.4, 40).released == ["w42"]
 
 
@@ -669,3 +671,48 @@ def test_a_repairing_partition_takes_writes_on_the_copies_in_sync() -> None:
         assert s.follower_gone("spare")
         s.on_map(E + 1, set(), set())  # lost again, no spare to load: refused
         assert not s.enough_in_sync()
+
+
+def test_a_replica_that_acknowledges_without_getting_further_is_dropped() -> None:
+    """A replica whose log cannot take the stream (a full disk) keeps acknowledging the
+    same LSN: it is heard, but it holds the writes back for ever.  Past the liveness
+    timeout without progress it leaves the in-sync set, as a silent one does; one that
+    keeps up, or is merely idle, stays."""
+    s = strict("r1", "r2")
+    in_sync(s, "r1")
+    in_sync(s, "r2")
+    s.on_map(E, {"r1", "r2"}, {"r1", "r2"})
+    timeout = HB * LIVENESS
+    assert s.add_write(1, "w1") == []
+    t, lagging = 0.0, ()
+    while t < 3 * timeout and not lagging:
+        t += HB
+        ack(s, "r1", 0, E, t)  # stuck at LSN 0, heard every interval
+        ack(s, "r2", 1, E, t)  # keeps up
+        s.broker_seen(t)
+        lagging = s.tick(t, requests=0, lsn=1).lagging
+    assert lagging == ("r1",) and t > timeout
+    assert "r2" in s.local_in_sync
+
+
+def test_a_rebuilt_copy_is_in_sync_only_once_it_holds_what_was_acknowledged_alone() -> None:
+    """In the repair window the primary acknowledges writes on its own log.  The copy
+    being rebuilt loaded a snapshot older than some of them: it is promoted-worthy (in
+    sync) only once it acknowledged every one; from the moment it loaded, new writes wait
+    for it."""
+    s: ShardSession[str] = ShardSession(
+        ME, heartbeat_interval=HB, liveness=LIVENESS, min_in_sync=2, repair=True, now=0
+    )
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    s.on_map(E, {ME}, {ME})
+    s.assign(Role.PRIMARY, P, E + 1)
+    s.on_map(E + 1, set(), {"spare"})
+    s.subscribed("spare", 40, 0.1)  # its snapshot is cut at LSN 40
+    for lsn in range(41, 51):  # acknowledged alone, on this primary's log
+        assert s.add_write(lsn, f"w{lsn}") == [f"w{lsn}"]
+    done = ack(s, "spare", 40, E + 1, 0.2)  # loaded: not yet in sync
+    assert not done.in_sync and "spare" not in s.local_in_sync
+    assert s.add_write(51, "w51") == []  # new writes wait for it now
+    assert not ack(s, "spare", 49, E + 1, 0.3).in_sync
+    done = ack(s, "spare", 51, E + 1, 0.4)
+    assert done.in_sync and done.released == ["w51"] and "spare" in s.local_in_sync

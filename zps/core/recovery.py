@@ -24,7 +24,11 @@ def distrust(part: Partition, claim: Claim, node_id: str) -> str | None:
         return None
     if not claim.complete:
         return "it was restored without a log and may lack acknowledged writes"
-    if (claim.epoch, claim.lsn) < part.floor:
+    if (claim.epoch, claim.lsn) < part.floor and not (
+        node_id in part.members and claim.lsn >= part.floor_lsn
+    ):
+        # (A member's copy at the floor's LSN from an older epoch took no write at the
+        # floor's epoch, or its log would say so: it is the floor's copy.)
         return (
             f"older than the epoch {part.floor_epoch}, LSN {part.floor_lsn} its primary confirmed"
         )

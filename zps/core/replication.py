@@ -36,6 +36,8 @@ class AckTracker(Generic[T]):
     def __init__(self) -> None:
         self.required: frozenset[str] = frozenset()
         self.acked: dict[str, int] = {}
+        #: The highest LSN released (acknowledged) so far.
+        self.released = 0
         self._waiting: deque[tuple[int, T]] = deque()
 
     def __len__(self) -> int:
@@ -83,7 +85,9 @@ class AckTracker(Generic[T]):
         committed = self.committed
         out: list[T] = []
         while self._waiting and (committed is None or self._waiting[0][0] <= committed):
-            out.append(self._waiting.popleft()[1])
+            lsn, item = self._waiting.popleft()
+            self.released = max(self.released, lsn)
+            out.append(item)
         return out
 
 

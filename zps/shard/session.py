@@ -60,7 +60,14 @@ class Follower:
     snapshot_lsn: int
     acked: int = 0
     last_heard: float = 0.0
+    #: Since when it has been behind with no acknowledgement moving it on, and how far
+    #: it had got then (None: not behind).
+    stuck_since: float | None = None
+    stuck_at: int = 0
     snapshot_bytes: int = 0
+    #: Once it loaded its snapshot: the highest LSN this primary had acknowledged
+    #: without it, which it must acknowledge before it counts as in sync.
+    catch_up_to: int | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,9 @@ class ShardSession(Generic[T]):
         self.tracker: AckTracker[T] = AckTracker()
         self.followers: dict[str, Follower] = {}
         self.local_in_sync: set[str] = set()  # caught up, as this primary sees it
+        #: Loaded their snapshot and still catching up with what this primary
+        #: acknowledged without them: writes wait for them, the broker is not told yet.
+        self.joining: set[str] = set()
         self.published_in_sync: set[str] = set()  # in sync, as the broker's map says
         self.replicas: set[str] = set()  # this partition's replicas, as the map says
         # replica side
@@ -343,6 +353,7 @@ class ShardSession(Generic[T]):
         # replica missing from one map (a restarted broker rebuilding it) keeps its
         # stream; followers are checked when they subscribe.
         self.local_in_sync -= self.published_in_sync - in_sync
+        self.joining &= self.replicas
         self.published_in_sync = set(in_sync)
         return self.settle()
 
@@ -354,7 +365,7 @@ class ShardSession(Generic[T]):
         """
         if self.role is not Role.PRIMARY:
             return MapResult()
-        required = self.published_in_sync | self.local_in_sync
+        required = self.published_in_sync | self.local_in_sync | self.joining
         # Too few copies left: what waits was applied here but is held by too few;
         # refuse it before a smaller required set could release it.
         enough = 1 + len(required) >= self.needed_copies or self.repairing
@@ -396,6 +407,7 @@ class ShardSession(Generic[T]):
     ) -> None:
         """``node`` is sent a snapshot at ``snapshot_lsn``; the stream follows it."""
         self.local_in_sync.discard(node)
+        self.joining.discard(node)
         self.followers[node] = Follower(
             snapshot_lsn=snapshot_lsn, last_heard=now, snapshot_bytes=snapshot_bytes
         )
@@ -416,32 +428,52 @@ class ShardSession(Generic[T]):
             return AckResult([])
         follower.acked = max(follower.acked, lsn)
         follower.last_heard = now
-        caught_up = node not in self.local_in_sync and follower.acked >= follower.snapshot_lsn
-        if caught_up:
-            # It holds the snapshot and receives every message since.
-            self.local_in_sync.add(node)
-            self.tracker.require(node, follower.acked)
+        caught_up = False
+        if node not in self.local_in_sync and follower.acked >= follower.snapshot_lsn:
+            if follower.catch_up_to is None:
+                # It holds the snapshot and receives every message since: from now on
+                # writes wait for it too.  Writes this primary acknowledged without it
+                # (the repair window) it must hold before it may be promoted.
+                follower.catch_up_to = self.tracker.released
+                self.joining.add(node)
+                self.tracker.require(node, follower.acked)
+            if follower.acked >= follower.catch_up_to:
+                self.joining.discard(node)
+                self.local_in_sync.add(node)
+                caught_up = True
         return AckResult(self.tracker.ack(node, lsn), caught_up)
 
     def follower_gone(self, node: str) -> bool:
         """Stop streaming to ``node``; True if it was a follower."""
         self.local_in_sync.discard(node)
+        self.joining.discard(node)
         return self.followers.pop(node, None) is not None
 
     def _drop_lagging(self, now: float, lsn: int) -> tuple[str, ...]:
-        """An in-sync replica silent for the liveness timeout while writes wait for it, or
-        while it has not acknowledged ``lsn``, stops holding writes back (the broker then
-        publishes the smaller set, and :meth:`on_map` releases them); the driver drops it."""
+        """An in-sync replica that, while writes wait for it or while it has not
+        acknowledged ``lsn``, is silent for the liveness timeout, or acknowledges
+        without getting further for as long (its log cannot take them: a full disk),
+        stops holding writes back (the broker then publishes the smaller set, and
+        :meth:`on_map` releases them); the driver drops it."""
         dropped = []
-        for node in sorted(self.local_in_sync):
+        for node in sorted(self.local_in_sync | self.joining):
             follower = self.followers.get(node)
             if follower is None:
                 self.local_in_sync.discard(node)
+                self.joining.discard(node)
                 dropped.append(node)
                 continue
+            timeout = self.interval * self.liveness
             behind = bool(len(self.tracker)) or follower.acked < lsn
-            if behind and now - follower.last_heard > self.interval * self.liveness:
+            silent = behind and now - follower.last_heard > timeout
+            if follower.acked >= lsn:
+                follower.stuck_since = None
+            elif follower.stuck_since is None or follower.acked > follower.stuck_at:
+                follower.stuck_since, follower.stuck_at = now, follower.acked
+            stuck = follower.stuck_since is not None and now - follower.stuck_since > timeout
+            if silent or stuck:
                 self.local_in_sync.discard(node)
+                self.joining.discard(node)
                 dropped.append(node)
         return tuple(dropped)
 
