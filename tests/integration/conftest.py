@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from zps.testing import LocalCluster
+from zps.testing import DataDirCluster, LocalCluster, free_port
 
 
 @pytest.fixture(scope="module")
@@ -21,3 +23,28 @@ def fresh_cluster() -> Iterator[LocalCluster]:
     """A cluster of its own, for tests that kill processes."""
     with LocalCluster(partitions=2, shards=2) as c:
         yield c
+
+
+@pytest.fixture
+def make_cluster(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[Callable[..., DataDirCluster]]:
+    """Builds clusters whose shards may have data dirs (broker not started) in tmp_path,
+    with the test module's heartbeat settings (``HB``, ``LIVENESS``) unless given; stops
+    every process afterwards."""
+    made: list[DataDirCluster] = []
+    defaults = {
+        "heartbeat_interval": getattr(request.module, "HB", 0.1),
+        "liveness": getattr(request.module, "LIVENESS", 10),
+        "workdir": tmp_path,
+    }
+
+    def make(**kwargs: Any) -> DataDirCluster:
+        c = DataDirCluster(**{**defaults, **kwargs})
+        c.port = free_port()
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()

@@ -9,7 +9,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,28 +17,13 @@ import pytest
 
 import zps
 from zps.optim import SGD
-from zps.testing import DataDirCluster, ExactSumLoad, Proc, free_port
+from zps.testing import DataDirCluster, ExactSumLoad, Proc
 
 HB = 0.1
 #: 2 s of silence before a peer is dead: a loaded 2-core machine must not fake deaths
 #: (a SIGKILLed shard is noticed sooner: zmq drops its route).
 LIVENESS = 20
 FLAGS = ["--durability", "interval", "--checkpoint-interval", "0"]
-
-
-@pytest.fixture
-def make_cluster(tmp_path: Path) -> Iterator[Callable[..., DataDirCluster]]:
-    made: list[DataDirCluster] = []
-
-    def make(**kwargs: object) -> DataDirCluster:
-        c = DataDirCluster(heartbeat_interval=HB, liveness=LIVENESS, workdir=tmp_path, **kwargs)  # type: ignore[arg-type]
-        c.port = free_port()
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.stop()
 
 
 def kill_shards(c: DataDirCluster, shards: list[Proc]) -> None:

@@ -9,7 +9,7 @@ import os
 import re
 import shutil
 import signal
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,26 +17,11 @@ import pytest
 
 import zps
 from zps.optim import SGD
-from zps.testing import DataDirCluster, ExactSumLoad, Proc, free_port
+from zps.testing import DataDirCluster, ExactSumLoad, Proc
 
 HB = 0.1
 #: 2 s of silence before a peer is dead: a loaded 2-core machine must not fake deaths.
 LIVENESS = 20
-
-
-@pytest.fixture
-def make_cluster(tmp_path: Path) -> Iterator[Callable[..., DataDirCluster]]:
-    made: list[DataDirCluster] = []
-
-    def make(**kwargs: object) -> DataDirCluster:
-        c = DataDirCluster(heartbeat_interval=HB, liveness=LIVENESS, workdir=tmp_path, **kwargs)  # type: ignore[arg-type]
-        c.port = free_port()
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.stop()
 
 
 def kill_all(procs: Sequence[Proc]) -> None:

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,29 +16,13 @@ import pytest
 
 import zps
 from zps.optim import SGD, Adagrad, Adam
-from zps.testing import DataDirCluster, Proc, free_port
+from zps.testing import DataDirCluster, Proc
 
 HB = 0.1  # heartbeat interval of every process here
 #: silent heartbeats before a peer is dead: 2 s, so a loaded 2-core machine (other test
 #: runs, 5+ processes) does not fake deaths; SIGKILLs are still seen at once (zmq drops
 #: the route)
 LIVENESS = 20
-
-
-@pytest.fixture
-def make_cluster(tmp_path: Path) -> Iterator[Callable[..., DataDirCluster]]:
-    """Builds clusters (broker not started) in tmp_path; stops every process afterwards."""
-    made: list[DataDirCluster] = []
-
-    def make(**kwargs: object) -> DataDirCluster:
-        c = DataDirCluster(heartbeat_interval=HB, liveness=LIVENESS, workdir=tmp_path, **kwargs)  # type: ignore[arg-type]
-        c.port = free_port()
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.stop()
 
 
 def ckpt_files(data_dir: Path) -> list[Path]:

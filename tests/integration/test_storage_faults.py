@@ -24,26 +24,11 @@ import pytest
 
 import zps
 from zps.optim import SGD
-from zps.testing import DataDirCluster, Proc, free_port
+from zps.testing import DataDirCluster, Proc
 
 HB = 0.1
 LIVENESS = 20
 DIM = 4096  # a push's record is about 32 KiB: larger than the room left on the disk
-
-
-@pytest.fixture
-def make_cluster(tmp_path: Path) -> Iterator[Callable[..., DataDirCluster]]:
-    made: list[DataDirCluster] = []
-
-    def make(**kwargs: object) -> DataDirCluster:
-        c = DataDirCluster(heartbeat_interval=HB, liveness=LIVENESS, workdir=tmp_path, **kwargs)  # type: ignore[arg-type]
-        c.port = free_port()
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.stop()
 
 
 def wait_log(proc: Proc, pattern: str, timeout: float = 30.0) -> re.Match[str]:
