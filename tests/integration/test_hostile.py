@@ -998,7 +998,10 @@ async def seeded(c: LocalCluster) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.timeout(60)
 async def test_a_fake_shard_claiming_a_partition_at_a_huge_epoch_gets_nothing() -> None:
-    """Outside the broker's start-up hold a claim never displaces a live primary.
+    """Outside the broker's start-up hold a claim never displaces a live primary that
+    took writes: a primary claim of a newer history is a conflict (the claimant is held
+    with no role, nothing overwritten, zps/core/cluster.py rule 8); replica claims of
+    another epoch make the claimant a spare.
 
     (Within the hold, after a broker restart, a claim of primary at a higher epoch
     than the one granted first wins by design (``ClusterState._grant``): a fake
@@ -1016,8 +1019,20 @@ async def test_a_fake_shard_claiming_a_partition_at_a_huge_epoch_gets_nothing() 
                 fake.send_multipart(
                     [b"", *encode(Route(MsgType.REGISTER), {"address": "", "claim": claim})]
                 )
-                got = recv_until(fake, lambda r, h: r.mtype is MsgType.ASSIGN, 5)
-                assert got is not None and got[1]["role"] == "spare", (role, epoch, got)
+                if role == "primary":
+                    name = f"s-fake-{role}-{epoch}"
+                    held = await asyncio.to_thread(
+                        c.wait_for,
+                        lambda s, name=name: any(
+                            h["node"] == name for h in s["partitions"][0].get("held_copies", [])
+                        ),
+                        10,
+                        "the fake primary claim to be held",
+                    )
+                    assert held["partitions"][0]["primary"] == before["partitions"][0]["primary"]
+                else:
+                    got = recv_until(fake, lambda r, h: r.mtype is MsgType.ASSIGN, 5)
+                    assert got is not None and got[1]["role"] == "spare", (role, epoch, got)
                 fake.close(0)
         finally:
             ctx.term()
