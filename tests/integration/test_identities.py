@@ -10,15 +10,12 @@ nothing, is refused with a reason, and the cluster keeps serving.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import re
 import select
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -34,6 +31,7 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 import zps
+from tests.integration.test_curve_roles import keygen, q
 from tests.integration.wire import dealer
 from zps.errors import BadRequestError
 from zps.ops.config import ClientConfig, Security
@@ -48,21 +46,6 @@ CLIENT_KEYS = ["client", "hostile"]
 NAMES = ["broker", *SHARD_KEYS, *CLIENT_KEYS, "operator"]
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def q(path: Path) -> str:
-    return json.dumps(str(path))
-
-
-def keygen(out: Path, name: str) -> None:
-    res = subprocess.run(
-        [sys.executable, "-m", "zps", "keygen", "--out", str(out), "--name", name, "--parents"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=LocalCluster().env(),
-    )
-    assert res.returncode == 0, res.stderr
 
 
 class KeyCluster(LocalCluster):
