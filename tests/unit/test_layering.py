@@ -38,6 +38,7 @@ LAYERS: dict[str, str] = {
     "zps.protocol.codec": "core",
     "zps.protocol.specs": "core",
     "zps.protocol.messages": "core",
+    "zps.protocol.ops": "core",
     "zps.core": "core",
     "zps.core.batching": "core",
     "zps.core.brokerstate": "core",

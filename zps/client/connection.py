@@ -42,7 +42,7 @@ from zps import shm, transport
 from zps.client.background import Background
 from zps.client.futures import gather, ignore, join_moved, pass_on
 from zps.client.inbound import REPLIES, from_broker
-from zps.client.ops import READS, Op, Token, copy_arrays, copy_shared, deliver, merge
+from zps.client.ops import Op, Token, copy_arrays, copy_shared, deliver, merge
 from zps.client.pair import PairFollower
 from zps.client.routerlinks import RouterLinks
 from zps.client.session import (
@@ -87,6 +87,7 @@ from zps.protocol.messages import (
     MapUpdate,
     StatusRequest,
 )
+from zps.protocol.ops import READS
 from zps.version import __version__
 
 log = logging.getLogger("zps.client")

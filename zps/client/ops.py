@@ -13,12 +13,10 @@ from typing import Any
 import numpy as np
 
 from zps.client.futures import pass_on, split_result
-from zps.core.batching import MERGEABLE, merge_row_ops
+from zps.core.batching import merge_row_ops
 from zps.errors import ClosedError, ProtocolError, RemoteError, remote_error
 from zps.protocol.codec import Message, array_from
-
-#: Operations that change nothing (a request of these and background pushes is lazy).
-READS = frozenset({"pull_rows", "pull_dense"})
+from zps.protocol.ops import MERGEABLE, READS
 
 
 @dataclass(slots=True)

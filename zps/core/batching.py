@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from zps.core.rows import take_rows
+from zps.protocol.ops import MERGEABLE
 
 
 def row_runs(n_rows: int, row_bytes: int, budget: int) -> list[tuple[int, int]]:
@@ -90,9 +91,6 @@ def plan_batches(sizes: Sequence[int], max_ops: int, max_bytes: int) -> list[tup
     if start < len(sizes):
         runs.append((start, len(sizes)))
     return runs
-
-
-MERGEABLE = frozenset({"push_rows", "pull_rows"})
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from zps.core.hashing import mix64, mix64_int, name_hash
 from zps.errors import ProtocolError
+from zps.protocol.ops import CHUNK_OPS, ROW_OPS
 
 DEFAULT_SLOTS = 4096
 _M64 = (1 << 64) - 1
@@ -238,11 +239,6 @@ def dense_chunk_elems(
     per_part = -(-nbytes // max(n_partitions, 1))
     chunk_bytes = max(min_bytes, min(target_bytes, per_part))
     return max(1, chunk_bytes // itemsize)
-
-
-#: Row operations: ``ids`` and any array with one row per id are split by partition.
-ROW_OPS = frozenset({"push_rows", "pull_rows", "set_rows"})
-CHUNK_OPS = frozenset({"push_dense", "set_dense"})
 
 
 @dataclass(frozen=True)

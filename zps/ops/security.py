@@ -30,6 +30,7 @@ import msgpack
 from zps import transport
 from zps.errors import ConfigError, ZpsError
 from zps.ops.config import Security
+from zps.protocol.ops import ADMIN_OPS
 from zps.transport import CurveKeys
 
 log = logging.getLogger("zps.security")
@@ -254,8 +255,6 @@ def identity_refusal(
 
 #: Broker-handled commands that change the cluster (a STATUS request's fields).
 ADMIN_FIELDS = ("reset_partition", "drain", "undrain", "scale", "scale_cancel")
-#: Shard operations that change the cluster rather than a table's values.
-ADMIN_OPS = frozenset({"drop", "checkpoint"})
 
 
 def request_refusal(
