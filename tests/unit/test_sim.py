@@ -19,8 +19,11 @@ BUDGET = range(0, 100)
 #: 70 and 1032-1343: a replica whose full disk kept it acknowledging one LSN held
 #: acks="all" writes for ever (a replica with no progress for the liveness timeout is
 #: dropped now); 1015: a promoted copy that took no write came back from a power loss
-#: at its old epoch and was refused against its own floor.
-REGRESSIONS = (70, 1015, 1032, 1049, 1112, 1185, 1200, 1235, 1293, 1343)
+#: at its old epoch and was refused against its own floor; 157: a shard whose log was lost
+#: (EIO on fsync of the folder) restarted, replayed a record its predecessor never synced
+#: and appended after it in a new segment: a power loss then took the record back and
+#: every synced record after it with it (the log now syncs what it replayed first).
+REGRESSIONS = (70, 157, 1015, 1032, 1049, 1112, 1185, 1200, 1235, 1293, 1343)
 
 #: Each defect, the faults that expose it and the seeds it must be caught within.
 CATCH: dict[str, tuple[str, int]] = {

@@ -267,7 +267,9 @@ class Wal:
         that does not apply, or a torn or corrupt record; the log is cut there (the
         cut tail of a segment copied to ``*.cut-OFFSET``, then truncated; later
         segments renamed ``*.broken``).  A log that ends below ``lsn`` (the state is
-        newer than the log) goes on in a new segment at ``lsn``.
+        newer than the log) goes on in a new segment at ``lsn``.  The segments kept
+        are synced before the log opens: what replay read is durable before anything
+        is appended after it.
         """
         self.close()
         position: tuple[Path, int] | None = None  # just after the record at ``lsn``
@@ -377,8 +379,27 @@ class Wal:
                 f.truncate(offset)
                 f.flush()
                 os.fsync(f.fileno())
+        for _, kept in segments[: keep + 1]:
+            if kept not in covered:
+                self._sync_replayed(kept)
         self._open(segments[keep][0], path, lsn)
         return aside, reached
+
+    def _sync_replayed(self, path: Path) -> None:
+        """Make a kept segment durable before anything is appended after it.  What
+        replay read may be only in the page cache (written by a process that died or
+        lost its log before syncing it); records appended to a later segment and
+        synced there must not come to follow a record a power loss takes back."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise WalError(
+                f"write-ahead log {path}: the records replayed from it cannot be made durable ({e})"
+            ) from e
 
     def _set_aside(self, path: Path, lsn: int) -> tuple[int, int]:
         """Rename a segment that does not continue the replay ``*.broken``; returns the
