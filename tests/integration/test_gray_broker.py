@@ -179,6 +179,7 @@ CLIENT = textwrap.dedent(
     import zmq
     import zps
     from zps import transport
+    from zps.transport import sockets
 
     sent = 0
     _send, _send_if_room = transport.send, transport.send_if_room
@@ -200,18 +201,21 @@ CLIENT = textwrap.dedent(
 
     # A host with modest socket buffers (Linux lets a receive buffer grow to 32 MiB,
     # which would hide the replies due in the kernel rather than at the broker).
-    _common = transport._common
+    _common = sockets._common
+    shrunk = []
 
     def modest(sock, max_message_bytes, hwm):
         _common(sock, max_message_bytes, hwm)
         sock.setsockopt(zmq.RCVBUF, 1 << 16)
+        shrunk.append(sock)
 
-    transport._common = modest
+    sockets._common = modest
 
     async def main() -> None:
         async with zps.connect(
             sys.argv[1], timeout=300.0, batch_max_ops=1, compress=False
         ) as ps:
+            assert shrunk, "the client's sockets kept their receive buffers"
             ids = np.arange(%(n_rows)d, dtype=np.int64)
             await ps.pull_rows(%(table)r, ids)
             base = sent

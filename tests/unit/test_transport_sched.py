@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from zps import transport
+from zps.transport import iothreads
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "SCHED_BATCH") or not os.path.isdir("/proc/self/task"),
@@ -84,7 +85,7 @@ def test_left_alone_where_the_policy_cannot_be_set(monkeypatch: pytest.MonkeyPat
     """A sandbox that forbids sched_setscheduler: the probe fails, nothing is asked of
     libzmq (which would abort the process)."""
     monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
-    monkeypatch.setattr(transport, "_batch_allowed", lambda: False)
+    monkeypatch.setattr(iothreads, "_batch_allowed", lambda: False)
     assert _io_policy(client=False) == os.SCHED_OTHER
 
 
@@ -92,12 +93,12 @@ def test_the_probe_fails_when_the_call_is_refused(monkeypatch: pytest.MonkeyPatc
     def refused(*args: object) -> None:
         raise PermissionError(1, "Operation not permitted")
 
-    transport._batch_allowed.cache_clear()
+    iothreads._batch_allowed.cache_clear()
     monkeypatch.setattr(os, "sched_setscheduler", refused)
     try:
-        assert not transport._batch_allowed()
+        assert not iothreads._batch_allowed()
     finally:
-        transport._batch_allowed.cache_clear()
+        iothreads._batch_allowed.cache_clear()
 
 
 def test_an_unknown_mode_keeps_the_default_policy_and_says_so(

@@ -1,0 +1,171 @@
+"""The only package that talks to ZeroMQ sockets.
+
+It makes sockets with the options every zps socket needs, drives them from the event
+loop, sends without copying large frames, and turns ``zmq.ZMQError`` into zps errors at
+this boundary.  One job per module:
+
+- :mod:`~zps.transport.channel`: :class:`Channel`, a socket driven by the event loop,
+  its send and receive, and :func:`serve`, the one receive-and-dispatch loop;
+- :mod:`~zps.transport.compiled`: the binding of the optional extension ``zps._zmqio``
+  (one call per message sent or received) to pyzmq's libzmq (:data:`COMPILED_IO`,
+  :data:`IO_PATH`);
+- :mod:`~zps.transport.flow`: sending from a ROUTER to many peers without waiting on
+  one (:class:`Outbound`, :class:`Allowance`, :class:`Posted`);
+- :mod:`~zps.transport.sockets`: :func:`router` and :func:`dealer`, with the options
+  every zps socket needs;
+- :mod:`~zps.transport.curve`: CURVE keys on sockets, the ZAP handler, a frame's
+  sender (:func:`sender_key`), which peers may be sent to (:class:`ConnectionGate`);
+- :mod:`~zps.transport.iothreads`: contexts (:func:`new_context`) and the scheduling of
+  their I/O threads (:class:`IoThreads`);
+- :mod:`~zps.transport.link`: :class:`LinkThread`, links served by a thread of their own.
+
+Other code imports every name from here (``from zps import transport``).  The modules
+read each other's names from the defining module: a test that patches a name patches
+it there.
+"""
+
+from __future__ import annotations
+
+from zps.transport.channel import (
+    _EVENTS,
+    _NOBLOCK,
+    _POLLIN,
+    _SNDMORE,
+    BACKOFF_S,
+    DRAIN_BATCH,
+    RECV_COPY_MAX,
+    ZERO_COPY_BYTES,
+    Channel,
+    Frames,
+    Handler,
+    OnMalformed,
+    Pump,
+    _raw_get,
+    _raw_recv,
+    _raw_send,
+    close,
+    frame_buffer,
+    frame_bytes,
+    message_bytes,
+    recv_burst,
+    send,
+    send_if_room,
+    serve,
+    try_send,
+)
+from zps.transport.compiled import (
+    COMPILED_IO,
+    IO_PATH,
+    _zmqio,
+    bind_libzmq,
+    libzmq_version,
+    pyzmq_backend_path,
+)
+from zps.transport.curve import (
+    CURVE_CLIENT_HEARTBEAT,
+    CURVE_CLIENT_RECONNECT,
+    CURVE_SERVER_HEARTBEAT,
+    ConnectionGate,
+    CurveKeys,
+    HandshakeWatch,
+    OnRefused,
+    load_keys,
+    load_public_keys,
+    reconnect_silence,
+    sender_fd,
+    sender_key,
+    start_authenticator,
+    watch_handshakes,
+    write_keypair,
+)
+from zps.transport.flow import (
+    FLUSH_S,
+    Allowance,
+    Outbound,
+    Posted,
+)
+from zps.transport.iothreads import (
+    IO_SCHED_MODES,
+    IoThreads,
+    _batch_allowed,
+    _threads,
+    io_sched_batch,
+    new_context,
+    term,
+)
+from zps.transport.link import (
+    LinkPolicy,
+    LinkThread,
+)
+from zps.transport.sockets import (
+    DEFAULT_HWM,
+    dealer,
+    local_address,
+    router,
+)
+
+__all__ = [
+    "BACKOFF_S",
+    "COMPILED_IO",
+    "CURVE_CLIENT_HEARTBEAT",
+    "CURVE_CLIENT_RECONNECT",
+    "CURVE_SERVER_HEARTBEAT",
+    "DEFAULT_HWM",
+    "DRAIN_BATCH",
+    "FLUSH_S",
+    "IO_PATH",
+    "IO_SCHED_MODES",
+    "RECV_COPY_MAX",
+    "ZERO_COPY_BYTES",
+    "_EVENTS",
+    "_NOBLOCK",
+    "_POLLIN",
+    "_SNDMORE",
+    "Allowance",
+    "Channel",
+    "ConnectionGate",
+    "CurveKeys",
+    "Frames",
+    "Handler",
+    "HandshakeWatch",
+    "IoThreads",
+    "LinkPolicy",
+    "LinkThread",
+    "OnMalformed",
+    "OnRefused",
+    "Outbound",
+    "Posted",
+    "Pump",
+    "_batch_allowed",
+    "_raw_get",
+    "_raw_recv",
+    "_raw_send",
+    "_threads",
+    "_zmqio",
+    "bind_libzmq",
+    "close",
+    "dealer",
+    "frame_buffer",
+    "frame_bytes",
+    "io_sched_batch",
+    "libzmq_version",
+    "load_keys",
+    "load_public_keys",
+    "local_address",
+    "message_bytes",
+    "new_context",
+    "pyzmq_backend_path",
+    "reconnect_silence",
+    "recv_burst",
+    "router",
+    "send",
+    "send_if_room",
+    "sender_fd",
+    "sender_key",
+    "serve",
+    "start_authenticator",
+    "term",
+    "try_send",
+    "watch_handshakes",
+    "write_keypair",
+]

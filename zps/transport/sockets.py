@@ -1,0 +1,159 @@
+"""The sockets: a bound :func:`router` and a connected :func:`dealer`, each wrapped in a
+:class:`~zps.transport.channel.Channel`, with the options every zps socket needs.
+
+Rules: every socket lingers for nothing, bounds its messages' size and its queues
+(:data:`DEFAULT_HWM`), keeps TCP alive and reconnects within a broker's start-up hold
+(:func:`_common`); a ROUTER reports an unroutable send rather than drop it; a failure
+to bind or connect is a :class:`BrokenError` naming the endpoint.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+from zps.errors import BrokenError
+from zps.transport.channel import Channel
+from zps.transport.curve import (
+    CURVE_CLIENT_RECONNECT,
+    CURVE_SERVER_HEARTBEAT,
+    CurveKeys,
+    _curve_client,
+    _curve_server,
+    _heartbeats,
+)
+
+#: Messages queued per peer and direction before senders wait: bounds the
+#: memory a flood (or a stalled peer) can pin, while leaving ample room for
+#: requests in flight.
+DEFAULT_HWM = 1000
+
+
+def _common(sock: zmq.Socket[Any], max_message_bytes: int, hwm: int) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
+    # Reconnect every 0.1-0.35 s (zmq adds up to RECONNECT_IVL of jitter): a restarted
+    # broker hears from every peer well inside its start-up hold (two liveness
+    # timeouts), whatever the outage lasted: a back-off longer than the hold would
+    # bring shards back after it, to find their partitions lost.
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 250)
+
+
+def router(
+    ctx: zmq.asyncio.Context,
+    bind: str,
+    *,
+    max_message_bytes: int,
+    hwm: int = DEFAULT_HWM,
+    curve: CurveKeys | None = None,
+) -> tuple[Channel, str]:
+    """A bound ROUTER socket and the endpoint it actually bound (port resolved)."""
+    sock: zmq.Socket[Any] = zmq.Socket(ctx, zmq.ROUTER)
+    _common(sock, max_message_bytes, hwm)
+    _curve_server(sock, curve)
+    # Unroutable sends raise instead of vanishing, so the broker can answer
+    # "shard unavailable" rather than lose the request.
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    # A peer that reconnects takes its identity back from its dead connection at once.
+    # Under CURVE no connection takes an identity in use, whatever its key: a connection
+    # presenting one gets nothing and is heard by no one (ZMTP heartbeats close a dead
+    # connection within CURVE_SERVER_HEARTBEAT, which frees its identity; the
+    # identity's owner is checked on every message, see zps.ops.security).
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 0 if curve is not None else 1)
+    if curve is not None:
+        _heartbeats(sock, CURVE_SERVER_HEARTBEAT)
+    try:
+        sock.bind(bind)
+    except zmq.ZMQError as e:
+        sock.close(0)
+        raise BrokenError(f"cannot bind {bind}: {e.strerror}") from e
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    # A CURVE server reads each sender's key off its frames (sender_key): pyzmq's.
+    channel = Channel(sock, compiled=curve is None)
+    channel.curve_server = curve is not None
+    return channel, endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+
+
+def dealer(
+    ctx: zmq.asyncio.Context,
+    connect: str,
+    identity: bytes,
+    *,
+    max_message_bytes: int,
+    hwm: int = DEFAULT_HWM,
+    curve: CurveKeys | None = None,
+    server_public: bytes | None = None,
+    silence: float | None = None,
+    wait_for_release: bool = False,
+) -> Channel:
+    """A DEALER connected to ``connect``.  With CURVE: ``silence`` (seconds, for a
+    server that sends something at least that often): a connection silent that long is
+    made again (see :meth:`Channel.reconnect_when_silent`); ``wait_for_release``: a
+    lost connection is made again only after CURVE_CLIENT_RECONNECT, when the server
+    has let go of the identity (messages sent meanwhile wait in the socket), rather
+    than at once, when the new connection may not be heard."""
+    sock = _dealer_socket(
+        ctx,
+        connect,
+        identity,
+        max_message_bytes=max_message_bytes,
+        hwm=hwm,
+        curve=curve,
+        server_public=server_public,
+        connect_later=curve is not None and wait_for_release,
+    )
+    ch = Channel(sock)
+    if curve is not None and silence is not None:
+        ch.reconnect_when_silent(connect, silence)
+    return ch
+
+
+def _dealer_socket(
+    ctx: zmq.Context[Any],
+    connect: str,
+    identity: bytes,
+    *,
+    max_message_bytes: int,
+    hwm: int = DEFAULT_HWM,
+    curve: CurveKeys | None = None,
+    server_public: bytes | None = None,
+    connect_later: bool = False,
+) -> zmq.Socket[Any]:
+    """:func:`dealer`'s socket alone (for :class:`LinkThread`: no event loop)."""
+    sock: zmq.Socket[Any] = zmq.Socket(ctx, zmq.DEALER)
+    _common(sock, max_message_bytes, hwm)
+    _curve_client(sock, curve, server_public)
+    if connect_later:
+        ivl = int(CURVE_CLIENT_RECONNECT * 1000)
+        sock.setsockopt(zmq.RECONNECT_IVL, ivl)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, ivl)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    try:
+        sock.connect(connect)
+    except zmq.ZMQError as e:
+        sock.close(0)
+        raise BrokenError(f"cannot connect to {connect}: {e.strerror}") from e
+    return sock
+
+
+def local_address(endpoint: str) -> str:
+    """This host's address on the route to ``endpoint``'s host (no packet is sent): what a
+    process advertises for others to reach it at."""
+    host = urlsplit(endpoint).hostname or "127.0.0.1"
+    if host in ("*", "0.0.0.0", "localhost"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
