@@ -339,8 +339,7 @@ def test_replicas_end_bit_identical_to_primaries(
     for frames in _messages(5):
         tables.KERNEL = primary_kernel
         msg = decode(frames)
-        _, changed = primary.handle_request(msg.route, msg.header, msg.payloads)
-        assert changed
+        assert primary.handle_request(msg.route, msg.header, msg.payloads).changed
         tables.KERNEL = replica_kernel
         msg = decode(frames)
         assert replica.apply_replicated(msg.header, msg.payloads) == primary.lsn

@@ -85,7 +85,8 @@ class Handled:
 
 def handle(core: ShardCore, frames: list[bytes]) -> Handled:
     msg = decode(frames)
-    out, changed = core.handle_request(msg.route, msg.header, msg.payloads)
+    done = core.handle_request(msg.route, msg.header, msg.payloads)
+    out, changed = done.reply, done.changed
     reply = decode([bytes(f) for f in out])
     assert reply.route.mtype is MsgType.REPLY
     return Handled(reply, changed)
@@ -762,7 +763,7 @@ def test_payloads_known_finite_are_not_checked_again() -> None:
         handle(primary, request([create(spec)], seq=1))
         ops = [push_dense("w", 0, np.ones(8, np.float32)), push_dense("w", 0, bad)]
         msg = decode(request(ops, seq=2))
-        out, _ = primary.handle_request(msg.route, msg.header, msg.payloads, finite)
+        out = primary.handle_request(msg.route, msg.header, msg.payloads, finite).reply
         reply = decode([bytes(f) for f in out])
         assert [r["st"] for r in reply.header["res"]] == ["OK", status], finite
     # A float64 gradient for a float32 tensor is converted, and checked after (a
@@ -770,7 +771,7 @@ def test_payloads_known_finite_are_not_checked_again() -> None:
     primary = primary_core()
     handle(primary, request([create(spec)], seq=1))
     msg = decode(request([push_dense("w", 0, np.full(8, 1e300))], seq=2))
-    out, _ = primary.handle_request(msg.route, msg.header, msg.payloads, {0: "float64"})
+    out = primary.handle_request(msg.route, msg.header, msg.payloads, {0: "float64"}).reply
     assert decode([bytes(f) for f in out]).header["res"][0]["st"] == "BAD_REQUEST"
 
 

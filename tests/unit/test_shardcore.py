@@ -16,7 +16,7 @@ from zps.errors import _BY_CODE
 from zps.init import Constant, Zeros
 from zps.optim import SGD
 from zps.protocol.codec import CompressPolicy, Encoder, MsgType, Route, array_from, decode
-from zps.shard.core import FLOOR_OVERHEAD, OK, DedupCache, Limits, ShardCore
+from zps.shard.core import FLOOR_OVERHEAD, OK, DedupCache, Handled, Limits, ShardCore
 from zps.store import DenseSpec, EmbeddingSpec
 from zps.store.snapshot import decode_snapshot, encode_snapshot
 
@@ -402,28 +402,35 @@ def test_a_retried_message_is_applied_once_but_its_pulls_run_again() -> None:
     assert core.stats.duplicates == 1
 
 
-def split_call(core: ShardCore, ops: list[Op], acked: Any = None, **kw: Any) -> Reply:
+def split_call(
+    core: ShardCore, ops: list[Op], acked: Any = None, **kw: Any
+) -> tuple[Reply, Handled]:
     msg = decode([bytes(f) for f in frames_for(ops, **kw)])
-    out, _ = core.handle_request(msg.route, msg.header, msg.payloads, split=True, acked=acked)
-    reply = decode([bytes(f) for f in out])
-    return Reply(reply.route, reply.header, list(reply.payloads))
+    done = core.handle_request(msg.route, msg.header, msg.payloads, split=True, acked=acked)
+    reply = decode([bytes(f) for f in done.reply])
+    return Reply(reply.route, reply.header, list(reply.payloads)), done
 
 
 def test_a_split_reply_answers_the_reads_and_keeps_the_writes_statuses() -> None:
     core = new_core()
     ops = [push_rows([1], np.ones((1, 3))), pull_rows([1]), push_dense(9, np.ones(4, np.float32))]
     carried = [[5, [{"st": "OK"}]]]
-    reply = split_call(core, ops, acked=carried, cid=b"c", seq=1)
+    reply, done = split_call(core, ops, acked=carried, cid=b"c", seq=1)
     # The pull sees the push before it; each write's result waits (None).
     assert reply.header["part"] == 1 and reply.header["acked"] == carried
+    assert done.changed and done.carried and not done.duplicate
     res = reply.header["res"]
     assert res[0] is None and res[2] is None and res[1]["st"] == "OK"
     assert reply.arrays(1)[0].tolist() == [[-0.5, -0.5, -0.5]]
     # The writes' statuses, as the dedup record answers a re-sent copy.
-    assert core.writes_res == [{"st": "OK"}, None, core.writes_res[2]]  # None: a read's place
-    assert core.writes_res[2]["st"] == "BAD_REQUEST"  # chunk 9 does not exist
-    resent = split_call(core, ops, cid=b"c", seq=1)  # a duplicate changes nothing: one reply
-    assert "part" not in resent.header and core.writes_res is None
+    writes = done.writes_res
+    assert writes is not None and writes[2] is not None
+    assert writes == [{"st": "OK"}, None, writes[2]]  # None: a read's place
+    assert writes[2]["st"] == "BAD_REQUEST"  # chunk 9 does not exist
+    # A duplicate changes nothing: one reply.
+    resent, again = split_call(core, ops, cid=b"c", seq=1)
+    assert "part" not in resent.header and again.writes_res is None
+    assert again.duplicate and not again.changed and not again.clean
     assert [r["st"] for r in resent.header["res"]] == ["OK", "OK", "BAD_REQUEST"]
 
 
@@ -432,25 +439,26 @@ def test_only_a_request_that_both_writes_and_reads_is_split() -> None:
     writes = split_call(core, [push_rows([1], np.ones((1, 3))), push_rows([2], np.ones((1, 3)))])
     reads = split_call(core, [pull_rows([1]), pull_rows([2])])
     one = split_call(core, [push_rows([1], np.ones((1, 3)))])
-    for reply in (writes, reads, one):
+    for reply, done in (writes, reads, one):
         assert "part" not in reply.header and all(r is not None for r in reply.header["res"])
-    assert core.writes_res is None
-    failed = split_call(core, [push_rows([1], np.ones((1, 2))), pull_rows([1])])  # bad shape
+        assert done.writes_res is None and done.clean
+    failed, done = split_call(core, [push_rows([1], np.ones((1, 2))), pull_rows([1])])  # bad shape
     assert "part" not in failed.header  # nothing changed: answered whole, at once
+    assert not done.changed and not done.clean
 
 
 def test_held_answers_ride_on_any_answered_reply_and_acks_does_nothing() -> None:
     core = new_core()
     carried = [[5, [{"st": "OK"}]]]
     lsn = core.lsn
-    reply = split_call(core, [({"op": "acks"}, {})], acked=carried)
-    assert reply.statuses == ["OK"] and reply.header["acked"] == carried and core.carried
-    assert core.lsn == lsn  # a read: nothing changed, nothing to replicate
-    stale = split_call(core, [pull_rows([1])], acked=carried, epoch=EPOCH - 1)
-    assert stale.st == "STALE_EPOCH" and "acked" not in stale.header and not core.carried
+    reply, done = split_call(core, [({"op": "acks"}, {})], acked=carried)
+    assert reply.statuses == ["OK"] and reply.header["acked"] == carried and done.carried
+    assert core.lsn == lsn and not done.changed  # a read: nothing to replicate
+    stale, done = split_call(core, [pull_rows([1])], acked=carried, epoch=EPOCH - 1)
+    assert stale.st == "STALE_EPOCH" and "acked" not in stale.header and not done.carried
     # A write's reply may wait, and be refused: it carries nothing.
-    write = split_call(core, [push_rows([1], np.ones((1, 3)))], acked=carried)
-    assert write.statuses == ["OK"] and "acked" not in write.header and not core.carried
+    write, done = split_call(core, [push_rows([1], np.ones((1, 3)))], acked=carried)
+    assert write.statuses == ["OK"] and "acked" not in write.header and not done.carried
 
 
 def test_a_recorded_failure_is_answered_again_not_retried() -> None:

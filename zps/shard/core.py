@@ -270,6 +270,26 @@ def error_status(e: Exception) -> dict[str, Any]:
     return {"st": st, "msg": msg}
 
 
+@dataclass(frozen=True, slots=True)
+class Handled:
+    """What :meth:`ShardCore.handle_request` did with one message."""
+
+    #: The reply frames (with ``split``: maybe the first part, see ``writes_res``).
+    reply: list[BufferLike]
+    #: The message changed state: it must be replicated and logged.
+    changed: bool
+    #: With ``split``: the statuses for the final part (each write's, ``None`` for each
+    #: read), when ``reply`` answers only the reads; else None.
+    writes_res: list[dict[str, Any] | None] | None = None
+    #: ``reply`` carries the ``acked`` it was given.
+    carried: bool = False
+    #: The message was answered from the dedup record (a re-sent one).
+    duplicate: bool = False
+    #: Every operation succeeded on a message run for the first time (a replica need
+    #: not check its gradients again: see :meth:`ShardCore.apply_replicated`).
+    clean: bool = False
+
+
 class ShardCore:
     """Serves one partition; see the module rules."""
 
@@ -298,12 +318,6 @@ class ShardCore:
         #: message being re-run is such a one.
         self.last_clean = False
         self._checked = False
-        #: With ``split`` (see handle_request): the last request's statuses for its final
-        #: reply (each write's, ``None`` for each read), when the reply returned answers
-        #: only its reads.
-        self.writes_res: list[dict[str, Any] | None] | None = None
-        #: Whether the last reply carried the ``acked`` it was given.
-        self.carried = False
         #: Payloads of the request being handled whose floats are known finite (checked
         #: as they were read from a client's shared memory), with the dtype checked.
         self._finite: Mapping[int, str] = {}
@@ -418,7 +432,7 @@ class ShardCore:
     def handle(
         self, route: Route, header: dict[str, Any], payloads: Sequence[BufferLike]
     ) -> list[BufferLike]:
-        return self.handle_request(route, header, payloads)[0]
+        return self.handle_request(route, header, payloads).reply
 
     def handle_request(
         self,
@@ -429,22 +443,20 @@ class ShardCore:
         *,
         split: bool = False,
         acked: list[list[Any]] | None = None,
-    ) -> tuple[list[BufferLike], bool]:
-        """Reply frames, and whether the message changed state (so must be replicated).
-        ``finite``: payload index -> the dtype its floats were found finite as (a raw
-        gradient of that dtype there is not checked again).
+    ) -> Handled:
+        """The reply, whether the message changed state (so must be replicated), and
+        the rest of :class:`Handled`.  ``finite``: payload index -> the dtype its floats
+        were found finite as (a raw gradient of that dtype there is not checked again).
 
         ``split`` (the caller will hold the writes' answer until the replicas have
         them): a request that changed state and also reads gets the reply in two parts.
         The one returned answers the reads and leaves each write's result ``None``
-        (header ``part``); :attr:`writes_res` holds the writes' statuses for the final
+        (header ``part``); ``writes_res`` holds the writes' statuses for the final
         part, ``None`` for each read.  A reply that goes at once (the first part, or one
         to a request that changed nothing) carries ``acked`` (``[req_id, statuses]`` of
-        earlier requests of the same client, see ShardServer._hold), and :attr:`carried`
-        says so."""
+        earlier requests of the same client, see zps.shard.admission.HeldAcks), and
+        ``carried`` says so."""
         self._finite = finite or {}
-        self.writes_res = None
-        self.carried = False
         try:
             return self._handle_request(route, header, payloads, split, acked)
         finally:
@@ -457,7 +469,7 @@ class ShardCore:
         payloads: Sequence[BufferLike],
         split: bool = False,
         acked: list[list[Any]] | None = None,
-    ) -> tuple[list[BufferLike], bool]:
+    ) -> Handled:
         self.stats.requests += 1
         self.stats.bytes_in += sum(len(p) for p in payloads)
         self.last_clean = False
@@ -467,16 +479,17 @@ class ShardCore:
         refusal = self._refusal(route)
         if refusal is not None:
             self.stats.errors += 1
-            return enc.build(reply_route, refusal), False
+            return Handled(enc.build(reply_route, refusal), False)
         try:
             ops, key = self._parse_header(header)
         except ProtocolError as e:
             self.stats.malformed += 1
-            return enc.build(reply_route, {"st": "BAD_REQUEST", "msg": str(e)}), False
+            return Handled(enc.build(reply_route, {"st": "BAD_REQUEST", "msg": str(e)}), False)
         lsn_before = self.lsn
         self._cid = key[0] if key else b""
         cached = self.dedup.get(key) if key is not None else None
-        if cached is not None:
+        duplicate = cached is not None
+        if duplicate:
             self.stats.duplicates += 1
         elif (
             key is not None
@@ -490,7 +503,7 @@ class ShardCore:
             # message applied before a fence is answered from its record above.
             moved = slotops.check(self, ops, payloads)
             if moved is not None:
-                return enc.build(reply_route, moved), False
+                return Handled(enc.build(reply_route, moved), False)
         results: list[dict[str, Any]] = []
         recorded: list[dict[str, Any]] = []
         any_mutation = False
@@ -505,26 +518,38 @@ class ShardCore:
             recorded.append(results[-1] if is_mutation else OK)
         if key is not None and cached is None and any_mutation:
             self.dedup.put(key, recorded)
-        self.last_clean = cached is None and self.stats.errors == errors
+        clean = self.last_clean = cached is None and self.stats.errors == errors
         changed = self.lsn != lsn_before
         if split and changed and len(ops) > 1:
             reads = [None if _is_mutation(op) else r for op, r in zip(ops, results, strict=True)]
             if any(r is not None for r in reads):
                 # A read's place in the final part stays None: a client that missed the
                 # first part asks again rather than take a status for its rows.
-                self.writes_res = [
+                writes_res = [
                     rec if _is_mutation(op) else None for op, rec in zip(ops, recorded, strict=True)
                 ]
                 early: dict[str, Any] = {"st": "OK", "res": reads, "part": 1}
                 if acked:
                     early["acked"] = acked
-                    self.carried = True
-                return enc.build(reply_route, early), True
+                return Handled(
+                    enc.build(reply_route, early),
+                    True,
+                    writes_res,
+                    carried=bool(acked),
+                    duplicate=duplicate,
+                    clean=clean,
+                )
         whole: dict[str, Any] = {"st": "OK", "res": results}
-        if acked and not changed:  # answered now (a write's reply may wait, or be refused)
+        carried = bool(acked) and not changed
+        if carried:  # answered now (a write's reply may wait, or be refused)
             whole["acked"] = acked
-            self.carried = True
-        return enc.build(reply_route, whole), changed
+        return Handled(
+            enc.build(reply_route, whole),
+            changed,
+            carried=carried,
+            duplicate=duplicate,
+            clean=clean,
+        )
 
     def _refusal(self, route: Route) -> dict[str, Any] | None:
         if self.partition is None or route.partition != self.partition or not self.primary:

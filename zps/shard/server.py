@@ -1373,12 +1373,11 @@ class ShardServer:
                 self._eager.clear()  # clients come and go: forget the oldest word
             self._eager.add(source)
         held = self._held.get(source)
-        duplicates = self.core.stats.duplicates
-        reply, changed = self.core.handle_request(
+        done = self.core.handle_request(
             route, msg.header, msg.payloads, finite, split=split, acked=held
         )
-        writes_res = self.core.writes_res
-        if self.core.carried:
+        reply, changed, writes_res = done.reply, done.changed, done.writes_res
+        if done.carried:
             del self._held[source]  # they ride on this reply
         self._latency["write" if changed else "read"].observe(time.perf_counter() - t0)
         if shm_reply and self._shm is not None and self._shm.wants(reply):
@@ -1399,14 +1398,14 @@ class ShardServer:
                     f"({self.config.max_message_bytes}); ask for less per request",
                 )
                 reply = encode(reply_route, too_big.to_wire())
-                if self.core.carried and held:  # they did not go: held again
+                if done.carried and held:  # they did not go: held again
                     self._held[source] = held + self._held.get(source, [])
             d = self.durability
-            if self.core.stats.duplicates != duplicates and mutates:
+            if done.duplicate and mutates:
                 # A re-sent write answered from the dedup record: not before its first
                 # copy may be (its LSN is at most the current one): in the log, and with
                 # acks="all" on the replicas.  That answer may wait, and be refused.
-                if self.core.carried and held:
+                if done.carried and held:
                     self._held[source] = held + self._held.get(source, [])
                 lsn, epoch = self.core.lsn, self.core.epoch
                 if acks_1:
@@ -1418,7 +1417,7 @@ class ShardServer:
             else:
                 self._post([source, *reply])
             return
-        self._stream.replicate(prev, frames, checked=self.core.last_clean)
+        self._stream.replicate(prev, frames, checked=done.clean)
         lsn, epoch = self.core.lsn, self.core.epoch
         self.durability.log(epoch, prev, lsn, bufs[1:])
         if writes_res is not None:

@@ -515,11 +515,11 @@ class SimShard:
             self._post(client, encode(reply_route, refusal))
             return
         prev = self.core.lsn
-        dups = self.core.stats.duplicates
-        reply, changed = self.core.handle_request(route, msg.header, msg.payloads)
+        done = self.core.handle_request(route, msg.header, msg.payloads)
+        reply, changed = done.reply, done.changed
         d = self.dur
         if not changed:
-            if self.core.stats.duplicates != dups and mutates:
+            if done.duplicate and mutates:
                 lsn, epoch = self.core.lsn, self.core.epoch
                 d.after(lsn, lambda: self._logged_write(lsn, epoch, (client, reply)))
             elif d.waits and d.durable < self.core.lsn and mutates:
