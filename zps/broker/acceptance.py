@@ -159,10 +159,40 @@ Verdict: TypeAlias = (
 )
 
 
+#: What the data path decides alone: everything of a message but a control message's.
+DataVerdict: TypeAlias = RouteRequest | ForwardReply | WrongVersion | Reject
+
+
 def accept(ident: bytes, frames: Sequence[BufferLike], members: Membership) -> Verdict:
     """What the broker does with ``frames`` (those after the identity) from ``ident``."""
+    return accept_data(ident, frames, members) or accept_control(ident, frames, members)
+
+
+def accept_data(
+    ident: bytes, frames: Sequence[BufferLike], members: Membership
+) -> DataVerdict | None:
+    """The verdict on a data message (a client's REQUEST, a shard's reply to a client,
+    either malformed), from its route or target frame alone; None for a control
+    message, whose verdict is :func:`accept_control`'s.  The broker's fast path asks
+    this, and leaves what it returns None for to the serving task."""
     if not frames:
         return Reject("no route frame")
+    if is_liveness(ident):
+        return None
+    try:
+        if ident.startswith(SHARD_PREFIX):
+            return _shard_data(ident, frames, members)
+        route = unpack_route(frames[0])
+    except VersionMismatchError as e:
+        return WrongVersion(e)
+    except ProtocolError as e:
+        return Reject(str(e))
+    return RouteRequest(route) if route.mtype is MsgType.REQUEST else None
+
+
+def accept_control(ident: bytes, frames: Sequence[BufferLike], members: Membership) -> Verdict:
+    """The verdict on a message :func:`accept_data` left to the control path (any
+    message gets the verdict :func:`accept` gives it)."""
     try:
         if is_liveness(ident):
             return _from_liveness(frames)
@@ -173,6 +203,23 @@ def accept(ident: bytes, frames: Sequence[BufferLike], members: Membership) -> V
         return WrongVersion(e)
     except ProtocolError as e:
         return Reject(str(e))
+
+
+def _shard_data(
+    ident: bytes, frames: Sequence[BufferLike], members: Membership
+) -> DataVerdict | None:
+    """Rule 3 for a reply to a client; None for a control message or a pseudo client's
+    answer."""
+    if len(frames) < 2:
+        raise ProtocolError("shard message without target and route frames")
+    target = bytes(frames[0])
+    if not target or target in (COMMIT_TARGET, MOVE_TARGET):
+        return None
+    if target.startswith(SHARD_PREFIX):
+        return Reject("a reply addressed to a shard")
+    if ident.decode("utf-8", "replace") not in members.shards:
+        return Reject("a reply from a shard declared dead", counter="stale_replies")
+    return ForwardReply(target)
 
 
 def _from_client(frames: Sequence[BufferLike]) -> Verdict:
@@ -216,11 +263,9 @@ def _from_shard(ident: bytes, frames: Sequence[BufferLike], members: Membership)
             reply.route, reply.header, list(reply.payloads), ident.decode("utf-8", "replace")
         )
     if target:
-        if target.startswith(SHARD_PREFIX):
-            return Reject("a reply addressed to a shard")
-        if ident.decode("utf-8", "replace") not in members.shards:
-            return Reject("a reply from a shard declared dead", counter="stale_replies")
-        return ForwardReply(target)
+        verdict = _shard_data(ident, frames, members)
+        assert verdict is not None
+        return verdict
     route = unpack_route(frames[1])
     h = decode(frames[1:]).header
     message: ShardControl
