@@ -154,8 +154,10 @@ async def test_gather_of_coroutines_runs_them_at_once() -> None:
 async def test_a_read_the_first_part_never_answered_is_asked_again_not_given_a_status() -> None:
     """A request in two parts (ClientSession, rule 7) whose first part was lost (refused
     as unreadable shared memory, or dropped): its final part has None in the read's
-    place, and the read is submitted again rather than answered with a status alone."""
+    place, the session names the read in ``again`` (rule 9), and the driver submits it
+    again rather than answer it with a status alone."""
     from zps.client.ops import Op, deliver
+    from zps.client.session import Deliver
     from zps.protocol.codec import Message, MsgType, Route
 
     push, pull, again = _futures(3)
@@ -171,11 +173,11 @@ async def test_a_read_the_first_part_never_answered_is_asked_again_not_given_a_s
 
     final = {"st": "OK", "res": [{"st": "OK"}, None]}
     reply = Message(Route(MsgType.REPLY, 0, 1, 5), final, [])
-    deliver(ops, reply, False, submit=submit, max_bytes=1 << 20)
+    deliver(ops, Deliver(ops, reply, again=(1,)), submit=submit, max_bytes=1 << 20)
     assert push.result() == {"st": "OK"}
     assert not pull.done()  # not answered with a bare status
     [(args, kwargs)] = asked
-    assert args[:2] == (0, {"op": "pull_rows", "t": "e"}) and "lazy" not in kwargs
+    assert args[:2] == (0, {"op": "pull_rows", "t": "e"}) and kwargs["lazy"] is False
     again.set_result({"st": "OK", "n": 1})
     await _turns()
     assert pull.result() == {"st": "OK", "n": 1}  # the answer of the read asked again

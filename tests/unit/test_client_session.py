@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,9 +15,10 @@ from zps.client.session import (
     ClientSession,
     Deliver,
     Fail,
+    Resubmit,
     Send,
 )
-from zps.core.routing import ClusterMap, PartitionInfo
+from zps.core.routing import ClusterMap, PartitionInfo, split_by_partition
 from zps.errors import (
     ConfigError,
     JobFailedError,
@@ -554,6 +556,92 @@ def test_answers_to_background_writes_ride_on_another_reply() -> None:
     final = reply(second.route.req_id, res=[{"st": "OK"}, {"st": "OK"}], acked=carried[:1])
     [out_b] = s.on_reply(final, 0.3)
     assert isinstance(out_b, Deliver) and out_b.token == "b" and len(s) == 0
+
+
+# -- what is submitted again: after MOVED (rule 8), a read never answered (rule 9) ------
+
+
+@dataclass
+class Part:
+    body: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    reply_bytes: int = 0
+
+
+def submit_parts(s: ClientSession[str], token: str, parts: list[Part], p: int = 0) -> Message:
+    enc = Encoder()
+    ops = [{**part.body, **{k: enc.array(a) for k, a in part.arrays.items()}} for part in parts]
+    return only_send(s.submit(p, ops, enc, token, 0.0, parts=parts))
+
+
+def halves(version: int) -> ClusterMap:
+    """Slots alternate between partitions 0 and 1 (live resharding moved half of them)."""
+    parts = {p: PartitionInfo(epoch=1, primary="s-a") for p in range(2)}
+    return ClusterMap(version, 16, np.arange(16, dtype=np.int32) % 2, parts, "b1")
+
+
+def test_moved_resubmits_each_operation_split_by_the_newest_map() -> None:
+    s = session(cmap(1))  # every slot on partition 0
+    ids = np.arange(64, dtype=np.int64)
+    pull = Part({"op": "pull_rows", "t": "emb"}, {"ids": ids}, 64 * 16)
+    tables = Part({"op": "tables"}, {})
+    msg = submit_parts(s, "a", [pull, tables])
+    s.on_map(halves(2), 0.1)  # the map that moved half the slots to partition 1
+    [out] = s.on_reply(reply(msg.route.req_id, "MOVED", msg="slots moved"), 0.2)
+    assert isinstance(out, Resubmit) and out.token == "a" and out.partition == 0
+    assert out.req_id == msg.route.req_id and len(s) == 0  # the request is over
+    rows, whole = out.plans
+    assert whole is None  # on no slot: whole, to the same partition
+    assert rows is not None and sorted(p for p, *_ in rows.pieces) == [0, 1]
+    got = np.sort(np.concatenate([a["ids"] for _, _, a, _ in rows.pieces]))
+    np.testing.assert_array_equal(got, ids)  # every id once, each where the map says
+    assert sum(r for *_, r in rows.pieces) == 64 * 16
+    for p, _, a, _ in rows.pieces:
+        assert [q for q, _ in split_by_partition(a["ids"], halves(2))] == [p]
+    # A late answer to the same request is ignored.
+    assert s.on_reply(reply(msg.route.req_id, "OK", res=[{}, {}]), 0.3) == []
+
+
+def test_a_second_moved_under_the_same_map_asks_the_broker_for_the_map() -> None:
+    s = session(halves(2))
+    part = Part({"op": "push_dense", "t": "w", "chunk": 3}, {"g": np.ones(4, np.float32)})
+    first = submit_parts(s, "a", [part])
+    out = s.on_reply(reply(first.route.req_id, "MOVED"), 0.1)
+    assert [type(a) for a in out] == [Resubmit]  # the map may be newer than the request
+    second = submit_parts(s, "b", [part])
+    out = s.on_reply(reply(second.route.req_id, "MOVED"), 0.2)
+    assert [type(a) for a in out] == [Send, Resubmit]
+    assert isinstance(out[0], Send) and decode(out[0].frames).route.mtype is MsgType.HELLO
+    s.on_map(halves(3), 0.3)
+    third = submit_parts(s, "c", [part])
+    assert [type(a) for a in s.on_reply(reply(third.route.req_id, "MOVED"), 0.4)] == [Resubmit]
+
+
+def test_moved_without_the_parts_fails_the_request_naming_moved() -> None:
+    s = session()
+    msg = only_send(submit(s, "a"))
+    [out] = s.on_reply(reply(msg.route.req_id, "MOVED"), 0.1)
+    assert isinstance(out, Fail) and getattr(out.error, "code", "") == "MOVED"
+
+
+def test_a_read_a_final_reply_has_no_answer_for_is_submitted_again() -> None:
+    s = session()
+    push = Part({"op": "push_rows", "t": "emb"}, {"ids": np.arange(3), "g": np.ones(3)})
+    pull = Part({"op": "pull_rows", "t": "emb"}, {"ids": np.arange(3)}, 24)
+    msg = submit_parts(s, "a", [push, pull])
+    # The first part (the pull's answer) was lost: the final part has None in its place.
+    [out] = s.on_reply(reply(msg.route.req_id, res=[{"st": "OK"}, None]), 0.1)
+    assert isinstance(out, Deliver) and not out.partial and out.again == (1,)
+    # A first part names nothing; nor does a final reply that answers everything.
+    msg = submit_parts(s, "b", [push, pull])
+    [early] = s.on_reply(reply(msg.route.req_id, res=[None, {"st": "OK"}], part=1), 0.2)
+    assert isinstance(early, Deliver) and early.partial and early.again == ()
+    [final] = s.on_reply(reply(msg.route.req_id, res=[{"st": "OK"}, {"st": "OK"}]), 0.3)
+    assert isinstance(final, Deliver) and final.again == ()
+    # A write's missing answer is never asked again (it would apply twice).
+    msg = submit_parts(s, "c", [pull, push])
+    [out] = s.on_reply(reply(msg.route.req_id, res=[{"st": "OK"}, None]), 0.4)
+    assert isinstance(out, Deliver) and out.again == ()
 
 
 # -- a broker pair --------------------------------------------------------------

@@ -40,9 +40,9 @@ import zmq.asyncio
 
 from zps import shm, transport
 from zps.client.background import Background
-from zps.client.futures import gather, ignore, join_moved, pass_on
+from zps.client.futures import gather, ignore, join_moved
 from zps.client.inbound import REPLIES, from_broker
-from zps.client.ops import Op, Token, copy_arrays, copy_shared, deliver, merge
+from zps.client.ops import Op, Token, again, copy_arrays, copy_shared, deliver, merge
 from zps.client.pair import PairFollower
 from zps.client.routerlinks import RouterLinks
 from zps.client.session import (
@@ -52,12 +52,13 @@ from zps.client.session import (
     ClientStats,
     Deliver,
     Fail,
+    Resubmit,
     Send,
 )
 from zps.client.shmpath import ClientShm
 from zps.client.timer import SessionTimer
 from zps.core.batching import plan_batches
-from zps.core.routing import ClusterMap, resplit
+from zps.core.routing import ClusterMap
 from zps.errors import (
     BadRequestError,
     BrokenError,
@@ -141,7 +142,6 @@ class Connection:
         self._background = Background(self.config.max_background)
         self._lazy_parts: set[int] = set()  # sent lazy requests since the last flush
         self._mismatch: VersionMismatchError | None = None  # a broker of another version
-        self._moved_at = -1  # the map version of the last MOVED answer (live resharding)
         # Routing brokers of the map (zps.client.routers): requests for a partition go to
         # its router while that one answers.
         self._links = RouterLinks(
@@ -519,7 +519,9 @@ class Connection:
         )
         if lazy and len(ops) > 1:
             self._lazy_parts.add(partition)  # its answer may be held (see _ask_held)
-        actions = self._session.submit(partition, bodies, enc, ops, self._now(), lazy=lazy)
+        actions = self._session.submit(
+            partition, bodies, enc, ops, self._now(), lazy=lazy, parts=ops
+        )
         self._shm.track(ops, actions)
         self._apply(actions)
 
@@ -575,15 +577,15 @@ class Connection:
         for action in self._session.abandon(send.req_id, err):
             self._resolve(action)
 
-    def _resolve(self, action: Deliver[Token] | Fail[Token]) -> None:
+    def _resolve(self, action: Deliver[Token] | Fail[Token] | Resubmit[Token]) -> None:
         partial = isinstance(action, Deliver) and action.partial
         if self._shm.requests and not partial:  # a partial answer: the request goes on
             self._shm.finished(action)
         token = action.token
-        if isinstance(action, Fail):
-            if isinstance(token, list) and getattr(action.error, "code", "") == "MOVED":
-                self._moved(token)
-                return
+        if isinstance(action, Resubmit):
+            assert isinstance(token, list)
+            self._resubmit(token, action)
+        elif isinstance(action, Fail):
             if isinstance(token, list):
                 for op in token:
                     if not op.future.done():
@@ -591,32 +593,18 @@ class Connection:
             elif not token.done():
                 token.set_exception(action.error)
         elif isinstance(token, list):
-            self._deliver(token, action.msg, partial)
+            deliver(token, action, submit=self._submit, max_bytes=self.config.max_message_bytes)
         elif not token.done():
             token.set_result(action.msg.header)
 
-    def _moved(self, ops: list[Op]) -> None:
-        """Live resharding: the partition no longer holds some slots of these operations
-        (nothing was applied): each is split again by the newest map and sent anew."""
-        cmap = self.cluster_map
-        if self._moved_at == cmap.version:  # the newer map is not here yet: ask for it
-            self._tasks = [t for t in self._tasks if not t.done()]
-            self._tasks.append(asyncio.ensure_future(self._hello()))
-        self._moved_at = cmap.version
-        for op in ops:
+    def _resubmit(self, ops: list[Op], action: Resubmit[Token]) -> None:
+        """Submit anew, as the session planned (ClientSession, rule 8), each operation of a
+        request refused ``MOVED`` whose caller still waits."""
+        for op, plan in zip(ops, action.plans, strict=True):
             if op.future.done():
                 continue
-            plan = resplit(op.body, op.arrays, op.reply_bytes, cmap)
             if plan is None:  # not on a slot (tables, describe...): where it was going
-                piece = self._submit(
-                    op.partition,
-                    op.body,
-                    op.arrays,
-                    reply_bytes=op.reply_bytes,
-                    borrowed=op.borrowed,
-                    lazy=op.lazy,
-                )
-                piece.add_done_callback(functools.partial(pass_on, target=op.future))
+                again(op, action.partition, self._submit)
                 continue
             pieces = [
                 self._submit(p, b, a, reply_bytes=r, borrowed=op.borrowed, lazy=op.lazy)
@@ -624,9 +612,6 @@ class Connection:
             ]
             joined = asyncio.gather(*pieces)
             joined.add_done_callback(functools.partial(join_moved, target=op.future, plan=plan))
-
-    def _deliver(self, ops: list[Op], msg: Message, partial: bool = False) -> None:
-        deliver(ops, msg, partial, submit=self._submit, max_bytes=self.config.max_message_bytes)
 
     async def _hello(self) -> None:
         assert self._sock is not None

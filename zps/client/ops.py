@@ -8,15 +8,18 @@ import asyncio
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from zps.client.futures import pass_on, split_result
 from zps.core.batching import merge_row_ops
 from zps.errors import ClosedError, ProtocolError, RemoteError, remote_error
-from zps.protocol.codec import Message, array_from
-from zps.protocol.ops import MERGEABLE, READS
+from zps.protocol.codec import array_from
+from zps.protocol.ops import MERGEABLE
+
+if TYPE_CHECKING:
+    from zps.client.session import Deliver
 
 
 @dataclass(slots=True)
@@ -129,18 +132,36 @@ def result(res: object, payloads: Sequence[Any], max_bytes: int) -> dict[str, An
     return res
 
 
+def again(op: Op, partition: int, submit: Callable[..., asyncio.Future[dict[str, Any]]]) -> None:
+    """Submit ``op`` again, whole, to ``partition`` as a new request (ClientSession, rules 8
+    and 9), its outcome handed to its caller."""
+    try:
+        fut = submit(
+            partition,
+            op.body,
+            op.arrays,
+            reply_bytes=op.reply_bytes,
+            into=op.into,
+            borrowed=op.borrowed,
+            lazy=op.lazy,
+        )
+    except ClosedError as e:
+        op.future.set_exception(e)
+        return
+    fut.add_done_callback(functools.partial(pass_on, target=op.future))
+
+
 def deliver(
     ops: list[Op],
-    msg: Message,
-    partial: bool,
+    action: Deliver[Any],
     *,
     submit: Callable[..., asyncio.Future[dict[str, Any]]],
     max_bytes: int,
 ) -> None:
-    """Each operation's result in reply ``msg``; a ``partial`` reply has one only for each
-    read (the writes wait for the final reply).  A read whose answer (a first part) never
-    came is asked again, as ``submit(partition, body, arrays, reply_bytes=, into=)`` (a
-    write is never sent again under a new sequence number: None is no status)."""
+    """Each operation's result in the reply ``action.msg``; a ``partial`` reply has one only
+    for each read (the writes wait for the final reply).  The operations the session names
+    in ``action.again`` are submitted again (:func:`again`)."""
+    msg = action.msg
     results = msg.header.get("res")
     if not isinstance(results, list) or len(results) != len(ops):
         err = ProtocolError("reply does not match the request's operations")
@@ -148,18 +169,13 @@ def deliver(
             if not op.future.done():
                 op.future.set_exception(err)
         return
-    for op, res in zip(ops, results, strict=True):
-        if op.future.done() or (partial and res is None):
-            continue
-        if res is None and op.body.get("op") in READS:
-            try:
-                again = submit(
-                    op.partition, op.body, op.arrays, reply_bytes=op.reply_bytes, into=op.into
-                )
-            except ClosedError as e:
-                op.future.set_exception(e)
-                continue
-            again.add_done_callback(functools.partial(pass_on, target=op.future))
+    resent = action.again
+    for i in resent:
+        if not ops[i].future.done():
+            again(ops[i], msg.route.partition, submit)
+    partial = action.partial
+    for i, (op, res) in enumerate(zip(ops, results, strict=True)):
+        if op.future.done() or (partial and res is None) or (resent and i in resent):
             continue
         try:
             op.future.set_result(result(res, msg.payloads, max_bytes))

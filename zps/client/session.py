@@ -43,6 +43,16 @@ Rules:
    ignored by the driver, as any late answer is.  The answer to a ``lazy`` request's
    writes (background pushes) may ride on a later reply from the same shard (``acked``:
    ``[req_id, results]`` pairs), each handled as that request's own reply.
+8. An answer ``MOVED`` (live resharding: the partition no longer holds some slots of the
+   request's operations, and applied none of them) ends the request with a
+   :class:`Resubmit`: each of its operations split again by the newest map
+   (:func:`zps.core.routing.resplit`; an operation on no slot goes whole to the same
+   partition), to be submitted as new requests.  A second ``MOVED`` under the same map
+   version also asks the broker for the map (HELLO): the newer one is not here yet.
+9. A final reply with no answer for a read (``None``: the first part that carried it
+   was lost) delivers the others and names the read in :attr:`Deliver.again`: it is
+   submitted again, whole, to the same partition, as a new request (a read may be; a
+   write never is under a new sequence number).
 """
 
 from __future__ import annotations
@@ -51,11 +61,13 @@ import collections
 import heapq
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeAlias, TypeVar
+from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
-from zps.core.routing import ClusterMap, PartitionInfo
+import numpy as np
+
+from zps.core.routing import ClusterMap, PartitionInfo, Resplit, resplit
 from zps.errors import (
     JobFailedError,
     NotEnoughReplicasError,
@@ -65,6 +77,7 @@ from zps.errors import (
 )
 from zps.protocol.codec import Encoder, Message, MsgType, Route, encode
 from zps.protocol.messages import ClientHello
+from zps.protocol.ops import READS
 
 T = TypeVar("T")
 
@@ -100,11 +113,26 @@ class Send:
 class Deliver(Generic[T]):
     """A request was answered: ``msg`` is the reply (its status was OK).  ``partial``:
     the answers of its reads only (a result per operation, ``None`` for each write);
-    the request waits on for its writes' answer (rule 7)."""
+    the request waits on for its writes' answer (rule 7).  ``again``: the operations (by
+    index) the reply has no answer for, to submit again whole to ``msg``'s partition
+    (rule 9)."""
 
     token: T
     msg: Message
     partial: bool = False
+    again: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Resubmit(Generic[T]):
+    """Request ``req_id`` ended unapplied (``MOVED``, rule 8): submit each of its
+    operations again as new requests, by ``plans[i]`` (its pieces by the newest map and
+    how to join their results; None: whole, to ``partition``)."""
+
+    token: T
+    req_id: int
+    partition: int
+    plans: tuple[Resplit | None, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +143,19 @@ class Fail(Generic[T]):
     error: BaseException
 
 
-Action: TypeAlias = Send | Deliver[T] | Fail[T]
+Action: TypeAlias = Send | Deliver[T] | Fail[T] | Resubmit[T]
+
+
+class Part(Protocol):
+    """An operation of a request as the session may submit it again (rules 8 and 9): its
+    header entry without arrays (``body``), its arrays by key, its reply's array bytes."""
+
+    @property
+    def body(self) -> dict[str, Any]: ...
+    @property
+    def arrays(self) -> dict[str, np.ndarray]: ...
+    @property
+    def reply_bytes(self) -> int: ...
 
 
 @dataclass
@@ -147,6 +187,8 @@ class _Request(Generic[T]):
     missing: str = ""
     why: str = ""
     last: str = ""  # the last refusal (code: message), named by a timeout
+    #: Its operations as they may be submitted again (rules 8, 9); None: never.
+    parts: Sequence[Part] | None = None
 
 
 @dataclass(slots=True)
@@ -184,6 +226,7 @@ class ClientSession(Generic[T]):
         self._deadlines: collections.OrderedDict[int, float] = collections.OrderedDict()
         self._due: list[tuple[float, int]] = []  # (due_at, req_id); stale entries skipped
         self._switched = False  # the next map comes from another broker of the pair
+        self._moved_at = -1  # the map version of the last MOVED answer (rule 8)
 
     def __len__(self) -> int:
         """Requests and broker calls in flight."""
@@ -204,10 +247,13 @@ class ClientSession(Generic[T]):
         now: float,
         *,
         lazy: bool = False,
+        parts: Sequence[Part] | None = None,
     ) -> list[Action[T]]:
         """A request of ``ops`` (their arrays already added to ``encoder``) to ``partition``.
         ``lazy``: no caller waits for its writes (background pushes): their answer may
-        come with a later reply (rule 7)."""
+        come with a later reply (rule 7).  ``parts``: the same operations, one each, with
+        their arrays: what is submitted again after ``MOVED`` or a missed read (rules 8,
+        9; without them a ``MOVED`` fails the request)."""
         cmap = self.map
         info = cmap.partitions.get(partition) if cmap is not None else None
         if cmap is not None and info is None:
@@ -223,7 +269,7 @@ class ClientSession(Generic[T]):
         epoch = info.epoch if info is not None else 0
         frames = encoder.build(Route(MsgType.REQUEST, partition, epoch, req_id), header)
         deadline = now + self.timeout
-        req = _Request(token, partition, frames[1:], epoch, deadline, now)
+        req = _Request(token, partition, frames[1:], epoch, deadline, now, parts=parts)
         self._table[req_id] = req
         if deadline != math.inf:
             self._deadlines[req_id] = deadline
@@ -314,9 +360,22 @@ class ClientSession(Generic[T]):
             self.stats.early_replies += 1
             return [Deliver(entry.token, msg, partial=True)]  # the writes' answer follows
         self._forget(req_id)
-        if status != "OK":
-            return [Fail(entry.token, remote_error(str(status), str(header.get("msg", ""))))]
-        return [Deliver(entry.token, msg)]
+        if status == "OK":
+            return [Deliver(entry.token, msg, again=_unanswered(entry.parts, header))]
+        if status == "MOVED" and entry.parts is not None and self.map is not None:
+            return self._moved(req_id, entry, self.map)
+        return [Fail(entry.token, remote_error(str(status), str(header.get("msg", ""))))]
+
+    def _moved(self, req_id: int, req: _Request[T], cmap: ClusterMap) -> list[Action[T]]:
+        """Each operation of a request refused ``MOVED``, split again by ``cmap`` (rule 8)."""
+        assert req.parts is not None
+        actions: list[Action[T]] = []
+        if self._moved_at == cmap.version:  # the newer map is not here yet: ask for it
+            actions.append(self.hello())
+        self._moved_at = cmap.version
+        plans = tuple(resplit(p.body, p.arrays, p.reply_bytes, cmap) for p in req.parts)
+        actions.append(Resubmit(req.token, req_id, req.partition, plans))
+        return actions
 
     def on_map(self, new: ClusterMap, now: float) -> list[Action[T]]:
         """A map from the broker: kept unless older; re-sends what it concerns."""
@@ -518,6 +577,18 @@ class ClientSession(Generic[T]):
         if entry.mtype is MsgType.STATUS:
             return "the broker did not answer the status request"
         return f"the broker did not answer {entry.mtype.name} within {entry.limit:g}s"
+
+
+def _unanswered(parts: Sequence[Part] | None, header: dict[str, Any]) -> tuple[int, ...]:
+    """The reads a final reply has no answer for (rule 9)."""
+    res = header.get("res")
+    if parts is None or not isinstance(res, list) or len(res) != len(parts) or None not in res:
+        return ()
+    return tuple(
+        i
+        for i, (p, r) in enumerate(zip(parts, res, strict=True))
+        if r is None and p.body.get("op") in READS
+    )
 
 
 def _missing(info: PartitionInfo | None) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 
 from zps import shm
 from zps.client.ops import Op, Token
-from zps.client.session import Action, Deliver, Fail, Send
+from zps.client.session import Action, Deliver, Fail, Resubmit, Send
 from zps.errors import ProtocolError
 from zps.protocol.codec import Message, unpack_route
 
@@ -178,11 +178,13 @@ class ClientShm:
         del self.refused[primary]  # it could not for a while: offer it again
         return True
 
-    def finished(self, action: Deliver[Token] | Fail[Token]) -> None:
+    def finished(self, action: Deliver[Token] | Fail[Token] | Resubmit[Token]) -> None:
         """A request is over: the regions of its payloads may be reused."""
         assert self.memory is not None
         if isinstance(action, Deliver):
             req = self.requests.pop(action.msg.route.req_id, None)
+        elif isinstance(action, Resubmit):
+            req = self.requests.pop(action.req_id, None)
         else:
             req_id = next((r for r, q in self.requests.items() if q.token is action.token), None)
             req = None if req_id is None else self.requests.pop(req_id)
