@@ -22,7 +22,7 @@ Two brokers run as a primary/backup pair (``broker.pair_role``); the rules are
   (the claims come within a round trip), rather than after the whole grace
   period.
 * fencing: every control message the broker sends carries its term (see
-  :meth:`zps.broker.broker.Broker._control`); shards and clients obey the
+  :meth:`zps.broker.persistence.BrokerRecord.control`); shards and clients obey the
   broker with the highest term they have seen and report that term back, so
   a broker that was paused and replaced learns it and goes passive.  Going
   passive drops everything it knew: it only routes again after a takeover.
@@ -36,7 +36,7 @@ import logging
 import time
 import uuid
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
@@ -50,7 +50,8 @@ from zps.protocol.codec import MsgType, Route, encode, unpack_route
 from zps.protocol.messages import ADMIN_CLIENT_PREFIX, Status, StatusReply
 
 if TYPE_CHECKING:
-    from zps.broker.broker import Broker
+    from zps.core.cluster import ClusterState
+    from zps.ops.config import BrokerConfig
 
 log = logging.getLogger("zps.broker.pair")
 
@@ -85,13 +86,44 @@ def asks_to_serve(mtype: MsgType, frames: transport.Frames) -> bool:
     return True
 
 
+class PairHost(Protocol):
+    """What the pair needs of its broker."""
+
+    @property
+    def state(self) -> ClusterState: ...
+
+    def pair_record(self, version: int) -> BrokerState:
+        """The broker's state as the standby is sent it, as ``version``."""
+
+    def load_record(self, rec: BrokerState) -> None:
+        """Take over the peer's record (on a fresh state)."""
+
+    def reset_state(self, now: float, *, hold: float) -> None:
+        """Forget every node and hold for claims for ``hold`` seconds."""
+
+    def state_changed(self) -> None:
+        """The record to write in the data dir changed."""
+
+    async def send(self, frames: list[Any]) -> bool:
+        """Send at once (or hold for a slow peer), never waiting."""
+
+    async def control(self, node: bytes, mtype: MsgType, header: dict[str, Any]) -> None:
+        """Send a control message (with this broker's term)."""
+
+    async def republish(self) -> None:
+        """Send the map to every node again."""
+
+
 class Pair:
     """One broker's side of the pair (see the module notes)."""
 
-    def __init__(self, broker: Broker) -> None:
-        cfg = broker.config
+    def __init__(
+        self, config: BrokerConfig, host: PairHost, *, record: BrokerState | None = None
+    ) -> None:
+        cfg = config
         assert cfg.pair_role is not None and cfg.peer is not None and cfg.peer_bind is not None
-        self.broker = broker
+        self.config = config
+        self.host = host
         self.role = PairRole(cfg.pair_role)
         self.peer = cfg.peer
         self.peer_bind = cfg.peer_bind
@@ -103,7 +135,7 @@ class Pair:
         #: The last record received from the active peer; at start, what the broker
         #: restored from its data dir (a pair restarted whole, or a primary that finds
         #: no peer, takes over with it rather than with nothing).
-        self.record: BrokerState | None = broker._record
+        self.record: BrokerState | None = record
         self._sent: BrokerState | None = None
         self._sent_at = 0.0
         self._shards: set[bytes] = set()  # shard identities heard while passive
@@ -153,7 +185,7 @@ class Pair:
         sent = self._sent
         if sent is None or self._peer_info.get("has_record") != sent.version:
             return False
-        return record_of(self.broker, sent.version).same_content(sent)
+        return self.host.pair_record(sent.version).same_content(sent)
 
     def peer_alive(self, now: float) -> bool:
         """Whether the peer broker was heard within the peer timeout."""
@@ -198,7 +230,7 @@ class Pair:
             "term": self.term,
         }
         reply = encode(Route(answer, route.partition, route.epoch, route.req_id), header)
-        await self.broker._send([ident, *reply])
+        await self.host.send([ident, *reply])
         return False
 
     async def _shard_term(self, frames: transport.Frames, now: float) -> None:
@@ -221,15 +253,15 @@ class Pair:
         """Serve the peer link until cancelled.  With CURVE keys configured, the link is
         encrypted too: both brokers of a pair use one key pair (the one clients know as
         the broker's), and its public key must be in the allow-list."""
-        keys = load_curve_keys(self.broker.config.security)
+        keys = load_curve_keys(self.config.security)
         router, self.peer_endpoint = transport.router(
-            ctx, self.peer_bind, max_message_bytes=self.broker.config.max_message_bytes, curve=keys
+            ctx, self.peer_bind, max_message_bytes=self.config.max_message_bytes, curve=keys
         )
         dealer = transport.dealer(
             ctx,
             self.peer,
             f"peer-{self.role.value}".encode(),
-            max_message_bytes=self.broker.config.max_message_bytes,
+            max_message_bytes=self.config.max_message_bytes,
             hwm=16,
             curve=keys,
             server_public=(keys.server_public or keys.public) if keys else None,
@@ -292,7 +324,7 @@ class Pair:
         frames: list[Any] = [PEER_MAGIC]
         record: bytes | None = None
         if self.star.active:
-            rec = record_of(self.broker, self._sent.version if self._sent else 0)
+            rec = self.host.pair_record(self._sent.version if self._sent else 0)
             behind = self._peer_info.get("has_record") != rec.version
             if behind or not rec.same_content(self._sent) or now - self._sent_at >= RESEND_S:
                 if not rec.same_content(self._sent):
@@ -330,7 +362,7 @@ class Pair:
                 self.record = BrokerState.from_bytes(transport.frame_bytes(frames[2]))
             except BrokerStateError as e:
                 raise ProtocolError(f"bad broker state from the peer: {e}") from e
-            self.broker._state_changed()  # into the data dir too
+            self.host.state_changed()  # into the data dir too
         self._peer_info = {"has_record": header.get("has_record")}
         try:
             change = self.star.on_peer(state, term, now)
@@ -360,20 +392,20 @@ class Pair:
         elif change.deactivated:
             # Whatever it knew is stale now: it routes again only after a takeover.
             # Until the peer's record comes, its own last one stands for it.
-            self.record = record_of(self.broker, 0)
-            self.broker.reset_state(now, hold=self.broker.config.grace)
+            self.record = self.host.pair_record(0)
+            self.host.reset_state(now, hold=self.config.grace)
             self._sent = None
 
     async def _take_over(self, now: float) -> None:
-        b = self.broker
+        b = self.host
         rec = self.record
         # Hold for the shards' claims: with the peer's record, they are asked at once
         # (below) and the hold ends when they are in (_end_hold), so it may be long.
-        grace, first = b.config.grace, not self.star.failovers
+        grace, first = self.config.grace, not self.star.failovers
         b.reset_state(now, hold=grace if first else max(grace, 10 * self.interval))
         if rec is not None:
             try:
-                load_record(b, rec)
+                b.load_record(rec)
             except ValueError as e:
                 log.error("cannot take over the recorded state: %s", e)
                 rec = None
@@ -388,14 +420,14 @@ class Pair:
             len(self._shards),
         )
         for ident in sorted(self._shards):
-            await b._control(ident, MsgType.REGISTER, {})
+            await b.control(ident, MsgType.REGISTER, {})
         self._shards.clear()
 
     async def _end_hold(self, now: float) -> None:
         """After a takeover: stop holding once every partition that held data has its
         primary back (the shards reclaim at once; the grace period is the bound)."""
         rec = self._takeover_record
-        state = self.broker.state
+        state = self.host.state
         if rec is None or not state.holding(now):
             return
         for p, part in enumerate(rec.partitions):
@@ -404,28 +436,4 @@ class Pair:
         state.hold_until = now
         self._takeover_record = None
         log.info("broker pair: every partition's primary is back; routing")
-        await self.broker.republish()
-
-
-def record_of(broker: Broker, version: int) -> BrokerState:
-    """The broker's state as one record (partitions, map version, training)."""
-    state, training = broker.state, broker.training
-    return BrokerState(
-        version=version,
-        n_partitions=state.n_partitions,
-        n_slots=state.n_slots,
-        replication=state.replication,
-        map_version=state.map_version,
-        partitions=state.records(),
-        clocks=training.clocks.to_record(),
-        jobs=tuple(job.to_record() for job in training.jobs.values()),
-        **broker.reshard_record(),
-    )
-
-
-def load_record(broker: Broker, rec: BrokerState) -> None:
-    """Take over a record from the peer (on a fresh state, before any shard registers)."""
-    broker.restore_slots(rec)
-    # A sync commit under way is sent again once the primaries are back (the shards
-    # answer a repeated commit from their dedup record).
-    broker.training.restore(rec.clocks, rec.jobs)
+        await self.host.republish()

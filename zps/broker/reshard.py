@@ -55,17 +55,55 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from zps.broker.acceptance import MOVE_TARGET, MoveReply
 from zps.core.brokerstate import ReshardRecord
+from zps.core.cluster import Assignment, ClusterState
 from zps.core.reshard import DEFAULT_MAX_SLOTS_PER_MOVE, plan_moves
 from zps.protocol.codec import BufferLike, MsgType, Route, encode
 
-if TYPE_CHECKING:
-    from zps.broker.broker import Broker
+
+class CommitGate(Protocol):
+    """What a move needs of the training: hold sync commits back while slots move."""
+
+    paused: bool
+
+    @property
+    def commit_in_flight(self) -> bool: ...
+
+    async def advance(self) -> None: ...
+
+
+class ReshardHost(Protocol):
+    """What the resharding needs of its broker (the map's owner)."""
+
+    @property
+    def state(self) -> ClusterState: ...
+
+    @property
+    def training(self) -> CommitGate: ...
+
+    def routing(self) -> bool:
+        """Whether the broker routes now (a pair's active one, not holding for claims)."""
+
+    def state_changed(self) -> None:
+        """The state record changed (the resharding record is part of it)."""
+
+    async def persisted(self) -> None:
+        """Return once the state record as it is now survives the broker."""
+
+    async def apply(self, assignments: list[Assignment]) -> None:
+        """Send the shards these assignments."""
+
+    async def publish_if_changed(self, before: int) -> None:
+        """Publish the map if its version is no longer ``before``."""
+
+    def post(self, frames: list[Any]) -> object:
+        """Send at once (or hold for a slow peer), never waiting."""
+
 
 log = logging.getLogger("zps.broker.reshard")
 
@@ -111,15 +149,22 @@ class Resharder:
 
     def __init__(
         self,
-        broker: Broker,
+        host: ReshardHost,
         *,
+        durable: bool,
+        heartbeat_interval: float,
+        liveness: int,
         max_slots_per_move: int = DEFAULT_MAX_SLOTS_PER_MOVE,
         piece_bytes: int = 8 << 20,
         request_timeout: float = 30.0,
         compact_rows: int = COMPACT_ROWS,
         catchup: bool = True,
     ) -> None:
-        self.b = broker
+        self.host = host
+        #: Whether the slot map survives this broker (a data dir, or a pair's standby).
+        self.durable = durable
+        self.heartbeat_interval = heartbeat_interval
+        self.liveness = liveness
         #: Copy a move's slots before fencing them, then only what changed meanwhile.
         self.catchup = catchup
         self.compact_rows = compact_rows
@@ -151,10 +196,10 @@ class Resharder:
         """``zps-server scale --partitions target``: the answer for the operator
         (``max_slots``: slots per move, ``piece_bytes``: bytes per copied piece; 0 keeps
         the current settings)."""
-        state = self.b.state
+        state = self.host.state
         if target < 1 or target > state.n_slots:
             return {"ok": False, "msg": f"--partitions must be 1..{state.n_slots}"}
-        if self.b.config.data_dir is None and self.b.pair is None:
+        if not self.durable:
             return {
                 "ok": False,
                 "msg": "this broker has no data dir: the slot map would not survive its "
@@ -191,7 +236,7 @@ class Resharder:
         self.record = ReshardRecord(target)
         self._cancel = False
         self.stats.last_error = ""
-        self.b._state_changed()
+        self.host.state_changed()
         self._wake.set()
         log.warning(
             "scaling from %d to %d partitions: %d slots to move in %d moves",
@@ -253,7 +298,7 @@ class Resharder:
         if (
             fut is not None
             and not fut.done()
-            and self.b.state.primary_of(reply.route.partition) == reply.node
+            and self.host.state.primary_of(reply.route.partition) == reply.node
         ):
             fut.set_result(reply)
 
@@ -280,18 +325,15 @@ class Resharder:
                     await self._failed(f"{type(e).__name__}: {e}")
 
     def _routing(self) -> bool:
-        b = self.b
-        if b.pair is not None and not b.pair.active:
-            return False
-        return not b.state.holding(time.monotonic())
+        return self.host.routing()
 
     async def _failed(self, why: str) -> None:
         try:
             await self._give_up(why)
         finally:
             # A sync commit held back by the move goes out now (after the undo).
-            self.b.training.paused = False
-            await self.b.training.advance()
+            self.host.training.paused = False
+            await self.host.training.advance()
 
     async def _give_up(self, why: str) -> None:
         rec = self.record
@@ -318,16 +360,16 @@ class Resharder:
             log.warning("resharding to %d partitions cancelled by an operator", rec.target)
             self._cancel = False
             self._set(None)
-            state = self.b.state
+            state = self.host.state
             # Partitions added for the target that got no slot yet go again.
             holding = int(state.slot_map.max()) + 1
             if holding < state.n_partitions:
                 before = state.map_version
-                await self.b._apply(state.shrink(holding))
-                await self.b._publish_if_changed(before)
+                await self.host.apply(state.shrink(holding))
+                await self.host.publish_if_changed(before)
             await self._persisted()
             try:
-                await self._compact(range(self.b.state.n_partitions))
+                await self._compact(range(self.host.state.n_partitions))
             except MoveFailed as e:
                 log.error("dropping the rows of released slots failed: %s", e)
             return
@@ -344,12 +386,12 @@ class Resharder:
         if rec.stage == "copying":  # a broker that took over: nobody is copying
             await self._undo(rec)
             return
-        state = self.b.state
+        state = self.host.state
         if state.n_partitions < rec.target:
             before = state.map_version
-            await self.b._apply(state.grow(rec.target, time.monotonic()))
-            self.b._state_changed()
-            await self.b._publish_if_changed(before)
+            await self.host.apply(state.grow(rec.target, time.monotonic()))
+            self.host.state_changed()
+            await self.host.publish_if_changed(before)
         if any(state.primary_of(p) is None for p in range(state.n_partitions)):
             await asyncio.sleep(0.2)
             return
@@ -365,11 +407,10 @@ class Resharder:
                 # The emptied partitions stay in the map a little longer: a request
                 # still in flight to one (parked by a fence) is answered MOVED there
                 # and re-split, instead of failing for want of a partition.
-                hb = self.b.config.heartbeat
-                await asyncio.sleep(max(1.0, 4 * hb.interval * hb.liveness / 2))
+                await asyncio.sleep(max(1.0, 2 * self.heartbeat_interval * self.liveness))
                 before = state.map_version
-                await self.b._apply(state.shrink(rec.target))
-                await self.b._publish_if_changed(before)
+                await self.host.apply(state.shrink(rec.target))
+                await self.host.publish_if_changed(before)
             log.warning("resharding done: %d partitions", state.n_partitions)
             self._set(None)
             await self._persisted()
@@ -378,7 +419,7 @@ class Resharder:
         # A breath between moves, longer than a client's retry backoff (its heartbeat
         # interval): a message refused during this move's fence is served before the next
         # fence, instead of finding slots of the next move fenced in turn.
-        await asyncio.sleep(1.5 * self.b.config.heartbeat.interval)
+        await asyncio.sleep(1.5 * self.heartbeat_interval)
 
     async def _compact(self, partitions: range) -> None:
         """Each source drops the rows of the slots it released (once, at the end: a
@@ -409,38 +450,18 @@ class Resharder:
 
     def _set(self, rec: ReshardRecord | None) -> None:
         self.record = rec
-        self.b._state_changed()
+        self.host.state_changed()
 
     async def _persisted(self) -> None:
-        """Wait until the state record as it is now is on disk (at once without one)."""
-        writer = self.b._writer
-        if writer is not None:
-            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-            def written() -> None:
-                if not done.done():
-                    done.set_result(None)
-
-            writer.after_write(written)
-            await done
-        pair = self.b.pair
-        if pair is not None and pair.active:
-            # And in the standby's copy (it takes over with it), unless the peer is gone:
-            # a dead peer takes nothing over (it stands by when it comes back, and is
-            # sent the state then), and waiting for it would hold every move's fence.
-            deadline = time.monotonic() + 4 * self.b.config.peer_timeout
-            while (
-                not pair.peer_holds_now()
-                and pair.peer_alive(time.monotonic())
-                and time.monotonic() < deadline
-            ):
-                await asyncio.sleep(0.01)
+        """Wait until the state as it is now survives this broker (its data dir, its
+        standby): a broker taking over must know the move."""
+        await self.host.persisted()
 
     def _owned(self, p: int) -> list[int]:
-        return [int(s) for s in np.flatnonzero(self.b.state.slot_map == p)]
+        return [int(s) for s in np.flatnonzero(self.host.state.slot_map == p)]
 
     def _common(self, p: int, slots: Sequence[int]) -> dict[str, Any]:
-        state = self.b.state
+        state = self.host.state
         return {
             "slots": list(slots),
             "n_slots": state.n_slots,
@@ -461,7 +482,7 @@ class Resharder:
 
         await self._persisted()  # before the fence: a broker taking over must know it
         mark("recorded")
-        training = self.b.training
+        training = self.host.training
         training.paused = True
         try:
             while training.commit_in_flight:
@@ -480,7 +501,7 @@ class Resharder:
                 mark("copied_unfenced")
             fence = {"op": "slots_fence", **self._common(source, slots)}
             await self._call(source, [fence])
-            fence_epoch = self.b.state.map.partitions[source].epoch
+            fence_epoch = self.host.state.map.partitions[source].epoch
             t_fence = time.monotonic()
             mark("fenced")
             self._progress["fenced_at"] = round(time.time(), 3)
@@ -499,7 +520,7 @@ class Resharder:
             assert got is not None
             moved += got[0]
             fenced_rows = got[1]
-            if self.b.state.map.partitions[source].epoch != fence_epoch:
+            if self.host.state.map.partitions[source].epoch != fence_epoch:
                 # The source failed over during the copy: its new primary must have held
                 # the fence all along (a replica that joined by snapshot during the move
                 # learnt its slots from the map, and may have taken writes on them).
@@ -624,17 +645,17 @@ class Resharder:
 
     async def _finish(self, rec: ReshardRecord, mark: Callable[[str], None] = _nop) -> None:
         """The copy is complete (recorded): publish, activate, release."""
-        state = self.b.state
+        state = self.host.state
         slots = list(rec.slots)
         if rec.dest >= state.n_partitions:
             raise MoveFailed(f"partition {rec.dest} is gone")
         if bool((state.slot_map[np.asarray(slots, dtype=np.int64)] != rec.dest).any()):
             before = state.map_version
             state.move_slots(slots, rec.dest)
-            self.b._state_changed()
+            self.host.state_changed()
             await self._persisted()
             mark("map_recorded")
-            await self.b._publish_if_changed(before)
+            await self.host.publish_if_changed(before)
         await self._call(rec.dest, [{"op": "slots_activate", **self._common(rec.dest, slots)}])
         mark("activated")
         if rec.source < state.n_partitions:
@@ -648,7 +669,7 @@ class Resharder:
 
     async def _undo(self, rec: ReshardRecord) -> None:
         """Cancel the move of ``rec``: the source unfences, the destination drops."""
-        state = self.b.state
+        state = self.host.state
         slots = list(rec.slots)
         if slots and 0 <= rec.source < state.n_partitions:
             await self._call(
@@ -680,7 +701,7 @@ class Resharder:
         """One request to partition ``p``'s primary, re-sent (same sequence number)
         until it is answered; the first operation's result and the reply's arrays."""
         header = {"cid": self.cid, "seq": next(self._seqs), "ops": ops}
-        state = self.b.state
+        state = self.host.state
         limit = self.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         backoff = 0.02
@@ -698,7 +719,7 @@ class Resharder:
             fut: asyncio.Future[MoveReply] = asyncio.get_running_loop().create_future()
             self._futures[req_id] = fut
             route = Route(MsgType.REQUEST, p, epoch, req_id)
-            self.b._post([primary.encode(), MOVE_TARGET, *encode(route, header), *payloads])
+            self.host.post([primary.encode(), MOVE_TARGET, *encode(route, header), *payloads])
             try:
                 async with asyncio.timeout(min(5.0 if timeout is None else limit, limit)):
                     reply = await fut

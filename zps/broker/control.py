@@ -1,0 +1,296 @@
+"""The broker's control plane: shards registering, heartbeating and leaving, clients
+joining, operators' commands, and the assignments and maps that follow.
+
+One job: carry out what :class:`~zps.core.cluster.ClusterState` decides for each
+control message (:mod:`zps.broker.acceptance` gives the verdict): send its
+assignments, publish a changed map once the record holding it is durable, echo
+heartbeats (a primary's lease), answer STATUS with the report and run the operators'
+drain, undrain, reset-partition and scale.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, assert_never
+
+from zps.broker.datapath import BrokerDataPath
+from zps.core.cluster import Assignment, Claim
+from zps.protocol.codec import MsgType, Route
+from zps.protocol.messages import (
+    ADMIN_CLIENT_PREFIX,
+    Assign,
+    Bye,
+    ClientControl,
+    ClientHello,
+    ClockRequest,
+    Heartbeat,
+    LeaseEcho,
+    MapUpdate,
+    Role,
+    ShardClaim,
+    ShardControl,
+    ShardHeartbeat,
+    ShardRegister,
+    StatusRequest,
+    TaskRequest,
+)
+
+log = logging.getLogger("zps.broker")
+
+
+class BrokerControl(BrokerDataPath):
+    """Registration, heartbeats, admin commands, assignments and maps (see the module
+    notes)."""
+
+    async def apply(self, assignments: list[Assignment]) -> None:
+        for a in assignments:
+            log.info(
+                "assign %s: %s at epoch %d%s",
+                a.node_id,
+                a.role.value
+                if a.partition is None
+                else f"{a.role.value} of partition {a.partition}",
+                a.epoch,
+                f", following {a.primary}" if a.primary else "",
+            )
+            await self.control(
+                a.node_id.encode(),
+                MsgType.ASSIGN,
+                Assign(
+                    role=a.role,
+                    partition=a.partition,
+                    epoch=a.epoch,
+                    primary=a.primary,
+                    primary_address=a.primary_address,
+                    primary_key=self._keys.get(a.primary or "", ""),
+                    n_partitions=self.state.n_partitions,
+                ).to_wire(),
+            )
+
+    async def publish_if_changed(self, before: int) -> None:
+        self._log_notices()
+        if self.state.map_version == before:
+            return
+        self.state_changed()
+        if len(self._part_states) != self.state.n_partitions:
+            self._resize_lists(time.monotonic())  # live resharding added or removed some
+        self._rebuild_routes()
+        # A map goes out once the record holding it is durable: a primary releases the
+        # writes that waited for a replica only when a map drops that replica from the
+        # in-sync set, and a restart must not elect the dropped copy.
+        wire = MapUpdate(self.state.map.to_wire()).to_wire()
+        for node in [*self.state.clients, *self.state.shards]:
+            await self.control(node.encode(), MsgType.MAP, wire, durable=True)
+        self._log_partition_states(time.monotonic())
+        await self.training.on_map_change()
+
+    def _log_notices(self) -> None:
+        levels = {"error": logging.ERROR, "warning": logging.WARNING}
+        for level, message in self.state.notices:
+            log.log(levels.get(level, logging.INFO), "%s", message)
+        self.state.notices.clear()
+
+    async def _from_client(
+        self, ident: bytes, node: str, route: Route, message: ClientControl, now: float
+    ) -> None:
+        match message:
+            case ClientHello(host, pid, name, version, router) if router:
+                # A routing broker (zps/broker/router.py): listed in the map, which it
+                # follows like a client.
+                if node not in self.state.routers:
+                    log.info("router %s joined at %s (%s pid %s)", node, router, host, pid)
+                self.state.register_router(node, endpoint=router, host=host, now=now, pid=pid)
+                self._versions[node] = version
+                await self.control(
+                    ident, MsgType.MAP, MapUpdate(self.state.map.to_wire()).to_wire()
+                )
+            case ClientHello(host, pid, name, version):
+                self.state.register_client(node, host=host, pid=pid, name=name, now=now)
+                self._versions[node] = version
+                # An admin command (status, drain, ...) connects for one query: debug only.
+                log.log(
+                    logging.DEBUG if (name or "").startswith(ADMIN_CLIENT_PREFIX) else logging.INFO,
+                    "client %s joined (%s pid %s)",
+                    node,
+                    host,
+                    pid,
+                )
+                await self.control(
+                    ident, MsgType.MAP, MapUpdate(self.state.map.to_wire()).to_wire()
+                )
+            case Heartbeat(train):
+                if node not in self.state.clients:  # the broker restarted: re-introduce
+                    await self.control(ident, MsgType.HELLO, {})
+                if train is not None:  # what ps.report recorded: the status page plots it
+                    self.training.on_report(node, train, time.time())
+            case StatusRequest(reset, accept_loss, drain, undrain):
+                result = None if reset is None else await self._reset(reset, accept_loss, now)
+                drained = (
+                    None
+                    if drain is None and undrain is None
+                    else await self._drain(drain or undrain or "", now, undo=drain is None)
+                )
+                if self._saturated(ident):
+                    self.stats.dropped += 1  # it reads nothing: spare the work
+                    return
+                report = self.status(now)
+                if result is not None:
+                    report["reset"] = result
+                if drained is not None:
+                    report["drain"] = drained
+                if message.scale is not None or message.scale_cancel:
+                    report["scale"] = (
+                        self.reshard.cancel()
+                        if message.scale_cancel
+                        else self.reshard.request(
+                            message.scale or 0,
+                            now,
+                            max_slots=message.scale_max_slots,
+                            piece_bytes=message.scale_piece_bytes,
+                        )
+                    )
+                    report["reshard"] = self.reshard.status()
+                await self.control(ident, MsgType.STATUS, report, route.req_id)
+            case ClockRequest():
+                await self.training.on_clock(ident, node, route, message)
+                self.state_changed()
+            case TaskRequest():
+                await self.training.on_task(ident, node, route, message)
+                self.state_changed()
+            case Bye():
+                self.detector.forget(node)
+                self._forget_queue(ident)
+                self.state.node_gone(node, now)
+                await self.training.worker_gone(node)
+                self.state_changed()
+            case _:
+                assert_never(message)
+
+    async def _from_shard(self, ident: bytes, node: str, message: ShardControl, now: float) -> None:
+        match message:
+            case ShardRegister():
+                claim = _claim(message.claim)
+                earlier = self._incarnations.get(node)
+                if (
+                    earlier
+                    and message.incarnation
+                    and earlier != message.incarnation
+                    and node in self.state.shards
+                ):
+                    # A restarted shard (names are stable): its earlier process is gone,
+                    # with whatever it held; the new one is admitted afresh.
+                    log.warning(
+                        "shard %s registered again as a new process (%s pid %s): the "
+                        "earlier one is gone (two live shards must not share a name)",
+                        node,
+                        message.host,
+                        message.pid,
+                    )
+                    self._forget_queue(ident)
+                    self._keys.pop(node, None)
+                    await self.apply(self.state.node_gone(node, now))
+                self._incarnations[node] = message.incarnation
+                if message.public_key is not None:  # a Z85 CURVE public key
+                    self._keys[node] = message.public_key
+                self._versions[node] = message.version
+                log.info(
+                    "shard %s registered (%s pid %s, replication at %s)%s",
+                    node,
+                    message.host,
+                    message.pid,
+                    message.address,
+                    f", claiming {claim.role.value} of partition {claim.partition} at "
+                    f"epoch {claim.epoch}, LSN {claim.lsn}"
+                    if claim
+                    else "",
+                )
+                await self.apply(
+                    self.state.register_shard(
+                        node,
+                        host=message.host,
+                        pid=message.pid,
+                        address=message.address,
+                        now=now,
+                        claim=claim,
+                        zone=message.zone,
+                    )
+                )
+            case ShardHeartbeat():
+                shard = self.state.shards.get(node)
+                if shard is None:
+                    await self.control(ident, MsgType.REGISTER, {})
+                    return
+                p = shard.partition
+                self.state.report(
+                    node,
+                    lsn=message.lsn,
+                    stats=message.stats,
+                    epoch=message.epoch,
+                    in_sync=None if message.in_sync is None else list(message.in_sync),
+                    durable=message.durable,
+                    t=message.t,
+                )
+                if shard.role is Role.PRIMARY:
+                    self.state_changed()  # its LSN raises its partition's floor
+                # The echo renews the shard's lease, for exactly this role (nothing while
+                # it is fenced); it goes back on the connection the heartbeat came by (the
+                # shard's liveness link, so it never waits behind data queued for the
+                # shard).  Until the record names a promoted primary's epoch (and so it as
+                # the partition's in-sync set), its echoes wait for the record: it takes
+                # no write before that is durable.
+                role, partition, epoch = self.state.lease_echo(node)
+                echo = LeaseEcho(message.t, role, partition, epoch)
+                unrecorded = p is not None and role is Role.PRIMARY and self._epoch_unrecorded(p)
+                await self.control(ident, MsgType.HEARTBEAT, echo.to_wire(), durable=unrecorded)
+            case Bye():
+                log.info("shard %s left", node)
+                self.detector.forget(node)
+                self._forget_queue(ident)
+                self._keys.pop(node, None)
+                await self.apply(self.state.node_gone(node, now, planned=True))
+            case _:
+                assert_never(message)
+
+    async def _drain(self, node: str, now: float, *, undo: bool) -> dict[str, Any]:
+        """An operator's drain / undrain: answered in the status report."""
+        try:
+            out = self.state.undrain(node, now) if undo else self.state.drain(node, now)
+        except ValueError as e:
+            return {"ok": False, "msg": str(e)}
+        log.warning("shard %s %s by an operator", node, "undrained" if undo else "drained")
+        await self.apply(out)
+        self.state_changed()
+        return {
+            "ok": True,
+            "msg": f"{node} undrained: it may take roles again"
+            if undo
+            else f"{node} drained: it holds no role until `zps-server undrain {node}`",
+        }
+
+    async def _reset(self, p: int, accept_loss: bool, now: float) -> dict[str, Any]:
+        """An operator's reset-partition: answered in the status report."""
+        if not accept_loss:
+            return {"ok": False, "msg": "reset-partition needs accept_data_loss"}
+        try:
+            out = self.state.reset_partition(p, now)
+        except ValueError as e:
+            return {"ok": False, "msg": str(e)}
+        await self.apply(out)
+        self.state_changed()
+        primary = self.state.primary_of(p)
+        return {
+            "ok": True,
+            "msg": f"partition {p} reset: "
+            + (
+                f"served by {primary} at epoch {self.state.map.partitions[p].epoch}"
+                if primary
+                else "the next shard to register takes it"
+            ),
+        }
+
+
+def _claim(claim: ShardClaim | None) -> Claim | None:
+    if claim is None:
+        return None
+    return Claim(claim.partition, claim.epoch, claim.role, claim.lsn, claim.in_sync, claim.complete)

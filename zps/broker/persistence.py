@@ -1,0 +1,226 @@
+"""The broker's state that survives a restart: its record, and what waits for it.
+
+One job: build the state record (:class:`~zps.core.brokerstate.BrokerState`: partitions,
+epochs, LSN floors, the slot map, training, shard keys), restore one at start, have the
+data dir's writer (:class:`~zps.broker.statefile.StateWriter`) write it when it changed,
+and send the messages that must wait until the state as it is now is durable
+(:meth:`BrokerRecord._send_durable`): maps, a promoted primary's lease echoes, the
+training's commits.  Without a data dir nothing waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from zps.broker.base import BrokerBase
+from zps.broker.statefile import StateFile, StateWriter
+from zps.core.brokerstate import BrokerState
+from zps.core.membership import is_liveness
+from zps.core.routing import default_slot_map
+from zps.errors import ConfigError
+from zps.protocol.codec import MsgType, Route, encode
+
+log = logging.getLogger("zps.broker")
+
+
+class BrokerRecord(BrokerBase):
+    """The state record and durable sends (see the module notes)."""
+
+    def state_record(self) -> BrokerState:
+        """The broker's state as one record: the one place it is built (for the state
+        file, and for anything that mirrors this broker).  The version grows only
+        when the content changed.  A standby of a pair records its active peer's
+        state (the last record received), so either broker restarts knowing it."""
+        last = self._record
+        version = (last.version if last else 0) + 1
+        mirrored = self.pair.mirrored() if self.pair is not None else None
+        if mirrored is not None:
+            rec = replace(mirrored, version=version)
+        else:
+            clocks, jobs = self.training.records()
+            rec = BrokerState(
+                version=version,
+                n_partitions=self.state.n_partitions,
+                n_slots=self.state.n_slots,
+                replication=self.state.replication,
+                map_version=self.state.map_version,
+                partitions=self.state.records(),
+                clocks=clocks,
+                jobs=jobs,
+                **self.reshard_record(),
+                shard_keys=tuple(sorted((n, k.decode()) for n, k in self._bound_keys.items())),
+            )
+        if last is not None and rec.same_content(last):
+            return last
+        self._record = rec
+        return rec
+
+    def reshard_record(self) -> dict[str, Any]:
+        """The slot map (when not round-robin over the configured partitions) and the
+        resharding under way, for the state record."""
+        state = self.state
+        default = state.n_partitions == self.config.partitions and bool(
+            (state.slot_map == default_slot_map(state.n_slots, state.n_partitions)).all()
+        )
+        return {
+            "slot_map": b"" if default else state.slot_map.astype("<i4").tobytes(),
+            "reshard": self.reshard.record,
+        }
+
+    def restore_slots(self, rec: BrokerState) -> None:
+        """A recorded slot map (it brings its partition count) and resharding."""
+        if rec.slot_map:
+            slot_map = np.frombuffer(rec.slot_map, dtype="<i4").astype(np.int32)
+            self.state.restore(rec.map_version, rec.partitions, slot_map)
+            if hasattr(self, "_placements"):  # not at start: __init__ sizes them next
+                self._resize_lists(time.monotonic())
+        else:
+            self.state.restore(rec.map_version, rec.partitions)
+        self.reshard.restore(rec.reshard)
+
+    def pair_record(self, version: int) -> BrokerState:
+        """The state as the active broker of a pair streams it to its standby
+        (partitions, map version, slot map, training), as ``version``."""
+        state, training = self.state, self.training
+        return BrokerState(
+            version=version,
+            n_partitions=state.n_partitions,
+            n_slots=state.n_slots,
+            replication=state.replication,
+            map_version=state.map_version,
+            partitions=state.records(),
+            clocks=training.clocks.to_record(),
+            jobs=tuple(job.to_record() for job in training.jobs.values()),
+            **self.reshard_record(),
+        )
+
+    def load_record(self, rec: BrokerState) -> None:
+        """Take over a pair's record (on a fresh state, before any shard registers)."""
+        self.restore_slots(rec)
+        # A sync commit under way is sent again once the primaries are back (the shards
+        # answer a repeated commit from their dedup record).
+        self.training.restore(rec.clocks, rec.jobs)
+
+    async def persisted(self) -> None:
+        """Wait until the state record as it is now is in the data dir (at once without
+        one) and, in a pair, in the standby's copy (it takes over with it), unless the
+        peer is gone: a dead peer takes nothing over (it stands by when it comes back,
+        and is sent the state then), and waiting for it would hold the caller."""
+        writer = self._writer
+        if writer is not None:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def written() -> None:
+                if not done.done():
+                    done.set_result(None)
+
+            writer.after_write(written)
+            await done
+        pair = self.pair
+        if pair is not None and pair.active:
+            deadline = time.monotonic() + 4 * self.config.peer_timeout
+            while (
+                not pair.peer_holds_now()
+                and pair.peer_alive(time.monotonic())
+                and time.monotonic() < deadline
+            ):
+                await asyncio.sleep(0.01)
+
+    def _resize_lists(self, now: float) -> None:
+        n = self.state.n_partitions
+        self.routes = self.routes.resized(n)
+        self._part_states = (
+            self._part_states + [self.state.partition_state(p, now) for p in range(n)]
+        )[:n]
+        self._placements = (self._placements + [None] * n)[:n]
+
+    def apply_state(self, rec: BrokerState) -> None:
+        """Take over a recorded state (at start, before any node is known)."""
+        if rec.slot_map and rec.n_slots == self.config.slots:
+            pass  # resharded: the record's partition count stands
+        elif (rec.n_partitions, rec.n_slots) != (self.config.partitions, self.config.slots):
+            raise ConfigError(
+                f"the broker state (version {rec.version}) is of a cluster of "
+                f"{rec.n_partitions} partitions and {rec.n_slots} slots; this broker was "
+                f"given {self.config.partitions} partitions and {self.config.slots} slots"
+            )
+        self.restore_slots(rec)
+        self.training.restore(rec.clocks, rec.jobs)
+        self._bound_keys = {node: key.encode() for node, key in rec.shard_keys}
+        self._record = rec
+        # The recorded workers are watched like any peer: one that never speaks to
+        # this broker is declared dead (its tasks re-queued, its clock dropped).
+        now = time.monotonic()
+        for worker in {w for w, _, _ in rec.clocks.workers} | {
+            w for job in rec.jobs for _, w in job.held
+        }:
+            self.detector.seen(worker, now)
+
+    def _load_state(self, file: StateFile) -> None:
+        file.prepare()
+        rec = file.load()
+        if rec is None:
+            log.info("no broker state in %s yet: a new cluster", file.dir)
+        else:
+            self.apply_state(rec)
+            known = [p for p, r in enumerate(rec.partitions) if r.known]
+            log.info(
+                "restored the broker state (version %d) from %s: %d of %d partitions hold "
+                "data (epochs %s), %d job(s)%s",
+                rec.version,
+                file.path,
+                len(known),
+                rec.n_partitions,
+                ",".join(str(r.epoch) for r in rec.partitions),
+                len(rec.jobs),
+                f", sync step {rec.clocks.committing} committing"
+                if rec.clocks.committing is not None
+                else "",
+            )
+        self._writer = StateWriter(file, self.state_record, written=rec)
+
+    def state_changed(self) -> None:
+        if self._writer is not None:
+            self._writer.changed()
+
+    def _epoch_unrecorded(self, p: int) -> bool:
+        """Whether partition ``p``'s confirmed epoch is newer than the one on disk (its
+        new primary's lease echoes wait for the record; none without a data dir)."""
+        written = self._writer.written if self._writer is not None else None
+        if self._writer is None:
+            return False
+        if written is None or p >= len(written.partitions):
+            return True
+        return written.partitions[p].floor_epoch < self.state.floor_of(p)[0]
+
+    async def _send_durable(self, frames: list[Any]) -> bool:
+        """:meth:`send` once the state as it is now is in the data dir (at once
+        without one)."""
+        if self._writer is None:
+            return await self.send(frames)
+        self._writer.after_write(lambda: self.post(frames))
+        return True
+
+    async def control(
+        self,
+        node: bytes,
+        mtype: MsgType,
+        header: dict[str, Any],
+        req_id: int = 0,
+        *,
+        durable: bool = False,
+    ) -> None:
+        """Broker-originated message (an answer carries its request's id); shards (and
+        their liveness links) get the empty source frame.  ``durable``: sent once the
+        state as it is now is in the data dir."""
+        prefix = [node, b""] if node.startswith(b"s-") or is_liveness(node) else [node]
+        if self.pair is not None:  # fencing: shards and clients obey the highest term
+            header = {**header, "term": self.pair.term}
+        frames = [*prefix, *encode(Route(mtype, req_id=req_id), header)]
+        await (self._send_durable if durable else self.send)(frames)
