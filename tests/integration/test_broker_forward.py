@@ -3,9 +3,10 @@
 ``step`` forwards a client's REQUEST to its partition's primary and a member shard's
 reply to its client with the frames intact, and returns every other message untouched
 (nothing of it sent) for the Python path to decide: the rules of
-zps.broker.acceptance, and the broker's own checks (no primary, holding, held queues,
-a full or gone peer).  Then a real cluster forwards through it, and through the Python
-path with the compiled steps off, with the same results.
+zps.broker.acceptance, the route table of zps.broker.routes, and the broker's own checks
+(no primary, holding, held queues, a full or gone peer).  Then a real cluster forwards
+through it, and through the Python path with the compiled steps off, with the same
+results.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import pytest
 import zmq
 
 import zps
-from zps.broker import forward
+from zps.broker import forward, routes
+from zps.broker.routes import RouteTable
 from zps.optim import SGD
 from zps.protocol.codec import MsgType, Route
 from zps.testing import LocalCluster
@@ -174,6 +176,27 @@ def test_what_needs_a_decision_comes_back_untouched(
     socks.send(b"c-1", [route(1), b"next", b"x"])
     assert socks.step()[1:] == (1, 0, None)
     assert socks.got(b"s-b") == [b"c-1", route(1), b"next", b"x"]
+
+
+@needs_step
+@pytest.mark.parametrize("holding", [False, True])
+def test_the_step_forwards_exactly_where_the_route_table_says(
+    socks: Sockets, holding: bool
+) -> None:
+    """The compiled step only consults the route table (zps.broker.routes): a request goes
+    where :func:`route` names an identity, and is handed back wherever it names none."""
+    table = RouteTable([b"s-a", None, b"s-b", None], (False, True, False, False))
+    for p in (-1, 0, 1, 2, 3, 4):
+        socks.send(b"c-1", [route(p), b"h", b"x"])
+        _, routed, _, declined = socks.step(routes=table.targets, holding=holding)
+        where = routes.route(table, p, holding=holding)
+        if isinstance(where, bytes):
+            assert (routed, declined) == (1, None), p
+            assert socks.got(where) == [b"c-1", route(p), b"h", b"x"], p
+        else:
+            assert (routed, declined) == (0, [b"c-1", route(p), b"h", b"x"]), (p, where)
+        for ident in socks.peers:
+            assert socks.got(ident) is None, p
 
 
 @needs_step

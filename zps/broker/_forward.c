@@ -2,7 +2,8 @@
  *
  * pump() takes the messages queued on the broker's ROUTER socket and forwards the two
  * kinds that make up nearly all of its traffic, exactly as the broker's Python fast
- * path does (Broker._forward, by the rules of zps.broker.acceptance):
+ * path does (zps.broker.datapath, by the rules of zps.broker.acceptance and
+ * zps.broker.routes):
  *
  *   a client's REQUEST  [client, route, ...] -> [primary of route's partition, client, route, ...]
  *   a shard's reply     [shard, client, ...] -> [client, ...]
@@ -12,8 +13,11 @@
  * (no primary, the broker holding, a peer with messages held for it, a full or gone
  * peer queue, a reply from a shard not in the membership, a malformed or other-version
  * route frame), is received but not forwarded: pump() returns it, as a list of bytes,
- * and the caller hands it to the Python path, which decides as before.  Nothing is
- * sent for a returned message, so that decision is the only one.
+ * and the caller hands it to the Python path, which decides.  Nothing is sent for a
+ * returned message, so that decision is the only one.  Where a request goes is the
+ * route table's word (zps.broker.routes): routes[p] is the identity its rule gives
+ * partition p outside the hold, or None when the rule refuses (the Python path says
+ * why); this step only reads it.
  *
  * libzmq is the one pyzmq loaded: bind() opens it with RTLD_NOLOAD (the same instance,
  * whose sockets pyzmq's are) and resolves the few functions used here; the socket is
@@ -30,11 +34,27 @@
 
 #include "../_libzmq.h"
 
-/* The route frame (zps.protocol.codec.ROUTE, "<2sBBiIQ"): magic, version, type,
- * partition, epoch, request id. */
-#define ROUTE_SIZE 20
-#define PROTOCOL_VERSION 1
-#define MSG_REQUEST 1
+/* What this step shares with the Python code, each checked against it by
+ * tests/unit/test_forward_wire.py (a change on one side alone fails there).
+ *
+ * The route frame (zps.protocol.codec.ROUTE, "<2sBBiIQ"): magic, version, type,
+ * partition (little-endian int32), epoch, request id. */
+#define ROUTE_SIZE 20             /* codec.ROUTE.size */
+#define ROUTE_MAGIC "ZP"          /* codec.MAGIC */
+#define ROUTE_MAGIC_LEN 2
+#define ROUTE_VERSION_AT 2        /* offset of the version byte */
+#define PROTOCOL_VERSION 1        /* codec.PROTOCOL_VERSION */
+#define ROUTE_TYPE_AT 3           /* offset of the message type byte */
+#define MSG_REQUEST 1             /* codec.MsgType.REQUEST */
+#define ROUTE_PARTITION_AT 4      /* offset of the partition */
+/* Identities (zps.core.membership): a shard's, and a shard's liveness link's. */
+#define SHARD_PREFIX "s-"         /* membership.SHARD_PREFIX */
+#define SHARD_PREFIX_LEN 2
+#define LIVENESS_PREFIX "h-s-"    /* membership.LIVENESS_PREFIX + SHARD_PREFIX */
+#define LIVENESS_PREFIX_LEN 4
+/* A shard's target frame starting with this byte names a pseudo client of the broker
+ * (acceptance.COMMIT_TARGET, MOVE_TARGET): never forwarded here. */
+#define PSEUDO_TARGET '\0'
 
 static PyObject *bind(PyObject *self, PyObject *arg) { return libzmq_bind(arg); }
 
@@ -114,11 +134,12 @@ static int forward(void *sock, zmsg *m, Py_ssize_t n, PyObject *routes, PyObject
         return DECLINE;
     const char *id = z_msg_data(&m[0]);
     size_t id_len = z_msg_size(&m[0]);
-    if (starts(&m[0], "s-", 2)) {
+    if (starts(&m[0], SHARD_PREFIX, SHARD_PREFIX_LEN)) {
         /* A shard's reply: [shard, client, ...] -> [client, ...]. */
         size_t t_len = z_msg_size(&m[1]);
         const char *t = z_msg_data(&m[1]);
-        if (t_len == 0 || t[0] == '\0' || starts(&m[1], "s-", 2))
+        if (t_len == 0 || t[0] == PSEUDO_TARGET ||
+            starts(&m[1], SHARD_PREFIX, SHARD_PREFIX_LEN))
             return DECLINE; /* control, commit or move answers, replies to shards */
         *node = PyUnicode_DecodeUTF8(id, (Py_ssize_t)id_len, "replace");
         if (*node == NULL)
@@ -134,20 +155,21 @@ static int forward(void *sock, zmsg *m, Py_ssize_t n, PyObject *routes, PyObject
         send_rest(sock, m, 2, n);
         return REPLIED;
     }
-    if (starts(&m[0], "h-s-", 4))
+    if (starts(&m[0], LIVENESS_PREFIX, LIVENESS_PREFIX_LEN))
         return DECLINE; /* a shard's liveness link */
     /* A client's message: a REQUEST of this protocol version goes to its primary. */
     const unsigned char *r = z_msg_data(&m[1]);
-    if (z_msg_size(&m[1]) != ROUTE_SIZE || r[0] != 'Z' || r[1] != 'P' ||
-        r[2] != PROTOCOL_VERSION || r[3] != MSG_REQUEST || holding)
+    if (z_msg_size(&m[1]) != ROUTE_SIZE || memcmp(r, ROUTE_MAGIC, ROUTE_MAGIC_LEN) != 0 ||
+        r[ROUTE_VERSION_AT] != PROTOCOL_VERSION || r[ROUTE_TYPE_AT] != MSG_REQUEST || holding)
         return DECLINE;
-    int32_t p = (int32_t)((uint32_t)r[4] | (uint32_t)r[5] << 8 | (uint32_t)r[6] << 16 |
-                          (uint32_t)r[7] << 24);
+    const unsigned char *pr = r + ROUTE_PARTITION_AT;
+    int32_t p = (int32_t)((uint32_t)pr[0] | (uint32_t)pr[1] << 8 | (uint32_t)pr[2] << 16 |
+                          (uint32_t)pr[3] << 24);
     if (p < 0 || p >= PyList_GET_SIZE(routes))
         return DECLINE;
     PyObject *target = PyList_GET_ITEM(routes, p);
     if (!PyBytes_Check(target))
-        return DECLINE; /* no primary */
+        return DECLINE; /* no primary: the route table says why (zps.broker.routes) */
     if (PyDict_GET_SIZE(queues) != 0) {
         int busy = PyDict_Contains(queues, target);
         if (busy < 0)
@@ -181,10 +203,11 @@ static int forward(void *sock, zmsg *m, Py_ssize_t n, PyObject *routes, PyObject
  * Forwards queued messages until none is left (events: the last ZMQ_EVENTS reading),
  * ``limit`` were forwarded (events: 0; more may be queued), or one is declined
  * (declined: its frames as bytes; events: 0).  events is -1 when the socket failed
- * (the caller's own receive reports it).  routes: the primary's identity (bytes) per
- * partition, or None; shards: the membership (names); last: the failure detector's
- * last-heard times, set to ``now`` for each sender forwarded; queues: the identities
- * with messages held for them; holding: the broker is collecting claims. */
+ * (the caller's own receive reports it).  routes: the route table's targets
+ * (zps.broker.routes.RouteTable.targets: the primary's identity, bytes, or None);
+ * shards: the membership (names); last: the failure detector's last-heard times, set
+ * to ``now`` for each sender forwarded; queues: the identities with messages held for
+ * them; holding: the broker is collecting claims. */
 static PyObject *pump(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 8) {
