@@ -106,4 +106,11 @@ def test_the_cli_names_bad_input_and_prints_the_replay(capsys: pytest.CaptureFix
     out = capsys.readouterr().out
     assert "seed 25: FAILED" in out and "fault schedule" in out
     assert "--seed 25 --seeds 1 --trace --bug wal-retry-partial --faults disk" in out
+    # Side by side in worker processes: the same runs, reported in seed order.
+    assert main(["--seeds", "2", "--seed", "24", "--jobs", "2", *args[4:], "--bug",
+                 "wal-retry-partial", "--keep-going"]) == 1  # fmt: skip
+    assert "seed 25: FAILED" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--jobs", "0"])
+    assert "--jobs must be >= 1" in capsys.readouterr().err
     assert set(FAULTS) >= {"kill", "pause", "partition", "disk", "crash-all", "broker"}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 
 from zps.testing.sim import bugs
 from zps.testing.sim.world import FAULTS, LOADS, Result, run_seed
@@ -35,7 +36,37 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bug", choices=sorted(bugs.BUGS), help="re-introduce a known defect")
     p.add_argument("--keep-going", action="store_true", help="run every seed after a failure")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="worker processes running seeds side by side (default 1); each seed's run is "
+        "the same in any of them, and results are reported in seed order",
+    )
     return p
+
+
+def _one(seed: int, faults: Sequence[str], trace: bool, bug: str | None) -> Result:
+    with bugs.patched(bug):
+        return run_seed(seed, faults=faults, trace=trace)
+
+
+def _results(args: argparse.Namespace) -> Generator[Result]:
+    seeds = range(args.seed, args.seed + args.seeds)
+    if args.jobs == 1:
+        for seed in seeds:
+            yield _one(seed, args.faults, args.trace, args.bug)
+        return
+    n = len(seeds)
+    with ProcessPoolExecutor(args.jobs) as pool:
+        yield from pool.map(
+            _one,
+            seeds,
+            [args.faults] * n,
+            [args.trace] * n,
+            [args.bug] * n,
+            chunksize=max(1, min(20, n // (4 * args.jobs))),
+        )
 
 
 def report(r: Result, bug: str | None, faults: Sequence[str]) -> str:
@@ -54,13 +85,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.seeds < 1:
         parser().error("--seeds must be >= 1")
+    if args.jobs < 1:
+        parser().error("--jobs must be >= 1")
     t0 = time.monotonic()
     failed: list[int] = []
     unavailable = 0
     n = 0
-    for seed in range(args.seed, args.seed + args.seeds):
-        with bugs.patched(args.bug):
-            r = run_seed(seed, faults=args.faults, trace=args.trace)
+    results = _results(args)
+    for r in results:
+        seed = r.seed
         n += 1
         unavailable += bool(r.unavailable)
         if args.trace:
@@ -71,12 +104,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             failed.append(seed)
             print(report(r, args.bug, args.faults), flush=True)
             if not args.keep_going:
+                results.close()  # the workers' pool shuts down; seeds not run are dropped
                 break
+        if n % PROGRESS == 0 and n < args.seeds:
+            print(_summary(n, t0, failed, unavailable), file=sys.stderr, flush=True)
+    print(_summary(n, t0, failed, unavailable), file=sys.stderr)
+    return 1 if failed else 0
+
+
+#: Seeds between two progress lines of a long run.
+PROGRESS = 1000
+
+
+def _summary(n: int, t0: float, failed: list[int], unavailable: int) -> str:
     took = time.monotonic() - t0
-    print(
+    return (
         f"{n} seeds in {took:.1f}s ({60 * n / took:.0f} per minute): {len(failed)} failed"
         f"{' ' + str(failed) if failed else ''}; {unavailable} ended with a partition "
-        "unavailable",
-        file=sys.stderr,
+        "unavailable"
     )
-    return 1 if failed else 0

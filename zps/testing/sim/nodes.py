@@ -96,6 +96,11 @@ class SimBroker:
         self._timer(self.gen)
 
     def stop(self, *, keep_record: bool) -> None:
+        if self.alive:
+            # The record as last written: every change of the state is followed, within
+            # the same event, by _keep (the record is written before anything that
+            # depends on it goes out), so the state at the stop is the record.
+            self.record = (self.state.map_version, self.state.records())
         self.alive = False
         self.w.net.detach(self.name)
         if not keep_record:
@@ -126,8 +131,9 @@ class SimBroker:
             self.send(a.node_id, ("assign", a))
 
     def _keep(self) -> None:
-        """The record is written (durably) before anything that depends on it goes out."""
-        self.record = (self.state.map_version, self.state.records())
+        """The record is written (durably) before anything that depends on it goes out:
+        taken from the state when the broker stops (:meth:`stop`), which is what the last
+        write held; here, the notices of the change are kept."""
         for level, text in self.state.notices:
             self.w.sched.log(f"broker {level}: {text[:160]}")
             self.w.notices.append((level, text))

@@ -12,15 +12,10 @@ import heapq
 import itertools
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-
-@dataclass(order=True)
-class _Event:
-    t: float
-    seq: int
-    fn: Callable[[], None] = field(compare=False)
-    what: str = field(compare=False, default="")
+#: An event on the heap: (time, sequence number, what to run).  Plain tuples: the
+#: heap compares them natively, and (time, seq) is unique, so ``fn`` is never compared.
+_Event = tuple[float, int, Callable[[], None]]
 
 
 class Scheduler:
@@ -34,15 +29,20 @@ class Scheduler:
         self.lines: list[str] = []
         self._hash = hashlib.sha256()
         self.events = 0
+        #: A prefix cut from every trace line (the run's scratch directory, whose name
+        #: is not the seed's): a path in a message must not change the trace's hash.
+        self.redact = "\0"
 
-    def at(self, t: float, fn: Callable[[], None], what: str = "") -> None:
-        heapq.heappush(self._heap, _Event(max(t, self.now), next(self._seq), fn, what))
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (t if t > self.now else self.now, next(self._seq), fn))
 
-    def after(self, dt: float, fn: Callable[[], None], what: str = "") -> None:
-        self.at(self.now + dt, fn, what)
+    def after(self, dt: float, fn: Callable[[], None]) -> None:
+        self.at(self.now + dt, fn)
 
     def log(self, line: str) -> None:
         """A line of the trace: hashed always (the determinism check), kept with --trace."""
+        if self.redact in line:
+            line = line.replace(self.redact, "")
         text = f"{self.now:10.4f} {line}"
         self._hash.update(text.encode())
         if self.trace_on:
@@ -53,9 +53,12 @@ class Scheduler:
         return self._hash.hexdigest()[:16]
 
     def run_until(self, end: float) -> None:
-        while self._heap and self._heap[0].t <= end:
-            ev = heapq.heappop(self._heap)
-            self.now = ev.t
-            self.events += 1
-            ev.fn()
+        heap, pop = self._heap, heapq.heappop
+        n = 0
+        while heap and heap[0][0] <= end:
+            t, _, fn = pop(heap)
+            self.now = t
+            n += 1
+            fn()
+        self.events += n
         self.now = max(self.now, end)

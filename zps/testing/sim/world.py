@@ -90,6 +90,7 @@ class World:
         self.acks: dict[tuple[int, int], set[str]] = {}
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
         self.tmp = Path(tempfile.mkdtemp(prefix="zps-sim-", dir=base))
+        self.sched.redact = f"{self.tmp}/"
         self.os = simdisk.SimOS()
         self.broker = SimBroker(self, n_partitions, replication)
         self.shards = [SimShard(self, f"s{i}") for i in range(n_shards)]
