@@ -100,6 +100,7 @@ LAYERS: dict[str, str] = {
     "zps.broker.router": "driver",
     "zps.shard": "driver",
     "zps.shard.core": "core",
+    "zps.shard.admission": "core",
     "zps.shard.slotops": "core",
     "zps.shard.server": "driver",
     "zps.shard.session": "core",

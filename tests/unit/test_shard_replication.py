@@ -779,7 +779,7 @@ def test_a_payload_named_twice_other_ways_is_not_known_finite() -> None:
     """The verdict of a read holds for the payload read as one dtype: a request whose
     operations name the same payload as two dtypes (float64 bytes that are float32
     NaNs), or as a gradient and something else, gets no verdict for it."""
-    from zps.shard.server import _grad_frames
+    from zps.shard.admission import grad_frames
 
     def g(i: int, dtype: str, codec: int = 0) -> list[Any]:
         return [i, dtype, [4], codec]
@@ -787,23 +787,23 @@ def test_a_payload_named_twice_other_ways_is_not_known_finite() -> None:
     def ops(*o: dict[str, Any]) -> dict[str, Any]:
         return {"ops": list(o)}
 
-    assert _grad_frames(ops({"op": "push_dense", "t": "w", "chunk": 0, "g": g(0, "float32")})) == {
+    assert grad_frames(ops({"op": "push_dense", "t": "w", "chunk": 0, "g": g(0, "float32")})) == {
         0: "float32"
     }
     twice = ops(
         {"op": "push_dense", "t": "w", "chunk": 0, "g": g(0, "float32")},
         {"op": "push_rows", "t": "e", "ids": g(1, "int64"), "g": g(0, "float64")},
     )
-    assert _grad_frames(twice) == {}
+    assert grad_frames(twice) == {}
     as_ids = ops(
         {"op": "push_dense", "t": "w", "chunk": 0, "g": g(0, "float32")},
         {"op": "pull_rows", "t": "e", "ids": g(0, "int64")},
     )
-    assert _grad_frames(as_ids) == {}
+    assert grad_frames(as_ids) == {}
     same = ops(
         {"op": "push_dense", "t": "w", "chunk": 0, "g": g(0, "float32")},
         {"op": "push_dense", "t": "w", "chunk": 1, "g": g(0, "float32")},
     )
-    assert _grad_frames(same) == {0: "float32"}
+    assert grad_frames(same) == {0: "float32"}
     zstd = ops({"op": "push_dense", "t": "w", "chunk": 0, "g": g(0, "float32", 1)})
-    assert _grad_frames(zstd) == {}
+    assert grad_frames(zstd) == {}

@@ -75,7 +75,6 @@ from zps.ops.security import (
 )
 from zps.ops.systemd import Notifier
 from zps.protocol.codec import (
-    CODEC_RAW,
     PROTOCOL_VERSION,
     Message,
     MsgType,
@@ -100,9 +99,9 @@ from zps.protocol.messages import (
     Status,
     StatusReply,
 )
-from zps.shard import snapshots
+from zps.shard import admission, snapshots
 from zps.shard.checkpoint import CheckpointStore, cut, finish, restore
-from zps.shard.core import MUTATIONS, Limits, ShardCore
+from zps.shard.core import Limits, ShardCore
 from zps.shard.durability import Durability, LogLost
 from zps.shard.liveness import Liveness
 from zps.shard.primary import REPLICATION_HWM, ReplicationStream, Reply
@@ -118,12 +117,6 @@ log = logging.getLogger("zps.shard")
 
 #: Seconds after which a reply's shared-memory region may be reused unread.
 SHM_RECLAIM_S = 2.0
-#: How many answers to a client's background writes may be held for its next reply to
-#: carry (see ShardServer._hold; for how long: ``shard.ack_hold_s``).
-ACK_HOLD_MAX = 64
-#: Clients remembered as waiting (their last request was not lazy): nothing is held
-#: for them.  Past this many the set starts again (a forgotten one waits ack_hold_s).
-ACK_HOLD_CLIENTS = 4096
 
 
 class _HeldAck(list[Any]):
@@ -137,52 +130,6 @@ class _HeldAck(list[Any]):
         super().__init__(frames)
         self.req_id = req_id
         self.res = res
-
-
-def _mutates(header: dict[str, Any]) -> bool:
-    """Whether a request holds an operation that changes state."""
-    ops = header.get("ops")
-    return isinstance(ops, list) and any(
-        isinstance(op, dict) and isinstance(op.get("op"), str) and op["op"] in MUTATIONS
-        for op in ops
-    )
-
-
-#: Item sizes of the gradient dtypes checked finite as they are read (see _grad_frames).
-_FLOAT_SIZES = {"float32": 4, "float64": 8}
-
-
-def _grad_frames(header: dict[str, Any]) -> dict[int, str]:
-    """Payload index -> dtype of the raw float gradients of a request's pushes: read from
-    a client's shared memory, they are checked finite in the same pass.  A payload some
-    operation names otherwise (another dtype or codec) is left out: the verdict must
-    hold for every reading of those bytes (see ShardCore._known_finite)."""
-    found: dict[int, str] = {}
-    mixed: set[int] = set()
-    ops = header.get("ops")
-    if not isinstance(ops, list):
-        return found
-    for op in ops:
-        if not isinstance(op, dict):
-            continue
-        push = op.get("op") in ("push_dense", "push_rows")
-        for key, g in op.items():  # every array the operation names
-            if not (isinstance(g, list) and len(g) == 4 and type(g[0]) is int):
-                continue
-            if (
-                push
-                and key == "g"
-                and g[3] == CODEC_RAW
-                and type(g[1]) is str
-                and g[1] in _FLOAT_SIZES
-                and found.get(g[0], g[1]) == g[1]
-            ):
-                found[g[0]] = g[1]
-            else:
-                mixed.add(g[0])
-    for i in mixed:
-        found.pop(i, None)
-    return found
 
 
 def _from_broker(mtype: MsgType, header: dict[str, Any]) -> BrokerToShard | None:
@@ -281,7 +228,10 @@ class ShardServer:
         self.assigned = asyncio.Event()
         #: The broker accepted the registration (it answered with an assignment).
         self.registered = False
-        self._roles = False  # CURVE roles: a request's dedup id must be its sender's
+        #: What the admission rules take from the configuration (roles: see _run).
+        self._policy = admission.Policy(
+            self.node_id, False, config.reply_queue_bytes, config.max_message_bytes
+        )
         self._version_warned = False
         self._stop = asyncio.Event()
         self._ctx: zmq.asyncio.Context | None = None
@@ -305,10 +255,8 @@ class ShardServer:
         # past ``reply_queue_bytes - max_message_bytes`` held, requests are refused.
         self._out: transport.Outbound | None = None
         #: Released answers to clients' background writes, waiting to ride on the next
-        #: reply to the same client (at most ``ack_hold_s``), by client identity; and the
-        #: clients whose last request was not lazy (nothing is held for them).
-        self._held: dict[bytes, list[list[Any]]] = {}
-        self._eager: set[bytes] = set()
+        #: reply to the same client (at most ``ack_hold_s``).
+        self._acks = admission.HeldAcks(config.ack_hold_s)
         self._held_timer: asyncio.TimerHandle | None = None
         self.overloaded = 0  # requests refused OVERLOADED (the broker link was full)
         self._stream: ReplicationStream | None = None
@@ -402,7 +350,8 @@ class ShardServer:
         self._ctx = transport.new_context()
         keys = self._keys = load_curve_keys(cfg.security)
         roles = load_key_roles(cfg.security)
-        self._roles = roles is not None
+        # CURVE roles: a request's dedup id must be its sender's.
+        self._policy = dataclasses.replace(self._policy, roles=roles is not None)
         # With roles only shards may reach the replication endpoint.
         auth = (
             transport.start_authenticator(
@@ -1199,17 +1148,14 @@ class ShardServer:
             route = unpack_route(transport.frame_buffer(frames[1]))
         except (KeyError, ValueError, TypeError, OverflowError) as e:
             raise ProtocolError(str(e)) from e
-        held, cfg = out.held_bytes, self.config
-        if held > 0 and held + cfg.max_message_bytes > cfg.reply_queue_bytes:
-            # That router reads too slowly for another full reply: as _link_full does.
+        if admission.link_full(out.held_bytes, self._policy):
+            # That router reads too slowly for another full reply (admission rule 4).
             self.overloaded += 1
-            refusal = StatusReply(
-                Status.OVERLOADED,
-                f"shard {self.node_id}: replies held for "
-                "this routing broker fill shard.reply_queue_bytes; retry later",
-            )
+            refusal = admission.overloaded(self._policy, "this routing broker")
             reply_route = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
-            out.post([source, *encode(reply_route, refusal.to_wire())], cfg.reply_queue_bytes)
+            out.post(
+                [source, *encode(reply_route, refusal.header())], self._policy.reply_queue_bytes
+            )
             return
         if len(self._via) > 65536:
             self._via.clear()
@@ -1222,7 +1168,7 @@ class ShardServer:
     def _apply_waiting(self, done: MapResult[Reply]) -> None:
         """Answer the writes now held by every copy required; refuse those held by too few."""
         self._release(done.released)
-        self._refuse(done.refused, Status.NOT_ENOUGH_REPLICAS, self._short_of_copies())
+        self._refuse(done.refused, Status.NOT_ENOUGH_REPLICAS, self.session.short_of_copies())
 
     # -- requests ------------------------------------------------------------
 
@@ -1271,9 +1217,9 @@ class ShardServer:
         if link != self._current:
             # Routed by a broker of the pair that was replaced: the client retries.
             sock = self._links[link][0]
-            refusal = StatusReply(Status.NOT_PRIMARY, "routed by a broker that was replaced")
             reply_route = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
-            transport.try_send(sock, [source, *encode(reply_route, refusal.to_wire())])
+            refusal = admission.REPLACED.header()
+            transport.try_send(sock, [source, *encode(reply_route, refusal)])
             return True
         if self._via:
             self._via.pop(source, None)  # answered through the broker again
@@ -1281,105 +1227,75 @@ class ShardServer:
         return True
 
     def _request(self, source: bytes, route: Route, frames: list[Any]) -> None:
+        """Carry out the admission rules (zps.shard.admission) for a client's request."""
         assert self._sock is not None and self._stream is not None
         bufs = [transport.frame_buffer(f) for f in frames]
         reply_route = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
-        refusal = None
         shm_reply = no_shm_reply = False
         finite: dict[int, str] = {}
-        mutates = False
+        writes = False
+        verdict: admission.Verdict
         try:
             msg = decode(bufs, route=route)
-            mutates = _mutates(msg.header)
+            writes = admission.mutates(msg.header)
             if shm.KEY in msg.header:
                 # Payloads in the client's shared memory: copied here first, so what is
                 # applied, logged and replicated is this process's own (a write's into
                 # this process's arena, when followers read the stream from there).
                 # Only a write's header frame is logged and replicated (only MUTATIONS
-                # change the state, and _mutates tests those names): a read's stays as
+                # change the state, and mutates() tests those names): a read's stays as
                 # it came, naming the client's memory.
-                grads = _grad_frames(msg.header) if mutates else {}
+                grads = admission.grad_frames(msg.header) if writes else {}
                 got = (self._shm or shm.OFF).inbound(
                     bufs,
                     msg.header,
-                    stage=self._stream.stage_room() if mutates else 0,
+                    stage=self._stream.stage_room() if writes else 0,
                     reader=source,
-                    check={i: _FLOAT_SIZES[d] for i, d in grads.items()},
-                    header_frame=mutates,
+                    check={i: admission.FLOAT_SIZES[d] for i, d in grads.items()},
+                    header_frame=writes,
                 )
                 frames = bufs = got.frames
                 msg = Message(msg.route, got.header, bufs[2:])  # the header read once
                 shm_reply, no_shm_reply = got.reply_ok, got.reply_refused
                 finite = {i: grads[i] for i in got.finite}
         except shm.ShmUnavailableError as e:
-            # The client sends it again (inline, if this shard cannot open its memory).
-            refused = StatusReply(Status.OVERLOADED, f"shard {self.node_id}: {e}").to_wire()
-            # busy: out of descriptors or memory here, for a while (the client offers
-            # shared memory again later); open: never; gone: not these regions.
-            refused["noshm"] = "busy" if e.busy else "open" if e.permanent else "gone"
-            refused["by"] = self.node_id
-            if e.token is not None:  # which region: a late refusal is told from a new one
-                refused["tok"] = [e.token]
-            self._post([source, *encode(reply_route, refused)])
-            return
+            verdict = admission.shm_refusal(
+                str(e), busy=e.busy, permanent=e.permanent, token=e.token, policy=self._policy
+            )
         except ProtocolError as e:
-            self.core.stats.malformed += 1
-            refusal = StatusReply(Status.BAD_REQUEST, str(e))
+            verdict = admission.malformed(str(e))
         else:
-            if route.mtype is not MsgType.REQUEST:
+            assert self._out is not None
+            verdict = admission.admit(
+                source,
+                route.mtype,
+                msg.header,
+                writes=writes,
+                policy=self._policy,
+                lease=self.session,
+                link_full=admission.link_full(self._out.held_bytes, self._policy),
+                log_waits=self.durability.waits,
+                now=time.monotonic(),
+            )
+        if isinstance(verdict, admission.Refuse):
+            if verdict.count is admission.Count.MALFORMED:
                 self.core.stats.malformed += 1
-                refusal = StatusReply(
-                    Status.BAD_REQUEST, f"a shard serves REQUEST, not {route.mtype.name}"
-                )
-            elif (
-                self._roles
-                and msg.header.get("cid", source) != source
-                and not source.startswith(b"\0")  # the broker's own (no peer's id can be)
-            ):
-                # Dedup is keyed by the authenticated sender: no client may use (or
-                # poison) another's sequence numbers.
-                self.core.stats.malformed += 1
-                refusal = StatusReply(
-                    Status.BAD_REQUEST, "a request's 'cid' must be its sender's identity"
-                )
-            elif self._link_full():
+            elif verdict.count is admission.Count.OVERLOADED:
                 self.overloaded += 1
-                refusal = StatusReply(
-                    Status.OVERLOADED,
-                    f"shard {self.node_id}: replies held for the broker fill "
-                    f"shard.reply_queue_bytes ({self.config.reply_queue_bytes}); retry later",
-                )
-            elif not self.session.may_write(time.monotonic()):
-                refusal = StatusReply(
-                    Status.NOT_PRIMARY, "the primary's lease from the broker has run out"
-                )
-            elif mutates and msg.header.get("acks") != 1 and not self.session.enough_in_sync():
-                refusal = StatusReply(Status.NOT_ENOUGH_REPLICAS, self._short_of_copies())
-        if refusal is not None:
-            self._post([source, *encode(reply_route, refusal.to_wire())])
+            self._post([source, *encode(reply_route, verdict.header())])
             return
         prev = self.core.lsn
         t0 = time.perf_counter()
-        acks_1 = msg.header.get("acks") == 1
-        # A client that takes a reply in two parts ("er") gets its reads' answers at once
-        # when its writes' answer waits (for the log, or for the replicas).
-        split = msg.header.get("er") == 1 and (
-            self.durability.waits or (not acks_1 and bool(self.session.tracker.required))
-        )
-        if msg.header.get("lz") == 1:
-            self._eager.discard(source)
-        elif source not in self._eager:  # a call waits for its answers (a flush)
-            if len(self._eager) >= ACK_HOLD_CLIENTS:
-                self._eager.clear()  # clients come and go: forget the oldest word
-            self._eager.add(source)
-        held = self._held.get(source)
+        acks = self._acks
+        acks.seen(source, verdict.lazy)
+        held = acks.carry(source)
         done = self.core.handle_request(
-            route, msg.header, msg.payloads, finite, split=split, acked=held
+            route, msg.header, msg.payloads, finite, split=verdict.split, acked=held
         )
-        reply, changed, writes_res = done.reply, done.changed, done.writes_res
+        reply = done.reply
         if done.carried:
-            del self._held[source]  # they ride on this reply
-        self._latency["write" if changed else "read"].observe(time.perf_counter() - t0)
+            acks.carried(source)  # they ride on this reply
+        self._latency["write" if done.changed else "read"].observe(time.perf_counter() - t0)
         if shm_reply and self._shm is not None and self._shm.wants(reply):
             # The client copies the large frames; dense values are lent, not copied.
             reply = self._shm.outbound(reply, lend_to=source)[0]
@@ -1387,50 +1303,38 @@ class ShardServer:
             # A client on another host (or this shard's path off): told once, so that
             # it stops asking (and stops sending payloads this way to this shard).
             reply = _told_no_shm(reply, self.node_id)
-        if not changed:
-            size = transport.message_bytes(reply)
-            if size > self.config.max_message_bytes - 4096:
-                # The broker would cut this shard's connection for it (MAXMSGSIZE).
-                self.core.stats.errors += 1
-                too_big = StatusReply(
-                    Status.BAD_REQUEST,
-                    f"the reply would be {size} bytes, over shard.max_message_bytes "
-                    f"({self.config.max_message_bytes}); ask for less per request",
-                )
-                reply = encode(reply_route, too_big.to_wire())
-                if done.carried and held:  # they did not go: held again
-                    self._held[source] = held + self._held.get(source, [])
-            d = self.durability
-            if done.duplicate and mutates:
-                # A re-sent write answered from the dedup record: not before its first
-                # copy may be (its LSN is at most the current one): in the log, and with
-                # acks="all" on the replicas.  That answer may wait, and be refused.
-                if done.carried and held:
-                    self._held[source] = held + self._held.get(source, [])
-                lsn, epoch = self.core.lsn, self.core.epoch
-                if acks_1:
-                    d.after(lsn, lambda: self._post([source, *reply]))
-                else:
-                    d.after(lsn, lambda: self._logged_write(lsn, epoch, (source, reply)))
-            elif d.waits and d.durable < self.core.lsn and mutates:
-                d.after(self.core.lsn, lambda: self._post([source, *reply]))
-            else:
-                self._post([source, *reply])
-            return
-        self._stream.replicate(prev, frames, checked=done.clean)
-        lsn, epoch = self.core.lsn, self.core.epoch
-        self.durability.log(epoch, prev, lsn, bufs[1:])
-        if writes_res is not None:
+        d = self.durability
+        todo = admission.plan(
+            verdict,
+            done,
+            reply_bytes=0 if done.changed else transport.message_bytes(reply),
+            log_behind=d.waits and d.durable < self.core.lsn,
+            policy=self._policy,
+        )
+        if todo.too_large is not None:
+            self.core.stats.errors += 1
+            reply = encode(reply_route, StatusReply(Status.BAD_REQUEST, todo.too_large).to_wire())
+        if todo.give_back and held:
+            acks.give_back(source, held)
+        if todo.replicate:
+            self._stream.replicate(prev, frames, checked=done.clean)
+            d.log(self.core.epoch, prev, self.core.lsn, bufs[1:])
+        if todo.first_part:
             # Reads see what the primary applied, as any other client's reads do: only
             # the writes' acknowledgement waits.
             self._post([source, *reply])
-            reply = encode(reply_route, {"st": "OK", "res": writes_res})
-            if msg.header.get("lz") == 1 and not acks_1:
-                reply = _HeldAck(reply, route.req_id, writes_res)
-        if acks_1:
-            self.durability.after(lsn, lambda: self._post([source, *reply]))
-        else:
-            self.durability.after(lsn, lambda: self._logged_write(lsn, epoch, (source, reply)))
+            assert done.writes_res is not None
+            reply = encode(reply_route, {"st": "OK", "res": done.writes_res})
+            if todo.hold_final:
+                reply = _HeldAck(reply, route.req_id, done.writes_res)
+        lsn, epoch = self.core.lsn, self.core.epoch
+        match todo.wait:
+            case admission.Wait.NOW:
+                self._post([source, *reply])
+            case admission.Wait.LOG:
+                d.after(lsn, lambda: self._post([source, *reply]))
+            case admission.Wait.REPLICAS:
+                d.after(lsn, lambda: self._logged_write(lsn, epoch, (source, reply)))
 
     def _logged_write(self, lsn: int, epoch: int, item: Reply) -> None:
         """A write is in the log (as the durability mode requires): it now waits for the
@@ -1456,13 +1360,6 @@ class ShardServer:
             )
             self._start_checkpoint()
 
-    def _short_of_copies(self) -> str:
-        s = self.session
-        return (
-            f"partition {s.partition}: {1 + len(s.tracker.required)} of the "
-            f"{s.needed_copies} copies acks='all' needs (replication.min_in_sync) are in sync"
-        )
-
     def _release(self, replies: list[Reply]) -> None:
         for client, frames in replies:
             if isinstance(frames, _HeldAck):
@@ -1472,23 +1369,18 @@ class ShardServer:
 
     def _hold(self, client: bytes, ack: _HeldAck) -> None:
         """The answer to background writes, now held by the replicas: carried by the
-        client's next reply that goes at once (the next step's first part), or
-        sent on its own after ``shard.ack_hold_s``, so a pipelined step costs one reply,
-        not two.  A client whose last request was not lazy (it waits: ``flush()``) is
-        answered at once."""
-        held = self._held.setdefault(client, [])
-        held.append([ack.req_id, ack.res])
-        hold = self.config.ack_hold_s
-        if hold <= 0 or client in self._eager or len(held) >= ACK_HOLD_MAX:
-            self._send_held(client, self._held.pop(client))
+        client's next reply that goes at once, or sent on its own after
+        ``shard.ack_hold_s`` (admission.HeldAcks)."""
+        now = self._acks.hold(client, ack.req_id, ack.res)
+        if now is not None:
+            self._send_held(client, now)
         elif self._held_timer is None:
             loop = asyncio.get_running_loop()
-            self._held_timer = loop.call_later(hold, self._flush_held)
+            self._held_timer = loop.call_later(self._acks.hold_s, self._flush_held)
 
     def _flush_held(self) -> None:
         self._held_timer = None
-        held, self._held = self._held, {}
-        for client, acks in held.items():
+        for client, acks in self._acks.release().items():
             self._send_held(client, acks)
 
     def _send_held(self, client: bytes, acks: list[list[Any]]) -> None:
@@ -1522,13 +1414,6 @@ class ShardServer:
         except OSError as e:  # the arena could not be made (memfd, mmap): the heap
             log.warning("a dense chunk on the heap: shared memory failed (%s)", e)
             return None
-
-    def _link_full(self) -> bool:
-        """Too much is held for the broker to take a request whose reply may be a full
-        message: refuse it (OVERLOADED) rather than queue its reply."""
-        assert self._out is not None
-        held = self._out.held_bytes
-        return held > 0 and held + self.config.max_message_bytes > self.config.reply_queue_bytes
 
     # -- replica side --------------------------------------------------------
 

@@ -393,6 +393,18 @@ class ShardSession(Generic[T]):
             return True  # the core refuses the write anyway (NOT_PRIMARY)
         return 1 + len(self.tracker.required) >= self.needed_copies or self.repairing
 
+    @property
+    def replicas_required(self) -> bool:
+        """Whether an acks="all" write waits for replicas now."""
+        return bool(self.tracker.required)
+
+    def short_of_copies(self) -> str:
+        """Why an acks="all" write is refused (rule 6)."""
+        return (
+            f"partition {self.partition}: {1 + len(self.tracker.required)} of the "
+            f"{self.needed_copies} copies acks='all' needs (replication.min_in_sync) are in sync"
+        )
+
     def accepts_subscription(self, node: str, partition: object, epoch: object) -> bool:
         """Only the primary of that partition and epoch streams, and only to its replicas."""
         return (
