@@ -35,13 +35,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from zps.errors import BadRequestError, ProtocolError
 from zps.protocol.codec import BufferLike, Encoder, array_from
+from zps.store import PartitionStore
 from zps.store.slots import (
     Compaction,
     Tracker,
@@ -53,10 +54,7 @@ from zps.store.slots import (
     slot_mask,
     slots_of_ids,
 )
-from zps.store.stepbuf import Pending, is_entry
-
-if TYPE_CHECKING:
-    from zps.shard.core import ShardCore
+from zps.store.stepbuf import Pending, StepBuffer, is_entry
 
 #: Operations that touch rows or chunks, so are subject to the ownership rule.
 ROW_OPS = frozenset({"pull_rows", "push_rows", "set_rows"})
@@ -74,6 +72,35 @@ SLOT_MUTATIONS = frozenset(
     }
 )
 OK: dict[str, Any] = {"st": "OK"}
+
+
+class ArrayLimit(Protocol):
+    @property
+    def max_array_bytes(self) -> int: ...
+
+
+class SlotHost(Protocol):
+    """What the ownership rule and the move operations use of a shard's core
+    (:class:`~zps.shard.core.ShardCore` has it): its partition, tables, sync-mode
+    gradients and LSN, its per-request array limit, and its slot state (set by the
+    first move operation)."""
+
+    slots: SlotState | None
+
+    @property
+    def partition(self) -> int | None: ...
+
+    @property
+    def lsn(self) -> int: ...
+
+    @property
+    def store(self) -> PartitionStore: ...
+
+    @property
+    def steps(self) -> StepBuffer: ...
+
+    @property
+    def limits(self) -> ArrayLimit: ...
 
 
 @dataclass
@@ -210,7 +237,7 @@ def request_slots(
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def check(core: ShardCore, ops: list[Any], payloads: Sequence[BufferLike]) -> dict[str, Any] | None:
+def check(core: SlotHost, ops: list[Any], payloads: Sequence[BufferLike]) -> dict[str, Any] | None:
     """The refusal of a request by the ownership rule (None: serve it)."""
     state = core.slots
     if state is None or not state.active:
@@ -241,7 +268,7 @@ def _slots(op: dict[str, Any], n_slots: int, key: str = "slots") -> npt.NDArray[
     return slot_mask(raw, n_slots)
 
 
-def _state(core: ShardCore, op: dict[str, Any]) -> SlotState:
+def _state(core: SlotHost, op: dict[str, Any]) -> SlotState:
     """The partition's slot state; the first move operation sets it from the map's
     slots the broker sends along (``owned``, ``n_slots``, ``version``)."""
     if core.slots is not None:
@@ -256,7 +283,7 @@ def _state(core: ShardCore, op: dict[str, Any]) -> SlotState:
 
 
 def op_slots_fence(
-    core: ShardCore, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    core: SlotHost, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
 ) -> dict[str, Any]:
     state = _state(core, op)
     mask = _slots(op, state.n_slots)
@@ -268,7 +295,7 @@ def op_slots_fence(
 
 
 def op_slots_unfence(
-    core: ShardCore, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    core: SlotHost, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
 ) -> dict[str, Any]:
     state = _state(core, op)
     state.fenced &= ~_slots(op, state.n_slots)
@@ -278,7 +305,7 @@ def op_slots_unfence(
 
 
 def op_slots_cut(
-    core: ShardCore, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    core: SlotHost, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
 ) -> dict[str, Any]:
     """Copy what is on the slots, to be read by ``slots_cut_read``:
 
@@ -343,7 +370,7 @@ def op_slots_cut(
     return out
 
 
-def _cut_steps(core: ShardCore, mask: npt.NDArray[np.bool_]) -> list[Pending]:
+def _cut_steps(core: SlotHost, mask: npt.NDArray[np.bool_]) -> list[Pending]:
     """Sync-mode gradients waiting for their step, of the rows and chunks on ``mask``."""
     n_slots = mask.shape[0]
     out = []
@@ -361,7 +388,7 @@ def _cut_steps(core: ShardCore, mask: npt.NDArray[np.bool_]) -> list[Pending]:
 
 
 def op_slots_cut_read(
-    core: ShardCore, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    core: SlotHost, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
 ) -> dict[str, Any]:
     """Rows ``[start, start+count)`` of an embedding table of the cut (``a``: a map of
     arrays), or dense ``chunks`` (``a``: ``[values, {state}]`` per chunk)."""
@@ -414,7 +441,7 @@ def op_slots_cut_read(
 
 
 def op_slots_import(
-    core: ShardCore, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    core: SlotHost, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
 ) -> dict[str, Any]:
     """A piece of a move's copy: ``spec`` and ``a`` as ``slots_cut_read`` answered it
     (``chunks`` too for a dense tensor); ``slots`` are marked as importing."""
@@ -455,7 +482,7 @@ def op_slots_import(
 
 
 def op_slots_activate(
-    core: ShardCore, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    core: SlotHost, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
 ) -> dict[str, Any]:
     state = _state(core, op)
     mask = _slots(op, state.n_slots)
@@ -469,7 +496,7 @@ def op_slots_activate(
 
 
 def op_slots_release(
-    core: ShardCore, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    core: SlotHost, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
 ) -> dict[str, Any]:
     state = _state(core, op)
     mask = _slots(op, state.n_slots)
@@ -489,7 +516,7 @@ def op_slots_release(
 
 
 def op_slots_compact(
-    core: ShardCore, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    core: SlotHost, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
 ) -> dict[str, Any]:
     """Drop every row and chunk on a slot this partition neither owns nor imports (what
     releases without ``drop`` left behind).  ``rows`` > 0: one step of at most that many
@@ -521,7 +548,7 @@ def op_slots_compact(
 
 
 def op_slots_drop_import(
-    core: ShardCore, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
+    core: SlotHost, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
 ) -> dict[str, Any]:
     state = _state(core, op)
     mask = _slots(op, state.n_slots) & ~state.owned
@@ -531,9 +558,7 @@ def op_slots_drop_import(
     return {"st": "OK", "dropped": dropped}
 
 
-def _import_steps(
-    core: ShardCore, desc: object, payloads: Sequence[BufferLike], limit: int
-) -> None:
+def _import_steps(core: SlotHost, desc: object, payloads: Sequence[BufferLike], limit: int) -> None:
     if not isinstance(desc, list):
         raise BadRequestError("slots_import of steps needs 'a', a list of entries")
     entries = []
@@ -565,7 +590,7 @@ def owned_only(state: SlotState, tables: dict[str, Any]) -> None:
                 del data[c]
 
 
-def _drop_steps(core: ShardCore, mask: npt.NDArray[np.bool_]) -> None:
+def _drop_steps(core: SlotHost, mask: npt.NDArray[np.bool_]) -> None:
     """Sync-mode gradients waiting for their step, of rows or chunks on ``mask`` (they
     went to the destination with the slots; the broker commits no step meanwhile)."""
     steps = core.steps
