@@ -4,9 +4,12 @@
 
 A partition of ``--gb`` GB (an embedding of rows x 32 float32 with Adagrad, its ids
 pushed in a random order unless ``--ordered``) in a ShardCore, then each stage of a
-replica's catch-up (the cut, the stream's encoding, the assembly of its chunks, its
-decoding, the replica's checkpoint write, the build of its tables), of a checkpoint
-(ordering, encoding, checksum, write) and of a restart (read, check, decode, load).
+replica's catch-up (the cut, which freezes the rows; the sender's reads of the chunks
+and their checksum; the replica's copies of them into its tables' arrays, its
+checksum and its checkpoint write; the build of its tables; the release of the
+frozen version), of a checkpoint (cut, read, checksum, write, fsync) and of a restart
+(read and check into the tables' arrays, build the tables).  Peak RSS is printed at
+the end.
 CPU seconds count every thread of the process (``time.process_time``); on a loaded
 machine they are the figures to compare.  No sockets: ``bench/big_partition.py`` times
 the whole paths between processes.  Files go to a temporary directory, removed after.
@@ -15,6 +18,7 @@ the whole paths between processes.  Files go to a temporary directory, removed a
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import tempfile
 import time
@@ -31,6 +35,7 @@ from zps.optim import Adagrad
 from zps.protocol.specs import EmbeddingSpec
 from zps.shard import checkpoint as ck
 from zps.shard.core import ShardCore
+from zps.shard.snapshots import _fill
 from zps.store import snapshot as sn
 
 T = TypeVar("T")
@@ -76,49 +81,61 @@ def main() -> int:
     print(f"{rows:,} rows x {DIM} float32 + Adagrad ({args.gb:g} GB)")
     print(f"{'stage':<44} {'wall s':>8} {'cpu s':>8}")
 
-    def prefaulted() -> sn.CutSpace:
-        space = sn.cut_space(core.store)
-        space.prefault()
-        return space
+    chunk = sn.DEFAULT_CHUNK_BYTES
+    snap = stage("snapshot: cut (frozen; the event loop's part)", ck.cut, core)
+    parts = stage("snapshot: encode the header", ck.encode_parts, snap)
+    plan = sn.plan_chunks([*(len(p) for p in parts), ck.DIGEST_BYTES], chunk)
+    last = len(parts)
 
-    space = stage("snapshot: cut space, prefaulted", prefaulted)
-    snap = stage("snapshot: cut (the event loop's part)", ck.cut, core, space)
-    del space
-    parts = stage("snapshot: encode with its checksum", ck.encode_checkpoint, snap)
-    del snap
-    plan = sn.plan_chunks([len(p) for p in parts], sn.DEFAULT_CHUNK_BYTES)
-    assembly = sn.ChunkAssembly(1, plan.total, plan.chunk_bytes, plan.count, 1 << 40)
+    def read_chunks(parts: list[sn.Part]) -> list[memoryview]:
+        out = []
+        for pieces in plan.chunks:
+            body = tuple(p for p in pieces if p[0] < last)
+            out.append(_fill(parts, body, sum(b - a for _, a, b in body)))
+        return out
 
-    def assemble(into: sn.ChunkAssembly, stream: list[bytes | memoryview]) -> None:
-        for seq, pieces in enumerate(plan.chunks):
-            into.add(1, seq, [memoryview(stream[i]).cast("B")[a:b] for i, a, b in pieces])
+    # Every chunk at once here (the sender holds a window of them): the stages are
+    # timed one by one, not overlapped as the processes overlap them.
+    chunks = stage("sender: read the chunks from the frozen version", read_chunks, parts)
+    digest = ck.Digest(plan.total)
+    stage("sender: checksum of the chunks", digest.feed, chunks)
+    chunks[-1] = memoryview(bytes(chunks[-1]) + digest.digest())
+    stage("snapshot: release the frozen version", ck.release, snap)
+    del snap, parts
+    builder = sn.StreamBuilder(1, plan.total, chunk, plan.count, 1 << 40)
 
-    stage("replica: assemble the chunks (copies)", assemble, assembly, parts)
-    del parts
-    received = stage(
-        "replica: check and decode the stream", ck.decode_checkpoint, assembly.stream(), copy=False
-    )
+    def take(builder: sn.StreamBuilder, chunks: list[memoryview]) -> None:
+        for seq, data in enumerate(chunks):
+            builder.check(1, seq, [data])
+            builder.take([data])
+
+    stage("replica: take the chunks into its tables' arrays", take, builder, chunks)
+    check = ck.Digest(plan.total)
+    stage("replica: checksum of the chunks", check.feed, chunks)
+    assert check.digest() == builder.digest()
     with tempfile.TemporaryDirectory(prefix="zps-bench-stages-") as tmp:
         store = ck.CheckpointStore(tmp)
-        stage(
-            "replica: write it as its checkpoint (fsync)",
-            store.write_encoded,
-            0,
-            1,
-            5,
-            [assembly.stream()],
-        )
-        stage("replica: build the tables", core.build_store, received)
-        del received, assembly
-        space = prefaulted()
-        snap = ck.cut(core, space)
-        del space
-        snap = stage("checkpoint: finish (order)", ck.finish, snap)
-        stage("checkpoint: encode, checksum, write, fsync", store.write, snap)
+
+        def keep(chunks: list[memoryview]) -> None:
+            pending = store.begin(0, 1, 5)
+            for data in chunks:
+                pending.write(data)
+            pending.commit()
+
+        stage("replica: write its checkpoint, fsync", keep, chunks)
+        del chunks
+        received = stage("replica: decode the header", builder.snapshot)
+        stage("replica: build the tables (index, own the arrays)", sn.build_store, received)
+        del received, builder
+        snap = stage("checkpoint: cut (frozen)", ck.cut, core)
+        stage("checkpoint: read, checksum, write, fsync", store.write, ck.finish(snap))
+        stage("checkpoint: release the frozen version", ck.release, snap)
         del snap
-        found = stage("restart: read, check, decode the newest", store.latest)
+        found = stage("restart: read and check into the tables' arrays", store.latest)
         assert found is not None
-        stage("restart: load into a core", ShardCore().load_snapshot, found.snapshot)
+        stage("restart: build the tables", sn.build_store, found.snapshot)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    print(f"peak RSS {peak:.2f} GB for a partition of {args.gb:g} GB")
     return 0
 
 

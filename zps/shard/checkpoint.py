@@ -22,11 +22,15 @@ start-up, before anything is acknowledged: without a log, only a copy restored
 from the checkpoint it names is known to hold every write it acknowledged.
 
 The same byte stream is what a joining replica receives, in bounded chunks
-(:mod:`zps.shard.snapshots`).  A snapshot is taken in two steps so that no
-step delays the event loop by more than a memory copy: :func:`cut` copies the
-partition at one LSN (on the loop, between two requests); the encoding and the
-writing run in a worker thread.  Rows are written in storage order (files
-written before held them by id: both load).
+(:mod:`zps.shard.snapshots`).  :func:`cut` takes the partition at one LSN (on the
+loop, between two requests) without copying its rows: it freezes them
+(:func:`zps.store.snapshot.freeze_export`), and the encoding and writing read the
+frozen version in slices, in a worker thread; the version is released (on the loop)
+when the snapshot is dropped or :func:`release` d.  One cut at a time holds a frozen
+version: :func:`thawed` waits for the one under way.  Rows are written in storage
+order (files written before held them by id: both load).  A file is read back in
+slices into the arrays its tables will own (:class:`~zps.store.snapshot.StreamBuilder`),
+the checksum taken beside it: one copy of the partition in memory at a restore.
 
 A partition's write-ahead log (:mod:`zps.store.wal`) sits beside its checkpoints
 in ``partition-P/``.  :func:`restore` is the start-up path: the newest checkpoint
@@ -37,34 +41,47 @@ from it).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import hashlib
 import io
 import logging
 import os
 import struct
+import threading
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgpack
-import numpy as np
 
 from zps.errors import ProtocolError, ZpsError
 from zps.protocol.codec import Encoder, MsgType, Route, decode
 from zps.shard.core import ShardCore
+from zps.store import mapped
 from zps.store.snapshot import (
+    STREAM_MAGIC,
     CutSpace,
+    FrozenPart,
+    Part,
     Snapshot,
-    cut_export,
+    StreamBuilder,
+    build_store,
+    chunk_count,
     decode_snapshot,
     encode_snapshot,
+    freeze_export,
+    slices,
 )
 from zps.store.wal import Record, Recovery, Wal, WalError
 
 log = logging.getLogger("zps.checkpoint")
 
-MAGIC = b"ZPSCKPT1"
+MAGIC = STREAM_MAGIC
 #: The note of a clean stop beside a partition's checkpoints (see mark_final).
 FINAL = "FINAL"
 _LEN = struct.Struct("<Q")
@@ -76,9 +93,76 @@ class CheckpointError(ZpsError):
 
 
 def cut(core: ShardCore, space: CutSpace | None = None) -> Snapshot:
-    """Everything a checkpoint holds, copied at the current LSN (memory copies only;
-    pass it through :func:`finish` before encoding)."""
-    return core.snapshot(lambda store: cut_export(store, space))
+    """Everything a checkpoint holds, at the current LSN: the rows frozen, the rest
+    copied (``space``: buffers for the tables that cannot be frozen now).  From the
+    event loop that writes the tables; the frozen version is released when the
+    snapshot is dropped (on that loop), or at :func:`release`."""
+    versions: list[mapped.Frozen] = []
+
+    def export(store: Any) -> dict[str, Any]:
+        out, frozen = freeze_export(store, space)
+        versions.extend(frozen)
+        return out
+
+    try:
+        snap = dataclasses.replace(core.snapshot(export), frozen=tuple(versions))
+    except BaseException:
+        _release(versions)
+        raise
+    if versions:
+        _frozen_now.update(versions)
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        weakref.finalize(snap, _release_from, threading.get_ident(), loop, snap.frozen)
+    return snap
+
+
+#: Versions frozen by cuts and not yet released, and who waits for none (see thawed).
+_frozen_now: set[mapped.Frozen] = set()
+_thaw_waiters: list[asyncio.Future[None]] = []
+
+
+def release(snap: Snapshot) -> None:
+    """Release ``snap``'s frozen version now (from the loop that cut it): once what
+    reads it has read it."""
+    _release(snap.frozen)
+
+
+def _release(versions: Sequence[mapped.Frozen]) -> None:
+    for version in versions:
+        version.release()
+        _frozen_now.discard(version)
+    if not _frozen_now:
+        waiters, _thaw_waiters[:] = list(_thaw_waiters), []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+
+def _release_from(
+    thread: int, loop: asyncio.AbstractEventLoop | None, versions: Sequence[mapped.Frozen]
+) -> None:
+    """A cut's snapshot was dropped: release its versions on the thread that froze them."""
+    if threading.get_ident() == thread:
+        _release(versions)
+    elif loop is not None and not loop.is_closed():
+        loop.call_soon_threadsafe(_release, versions)
+
+
+async def thawed(timeout: float = 60.0) -> bool:
+    """Wait until no cut holds a frozen version (a cut taken then freezes its rows
+    rather than copying them); False if one still did after ``timeout`` seconds."""
+    while _frozen_now:
+        waiter = asyncio.get_running_loop().create_future()
+        _thaw_waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                await waiter
+        except TimeoutError:
+            return False
+    return True
 
 
 def finish(snap: Snapshot) -> Snapshot:
@@ -91,26 +175,30 @@ def finish(snap: Snapshot) -> Snapshot:
 
 #: The checksum at the end of a checkpoint stream (SHA-256 of everything before it).
 DIGEST_BYTES = _DIGEST
-#: Slices in which a stream is hashed while it is written (hashing and writing overlap).
-_SLICE = 64 << 20
+#: Slices in which a stream is written or read, hashed beside it (in a second thread).
+_SLICE = 16 << 20
 
 
-def encode_parts(snap: Snapshot) -> list[bytes | memoryview]:
+def encode_parts(snap: Snapshot) -> list[Part]:
     """A checkpoint stream without its final checksum (see :class:`Digest`): the
-    header and the arrays as they are, no copy."""
+    header and the arrays as they are, no copy (frozen arrays are read as the stream
+    is: :func:`zps.store.snapshot.slices`)."""
     enc = Encoder()
     header = encode_snapshot(enc, snap)
-    frames = [memoryview(f).cast("B") if not isinstance(f, bytes) else f for f in enc.frames]
+    frames: list[Part] = [
+        f if isinstance(f, bytes | FrozenPart) else memoryview(f).cast("B") for f in enc.frames
+    ]
     header["frame_bytes"] = [len(f) for f in frames]
     head = msgpack.packb(header, use_bin_type=True)
     return [MAGIC, _LEN.pack(len(head)), head, *frames]
 
 
-def encode_checkpoint(snap: Snapshot) -> list[bytes | memoryview]:
+def encode_checkpoint(snap: Snapshot) -> list[Part]:
     parts = encode_parts(snap)
     digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part)
+    buf = memoryview(bytearray(_SLICE))
+    for piece in slices(parts, _SLICE, buf):
+        digest.update(piece)
     parts.append(digest.digest())
     return parts
 
@@ -206,7 +294,7 @@ class CheckpointStore:
         partition: int,
         epoch: int,
         lsn: int,
-        parts: list[bytes | memoryview],
+        parts: Sequence[Part],
         *,
         checksum: bool = False,
     ) -> Path:
@@ -214,26 +302,26 @@ class CheckpointStore:
         it, or :func:`encode_checkpoint`'s parts; with ``checksum``, :func:`encode_parts`'
         and the checksum is appended) atomically; prune old files.  A write that fails
         removes its temporary file and keeps the older checkpoints."""
+        pending = self.begin(partition, epoch, lsn)
+        try:
+            if checksum:
+                pending.write(memoryview(_write_hashed(pending.file, parts)))
+            else:
+                buf = memoryview(bytearray(_SLICE))
+                for piece in slices(parts, _SLICE, buf):
+                    pending.write(piece)
+        except BaseException:
+            pending.abort()
+            raise
+        return pending.commit()
+
+    def begin(self, partition: int, epoch: int, lsn: int) -> PendingCheckpoint:
+        """A checkpoint written piece by piece (a snapshot stream as it arrives):
+        :meth:`PendingCheckpoint.commit` makes it one of the partition's checkpoints,
+        :meth:`PendingCheckpoint.abort` removes it."""
         folder = self._dir(partition)
         folder.mkdir(parents=True, exist_ok=True)
-        final = folder / f"ckpt-{epoch:08d}-{lsn:016d}.zps"
-        tmp = folder / f".{final.name}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "wb", buffering=0) as f:
-                if checksum:
-                    _write_all(f, memoryview(_write_hashed(f, parts)))
-                else:
-                    for part in parts:
-                        _write_all(f, memoryview(part).cast("B"))
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(folder)
-        self._prune(folder)
-        return final
+        return PendingCheckpoint(self, folder, f"ckpt-{epoch:08d}-{lsn:016d}.zps")
 
     def _prune(self, folder: Path) -> None:
         files = sorted(folder.glob("ckpt-*.zps"))
@@ -337,14 +425,46 @@ class CheckpointStore:
         are logged and skipped."""
         for path in self.candidates(partition):
             try:
-                # Views of the file's bytes (the tables copy what they load): one copy of
-                # the partition fewer, and the checksum taken while the file is read.
-                return Found(
-                    decode_checkpoint(_read_verified(path), copy=False, verified=True), path
-                )
+                # Read into the arrays its tables will own, the checksum taken beside.
+                return Found(read_checkpoint(path), path)
             except (CheckpointError, OSError) as e:
                 log.error("checkpoint %s is unusable (%s); trying an older one", path, e)
         return None
+
+
+class PendingCheckpoint:
+    """A checkpoint file being written: a temporary file until :meth:`commit`."""
+
+    def __init__(self, store: CheckpointStore, folder: Path, name: str) -> None:
+        self._store, self._folder = store, folder
+        self.final = folder / name
+        self._tmp = folder / f".{name}.tmp-{os.getpid()}-{id(self):x}"
+        self.file: io.RawIOBase = open(self._tmp, "wb", buffering=0)  # noqa: SIM115
+        self.written = 0
+
+    def write(self, view: memoryview) -> None:
+        """Append ``view`` (to the operating system: no sync until :meth:`commit`)."""
+        _write_all(self.file, memoryview(view).cast("B"))
+        self.written += len(view)
+
+    def commit(self) -> Path:
+        """Sync the file, rename it into place, sync the folder, prune the oldest."""
+        try:
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self._tmp, self.final)
+        except BaseException:
+            self.abort()
+            raise
+        _fsync_dir(self._folder)
+        self._store._prune(self._folder)
+        return self.final
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()
+        with contextlib.suppress(OSError):
+            self._tmp.unlink(missing_ok=True)
 
 
 def _checkpoint_lsn(path: Path) -> int | None:
@@ -400,7 +520,7 @@ def restore(
         found = store.latest()
         if found is None:
             return None, None
-        core.load_snapshot(found.snapshot)
+        _load(core, found.snapshot)
         snap = found.snapshot
         final = finals.get(snap.partition) == found.path.name
         restored = Restored(snap.partition, snap.epoch, snap.lsn, found.path, None, final)
@@ -410,7 +530,7 @@ def restore(
         return None, None
     found = store.latest(partition)
     if found is not None:
-        core.load_snapshot(found.snapshot)
+        _load(core, found.snapshot)
     else:
         core.assign(partition, 0, primary=False)  # the log may start from nothing
     wal = Wal(store.folder(partition), segment_bytes=log_segment_bytes)
@@ -434,33 +554,50 @@ def restore(
     return restored, wal
 
 
-def _read_verified(path: Path) -> memoryview:
-    """The bytes of the checkpoint at ``path``, its checksum checked while it is read
-    (a second thread hashes each slice as the next one is read); CheckpointError if it
-    does not match."""
+def _load(core: ShardCore, snap: Snapshot) -> None:
+    """Load a checkpoint read by :func:`read_checkpoint` (its tables own its arrays)."""
+    try:
+        store = build_store(snap, core.dense_memory)
+    except ZpsError as e:
+        raise CheckpointError(f"checkpoint does not load: {e}") from e
+    core.install_snapshot(snap, store)
+
+
+def read_checkpoint(path: Path) -> Snapshot:
+    """The snapshot in the checkpoint at ``path``, read in slices into the arrays its
+    tables will own (:class:`StreamBuilder`) while a second thread takes its checksum;
+    CheckpointError if it does not verify or decode."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        if size < _DIGEST:
-            raise CheckpointError("not a zps checkpoint (too short)")
-        buf = np.empty(size, dtype=np.uint8)  # not zeroed: every byte is read into it
-        view = buf.data.cast("B")
+        try:
+            builder = StreamBuilder(0, size, _SLICE, chunk_count(size, _SLICE), 1 << 40)
+        except ProtocolError as e:
+            raise CheckpointError(f"not a zps checkpoint: {e}") from None
         digest = Digest(size)
+        buf = memoryview(bytearray(min(size, _SLICE)))
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zps-ckpt-hash") as pool:
-            pending = []
-            for a in range(0, size, _SLICE):
-                piece = view[a : a + _SLICE]
+            for seq in range(builder.count):
+                piece = buf[: min(_SLICE, size - seq * _SLICE)]
                 got = 0
                 while got < len(piece):
                     n = f.readinto(piece[got:])
                     if not n:
                         raise CheckpointError("the file ended before its size (truncated)")
                     got += n
-                pending.append(pool.submit(digest.feed, [piece]))
-            for p in pending:
-                p.result()
-    if digest.digest() != bytes(view[-_DIGEST:]):
+                hashing = pool.submit(digest.feed, [piece])
+                try:
+                    builder.check(0, seq, [piece])
+                    builder.take([piece])
+                except ProtocolError as e:
+                    raise CheckpointError(f"malformed checkpoint: {e}") from None
+                finally:
+                    hashing.result()
+    if digest.digest() != builder.digest():
         raise CheckpointError("checksum mismatch (corrupt or truncated)")
-    return view
+    try:
+        return builder.snapshot()
+    except (ProtocolError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"malformed checkpoint: {e}") from None
 
 
 def _write_all(f: io.RawIOBase, view: memoryview) -> None:
@@ -471,21 +608,18 @@ def _write_all(f: io.RawIOBase, view: memoryview) -> None:
         view = view[n:]
 
 
-def _write_hashed(f: io.RawIOBase, parts: list[bytes | memoryview]) -> bytes:
-    """Write ``parts`` to ``f`` while a second thread hashes them, one slice ahead;
-    the SHA-256 of all of them."""
+def _write_hashed(f: io.RawIOBase, parts: Sequence[Part]) -> bytes:
+    """Write ``parts`` to ``f`` while a second thread hashes each slice; the SHA-256 of
+    all of them.  Frozen parts are read into a buffer a slice at a time."""
     digest = hashlib.sha256()
-    slices = [
-        view[a : a + _SLICE]
-        for view in (memoryview(p).cast("B") for p in parts)
-        for a in range(0, len(view), _SLICE)
-    ]
+    buf = memoryview(bytearray(_SLICE))
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zps-ckpt-hash") as pool:
-        pending = [pool.submit(digest.update, s) for s in slices]
-        for s in slices:
-            _write_all(f, s)
-        for p in pending:
-            p.result()
+        for piece in slices(parts, _SLICE, buf):
+            hashing = pool.submit(digest.update, piece)
+            try:
+                _write_all(f, piece)
+            finally:
+                hashing.result()
     return digest.digest()
 
 

@@ -40,18 +40,12 @@ from zps.protocol.messages import (
     StreamAck,
     Subscribe,
 )
-from zps.shard.checkpoint import (
-    DIGEST_BYTES,
-    CheckpointError,
-    CheckpointStore,
-    Digest,
-    decode_checkpoint,
-)
+from zps.shard.checkpoint import CheckpointStore, Digest, PendingCheckpoint
 from zps.shard.core import ShardCore
 from zps.shard.durability import Durability
 from zps.shard.session import ShardSession
 from zps.store import PartitionStore
-from zps.store.snapshot import ChunkAssembly, Snapshot
+from zps.store.snapshot import Snapshot, StreamBuilder, build_store
 
 #: Stream messages kept while a snapshot arrives, applied once it is loaded.
 HELD_STREAM_BYTES = 256 << 20
@@ -81,15 +75,17 @@ class Upstream:
         self.channel = channel
         self.interval = interval
         self.max_message_bytes = max_message_bytes
-        #: The snapshot being received (chunks arrive in order), when one is.
-        self._assembly: ChunkAssembly | None = None
+        #: The snapshot being received (chunks arrive in order), when one is: written
+        #: into its tables' arrays as it comes, and (with a log) into a checkpoint.
+        self._assembly: StreamBuilder | None = None
+        self._keeping: PendingCheckpoint | None = None
         self._last_chunk = 0.0
         self._abandoned: int | None = None
         #: The load of a snapshot whose chunks are all here (a task beside the stream).
         self._loading: asyncio.Future[None] | None = None
         #: The checksum of the snapshot being received, fed chunk by chunk in a worker
-        #: thread: (its assembly, the digest, the task feeding the last chunk taken).
-        self._hashing: tuple[ChunkAssembly, Digest, asyncio.Future[None] | None] | None = None
+        #: thread beside the chunk's copy.
+        self._digest: Digest | None = None
         #: Stream messages that arrived during the snapshot: (route, header, payloads).
         self._held: list[tuple[Route, Replicate, Any]] = []
         self._held_bytes = 0
@@ -216,32 +212,17 @@ class Upstream:
             return None
         return Message(msg.route, got.header, got.frames[2:])
 
-    def _hash_chunk(self, assembly: ChunkAssembly, seq: int) -> None:
-        """Feed chunk ``seq`` to the snapshot's checksum in a worker thread, after the
-        chunks before it: the stream is verified as it arrives, not in a pass at the end."""
-        hashing = self._hashing
-        if hashing is None or hashing[0] is not assembly:
-            return
-        digest, before = hashing[1], hashing[2]
-        view = assembly.chunk_view(seq)
-
-        async def feed() -> None:
-            if before is not None:
-                await before
-            await asyncio.to_thread(digest.feed, [view])
-
-        self._hashing = (assembly, digest, asyncio.ensure_future(feed()))
-
-    def _stop_hashing(self) -> None:
-        if self._hashing is not None and self._hashing[2] is not None:
-            self._hashing[2].cancel()
-        self._hashing = None
+    def _drop_assembly(self) -> None:
+        self._assembly, self._digest = None, None
+        if self._keeping is not None:
+            keeping, self._keeping = self._keeping, None
+            # Closed and removed off the loop: it may be flushing a chunk.
+            asyncio.get_running_loop().run_in_executor(None, keeping.abort)
 
     def _abandon(self) -> None:
-        self._stop_hashing()
         if self._assembly is not None:
             self._abandoned = self._assembly.snapshot_id
-        self._assembly = None
+        self._drop_assembly()
         self._held, self._held_bytes = [], 0
         self.session.resync()
 
@@ -268,86 +249,104 @@ class Upstream:
             raise
         seq, sid = chunk.seq, chunk.id
         if seq == 0 and (self._assembly is None or self._assembly.snapshot_id != sid):
-            self._assembly = ChunkAssembly.from_header(header, max_bytes=MAX_SNAPSHOT_BYTES)
-            self._stop_hashing()
-            self._hashing = (self._assembly, Digest(self._assembly.total), None)
-        assembly = self._assembly
-        if assembly is None:  # the rest of a transfer this replica does not hold
+            self._drop_assembly()
+            self._assembly = StreamBuilder.from_header(header, max_bytes=MAX_SNAPSHOT_BYTES)
+            self._digest = Digest(self._assembly.total)
+            try:
+                self._keeping = self._keep(route, chunk.lsn)
+            except OSError as e:
+                log.error("could not keep the snapshot at LSN %d as a checkpoint: %s", chunk.lsn, e)
+                self._abandon()
+                return
+        assembly, digest, keeping = self._assembly, self._digest, self._keeping
+        if assembly is None or digest is None:  # the rest of a transfer this replica lacks
             if sid != self._abandoned:
                 self._abandoned = sid  # the next SUBSCRIBE asks for a new one
                 self.session.resync()
             return
         try:
-            done = assembly.add(sid, seq, payloads)
+            done = assembly.check(sid, seq, payloads)
         except ProtocolError:
             self._abandon()
             raise
         self._last_chunk = time.monotonic()
+        # The chunk is copied into the tables' arrays (and the checkpoint) in one worker
+        # thread while another hashes it; acknowledged once both are done, so at most
+        # the primary's window of chunks is held here.
+        views = [memoryview(p).cast("B") for p in payloads]
+        hashing = asyncio.to_thread(digest.feed, views)
+        taking = asyncio.to_thread(_take, assembly, keeping, views)
+        got = await asyncio.gather(hashing, taking, return_exceptions=True)
+        if self._assembly is not assembly:
+            return  # replaced or abandoned meanwhile
+        for result in got:
+            if isinstance(result, ProtocolError | OSError):
+                self._abandon()
+                raise ProtocolError(f"snapshot {sid} chunk {seq}: {result}")
+            if isinstance(result, BaseException):
+                raise result
         await transport.send(
             self.channel, encode(Route(MsgType.SNAPSHOT_ACK), SnapshotAck(sid, seq).to_wire())
         )
-        self._hash_chunk(assembly, seq)
         if not done:
-            # A chunk is megabytes copied: the loop's other work (its heartbeat, the
-            # stream's ACKs) runs between two chunks of a burst, not after all of them.
-            await asyncio.sleep(0)
             return
         # Loaded in a task of its own: this handler returns, so the stream that follows
         # the snapshot is read (and held) meanwhile; a primary drops what a replica
         # leaves unread for seconds, and the gap would cost another snapshot.
         self._loading = asyncio.ensure_future(self._load_assembled(assembly, sid))
 
-    async def _load_assembled(self, assembly: ChunkAssembly, sid: int) -> None:
+    def _keep(self, route: Route, lsn: int) -> PendingCheckpoint | None:
+        """With a log, the checkpoint (the log's base) the snapshot is written to as it
+        arrives; None without one, or for an empty partition (the log starts from
+        nothing), or a snapshot of another partition or epoch (it will not load).
+        OSError if it cannot be opened: the transfer is abandoned (and asked for again)."""
+        store = self._checkpoints
+        if (
+            store is None
+            or lsn == 0
+            or route.epoch != self.core.epoch
+            or route.partition != self.core.partition
+        ):
+            return None
+        return store.begin(route.partition, route.epoch, lsn)
+
+    async def _load_assembled(self, assembly: StreamBuilder, sid: int) -> None:
         try:
             await self._finish_snapshot(assembly, sid)
         except ProtocolError as e:
             log.warning("snapshot %d from the primary: %s; resync", sid, e)
             self.session.resync()
 
-    async def _finish_snapshot(self, assembly: ChunkAssembly, sid: int) -> None:
-        """Every chunk of ``assembly`` is here: check, decode, keep and load it, then
-        apply the stream held meanwhile."""
-        hashing = self._hashing
-        if hashing is None or hashing[0] is not assembly or hashing[2] is None:
-            self._abandon()
-            raise ProtocolError(f"snapshot {sid} was not checksummed as it arrived")
-        await hashing[2]
-        if self._assembly is not assembly:
-            return  # replaced while hashing
-        stream = assembly.stream()
-        if not hashing[1].complete or hashing[1].digest() != bytes(stream[-DIGEST_BYTES:]):
+    async def _finish_snapshot(self, assembly: StreamBuilder, sid: int) -> None:
+        """Every chunk of ``assembly`` is here and taken: check it, then in two worker
+        threads at once sync its checkpoint and build its tables (owning the arrays
+        the chunks were written into), then load it and apply the stream held
+        meanwhile."""
+        digest, keeping = self._digest, self._keeping
+        if digest is None or not digest.complete or digest.digest() != assembly.digest():
             self._abandon()
             raise ProtocolError(f"snapshot {sid} does not decode: checksum mismatch")
         try:
-            # Views of the assembled stream (the tables copy what they load): two copies
-            # of the partition fewer than owned arrays, in memory that faults page by page.
-            snap = await asyncio.to_thread(decode_checkpoint, stream, copy=False, verified=True)
-        except CheckpointError as e:
-            self._abandon()
-            raise ProtocolError(f"snapshot {sid} does not decode: {e}") from None
+            snap, store = await asyncio.to_thread(_build, assembly)
+        except ZpsError as e:
+            if self._assembly is assembly:
+                self._abandon()
+            raise ProtocolError(f"snapshot {sid} does not load: {e}") from None
         if self._assembly is not assembly:
-            return  # replaced while decoding
-        # Written as this copy's checkpoint (with a log) while its tables are built: the
-        # write and the build (seconds each for a GB) overlap, in two worker threads.
-        keeping = asyncio.ensure_future(self._keep(snap, assembly))
-        store = None
-        if snap.epoch == self.core.epoch and snap.partition == self.core.partition:
-            # Seconds for a large partition (indexing and copying its rows): off the
-            # event loop, so heartbeats and the stream's ACKs go on meanwhile.
+            return  # replaced while building
+        if keeping is not None:
+            self._keeping = None
             try:
-                store = await asyncio.to_thread(self.core.build_store, snap)
-            except ZpsError as e:
-                await asyncio.gather(keeping, return_exceptions=True)
+                await asyncio.to_thread(keeping.commit)
+            except OSError as e:
+                log.error("could not keep the snapshot at LSN %d as a checkpoint: %s", snap.lsn, e)
                 if self._assembly is assembly:
                     self._abandon()
-                raise ProtocolError(f"snapshot {sid} does not load: {e}") from None
-        if not await keeping:
-            return
+                return
         if self._assembly is not assembly:
-            return  # replaced while loading
-        self._stop_hashing()
+            return  # replaced while keeping
         held, self._held, self._held_bytes = self._held, [], 0
-        self._assembly = None
+        self._assembly, self._digest = None, None
         self._abandoned = None
         ok = self._load(snap, store)
         if ok and self._durability is not None and self._checkpoints is not None:
@@ -362,28 +361,6 @@ class Upstream:
                     self._apply_stream(r, h, p)
             if self.session.synced:
                 await self.ack()
-
-    async def _keep(self, snap: Snapshot, assembly: ChunkAssembly) -> bool:
-        """With a log, write the snapshot as a checkpoint (the log's base) before
-        loading it; False if that failed (the snapshot is abandoned, asked for again)."""
-        store = self._checkpoints
-        if (
-            store is None
-            or snap.lsn == 0  # an empty partition: the log starts from nothing
-            or snap.epoch != self.core.epoch
-            or snap.partition != self.core.partition
-        ):
-            return True
-        try:
-            await asyncio.to_thread(
-                store.write_encoded, snap.partition, snap.epoch, snap.lsn, [assembly.stream()]
-            )
-        except OSError as e:
-            log.error("could not keep the snapshot at LSN %d as a checkpoint: %s", snap.lsn, e)
-            if self._assembly is assembly:
-                self._abandon()
-            return False
-        return True
 
     def _load(self, snap: Snapshot, store: PartitionStore | None) -> bool:
         if store is None or snap.epoch != self.core.epoch or snap.partition != self.core.partition:
@@ -428,3 +405,20 @@ class Upstream:
             return
         if self._durability is not None:
             self._durability.log(route.epoch, prev, lsn, payloads)
+
+
+def _take(
+    assembly: StreamBuilder, keeping: PendingCheckpoint | None, views: list[memoryview]
+) -> None:
+    """A chunk into the tables' arrays and, with a log, the checkpoint (a worker thread)."""
+    assembly.take(views)
+    if keeping is not None:
+        for view in views:
+            keeping.write(view)
+
+
+def _build(assembly: StreamBuilder) -> tuple[Snapshot, PartitionStore]:
+    """The snapshot and its tables (a worker thread: indexing takes seconds for a GB).
+    Dense values on the heap: a worker thread must not take regions of the arena."""
+    snap = assembly.snapshot()
+    return snap, build_store(snap)

@@ -11,14 +11,15 @@ the replica keeps it until the snapshot is loaded (:mod:`zps.shard.replica`).
 
 Invariants: at most one transfer per replica (a SUBSCRIBE while one runs leaves
 it running, unless it names that transfer as abandoned); the event loop only
-takes the cut (memory copies into pre-faulted buffers, see
-:mod:`zps.store.snapshot`); encoding runs in a worker thread, and the checksum is
-taken in one as the chunks go (a chunk is hashed after it is posted, the checksum
-sent once every byte before it is hashed), so no pass over the partition comes
-before the first chunk;
-the primary holds one copy of the partition per transfer; a transfer nobody
-acknowledges for ``timeout`` seconds is given up and the replica is dropped (it
-subscribes again).
+takes the cut, which freezes the rows rather than copying them
+(:func:`zps.shard.checkpoint.cut`); each chunk is read from the frozen version into
+a buffer of its own in a worker thread, and the checksum is taken in another as
+the chunks go (a chunk is hashed after it is posted, the checksum sent once every
+byte before it is hashed), so no pass over the partition comes before the first
+chunk; the frozen version is released as soon as the last chunk is read, so the
+primary holds, per transfer, the pages written meanwhile and at most ``window + 2``
+chunks, never a copy of the partition; a transfer nobody acknowledges for
+``timeout`` seconds is given up and the replica is dropped (it subscribes again).
 """
 
 from __future__ import annotations
@@ -31,35 +32,54 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from zps.protocol.codec import MsgType, Route, encode
 from zps.protocol.messages import Role, SnapshotAck, SnapshotChunk
-from zps.shard.checkpoint import DIGEST_BYTES, Digest, cut, encode_parts
+from zps.shard.checkpoint import DIGEST_BYTES, Digest, cut, encode_parts, release, thawed
 from zps.shard.core import ShardCore
 from zps.shard.session import ShardSession
 from zps.store.snapshot import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_CHUNK_WINDOW,
     CutSpace,
+    Part,
+    Piece,
     Snapshot,
     cut_space,
     plan_chunks,
+    read_part,
 )
 
 log = logging.getLogger("zps.shard")
 
 
 async def prepare(core: ShardCore) -> CutSpace:
-    """Buffers for a cut of ``core``'s partition, their pages touched off the loop."""
-    space = cut_space(core.store)
+    """Ready for a cut of ``core``'s partition: no other cut holds a frozen version
+    (one at a time), and buffers, their pages touched off the loop, for the tables
+    that cannot be frozen (small ones, or all of them if the other cut outlives
+    :func:`thawed`'s wait: then they are copied)."""
+    await thawed()
+    space = cut_space(core.store, frozen=True)
     await asyncio.to_thread(space.prefault)
     return space
 
 
-def _encode(snap: Snapshot) -> list[bytes | memoryview]:
+def _encode(snap: Snapshot) -> list[Part]:
     # Rows stay in storage order: a table loads them in any order, and sorting
     # would cost a second copy of the partition while it is sent.  The checksum is
     # taken as the chunks go (see SnapshotSender._send), not in a pass before the first.
     return encode_parts(snap)
+
+
+def _fill(parts: list[Part], pieces: tuple[Piece, ...], size: int) -> memoryview:
+    """A chunk's bytes, read from the stream's parts into a buffer of its own."""
+    out = np.empty(size, np.uint8).data
+    pos = 0
+    for i, a, b in pieces:
+        read_part(parts[i], a, b, out[pos:])
+        pos += b - a
+    return out
 
 
 async def _fed(
@@ -171,13 +191,18 @@ class SnapshotSender:
         # On the loop, with no await in between: the cut and the start of the stream.
         snap = cut(self.core, space)
         del space
+        try:
+            await self._stream(node, transfer, snap)
+        finally:
+            release(snap)  # on the loop, which writes the tables
+
+    async def _stream(self, node: str, transfer: _Transfer, snap: Snapshot) -> None:
         # What of the snapshot may be held for it at once: the chunks in flight.
         held = (self.window + 1) * (self.chunk_bytes + 4096)
         self.session.subscribed(node, snap.lsn, time.monotonic(), snapshot_bytes=held)
         partition, epoch, lsn = snap.partition, snap.epoch, snap.lsn
         t0 = time.monotonic()
         parts = await asyncio.to_thread(_encode, snap)
-        del snap
         # The stream's last part is its checksum: each chunk is fed to it in a worker
         # thread once posted, and it is known when every chunk before it is hashed.
         last = len(parts)
@@ -200,9 +225,15 @@ class SnapshotSender:
                 header = SnapshotChunk(
                     transfer.snapshot_id, seq, plan.count, plan.total, plan.chunk_bytes, lsn
                 )
-                data = [memoryview(parts[i]).cast("B")[a:b] for i, a, b in pieces if i < last]
+                body = tuple(p for p in pieces if p[0] < last)
+                size = sum(b - a for _, a, b in body)
+                data = [await asyncio.to_thread(_fill, parts, body, size)] if body else []
+                if seq == plan.count - 1:
+                    release(snap)  # every byte of it is read
+                if not self._current(node, transfer):
+                    return
                 payload = list(data)
-                if len(data) < len(pieces):  # (part of) the checksum: after all the rest
+                if len(body) < len(pieces):  # (part of) the checksum: after all the rest
                     hashing = asyncio.ensure_future(_fed(hashing, digest, data))
                     await hashing
                     if not self._current(node, transfer):
@@ -216,6 +247,8 @@ class SnapshotSender:
                     return
                 self.chunks_sent += 1
                 if data:
+                    if hashing is not None and not hashing.done():
+                        await hashing  # at most two chunks wait for the checksum
                     hashing = asyncio.ensure_future(_fed(hashing, digest, data))
         finally:
             if hashing is not None and not hashing.done():

@@ -14,18 +14,44 @@ faulted in as rows are written there, a few at a time.  Where that cannot be don
 array that is not mapped here, or one that something else still views: a move's or an
 export's arrays), :func:`grow` copies into a new array.  Huge pages are asked for
 (``MADV_HUGEPAGE``), as numpy does for its own large arrays.
+
+Such memory is a memory file (``memfd``) mapped shared, so that :func:`freeze` can give
+a consistent version of an array at an instant without copying it: the array's mapping
+becomes a private (copy-on-write) one of the same file, so that its writes from then on
+go to pages of their own while the file keeps the frozen contents, read with
+:meth:`Frozen.read_into` (no mapping: nothing of it counts twice in the process's
+resident size).  :meth:`Frozen.release` copies the pages written meanwhile back into
+the file and maps it shared again.  Memory while an array is frozen: the pages written
+since (4 KiB each), never a copy of the array.  Rules: the owner writes the array from
+one thread, the one that freezes and releases it; an array is frozen once at a time;
+a frozen array is never shrunk in place (its file holds the frozen version).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import itertools
 import mmap
+import os
+import threading
+import weakref
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MIN_BYTES", "empty", "grow", "grown", "mapping"]
+__all__ = [
+    "MIN_BYTES",
+    "Frozen",
+    "empty",
+    "freezable",
+    "freeze",
+    "frozen",
+    "grow",
+    "grown",
+    "mapping",
+]
 
 #: Arrays smaller than this are plain numpy arrays (copying them costs nothing).
 MIN_BYTES = 1 << 20
@@ -33,6 +59,38 @@ MIN_BYTES = 1 << 20
 IN_PLACE = hasattr(mmap.mmap, "resize") and hasattr(mmap, "MAP_ANONYMOUS")
 #: Arrays :func:`grow` extended in place, and those it copied (for tests and benches).
 grown = {"in_place": 0, "copied": 0}
+#: Whether arrays live in memory files that :func:`freeze` can freeze (Linux).
+FREEZABLE = IN_PLACE and hasattr(os, "memfd_create") and os.path.exists("/proc/self/pagemap")
+
+_PAGE = mmap.PAGESIZE
+_names = itertools.count()
+
+
+class _Memory(mmap.mmap):
+    """A shared mapping of a memory file (``fd``), or anonymous memory (``fd`` -1)."""
+
+    fd: int = -1
+    #: The frozen version of it, while there is one.
+    frozen: Frozen | None = None
+
+
+def _memory(nbytes: int) -> mmap.mmap:
+    if FREEZABLE:
+        try:
+            fd = os.memfd_create(f"zps-rows-{next(_names)}", os.MFD_CLOEXEC)
+        except OSError:  # out of file descriptors, say: anonymous memory, copied to cut
+            pass
+        else:
+            try:
+                os.ftruncate(fd, nbytes)
+                m = _Memory(fd, nbytes, flags=mmap.MAP_SHARED)
+            except BaseException:
+                os.close(fd)
+                raise
+            m.fd = fd
+            weakref.finalize(m, os.close, fd)
+            return m
+    return _Memory(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def empty(rows: int, width: int, dtype: npt.DTypeLike) -> npt.NDArray[Any]:
@@ -41,7 +99,7 @@ def empty(rows: int, width: int, dtype: npt.DTypeLike) -> npt.NDArray[Any]:
     nbytes = rows * width * dt.itemsize
     if nbytes < MIN_BYTES or not IN_PLACE:
         return np.empty((rows, width), dt)
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m = _memory(nbytes)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # a kernel without transparent huge pages
             m.madvise(mmap.MADV_HUGEPAGE)
@@ -73,6 +131,8 @@ def grow(holder: dict[str, Any], key: str, rows: int, keep: int) -> None:
     width, dtype = arr.shape[1], arr.dtype
     old_rows = arr.shape[0]
     m = mapping(arr)
+    if m is not None and _frozen_size(m) > rows * width * dtype.itemsize:
+        m = None  # its file holds a frozen version: copied, not cut short
     if m is not None:
         holder[key] = None
         del arr  # the last view of the mapping, unless someone else holds one
@@ -92,3 +152,137 @@ def grow(holder: dict[str, Any], key: str, rows: int, keep: int) -> None:
 
 def _view(m: mmap.mmap, rows: int, width: int, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     return np.frombuffer(m, dtype, count=rows * width).reshape(rows, width)
+
+
+# -- frozen versions -----------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_MAP_FIXED = 0x10
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _address(m: mmap.mmap) -> int:
+    view = ctypes.c_char.from_buffer(m)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view  # the export that would keep ``m`` from being resized
+
+
+def _remap(m: _Memory, flags: int) -> None:
+    """Map ``m``'s file again over ``m``'s own address range (same contents)."""
+    addr, size = _address(m), len(m)
+    got = _libc.mmap(addr, size, mmap.PROT_READ | mmap.PROT_WRITE, flags | _MAP_FIXED, m.fd, 0)
+    if got in (None, _MAP_FAILED) or got != addr:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map rows again: {os.strerror(err)}")
+
+
+def _frozen_size(m: mmap.mmap) -> int:
+    frozen = getattr(m, "frozen", None)
+    return frozen.nbytes if frozen is not None else 0
+
+
+class Frozen:
+    """An array's contents at the instant :func:`freeze` took it: ``nbytes`` bytes of a
+    memory file, read with :meth:`read_into` from any thread, until :meth:`release`."""
+
+    def __init__(self, m: _Memory, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.fd = os.dup(m.fd)  # readable after the array is gone
+        self._memory: weakref.ref[_Memory] = weakref.ref(m)
+        self._thread = threading.get_ident()
+        self.released = False
+        self._closer = weakref.finalize(self, os.close, self.fd)
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Bytes ``[offset, offset + len(out))`` of the frozen version into ``out``."""
+        if self.released:
+            raise ValueError("a frozen version read after its release")
+        if offset < 0 or offset + len(out) > self.nbytes:
+            raise ValueError(f"bytes {offset}+{len(out)} of a frozen {self.nbytes}")
+        got = 0
+        while got < len(out):
+            n = os.preadv(self.fd, [out[got:]], offset + got)
+            if n <= 0:
+                raise OSError(f"a frozen version ended at {offset + got} of {self.nbytes}")
+            got += n
+
+    def release(self) -> None:
+        """Make the array shared with its file again: the pages written since the
+        freeze are copied into the file first.  From the thread that froze it (the
+        array's writer), so that no write falls between the copy and the new mapping."""
+        if self.released:
+            return
+        if threading.get_ident() != self._thread:
+            raise RuntimeError("a frozen version is released by the thread that froze it")
+        self.released = True
+        m = self._memory()
+        if m is not None and not m.closed and m.frozen is self:
+            m.frozen = None
+            _write_back(m)
+            _remap(m, mmap.MAP_SHARED)
+        self._closer()
+
+
+def _written_pages(addr: int, size: int) -> list[tuple[int, int]]:
+    """Runs ``(first, end)`` of the pages of ``[addr, addr + size)`` that are private
+    copies (written since the mapping became copy-on-write), from /proc/self/pagemap."""
+    first, count = addr // _PAGE, -(-size // _PAGE)
+    with open("/proc/self/pagemap", "rb", buffering=0) as f:
+        raw = os.pread(f.fileno(), count * 8, first * 8)
+    entries = np.frombuffer(raw, np.uint64)
+    present = (entries >> np.uint64(63)) & np.uint64(1)
+    swapped = (entries >> np.uint64(62)) & np.uint64(1)
+    shared = (entries >> np.uint64(61)) & np.uint64(1)
+    private = ((present | swapped) == 1) & (shared == 0)
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], private.view(np.int8), [0]))))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def _write_back(m: _Memory) -> None:
+    size = len(m)
+    view = memoryview(m)
+    try:
+        for a, b in _written_pages(_address(m), size):
+            start, stop = a * _PAGE, min(size, b * _PAGE)
+            piece = view[start:stop]
+            while len(piece):
+                n = os.pwrite(m.fd, piece, start)
+                piece, start = piece[n:], start + n
+    finally:
+        view.release()
+
+
+def frozen(arr: Any) -> Frozen | None:
+    """The frozen version of the memory ``arr`` views, if there is one."""
+    m = mapping(arr)
+    return getattr(m, "frozen", None) if m is not None else None
+
+
+def freezable(arr: Any) -> bool:
+    """Whether :func:`freeze` would freeze ``arr`` now."""
+    m = mapping(arr)
+    return isinstance(m, _Memory) and m.fd >= 0 and m.frozen is None
+
+
+def freeze(arr: Any) -> Frozen | None:
+    """A version of ``arr`` (a whole array from :func:`empty`) that later writes to it do
+    not change; None when it cannot be had (plain or anonymous memory, or frozen
+    already): the caller copies it."""
+    m = mapping(arr)
+    if not isinstance(m, _Memory) or m.fd < 0 or m.frozen is not None:
+        return None
+    version = Frozen(m, len(m))
+    _remap(m, mmap.MAP_PRIVATE)
+    m.frozen = version
+    return version

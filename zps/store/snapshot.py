@@ -10,17 +10,22 @@ Rule: :func:`decode_snapshot` returns a complete, validated snapshot or raises
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import numpy as np
 
-from zps.errors import ProtocolError
-from zps.protocol.codec import BufferLike, Encoder, array_from
-from zps.protocol.specs import EmbeddingSpec
+from zps.errors import BadRequestError, ProtocolError
+from zps.protocol.codec import CODEC_RAW, WIRE_DTYPES, BufferLike, Encoder, array_from
+from zps.protocol.specs import EmbeddingSpec, spec_from_wire
+from zps.store import mapped
+from zps.store.index import IdIndex
 from zps.store.partition import PartitionStore
-from zps.store.tables import EmbeddingTable
+from zps.store.tables import TOUCHED, DenseMemory, EmbeddingTable
 
 DedupEntry = tuple[bytes, int, list[dict[str, Any]]]
 
@@ -39,12 +44,15 @@ class Snapshot:
     #: Live resharding: the slots the partition serves, fences and imports included
     #: (``zps.shard.slotops.SlotState.to_wire``); None: every slot routed to it.
     slots: dict[str, Any] | None = None
+    #: The frozen versions its arrays read (:func:`freeze_export`), released once the
+    #: snapshot is encoded and read: see zps.shard.checkpoint.release.
+    frozen: tuple[mapped.Frozen, ...] = ()
 
 
 def encode_snapshot(enc: Encoder, snap: Snapshot) -> dict[str, Any]:
     """Add the snapshot's arrays to ``enc``; return the header to send with them."""
     tables = {
-        name: {key: enc.array(arr) for key, arr in arrays.items()}
+        name: {key: _array(enc, arr) for key, arr in arrays.items()}
         for name, arrays in snap.export["tables"].items()
     }
     header: dict[str, Any] = {
@@ -67,6 +75,14 @@ def encode_snapshot(enc: Encoder, snap: Snapshot) -> dict[str, Any]:
     if snap.slots is not None:
         header["slots"] = snap.slots
     return header
+
+
+def _array(enc: Encoder, arr: Any) -> list[Any]:
+    """``enc.array``, or for a frozen array a frame that is read when the stream is."""
+    if not isinstance(arr, FrozenArray):
+        return enc.array(arr)
+    enc.frames.append(FrozenPart(arr.version, 0, arr.nbytes))  # type: ignore[arg-type]
+    return [len(enc.frames) - 1, arr.dtype.name, list(arr.shape), CODEC_RAW]
 
 
 def decode_snapshot(
@@ -172,12 +188,15 @@ class CutSpace:
 CUT_SLACK = 0.05
 
 
-def cut_space(store: PartitionStore) -> CutSpace:
-    """Buffers (not yet touched) for a cut of ``store``'s embedding tables."""
+def cut_space(store: PartitionStore, *, frozen: bool = False) -> CutSpace:
+    """Buffers (not yet touched) for a cut of ``store``'s embedding tables (with
+    ``frozen``, of those :func:`freeze_export` could not freeze now)."""
     out: dict[str, dict[str, np.ndarray]] = {}
     for spec in store.specs():
         if isinstance(spec, EmbeddingSpec):
             table = store.embedding(spec.name)
+            if frozen and _freezable(table):
+                continue
             rows = int(len(table) * (1 + CUT_SLACK)) + 1024
             arrays = {"ids": np.empty(rows, dtype=np.int64)}
             arrays["rows"] = np.empty((rows, spec.dim), dtype=table.dtype)
@@ -233,6 +252,118 @@ def ordered(export: dict[str, Any]) -> dict[str, Any]:
         for key in list(arrays):
             arrays[key] = arrays.pop(key)[order]
     return export
+
+
+# -- a consistent cut with no copy: frozen versions -------------------------------
+#
+# :func:`freeze_export` takes the cut without copying the rows: each large array of an
+# embedding table is frozen (:func:`zps.store.mapped.freeze`: only pages written from
+# then on are copied, by the kernel, as they are written) and the export holds a
+# :class:`FrozenArray` for it, which the stream reads in slices (:func:`slices`) into a
+# buffer of its own.  The ids (8 bytes a row) and small arrays are copied.
+
+
+@dataclass(frozen=True)
+class FrozenArray:
+    """An array of a frozen cut: its shape and dtype, its bytes in ``version``."""
+
+    version: mapped.Frozen
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def numpy(self) -> np.ndarray:
+        """A copy of it (for tests and small readers: a stream reads it in slices)."""
+        out = np.empty(self.shape, self.dtype)
+        if out.nbytes:
+            self.version.read_into(0, out.reshape(-1).view(np.uint8).data)
+        return out
+
+
+@dataclass(frozen=True)
+class FrozenPart:
+    """Bytes ``[start, stop)`` of a frozen version: a part of a stream, read as it goes."""
+
+    version: mapped.Frozen
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+Part = bytes | memoryview | FrozenPart
+
+
+def read_part(part: Part, a: int, b: int, out: memoryview) -> None:
+    """Bytes ``[a, b)`` of ``part`` into ``out`` (``b - a`` bytes)."""
+    if isinstance(part, FrozenPart):
+        part.version.read_into(part.start + a, out[: b - a])
+    else:
+        out[: b - a] = memoryview(part).cast("B")[a:b]
+
+
+def slices(parts: Sequence[Part], size: int, buf: memoryview) -> Iterator[memoryview]:
+    """The stream ``parts`` make, in slices of at most ``size`` bytes: views of parts in
+    memory, frozen parts read into ``buf`` (a slice is valid until the next one)."""
+    for part in parts:
+        n = len(part)
+        for a in range(0, n, size):
+            b = min(n, a + size)
+            if isinstance(part, FrozenPart):
+                read_part(part, a, b, buf)
+                yield buf[: b - a]
+            else:
+                yield memoryview(part).cast("B")[a:b]
+
+
+def _freezable(table: EmbeddingTable) -> bool:
+    return len(table) > 0 and all(
+        mapped.freezable(a) for a in (table._rows, *table._state.values())
+    )
+
+
+def freeze_export(
+    store: PartitionStore, space: CutSpace | None = None
+) -> tuple[dict[str, Any], tuple[mapped.Frozen, ...]]:
+    """:func:`cut_export`, with the large arrays of embedding tables frozen instead of
+    copied (see above); and the versions frozen, which the caller releases (from this
+    thread: the tables' writer) once the stream has read them."""
+    specs = store.specs()
+    tables: dict[str, dict[str, Any]] = {}
+    versions: list[mapped.Frozen] = []
+    try:
+        for spec in specs:
+            if isinstance(spec, EmbeddingSpec):
+                table = store.embedding(spec.name)
+                if _freezable(table):
+                    tables[spec.name] = _frozen_copy(table, versions)
+                else:
+                    room = space.buffers.get(spec.name, {}) if space is not None else {}
+                    tables[spec.name] = _unordered_copy(table, room)
+            else:
+                tables[spec.name] = store.dense(spec.name).export()
+    except BaseException:
+        for version in versions:
+            version.release()
+        raise
+    return {"specs": [s.to_wire() for s in specs], "tables": tables}, tuple(versions)
+
+
+def _frozen_copy(table: EmbeddingTable, versions: list[mapped.Frozen]) -> dict[str, Any]:
+    n = len(table)
+    out: dict[str, Any] = {"ids": table._index._ids[:n].copy()}
+    for key, src in {"rows": table._rows, **table._state}.items():
+        version = mapped.freeze(src)
+        if version is None:
+            out[key] = src[:n].copy()
+        else:
+            versions.append(version)
+            out[key] = FrozenArray(version, src.dtype, (n, *src.shape[1:]))
+    return out
 
 
 # -- a snapshot in bounded chunks --------------------------------------------------
@@ -291,49 +422,71 @@ def chunk_count(total: int, chunk_bytes: int) -> int:
     return max(1, -(-total // chunk_bytes))
 
 
-@dataclass
-class ChunkAssembly:
-    """A replica's side: the chunks of one snapshot, accepted strictly in order.
+#: A snapshot stream's first bytes (as a checkpoint file's), the length of its header
+#: that follows them, and the checksum that ends it.
+STREAM_MAGIC = b"ZPSCKPT1"
+_HEAD_LEN = struct.Struct("<Q")
+_PREFIX = len(STREAM_MAGIC) + _HEAD_LEN.size
+STREAM_DIGEST = 32
+
+
+class StreamBuilder:
+    """A replica's side (and a restart's): the chunks of one snapshot stream, accepted
+    strictly in order, written as they come into the arrays the partition's tables
+    will own (no copy of the stream is assembled).
 
     Every field is validated: ``total`` at most ``max_bytes``, ``count`` consistent
     with ``total`` and ``chunk_bytes``; a chunk out of order, repeated, of the wrong
-    size or of another snapshot raises :class:`ProtocolError` and the assembly is
-    abandoned by the caller.
+    size or of another snapshot raises :class:`ProtocolError` (:meth:`check`, on the
+    caller's loop), and so does a stream whose header does not describe it
+    (:meth:`take`, which copies, in a worker thread; chunks are taken in order, one at
+    a time).  :meth:`snapshot` gives the validated snapshot once every chunk is taken;
+    the caller compares :meth:`digest` with the checksum it took of the chunks.
     """
 
-    snapshot_id: int
-    total: int
-    chunk_bytes: int
-    count: int
-    max_bytes: int
-    received: int = 0
-    _buf: np.ndarray = field(
-        default_factory=lambda: np.empty(0, np.uint8), repr=False, compare=False
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("snapshot_id", "total", "chunk_bytes", "count"):
-            value = getattr(self, name)
+    def __init__(
+        self, snapshot_id: int, total: int, chunk_bytes: int, count: int, max_bytes: int
+    ) -> None:
+        for name, value in (
+            ("snapshot_id", snapshot_id),
+            ("total", total),
+            ("chunk_bytes", chunk_bytes),
+            ("count", count),
+        ):
             if type(value) is not int or value < 0:
                 raise ProtocolError(f"snapshot chunk {name} must be a non-negative integer")
-        if self.chunk_bytes == 0:
+        if chunk_bytes == 0:
             raise ProtocolError("snapshot chunk_bytes must be positive")
-        if self.total > self.max_bytes:
+        if total > max_bytes:
+            raise ProtocolError(f"snapshot of {total} bytes exceeds the limit of {max_bytes}")
+        if total < _PREFIX + STREAM_DIGEST:
+            raise ProtocolError(f"snapshot of {total} bytes is too short to be one")
+        if count != chunk_count(total, chunk_bytes):
             raise ProtocolError(
-                f"snapshot of {self.total} bytes exceeds the limit of {self.max_bytes}"
+                f"snapshot of {total} bytes in chunks of {chunk_bytes} cannot be {count} chunks"
             )
-        if self.count != chunk_count(self.total, self.chunk_bytes):
-            raise ProtocolError(
-                f"snapshot of {self.total} bytes in chunks of {self.chunk_bytes} "
-                f"cannot be {self.count} chunks"
-            )
-        # Not zeroed: the pages are touched as the chunks are copied in, a chunk's worth
-        # at a time, where zeroing them all at once held the loop (0.2 s for 416 MB).
-        self._buf = np.empty(self.total, dtype=np.uint8)
+        self.snapshot_id, self.total, self.chunk_bytes, self.count = (
+            snapshot_id,
+            total,
+            chunk_bytes,
+            count,
+        )
+        self.max_bytes = max_bytes
+        self.received = 0  # chunks checked
+        self.taken = 0  # bytes copied
+        self._prefix = bytearray()
+        self._head_len = -1
+        self._head = bytearray()
+        self._header: dict[str, Any] | None = None
+        self._frames: list[np.ndarray] = []  # each frame's bytes, where they go
+        self._dests: dict[int, np.ndarray] = {}  # frames that are tables' arrays
+        self._frame = 0
+        self._frame_pos = 0
+        self._digest = bytearray()
 
     @classmethod
-    def from_header(cls, header: dict[str, Any], *, max_bytes: int) -> ChunkAssembly:
-        """An assembly for the snapshot a first chunk's header announces."""
+    def from_header(cls, header: dict[str, Any], *, max_bytes: int) -> StreamBuilder:
+        """A builder for the snapshot a first chunk's header announces."""
         try:
             sid, total, chunk, count = (header[k] for k in ("id", "total", "chunk", "count"))
         except KeyError as e:
@@ -344,8 +497,9 @@ class ChunkAssembly:
     def done(self) -> bool:
         return self.received == self.count
 
-    def add(self, snapshot_id: object, seq: object, pieces: Sequence[BufferLike]) -> bool:
-        """Take chunk ``seq``; True once the whole snapshot is here."""
+    def check(self, snapshot_id: object, seq: object, pieces: Sequence[BufferLike]) -> bool:
+        """Accept chunk ``seq`` (``pieces``: its bytes), to be taken next; True if it is
+        the last."""
         if snapshot_id != self.snapshot_id:
             raise ProtocolError(
                 f"chunk of snapshot {snapshot_id} while assembling {self.snapshot_id}"
@@ -360,23 +514,220 @@ class ChunkAssembly:
         size = sum(len(memoryview(p).cast("B")) for p in pieces)
         if size != expected:
             raise ProtocolError(f"snapshot chunk {seq} has {size} bytes, expected {expected}")
-        pos = start
-        for piece in pieces:
-            view = memoryview(piece).cast("B")
-            self._buf[pos : pos + len(view)] = view
-            pos += len(view)
         self.received += 1
         return self.done
 
-    def chunk_view(self, seq: int) -> memoryview:
-        """The bytes of chunk ``seq`` (taken already) in the assembled stream."""
-        if type(seq) is not int or not 0 <= seq < self.received:
-            raise ProtocolError(f"snapshot chunk {seq!r} has not been taken")
-        start = seq * self.chunk_bytes
-        return self._buf.data[start : min(self.total, start + self.chunk_bytes)]
+    def take(self, pieces: Sequence[BufferLike]) -> None:
+        """Copy a checked chunk's bytes to where they go (the next chunk's, in order)."""
+        for piece in pieces:
+            view = memoryview(piece).cast("B")
+            while len(view):
+                view = view[self._feed(view) :]
 
-    def stream(self) -> memoryview:
-        """The assembled stream (only once :attr:`done`)."""
-        if not self.done:
-            raise ProtocolError(f"snapshot incomplete: {self.received} of {self.count} chunks")
-        return self._buf.data
+    def _feed(self, view: memoryview) -> int:
+        """Take what of ``view`` belongs to the current region; how many bytes."""
+        if self._header is None:
+            if self._head_len < 0:
+                take = min(len(view), _PREFIX - len(self._prefix))
+                self._prefix += view[:take]
+                if len(self._prefix) == _PREFIX:
+                    self._begin(bytes(self._prefix))
+            else:
+                take = min(len(view), self._head_len - len(self._head))
+                self._head += view[:take]
+                if len(self._head) == self._head_len:
+                    self._open(bytes(self._head))
+                    self._head = bytearray()
+        elif self._frame < len(self._frames):
+            dest = self._frames[self._frame]
+            take = min(len(view), dest.shape[0] - self._frame_pos)
+            dest[self._frame_pos : self._frame_pos + take] = np.frombuffer(view[:take], np.uint8)
+            self._frame_pos += take
+            if self._frame_pos == dest.shape[0]:
+                self._next_frame()
+        else:
+            take = min(len(view), STREAM_DIGEST - len(self._digest))
+            if take == 0:
+                raise ProtocolError("snapshot stream runs past its checksum")
+            self._digest += view[:take]
+        self.taken += take
+        return take
+
+    def _begin(self, prefix: bytes) -> None:
+        if prefix[: len(STREAM_MAGIC)] != STREAM_MAGIC:
+            raise ProtocolError("snapshot stream does not begin as one (bad magic)")
+        (head_len,) = _HEAD_LEN.unpack_from(prefix, len(STREAM_MAGIC))
+        if head_len > self.total - _PREFIX - STREAM_DIGEST:
+            raise ProtocolError("snapshot header runs past the end of the stream")
+        self._head_len = head_len
+        if head_len == 0:
+            raise ProtocolError("snapshot stream has no header")
+
+    def _open(self, raw: bytes) -> None:
+        """The header is here: where each frame goes, checked against the stream."""
+        try:
+            header = msgpack.unpackb(raw, raw=False)
+        except (ValueError, msgpack.UnpackException) as e:
+            raise ProtocolError(f"snapshot header does not decode: {e}") from None
+        if not isinstance(header, dict):
+            raise ProtocolError("snapshot header is not a map")
+        sizes = header.pop("frame_bytes", None)
+        body = self.total - _PREFIX - self._head_len - STREAM_DIGEST
+        if (
+            not isinstance(sizes, list)
+            or not all(type(n) is int and n >= 0 for n in sizes)
+            or sum(sizes) != body
+        ):
+            raise ProtocolError("snapshot frame sizes do not match the stream")
+        self._header = header
+        self._dests = _destinations(header, sizes)
+        self._frames = [
+            self._dests[i].reshape(-1).view(np.uint8) if i in self._dests else np.empty(n, np.uint8)
+            for i, n in enumerate(sizes)
+        ]
+        self._frame, self._frame_pos = -1, 0
+        self._next_frame()
+
+    def _next_frame(self) -> None:
+        self._frame += 1
+        self._frame_pos = 0
+        while self._frame < len(self._frames) and self._frames[self._frame].shape[0] == 0:
+            self._frame += 1
+
+    def digest(self) -> bytes:
+        """The checksum the stream ends with (once every chunk is taken)."""
+        return bytes(self._digest)
+
+    def snapshot(self) -> Snapshot:
+        """The snapshot, validated; its embedding tables' arrays are the ones the chunks
+        were written into (:func:`build_store` makes the tables own them)."""
+        if not self.done or self.taken != self.total or self._header is None:
+            raise ProtocolError(
+                f"snapshot incomplete: {self.received} of {self.count} chunks, "
+                f"{self.taken} of {self.total} bytes taken"
+            )
+        header, dests = self._header, self._dests
+        payloads = [f.data for f in self._frames]
+        self._frames, self._dests = [], {}
+        snap = decode_snapshot(header, payloads, max_bytes=self.max_bytes, copy=False)
+        del payloads
+        for name, descs in header["tables"].items():
+            arrays = snap.export["tables"][name]
+            for key, desc in descs.items():
+                dest = dests.get(desc[0])
+                if dest is not None:
+                    arrays[key] = dest  # the same bytes, owned (and growable)
+        return snap
+
+
+def _destinations(header: dict[str, Any], sizes: list[int]) -> dict[int, np.ndarray]:
+    """By frame index: the arrays of embedding tables' ``rows``, state and ``ids`` the
+    header describes (raw, of the frame's size), allocated for the frames to fill.  What
+    is malformed is left to :func:`decode_snapshot` to refuse."""
+    specs, tables = header.get("specs"), header.get("tables")
+    if not isinstance(specs, list) or not isinstance(tables, dict):
+        return {}
+    names = set()
+    for wire in specs:
+        try:
+            spec = spec_from_wire(wire)
+        except (BadRequestError, ProtocolError, KeyError, TypeError, ValueError):
+            return {}
+        if isinstance(spec, EmbeddingSpec):
+            names.add(spec.name)
+    out: dict[int, np.ndarray] = {}
+    for name, descs in tables.items():
+        if name not in names or not isinstance(descs, dict):
+            continue
+        for desc in descs.values():
+            if not (isinstance(desc, list) and len(desc) == 4):
+                continue
+            index, dtype, shape, codec = desc
+            if (
+                type(index) is not int
+                or not 0 <= index < len(sizes)
+                or index in out
+                or dtype not in WIRE_DTYPES
+                or codec != CODEC_RAW
+                or type(shape) is not list
+                or len(shape) not in (1, 2)
+                or not all(type(d) is int and d >= 0 for d in shape)
+            ):
+                continue
+            dt = np.dtype(dtype)
+            if math.prod(shape) * dt.itemsize != sizes[index]:
+                continue
+            if len(shape) == 2:
+                out[index] = mapped.empty(shape[0], shape[1], dt)
+            else:
+                out[index] = np.empty(shape[0], dt)
+    return out
+
+
+def build_store(snap: Snapshot, memory: DenseMemory | None = None) -> PartitionStore:
+    """The tables of ``snap``, validated, their embedding tables owning the snapshot's
+    arrays where they can (a :class:`StreamBuilder`'s: no copy of the rows), copies
+    otherwise; dense tensors loaded as :meth:`PartitionStore.load` does."""
+    export = snap.export
+    specs, tables = export.get("specs"), export.get("tables")
+    if not isinstance(specs, list) or not isinstance(tables, dict):
+        raise BadRequestError("partition export: 'specs' must be a list, 'tables' a map")
+    parsed = [spec_from_wire(w) for w in specs]
+    emb = {s.name: s for s in parsed if isinstance(s, EmbeddingSpec)}
+    if len({s.name for s in parsed}) != len(parsed):
+        raise BadRequestError("partition export: a table appears twice")
+    if set(tables) != {s.name for s in parsed}:
+        raise BadRequestError("partition export: 'tables' and 'specs' name different tables")
+    store = PartitionStore(memory)
+    store.load(
+        {
+            "specs": [w for w, s in zip(specs, parsed, strict=True) if s.name not in emb],
+            "tables": {n: t for n, t in tables.items() if n not in emb},
+        }
+    )
+    for name, spec in emb.items():
+        data = tables[name]
+        if not isinstance(data, dict):
+            raise BadRequestError(f"partition export: no data for table {name!r}")
+        store.create(spec)
+        adopt(store.embedding(name), data)
+    return store
+
+
+def _ownable(a: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> bool:
+    return (
+        isinstance(a, np.ndarray)
+        and a.shape == shape
+        and a.dtype == dtype
+        and a.flags.writeable
+        and a.flags.c_contiguous
+        and (a.base is None or mapped.mapping(a) is not None)
+    )
+
+
+def adopt(table: EmbeddingTable, data: dict[str, Any]) -> None:
+    """:meth:`EmbeddingTable.load`, the table taking ``data``'s arrays as its own where
+    they are whole arrays of their exact shape (copies otherwise): validated, all or
+    nothing."""
+    ids = np.asarray(data.get("ids"))
+    n = ids.shape[0] if ids.ndim == 1 else -1
+    widths = {"rows": table.spec.dim, **table._widths}
+    arrays = {k: data.get(k) for k in widths}
+    if (
+        set(data) != {"ids", *widths}
+        or ids.dtype != np.int64
+        or not all(_ownable(a, (n, w), table.dtype) for k, a in arrays.items() for w in [widths[k]])
+    ):
+        table.load(data)  # validates, and copies
+        return
+    ids = np.require(ids, requirements=["A", "C"])
+    index = IdIndex(2 * n)
+    if bool(np.all(ids[1:] > ids[:-1])):
+        index.insert(ids)
+    elif index.get_or_insert(ids)[1] != n:
+        raise BadRequestError(f"table {table.spec.name!r}: export 'ids' has duplicates")
+    table._reset(0)
+    table._index = index
+    table._rows = arrays.pop("rows")  # type: ignore[assignment]
+    table._state = arrays  # type: ignore[assignment]
+    table._tick = int(table._meta(TOUCHED)[:n].max()) if table._life and n else 0
