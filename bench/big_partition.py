@@ -27,10 +27,11 @@ Prints one table (path, bytes, seconds, GB/s; 1 GB = 10^9 bytes) and the stall
 percentiles.  Every process is stopped on the way out (Ctrl-C and SIGTERM too); with
 ``--workdir`` the data dirs and logs are kept there: about 10x the partition on disk
 (each shard keeps 3 checkpoints and its log), which the caller removes.  Memory, at
-the peak of a catch-up: the primary 3.3x the partition when a periodic checkpoint
-and the snapshot each hold a cut (``--checkpoint-interval 0`` saves one), the joining
-copy 2.2x, the restarted shard about 1x: it refuses to start (exit status 2) when
-MemAvailable is below 7x the partition, unless ``--force``.
+the peak of a catch-up: the primary its partition and the pages written meanwhile
+(cuts are frozen versions, not copies), the joining copy its tables and a window of
+chunks, the restarted shard its partition, the writer's client its pushes: it
+refuses to start (exit status 2) when MemAvailable is below 4x the partition, unless
+``--force``.  The peak RSS of each is in the table.
 """
 
 from __future__ import annotations
@@ -422,17 +423,16 @@ def main() -> int:
     args = ap.parse_args()
     if args.gb <= 0 or args.kills < 0:
         ap.error("--gb must be positive and --kills at least 0")
-    # At the peak of a catch-up: the primary's partition and two cuts (a periodic
-    # checkpoint and the snapshot), the joining copy's stream and tables, and the
-    # restarted shard's restored partition: about 7x the partition (measured: 3.3x
-    # and 2.2x, plus the restart).
-    need = 7 * args.gb * 1e9 if args.checkpoint_interval != 0 else 6 * args.gb * 1e9
+    # At the peak of a catch-up: the primary's partition and what is written during
+    # the transfer, the joining copy's tables, the restarted shard's partition, and
+    # room for the page cache of the checkpoints: about 4x the partition.
+    need = 4 * args.gb * 1e9
     available = available_bytes()
     if available is not None and need > available and not args.force:
         print(
             f"a partition of {args.gb:g} GB needs about {need / 1e9:.0f} GB of memory at the "
             f"peak of a catch-up; {available / 1e9:.0f} GB available (MemAvailable).  Pass "
-            "--force to run anyway, or --checkpoint-interval 0 to save one cut",
+            "--force to run anyway",
             file=sys.stderr,
         )
         return 2

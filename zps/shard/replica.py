@@ -270,13 +270,14 @@ class Upstream:
             self._abandon()
             raise
         self._last_chunk = time.monotonic()
-        # The chunk is copied into the tables' arrays (and the checkpoint) in one worker
-        # thread while another hashes it; acknowledged once both are done, so at most
+        # The chunk is copied into the tables' arrays, written to the checkpoint and
+        # hashed, in three worker threads; acknowledged once all are done, so at most
         # the primary's window of chunks is held here.
         views = [memoryview(p).cast("B") for p in payloads]
-        hashing = asyncio.to_thread(digest.feed, views)
-        taking = asyncio.to_thread(_take, assembly, keeping, views)
-        got = await asyncio.gather(hashing, taking, return_exceptions=True)
+        jobs = [asyncio.to_thread(digest.feed, views), asyncio.to_thread(assembly.take, views)]
+        if keeping is not None:
+            jobs.append(asyncio.to_thread(_write, keeping, views))
+        got = await asyncio.gather(*jobs, return_exceptions=True)
         if self._assembly is not assembly:
             return  # replaced or abandoned meanwhile
         for result in got:
@@ -407,14 +408,10 @@ class Upstream:
             self._durability.log(route.epoch, prev, lsn, payloads)
 
 
-def _take(
-    assembly: StreamBuilder, keeping: PendingCheckpoint | None, views: list[memoryview]
-) -> None:
-    """A chunk into the tables' arrays and, with a log, the checkpoint (a worker thread)."""
-    assembly.take(views)
-    if keeping is not None:
-        for view in views:
-            keeping.write(view)
+def _write(keeping: PendingCheckpoint, views: list[memoryview]) -> None:
+    """A chunk into the checkpoint being kept (a worker thread)."""
+    for view in views:
+        keeping.write(view)
 
 
 def _build(assembly: StreamBuilder) -> tuple[Snapshot, PartitionStore]:

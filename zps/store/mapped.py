@@ -263,6 +263,23 @@ def _write_back(m: _Memory) -> None:
         view.release()
 
 
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def populate(arr: Any, start: int, stop: int) -> None:
+    """Fault in bytes ``[start, stop)`` of ``arr`` (from :func:`empty`) for writing, in
+    one call: a copy into them then takes no page faults, and the call costs about half
+    what the faults would.  Nothing for other arrays, or a kernel without it."""
+    m = mapping(arr)
+    if m is None:
+        return
+    first = start - start % _PAGE
+    stop = min(len(m), stop)
+    if stop > first:
+        with contextlib.suppress(OSError, ValueError):
+            m.madvise(_POPULATE_WRITE, first, stop - first)
+
+
 def frozen(arr: Any) -> Frozen | None:
     """The frozen version of the memory ``arr`` views, if there is one."""
     m = mapping(arr)

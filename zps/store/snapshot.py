@@ -541,6 +541,9 @@ class StreamBuilder:
         elif self._frame < len(self._frames):
             dest = self._frames[self._frame]
             take = min(len(view), dest.shape[0] - self._frame_pos)
+            owner = self._dests.get(self._frame)
+            if owner is not None:  # its pages faulted in at once, not one by one
+                mapped.populate(owner, self._frame_pos, self._frame_pos + take)
             dest[self._frame_pos : self._frame_pos + take] = np.frombuffer(view[:take], np.uint8)
             self._frame_pos += take
             if self._frame_pos == dest.shape[0]:
