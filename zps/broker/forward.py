@@ -4,8 +4,9 @@ One job: give the broker a :data:`step` that forwards the queued clients' REQUES
 shards' replies of its ROUTER socket without a Python call per message (see
 ``_forward.c``), and hands back, untouched, the first message that needs a decision
 of the Python code.  Forwarding is the broker's whole data path: the compiled step
-makes no Python call per message, the Python fast path (``Broker._forward``) several
-dozen.
+makes no Python call per message, the Python fast path (:mod:`zps.broker.datapath`)
+several dozen.  Where a request goes is the route table's word
+(:mod:`zps.broker.routes`): the step only reads it.
 
 The extension drives pyzmq's own socket through the libzmq that pyzmq's backend module
 loaded: its functions are looked up through that module's handle (opened without
@@ -52,8 +53,8 @@ AVAILABLE, PATH = _bind()
 #: (:attr:`transport.Channel.handle`) until nothing is left (``events``: the last ``ZMQ_EVENTS``
 #: reading), ``limit`` were forwarded (``events`` 0: more may be queued), or a message
 #: needs the Python path: ``declined``, its frames as bytes (nothing of it was sent).
-#: ``events`` is -1 when the socket failed.  ``routes``: each partition's primary
-#: identity (bytes) or None; ``shards``: the membership (names); ``last``: the failure
+#: ``events`` is -1 when the socket failed.  ``routes``: the route table's targets
+#: (:attr:`zps.broker.routes.RouteTable.targets`: a primary's identity, or None); ``shards``: the membership (names); ``last``: the failure
 #: detector's last-heard times, set to ``now`` for each sender forwarded; ``queues``:
 #: the identities with messages held for them; ``holding``: the broker is collecting
 #: claims.  None where :data:`AVAILABLE` is False.
