@@ -54,8 +54,9 @@ AVAILABLE, PATH = _bind()
 #: reading), ``limit`` were forwarded (``events`` 0: more may be queued), or a message
 #: needs the Python path: ``declined``, its frames as bytes (nothing of it was sent).
 #: ``events`` is -1 when the socket failed.  ``routes``: the route table's targets
-#: (:attr:`zps.broker.routes.RouteTable.targets`: a primary's identity, or None); ``shards``: the membership (names); ``last``: the failure
-#: detector's last-heard times, set to ``now`` for each sender forwarded; ``queues``:
-#: the identities with messages held for them; ``holding``: the broker is collecting
-#: claims.  None where :data:`AVAILABLE` is False.
+#: (:attr:`zps.broker.routes.RouteTable.targets`: a primary's identity, or None);
+#: ``shards``: the membership (names); ``last``: the failure detector's last-heard
+#: times, set to ``now`` for each sender forwarded; ``queues``: the identities with
+#: messages held for them; ``holding``: the broker is collecting claims.  None where
+#: :data:`AVAILABLE` is False.
 step = _forward.pump if AVAILABLE else None
