@@ -7,7 +7,71 @@ version of the same work (``zps.store.index``, ``zps.store.tables``), which give
 same results.
 """
 
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
 from setuptools import Extension, setup
+
+HERE = Path(__file__).resolve().parent
+
+
+def pyzmq_libzmq() -> tuple[list[str], str] | None:
+    """pyzmq's include directories and the shared libzmq it ships (``pyzmq.libs``, the
+    library its backend module is linked with), or None: pyzmq is not importable here, or
+    it ships no shared libzmq of its own (built against another libzmq, or with libzmq
+    linked in)."""
+    try:
+        import zmq
+    except ImportError:
+        return None
+    package = Path(zmq.__file__).resolve().parent
+    for folder in [*map(Path, zmq.get_library_dirs()), package.parent / "pyzmq.libs"]:
+        found = sorted(folder.glob("libzmq*.so*"))
+        if found:
+            return list(zmq.get_includes()), str(found[0])
+    return None
+
+
+def libzmq_extensions() -> list[Extension]:
+    """The compiled code that drives pyzmq's own sockets, in Cython against pyzmq's
+    published declarations (``from zmq.backend.cython.libzmq cimport ...``), linked with
+    the libzmq pyzmq ships by its soname and with no search path of their own: the only
+    libzmq the dynamic linker can give them is the one ``import zmq`` loaded, the instance
+    pyzmq's sockets run on (zps imports zmq first).  Optional like the rest: without
+    Cython, or without a libzmq shipped by pyzmq, they are not built and pyzmq does the
+    work (docs/design.md, "Compiled code that drives libzmq")."""
+    found = pyzmq_libzmq()
+    if found is None:
+        print("zps: pyzmq ships no libzmq here: pyzmq sends and receives", file=sys.stderr)
+        return []
+    includes, library = found
+    try:
+        from Cython.Build import cythonize
+    except ImportError:
+        print("zps: Cython is not installed: pyzmq sends and receives", file=sys.stderr)
+        return []
+    common = dict(
+        # A zmq.h pyzmq ships comes first; libzmq's own header otherwise (third_party/).
+        include_dirs=[*includes, str(HERE / "third_party" / "libzmq" / "include")],
+        extra_compile_args=["-O3"],
+        extra_link_args=[library],  # recorded by its soname (DT_NEEDED), not its path
+        optional=True,
+    )
+    extensions = [
+        # A channel's send and receive of one message as one call each (zps.transport).
+        Extension("zps._zmqio", ["zps/_zmqio.pyx"], **common),
+    ]
+    try:
+        built = list(cythonize(extensions, quiet=True))
+    except Exception as e:  # optional: the install goes on without them
+        print(f"zps: the libzmq extensions were not generated ({e})", file=sys.stderr)
+        return []
+    for ext in built:
+        ext.optional = True  # cythonize does not carry it over
+    return built
+
 
 setup(
     ext_modules=[
@@ -49,15 +113,6 @@ setup(
             libraries=["dl"],
             optional=True,
         ),
-        # A channel's send and receive of one message as one call (zps.transport);
-        # optional the same way.
-        Extension(
-            "zps._zmqio",
-            ["zps/_zmqio.c"],
-            depends=["zps/_libzmq.h"],
-            extra_compile_args=["-O3"],
-            libraries=["dl"],
-            optional=True,
-        ),
+        *libzmq_extensions(),
     ]
 )

@@ -19,6 +19,7 @@ import zmq
 from zps import transport
 from zps.errors import ClosedError
 from zps.testing import free_port
+from zps.transport.compiled import io_path, pyzmq_libzmq
 
 needs_io = pytest.mark.skipif(not transport.COMPILED_IO, reason="zps._zmqio is not in use")
 
@@ -238,6 +239,82 @@ def test_the_extension_is_built_and_bound_where_a_compiler_is() -> None:
     assert off.stdout.strip() == "False", off.stderr
 
 
+_LOADED_ALONE = """
+import importlib.util, sys
+import zmq  # pyzmq loads its libzmq; nothing of zps is imported
+spec = importlib.util.spec_from_file_location("zps._zmqio", sys.argv[1])
+io = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(io)
+zps = [m for m in sys.modules if m.split(".")[0] == "zps" and m != "zps._zmqio"]
+assert not zps, f"zps code was imported: {zps}"
+ctx = zmq.Context()
+a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+a.bind("inproc://alone")
+b.connect("inproc://alone")
+assert io.send(a.underlying, [b"to", b"pyzmq"], 1024) == 1
+assert b.recv_multipart() == [b"to", b"pyzmq"]
+b.send_multipart([b"from", b"pyzmq"])
+assert a.poll(5000, zmq.POLLIN)
+assert io.recv(a.underlying, 1024) == [b"from", b"pyzmq"]
+a.close(0)
+b.close(0)
+ctx.term()
+with open("/proc/self/maps") as maps:
+    for line in maps:
+        if "libzmq" in line:
+            print("MAPPED", line.split(None, 5)[5].strip())
+print("BOUND", io.bound())
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_extension_runs_on_pyzmqs_libzmq_with_nothing_to_bind() -> None:
+    """Loaded on its own after ``import zmq`` (no zps code runs, nothing is bound), the
+    extension drives sockets pyzmq made, both ways: the dynamic linker gave it the libzmq
+    pyzmq loaded.  The process maps one libzmq, the file pyzmq ships."""
+    if transport._zmqio is None:
+        pytest.skip("zps._zmqio was not built")
+    run = subprocess.run(
+        [sys.executable, "-c", _LOADED_ALONE, transport._zmqio.__file__],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, (run.returncode, run.stderr)
+    lines = run.stdout.splitlines()
+    mapped = {
+        os.path.realpath(line.split(" ", 1)[1]) for line in lines if line.startswith("MAPPED")
+    }
+    bound = [line.split(" ", 1)[1] for line in lines if line.startswith("BOUND")]
+    shipped = pyzmq_libzmq()
+    assert len(mapped) == 1, f"more than one libzmq in the process: {mapped}"
+    assert mapped == {os.path.realpath(bound[0])}, (mapped, bound)
+    assert mapped <= set(shipped), (mapped, shipped)
+
+
+def test_which_way_channels_go_is_decided_from_the_build_the_load_and_the_library() -> None:
+    """Every way of the decision, and the INFO line's words for each."""
+    shipped = ["/site/pyzmq.libs/libzmq-abc.so.5"]
+    on = dict(built=True, load_error=None, no_kernel=False, version="4.3.5", shipped=shipped)
+    path = io_path
+    assert path(**on, bound=shipped[0]) == (
+        True,
+        f"zps._zmqio (pyzmq's libzmq 4.3.5, {shipped[0]})",
+    )
+    assert path(**{**on, "built": False}, bound=None) == (
+        False,
+        "pyzmq (zps._zmqio was not built)",
+    )
+    assert path(**{**on, "no_kernel": True}, bound=shipped[0]) == (
+        False,
+        "pyzmq (ZPS_NO_KERNEL=1)",
+    )
+    unbound = (False, "pyzmq (pyzmq's libzmq 4.3.5 could not be bound)")
+    assert path(**{**on, "load_error": "libzmq-abc.so.5: cannot open"}, bound=None) == unbound
+    assert path(**on, bound="/usr/lib/libzmq.so.5") == unbound  # another libzmq
+    assert path(**on, bound=None) == unbound
+
+
 _ANOTHER_LIBZMQ = """
 import asyncio, ctypes, logging, sys
 import zmq  # pyzmq loads its libzmq
@@ -265,8 +342,8 @@ print("PATH", forward.PATH)
 @pytest.mark.timeout(60)
 def test_the_libzmq_bound_is_pyzmqs_with_another_copy_loaded(tmp_path: Any) -> None:
     """A copy of pyzmq's libzmq under another name, loaded into the process first: the
-    compiled send and receive and the broker's step still bind the libzmq pyzmq's
-    sockets run on (found through pyzmq's backend module, not by a scan for a name),
+    compiled send and receive (linked by pyzmq's soname) and the broker's step (bound
+    through pyzmq's backend module) still run on the libzmq pyzmq's sockets run on,
     and the process says at INFO which path its channels take (a broker logs its own
     at start: test_broker_forward.py)."""
     from zps import _zmqio  # type: ignore[attr-defined]
