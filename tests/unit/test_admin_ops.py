@@ -167,7 +167,7 @@ def test_cut_is_a_consistent_copy_while_writes_go_on() -> None:
 def test_cuts_are_bounded() -> None:
     core = new_core()
     keys = [call(core, [({"op": "cut"}, {})]).header["res"][0]["cut"] for _ in range(3)]
-    assert len(core._cuts) == 2
+    assert len(core.cuts) == 2
     first = call(core, [({"op": "cut_read", "cut": keys[0], "t": "w", "chunks": [0]}, {})])
     assert first.statuses == ["BAD_REQUEST"]
     assert call(

@@ -26,11 +26,9 @@ Rules:
 
 from __future__ import annotations
 
-import collections
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,11 +37,8 @@ import zps.shard.slotops as slotops
 from zps.errors import (
     BadRequestError,
     ProtocolError,
-    RemoteError,
     ShapeMismatchError,
-    UnknownTableError,
 )
-from zps.init import generate
 from zps.optim import optimizer_from_spec
 from zps.protocol.codec import (
     CODEC_RAW,
@@ -55,11 +50,27 @@ from zps.protocol.codec import (
     Route,
     array_from,
 )
-from zps.protocol.specs import DenseSpec, TableSpec
+from zps.shard.cuts import Cuts
+from zps.shard.dedup import ENTRY_OVERHEAD, FLOOR_OVERHEAD, OK, DedupCache, expired_status
+from zps.shard.records import MAX_MESSAGE_CHARS, Limits, ShardStats, error_status
 from zps.store import PartitionStore, spec_from_wire
 from zps.store.snapshot import Snapshot
 from zps.store.stepbuf import Pending, StepBuffer
 from zps.store.tables import DenseMemory, EmbeddingTable
+
+__all__ = [
+    "ENTRY_OVERHEAD",
+    "FLOOR_OVERHEAD",
+    "MAX_MESSAGE_CHARS",
+    "MUTATIONS",
+    "OK",
+    "DedupCache",
+    "Handled",
+    "Limits",
+    "ShardCore",
+    "ShardStats",
+    "error_status",
+]
 
 MUTATIONS = (
     frozenset(
@@ -77,197 +88,12 @@ MUTATIONS = (
     )
     | slotops.SLOT_MUTATIONS
 )
-#: Cuts of the partition (for an export) a shard holds at once; a new one drops the oldest.
-MAX_CUTS = 2
-OK: dict[str, Any] = {"st": "OK"}
-#: A recorded list of statuses, or the number of statuses when all are ``OK``.
-_Record = int | list[dict[str, Any]]
-
-
-@dataclass
-class Limits:
-    """Per-request limits (larger requests get BAD_REQUEST, not a crash) and the
-    byte bounds of what a shard keeps between requests."""
-
-    max_ops: int = 4096
-    max_array_bytes: int = 512 << 20
-    max_ids: int = 8 << 20
-    #: Bytes of the dedup record (see :class:`DedupCache`).
-    dedup_bytes: int = 64 << 20
-    #: Sync mode: how many steps past the last committed one a push may be for.
-    step_window: int = 8
-    #: Sync mode: bytes of gradients buffered until their step commits.
-    step_buffer_bytes: int = 2 << 30
-
-
-@dataclass
-class ShardStats:
-    requests: int = 0
-    ops: int = 0
-    errors: int = 0
-    duplicates: int = 0
-    malformed: int = 0
-    #: Re-sent messages older than the dedup record, refused (see :class:`DedupCache`).
-    expired: int = 0
-    bytes_in: int = 0
-    by_op: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
-
-
-#: What one dedup entry costs beyond its statuses: the ordered-dict node, the
-#: key tuple and its seq (the client id is counted by its size).
-ENTRY_OVERHEAD = 300
-#: What one client's high-water mark costs beyond its id.
-FLOOR_OVERHEAD = 160
-
-
-def _deep_size(value: object) -> int:
-    """Bytes held by a msgpack-like value (dicts, lists, str, bytes, numbers)."""
-    n = sys.getsizeof(value)
-    if isinstance(value, dict):
-        # keys are the handlers' own literals, shared by every status
-        n += sum(_deep_size(v) for v in value.values())
-    elif isinstance(value, list | tuple):
-        n += sum(_deep_size(v) for v in value)
-    return n
-
-
-def _record_size(statuses: list[dict[str, Any]]) -> int:
-    """Bytes held by one recorded list of statuses, a status shared by several
-    operations (like :data:`OK`) counted once."""
-    n = sys.getsizeof(statuses)
-    seen: set[int] = set()
-    for s in statuses:
-        if s is not OK and id(s) not in seen:
-            seen.add(id(s))
-            n += _deep_size(s)
-    return n
-
-
-class DedupCache:
-    """Statuses of recently applied messages, keyed by ``(client_id, seq)``.
-
-    Bounded in bytes (``max_bytes``, counting each entry's statuses, key and
-    bookkeeping) and in entries (``capacity``); the oldest entries go first.
-    A record whose statuses are all ``OK`` is kept as a count.
-
-    Each client's highest evicted seq is kept (its *floor*, a few hundred
-    bytes per client, counted in the same budget): a message of that client
-    with a seq at or below its floor that is not in the record anymore may
-    have been applied, so :meth:`expired` says so and it is refused instead of
-    applied a second time.  A client's seqs only grow, so the floor only
-    catches messages that are retried, or delayed, for longer than the record
-    lasts.  Floors go only when nothing else is left to evict.
-    """
-
-    def __init__(self, max_bytes: int = 64 << 20, capacity: int = 200_000) -> None:
-        self.max_bytes = max_bytes
-        self.capacity = capacity
-        self.nbytes = 0
-        self.evicted = 0
-        self._seen: collections.OrderedDict[tuple[bytes, int], tuple[_Record, int]] = (
-            collections.OrderedDict()
-        )
-        self._floors: collections.OrderedDict[bytes, int] = collections.OrderedDict()
-
-    def get(self, key: tuple[bytes, int]) -> list[dict[str, Any]] | None:
-        found = self._seen.get(key)
-        if found is None:
-            return None
-        record = found[0]
-        return [OK] * record if isinstance(record, int) else record
-
-    def expired(self, key: tuple[bytes, int]) -> int | None:
-        """The client's floor if ``key`` is not recorded but may have been applied."""
-        floor = self._floors.get(key[0])
-        if floor is None or key[1] > floor or key in self._seen:
-            return None
-        return floor
-
-    def put(self, key: tuple[bytes, int], statuses: list[dict[str, Any]]) -> None:
-        record: _Record
-        if statuses and all(s is OK or s == OK for s in statuses):
-            record, size = len(statuses), ENTRY_OVERHEAD + len(key[0])
-        else:
-            record, size = statuses, ENTRY_OVERHEAD + len(key[0]) + _record_size(statuses)
-        old = self._seen.get(key)
-        if old is not None:
-            self.nbytes -= old[1]
-        self._seen[key] = (record, size)
-        self.nbytes += size
-        self._evict()
-
-    def _evict(self) -> None:
-        while self._seen and (len(self._seen) > self.capacity or self.nbytes > self.max_bytes):
-            (cid, seq), (_, size) = self._seen.popitem(last=False)
-            self.nbytes -= size
-            self.evicted += 1
-            floor = self._floors.pop(cid, None)
-            if floor is None:
-                self.nbytes += FLOOR_OVERHEAD + len(cid)
-            self._floors[cid] = seq if floor is None else max(floor, seq)
-        while self._floors and self.nbytes > self.max_bytes:
-            cid, _ = self._floors.popitem(last=False)
-            self.nbytes -= FLOOR_OVERHEAD + len(cid)
-
-    def __len__(self) -> int:
-        return len(self._seen)
-
-    def entries(self) -> list[tuple[bytes, int, list[dict[str, Any]]]]:
-        return [
-            (cid, seq, [OK] * record if isinstance(record, int) else record)
-            for (cid, seq), (record, _) in self._seen.items()
-        ]
-
-    def floors(self) -> list[tuple[bytes, int]]:
-        """Each client's highest evicted seq, least recently raised first."""
-        return list(self._floors.items())
-
-    def load(
-        self,
-        entries: list[tuple[bytes, int, list[dict[str, Any]]]],
-        floors: Sequence[tuple[bytes, int]] = (),
-    ) -> None:
-        self._seen.clear()
-        self._floors.clear()
-        self.nbytes = 0
-        for cid, floor in floors:
-            self._floors[cid] = floor
-            self.nbytes += FLOOR_OVERHEAD + len(cid)
-        for cid, seq, statuses in entries:
-            self.put((cid, seq), statuses)
-
-
-def _expired_status(key: tuple[bytes, int], floor: int) -> dict[str, Any]:
-    cid, seq = key
-    return {
-        "st": "BAD_REQUEST",
-        "msg": f"message {seq} of client {cid[:16]!r} is older than this shard's dedup "
-        f"record (it forgot this client's messages up to {floor}): it may have been "
-        "applied already, so it is not applied again",
-    }
 
 
 def _is_mutation(op: object) -> bool:
     # ``op["op"]`` may be any msgpack value, including an unhashable list or map.
     name = op.get("op") if isinstance(op, dict) else None
     return isinstance(name, str) and name in MUTATIONS
-
-
-#: Error messages are cut to this length: they may quote hostile input, and
-#: they are kept in the dedup record.
-MAX_MESSAGE_CHARS = 300
-
-
-def error_status(e: Exception) -> dict[str, Any]:
-    if isinstance(e, RemoteError):
-        st, msg = e.code, str(e)
-    elif isinstance(e, ProtocolError):
-        st, msg = "BAD_REQUEST", str(e)
-    else:
-        st, msg = "INTERNAL", f"{type(e).__name__}: {e}"
-    if len(msg) > MAX_MESSAGE_CHARS:
-        msg = msg[: MAX_MESSAGE_CHARS - 3] + "..."
-    return {"st": st, "msg": msg}
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,9 +149,8 @@ class ShardCore:
         self._finite: Mapping[int, str] = {}
         self._clock = clock
         self._cid = b""  # the client of the message being handled
-        #: Export cuts: ``(epoch, n)`` -> the partition's values at one LSN (see op_cut).
-        self._cuts: collections.OrderedDict[tuple[int, int], _Cut] = collections.OrderedDict()
-        self._cut_counter = 0
+        #: Export cuts: the partition's values at one LSN, read in pieces (see op_cut).
+        self.cuts = Cuts()
         #: Set by the shard process: whether it has a data dir to write checkpoints to,
         #: the newest checkpoint on disk, and an LSN an operator asked a checkpoint of.
         self.checkpoint_enabled = False
@@ -342,7 +167,7 @@ class ShardCore:
         re-registration after a broker restart); another partition starts empty.
         """
         if partition != self.partition:
-            self._cuts.clear()
+            self.cuts.clear()
             self.checkpointed = self.checkpoint_wanted = None
             self.store = PartitionStore(self.dense_memory)
             self.dedup = self._new_dedup()
@@ -497,7 +322,7 @@ class ShardCore:
             and any(_is_mutation(op) for op in ops)
         ):
             self.stats.expired += 1
-            cached = [_expired_status(key, floor)] * len(ops)
+            cached = [expired_status(key, floor)] * len(ops)
         if cached is None and self.slots is not None:
             # Slot ownership (live resharding), after the dedup lookup: a re-sent
             # message applied before a fence is answered from its record above.
@@ -761,7 +586,7 @@ class ShardCore:
         self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
     ) -> dict[str, Any]:
         """Nothing: a client waiting for its background pushes sends it so that the
-        answers held for it come now (see ShardServer._hold)."""
+        answers held for it come now (see zps.shard.admission.HeldAcks)."""
         return OK
 
     def op_tables(
@@ -883,128 +708,27 @@ class ShardCore:
     ) -> dict[str, Any]:
         """Copy the values of every table (and, with ``"state": true``, their optimizer
         state) at the current LSN, to be read in pieces by ``cut_read`` while writes go
-        on; a third cut drops the oldest.  Cuts are not replicated: a new primary knows
-        none."""
+        on (see :class:`~zps.shard.cuts.Cuts`)."""
         if self.partition is None:
             raise BadRequestError("no partition to cut")
         with_state = op.get("state", False)
         if not isinstance(with_state, bool):
             raise BadRequestError("cut: 'state' must be true or false")
-        tables: dict[str, Any] = {}
-        for spec in self.store.specs():
-            table = self.store.table(spec.name)
-            if not with_state:
-                tables[spec.name] = table.copy_values()
-            elif isinstance(table, EmbeddingTable):
-                tables[spec.name] = (*table.copy_values(), table.copy_state())
-            else:
-                states = table.copy_state()
-                tables[spec.name] = {c: (v, states[c]) for c, v in table.copy_values().items()}
-        if self.slots is not None and self.slots.active:
-            # Live resharding: only the slots this partition owns (not rows it released
-            # and still holds, nor an import not yet served), so no id is cut twice.
-            slotops.owned_only(self.slots, tables)
-        self._cut_counter += 1
-        key = (self.epoch, self._cut_counter)
-        specs = {s.name: s for s in self.store.specs()}
-        self._cuts[key] = _Cut(self.lsn, specs, tables, with_state)
-        while len(self._cuts) > MAX_CUTS:
-            self._cuts.popitem(last=False)
-        return {
-            "st": "OK",
-            "cut": list(key),
-            "lsn": self.lsn,
-            "epoch": self.epoch,
-            "state": with_state,
-            "tables": [
-                {
-                    "spec": spec.to_wire(),
-                    "n": len(tables[name][0]) if isinstance(tables[name], tuple) else 0,
-                    "chunks": sorted(tables[name]) if isinstance(tables[name], dict) else [],
-                }
-                for name, spec in self._cuts[key].specs.items()
-            ],
-        }
-
-    def _cut(self, op: dict[str, Any]) -> _Cut:
-        key = op.get("cut")
-        if not isinstance(key, list) or len(key) != 2 or not all(type(k) is int for k in key):
-            raise BadRequestError("'cut' must be the [epoch, number] a cut answered")
-        cut = self._cuts.get((key[0], key[1]))
-        if cut is None:
-            raise BadRequestError(
-                f"cut {key} is unknown on partition {self.partition}: it was dropped, a "
-                "newer cut replaced it, or another shard became primary; take a new cut"
-            )
-        return cut
+        return self.cuts.take(
+            self.store, epoch=self.epoch, lsn=self.lsn, slots=self.slots, with_state=with_state
+        )
 
     def op_cut_read(
         self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
     ) -> dict[str, Any]:
-        """Embedding rows ``[start, start+count)`` of a cut (``a``: ids, rows, then each
-        optimizer state column of a cut with state, in the order of ``keys``; in storage
-        order), or a dense tensor's ``chunks`` (``a``: one array each, each followed by
-        its state columns in a cut with state; a chunk this partition never stored has
-        its initial values and state)."""
-        cut, name = self._cut(op), self._table_name(op)
-        spec = cut.specs.get(name)
-        if spec is None:
-            raise UnknownTableError(f"table {name!r} is not in cut {op.get('cut')}")
-        data = cut.tables[name]
-        itemsize = np.dtype(spec.dtype).itemsize
-        if isinstance(data, tuple):
-            start, count = op.get("start"), op.get("count")
-            if type(start) is not int or type(count) is not int or start < 0 or count < 0:
-                raise BadRequestError("cut_read of rows needs integers 'start' and 'count' >= 0")
-            ids, rows = data[0], data[1]
-            state: dict[str, np.ndarray] = data[2] if cut.state else {}
-            width = rows.shape[1] + sum(a.shape[1] for a in state.values())
-            if count * (8 + width * itemsize) > self.limits.max_array_bytes:
-                raise BadRequestError(
-                    f"cut_read of {count} rows exceeds the per-request limit "
-                    f"{self.limits.max_array_bytes} bytes"
-                )
-            window = slice(start, start + count)
-            arrays = [ids[window], rows[window], *(a[window] for a in state.values())]
-            return {"st": "OK", "a": [enc.array(a) for a in arrays], "keys": list(state)}
-        assert isinstance(spec, DenseSpec)
-        chunks = op.get("chunks")
-        if not isinstance(chunks, list) or not all(type(c) is int for c in chunks):
-            raise BadRequestError("cut_read of a dense tensor needs 'chunks', a list of integers")
-        out = []
-        total = 0
-        opt = spec.optimizer
-        keys = list(opt.state_widths(1)) if cut.state else []
-        for c in chunks:
-            start_e, stop_e = spec.chunk_range(c)
-            widths = opt.state_widths(stop_e - start_e)
-            total += (stop_e - start_e + sum(widths[k] for k in keys)) * itemsize
-            if total > self.limits.max_array_bytes:
-                raise BadRequestError(
-                    f"cut_read of dense chunks exceeds the per-request limit "
-                    f"{self.limits.max_array_bytes} bytes"
-                )
-            stored = data.get(c)
-            if stored is None:
-                values = generate(
-                    spec.init, spec.seed, np.arange(start_e, stop_e), 1, np.dtype(spec.dtype)
-                ).ravel()
-                init = opt.init_state(1, stop_e - start_e, np.dtype(spec.dtype))
-                chunk_state = {k: a.reshape(-1) for k, a in init.items()}
-            elif cut.state:
-                values, chunk_state = stored
-            else:
-                values, chunk_state = stored, {}
-            out.append(enc.array(values))
-            out.extend(enc.array(chunk_state[k]) for k in keys)
-        return {"st": "OK", "a": out, "keys": keys}
+        return self.cuts.read(
+            op, enc, partition=self.partition, max_array_bytes=self.limits.max_array_bytes
+        )
 
     def op_cut_drop(
         self, op: dict[str, Any], payloads: Sequence[BufferLike], enc: Encoder
     ) -> dict[str, Any]:
-        key = op.get("cut")
-        if isinstance(key, list) and len(key) == 2 and all(type(k) is int for k in key):
-            self._cuts.pop((key[0], key[1]), None)
+        self.cuts.drop(op.get("cut"))
         return OK
 
     def op_checkpoint(
@@ -1066,16 +790,3 @@ _HANDLERS: dict[str, _Handler] = {
     "checkpoint": ShardCore.op_checkpoint,
     **slotops.HANDLERS,
 }
-
-
-@dataclass
-class _Cut:
-    """A partition's values (and optimizer state) at one LSN, for an export: embedding
-    tables as ``(ids, rows)`` in storage order, dense tensors as ``{chunk: values}``."""
-
-    lsn: int
-    specs: dict[str, TableSpec]
-    tables: dict[str, Any]
-    #: Whether the optimizer state was copied too: embedding tables as ``(ids, rows,
-    #: {column: state})``, dense tensors as ``{chunk: (values, {column: state})}``.
-    state: bool = False
