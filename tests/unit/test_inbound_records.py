@@ -24,8 +24,8 @@ from zps.protocol.messages import (
     StreamAck,
     Subscribe,
 )
+from zps.shard.links import from_broker as shard_reads
 from zps.shard.primary import _from_replica as primary_reads
-from zps.shard.server import _from_broker as shard_reads
 
 
 def test_a_shard_reads_the_brokers_control_messages_as_records() -> None:

@@ -1,0 +1,390 @@
+"""The shard's links to the broker (or the broker pair), and the pair's fencing.
+
+* a DEALER to each broker, the *data link*: registration (claiming what it already
+  serves, so a restarted broker rebuilds its map), requests and replies.  Frames from
+  the broker are ``[source, route, header, payloads...]``: an empty ``source`` is the
+  broker itself, anything else a client to answer.
+* a second DEALER to each, the *liveness link* (identity ``h-`` + the shard's,
+  :mod:`zps.core.membership`): heartbeats and the broker's lease echoes only, so
+  neither waits behind bulk data queued on the first (a lease that ran out while its
+  echo sat behind seconds of data refused requests that had already crossed the link).
+  Served by a thread of its own (:class:`transport.LinkThread`).  Until the broker has
+  answered on it (an older broker does not), heartbeats also go on the data link.
+
+With a broker pair, control messages go to both, and requests are taken (and replies
+sent) only through the broker whose term is the highest seen (:meth:`BrokerLinks.fenced`:
+an older broker's messages are dropped, its requests refused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import zmq.asyncio
+
+from zps import transport
+from zps.core.membership import liveness_identity
+from zps.errors import ProtocolError
+from zps.ops.config import ShardConfig
+from zps.protocol.codec import (
+    PROTOCOL_VERSION,
+    MsgType,
+    Route,
+    VersionMismatchError,
+    decode,
+    encode,
+    unpack_route,
+)
+from zps.protocol.messages import (
+    Assign,
+    BrokerToShard,
+    Heartbeat,
+    LeaseEcho,
+    MapUpdate,
+    RegisterAgain,
+)
+from zps.shard import admission
+from zps.shard.liveness import Liveness
+from zps.transport import CurveKeys
+from zps.version import __version__
+
+log = logging.getLogger("zps.shard")
+
+Link = tuple[transport.Channel, transport.Outbound]
+
+
+def from_broker(mtype: MsgType, header: dict[str, Any]) -> BrokerToShard | None:
+    """The record of a control message from the broker (None: not one a shard expects).
+
+    A HEARTBEAT with a role is the echo that renews the lease; without, a probe."""
+    match mtype:
+        case MsgType.ASSIGN:
+            return Assign.parse(header)
+        case MsgType.MAP:
+            return MapUpdate.parse(header)
+        case MsgType.HEARTBEAT if "role" in header:
+            return LeaseEcho.parse(header)
+        case MsgType.HEARTBEAT:
+            return Heartbeat.parse(header)
+        case MsgType.REGISTER:
+            return RegisterAgain.parse(header)
+        case _:
+            return None
+
+
+def dealer_link(
+    ctx: zmq.asyncio.Context,
+    config: ShardConfig,
+    node_id: str,
+    keys: CurveKeys | None,
+    endpoint: str,
+    name: str = "broker link",
+    *,
+    silence: float | None = None,
+) -> Link:
+    """A DEALER to ``endpoint`` (a broker, or a routing broker) with its own reply
+    allowance (``shard.reply_queue_bytes``)."""
+    hb = config.heartbeat
+    sock = transport.dealer(
+        ctx,
+        endpoint,
+        node_id.encode(),
+        max_message_bytes=config.max_message_bytes,
+        curve=keys,
+        server_public=keys.server_public if keys else None,
+        silence=silence,
+    )
+    out = transport.Outbound(
+        sock,
+        total_limit=config.reply_queue_bytes,
+        stall_timeout=2 * hb.interval * hb.liveness,
+        name=name,
+    )
+    return sock, out
+
+
+class BrokerLinks:
+    """The data and liveness links to every broker of the configuration."""
+
+    def __init__(
+        self,
+        config: ShardConfig,
+        node_id: str,
+        *,
+        lease: Callable[[], float],
+        epoch: Callable[[], int],
+        on_control: Callable[[Route, dict[str, Any]], Awaitable[None]],
+        on_request: Callable[[bytes, Route, list[Any]], None],
+        on_seen: Callable[[], None],
+        count_malformed: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.node_id = node_id
+        self._lease = lease
+        self._epoch = epoch
+        self._on_control = on_control
+        self._on_request = on_request
+        self._on_seen = on_seen
+        self._count_malformed = count_malformed
+        self.keys: CurveKeys | None = None
+        #: Every data link, the one followed, and the highest term seen (broker pair).
+        self.links: list[Link] = []
+        self.current = 0
+        self.term = 0
+        #: The data link followed, and what is sent on it beyond zmq's queue (bounded in
+        #: bytes: past ``reply_queue_bytes - max_message_bytes`` held, requests are refused).
+        self.sock: transport.Channel | None = None
+        self.out: transport.Outbound | None = None
+        #: The liveness links' thread; what it hears, for the loop; and when each link
+        #: was last heard from (an echo: the broker serves liveness links).
+        self.liveness: transport.LinkThread | None = None
+        self.beat_policy: Liveness | None = None
+        self._inbox: asyncio.Queue[tuple[int, list[bytes]]] = asyncio.Queue(1024)
+        self._heard_at: list[float] = []
+        # Per data link: the messages it had received, and since when (see beat).
+        self._data_heard: dict[int, tuple[int, float]] = {}
+        #: Set (in the loop) if the liveness thread fails: see _failed.
+        self._dead: asyncio.Future[BaseException] | None = None
+        self._version_warned = False
+
+    # -- opening and closing ---------------------------------------------------------
+
+    def open(self, ctx: zmq.asyncio.Context, keys: CurveKeys | None) -> None:
+        """Connect to every broker (in the event loop)."""
+        cfg, hb = self.config, self.config.heartbeat
+        self.keys = keys
+        brokers = cfg.endpoints
+        silence = transport.reconnect_silence(hb.interval, hb.liveness)
+        first = dealer_link(ctx, cfg, self.node_id, keys, brokers[0], silence=silence)
+        self.links = [first, *(dealer_link(ctx, cfg, self.node_id, keys, b) for b in brokers[1:])]
+        self.sock, self.out = first
+        loop = asyncio.get_running_loop()
+        self._dead = loop.create_future()
+        self.beat_policy = Liveness(hb.interval, hb.liveness, hb.max_loop_stall, time.monotonic())
+        # The DEALERs for heartbeats and lease echoes only, served by a thread: the
+        # shard's key, its identity behind ``h-`` (the broker counts it as the shard's,
+        # bound to the same key).
+        self.liveness = transport.LinkThread(
+            ctx,
+            brokers,
+            liveness_identity(self.node_id.encode()),
+            policy=self.beat_policy,
+            deliver=lambda link, frames: loop.call_soon_threadsafe(self._heard, link, frames),
+            on_failure=lambda err: loop.call_soon_threadsafe(self._failed, err),
+            max_message_bytes=cfg.max_message_bytes,
+            curve=keys,
+            server_public=keys.server_public if keys else None,
+            name="zps-liveness",
+            silence=silence,
+        )
+        self.liveness.start()
+        self._heard_at = [float("-inf")] * len(brokers)
+
+    def serve(self, tg: asyncio.TaskGroup) -> list[asyncio.Task[None]]:
+        """The tasks that read every link and watch the liveness thread."""
+        tasks = []
+        for i, (sock, _) in enumerate(self.links):
+            serve = transport.serve(
+                sock,
+                functools.partial(self.on_frames, link=i),
+                self.malformed,
+                fast=functools.partial(self.on_request, link=i),
+                on_burst=self._on_seen,
+            )
+            tasks.append(tg.create_task(serve))
+        tasks.append(tg.create_task(self._serve_liveness()))
+        tasks.append(tg.create_task(self._watch()))
+        return tasks
+
+    def stop_liveness(self) -> None:
+        """No more heartbeats (a graceful stop: the broker must not re-admit us)."""
+        if self.liveness is not None:
+            self.liveness.stop()
+
+    def close(self) -> None:
+        if self.out is not None:
+            self.out.close()
+        # Every link: after following the other broker of a pair, self.sock is link 1,
+        # and an unclosed link 0 would hang the context's term.
+        for sock, out in self.links:
+            out.close()
+            transport.close(sock)
+        self.stop_liveness()
+        if self.sock is not None:
+            transport.close(self.sock)
+
+    # -- sending ---------------------------------------------------------------------
+
+    def send(self, mtype: MsgType, header: dict[str, Any]) -> None:
+        """A control message to every broker.  Best effort, never blocking: control
+        messages are repeated or asked for again, and a broker link that is down (or
+        refused us) must not hang the shard, not even its shutdown."""
+        frames = [b"", *encode(Route(mtype), self.with_term(header))]
+        for sock in self._socks():
+            if not transport.try_send(sock, frames):
+                log.debug("dropped a %s to the broker: its queue is full", mtype.name)
+
+    def beat(self, frames: list[Any]) -> None:
+        """A heartbeat: on every liveness link, and on a data link whose broker does not
+        answer on its liveness link (not yet, an older broker, or under CURVE a data
+        link quiet for a lease)."""
+        if self.liveness is not None:
+            self.liveness.post(frames)
+        now = time.monotonic()
+        lease = self._lease()
+        for i, sock in enumerate(self._socks()):
+            if (
+                i < len(self._heard_at)
+                and now - self._heard_at[i] < lease
+                and not self._data_link_quiet(sock, now, lease)
+            ):
+                continue  # the broker answers on the liveness link
+            transport.try_send(sock, frames)
+
+    def post(self, frames: list[Any], out: transport.Outbound | None = None) -> None:
+        """Send to the broker (or through ``out``) without waiting; held within
+        ``reply_queue_bytes`` while its queue is full, dropped past that (the client's
+        request times out or is retried)."""
+        out = out or self.out
+        if out is None:
+            return  # not connected yet
+        if not out.ch.closed:
+            posted = out.post(frames, self.config.reply_queue_bytes)
+            if posted is transport.Posted.DROPPED:
+                log.warning("dropped a reply: the broker link holds %d bytes", out.held_bytes)
+
+    def held_bytes(self) -> int:
+        """Bytes held for the broker followed beyond zmq's queue."""
+        return 0 if self.out is None else self.out.held_bytes
+
+    def with_term(self, header: dict[str, Any]) -> dict[str, Any]:
+        """A broker pair learns from the shards the highest term they have seen."""
+        return {**header, "term": self.term} if len(self.links) > 1 else header
+
+    def _socks(self) -> list[transport.Channel]:
+        assert self.sock is not None
+        return [sock for sock, _ in self.links] or [self.sock]
+
+    # -- receiving -------------------------------------------------------------------
+
+    def fenced(self, link: int, header: dict[str, Any]) -> bool:
+        """Broker pair: drop a control message from a broker older than the highest term
+        seen; one from a broker at least as new makes it the broker followed."""
+        term = header.get("term")
+        if len(self.links) < 2 or not isinstance(term, int) or isinstance(term, bool):
+            return False
+        if term < self.term:
+            return True
+        if link != self.current:
+            log.warning("following the broker at %s (term %d)", self.config.endpoints[link], term)
+            self.current = link
+            self.sock, self.out = self.links[link]
+        self.term = term
+        return False
+
+    async def on_frames(self, frames: transport.Frames, link: int = 0) -> None:
+        if self.on_request(frames, link):
+            return
+        try:
+            route = unpack_route(transport.frame_buffer(frames[1]))
+            msg = decode([transport.frame_buffer(f) for f in frames[1:]])
+            if not self.fenced(link, msg.header):
+                await self._on_control(route, msg.header)
+        except (KeyError, ValueError, TypeError, OverflowError) as e:
+            raise ProtocolError(str(e)) from e
+
+    def on_request(self, frames: transport.Frames, link: int = 0) -> bool:
+        """A client's request the broker routed here, handled at once; False for the
+        broker's own control messages (the serving task's).  Run in the link's reader
+        callback (see transport.serve)."""
+        if len(frames) < 3:
+            raise ProtocolError(f"{len(frames)} frames from the broker")
+        source = transport.frame_bytes(frames[0])
+        if not source:
+            return False
+        try:
+            route = unpack_route(transport.frame_buffer(frames[1]))
+        except (KeyError, ValueError, TypeError, OverflowError) as e:
+            raise ProtocolError(str(e)) from e
+        if link != self.current:
+            # Routed by a broker of the pair that was replaced: the client retries.
+            sock = self.links[link][0]
+            reply_route = Route(MsgType.REPLY, route.partition, self._epoch(), route.req_id)
+            refusal = admission.REPLACED.header()
+            transport.try_send(sock, [source, *encode(reply_route, refusal)])
+            return True
+        self._on_request(source, route, frames[1:])
+        return True
+
+    def malformed(self, frames: transport.Frames, e: ProtocolError) -> None:
+        self._count_malformed()
+        if isinstance(e, VersionMismatchError) and frames and not transport.frame_bytes(frames[0]):
+            if not self._version_warned:  # the broker answers every REGISTER this way
+                self._version_warned = True
+                log.error(
+                    "the broker at %s speaks protocol version %d, this shard (zps %s) %d: "
+                    "it cannot join until both run releases of one protocol version",
+                    self.config.broker,
+                    e.version,
+                    __version__,
+                    PROTOCOL_VERSION,
+                )
+            return
+        if len(frames) >= 3:  # a truncated message is only counted
+            source = transport.frame_bytes(frames[0])
+            log.warning("dropped a bad message (%s): %s", "request" if source else "control", e)
+
+    def _heard(self, link: int, frames: list[bytes]) -> None:
+        """A message on a liveness link, from its thread (called in the loop)."""
+        with contextlib.suppress(asyncio.QueueFull):  # echoes only: the next one will do
+            self._inbox.put_nowait((link, frames))
+
+    async def _serve_liveness(self) -> None:
+        while True:
+            link, frames = await self._inbox.get()
+            try:
+                await self._on_liveness_frames(frames, link)
+            except ProtocolError as e:
+                self.malformed(frames, e)
+            self._on_seen()
+
+    async def _on_liveness_frames(self, frames: transport.Frames, link: int) -> None:
+        """A lease echo (or another control message) on a liveness link; it carries the
+        broker's term like any other, so fencing is the same as on the data link."""
+        if len(frames) < 3 or transport.frame_bytes(frames[0]):
+            raise ProtocolError("a liveness link carries control messages only")
+        self._heard_at[link] = time.monotonic()
+        await self.on_frames(frames, link)
+
+    def _data_link_quiet(self, sock: transport.Channel, now: float, lease: float) -> bool:
+        """Whether the broker sent nothing on data link ``sock`` (its probes come every
+        heartbeat interval) for a lease.  Under CURVE it sends nothing on a data link
+        whose connection closed until the shard speaks on the new one: the heartbeat
+        goes there too then."""
+        if self.keys is None:
+            return False  # without CURVE a reconnected link is heard at once
+        count, since = self._data_heard.get(id(sock), (-1, now))
+        if sock.received != count:
+            self._data_heard[id(sock)] = (sock.received, now)
+            return False
+        return now - since >= lease
+
+    def _failed(self, error: BaseException) -> None:
+        """The liveness thread failed (called in the loop)."""
+        if self._dead is not None and not self._dead.done():
+            self._dead.set_result(error)
+
+    async def _watch(self) -> None:
+        """A shard whose liveness thread failed is heard no more: the broker will fail it
+        over, and one that went on serving would do so unheard.  It stops at once, with
+        an error (its service manager starts it again, and it registers anew)."""
+        assert self._dead is not None
+        error = await self._dead
+        log.critical("the liveness thread failed (%s): the shard stops", error)
+        raise RuntimeError(f"shard {self.node_id}: its liveness thread failed: {error}")

@@ -1,0 +1,133 @@
+"""The shard's links to the routing brokers of the cluster map.
+
+A DEALER to every routing broker the map lists, for requests only (control messages
+and the liveness link stay with the broker or pair, :mod:`zps.shard.links`).  A request
+that came through one gets the same checks as any and is answered through it; a router
+the map no longer lists is kept a minute (its replies in flight still go out, it may
+come back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from zps import transport
+from zps.errors import ProtocolError
+from zps.protocol.codec import MsgType, Route, encode, unpack_route
+from zps.shard import admission
+
+log = logging.getLogger("zps.shard")
+
+Link = tuple[transport.Channel, transport.Outbound]
+#: How long a router the map no longer lists is kept (seconds).
+ROUTER_KEPT_S = 60.0
+#: Clients whose router is remembered; past this many the record starts again.
+MAX_VIA = 65536
+
+
+class RouterLinks:
+    """The routing brokers' links and, per client, the one its last request came by."""
+
+    def __init__(
+        self,
+        *,
+        connect: Callable[[str, str], Link],
+        start: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+        on_request: Callable[[bytes, Route, list[Any]], None],
+        malformed: Callable[[transport.Frames, ProtocolError], None],
+        refuse: Callable[[admission.Refuse], None],
+        policy: Callable[[], admission.Policy],
+        epoch: Callable[[], int],
+    ) -> None:
+        """``connect(endpoint, name)``: a link; ``start``: run a coroutine beside the
+        shard's; ``refuse``: count a refusal; ``policy``, ``epoch``: the admission
+        policy and the partition's epoch now."""
+        self._connect = connect
+        self._start = start
+        self._on_request = on_request
+        self._malformed = malformed
+        self._refuse = refuse
+        self._policy = policy
+        self._epoch = epoch
+        #: endpoint -> link, its reply allowance, its reader
+        self._links: dict[
+            str, tuple[transport.Channel, transport.Outbound, asyncio.Task[None]]
+        ] = {}
+        #: per client, the router link its last request came by (its replies go back
+        #: there; absent: through the broker).
+        self._via: dict[bytes, transport.Outbound] = {}
+        self._absent: dict[str, float] = {}  # endpoint -> since when unlisted
+
+    def follow(self, endpoints: set[str], now: float) -> None:
+        """Keep a link to every routing broker of the map (``endpoints``)."""
+        for endpoint in self._links:
+            if endpoint in endpoints:
+                self._absent.pop(endpoint, None)
+            else:  # kept a while: its replies in flight still go out, it may come back
+                self._absent.setdefault(endpoint, now)
+        for endpoint in [e for e, t in self._absent.items() if now - t >= ROUTER_KEPT_S]:
+            del self._absent[endpoint]
+            sock, out, task = self._links.pop(endpoint)
+            task.cancel()
+            out.close()
+            transport.close(sock)
+            self._via = {c: o for c, o in self._via.items() if o is not out}
+        for endpoint in endpoints - self._links.keys():
+            sock, out = self._connect(endpoint, f"router link {endpoint}")
+            on_frames = functools.partial(self._on_frames, out=out)
+            task = self._start(transport.serve(sock, on_frames, self._malformed))
+            self._links[endpoint] = (sock, out, task)
+            log.info("connected to the routing broker at %s", endpoint)
+
+    def via(self, client: bytes) -> transport.Outbound | None:
+        """The router link to answer ``client`` through (None: the broker)."""
+        return self._via.get(client) if self._via else None
+
+    def forget(self, client: bytes) -> None:
+        """``client``'s request came through the broker: answered through it again."""
+        if self._via:
+            self._via.pop(client, None)
+
+    def beat(self, frames: list[Any]) -> None:
+        """Routing brokers send nothing to a link whose connection closed until the
+        shard speaks on its new one (under CURVE): a heartbeat is that word."""
+        for sock, _, _ in self._links.values():
+            transport.try_send(sock, frames)
+
+    def cancel(self) -> None:
+        for _, _, reader in self._links.values():
+            reader.cancel()
+
+    def close(self) -> None:
+        for sock, out, _ in self._links.values():
+            out.close()
+            transport.close(sock)
+
+    async def _on_frames(self, frames: transport.Frames, out: transport.Outbound) -> None:
+        """A request a routing broker forwarded: the same checks as any (role, epoch,
+        lease); the reply goes back through that router."""
+        if len(frames) < 3:
+            raise ProtocolError(f"{len(frames)} frames from a routing broker")
+        source = transport.frame_bytes(frames[0])
+        if not source:
+            return  # routers send no control messages
+        try:
+            route = unpack_route(transport.frame_buffer(frames[1]))
+        except (KeyError, ValueError, TypeError, OverflowError) as e:
+            raise ProtocolError(str(e)) from e
+        policy = self._policy()
+        if admission.link_full(out.held_bytes, policy):
+            # That router reads too slowly for another full reply (admission rule 4).
+            refusal = admission.overloaded(policy, "this routing broker")
+            self._refuse(refusal)
+            reply_route = Route(MsgType.REPLY, route.partition, self._epoch(), route.req_id)
+            out.post([source, *encode(reply_route, refusal.header())], policy.reply_queue_bytes)
+            return
+        if len(self._via) > MAX_VIA:
+            self._via.clear()
+        self._via[source] = out
+        self._on_request(source, route, frames[1:])
