@@ -145,6 +145,38 @@ def _stale_replica() -> list[tuple[Any, str, Any]]:
     ]
 
 
+@_bug(
+    "pair-unfenced",
+    "a shard of a broker-pair cluster obeys whichever broker spoke last and stamps no term "
+    "(ShardServer._fenced and _with_term as with one broker): a replaced broker that still "
+    "thinks itself active is neither ignored nor told",
+)
+def _pair_unfenced() -> list[tuple[Any, str, Any]]:
+    from zps.testing.sim.pair import PairShard
+
+    def fenced(self: Any, src: str, term: int | None) -> bool:
+        self.current = src
+        return False
+
+    return [(PairShard, "_fenced", fenced)]
+
+
+@_bug(
+    "standby-without-record",
+    "the standby broker of a pair drops the record its active peer sends (Pair._on_peer "
+    "without keeping it): a takeover starts from whatever its own data dir held",
+)
+def _standby_without_record() -> list[tuple[Any, str, Any]]:
+    from zps.testing.sim.pair import PairBroker
+
+    real = PairBroker._on_peer
+
+    def on_peer(self: Any, state: str, term: int, rec: Any) -> None:
+        real(self, state, term, None)
+
+    return [(PairBroker, "_on_peer", on_peer)]
+
+
 @contextlib.contextmanager
 def patched(name: str | None) -> Iterator[None]:
     """Run with the defect ``name`` in place (None: none)."""

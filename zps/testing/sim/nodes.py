@@ -80,20 +80,24 @@ class SimBroker:
         self.gen += 1
         self.starts += 1
         self.alive = True
+        # A run is deterministic: the incarnation comes from the seed, not uuid4.
+        self._reset(now, self.record, f"sim{w.seed}-{self.starts}")
+        w.net.attach(self.name, self.on_message)
+        w.sched.log(f"{self.name} start (record: {self.record is not None})")
+        self._timer(self.gen)
+
+    def _reset(self, now: float, record: Any, incarnation: str) -> None:
+        """A fresh state (holding for claims) from ``record``: at a start or a takeover."""
         self.state = ClusterState(self.n_partitions, replication=self.replication,
                                   hold_until=now + HOLD)  # fmt: skip
-        # A run is deterministic: the incarnation comes from the seed, not uuid4.
-        self.state.incarnation = f"sim{w.seed}-{self.starts}"
+        self.state.incarnation = incarnation
         self.state.map = self.state._build_map()
         self.state.lease = HB * (LIVE - 1)
-        if self.record is not None:
-            self.state.restore(*self.record)
+        if record is not None:
+            self.state.restore(*record)
         self.detector = FailureDetector(HB, LIVE, start=now)
         self.incarnations: dict[str, int] = {}
         self.published = -1
-        w.net.attach(self.name, self.on_message)
-        w.sched.log(f"broker start (record: {self.record is not None})")
-        self._timer(self.gen)
 
     def stop(self, *, keep_record: bool) -> None:
         if self.alive:
@@ -105,19 +109,22 @@ class SimBroker:
         self.w.net.detach(self.name)
         if not keep_record:
             self.record = None
-        self.w.sched.log(f"broker stop (record kept: {keep_record})")
+        self.w.sched.log(f"{self.name} stop (record kept: {keep_record})")
 
     def _timer(self, gen: int) -> None:
         if not self.alive or gen != self.gen:
             return
         if self.name not in self.w.net.paused:
-            now = self.w.sched.now
-            for node in self.detector.tick(now):
-                self.w.sched.log(f"broker: {node} declared dead")
-                self._apply(self.state.node_gone(node, now))
-            self._apply(self.state.tick(now))
-            self._publish()
+            self._work(self.w.sched.now)
         self.w.sched.after(HB / 2, lambda: self._timer(gen))
+
+    def _work(self, now: float) -> None:
+        """``_tick_loop``: deaths, then the state's tick, then the map."""
+        for node in self.detector.tick(now):
+            self.w.sched.log(f"{self.name}: {node} declared dead")
+            self._apply(self.state.node_gone(node, now))
+        self._apply(self.state.tick(now))
+        self._publish()
 
     # -- what it sends -------------------------------------------------------
 
@@ -135,7 +142,7 @@ class SimBroker:
         taken from the state when the broker stops (:meth:`stop`), which is what the last
         write held; here, the notices of the change are kept."""
         for level, text in self.state.notices:
-            self.w.sched.log(f"broker {level}: {text[:160]}")
+            self.w.sched.log(f"{self.name} {level}: {text[:160]}")
             self.w.notices.append((level, text))
         self.state.notices.clear()
 

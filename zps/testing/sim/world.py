@@ -15,6 +15,7 @@ from zps.protocol.messages import Role
 from zps.testing.sim import disk as simdisk
 from zps.testing.sim.net import HWM, Network
 from zps.testing.sim.nodes import HB, HOLD, LIVE, TICK, Op, SimBroker, SimClient, SimShard
+from zps.testing.sim.pair import BROKERS, PEER_TIMEOUT, PairBroker, PairClient, PairShard
 from zps.testing.sim.sched import Scheduler
 
 FAULTS = (
@@ -31,6 +32,9 @@ FAULTS = (
 #: Changes of load drawn like faults, only when named in ``faults``: ``idle``, the clients
 #: stop pushing for a while (a primary with nothing waiting drops no silent replica).
 LOADS = ("idle",)
+#: The broker pair, only when named: ``failover`` runs two brokers (:mod:`.pair`) and
+#: draws kills, pauses and isolations of the active one.
+PAIR = ("failover",)
 #: Bounds on what any queue may hold (the "queues bounded" check).
 QUEUE_BOUND = 2000
 
@@ -70,9 +74,9 @@ class World:
     ) -> None:
         self.seed = seed
         self.faults = set(faults)
-        unknown = self.faults - set(FAULTS) - set(LOADS)
+        unknown = self.faults - set(FAULTS) - set(LOADS) - set(PAIR)
         if unknown:
-            known = ", ".join((*FAULTS, *LOADS))
+            known = ", ".join((*FAULTS, *LOADS, *PAIR))
             raise ValueError(f"unknown faults {sorted(unknown)}; known: {known}")
         self.sched = Scheduler(seed, trace=trace)
         self.net = Network(self.sched)
@@ -92,9 +96,21 @@ class World:
         self.tmp = Path(tempfile.mkdtemp(prefix="zps-sim-", dir=base))
         self.sched.redact = f"{self.tmp}/"
         self.os = simdisk.SimOS()
-        self.broker = SimBroker(self, n_partitions, replication)
-        self.shards = [SimShard(self, f"s{i}") for i in range(n_shards)]
-        self.clients = [SimClient(self, f"c{i}", timeout=timeout) for i in range(n_clients)]
+        self.pair = "failover" in self.faults
+        self.client_cls: type[SimClient] = SimClient
+        if self.pair:
+            self.brokers: list[SimBroker] = [
+                PairBroker(self, name, n_partitions, replication) for name in BROKERS
+            ]
+            shard_cls: type[SimShard] = PairShard
+            self.client_cls = PairClient
+        else:
+            self.brokers = [SimBroker(self, n_partitions, replication)]
+            shard_cls = SimShard
+        self.broker = self.brokers[0]
+        self.shards = [shard_cls(self, f"s{i}") for i in range(n_shards)]
+        self.shard_names = {s.name for s in self.shards}
+        self.clients = [self.client_cls(self, f"c{i}", timeout=timeout) for i in range(n_clients)]
         # A data dir lost with min_in_sync 1 may hold the only copy of acknowledged writes.
         self.wipes_left = 1 if self.min_in_sync > 1 else 0
         self.quiet_until = 0.0
@@ -215,7 +231,7 @@ class World:
             self.note(f"kill {shard.name} and wipe its data dir, back in {back:.2f}s")
             self.stop_shard(shard, restart_after=back, wipe=True)
         elif kind == "pause":
-            node = rng.choice([s.name for s in self.shards] + ["broker"])
+            node = rng.choice([s.name for s in self.shards] + [b.name for b in self.brokers])
             if node not in self.net.up or node in self.net.paused:
                 return
             length = rng.uniform(HB * LIVE + 0.1, 2.0)
@@ -223,7 +239,8 @@ class World:
             self.net.pause(node)
             self.sched.after(length, lambda: self.net.resume(node))
         elif kind == "partition":
-            names = [s.name for s in self.shards] + ["broker"] + [c.name for c in self.clients]
+            names = [s.name for s in self.shards] + [b.name for b in self.brokers]
+            names += [c.name for c in self.clients]
             a, b = rng.sample(names, 2)
             one_way = rng.random() < 0.5
             pairs = {(a, b)} if one_way else {(a, b), (b, a)}
@@ -261,10 +278,14 @@ class World:
                 c.idle_until = self.sched.now + length
         elif kind == "crash-all":
             self.note("whole cluster loses power")
-            self.broker.stop(keep_record=True)
+            for br in self.brokers:
+                br.stop(keep_record=True)
             for s in self.shards:
                 self.stop_shard(s, restart_after=rng.uniform(0.1, 3.0), power=True)
-            self.sched.after(rng.uniform(0.1, 1.5), self._broker_back)
+            for br in self.brokers:
+                self.sched.after(rng.uniform(0.1, 1.5), functools.partial(self._start, br))
+        elif kind == "failover":
+            self._failover()
         elif kind == "broker":
             if not self.broker.alive:
                 return
@@ -275,9 +296,47 @@ class World:
             self.broker.stop(keep_record=keep)
             self.sched.after(back, self._broker_back)
 
+    def _failover(self) -> None:
+        """The active broker of the pair is killed (back with its data dir), paused past
+        the peer timeout, or cut off from its peer and the clients (not the shards)."""
+        rng = self.sched.rng
+        active = [b for b in self.brokers if isinstance(b, PairBroker) and b.active]
+        if not active:
+            return
+        b = max(active, key=lambda b: b.star.term)
+        how = rng.choice(("kill", "pause", "isolate"))
+        length = rng.uniform(PEER_TIMEOUT + 0.2, 2.5)
+        if how == "kill":
+            self.note(f"kill the active broker {b.name}, back in {length:.2f}s")
+            b.stop(keep_record=True)
+            self.sched.after(length, functools.partial(self._start, b))
+        elif how == "pause":
+            if b.name in self.net.paused:
+                return
+            self.note(f"pause the active broker {b.name} for {length:.2f}s")
+            self.net.pause(b.name)
+            self.sched.after(length, lambda: self.net.resume(b.name))
+        else:
+            others = [b.peer] + [c.name for c in self.clients]
+            pairs = {(b.name, x) for x in others} | {(x, b.name) for x in others}
+            pairs -= self.net.cut
+            self.note(f"cut the active broker {b.name} off from its peer and the clients "
+                      f"for {length:.2f}s")  # fmt: skip
+            self.net.cut |= pairs
+            self.sched.after(length, lambda: self._heal(pairs))
+
+    def serving(self) -> SimBroker:
+        """The broker whose map counts: the active one of the pair with the newest term."""
+        active = [b for b in self.brokers if isinstance(b, PairBroker) and b.active]
+        return max(active, key=lambda b: b.star.term) if active else self.broker
+
+    def _start(self, broker: SimBroker) -> None:
+        if not broker.alive:
+            broker.start()
+
     def _broker_back(self) -> None:
-        if not self.broker.alive:
-            self.broker.start()
+        for b in self.brokers:
+            self._start(b)
 
     def _heal(self, pairs: set[tuple[str, str]]) -> None:
         self.net.heal(pairs)
@@ -303,7 +362,8 @@ class World:
         sched = self.sched
         settle = self.timeout + 6.0
         self.end = self.duration + settle + self.timeout + 2.0
-        self.broker.start()
+        for b in self.brokers:
+            b.start()
         for s in self.shards:
             sched.after(sched.rng.uniform(0, 0.3), functools.partial(self._restart, s, s.gen))
         for c in self.clients:
@@ -326,7 +386,7 @@ class World:
             if not s.alive:
                 s.start()
         sched.run_until(self.duration + settle)
-        reader = SimClient(self, "reader", timeout=self.timeout)
+        reader = self.client_cls(self, "reader", timeout=self.timeout)
         reader.start()
         reads: list[Op] = []
         probes: list[Op] = []
@@ -343,7 +403,7 @@ class World:
 
     def _verdict(self, reads: list[Op], probes: list[Op]) -> Result:
         now = self.sched.now
-        cmap = self.broker.state.map
+        cmap = self.serving().state.map
         for op in probes:
             info = cmap.partitions.get(op.partition)
             if op.outcome != "acked" and info is not None and info.primary is not None:
