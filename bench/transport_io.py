@@ -126,7 +126,7 @@ async def client(address: str, steps: int, rounds: int) -> None:
         rng = np.random.default_rng(0)
         pool = [zb.zipf_ids(rng) for _ in range(16)]
         grads = rng.standard_normal((4096, 32), dtype=np.float32) * np.float32(1e-2)
-        channels = list(ps._socks)
+        channels = list(ps.connection._socks)
         compiled = [ch._io for ch in channels]
 
         async def run(n: int) -> tuple[float, float]:

@@ -299,7 +299,7 @@ async def test_an_export_whose_cut_is_gone_starts_again(
             raise AssertionError("the export never started writing")
         n = other.cluster_map.n_partitions
         for _ in range(2):  # two newer cuts on every partition drop the export's
-            await asyncio.gather(*(other._submit(p, {"op": "cut"}, {}) for p in range(n)))
+            await asyncio.gather(*(other.connection.submit(p, {"op": "cut"}, {}) for p in range(n)))
         await asyncio.wait_for(task, 60)
     assert "take a new cut" in caplog.text and "starting again" in caplog.text
     got = read_export(out)["again/e"]

@@ -265,7 +265,7 @@ def test_a_clients_identity_and_sequence_numbers_stay_its_keys(kc: KeyCluster) -
 def ask(kc: KeyCluster, key: str, request: StatusRequest) -> dict[str, Any]:
     async def call() -> dict[str, Any]:
         async with zps.connect(kc.address, kc.client_config(key)) as ps:
-            return dict(await ps._broker_call(MsgType.STATUS, request.to_wire()))
+            return dict(await ps.status(request))
 
     return asyncio.run(call())
 

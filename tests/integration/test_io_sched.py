@@ -29,7 +29,7 @@ def _allowed() -> None:
 
 
 def _policies(ps: zps.Client) -> list[int]:
-    io = ps._io
+    io = ps.connection.io_threads
     assert io is not None and io._tids, "the client's I/O thread was not found"
     return [os.sched_getscheduler(t) for t in io._tids]
 
@@ -50,7 +50,8 @@ async def test_batch_while_several_requests_are_in_flight(
             await ps.flush()
             await ps.pull_rows(name, ids[:1])  # alone: its reply should wake us at once
             assert _policies(ps) == [os.SCHED_OTHER]
-        assert ps._io is not None and ps._io.switches >= 6
+        io = ps.connection.io_threads
+        assert io is not None and io.switches >= 6
         # the pushes went through whichever policy the thread had
         np.testing.assert_array_equal(await ps.pull_rows(name, ids), np.full((64, 4), -3.0))
 
@@ -63,6 +64,6 @@ async def test_servers_mode_leaves_a_client_alone(
     async with zps.connect(cluster.address) as ps:
         await ps.create_embedding(name, dim=4, optimizer=SGD(lr=1.0))
         await ps.pull_rows(name, np.arange(64, dtype=np.int64))
-        io = ps._io
+        io = ps.connection.io_threads
         assert io is not None and io.switches == 0 and not io.batch
         assert io._name == "" and io._tids == []  # not even looked for

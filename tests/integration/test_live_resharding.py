@@ -192,6 +192,7 @@ def test_adagrad_state_moves_with_the_rows(tmp_path: Path) -> None:
     of a table that never moved (the accumulators travelled with the rows)."""
     from zps.client.client import connect
     from zps.optim import Adagrad
+    from zps.protocol.specs import EmbeddingSpec
     from zps.store.tables import EmbeddingTable
 
     with LocalCluster(partitions=2, shards=4, broker_data_dir=tmp_path / "broker") as c:
@@ -199,7 +200,9 @@ def test_adagrad_state_moves_with_the_rows(tmp_path: Path) -> None:
         async def scenario() -> tuple[np.ndarray, np.ndarray, dict]:  # type: ignore[type-arg]
             async with connect(c.address, timeout=60) as ps:
                 await ps.create_embedding("ada", dim=8, optimizer=Adagrad(lr=0.1))
-                ref = EmbeddingTable(await ps._embedding_spec("ada"))
+                spec = await ps.table_spec("ada")
+                assert isinstance(spec, EmbeddingSpec)
+                ref = EmbeddingTable(spec)
                 pool = np.arange(1, 20_001, dtype=np.int64)
                 rng = np.random.default_rng(7)
 

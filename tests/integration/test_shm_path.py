@@ -29,6 +29,7 @@ from zps.core.routing import chunk_partition
 from zps.init import Zeros
 from zps.optim import SGD, Adagrad
 from zps.protocol.codec import Message, MsgType, Route
+from zps.protocol.specs import DenseSpec
 from zps.testing import DataDirCluster, LocalCluster, free_port, scrape_metric
 
 pytestmark = pytest.mark.skipif(shm.host_key() is None, reason="no memfd or /proc here")
@@ -766,7 +767,8 @@ async def test_a_failed_push_whose_other_request_is_moved_sends_its_own_bytes(
     async with connect(c.address, timeout=20) as ps:
         await ps.create_dense("w", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
         cmap = ps.cluster_map
-        spec = await ps._dense_spec("w")
+        spec = await ps.table_spec("w")
+        assert isinstance(spec, DenseSpec)
         parts = {ch: chunk_partition("w", ch, cmap) for ch in range(spec.n_chunks)}
         assert set(parts.values()) == {0, 1}
         buf = await ps.gradient_buffer("w")
@@ -779,11 +781,11 @@ async def test_a_failed_push_whose_other_request_is_moved_sends_its_own_bytes(
             with pytest.raises(errors.BadRequestError):
                 await ps.push_dense("w", buf)
             buf[:] = 1e6  # the caller's next gradient: never applied
-            [(req_id, ops, _)] = list(ps._session.in_flight())
+            [(req_id, ops)] = ps.connection.requests()
             assert not any(np.may_share_memory(op.arrays["g"], buf) for op in ops)
             epoch = cmap.partitions[1].epoch
             moved = Message(Route(MsgType.REPLY, 1, epoch, req_id), {"st": "MOVED"}, [])
-            await ps._dispatch(moved)
+            await ps.connection.dispatch(moved)
         finally:
             c.kill(pid, signal.SIGCONT)
         await _until(lambda: ps.requests_in_flight == 0, 30, "the moved push applied")
@@ -846,13 +848,13 @@ async def test_a_pull_sharing_its_request_with_a_pipelined_push_lands_in_its_pla
         await inline.push_dense("d2", grads[0])
         targets = _record_reads(fast, monkeypatch)
         sizes: list[int] = []
-        real_send = fast._send_request
+        real_sent = fast.meter.request_sent
 
-        def sending(partition: int, ops: list[Any]) -> None:
+        def sending(ops: list[str], nbytes: int, now: float) -> None:
             sizes.append(len(ops))
-            real_send(partition, ops)
+            real_sent(ops, nbytes, now)
 
-        monkeypatch.setattr(fast, "_send_request", sending)
+        monkeypatch.setattr(fast.meter, "request_sent", sending)
         out = np.full(ELEMS, np.nan, np.float32)
         for g in grads[1:]:
             await fast.push_dense("d1", g, wait=False)
@@ -1266,7 +1268,8 @@ async def test_a_shard_out_of_descriptors_gets_inline_frames_for_a_while(
         assert until != math.inf and not fast.shm_path.to(0)  # busy, not "open"
         assert _metric("zps_shard_shm_read_frames_total") == read
         while not fast.shm_path.to(0):  # RETRY_S after the refusal
-            assert fast._now() < until + 5, "shared memory was not offered again"
+            now = asyncio.get_running_loop().time()  # the client's clock: its loop's
+            assert now < until + 5, "shared memory was not offered again"
             await asyncio.sleep(0.05)
         await _alike(fast, inline, ("busy", "busy-inline"), grads[1:])
         assert _metric("zps_shard_shm_read_frames_total") > read

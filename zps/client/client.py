@@ -1,70 +1,219 @@
 """The worker-side client: ``zps.connect`` (async) and ``zps.connect_sync``.
 
-One DEALER socket to the broker carries every request, so many requests are
-in flight at once.  Each call is split by partition (ids by slot, dense
-tensors by chunk); the operations for one partition queued in the same loop
-turn are coalesced into one message (see :mod:`zps.core.batching`), and a call too
-large for one message is cut into several per partition, each request and each
-reply within ``message_budget`` bytes (16 MiB), and its results joined in order.
-Every message carries ``(client_id, seq)``: a message re-sent after a map change
-is applied once.  A call waits while its partition has no live copy (a promotion, shards
-restarting) and fails with a clear error at its deadline rather than hang:
-``ShardUnavailableError`` when its partition still had no copy to serve it (naming what was
-missing and how long it waited), ``ZpsTimeoutError`` when no answer came.
+:class:`Client` is made of three parts, each given only what it needs of the others:
 
-This module is the key-value API (tables, dense tensors, embedding rows, prefetch); the
-request machinery is :class:`~zps.client.connection.Connection` and the training calls
-are :class:`~zps.client.training.TrainingCalls`.
+- :class:`~zps.client.connection.Connection`: the request machinery (one DEALER socket to
+  the broker carrying every request, many in flight; coalescing, retries, re-sends on a
+  new map, deadlines, background pushes, shared memory), decided by
+  :class:`~zps.client.session.ClientSession`.  Every message carries ``(client_id,
+  seq)``: a message re-sent after a map change is applied once.  A call waits while its
+  partition has no live copy (a promotion, shards restarting) and fails with a clear
+  error at its deadline rather than hang: ``ShardUnavailableError`` when its partition
+  still had no copy to serve it (naming what was missing and how long it waited),
+  ``ZpsTimeoutError`` when no answer came.
+- :class:`~zps.client.keyvalue.KeyValue`: the key-value API (tables, dense tensors,
+  embedding rows, prefetch, administration, export and import) over the connection's
+  :class:`~zps.client.keyvalue.Requests`.
+- :class:`~zps.client.training.TrainingCalls`: the step clock, data tasks and progress,
+  over the connection's :class:`~zps.client.training.BrokerLink`.
+
+This module joins them: each method of the client is one of a part's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
 import os
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from typing import Any, Self
 
 import numpy as np
 import numpy.typing as npt
 
+from zps.client.connection import Connection
+from zps.client.keyvalue import KeyValue
+from zps.client.progress import Progress
+from zps.client.session import ClientStats
+from zps.client.shmpath import ClientShm
 from zps.client.training import TrainingCalls
-from zps.core.batching import groups_by_bytes, row_runs, split_push
-from zps.core.hashing import mix64_int, name_hash
-from zps.core.memo import IdsMemo
-from zps.core.routing import chunk_partition, dense_chunk_elems
-from zps.core.rows import Split, put_rows, split_ids, take_rows
-from zps.errors import (
-    BadRequestError,
-    ProtocolError,
-    ShapeMismatchError,
-    TableConflictError,
-    UnknownTableError,
-    ZpsTimeoutError,
-)
-from zps.init import Initializer, Zeros
+from zps.core.coord import Task
+from zps.core.routing import ClusterMap
+from zps.init import Initializer
 from zps.ops.config import ClientConfig
-from zps.optim import FTRL, SGD, Adagrad, Adam, Momentum, Optimizer
-from zps.protocol.specs import DenseSpec, EmbeddingSpec, spec_from_wire
+from zps.ops.meter import ClientMeter
+from zps.optim import Optimizer
+from zps.protocol.codec import MsgType
+from zps.protocol.messages import StatusRequest
+from zps.protocol.specs import DenseSpec, EmbeddingSpec
 
 
-class Client(TrainingCalls):
+class Client:
     """An asyncio client; use ``async with zps.connect(address) as ps``.
 
-    The key-value API over :class:`~zps.client.connection.Connection`, with the training
-    coordination (clock, data tasks, progress) of :class:`~zps.client.training.TrainingCalls`.
+    The key-value API of :class:`~zps.client.keyvalue.KeyValue` and the training
+    coordination (clock, data tasks, progress) of :class:`~zps.client.training.TrainingCalls`,
+    over a :class:`~zps.client.connection.Connection` (see the module notes).
     """
 
     def __init__(self, address: str | Sequence[str], config: ClientConfig | None = None) -> None:
-        super().__init__(address, config)
-        self._specs: dict[str, DenseSpec | EmbeddingSpec] = {}
-        self._split_memo: IdsMemo[Split] = IdsMemo(size=4)
-        self._row_bytes: dict[str, tuple[EmbeddingSpec, int]] = {}  # see _check_row
+        #: The request machinery (its public methods are for tools and tests).
+        self.connection = Connection(address, config)
+        self.training = TrainingCalls(self.connection)
+        self.kv = KeyValue(self.connection, self.training.tagged)
+        #: Set when the worker is asked to stop (zps-worker's SIGTERM): finish
+        #: the step, flush, release the task, return.
+        self.stop_requested = False
 
-    # -- tables --------------------------------------------------------------
+    # -- lifecycle and the connection ------------------------------------------
 
-    async def create_dense(
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Connect; in sync and ssp mode also join the step clock."""
+        if self.connection.event_loop is not None:
+            return
+        await self.connection.start()
+        await self.training.start()
+
+    async def close(self) -> None:
+        """Close the connection; what is still in flight fails (:meth:`flush` first)."""
+        await self.connection.close()
+
+    @property
+    def address(self) -> str:
+        return self.connection.address
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return self.connection.addresses
+
+    @property
+    def config(self) -> ClientConfig:
+        return self.connection.config
+
+    @property
+    def client_id(self) -> bytes:
+        return self.connection.client_id
+
+    @property
+    def cluster_map(self) -> ClusterMap:
+        """The newest cluster map the broker sent (partitions, epochs, primaries)."""
+        return self.connection.cluster_map
+
+    @property
+    def stats(self) -> ClientStats:
+        return self.connection.stats
+
+    @property
+    def meter(self) -> ClientMeter:
+        return self.connection.meter
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        return self.connection.event_loop
+
+    @property
+    def shm_path(self) -> ClientShm:
+        return self.connection.shm_path
+
+    @property
+    def in_background(self) -> int:
+        return self.connection.in_background
+
+    @property
+    def requests_in_flight(self) -> int:
+        return self.connection.requests_in_flight
+
+    @property
+    def sends_held_back(self) -> int:
+        return self.connection.sends_held_back
+
+    def call_deadline(self) -> float | None:
+        return self.connection.call_deadline()
+
+    def flush(self) -> Coroutine[Any, Any, None]:
+        return self.connection.flush()
+
+    def status(self, request: StatusRequest | None = None) -> Coroutine[Any, Any, dict[str, Any]]:
+        return self.connection.status(request)
+
+    def _broker_call(
+        self, mtype: MsgType, header: dict[str, Any], forever: bool = False
+    ) -> Coroutine[Any, Any, dict[str, Any]]:
+        """:meth:`Connection.broker_call` (kept for callers of this name: use
+        :meth:`status` with a request, or ``connection.broker_call``)."""
+        return self.connection.broker_call(mtype, header, forever)
+
+    # -- training ---------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self.training.step
+
+    @property
+    def progress(self) -> Progress:
+        return self.training.progress
+
+    @property
+    def tasks_taken(self) -> dict[str, int]:
+        return self.training.tasks_taken
+
+    def report(self, *, rows: float = 0, loss: float | None = None, **extra: float) -> None:
+        self.training.report(rows=rows, loss=loss, **extra)
+
+    def clock(self) -> Coroutine[Any, Any, int]:
+        return self.training.clock()
+
+    def create_job(
+        self,
+        job: str,
+        n_records: int,
+        per_task: int,
+        *,
+        epochs: int = 1,
+        max_retries: int = 3,
+        seed: int = 0,
+        restart: bool = False,
+    ) -> Coroutine[Any, Any, dict[str, Any]]:
+        return self.training.create_job(
+            job,
+            n_records,
+            per_task,
+            epochs=epochs,
+            max_retries=max_retries,
+            seed=seed,
+            restart=restart,
+        )
+
+    def list_jobs(self) -> Coroutine[Any, Any, list[dict[str, Any]]]:
+        return self.training.list_jobs()
+
+    def job(self, name: str) -> Coroutine[Any, Any, dict[str, Any]]:
+        return self.training.job(name)
+
+    def cancel_job(self, name: str) -> Coroutine[Any, Any, dict[str, Any]]:
+        return self.training.cancel_job(name)
+
+    def reset_job(self, name: str) -> Coroutine[Any, Any, dict[str, Any]]:
+        return self.training.reset_job(name)
+
+    def next_task(self, job: str) -> Coroutine[Any, Any, Task | None]:
+        return self.training.next_task(job)
+
+    def task_done(self, task: Task) -> Coroutine[Any, Any, None]:
+        return self.training.task_done(task)
+
+    def release_task(self, task: Task) -> Coroutine[Any, Any, None]:
+        return self.training.release_task(task)
+
+    # -- the key-value API -------------------------------------------------------
+
+    def create_dense(
         self,
         name: str,
         shape: int | Sequence[int],
@@ -73,25 +222,10 @@ class Client(TrainingCalls):
         init: Initializer | None = None,
         optimizer: Optimizer | None = None,
         seed: int | None = None,
-    ) -> None:
-        """Create a dense tensor on the servers (idempotent for an identical spec)."""
-        shape_t = (
-            (int(shape),) if isinstance(shape, int | np.integer) else tuple(int(d) for d in shape)
-        )
-        size = int(np.prod(shape_t, dtype=np.int64))
-        chunk = dense_chunk_elems(size, np.dtype(dtype).itemsize, self.cluster_map.n_partitions)
-        spec = DenseSpec(
-            name=name,
-            shape=shape_t,
-            dtype=str(dtype),
-            init=init or Zeros(),
-            optimizer=optimizer or SGD(),
-            seed=_seed(name, seed),
-            chunk_elems=chunk,
-        )
-        await self._create(spec)
+    ) -> Coroutine[Any, Any, None]:
+        return self.kv.create_dense(name, shape, dtype, init=init, optimizer=optimizer, seed=seed)
 
-    async def create_embedding(
+    def create_embedding(
         self,
         name: str,
         dim: int,
@@ -104,682 +238,125 @@ class Client(TrainingCalls):
         ttl_steps: int = 0,
         max_rows: int = 0,
         admit_probability: float = 1.0,
-    ) -> None:
-        """Create an embedding table ``id -> row[dim]`` (idempotent for an identical spec).
-
-        Admission and eviction (0: off), applied by the shards as part of each push, so
-        replicated, logged and checkpointed like it: ``admit_count``, an id's row is
-        trained from its ``admit_count``-th push on (earlier pushes are only counted;
-        pulls return the initial value); ``ttl_steps``, a row not pushed during that
-        many pushes of this table on its partition is evicted (a later pull returns the
-        initial value); ``max_rows``, the table keeps at most about that many rows: each
-        partition at most ``ceil(max_rows / partitions)`` (the spec's ``max_rows``),
-        evicting the least recently pushed; ``admit_probability`` (instead of
-        ``admit_count``), each push of an id not yet admitted admits it with that
-        probability.  See :class:`~zps.protocol.specs.EmbeddingSpec`.
-        """
-        n = self.cluster_map.n_partitions
-        spec = EmbeddingSpec(
-            name=name,
-            dim=int(dim),
-            dtype=str(dtype),
-            init=init or Zeros(),
-            optimizer=optimizer or SGD(),
-            seed=_seed(name, seed),
+    ) -> Coroutine[Any, Any, None]:
+        return self.kv.create_embedding(
+            name,
+            dim,
+            dtype,
+            init=init,
+            optimizer=optimizer,
+            seed=seed,
             admit_count=admit_count,
             ttl_steps=ttl_steps,
-            max_rows=-(-int(max_rows) // n) if max_rows > 0 else max_rows,
+            max_rows=max_rows,
             admit_probability=admit_probability,
         )
-        await self._create(spec)
 
-    async def _create(self, spec: DenseSpec | EmbeddingSpec) -> None:
-        wire = spec.to_wire()
-        # Every partition keeps every spec: embedding rows live everywhere and
-        # any partition can describe any table to a client that did not create it.
-        results = await self._gather(
-            self._submit(p, {"op": "create", "spec": wire}, {})
-            for p in range(self.cluster_map.n_partitions)
-        )
-        del results
-        self._specs[spec.name] = spec
+    def table_spec(self, name: str) -> Coroutine[Any, Any, DenseSpec | EmbeddingSpec]:
+        return self.kv.table_spec(name)
 
-    async def _spec(self, name: str) -> DenseSpec | EmbeddingSpec:
-        spec = self._specs.get(name)
-        if spec is None:
-            partition = int(self.cluster_map.slot_map[name_hash(name) % self.cluster_map.n_slots])
-            result = await self._submit(partition, {"op": "tables"}, {})
-            for wire in result["tables"]:
-                s = spec_from_wire(wire)
-                self._specs.setdefault(s.name, s)
-            spec = self._specs.get(name)
-            if spec is None:
-                raise UnknownTableError(f"unknown table {name!r}")
-        return spec
+    def pull_dense(
+        self, name: str, *, out: np.ndarray | None = None
+    ) -> Coroutine[Any, Any, np.ndarray]:
+        return self.kv.pull_dense(name, out=out)
 
-    async def _dense_spec(self, name: str) -> DenseSpec:
-        spec = await self._spec(name)
-        if not isinstance(spec, DenseSpec):
-            raise TableConflictError(f"table {name!r} is an embedding table, not a dense tensor")
-        return spec
+    def gradient_buffer(self, name: str) -> Coroutine[Any, Any, np.ndarray]:
+        return self.kv.gradient_buffer(name)
 
-    async def _embedding_spec(self, name: str) -> EmbeddingSpec:
-        spec = await self._spec(name)
-        if not isinstance(spec, EmbeddingSpec):
-            raise TableConflictError(f"table {name!r} is a dense tensor, not an embedding table")
-        return spec
+    def push_dense(
+        self, name: str, grad: npt.ArrayLike, *, wait: bool = True
+    ) -> Coroutine[Any, Any, None]:
+        return self.kv.push_dense(name, grad, wait=wait)
 
-    # -- dense ---------------------------------------------------------------
+    def pull_rows(self, name: str, ids: npt.ArrayLike) -> Coroutine[Any, Any, np.ndarray]:
+        return self.kv.pull_rows(name, ids)
 
-    async def pull_dense(self, name: str, *, out: np.ndarray | None = None) -> np.ndarray:
-        """The current value of a dense tensor: a fresh array, or written into ``out``
-        (C-contiguous, writable, of the tensor's shape and dtype) and returned.
-
-        ``out`` saves a large tensor's allocation on every pull (the model's own
-        parameter buffer, say): a fresh 16 MiB array costs 4096 page faults.
-        """
-        spec = await self._dense_spec(name)
-        self._check_chunks(spec)
-        if out is not None:
-            if (
-                not isinstance(out, np.ndarray)
-                or out.shape != spec.shape
-                or out.dtype != np.dtype(spec.dtype)
-                or not out.flags.c_contiguous
-                or not out.flags.writeable
-            ):
-                raise ShapeMismatchError(
-                    f"out= for {name!r} must be a writable C-contiguous array of shape "
-                    f"{spec.shape} and dtype {spec.dtype}"
-                )
-            flat = out.reshape(-1)
-        else:
-            flat = np.empty(spec.size, dtype=spec.dtype)
-        by_part: dict[int, list[int]] = collections.defaultdict(list)
-        for c in range(spec.n_chunks):
-            by_part[chunk_partition(name, c, self.cluster_map)].append(c)
-        # Each message's reply stays within the budget: a partition's chunks go in
-        # groups of at most that many bytes.
-        itemsize = np.dtype(spec.dtype).itemsize
-        groups: list[tuple[int, list[int], int]] = []
-        for p, chunks in by_part.items():
-            sizes = [_chunk_bytes(spec, c, itemsize) for c in chunks]
-            for a, b in groups_by_bytes(sizes, self.config.message_budget):
-                groups.append((p, chunks[a:b], sum(sizes[a:b])))
-        # Each chunk's place in the result: a reply through shared memory is copied
-        # there directly (one copy instead of two for a large tensor).
-        places = [[flat[slice(*spec.chunk_range(c))] for c in chunks] for _, chunks, _ in groups]
-        futures = [
-            self._submit(
-                p, {"op": "pull_dense", "t": name, "chunks": chunks}, {}, reply_bytes=n, into=into
-            )
-            for (p, chunks, n), into in zip(groups, places, strict=True)
-        ]
-        try:
-            results = await self._gather(futures)
-        except BaseException:
-            for f in futures:  # no late reply of this call writes into ``out`` now
-                f.cancel()
-            raise
-        for (_, chunks, _), into, result in zip(groups, places, results, strict=True):
-            for c, arr, place in zip(chunks, result["arrays"], into, strict=True):
-                if arr.shape != place.shape or arr.dtype != place.dtype:
-                    raise ProtocolError(
-                        f"chunk {c} of {name!r} came back as {arr.dtype}{list(arr.shape)}"
-                    )
-                if arr.ctypes.data != place.ctypes.data:  # not already there
-                    place[:] = arr
-        return out if out is not None else flat.reshape(spec.shape)
-
-    async def gradient_buffer(self, name: str) -> np.ndarray:
-        """Zeros shaped like dense tensor ``name``, for its gradient: write the gradient
-        there and ``push_dense(name, buf)`` sends it with no copy on this host.
-
-        The array is in this client's shared memory (``client.shm_bytes``; on the heap
-        when that is off or full, it is sent as any array).  A shard on the same host
-        reads the gradient straight from it while the push is in flight, so write it
-        again only once the push has returned; a ``wait=False`` push copies it first,
-        as any array.  A push that ends without its answer (an error, a timeout, a
-        cancellation) never sends what is written after.  Keep the array for every
-        step: its memory is given back when it is gone.
-        """
-        spec = await self._dense_spec(name)
-        return self._buffer(spec.shape, spec.dtype)
-
-    async def push_dense(self, name: str, grad: npt.ArrayLike, *, wait: bool = True) -> None:
-        """Send a gradient; returns once every partition acknowledged its part.
-
-        With ``wait=False`` it returns once the push is on its way (at most
-        ``max_background`` are in flight); an error surfaces at a later call.
-        """
-        self._raise_background()
-        spec = await self._dense_spec(name)
-        self._check_chunks(spec)
-        g = _as_float(grad, spec.dtype, f"gradient for {name!r}")
-        if g.shape != spec.shape:
-            raise ShapeMismatchError(
-                f"gradient for {name!r} has shape {g.shape}; the tensor has shape {spec.shape}"
-            )
-        flat = g.reshape(-1)
-        copy = _must_copy(flat, grad, wait)
-        futures = []
-        for c in range(spec.n_chunks):
-            start, stop = spec.chunk_range(c)
-            piece = self._own(flat[start:stop]) if copy else flat[start:stop]
-            futures.append(
-                self._submit(
-                    chunk_partition(name, c, self.cluster_map),
-                    self._tagged({"op": "push_dense", "t": name, "chunk": c}),
-                    {"g": piece},
-                    borrowed=not copy,
-                    lazy=not wait,
-                )
-            )
-        try:
-            await self._finish(futures, wait)
-        except BaseException:
-            if not copy:  # the caller may write ``grad`` now: nothing may read it later
-                self._detach(flat)
-            raise
-
-    def _check_row(self, spec: EmbeddingSpec) -> int:
-        """Calls are cut by rows: refuse, before sending anything, a table whose single
-        row (with its id) this client could not send or receive.  Returns the bytes of
-        a row (remembered for the spec: every row call asks)."""
-        known = self._row_bytes.get(spec.name)
-        if known is not None and known[0] is spec:
-            return known[1]
-        row_bytes = spec.dim * np.dtype(spec.dtype).itemsize
-        limit = self.config.max_message_bytes // 2
-        if 8 + row_bytes > limit:
-            raise BadRequestError(
-                f"table {spec.name!r} has rows of {8 + row_bytes} bytes; this client takes at "
-                f"most {limit} (half of client.max_message_bytes) in one message"
-            )
-        self._row_bytes[spec.name] = (spec, row_bytes)
-        return row_bytes
-
-    def _check_chunks(self, spec: DenseSpec) -> None:
-        """A chunk travels whole in one message: refuse, before sending anything, a
-        tensor whose chunks this client could not send or receive."""
-        nbytes = min(spec.chunk_elems, spec.size) * np.dtype(spec.dtype).itemsize
-        limit = self.config.max_message_bytes // 2
-        if nbytes > limit:
-            raise BadRequestError(
-                f"dense tensor {spec.name!r} has chunks of {nbytes} bytes; this client "
-                f"takes at most {limit} (half of client.max_message_bytes) in one message"
-            )
-
-    # -- embeddings ----------------------------------------------------------
-
-    async def pull_rows(self, name: str, ids: npt.ArrayLike) -> np.ndarray:
-        """Rows for ``ids``, shape ``(len(ids), dim)``, in the order of ``ids``.
-
-        Duplicate ids are allowed and each is fetched: a batch that repeats ids
-        heavily should pull ``np.unique(ids)`` and expand the result with the
-        inverse (the client does not sort every batch to find out).
-        """
-        self._raise_background()
-        spec = self._specs.get(name)
-        if not isinstance(spec, EmbeddingSpec):
-            spec = await self._embedding_spec(name)
-        row_bytes = self._check_row(spec)
-        id_arr = _as_ids(ids)
-        split = self._split(id_arr)
-        budget = self.config.message_budget
-        if len(split.parts) == 1 and id_arr.size * max(row_bytes, 8) <= budget:
-            # one partition owns every id, one message: no gather, no scatter
-            arr = (
-                await self._submit(
-                    split.parts[0][0],
-                    {"op": "pull_rows", "t": name},
-                    {"ids": id_arr},
-                    reply_bytes=id_arr.size * row_bytes,
-                )
-            )["arrays"]
-            if arr.shape != (id_arr.size, spec.dim):
-                raise ProtocolError(f"pull_rows of {name!r} came back with shape {arr.shape}")
-            return np.array(arr)  # writable, and not pinning the received frame
-        rows = np.empty((id_arr.size, spec.dim), dtype=spec.dtype)
-        # Per partition, runs of ids whose request (8 bytes an id) and reply (a row
-        # an id) each stay within the budget: [start, stop) of split.ids and split.order.
-        pieces = _runs(split, max(row_bytes, 8), budget)
-        results = await self._gather(
-            [
-                self._submit(
-                    p,
-                    {"op": "pull_rows", "t": name},
-                    {"ids": split.ids[a:b]},
-                    reply_bytes=(b - a) * row_bytes,
-                )
-                for p, a, b in pieces
-            ]
-        )
-        for (_, a, b), result in zip(pieces, results, strict=True):
-            arr = result["arrays"]
-            if arr.shape != (b - a, spec.dim):
-                raise ProtocolError(f"pull_rows of {name!r} came back with shape {arr.shape}")
-            put_rows(rows, split.order[a:b], arr)
-        return rows
-
-    async def push_rows(
+    def push_rows(
         self, name: str, ids: npt.ArrayLike, grads: npt.ArrayLike, *, wait: bool = True
-    ) -> None:
-        """Send row gradients; duplicate ids' gradients are summed by the shard.
-
-        ``wait=False``: as for :meth:`push_dense`.
-        """
-        self._raise_background()
-        spec = self._specs.get(name)
-        if not isinstance(spec, EmbeddingSpec):
-            spec = await self._embedding_spec(name)
-        self._check_row(spec)
-        id_arr = _as_ids(ids)
-        g = _as_float(grads, spec.dtype, f"gradients for {name!r}")
-        if g.shape != (id_arr.size, spec.dim):
-            raise ShapeMismatchError(
-                f"gradients for {name!r} have shape {g.shape}; expected "
-                f"({id_arr.size}, {spec.dim}) for {id_arr.size} ids of dim {spec.dim}"
-            )
-        split = self._split(id_arr)
-        # One partition owns every id: the arrays go as they are, the caller's memory.
-        borrowed = wait and len(split.parts) == 1
-        budget = self.config.message_budget
-        futures: list[asyncio.Future[dict[str, Any]]] = []
-        # Every partition's gradients in one gather, each partition's a run of it.
-        by_part = g if len(split.parts) == 1 else take_rows(g, split.order)
-        for p, a, b in split.parts:
-            if len(split.parts) == 1:  # one partition owns every id: the arrays as they are
-                pieces = split_push(id_arr, g, budget)
-                if len(pieces) == 1:
-                    pieces = [(_owned(id_arr, ids, wait), _owned(g, grads, wait))]
-            else:
-                # split.ids is never written to (see _split): safe to send after return
-                pieces = split_push(split.ids[a:b], by_part[a:b], budget)
-            # A push too large for one message goes as several (see split_push): each
-            # has its own sequence number, so each is applied exactly once.
-            futures.extend(
-                self._submit(
-                    p,
-                    self._tagged({"op": "push_rows", "t": name}),
-                    {"ids": i, "g": x},
-                    borrowed=borrowed,
-                    lazy=not wait,
-                )
-                for i, x in pieces
-            )
-        try:
-            await self._finish(futures, wait)
-        except BaseException:
-            if borrowed:  # the caller may write its arrays now: nothing may read them later
-                self._detach(g)
-                self._detach(id_arr)
-            raise
-
-    def _split(self, ids: npt.NDArray[np.int64]) -> Split:
-        """The ids grouped by partition (:func:`zps.core.rows.split_ids`), remembering
-        the last answers: a training step pulls a batch's rows and then pushes
-        gradients for the same ids.  A split's arrays are shared by the calls that get
-        it: they are only read (and sent)."""
-        cmap = self.cluster_map
-        if ids.shape[0] == 1:  # one-row calls: in plain Python, without numpy rounds
-            p = cmap.slot_list[mix64_int(int(ids[0]) & _M64) % cmap.n_slots]
-            return Split(_ZERO, ids, [(p, 0, 1)])
-        split = self._split_memo.get(ids, cmap)
-        if split is None:
-            split = split_ids(ids, cmap.slot_map, cmap.n_partitions)
-            self._split_memo.put(ids, split, cmap)
-        return split
-
-    # -- overlap ---------------------------------------------------------------
+    ) -> Coroutine[Any, Any, None]:
+        return self.kv.push_rows(name, ids, grads, wait=wait)
 
     def prefetch_rows(self, name: str, ids: npt.ArrayLike) -> asyncio.Task[np.ndarray]:
-        """Start pulling rows now; await the task when they are needed.
-
-        The ids are copied first: the caller may reuse its buffer at once.
-        """
-        own = np.array(ids, copy=True)
-        return asyncio.get_running_loop().create_task(self.pull_rows(name, own))
+        return self.kv.prefetch_rows(name, ids)
 
     def prefetch_dense(self, name: str) -> asyncio.Task[np.ndarray]:
-        """Start pulling a dense tensor now; await the task when it is needed."""
-        return asyncio.get_running_loop().create_task(self.pull_dense(name))
+        return self.kv.prefetch_dense(name)
 
-    # -- administration --------------------------------------------------------
+    def list_tables(self) -> Coroutine[Any, Any, list[str]]:
+        return self.kv.list_tables()
 
-    async def list_tables(self) -> list[str]:
-        """Names of every table, sorted (every partition is asked: each holds every spec)."""
-        n = self.cluster_map.n_partitions
-        results = await self._gather(self._submit(p, {"op": "tables"}, {}) for p in range(n))
-        names: set[str] = set()
-        for result in results:
-            for wire in result["tables"]:
-                spec = spec_from_wire(wire)
-                self._specs.setdefault(spec.name, spec)
-                names.add(spec.name)
-        return sorted(names)
+    def describe(self, name: str) -> Coroutine[Any, Any, dict[str, Any]]:
+        return self.kv.describe(name)
 
-    async def describe(self, name: str) -> dict[str, Any]:
-        """A table's spec and size: ``{"name", "kind" ("dense" or "embedding"), "spec"
-        (a DenseSpec or EmbeddingSpec), "rows", "bytes", "partitions"}``, where ``rows``
-        counts stored rows (an embedding table) or stored chunks (a dense tensor),
-        ``bytes`` counts values, optimizer state and index, and ``partitions`` lists
-        ``{"partition", "rows", "bytes", "lsn"}`` for each partition; an embedding
-        table also has ``admitted``, its rows past admission (see ``admit_count``).
-        ``UnknownTableError`` if no partition has the table."""
-        n = self.cluster_map.n_partitions
-        futures = [self._submit(p, {"op": "describe", "t": name}, {}) for p in range(n)]
-        results = await self._gather(futures)
-        spec = spec_from_wire(results[0]["spec"])
-        self._specs[name] = spec
-        parts = [
-            {"partition": p, "rows": r["rows"], "bytes": r["bytes"], "lsn": r["lsn"]}
-            for p, r in enumerate(results)
-        ]
-        out = {
-            "name": name,
-            "kind": "dense" if isinstance(spec, DenseSpec) else "embedding",
-            "spec": spec,
-            "rows": sum(int(r["rows"]) for r in results),
-            "bytes": sum(int(r["bytes"]) for r in results),
-            "partitions": parts,
-        }
-        if isinstance(spec, EmbeddingSpec):  # rows past admission (all, without it)
-            out["admitted"] = sum(int(r.get("admitted", r["rows"])) for r in results)
-        return out
+    def drop_table(self, name: str, *, missing_ok: bool = False) -> Coroutine[Any, Any, bool]:
+        return self.kv.drop_table(name, missing_ok=missing_ok)
 
-    async def drop_table(self, name: str, *, missing_ok: bool = False) -> bool:
-        """Remove a table (values, optimizer state, and its sync-mode gradients waiting
-        for a commit) from every partition; True if it existed.  ``UnknownTableError``
-        if it did not, unless ``missing_ok``.  Replicated, logged and applied once,
-        like a push; its name can then be created again with any spec."""
-        n = self.cluster_map.n_partitions
-        results = await self._gather(
-            self._submit(p, {"op": "drop", "t": name}, {}) for p in range(n)
-        )
-        self._specs.pop(name, None)
-        self._split_memo = IdsMemo(size=4)
-        dropped = any(r.get("changed") for r in results)
-        if not dropped and not missing_ok:
-            raise UnknownTableError(f"unknown table {name!r}: nothing to drop")
-        return dropped
-
-    async def set_optimizer(
+    def set_optimizer(
         self, name: str, optimizer: Optimizer, *, reset_state: bool = False
-    ) -> None:
-        """Give table ``name`` another optimizer from its next push on: new
-        hyperparameters, or a learning-rate schedule (:mod:`zps.optim.schedules`).  The
-        same kind keeps its state (Adam keeps its moments and step counts); another kind
-        is refused (``BadRequestError`` naming both) unless ``reset_state``, which gives
-        every row and chunk the new optimizer's initial state, as in a new table, whatever
-        the kind (the values stay).  Sent to every partition; replicated, logged and applied once,
-        like a push; snapshots, checkpoints, ``describe`` and exports show the new
-        optimizer.  A later ``create_*`` of the table must name the new optimizer."""
-        if not isinstance(optimizer, SGD | Momentum | Adagrad | Adam | FTRL):
-            raise BadRequestError(
-                f"set_optimizer of {name!r}: optimizer must be a zps.optim optimizer, "
-                f"got {type(optimizer).__name__}"
-            )
-        if not isinstance(reset_state, bool):
-            raise BadRequestError(f"set_optimizer of {name!r}: reset_state must be a bool")
-        op: dict[str, Any] = {"op": "set_optimizer", "t": name, "optimizer": optimizer.spec()}
-        if reset_state:
-            op["reset"] = True
-        n = self.cluster_map.n_partitions
-        await self._gather(self._submit(p, dict(op), {}) for p in range(n))
-        spec = self._specs.get(name)
-        if spec is not None:
-            self._specs[name] = dataclasses.replace(spec, optimizer=optimizer)
+    ) -> Coroutine[Any, Any, None]:
+        return self.kv.set_optimizer(name, optimizer, reset_state=reset_state)
 
-    async def advance_step(self, table: str | None = None, steps: int = 1) -> dict[str, int]:
-        """Advance the step count of ``table`` (None: of every table) by ``steps`` (>= 1),
-        on every partition; returns each table's new count by name.  A scheduled learning
-        rate (:mod:`zps.optim.schedules`) is evaluated at this count: a push applied
-        after this call returns uses the new step's rate.  Replicated, logged and
-        applied once like a push (a retried call does not count twice), so the count,
-        and the rate, are exact across failover and restarts.  Typically one worker
-        advances after each training step (every worker calling it counts each call)."""
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise BadRequestError(f"advance_step: steps must be an integer >= 1, got {steps!r}")
-        if table is not None and not isinstance(table, str):
-            raise BadRequestError(f"advance_step: table must be a name or None, got {table!r}")
-        n = self.cluster_map.n_partitions
-        results = await self._gather(
-            self._submit(p, {"op": "advance_step", "t": table, "n": steps}, {}) for p in range(n)
-        )
-        out: dict[str, int] = {}
-        for r in results:
-            for name, step in r.get("steps", {}).items():
-                out[name] = max(out.get(name, 0), int(step))
-        return out
+    def advance_step(
+        self, table: str | None = None, steps: int = 1
+    ) -> Coroutine[Any, Any, dict[str, int]]:
+        return self.kv.advance_step(table, steps)
 
-    async def set_dense(self, name: str, values: npt.ArrayLike) -> None:
-        """Set a dense tensor's values (an array of its shape).  Its optimizer state is
-        reset to the optimizer's initial state (Adam's moments and step count, Adagrad's
-        accumulator, ...), as for a new tensor: the next push starts from there.
-        Replicated, logged and applied once, like a push."""
-        spec = await self._dense_spec(name)
-        self._check_chunks(spec)
-        v = _as_float(values, spec.dtype, f"values for {name!r}")
-        if v.shape != spec.shape:
-            raise ShapeMismatchError(
-                f"values for {name!r} have shape {v.shape}; the tensor has shape {spec.shape}"
-            )
-        _check_finite(v, f"values for {name!r}")
-        flat = v.reshape(-1)
-        futures = []
-        for c in range(spec.n_chunks):
-            start, stop = spec.chunk_range(c)
-            futures.append(
-                self._submit(
-                    chunk_partition(name, c, self.cluster_map),
-                    {"op": "set_dense", "t": name, "chunk": c},
-                    {"v": flat[start:stop]},
-                )
-            )
-        await self._gather(futures)
+    def set_dense(self, name: str, values: npt.ArrayLike) -> Coroutine[Any, Any, None]:
+        return self.kv.set_dense(name, values)
 
-    async def set_rows(self, name: str, ids: npt.ArrayLike, rows: npt.ArrayLike) -> None:
-        """Set the rows of ``ids`` (distinct) to ``rows`` (shape ``(len(ids), dim)``),
-        creating absent ones.  The optimizer state of exactly those rows is reset to
-        the optimizer's initial state (as for a new row); every other row keeps its
-        values and state.  Replicated, logged and applied once, like a push.
+    def set_rows(
+        self, name: str, ids: npt.ArrayLike, rows: npt.ArrayLike
+    ) -> Coroutine[Any, Any, None]:
+        return self.kv.set_rows(name, ids, rows)
 
-        A call of any size is cut into messages within the message budget; each is
-        applied atomically on its partition, the call as a whole is not (an error
-        part-way may leave some partitions set)."""
-        spec = self._specs.get(name)
-        if not isinstance(spec, EmbeddingSpec):
-            spec = await self._embedding_spec(name)
-        self._check_row(spec)
-        id_arr = _as_ids(ids)
-        v = _as_float(rows, spec.dtype, f"rows for {name!r}")
-        if v.shape != (id_arr.size, spec.dim):
-            raise ShapeMismatchError(
-                f"rows for {name!r} have shape {v.shape}; expected "
-                f"({id_arr.size}, {spec.dim}) for {id_arr.size} ids of dim {spec.dim}"
-            )
-        _check_finite(v, f"rows for {name!r}")
-        uniq, counts = np.unique(id_arr, return_counts=True)
-        if uniq.size != id_arr.size:
-            dup = int(uniq[np.argmax(counts > 1)])
-            raise BadRequestError(f"set_rows of {name!r}: id {dup} appears more than once")
-        row_bytes = 8 + spec.dim * np.dtype(spec.dtype).itemsize
-        split = self._split(id_arr)
-        by_part = take_rows(v, split.order)
-        futures = [
-            self._submit(
-                p, {"op": "set_rows", "t": name}, {"ids": split.ids[a:b], "v": by_part[a:b]}
-            )
-            for p, a, b in _runs(split, row_bytes, self.config.message_budget)
-        ]
-        await self._gather(futures)
+    def table_ids(self, name: str, *, chunk: int = 65536) -> AsyncIterator[np.ndarray]:
+        return self.kv.table_ids(name, chunk=chunk)
 
-    async def table_ids(self, name: str, *, chunk: int = 65536) -> AsyncIterator[np.ndarray]:
-        """The ids an embedding table holds, as arrays of at most ``chunk`` ids
-        (partition by partition, ascending within each).  Each array is read from the
-        table as it is at that moment: ids created or dropped while iterating may or
-        may not appear, every id present throughout appears exactly once."""
-        spec = await self._embedding_spec(name)
-        if chunk < 1:
-            raise BadRequestError(f"table_ids: chunk must be >= 1, got {chunk}")
-        del spec
-        chunk = min(chunk, self.config.message_budget // 8)
-        for p in range(self.cluster_map.n_partitions):
-            after: int | None = None
-            while True:
-                page = await self.ids_page(name, p, after, chunk)
-                if page.size:
-                    yield page
-                if page.size < chunk:
-                    break
-                after = int(page[-1])
-
-    async def ids_page(
+    def ids_page(
         self, name: str, partition: int, after: int | None, limit: int
-    ) -> np.ndarray:
-        """Up to ``limit`` ids of ``name`` on ``partition`` above ``after``, ascending."""
-        result = await self._submit(
-            partition,
-            {"op": "ids", "t": name, "after": after, "limit": limit},
-            {},
-            reply_bytes=8 * limit,
-        )
-        return np.array(result["arrays"])
+    ) -> Coroutine[Any, Any, np.ndarray]:
+        return self.kv.ids_page(name, partition, after, limit)
 
-    async def checkpoint(self, *, timeout: float = 300.0) -> dict[int, dict[str, Any]]:
-        """Have every partition's primary write a checkpoint of its current state and
-        wait until each is on disk; per partition ``{"lsn", "epoch", "path", "time"}``
-        of a checkpoint holding at least every write acknowledged before the call
-        (``path`` on the primary's host).  ``BadRequestError`` if a primary has no
-        data dir; ``ZpsTimeoutError`` after ``timeout`` seconds."""
-        n = self.cluster_map.n_partitions
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        ask = {"op": "checkpoint", "write": True}
-        first = await self._gather(self._submit(p, dict(ask), {}) for p in range(n))
-        target = {p: int(r["lsn"]) for p, r in enumerate(first)}
-        done: dict[int, dict[str, Any]] = {}
-        results = first
-        while True:
-            for p, r in zip(sorted(set(range(n)) - set(done)), results, strict=True):
-                ck = r.get("checkpoint")
-                if isinstance(ck, dict) and int(ck.get("lsn", -1)) >= target[p]:
-                    done[p] = dict(ck)
-            todo = sorted(set(range(n)) - set(done))
-            if not todo:
-                return dict(sorted(done.items()))
-            if loop.time() > deadline:
-                raise ZpsTimeoutError(
-                    f"no checkpoint of partitions {todo} within {timeout}s "
-                    f"(wanted LSNs {[target[p] for p in todo]})"
-                )
-            await asyncio.sleep(0.1)
-            # asked again each time: a primary that took over since knows no request
-            results = await self._gather(self._submit(p, dict(ask), {}) for p in todo)
+    def checkpoint(
+        self, *, timeout: float = 300.0
+    ) -> Coroutine[Any, Any, dict[int, dict[str, Any]]]:
+        return self.kv.checkpoint(timeout=timeout)
 
-    async def export_model(
+    def export_model(
         self,
         out: str | os.PathLike[str],
         *,
         tables: Sequence[str] | None = None,
         since: str | os.PathLike[str] | None = None,
         values_only: bool = False,
-    ) -> dict[str, Any]:
-        """Write the values of ``tables`` (default: every table) and their optimizer
-        state (unless ``values_only``) into the directory ``out`` in the open format of
-        :mod:`zps.model.format` (``.npy`` files and a JSON manifest), each partition cut
-        at one point of its log while training goes on; returns the manifest.  With
-        ``since`` (an earlier export), only what changed since it: a delta for
-        :func:`zps.model.format.apply_delta`.  See :mod:`zps.client.export`."""
-        from zps.client.export import export_model
+    ) -> Coroutine[Any, Any, dict[str, Any]]:
+        return self.kv.export_model(out, tables=tables, since=since, values_only=values_only)
 
-        return await export_model(self, out, tables=tables, since=since, values_only=values_only)
-
-    async def import_model(
+    def import_model(
         self, path: str | os.PathLike[str], *, tables: Sequence[str] | None = None
-    ) -> list[str]:
-        """Create the tables of an export (default: all of them) with their exported
-        specs and set their values and optimizer state (warm start; an export without
-        state starts it afresh).  Returns the names imported."""
-        from zps.client.export import import_model
+    ) -> Coroutine[Any, Any, list[str]]:
+        return self.kv.import_model(path, tables=tables)
 
-        return await import_model(self, path, tables=tables)
-
-    # -- introspection -------------------------------------------------------
-
-    async def checksums(self) -> dict[int, dict[str, Any]]:
-        """Per partition: checksum of all its tables and its LSN."""
-        n = self.cluster_map.n_partitions
-        results = await self._gather(self._submit(p, {"op": "checksum"}, {}) for p in range(n))
-        return {p: {"checksum": r["checksum"], "lsn": r["lsn"]} for p, r in enumerate(results)}
+    def checksums(self) -> Coroutine[Any, Any, dict[int, dict[str, Any]]]:
+        return self.kv.checksums()
 
 
-_M64 = (1 << 64) - 1
-#: The positions of a one-id call.
-_ZERO = np.zeros(1, dtype=np.int64)
-_ZERO.flags.writeable = False
+def _documented() -> None:
+    """Each method and property of :class:`Client` carries its part's docstring."""
+    for name, member in vars(Client).items():
+        if name.startswith("_") or getattr(member, "__doc__", None):
+            continue
+        for part in (KeyValue, TrainingCalls, Connection):
+            doc = getattr(getattr(part, name, None), "__doc__", None)
+            if doc:
+                if isinstance(member, property):
+                    setattr(Client, name, property(member.fget, member.fset, doc=doc))
+                else:
+                    member.__doc__ = doc
+                break
 
 
-def _runs(split: Split, row_bytes: int, budget: int) -> list[tuple[int, int, int]]:
-    """``(partition, start, stop)`` runs of ``split`` whose rows of ``row_bytes`` each
-    stay within ``budget`` bytes (a partition's run, or a cut of it)."""
-    out = []
-    for p, a, b in split.parts:
-        if (b - a) * row_bytes <= budget:
-            out.append((p, a, b))
-        else:
-            out.extend((p, a + x, a + y) for x, y in row_runs(b - a, row_bytes, budget))
-    return out
-
-
-def _chunk_bytes(spec: DenseSpec, chunk: int, itemsize: int) -> int:
-    start, stop = spec.chunk_range(chunk)
-    return (stop - start) * itemsize
-
-
-def _seed(name: str, seed: int | None) -> int:
-    return name_hash(name) if seed is None else int(seed)
-
-
-def _as_ids(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
-    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1:
-        return np.ascontiguousarray(ids)  # the common case, in a few checks
-    arr = np.asarray(ids)
-    if arr.ndim != 1:
-        raise ShapeMismatchError(f"ids must be 1-D, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise ShapeMismatchError(f"ids must be integers, got dtype {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
-
-
-def _must_copy(arr: np.ndarray, given: object, wait: bool) -> bool:
-    """Whether ``arr`` may be the caller's memory while the call returns before the
-    message is sent (``wait=False``): the caller may reuse its buffer at once."""
-    if wait or isinstance(given, list | tuple | int | float):
-        return False  # waited for, or built from Python values: nobody else holds it
-    try:
-        src = np.asarray(given)  # a view for numpy arrays and CPU tensors
-    except Exception:
-        return True
-    return bool(np.may_share_memory(arr, src))
-
-
-def _owned(arr: np.ndarray, given: object, wait: bool) -> np.ndarray:
-    """``arr``, copied if :func:`_must_copy` says so."""
-    return arr.copy() if _must_copy(arr, given, wait) else arr
-
-
-def _check_finite(arr: np.ndarray, what: str) -> None:
-    if arr.size and not bool(np.isfinite(arr).all()):
-        raise BadRequestError(f"{what} contain NaN or infinity")
-
-
-def _as_float(values: npt.ArrayLike, dtype: str, what: str) -> np.ndarray:
-    arr = np.asarray(values)
-    if arr.dtype.kind not in "fiu":
-        raise ShapeMismatchError(f"{what} must be numeric, got dtype {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=dtype)
+_documented()
 
 
 def connect(

@@ -31,8 +31,9 @@ import functools
 import logging
 import os
 import socket
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any, Self, assert_never
 
 import numpy as np
@@ -41,7 +42,7 @@ import zmq.asyncio
 from zps import shm, transport
 from zps.client.background import Background
 from zps.client.futures import gather, ignore, join_moved
-from zps.client.inbound import REPLIES, from_broker
+from zps.client.inbound import REPLIES, from_broker, lost_changes
 from zps.client.ops import Op, Token, again, copy_arrays, copy_shared, deliver, merge
 from zps.client.pair import PairFollower
 from zps.client.routerlinks import RouterLinks
@@ -68,6 +69,7 @@ from zps.errors import (
 )
 from zps.ops import malloc
 from zps.ops.config import ClientConfig, broker_endpoints
+from zps.ops.meter import ClientMeter
 from zps.ops.security import key_identity, load_curve_keys
 from zps.protocol.codec import (
     NO_COMPRESSION,
@@ -92,9 +94,6 @@ from zps.protocol.ops import READS
 from zps.version import __version__
 
 log = logging.getLogger("zps.client")
-
-#: An operation of a call (the name the training calls import).
-_Op = Op
 
 
 class Connection:
@@ -161,6 +160,8 @@ class Connection:
             primary_of=self._primary_of,
         )
         self._borrowing = False  # an operation of the caller's memory was ever sent
+        #: Requests, their outcomes and latency, broker calls, steps (zps-worker's metrics).
+        self.meter = ClientMeter(time.monotonic())
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -191,7 +192,6 @@ class Connection:
                 curve=keys,
                 server_public=keys.server_public if keys else None,
                 silence=transport.reconnect_silence(hb.interval, hb.liveness),
-                wait_for_release=True,
             )
             for address in self.addresses
         ]
@@ -301,6 +301,25 @@ class Connection:
         return len(self._blocked)
 
     @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the client runs on (None before :meth:`start`)."""
+        return self._loop
+
+    @property
+    def io_threads(self) -> transport.IoThreads | None:
+        """zmq's I/O threads of this client and their scheduling policy (None: closed)."""
+        return self._io
+
+    def requests(self) -> list[tuple[int, list[Op]]]:
+        """The requests sent and not answered yet: each one's id and its operations."""
+        return [(r, ops) for r, ops, _ in self._session.in_flight() if isinstance(ops, list)]
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` for as long as the client: cancelled by :meth:`close`."""
+        assert self._tg is not None, "the client is not started"
+        self._tasks.append(self._tg.create_task(coro))
+
+    @property
     def cluster_map(self) -> ClusterMap:
         cmap = self._session.map
         if cmap is None:
@@ -309,7 +328,7 @@ class Connection:
 
     # -- background pushes -------------------------------------------------------
 
-    async def _finish(self, futures: list[asyncio.Future[dict[str, Any]]], wait: bool) -> None:
+    async def finish(self, futures: list[asyncio.Future[dict[str, Any]]], wait: bool) -> None:
         """Wait for a call's operations, or (``wait`` False) count it in the background."""
         if wait:
             if len(futures) == 1:
@@ -332,9 +351,9 @@ class Connection:
         self._lazy_parts.clear()
         for p in parts:
             # Its answer is not needed (an older shard refuses the operation).
-            self._submit(p, {"op": "acks"}, {}).add_done_callback(ignore)
+            self.submit(p, {"op": "acks"}, {}).add_done_callback(ignore)
 
-    def _raise_background(self) -> None:
+    def raise_background(self) -> None:
         """An error of a background push is raised by the next call, once."""
         self._background.raise_error()
 
@@ -346,27 +365,32 @@ class Connection:
 
     # -- calls the broker answers ----------------------------------------------
 
-    async def _broker_call(
+    async def broker_call(
         self, mtype: MsgType, header: dict[str, Any], forever: bool = False
     ) -> dict[str, Any]:
-        """A request the broker itself answers (matched by request id)."""
+        """A call the broker itself answers (CLOCK, TASK, STATUS; matched by request id),
+        bounded by the client's timeout unless ``forever``; its header as answered."""
         if self._closed:
             raise ClosedError("the client was closed")
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         req_id, actions = self._session.call(mtype, header, fut, self._now(), forever=forever)
+        self.meter.call_started(time.monotonic())
         try:
             self._apply(actions)
             return await fut
         finally:  # answered, failed, or the caller gave up: the session forgets the call
             self._session.abandon(req_id, ClosedError("the call was cancelled"))
+            self.meter.call_done(time.monotonic())
 
-    async def status(self) -> dict[str, Any]:
-        """The broker's status report (as ``zps-server status --json`` prints it)."""
-        return await self._broker_call(MsgType.STATUS, StatusRequest().to_wire())
+    async def status(self, request: StatusRequest | None = None) -> dict[str, Any]:
+        """The broker's status report (as ``zps-server status --json`` prints it); with a
+        ``request`` carrying an operator's command (a drain, a scale, a partition reset),
+        the report also says what came of it."""
+        return await self.broker_call(MsgType.STATUS, (request or StatusRequest()).to_wire())
 
     # -- request machinery ---------------------------------------------------
 
-    def _submit(
+    def submit(
         self,
         partition: int,
         body: dict[str, Any],
@@ -377,6 +401,10 @@ class Connection:
         borrowed: bool = False,
         lazy: bool = False,
     ) -> asyncio.Future[dict[str, Any]]:
+        """Queue one operation for ``partition`` (``body`` its header entry, ``arrays`` its
+        payloads, ``reply_bytes`` those of its answer; ``into``: where a pull's chunks go;
+        ``borrowed``: the arrays are the caller's memory; ``lazy``: a background push) and
+        return the future of its result; sent with the others of this loop turn."""
         if self._closed:
             raise ClosedError("the client was closed")
         loop = self._loop or asyncio.get_running_loop()
@@ -398,21 +426,21 @@ class Connection:
             loop.call_soon(self._flush_soon)
         return fut
 
-    def _buffer(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    def buffer(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         """Zeros of ``shape`` and ``dtype``, in this process's shared memory when it has
         room (sent from there with no copy: :meth:`shm.SharedMemory.buffer`), else on
         the heap."""
         buf = self._shm.buffer(shape, dtype)
         return buf if buf is not None else np.zeros(shape, dtype=dtype)
 
-    def _detach(self, arr: np.ndarray) -> None:
+    def detach(self, arr: np.ndarray) -> None:
         """A call that sent ``arr`` (the caller's memory) as it is ended before all its
         requests were answered (an error, a cancellation): from now on the caller may
         write ``arr``, so whatever may still be sent copies the bytes it holds now.
         Requests in flight (the frames they are re-sent with, and their operations, which
         a ``MOVED`` answer splits and sends anew), sends held back and operations not yet
         sent get copies of whatever shares its memory.  (Frames zmq holds are copies
-        already: see :meth:`_transmit`.)  A :meth:`_buffer` region named for them gets a
+        already: see :meth:`_transmit`.)  A :meth:`buffer` region named for them gets a
         new token: every request naming it lets its regions go (those still waited for
         name it again when re-sent), so a copy already on its way is refused rather
         than read as what the caller writes next."""
@@ -429,14 +457,14 @@ class Connection:
             for op in ops:
                 copy_arrays(op, arr)
 
-    def _own(self, arr: np.ndarray) -> np.ndarray:
+    def own(self, arr: np.ndarray) -> np.ndarray:
         """A copy of ``arr`` (1-D) that only this client holds, for a call that returns
         before it is sent.  One large enough for shared memory is copied into this
         process's arena: sent from there, it is not copied a second time."""
         staged = self._shm.stage(arr)
         return staged if staged is not None else arr.copy()
 
-    _gather = staticmethod(gather)  # a call's results in order
+    gather = staticmethod(gather)  # a call's results in order
 
     def call_deadline(self) -> float | None:
         """When the oldest request or timed broker call in flight fails unless answered
@@ -505,6 +533,13 @@ class Connection:
             self._flush()
 
     def _send_request(self, partition: int, ops: list[Op]) -> None:
+        now = time.monotonic()
+        nbytes = 0
+        for op in ops:
+            nbytes += op.nbytes
+        self.meter.request_sent([op.body["op"] for op in ops], nbytes, now)
+        # One reply (or failure) settles every operation of a message together.
+        ops[0].future.add_done_callback(functools.partial(self._request_done, nbytes, now))
         enc = Encoder(self._policy)
         bodies = []
         for op in ops:
@@ -524,6 +559,10 @@ class Connection:
         )
         self._shm.track(ops, actions)
         self._apply(actions)
+
+    def _request_done(self, nbytes: int, sent: float, _: object) -> None:
+        now = time.monotonic()
+        self.meter.request_done(nbytes, now - sent, now)
 
     def _apply(self, actions: list[Action[Token]]) -> None:
         """Carry out what the session asked for, then set the timer for its next tick."""
@@ -593,7 +632,7 @@ class Connection:
             elif not token.done():
                 token.set_exception(action.error)
         elif isinstance(token, list):
-            deliver(token, action, submit=self._submit, max_bytes=self.config.max_message_bytes)
+            deliver(token, action, submit=self.submit, max_bytes=self.config.max_message_bytes)
         elif not token.done():
             token.set_result(action.msg.header)
 
@@ -604,10 +643,10 @@ class Connection:
             if op.future.done():
                 continue
             if plan is None:  # not on a slot (tables, describe...): where it was going
-                again(op, action.partition, self._submit)
+                again(op, action.partition, self.submit)
                 continue
             pieces = [
-                self._submit(p, b, a, reply_bytes=r, borrowed=op.borrowed, lazy=op.lazy)
+                self.submit(p, b, a, reply_bytes=r, borrowed=op.borrowed, lazy=op.lazy)
                 for p, b, a, r in plan.pieces
             ]
             joined = asyncio.gather(*pieces)
@@ -615,9 +654,9 @@ class Connection:
 
     async def _hello(self) -> None:
         assert self._sock is not None
-        await self._control(self._session.hello().frames)
+        await self.control(self._session.hello().frames)
 
-    async def _control(self, frames: list[Any]) -> None:
+    async def control(self, frames: list[Any]) -> None:
         """A HELLO or heartbeat: repeated anyway, so to a broker pair it is only tried."""
         assert self._sock is not None
         if len(self._socks) > 1:
@@ -630,7 +669,7 @@ class Connection:
         interval = self.config.heartbeat.interval
         while True:
             await asyncio.sleep(interval)
-            await self._control(encode(Route(MsgType.HEARTBEAT), Heartbeat().to_wire()))
+            await self.control(encode(Route(MsgType.HEARTBEAT), Heartbeat().to_wire()))
             self._shm.housekeeping()
             if self._links:
                 self._links.beats()
@@ -654,7 +693,7 @@ class Connection:
     async def _on_router_reply(self, bufs: list[Any], msg: Message) -> None:
         if shm.KEY in msg.header:
             msg = self._shm.reply(bufs, msg)
-        await self._dispatch(msg)
+        await self.dispatch(msg)
 
     def _use_broker(self, index: int) -> None:
         """Send to broker ``index`` of the pair from now on."""
@@ -700,7 +739,7 @@ class Connection:
             self._links.heard_broker(self.addresses[index])  # a router as broker
         if self._pair is not None and not self._pair.heard(index, msg):
             return
-        await self._dispatch(msg)
+        await self.dispatch(msg)
 
     def _on_malformed(self, frames: transport.Frames, err: ProtocolError) -> None:
         if isinstance(err, VersionMismatchError):
@@ -711,7 +750,8 @@ class Connection:
             return
         log.warning("dropped a malformed message from the broker: %s", err)
 
-    async def _dispatch(self, msg: Message) -> None:
+    async def dispatch(self, msg: Message) -> None:
+        """Handle a message from the broker (a reply, a map, ...), as received."""
         if msg.route.mtype in REPLIES:
             self._on_answer(msg)
             self._apply(self._session.on_reply(msg, self._now()))
@@ -743,14 +783,5 @@ class Connection:
     def _log_lost(self, old: ClusterMap, new: ClusterMap) -> None:
         """Say when a partition loses its last live copy (its calls wait: ClientSession,
         rule 5) and when it is served again."""
-        for p, info in new.partitions.items():
-            was = old.partitions.get(p)
-            if info.lost and not (was is not None and was.lost):
-                log.warning(
-                    "partition %d has no live copy: its calls wait for a copy holding its "
-                    "data (or `zps-server reset-partition`) for at most %gs each",
-                    p,
-                    self.config.timeout,
-                )
-            elif was is not None and was.lost and not info.lost:
-                log.warning("partition %d has a live copy again", p)
+        for line in lost_changes(old, new, self.config.timeout):
+            log.warning("%s", line)

@@ -1,4 +1,5 @@
-"""Export a running cluster's model and import one (warm start), through a client.
+"""Export a running cluster's model and import one (warm start), through a client's
+key-value API (:class:`Tables`).
 
 Export (:func:`export_model`): every partition's primary copies the values of its tables
 and their optimizer state (``values_only``: the values alone) at one point of its log
@@ -21,25 +22,50 @@ initial state, said in a log line.  A delta (``since``) carries values only.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
-from zps.client.client import _runs
+from zps.client.futures import gather
+from zps.client.values import runs
 from zps.core.batching import groups_by_bytes
-from zps.core.routing import chunk_partition
-from zps.core.rows import take_rows
+from zps.core.routing import ClusterMap, chunk_partition
+from zps.core.rows import Split, take_rows
 from zps.errors import BadRequestError, UnknownTableError
 from zps.model.format import Export, ExportWriter, state_offsets
+from zps.ops.config import ClientConfig
 from zps.protocol.specs import DenseSpec, EmbeddingSpec, TableSpec, spec_from_wire
 
-if TYPE_CHECKING:
-    from zps.client.client import Client
+
+class Tables(Protocol):
+    """What an export or import needs of the client (its key-value API,
+    :class:`~zps.client.keyvalue.KeyValue`)."""
+
+    @property
+    def config(self) -> ClientConfig: ...
+    @property
+    def cluster_map(self) -> ClusterMap: ...
+    def submit(
+        self,
+        partition: int,
+        body: dict[str, Any],
+        arrays: dict[str, np.ndarray],
+        *,
+        reply_bytes: int = 0,
+    ) -> asyncio.Future[dict[str, Any]]: ...
+    async def create_spec(self, spec: DenseSpec | EmbeddingSpec) -> None: ...
+    def check_row(self, spec: EmbeddingSpec) -> int: ...
+    def check_chunks(self, spec: DenseSpec) -> None: ...
+    def split(self, ids: npt.NDArray[np.int64]) -> Split: ...
+    async def set_dense(self, name: str, values: npt.ArrayLike) -> None: ...
+    async def set_rows(self, name: str, ids: npt.ArrayLike, rows: npt.ArrayLike) -> None: ...
 
 
 log = logging.getLogger("zps.export")
@@ -49,7 +75,7 @@ IMPORT_ROWS = 1 << 20
 
 
 async def export_model(
-    client: Client,
+    client: Tables,
     out: str | os.PathLike[str],
     *,
     tables: Sequence[str] | None = None,
@@ -77,7 +103,7 @@ async def export_model(
 
 
 async def _export_once(
-    client: Client,
+    client: Tables,
     out: Path,
     names: Sequence[str] | None,
     source: dict[str, Any] | None,
@@ -87,7 +113,7 @@ async def _export_once(
     cmap = client.cluster_map
     n = cmap.n_partitions
     cut_op: dict[str, Any] = {"op": "cut", "state": True} if state else {"op": "cut"}
-    cuts = await client._gather(client._submit(p, dict(cut_op), {}) for p in range(n))
+    cuts = await gather(client.submit(p, dict(cut_op), {}) for p in range(n))
     try:
         per_table: dict[str, list[dict[str, Any]]] = {}
         for cut in cuts:
@@ -133,9 +159,9 @@ async def _export_once(
         return Export(out).manifest
     finally:
         drops = [
-            client._submit(p, {"op": "cut_drop", "cut": c["cut"]}, {}) for p, c in enumerate(cuts)
+            client.submit(p, {"op": "cut_drop", "cut": c["cut"]}, {}) for p, c in enumerate(cuts)
         ]
-        await client._gather(drops)
+        await gather(drops)
 
 
 def _rows_of(cut: dict[str, Any], name: str) -> int:
@@ -143,7 +169,7 @@ def _rows_of(cut: dict[str, Any], name: str) -> int:
 
 
 async def _export_rows(
-    client: Client,
+    client: Tables,
     writer: ExportWriter,
     spec: EmbeddingSpec,
     cuts: list[dict[str, Any]],
@@ -157,7 +183,7 @@ async def _export_rows(
 
 
 async def _delta_rows(
-    client: Client,
+    client: Tables,
     writer: ExportWriter,
     spec: EmbeddingSpec,
     cuts: list[dict[str, Any]],
@@ -191,7 +217,7 @@ async def _delta_rows(
 
 
 async def _pages(
-    client: Client,
+    client: Tables,
     spec: EmbeddingSpec,
     cuts: list[dict[str, Any]],
     counts: list[int],
@@ -207,7 +233,7 @@ async def _pages(
         starts = list(range(0, count, page))
         for i in range(0, len(starts), 4):
             futures = [
-                client._submit(
+                client.submit(
                     p,
                     {
                         "op": "cut_read",
@@ -221,13 +247,13 @@ async def _pages(
                 )
                 for s in starts[i : i + 4]
             ]
-            for result in await client._gather(futures):
+            for result in await gather(futures):
                 ids, rows, *columns = result["arrays"]
                 yield ids, rows, dict(zip(result.get("keys", []), columns, strict=True))
 
 
 async def _export_dense(
-    client: Client,
+    client: Tables,
     flat: np.ndarray,
     spec: DenseSpec,
     cuts: list[dict[str, Any]],
@@ -255,7 +281,7 @@ async def _export_dense(
         op: dict[str, Any] = {"op": "cut_read", "cut": cuts[p]["cut"], "t": spec.name}
         for a, b in groups_by_bytes(sizes, client.config.message_budget):
             group = chunks[a:b]
-            result = await client._submit(
+            result = await client.submit(
                 p, {**op, "chunks": group}, {}, reply_bytes=sum(sizes[a:b])
             )
             arrays = iter(result["arrays"])
@@ -267,7 +293,7 @@ async def _export_dense(
 
 
 async def import_model(
-    client: Client,
+    client: Tables,
     path: str | os.PathLike[str],
     *,
     tables: Sequence[str] | None = None,
@@ -279,10 +305,10 @@ async def import_model(
     n = client.cluster_map.n_partitions
     for name in names:
         entry = export.entry(name)
-        await client._create(entry.spec)
+        await client.create_spec(entry.spec)
         # A table that existed already keeps its count through create: set it.
         op = {"op": "advance_step", "t": name, "to": entry.spec.step}
-        await client._gather(client._submit(p, dict(op), {}) for p in range(n))
+        await gather(client.submit(p, dict(op), {}) for p in range(n))
     for name in names:
         entry = export.entry(name)
         state = export.state(name)
@@ -313,7 +339,7 @@ async def import_model(
 
 
 async def _set_rows_state(
-    client: Client,
+    client: Tables,
     spec: TableSpec,
     ids: np.ndarray,
     rows: np.ndarray,
@@ -321,16 +347,16 @@ async def _set_rows_state(
 ) -> None:
     """``set_rows`` with the rows' optimizer state (the shards check every array)."""
     assert isinstance(spec, EmbeddingSpec)
-    client._check_row(spec)
+    client.check_row(spec)
     widths = spec.optimizer.state_widths(spec.dim)
     row_bytes = 8 + (spec.dim + sum(widths.values())) * np.dtype(spec.dtype).itemsize
     ids = np.ascontiguousarray(ids, dtype=np.int64)
-    split = client._split(ids)
+    split = client.split(ids)
     by_part = take_rows(np.ascontiguousarray(rows), split.order)
     columns = {k: take_rows(np.ascontiguousarray(a), split.order) for k, a in state.items()}
     op = {"op": "set_rows", "t": spec.name, "state": list(columns)}
     futures = [
-        client._submit(
+        client.submit(
             p,
             dict(op),
             {
@@ -339,17 +365,17 @@ async def _set_rows_state(
                 **{f"s.{k}": c[a:b] for k, c in columns.items()},
             },
         )
-        for p, a, b in _runs(split, row_bytes, client.config.message_budget)
+        for p, a, b in runs(split, row_bytes, client.config.message_budget)
     ]
-    await client._gather(futures)
+    await gather(futures)
 
 
 async def _set_dense_state(
-    client: Client, spec: TableSpec, values: np.ndarray, state: dict[str, np.ndarray]
+    client: Tables, spec: TableSpec, values: np.ndarray, state: dict[str, np.ndarray]
 ) -> None:
     """``set_dense`` with the tensor's optimizer state, chunk by chunk."""
     assert isinstance(spec, DenseSpec)
-    client._check_chunks(spec)
+    client.check_chunks(spec)
     flat = np.ascontiguousarray(values).reshape(-1)
     offsets = state_offsets(spec, list(state))
     futures = []
@@ -359,10 +385,10 @@ async def _set_dense_state(
         for k, a in state.items():
             arrays[f"s.{k}"] = np.ascontiguousarray(a[offsets[k][c] : offsets[k][c + 1]])
         futures.append(
-            client._submit(
+            client.submit(
                 chunk_partition(spec.name, c, client.cluster_map),
                 {"op": "set_dense", "t": spec.name, "chunk": c, "state": list(state)},
                 arrays,
             )
         )
-    await client._gather(futures)
+    await gather(futures)

@@ -11,7 +11,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -20,7 +20,6 @@ import numpy.typing as npt
 from zps.client.client import Client, connect
 from zps.core.coord import Task
 from zps.core.routing import ClusterMap
-from zps.errors import BadRequestError
 from zps.init import Initializer
 from zps.ops.config import ClientConfig
 from zps.optim import Optimizer
@@ -37,6 +36,10 @@ async def _ending(coro: Coroutine[Any, Any, T], ended: threading.Event) -> T:
         return await coro
     finally:
         ended.set()
+
+
+async def _next(pages: AsyncIterator[T]) -> T:
+    return await anext(pages)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -223,19 +226,13 @@ class SyncClient:
     def table_ids(self, name: str, *, chunk: int = 65536) -> Iterator[np.ndarray]:
         """The ids an embedding table holds, in arrays of at most ``chunk`` ids (see
         :meth:`Client.table_ids <zps.client.client.Client.table_ids>`)."""
-        self._call(self._client._embedding_spec(name))  # an unknown table fails here
-        if chunk < 1:
-            raise BadRequestError(f"table_ids: chunk must be >= 1, got {chunk}")
-        chunk = min(chunk, self._client.config.message_budget // 8)
-        for p in range(self.cluster_map.n_partitions):
-            after: int | None = None
-            while True:
-                page = self._call(self._client.ids_page(name, p, after, chunk))
-                if page.size:
-                    yield page
-                if page.size < chunk:
-                    break
-                after = int(page[-1])
+        pages = self._client.table_ids(name, chunk=chunk)
+        while True:
+            try:
+                page = self._call(_next(pages))
+            except StopAsyncIteration:
+                return
+            yield page
 
     def checkpoint(self, *, timeout: float = 300.0) -> dict[int, dict[str, Any]]:
         """Have every partition's primary write a checkpoint now and wait for it: per

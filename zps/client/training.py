@@ -1,28 +1,27 @@
 """The training coordination calls of the client: the step clock, data tasks, progress.
 
-A layer of :class:`zps.client.client.Client` over its connection: every call here is a
-broker call (CLOCK or TASK) made through the request machinery, so it is matched by request id,
-re-sent after a broker restart and bounded by the client's timeout unless it waits on
-other workers (``forever``).  The step (``_step``) changes only from a broker's answer,
-or locally in async mode where there is no shared clock.
+A part of :class:`zps.client.client.Client` beside its connection, given only what it
+needs of it (:class:`BrokerLink`): every call here is a broker call (CLOCK or TASK) made
+through the request machinery, so it is matched by request id, re-sent after a broker
+restart and bounded by the client's timeout unless it waits on other workers
+(``forever``).  The step (``_step``) changes only from a broker's answer, or locally in
+async mode where there is no shared clock.
 
-Every request message sent, every outcome, every broker call and every step is
-counted in :attr:`TrainingCalls.meter` (a :class:`~zps.ops.meter.ClientMeter`):
-zps-worker exports it as metrics (with how long ago the function last made progress).
+The connection's :class:`~zps.ops.meter.ClientMeter` counts every request message,
+outcome and broker call; this part counts the steps in it: zps-worker exports it as
+metrics (with how long ago the function last made progress).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
-from zps.client.connection import Connection, _Op
 from zps.client.progress import Progress
 from zps.core.coord import Task
 from zps.ops.config import ClientConfig
@@ -64,19 +63,36 @@ class _Reports:
         return TrainReport(job, float(rows), max(0.0, now - since), steps, loss)
 
 
-class TrainingCalls(Connection):
+class BrokerLink(Protocol):
+    """What the training calls need of the connection."""
+
+    @property
+    def config(self) -> ClientConfig: ...
+    @property
+    def meter(self) -> ClientMeter: ...
+    async def broker_call(
+        self, mtype: MsgType, header: dict[str, Any], forever: bool = False
+    ) -> dict[str, Any]: ...
+    async def flush(self) -> None: ...
+    async def control(self, frames: list[Any]) -> None: ...
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
+
+
+class TrainingCalls:
     """Sync/ssp/async step clock, data tasks and per-step metrics."""
 
     #: Set when the worker is asked to stop (zps-worker's SIGTERM): finish
     #: the step, flush, release the task, return.
     stop_requested: bool
 
-    def __init__(self, address: str | Sequence[str], config: ClientConfig | None = None) -> None:
-        super().__init__(address, config)
+    def __init__(self, link: BrokerLink) -> None:
+        self._link = link
+        self.config = link.config
+        self.meter = link.meter
+        self._broker_call = link.broker_call
         self._step = 0
         self.stop_requested = False
         self.progress = Progress(name=self.config.name, enabled=False)
-        self.meter = ClientMeter(time.monotonic())
         self._reports = _Reports(time.monotonic())
         #: The job reports are for: that of the last task handed out, else the last created.
         self._report_job: str | None = None
@@ -85,47 +101,11 @@ class TrainingCalls(Connection):
         self.tasks_taken: dict[str, int] = {}
 
     async def start(self) -> None:
-        """Connect; in sync and ssp mode also join the step clock."""
-        if self._started:
-            return
-        await super().start()
-        assert self._tg is not None
-        self._tasks.append(self._tg.create_task(self._report_loop()))
+        """Once connected: report progress; in sync and ssp mode join the step clock."""
+        self._link.spawn(self._report_loop())
         if self.config.mode != "async":
             reply = await self._broker_call(MsgType.CLOCK, self._clock_header("join"))
             self._step = int(reply["step"])
-
-    @property
-    def event_loop(self) -> asyncio.AbstractEventLoop | None:
-        """The event loop the client runs on (None before :meth:`start`)."""
-        return self._loop
-
-    # -- what the meter counts -----------------------------------------------
-
-    def _send_request(self, partition: int, ops: list[_Op]) -> None:
-        now = time.monotonic()
-        nbytes = 0
-        names = []
-        for op in ops:
-            nbytes += op.nbytes
-            names.append(op.body["op"])
-        self.meter.request_sent(names, nbytes, now)
-        # One reply (or failure) settles every operation of a message together.
-        ops[0].future.add_done_callback(functools.partial(self._request_done, nbytes, now))
-        super()._send_request(partition, ops)
-
-    def _request_done(self, nbytes: int, sent: float, _: object) -> None:
-        now = time.monotonic()
-        self.meter.request_done(nbytes, now - sent, now)
-
-    async def _broker_call(
-        self, mtype: MsgType, header: dict[str, Any], forever: bool = False
-    ) -> dict[str, Any]:
-        self.meter.call_started(time.monotonic())
-        try:
-            return await super()._broker_call(mtype, header, forever)
-        finally:
-            self.meter.call_done(time.monotonic())
 
     # -- training modes ------------------------------------------------------
 
@@ -150,10 +130,13 @@ class TrainingCalls(Connection):
         while True:
             await asyncio.sleep(interval)
             train = self._reports.take(self._report_job, time.monotonic())
-            if train is not None and self._sock is not None:
-                await self._control(encode(Route(MsgType.HEARTBEAT), Heartbeat(train).to_wire()))
+            if train is not None:
+                await self._link.control(
+                    encode(Route(MsgType.HEARTBEAT), Heartbeat(train).to_wire())
+                )
 
-    def _tagged(self, body: dict[str, Any]) -> dict[str, Any]:
+    def tagged(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A push's ``body``, in sync mode with the step its gradient is for."""
         if self.config.mode == "sync":
             body["step"] = self._step  # buffered by the shards until the step commits
         return body
@@ -169,7 +152,7 @@ class TrainingCalls(Connection):
         steps behind; async: at once.  Background pushes are flushed first.
         """
         began = time.monotonic()
-        await self.flush()
+        await self._link.flush()
         if self.config.mode != "async":
             header = self._clock_header("tick")
             header["finished"] = self._step + 1
