@@ -187,4 +187,5 @@ async def test_a_snapshot_sent_in_chunks_carries_the_checksum_of_what_was_sent()
     assert digest.digest() == assembly.digest()
     snap = assembly.snapshot()
     assert build_store(snap).checksum() == want
-    assert not ckpt._frozen_now  # nothing stays frozen once the stream is read
+    assert await ckpt.thawed(5)  # nothing stays frozen once the stream is read
+    assert not ckpt._frozen_now

@@ -230,3 +230,25 @@ def test_a_frozen_cut_is_the_partition_at_its_instant_and_costs_no_copy() -> Non
     assert store.checksum() == after  # the writes made while frozen are all there
     table.push(later, np.ones((later.size, 4), np.float32))  # and it goes on
     assert store.checksum() != after
+
+
+def test_a_frozen_version_released_in_steps_keeps_every_write_made_between_them() -> None:
+    rows = 300_000  # 36 MiB of (rows, 32) float32: three steps of 16 MiB
+    holder = {"a": mapped.empty(rows, 32, np.float32)}
+    holder["a"][:] = 1.0
+    version = mapped.freeze(holder["a"])
+    assert version is not None
+    rng = np.random.default_rng(0)
+    holder["a"][rng.choice(rows, 512, replace=False)] += 1.0  # written while frozen
+    want = holder["a"].copy()
+    steps = 0
+    for _ in version.release_steps(16 << 20):
+        steps += 1
+        idx = rng.choice(rows, 512, replace=False)  # the writer runs between two steps
+        holder["a"][idx] += 1.0
+        want[idx] += 1.0
+    assert steps == 3 and mapped.frozen(holder["a"]) is None
+    np.testing.assert_array_equal(holder["a"], want)
+    again = mapped.freeze(holder["a"])  # shared again: it freezes again
+    assert again is not None
+    again.release()

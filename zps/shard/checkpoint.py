@@ -47,10 +47,12 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import itertools
 import logging
 import os
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -121,19 +123,60 @@ def cut(core: ShardCore, space: CutSpace | None = None) -> Snapshot:
 
 #: Versions frozen by cuts and not yet released, and who waits for none (see thawed).
 _frozen_now: set[mapped.Frozen] = set()
+_releasing: set[mapped.Frozen] = set()
 _thaw_waiters: list[asyncio.Future[None]] = []
 
 
+#: A frozen version is released in steps of this many bytes of an array, one per turn
+#: of the event loop (see zps.store.mapped.Frozen.release_steps).
+RELEASE_STEP = 16 << 20
+
+
 def release(snap: Snapshot) -> None:
-    """Release ``snap``'s frozen version now (from the loop that cut it): once what
-    reads it has read it."""
-    _release(snap.frozen)
+    """Release ``snap``'s frozen version (from the loop that cut it), once what reads it
+    has read it: in steps, one per turn of the running loop (at once without one)."""
+    _start_release(snap.frozen)
 
 
-def _release(versions: Sequence[mapped.Frozen]) -> None:
+def _start_release(versions: Sequence[mapped.Frozen]) -> None:
+    todo = [v for v in versions if v in _frozen_now and v not in _releasing]
+    if not todo:
+        return
+    _releasing.update(todo)
+    steps = itertools.chain.from_iterable(v.release_steps(RELEASE_STEP) for v in todo)
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    t0, written = time.monotonic(), [0]
+
+    def step() -> None:
+        try:
+            written[0] += next(steps)
+        except StopIteration:
+            _released(todo, time.monotonic() - t0, written[0])
+            return
+        except BaseException:
+            _released(todo, time.monotonic() - t0, written[0])
+            raise
+        if loop is None or loop.is_closed():
+            step()  # no loop to give turns to: all at once
+        else:
+            loop.call_soon(step)
+
+    step()
+
+
+def _released(versions: Sequence[mapped.Frozen], took: float, written: int) -> None:
     for version in versions:
-        version.release()
         _frozen_now.discard(version)
+        _releasing.discard(version)
+    if written > 64 << 20:
+        log.info(
+            "a frozen cut released in %.2fs, in steps (%.0f MB written meanwhile, copied back)",
+            took,
+            written / 1e6,
+        )
     if not _frozen_now:
         waiters, _thaw_waiters[:] = list(_thaw_waiters), []
         for w in waiters:
@@ -141,14 +184,21 @@ def _release(versions: Sequence[mapped.Frozen]) -> None:
                 w.set_result(None)
 
 
+def _release(versions: Sequence[mapped.Frozen]) -> None:
+    """Release at once (a cut that failed, or no loop)."""
+    for version in versions:
+        version.release()
+    _released(versions, 0.0, 0)
+
+
 def _release_from(
     thread: int, loop: asyncio.AbstractEventLoop | None, versions: Sequence[mapped.Frozen]
 ) -> None:
     """A cut's snapshot was dropped: release its versions on the thread that froze them."""
     if threading.get_ident() == thread:
-        _release(versions)
+        _start_release(versions)
     elif loop is not None and not loop.is_closed():
-        loop.call_soon_threadsafe(_release, versions)
+        loop.call_soon_threadsafe(_start_release, versions)
 
 
 async def thawed(timeout: float = 60.0) -> bool:

@@ -36,6 +36,7 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -178,10 +179,12 @@ def _address(m: mmap.mmap) -> int:
         del view  # the export that would keep ``m`` from being resized
 
 
-def _remap(m: _Memory, flags: int) -> None:
-    """Map ``m``'s file again over ``m``'s own address range (same contents)."""
-    addr, size = _address(m), len(m)
-    got = _libc.mmap(addr, size, mmap.PROT_READ | mmap.PROT_WRITE, flags | _MAP_FIXED, m.fd, 0)
+def _remap(m: _Memory, flags: int, start: int = 0, stop: int | None = None) -> None:
+    """Map bytes ``[start, stop)`` (page-aligned; ``stop`` None: the end) of ``m``'s file
+    again over ``m``'s own addresses for them (same contents)."""
+    stop = len(m) if stop is None else stop
+    addr, size = _address(m) + start, stop - start
+    got = _libc.mmap(addr, size, mmap.PROT_READ | mmap.PROT_WRITE, flags | _MAP_FIXED, m.fd, start)
     if got in (None, _MAP_FAILED) or got != addr:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot map rows again: {os.strerror(err)}")
@@ -217,21 +220,43 @@ class Frozen:
                 raise OSError(f"a frozen version ended at {offset + got} of {self.nbytes}")
             got += n
 
-    def release(self) -> None:
+    def release(self) -> int:
         """Make the array shared with its file again: the pages written since the
         freeze are copied into the file first.  From the thread that froze it (the
-        array's writer), so that no write falls between the copy and the new mapping."""
+        array's writer), so that no write falls between the copy and the new mapping.
+        Returns the bytes copied back."""
+        return sum(self.release_steps(1 << 62))
+
+    def release_steps(self, step: int) -> Iterator[int]:
+        """:meth:`release` in steps of ``step`` bytes of the array, each atomic (its
+        written pages copied back, then that range mapped shared again): the writer
+        runs between two steps, its writes going to the file where released and to
+        private pages where not.  Yields the bytes each step copied back.  The frozen
+        version is not readable once the first step is taken."""
         if self.released:
             return
         if threading.get_ident() != self._thread:
             raise RuntimeError("a frozen version is released by the thread that froze it")
         self.released = True
-        m = self._memory()
-        if m is not None and not m.closed and m.frozen is self:
-            m.frozen = None
-            _write_back(m)
-            _remap(m, mmap.MAP_SHARED)
-        self._closer()
+        try:
+            pos = 0
+            while True:
+                m = self._memory()
+                if m is None or m.closed or m.frozen is not self or pos >= len(m):
+                    break
+                stop = min(len(m), pos + step)
+                written = _write_back(m, pos, stop)
+                _remap(m, mmap.MAP_SHARED, pos, stop)
+                pos = stop
+                yield written  # the writer may run now: this range is shared again
+        finally:
+            m = self._memory()
+            if m is not None and m.frozen is self:
+                m.frozen = None
+                if not m.closed and pos < len(m):  # stopped early: all of it at once
+                    _write_back(m, 0, len(m))
+                    _remap(m, mmap.MAP_SHARED, 0, len(m))
+            self._closer()
 
 
 def _written_pages(addr: int, size: int) -> list[tuple[int, int]]:
@@ -249,18 +274,21 @@ def _written_pages(addr: int, size: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
-def _write_back(m: _Memory) -> None:
-    size = len(m)
+def _write_back(m: _Memory, begin: int, end: int) -> int:
+    """Copy the pages of bytes ``[begin, end)`` of ``m`` written since it was frozen into
+    its file; the bytes copied."""
+    written = 0
     view = memoryview(m)
     try:
-        for a, b in _written_pages(_address(m), size):
-            start, stop = a * _PAGE, min(size, b * _PAGE)
+        for a, b in _written_pages(_address(m) + begin, end - begin):
+            start, stop = begin + a * _PAGE, min(end, begin + b * _PAGE)
             piece = view[start:stop]
             while len(piece):
                 n = os.pwrite(m.fd, piece, start)
-                piece, start = piece[n:], start + n
+                piece, start, written = piece[n:], start + n, written + n
     finally:
         view.release()
+    return written
 
 
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
