@@ -79,6 +79,7 @@ LAYERS: dict[str, str] = {
     "zps.transport.flow": "driver",
     "zps.transport.iothreads": "driver",
     "zps.transport.link": "driver",
+    "zps.transport.peers": "core",
     "zps.transport.sockets": "driver",
     "zps.shm": "driver",
     "zps.shm.region": "driver",
