@@ -132,6 +132,7 @@ def curve_dealer(
         CURVE_PUBLICKEY=public,
         CURVE_SECRETKEY=secret,
         CURVE_SERVERKEY=server,
+        METADATA=b"X-Zps-Id:" + identity,  # its zps id, as zps's own sockets send it
     )
 
 

@@ -386,7 +386,9 @@ def test_a_request_may_carry_only_its_senders_dedup_id(secure: SecureCluster) ->
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, key_identity(b"c-", public, b"other"))
+        other = key_identity(b"c-", public, b"other")
+        sock.setsockopt(zmq.IDENTITY, other)
+        sock.setsockopt(zmq.METADATA, b"X-Zps-Id:" + other)  # its zps id, as zps sends it
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server
         sock.connect(secure.address)
         sock.send_multipart(frames)

@@ -1,5 +1,5 @@
-"""The pure rules that bind identities to CURVE keys (zps.ops.security) and gate sends to
-identities whose connection closed (zps.transport.ConnectionGate)."""
+"""The pure rules that bind identities to CURVE keys (zps.ops.security); the table of
+which connection stands for which identity is tests/unit/test_peer_table.py's."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from zps.ops.security import (
     key_identity,
     request_refusal,
 )
-from zps.transport import ConnectionGate
 
 SHARD, CLIENT, OPERATOR, STRANGER = (bytes([c]) * 40 for c in b"SCOX")
 ROLES = KeyRoles(frozenset({SHARD}), frozenset({CLIENT}), frozenset({OPERATOR}))
@@ -72,20 +71,6 @@ def test_request_refusal() -> None:
     assert "'checkpoint' operation and the 'drop' operation" in refused[1]
     assert request_refusal(drop, me, operator=True) is None
     assert request_refusal(b"\xc1", me, operator=False) is None  # the shard refuses it
-
-
-def test_connection_gate() -> None:
-    gate = ConnectionGate()
-    assert gate.may_send(b"a")
-    gate.accepted(b"a", 7)
-    assert gate.closed(8) is None and gate.may_send(b"a")
-    assert gate.closed(7) == b"a" and not gate.may_send(b"a")
-    gate.accepted(b"a", 9)  # its key spoke again, on another connection
-    assert gate.may_send(b"a")
-    gate.accepted(b"a", 10)  # moved: the earlier connection's close is not its
-    assert gate.closed(9) is None and gate.may_send(b"a")
-    gate.accepted(b"b", None)  # unknown connection: nothing recorded
-    assert gate.closed(10) == b"a" and gate.may_send(b"b")
 
 
 def test_refusals_are_counted_always_and_logged_once_a_minute(

@@ -1,8 +1,13 @@
 """The edge of a CURVE server (zps.transport.peers): which connection stands for which
-zps id."""
+zps id, and the ZAP reply metadata that gives each connection a handle no peer chose."""
 
 from __future__ import annotations
 
+import struct
+
+import pytest
+
+from zps.transport.curve import new_handle, zap_metadata, zmtp_property
 from zps.transport.peers import PeerTable, is_handle
 
 
@@ -73,3 +78,16 @@ def test_handles_are_what_no_other_peer_can_present() -> None:
     assert not is_handle(b"\x00\x6b\x8b\x45\x68", b"z-abc")  # libzmq generated it
     assert not is_handle(b"c-0123456789abcdef-x", b"z-abc")  # chosen by the peer
     assert not is_handle(b"p-", None) and not is_handle(b"z-abc", None)
+
+
+def test_zap_metadata_sets_the_identity_property() -> None:
+    handle = new_handle()
+    assert handle.startswith(b"z-") and len(handle) == 34 and new_handle() != handle
+    meta = zap_metadata(handle)
+    assert meta[0] == len(b"Identity") and meta[1:9] == b"Identity"
+    assert struct.unpack(">I", meta[9:13])[0] == len(handle) and meta[13:] == handle
+    assert zmtp_property(b"X", b"") == b"\x01X\x00\x00\x00\x00"
+    with pytest.raises(ValueError, match="1-255 bytes"):
+        zmtp_property(b"", b"v")
+    with pytest.raises(ValueError, match="1-255 bytes"):
+        zmtp_property(b"n" * 256, b"v")

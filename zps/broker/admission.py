@@ -57,6 +57,8 @@ class BrokerAdmission(BrokerReport):
         shard = is_shard_identity(ident)
         owner = self._bound_keys.get(node) if shard else None
         reason = identity_refusal(ident, key, self._roles, owner)
+        if reason is None and self._sock is not None:
+            self._sock.accepted(frames)  # its key owns the identity: answers go this way
         if reason is None and shard and owner is None:
             assert key is not None
             self._bind(node, key)
@@ -67,8 +69,6 @@ class BrokerAdmission(BrokerReport):
                 self.refusals.refused(node, key, refused[0], time.monotonic(), refused[1])
                 return False
         if reason is None:
-            assert self._out is not None and self._out.gate is not None
-            self._out.gate.accepted(ident, transport.sender_fd(frames[1]))
             return True
         self.stats.unauthorized += 1
         self.refusals.refused(node, key, reason, time.monotonic())

@@ -211,9 +211,7 @@ class Broker(BrokerControl):
             ctx, self.config.bind, max_message_bytes=self.config.max_message_bytes, curve=keys
         )
         unwatch = (
-            transport.watch_handshakes(
-                self._sock.sock, self._handshake_refused, self._connection_closed
-            )
+            transport.watch_handshakes(self._sock, self._handshake_refused, self._connection_closed)
             if keys
             else None
         )
@@ -224,7 +222,6 @@ class Broker(BrokerControl):
             total_limit=self.config.queue_bytes,
             stall_timeout=self.config.stall_timeout,
             name="broker",
-            gate=transport.ConnectionGate() if keys else None,
         )
         log.info(
             "broker (pid %d) listening on %s: %d partitions x %d copies; only claims "

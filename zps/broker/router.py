@@ -253,9 +253,7 @@ class Router:
             ctx, cfg.bind, max_message_bytes=cfg.max_message_bytes, curve=keys
         )
         unwatch = (
-            transport.watch_handshakes(
-                self._sock.sock, self._handshake_refused, self._connection_closed
-            )
+            transport.watch_handshakes(self._sock, self._handshake_refused, self._connection_closed)
             if keys
             else None
         )
@@ -265,7 +263,6 @@ class Router:
             total_limit=cfg.queue_bytes,
             stall_timeout=cfg.stall_timeout,
             name="router",
-            gate=transport.ConnectionGate() if keys else None,
         )
         self.advertised = advertised(self.endpoint, cfg)
         where = self.advertised.split("://", 1)[-1].encode()
@@ -439,6 +436,8 @@ class Router:
         shard = is_shard_identity(ident)
         bound = self._bound_keys.get(ident) if shard else None
         reason = identity_refusal(ident, key, self._roles, bound[0] if bound else None)
+        if reason is None and self._sock is not None:
+            self._sock.accepted(frames)  # its key owns the identity: answers go this way
         peer = ident.decode("utf-8", "replace")
         if reason is None and shard:
             assert key is not None
@@ -464,8 +463,6 @@ class Router:
                 self.refusals.refused(peer, key, refused[0], now, refused[1])
                 return False
         if reason is None:
-            assert self._out is not None and self._out.gate is not None
-            self._out.gate.accepted(ident, transport.sender_fd(frames[1]))
             return True
         self.stats.unauthorized += 1
         self.refusals.refused(peer, key, reason, now)
@@ -560,7 +557,7 @@ class Router:
         target = transport.frame_bytes(frames[1])
         if not target:
             if _is_heartbeat(frames):
-                return  # the shard's word that this connection is its (see ConnectionGate)
+                return  # the shard's word that this connection is its (Channel.accepted)
             if ident not in self._warned and len(self._warned) < 1024:
                 self._warned.add(ident)
                 log.warning(

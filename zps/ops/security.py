@@ -201,13 +201,20 @@ def load_key_roles(sec: Security) -> KeyRoles | None:
 #: Hex digits of a key's tag in the identities it may use.
 TAG_CHARS = 16
 #: Why a peer or a message is refused, as counted (``zps_*_refusals{reason=...}``).
-REFUSAL_REASONS = ("no_key", "key_not_allowed", "wrong_role", "identity_of_another_key")
+REFUSAL_REASONS = (
+    "no_key",
+    "key_not_allowed",
+    "wrong_role",
+    "identity_of_another_key",
+    "no_identity",
+)
 #: The words a log line gives each reason.
 REFUSAL_WORDS = {
     "no_key": "no CURVE key (it did not complete a CURVE handshake)",
     "key_not_allowed": "its key is in no allow-list",
     "wrong_role": "its key's role may not do this",
     "identity_of_another_key": "the identity belongs to another key",
+    "no_identity": "its connection carries no zps id (a zps older than this one, or not zps)",
 }
 
 

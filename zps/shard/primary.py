@@ -113,7 +113,6 @@ class ReplicationStream:
             total_limit=1 << 62,
             stall_timeout=stall_timeout,
             name="replication",
-            gate=transport.ConnectionGate() if channel.curve_server else None,
         )
         self.dropped = 0  # followers dropped for a full queue or silence
         #: CURVE: follower name -> the key that owns it here (see _admit), and refusals.
@@ -137,7 +136,7 @@ class ReplicationStream:
         """Handle SUBSCRIBE and ACK until the ROUTER closes."""
         unwatch = (
             transport.watch_handshakes(
-                self.channel.sock, self._handshake_refused, self._connection_closed, auth=True
+                self.channel, self._handshake_refused, self._connection_closed, auth=True
             )
             if self.channel.curve_server
             else None
@@ -163,7 +162,7 @@ class ReplicationStream:
         try:
             node = transport.frame_bytes(frames[0]).decode()
             key = transport.sender_key(frames[1]) if len(frames) > 1 else None
-            if key is not None and not self._admit(node, key, transport.sender_fd(frames[1])):
+            if key is not None and not self._admit(node, key, frames):
                 return True  # refused, counted
             msg = decode([transport.frame_buffer(f) for f in frames[1:]])
             try:
@@ -196,7 +195,7 @@ class ReplicationStream:
         if node is not None:
             self.drop(node.decode("utf-8", "replace"), "its connection closed")
 
-    def _admit(self, node: str, key: bytes, fd: int | None) -> bool:
+    def _admit(self, node: str, key: bytes, frames: transport.Frames) -> bool:
         """CURVE: a follower is a shard identity, and the key that first subscribed as
         an assigned replica owns that name here for this process's life: a message from
         any other key under it (a subscription, an acknowledgement that would release
@@ -212,8 +211,7 @@ class ReplicationStream:
                 self._owners = {n: k for n, k in self._owners.items() if n in self.session.replicas}
             owner = self._owners[node] = key
         if owner is None or owner == key:
-            if self.out.gate is not None:
-                self.out.gate.accepted(node.encode(), fd)
+            self.channel.accepted(frames)
             return True
         self.refusals.refused(node, key, "identity_of_another_key", now)
         return False

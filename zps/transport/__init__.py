@@ -14,7 +14,9 @@ this boundary.  One job per module:
 - :mod:`~zps.transport.sockets`: :func:`router` and :func:`dealer`, with the options
   every zps socket needs;
 - :mod:`~zps.transport.curve`: CURVE keys on sockets, the ZAP handler, a frame's
-  sender (:func:`sender_key`), which peers may be sent to (:class:`ConnectionGate`);
+  sender (:func:`sender_key`), the routing ids the ZAP handler assigns;
+- :mod:`~zps.transport.peers`: which connection stands for which zps id under CURVE
+  (:class:`PeerTable`, pure);
 - :mod:`~zps.transport.iothreads`: contexts (:func:`new_context`) and the scheduling of
   their I/O threads (:class:`IoThreads`);
 - :mod:`~zps.transport.link`: :class:`LinkThread`, links served by a thread of their own.
@@ -39,6 +41,7 @@ from zps.transport.channel import (
     Frames,
     Handler,
     OnMalformed,
+    OnRefused,
     Pump,
     _raw_get,
     _raw_recv,
@@ -63,16 +66,12 @@ from zps.transport.compiled import (
 )
 from zps.transport.curve import (
     CURVE_CLIENT_HEARTBEAT,
-    CURVE_CLIENT_RECONNECT,
     CURVE_SERVER_HEARTBEAT,
-    ConnectionGate,
     CurveKeys,
     HandshakeWatch,
-    OnRefused,
     load_keys,
     load_public_keys,
     reconnect_silence,
-    sender_fd,
     sender_key,
     start_authenticator,
     watch_handshakes,
@@ -97,6 +96,7 @@ from zps.transport.link import (
     LinkPolicy,
     LinkThread,
 )
+from zps.transport.peers import PeerTable
 from zps.transport.sockets import (
     DEFAULT_HWM,
     dealer,
@@ -108,7 +108,6 @@ __all__ = [
     "BACKOFF_S",
     "COMPILED_IO",
     "CURVE_CLIENT_HEARTBEAT",
-    "CURVE_CLIENT_RECONNECT",
     "CURVE_SERVER_HEARTBEAT",
     "DEFAULT_HWM",
     "DRAIN_BATCH",
@@ -123,7 +122,6 @@ __all__ = [
     "_SNDMORE",
     "Allowance",
     "Channel",
-    "ConnectionGate",
     "CurveKeys",
     "Frames",
     "Handler",
@@ -134,6 +132,7 @@ __all__ = [
     "OnMalformed",
     "OnRefused",
     "Outbound",
+    "PeerTable",
     "Posted",
     "Pump",
     "_batch_allowed",
@@ -160,7 +159,6 @@ __all__ = [
     "router",
     "send",
     "send_if_room",
-    "sender_fd",
     "sender_key",
     "serve",
     "start_authenticator",

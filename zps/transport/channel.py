@@ -21,9 +21,16 @@ bytes on a buffer that holds libzmq's message (no copy).  A frame of
 CURVE server's socket (its frames carry the sender's key:
 :func:`~zps.transport.curve.sender_key`).
 
+On a CURVE server's socket the channel is the edge between routing ids and zps ids
+(:meth:`Channel.edge`): a received message's first frame becomes its sender's zps id
+(a :class:`PeerId`, from the connection's ``X-Zps-Id`` metadata), and a message sent
+to a zps id goes to the connection its newest accepted message came by
+(:class:`~zps.transport.peers.PeerTable`; :meth:`Channel.accepted` binds it).
+
 Rules: ``zmq.ZMQError`` becomes a zps error here (:class:`ClosedError`,
 :class:`BrokenError`); a malformed message is dropped and reported by :func:`serve`
-alone, and serving goes on.
+alone, and serving goes on; on a CURVE server, a message without a zps id, or under
+a routing id another peer could present, is dropped and told to ``on_refused``.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import zmq
 
 from zps.errors import BrokenError, ClosedError, ProtocolError
 from zps.transport.compiled import COMPILED_IO, _log_io_path, _zmqio
+from zps.transport.peers import PeerTable, is_handle
 
 _log = logging.getLogger("zps.transport")
 
@@ -57,6 +65,27 @@ DRAIN_BATCH = 256
 BACKOFF_S = 0.001
 
 Frames = list[Any]
+#: Told of each peer refused: (peer address, Z85 key or None, reason).
+OnRefused = Callable[[str, "bytes | None", str], None]
+#: The connection metadata property that carries a peer's zps id under CURVE.
+ZPS_ID_PROPERTY = "X-Zps-Id"
+
+
+class PeerId(bytes):
+    """A received message's zps id on a CURVE server (the first frame, as bytes), with
+    the connection it came by: its routing id (``handle``) and descriptor (``fd``)."""
+
+    handle: bytes
+    fd: int | None
+
+
+def _property(frame: Any, name: Any) -> Any:
+    """A received frame's metadata property ``name``; None when it has none."""
+    try:
+        return frame.get(name)
+    except zmq.ZMQError:
+        return None
+
 
 # The hot paths call the Cython socket methods directly with plain ints: the
 # Python wrappers (option lookup by attribute, enum flags, per-frame type
@@ -79,6 +108,10 @@ class Channel:
     def __init__(self, sock: zmq.Socket[Any], *, compiled: bool = True) -> None:
         self.sock = sock
         self.curve_server = False  # a CURVE server's ROUTER (see router)
+        #: CURVE server: zps ids <-> connections (see edge), and who hears of refusals.
+        self.peers: PeerTable | None = None
+        self.on_refused: OnRefused | None = None
+        self.refused = 0  # messages refused at the edge
         self.received = 0  # messages received through _recv_message
         self.reconnects = 0  # connections made again after silence (see dealer)
         # The compiled send and receive (see the module notes), with the socket's address.
@@ -182,10 +215,21 @@ class Channel:
                     frames = declined
                 else:
                     try:
-                        frames = self._recv_message()
+                        message = self._recv_message()
                     except zmq.ZMQError:
                         self._readable.set()  # the serving task's receive reports it
                         return 0
+                    if message is None:  # refused at the edge: counts as taken
+                        n += 1
+                        if n == DRAIN_BATCH:
+                            self._loop.call_soon(self._check)
+                            return 0
+                        events = self._events()
+                        self._stale = False
+                        if not events & _POLLIN:
+                            return events
+                        continue
+                    frames = message
                 try:
                     handled = fast.handle(frames)
                 except ProtocolError as e:
@@ -223,7 +267,8 @@ class Channel:
         if self._stale:  # no ZMQ_EVENTS reading since the send
             self._check()
 
-    def _recv_message(self) -> Frames:
+    def _recv_message(self) -> Frames | None:
+        """The next queued message; None for one refused at the edge (see edge)."""
         io = self._io
         if io is not None and not self.sock.closed:
             got = io.recv(self._addr, RECV_COPY_MAX)
@@ -239,13 +284,63 @@ class Channel:
             frame = _raw_recv(self.sock, _NOBLOCK, False, False)
             frames.append(frame)
         self.received += 1
+        if self.peers is not None:
+            return self.edge(frames)
         return frames
+
+    def edge(self, frames: Frames) -> Frames | None:
+        """A CURVE server's message as zps sees it: the first frame, libzmq's routing
+        id, becomes the sender's zps id (a :class:`PeerId`), read from the connection's
+        ``X-Zps-Id`` metadata; whether that key may use it is its receiver's check, and
+        :meth:`accepted` then binds it.  None (dropped, told to ``on_refused``) for a
+        message without a zps id (a peer of an older zps, or not zps: ``no_identity``)
+        or under a routing id that is not a handle no other peer can present
+        (:func:`~zps.transport.peers.is_handle`: ``identity_of_another_key``)."""
+        peers = self.peers
+        assert peers is not None
+        if len(frames) < 2:
+            return None  # no frame of the peer's: nothing to hand on
+        handle = frame_bytes(frames[0])
+        meta = frames[1]
+        fd = _property(meta, zmq.SRCFD)
+        fd = fd if isinstance(fd, int) and fd >= 0 else None
+        peers.seen(handle, fd)
+        zid = _property(meta, ZPS_ID_PROPERTY)
+        assigned = _property(meta, "Identity")
+        if not zid:
+            self._refuse(meta, "no_identity")
+            return None
+        if not is_handle(handle, assigned.encode() if isinstance(assigned, str) else None):
+            self._refuse(meta, "identity_of_another_key")
+            return None
+        sender = PeerId(zid.encode() if isinstance(zid, str) else zid)
+        sender.handle = handle
+        sender.fd = fd
+        frames[0] = sender
+        return frames
+
+    def _refuse(self, meta: Any, reason: str) -> None:
+        self.refused += 1
+        if self.on_refused is not None:
+            user = _property(meta, "User-Id")
+            key = user.encode() if isinstance(user, str) and user else None
+            address = _property(meta, "Peer-Address")
+            self.on_refused(address if isinstance(address, str) else "?", key, reason)
+
+    def accepted(self, frames: Frames) -> None:
+        """The message ``frames`` (as received) was accepted: its sender's key owns its
+        zps id, and what is sent to that id goes by the connection it came by, until a
+        newer accepted message of it comes by another.  Nothing without CURVE."""
+        sender = frames[0]
+        if self.peers is not None and isinstance(sender, PeerId):
+            self.peers.accepted(bytes(sender), sender.handle, sender.fd)
 
     def reconnect_when_silent(self, endpoint: str, silence: float) -> None:
         """Make the connection to ``endpoint`` again whenever ``silence`` seconds pass
-        without a message received.  For a CURVE client of a server that no connection
-        may take an identity in use from: a connection made while the server still held
-        this identity's dead one is never heard, and only a new one is."""
+        without a message received.  For a CURVE client: a connection whose other end
+        died unseen, or one the server does not hear (its own routing id won the race
+        with the ZAP reply while the server still held its dead connection under it),
+        is replaced by a new one, which is heard."""
 
         seen = -1
 
@@ -280,6 +375,7 @@ class Channel:
                 raise ClosedError("socket closed")
             burst = []
             events = 0
+            taken = 0  # messages received, refused ones too
             try:
                 # Asking ZMQ_EVENTS before each receive is cheaper than the
                 # zmq.Again a blind non-blocking receive raises at the end.  The
@@ -287,8 +383,11 @@ class Channel:
                 events = _POLLIN if self._pollin else self._events()
                 self._pollin = False
                 while events & _POLLIN:
-                    burst.append(self._recv_message())
-                    if len(burst) == DRAIN_BATCH:
+                    message = self._recv_message()
+                    taken += 1
+                    if message is not None:
+                        burst.append(message)
+                    if taken == DRAIN_BATCH:
                         break
                     events = self._events()
                 else:
@@ -303,12 +402,15 @@ class Channel:
                 if e.errno == zmq.ENOTSOCK or self.sock.closed:
                     raise ClosedError("socket closed") from e
                 raise BrokenError(f"receive failed: {e.strerror}") from e
-            if burst:
-                if len(burst) == DRAIN_BATCH:
+            if burst or taken == DRAIN_BATCH:
+                if taken == DRAIN_BATCH:
                     self._readable.set()  # more may be queued: don't wait next time
                 else:
                     self._readable.clear()  # EVENTS said no more; the reader re-arms
-                return burst
+                if burst:
+                    return burst
+                await asyncio.sleep(0)  # all refused at the edge: others run first
+                continue
             self._readable.clear()
             if not events & _POLLIN and not self._stale:
                 pass  # EVENTS, just read, said nothing is queued: the reader re-arms
@@ -361,7 +463,13 @@ class Channel:
 
     def send_nowait(self, frames: Sequence[Any]) -> bool:
         """Send at once; False if a ROUTER has no route to the peer; raises zmq.Again
-        when the queue to that peer is full."""
+        when the queue to that peer is full.  On a CURVE server the first frame is a
+        zps id, sent to the connection it is bound to (see accepted); none: False."""
+        first = frames[0]
+        if self.peers is not None:
+            first = self.peers.route(frame_bytes(first))
+            if first is None:
+                return False
         try:
             io = self._io
             if io is not None and not self.sock.closed:
@@ -375,6 +483,8 @@ class Channel:
                 # Declined (a large frame), or another failure: pyzmq sends, or reports.
             last = len(frames) - 1
             for i, f in enumerate(frames):
+                if i == 0:
+                    f = first
                 # Received frames are forwarded as they are; large buffers go
                 # without a copy; small ones are copied (cheaper than tracking).
                 copy = not isinstance(f, zmq.Frame) and len(f) < ZERO_COPY_BYTES

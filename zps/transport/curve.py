@@ -2,10 +2,11 @@
 
 Rules: a CURVE server's ROUTER admits only the allowed public keys (ZAP, through
 :func:`start_authenticator`) and tells of each handshake refused; a message's sender is
-the key that authenticated it (:func:`sender_key`), and a peer is sent to only while the
-connection its last accepted message came by is open (:class:`ConnectionGate`, pure
-decisions).  ZMTP heartbeats close a dead connection, freeing its identity, and a
-client's outlast a server's, so a reconnecting client finds its identity free.
+the key that authenticated it (:func:`sender_key`).  The ZAP handler gives every
+connection a routing id of its own choosing (:func:`zap_metadata`), a handle no peer
+can name; the peer's zps id travels as connection metadata and is bound to that
+handle per accepted message (:class:`~zps.transport.peers.PeerTable`).  ZMTP
+heartbeats close a dead connection.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,8 @@ import zmq
 import zmq.asyncio
 
 from zps.errors import BrokenError
+from zps.transport.channel import Channel, OnRefused
+from zps.transport.peers import ASSIGNED_PREFIX
 
 
 @dataclass(frozen=True)
@@ -59,71 +63,32 @@ def load_public_keys(directory: str) -> frozenset[bytes]:
     return frozenset(zmq.auth.load_certificates(directory))
 
 
-class ConnectionGate:
-    """Which peers of a CURVE server may be sent to: decisions only, no I/O.
-
-    A ROUTER routes by identity, and the connection holding an identity can change
-    (its owner's closed; under CURVE no new one takes an identity in use, but one may
-    take it once it is free, whatever its key).  So a peer is sent to only while the
-    connection its last accepted message came by (its descriptor, ``ZMQ_SRCFD``) is
-    open: once that closes, nothing goes to the identity until a message of its own
-    key is accepted again (on whatever connection holds it then)."""
-
-    #: Peers remembered as closed at most (the oldest are forgotten past it).
-    MAX_CLOSED = 65536
-
-    def __init__(self) -> None:
-        self._fd_of: dict[bytes, int] = {}
-        self._peer_of: dict[int, bytes] = {}
-        self._closed: dict[bytes, None] = {}  # in the order they closed
-
-    def accepted(self, peer: bytes, fd: int | None) -> None:
-        """A message from ``peer`` by connection ``fd`` was accepted (its key owns it)."""
-        if fd is None:
-            return
-        before = self._fd_of.get(peer)
-        if before != fd:
-            if before is not None and self._peer_of.get(before) == peer:
-                del self._peer_of[before]
-            self._fd_of[peer] = fd
-            self._peer_of[fd] = peer
-        self._closed.pop(peer, None)
-
-    def closed(self, fd: int) -> bytes | None:
-        """Connection ``fd`` closed: the peer it held, now gated (None: none)."""
-        peer = self._peer_of.pop(fd, None)
-        if peer is None or self._fd_of.get(peer) != fd:
-            return None
-        del self._fd_of[peer]
-        self._closed[peer] = None
-        if len(self._closed) > self.MAX_CLOSED:
-            del self._closed[next(iter(self._closed))]
-        return peer
-
-    def may_send(self, peer: bytes) -> bool:
-        return peer not in self._closed
-
-    def forget(self, peer: bytes) -> None:
-        """``peer`` left for good: nothing is sent to it anyway."""
-        fd = self._fd_of.pop(peer, None)
-        if fd is not None and self._peer_of.get(fd) == peer:
-            del self._peer_of[fd]
-
-
-def sender_fd(frame: Any) -> int | None:
-    """The descriptor of the connection a received frame came by (None: unknown)."""
-    if not isinstance(frame, zmq.Frame):
-        return None
-    try:
-        fd = frame.get(zmq.SRCFD)
-    except zmq.ZMQError:
-        return None
-    return fd if isinstance(fd, int) and fd >= 0 else None
-
-
 _monitors = iter(range(1 << 62))
-#: Told of each handshake refused: (peer address, Z85 key or None, reason).
-OnRefused = Callable[[str, "bytes | None", str], None]
+
+#: How long the ZAP handler waits before it answers a handshake.  libzmq sets a
+#: connection's routing id from the ZAP reply's ``Identity`` and from the peer's own
+#: metadata, whichever it reads last; the peer's is read just after the ZAP request is
+#: sent, so a reply this much later nearly always wins (a peer whose own id wins is
+#: served only under its secret ``p-`` id: zps.transport.peers.is_handle).
+ZAP_REPLY_DELAY = 0.002
+
+
+def zmtp_property(name: bytes, value: bytes) -> bytes:
+    """A ZMTP metadata property: the name's length (1 byte), the name, the value's
+    length (4 bytes, big-endian), the value."""
+    if not 0 < len(name) < 256:
+        raise ValueError(f"a ZMTP property name is 1-255 bytes, got {len(name)}")
+    return bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
+
+
+def new_handle() -> bytes:
+    """A fresh routing id for one connection: ``z-`` and 32 random hex digits."""
+    return ASSIGNED_PREFIX + os.urandom(16).hex().encode()
+
+
+def zap_metadata(handle: bytes) -> bytes:
+    """The metadata frame of a ZAP reply that sets the connection's routing id."""
+    return zmtp_property(b"Identity", handle)
 
 
 class _KeySet:
@@ -153,8 +118,9 @@ def start_authenticator(
     """ZAP for every CURVE server socket of ``ctx``: only the Z85 public ``keys`` when
     given, else only keys in ``allowed_dir`` (any valid key when None: encryption
     without an allow-list).  ``on_refused`` is told of each key refused.  A message's
-    User-Id is its sender's Z85 public key (:func:`sender_key`).  Stop it with
-    ``.stop()``."""
+    User-Id is its sender's Z85 public key (:func:`sender_key`); each connection
+    admitted gets a fresh routing id (:func:`new_handle`).  Make it before the server
+    sockets of ``ctx``.  Stop it with ``.stop()``."""
     from zmq.auth.asyncio import AsyncioAuthenticator
 
     if keys is None and allowed_dir is not None:
@@ -165,7 +131,24 @@ def start_authenticator(
         async def handle_zap_message(self, msg: list[bytes]) -> None:
             if len(msg) > 3:
                 provider.peer = msg[3].decode("utf-8", "replace")
+            await asyncio.sleep(ZAP_REPLY_DELAY)
             await super().handle_zap_message(msg)
+
+        def _send_zap_reply(
+            self,
+            request_id: bytes,
+            status_code: bytes,
+            status_text: bytes,
+            user_id: str = "anonymous",
+        ) -> None:
+            if status_code != b"200":
+                super()._send_zap_reply(request_id, status_code, status_text, user_id)
+                return
+            user = user_id.encode() if isinstance(user_id, str) else user_id
+            metadata = zap_metadata(new_handle())
+            self.zap_socket.send_multipart(
+                [b"1.0", request_id, status_code, status_text, user, metadata]
+            )
 
     auth = Authenticator(ctx)
     auth.start()
@@ -174,19 +157,23 @@ def start_authenticator(
 
 
 def watch_handshakes(
-    sock: zmq.Socket[Any],
+    ch: Channel,
     on_refused: OnRefused,
     on_closed: Callable[[int], Any] | None = None,
     *,
     auth: bool = False,
 ) -> Callable[[], None]:
-    """Tell ``on_refused`` of every handshake of the CURVE server ``sock`` that failed
-    before its key was known (a peer with no CURVE key, or a broken handshake:
+    """Tell ``on_refused`` of every handshake of the CURVE server channel ``ch`` that
+    failed before its key was known (a peer with no CURVE key, or a broken handshake:
     ``no_key``; with ``auth``, a key the ZAP handler refused too: ``key_not_allowed``,
-    for a socket whose handler does not report them), and ``on_closed`` of each
+    for a socket whose handler does not report them) and of every message the channel
+    refused at its edge (see :meth:`Channel.edge`), and ``on_closed`` of each
     connection that closed (its descriptor).  Runs on the event loop; returns the
     function that stops watching."""
     from zmq.utils.monitor import parse_monitor_message
+
+    sock = ch.sock
+    ch.on_refused = on_refused
 
     events = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     if auth:
@@ -223,6 +210,7 @@ def watch_handshakes(
     loop.call_soon(read)
 
     def stop() -> None:
+        ch.on_refused = None
         loop.remove_reader(fd)
         with contextlib.suppress(zmq.ZMQError):
             sock.disable_monitor()
@@ -297,14 +285,9 @@ def _curve_server(sock: zmq.Socket[Any], keys: CurveKeys | None) -> None:
 #: connection silent for the timeout (its peer's libzmq answers pings whatever its
 #: process does) is dead and closed, freeing its identity.
 CURVE_SERVER_HEARTBEAT = (0.5, 1.5)
-#: A CURVE client's: a longer timeout than the server's, so the server has let go of
-#: a dead connection's identity before the client connects again with it.
+#: A CURVE client's: a longer timeout than the server's, whose pings keep a live
+#: connection from looking silent.
 CURVE_CLIENT_HEARTBEAT = (1.0, 4.0)
-#: A CURVE client that waits for the server to let go of its identity (``dealer``'s
-#: ``wait_for_release``) connects again this long after losing its connection: past a
-#: server's ping and its timeout (CURVE_SERVER_HEARTBEAT), so a dead connection the
-#: server still held is closed, the identity free, and the new one heard.
-CURVE_CLIENT_RECONNECT = 2.5
 
 
 def _heartbeats(sock: zmq.Socket[Any], ivl_timeout: tuple[float, float]) -> None:

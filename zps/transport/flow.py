@@ -11,9 +11,10 @@ everything sent to the broker, kept in order per client.
 
 Rules: a peer's messages go out in the order posted; nothing is held beyond its
 allowance; a peer that makes no progress for the stall timeout loses what is held for
-it; under CURVE a peer whose connection closed gets nothing until it proves its
-identity again (:class:`~zps.transport.curve.ConnectionGate`).  :class:`Allowance` is
-pure accounting (no I/O).
+it; under CURVE a peer whose connection closed loses what is held for it and gets
+nothing until a message of its own is accepted again (the channel sends to a zps id
+only by the connection it is bound to: :class:`~zps.transport.peers.PeerTable`).
+:class:`Allowance` is pure accounting (no I/O).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import zmq
 
 from zps.errors import BrokenError, ClosedError
 from zps.transport.channel import Channel, frame_bytes, message_bytes
-from zps.transport.curve import ConnectionGate
 
 _log = logging.getLogger("zps.transport")
 
@@ -125,12 +125,8 @@ class Outbound:
         total_limit: int,
         stall_timeout: float,
         name: str = "peers",
-        gate: ConnectionGate | None = None,
     ) -> None:
         self.ch = ch
-        #: CURVE: a peer whose connection closed gets nothing until it proves its
-        #: identity again (see ConnectionGate); its messages count as unroutable.
-        self.gate = gate
         self.allowance = Allowance(total_limit)
         self.stall_timeout = stall_timeout
         self.dropped = 0
@@ -157,8 +153,6 @@ class Outbound:
         """Send ``frames`` (the first is the peer's identity) now, or hold them within
         ``limit`` bytes for that peer, or drop them; never waits."""
         peer = frame_bytes(frames[0])
-        if self.gate is not None and not self.gate.may_send(peer):
-            return Posted.UNROUTABLE
         queue = self._queues.get(peer)
         if queue is None:
             try:
@@ -180,9 +174,11 @@ class Outbound:
         return Posted.HELD
 
     def connection_closed(self, fd: int) -> bytes | None:
-        """The connection of descriptor ``fd`` closed: its peer (returned, if one had
-        proved its identity on it) gets nothing more, held or new, until it does again."""
-        peer = self.gate.closed(fd) if self.gate is not None else None
+        """CURVE: the connection of descriptor ``fd`` closed: the zps id bound to it
+        (returned, if any) loses what is held for it and gets nothing new until a
+        message of its own is accepted again (see :meth:`Channel.accepted`)."""
+        peers = self.ch.peers
+        peer = peers.closed(fd) if peers is not None else None
         if peer is not None:
             self.forget(peer)
         return peer

@@ -9,6 +9,7 @@ to bind or connect is a :class:`BrokenError` naming the endpoint.
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 from urllib.parse import urlsplit
@@ -17,15 +18,15 @@ import zmq
 import zmq.asyncio
 
 from zps.errors import BrokenError
-from zps.transport.channel import Channel
+from zps.transport.channel import ZPS_ID_PROPERTY, Channel
 from zps.transport.curve import (
-    CURVE_CLIENT_RECONNECT,
     CURVE_SERVER_HEARTBEAT,
     CurveKeys,
     _curve_client,
     _curve_server,
     _heartbeats,
 )
+from zps.transport.peers import SECRET_PREFIX, PeerTable
 
 #: Messages queued per peer and direction before senders wait: bounds the
 #: memory a flood (or a stalled peer) can pin, while leaving ample room for
@@ -64,10 +65,8 @@ def router(
     # "shard unavailable" rather than lose the request.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     # A peer that reconnects takes its identity back from its dead connection at once.
-    # Under CURVE no connection takes an identity in use, whatever its key: a connection
-    # presenting one gets nothing and is heard by no one (ZMTP heartbeats close a dead
-    # connection within CURVE_SERVER_HEARTBEAT, which frees its identity; the
-    # identity's owner is checked on every message, see zps.ops.security).
+    # Under CURVE a routing id is a handle no other peer can name (the ZAP handler's, or
+    # the peer's secret one: see the channel's edge), and no connection takes one in use.
     sock.setsockopt(zmq.ROUTER_HANDOVER, 0 if curve is not None else 1)
     if curve is not None:
         _heartbeats(sock, CURVE_SERVER_HEARTBEAT)
@@ -77,9 +76,12 @@ def router(
         sock.close(0)
         raise BrokenError(f"cannot bind {bind}: {e.strerror}") from e
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
-    # A CURVE server reads each sender's key off its frames (sender_key): pyzmq's.
+    # A CURVE server reads each sender's key and zps id off its frames' metadata
+    # (sender_key, Channel.edge): pyzmq's frames, never the compiled I/O.
     channel = Channel(sock, compiled=curve is None)
     channel.curve_server = curve is not None
+    if curve is not None:
+        channel.peers = PeerTable()
     return channel, endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
 
 
@@ -93,14 +95,12 @@ def dealer(
     curve: CurveKeys | None = None,
     server_public: bytes | None = None,
     silence: float | None = None,
-    wait_for_release: bool = False,
 ) -> Channel:
-    """A DEALER connected to ``connect``.  With CURVE: ``silence`` (seconds, for a
-    server that sends something at least that often): a connection silent that long is
-    made again (see :meth:`Channel.reconnect_when_silent`); ``wait_for_release``: a
-    lost connection is made again only after CURVE_CLIENT_RECONNECT, when the server
-    has let go of the identity (messages sent meanwhile wait in the socket), rather
-    than at once, when the new connection may not be heard."""
+    """A DEALER connected to ``connect`` as zps id ``identity``.  With CURVE the
+    socket's routing id is a secret and ``identity`` goes as connection metadata
+    (:func:`_zps_id`); ``silence`` (seconds, for a server that sends something at least
+    that often): a connection silent that long is made again (see
+    :meth:`Channel.reconnect_when_silent`)."""
     sock = _dealer_socket(
         ctx,
         connect,
@@ -109,7 +109,6 @@ def dealer(
         hwm=hwm,
         curve=curve,
         server_public=server_public,
-        connect_later=curve is not None and wait_for_release,
     )
     ch = Channel(sock)
     if curve is not None and silence is not None:
@@ -126,23 +125,41 @@ def _dealer_socket(
     hwm: int = DEFAULT_HWM,
     curve: CurveKeys | None = None,
     server_public: bytes | None = None,
-    connect_later: bool = False,
 ) -> zmq.Socket[Any]:
     """:func:`dealer`'s socket alone (for :class:`LinkThread`: no event loop)."""
     sock: zmq.Socket[Any] = zmq.Socket(ctx, zmq.DEALER)
     _common(sock, max_message_bytes, hwm)
     _curve_client(sock, curve, server_public)
-    if connect_later:
-        ivl = int(CURVE_CLIENT_RECONNECT * 1000)
-        sock.setsockopt(zmq.RECONNECT_IVL, ivl)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, ivl)
-    sock.setsockopt(zmq.IDENTITY, identity)
+    if curve is None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    else:
+        _zps_id(sock, identity)
     try:
         sock.connect(connect)
     except zmq.ZMQError as e:
         sock.close(0)
         raise BrokenError(f"cannot connect to {connect}: {e.strerror}") from e
     return sock
+
+
+#: libzmq's ZMQ_METADATA: connection metadata a socket sends with its handshake.
+#: Numbered in the draft API, handled by every libzmq build from 4.3.
+ZMQ_METADATA = 95
+
+
+def _zps_id(sock: zmq.Socket[Any], identity: bytes) -> None:
+    """CURVE: the socket's routing id is a secret of its own (``p-`` and 32 random hex
+    digits, never logged or shown: no other peer can present it), and its zps id
+    ``identity`` goes with each connection as ``X-Zps-Id`` metadata."""
+    sock.setsockopt(zmq.IDENTITY, SECRET_PREFIX + os.urandom(16).hex().encode())
+    try:
+        sock.setsockopt(ZMQ_METADATA, f"{ZPS_ID_PROPERTY}:".encode() + identity)
+    except zmq.ZMQError as e:
+        raise BrokenError(
+            f"this libzmq ({zmq.zmq_version()}) refuses connection metadata "
+            f"(ZMQ_METADATA, option {ZMQ_METADATA}), which zps needs under CURVE to send "
+            f"its id {identity.decode('utf-8', 'replace')}: {e.strerror}"
+        ) from e
 
 
 def local_address(endpoint: str) -> str:
