@@ -62,6 +62,8 @@ def libzmq_extensions() -> list[Extension]:
     extensions = [
         # A channel's send and receive of one message as one call each (zps.transport).
         Extension("zps._zmqio", ["zps/_zmqio.pyx"], **common),
+        # The broker's forwarding step (zps.broker.forward).
+        Extension("zps.broker._forward", ["zps/broker/_forward.pyx"], **common),
     ]
     try:
         built = list(cythonize(extensions, quiet=True))
@@ -102,15 +104,6 @@ setup(
             "zps.core._rows",
             ["zps/core/_rows.c"],
             extra_compile_args=["-O3"],
-            optional=True,
-        ),
-        # The broker's forwarding (zps.broker.forward); optional the same way.
-        Extension(
-            "zps.broker._forward",
-            ["zps/broker/_forward.c"],
-            depends=["zps/_libzmq.h"],
-            extra_compile_args=["-O3"],
-            libraries=["dl"],
             optional=True,
         ),
         *libzmq_extensions(),

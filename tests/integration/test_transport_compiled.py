@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from zps import transport
+from zps.broker import forward
 from zps.errors import ClosedError
 from zps.testing import free_port
 from zps.transport.compiled import io_path, pyzmq_libzmq
@@ -242,12 +243,22 @@ def test_the_extension_is_built_and_bound_where_a_compiler_is() -> None:
 _LOADED_ALONE = """
 import importlib.util, sys
 import zmq  # pyzmq loads its libzmq; nothing of zps is imported
-spec = importlib.util.spec_from_file_location("zps._zmqio", sys.argv[1])
-io = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(io)
-zps = [m for m in sys.modules if m.split(".")[0] == "zps" and m != "zps._zmqio"]
+
+
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+io = load("zps._zmqio", sys.argv[1])
+fwd = load("zps.broker._forward", sys.argv[2])
+ours = ("zps._zmqio", "zps.broker._forward")
+zps = [m for m in sys.modules if m.split(".")[0] == "zps" and m not in ours]
 assert not zps, f"zps code was imported: {zps}"
 ctx = zmq.Context()
+# The send and receive, on a pair of pyzmq's sockets.
 a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
 a.bind("inproc://alone")
 b.connect("inproc://alone")
@@ -256,26 +267,48 @@ assert b.recv_multipart() == [b"to", b"pyzmq"]
 b.send_multipart([b"from", b"pyzmq"])
 assert a.poll(5000, zmq.POLLIN)
 assert io.recv(a.underlying, 1024) == [b"from", b"pyzmq"]
-a.close(0)
-b.close(0)
+# The broker's step, on pyzmq's ROUTER: a client's message it declines (received), and a
+# shard's reply it forwards to that client (sent).
+router = ctx.socket(zmq.ROUTER)
+router.bind("inproc://broker")
+client, shard = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+client.setsockopt(zmq.IDENTITY, b"c-1")
+shard.setsockopt(zmq.IDENTITY, b"s-a")
+client.connect("inproc://broker")
+shard.connect("inproc://broker")
+client.send_multipart([b"not a route", b"x"])
+assert router.poll(5000, zmq.POLLIN)
+got = fwd.pump(router.underlying, 10, [], {}, {}, {}, False, 1.0)
+assert got[1:] == (0, 0, [b"c-1", b"not a route", b"x"]), got
+shard.send_multipart([b"c-1", b"reply"])
+assert router.poll(5000, zmq.POLLIN)
+last = {}
+got = fwd.pump(router.underlying, 10, [], {"s-a": 0}, last, {}, False, 1.0)
+assert got[1:] == (0, 1, None) and last == {"s-a": 1.0}, (got, last)
+assert client.poll(5000, zmq.POLLIN)
+assert client.recv_multipart() == [b"reply"]
+for s in (a, b, router, client, shard):
+    s.close(0)
 ctx.term()
 with open("/proc/self/maps") as maps:
     for line in maps:
         if "libzmq" in line:
             print("MAPPED", line.split(None, 5)[5].strip())
 print("BOUND", io.bound())
+print("BOUND", fwd.bound())
 """
 
 
 @pytest.mark.timeout(60)
-def test_the_extension_runs_on_pyzmqs_libzmq_with_nothing_to_bind() -> None:
-    """Loaded on its own after ``import zmq`` (no zps code runs, nothing is bound), the
-    extension drives sockets pyzmq made, both ways: the dynamic linker gave it the libzmq
-    pyzmq loaded.  The process maps one libzmq, the file pyzmq ships."""
-    if transport._zmqio is None:
-        pytest.skip("zps._zmqio was not built")
+def test_the_extensions_run_on_pyzmqs_libzmq_with_nothing_to_bind() -> None:
+    """Loaded on their own after ``import zmq`` (no zps code runs, nothing is bound), the
+    send and receive and the broker's step drive sockets pyzmq made, both ways: the
+    dynamic linker gave them the libzmq pyzmq loaded.  The process maps one libzmq, the
+    file pyzmq ships."""
+    if transport._zmqio is None or forward._forward is None:
+        pytest.skip("zps._zmqio or zps.broker._forward was not built")
     run = subprocess.run(
-        [sys.executable, "-c", _LOADED_ALONE, transport._zmqio.__file__],
+        [sys.executable, "-c", _LOADED_ALONE, transport._zmqio.__file__, forward._forward.__file__],
         capture_output=True,
         text=True,
         timeout=60,
@@ -285,10 +318,10 @@ def test_the_extension_runs_on_pyzmqs_libzmq_with_nothing_to_bind() -> None:
     mapped = {
         os.path.realpath(line.split(" ", 1)[1]) for line in lines if line.startswith("MAPPED")
     }
-    bound = [line.split(" ", 1)[1] for line in lines if line.startswith("BOUND")]
+    bound = {os.path.realpath(line.split(" ", 1)[1]) for line in lines if line.startswith("BOUND")}
     shipped = pyzmq_libzmq()
     assert len(mapped) == 1, f"more than one libzmq in the process: {mapped}"
-    assert mapped == {os.path.realpath(bound[0])}, (mapped, bound)
+    assert mapped == bound, (mapped, bound)
     assert mapped <= set(shipped), (mapped, shipped)
 
 
@@ -342,10 +375,9 @@ print("PATH", forward.PATH)
 @pytest.mark.timeout(60)
 def test_the_libzmq_bound_is_pyzmqs_with_another_copy_loaded(tmp_path: Any) -> None:
     """A copy of pyzmq's libzmq under another name, loaded into the process first: the
-    compiled send and receive (linked by pyzmq's soname) and the broker's step (bound
-    through pyzmq's backend module) still run on the libzmq pyzmq's sockets run on,
-    and the process says at INFO which path its channels take (a broker logs its own
-    at start: test_broker_forward.py)."""
+    compiled send and receive and the broker's step (linked by pyzmq's soname) still run
+    on the libzmq pyzmq's sockets run on, and the process says at INFO which path its
+    channels take (a broker logs its own at start: test_broker_forward.py)."""
     from zps import _zmqio  # type: ignore[attr-defined]
 
     if os.environ.get("ZPS_NO_KERNEL", "") not in ("", "0") or not transport.COMPILED_IO:

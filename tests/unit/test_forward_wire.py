@@ -1,5 +1,5 @@
 """The broker's forwarding rule (zps/broker/routes.py), what the compiled step shares with
-the Python code (zps/broker/_forward.c against codec, membership and acceptance), and one
+the Python code (zps/broker/_forward.pyx against codec, membership and acceptance), and one
 verdict per message on the Python data path (zps/broker/datapath.py)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from zps.protocol import codec
 from zps.protocol.codec import MsgType, Route, encode
 from zps.protocol.messages import Status
 
-SOURCE = Path(zps.__file__).parent / "broker" / "_forward.c"
+SOURCE = Path(zps.__file__).parent / "broker" / "_forward.pyx"
 
 
 def defines() -> dict[str, str]:

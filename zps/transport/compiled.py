@@ -23,23 +23,25 @@ import functools
 import importlib
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import zmq  # first: the extension's libzmq is the one this loads
 
-_zmqio: Any
-_load_error: str | None = None  # built, but it could not be loaded: why
-try:  # the compiled send and receive, built by ``pip install`` where a compiler is found
-    _zmqio = importlib.import_module("zps._zmqio")
-except ModuleNotFoundError:  # pragma: no cover - depends on the build
-    _zmqio = None
-except ImportError as e:  # pragma: no cover - a libzmq that is not the one loaded
-    _zmqio = None
-    _load_error = str(e)
-
 _log = logging.getLogger("zps.transport")
+
+
+def load_extension(name: str) -> tuple[Any, str | None]:
+    """An optional extension that drives libzmq, built by ``pip install`` where a
+    compiler is found: (the module, None); (None, None) where it was not built; (None,
+    why) where it was built but could not be loaded (the libzmq it is linked with is not
+    in the process)."""
+    try:
+        return importlib.import_module(name), None
+    except ModuleNotFoundError:  # pragma: no cover - depends on the build
+        return None, None
+    except ImportError as e:  # pragma: no cover - a libzmq that is not the one loaded
+        return None, str(e)
 
 
 def libzmq_version() -> tuple[int, int, int]:
@@ -54,6 +56,14 @@ def pyzmq_libzmq() -> list[str]:
     package = Path(zmq.__file__).resolve().parent
     folders = [*map(Path, zmq.get_library_dirs()), package.parent / "pyzmq.libs"]
     return [str(f.resolve()) for folder in folders for f in sorted(folder.glob("libzmq*.so*"))]
+
+
+def runs_on_pyzmqs_libzmq(bound: str | None, shipped: list[str] | None = None) -> bool:
+    """Whether ``bound`` (an extension's ``bound()``: the file of the libzmq it runs on)
+    is one pyzmq ships (``shipped``: :func:`pyzmq_libzmq` unless given)."""
+    if bound is None:
+        return False
+    return os.path.realpath(bound) in (pyzmq_libzmq() if shipped is None else shipped)
 
 
 def io_path(
@@ -72,7 +82,7 @@ def io_path(
         return False, "pyzmq (zps._zmqio was not built)"
     if no_kernel:
         return False, "pyzmq (ZPS_NO_KERNEL=1)"
-    if load_error is None and bound is not None and os.path.realpath(bound) in shipped:
+    if load_error is None and runs_on_pyzmqs_libzmq(bound, shipped):
         return True, f"zps._zmqio (pyzmq's libzmq {version}, {bound})"
     return False, f"pyzmq (pyzmq's libzmq {version} could not be bound)"
 
@@ -88,6 +98,8 @@ def _bind_io() -> tuple[bool, str]:
     )
 
 
+_zmqio, _load_error = load_extension("zps._zmqio")
+
 #: Whether channels send and receive through ``zps._zmqio`` (built, loaded, and on the
 #: libzmq pyzmq ships; see the module notes); :data:`IO_PATH`: which, in words.
 COMPILED_IO, IO_PATH = _bind_io()
@@ -97,30 +109,3 @@ COMPILED_IO, IO_PATH = _bind_io()
 def _log_io_path() -> None:
     """Once per process, at its first channel: which way channels send and receive."""
     _log.info("channels send and receive through %s", IO_PATH)
-
-
-# -- zps.broker._forward finds libzmq through pyzmq's backend module -------------------
-
-
-def pyzmq_backend_path() -> str | None:
-    """The file of pyzmq's backend module (None: not the Cython backend).  Looked up
-    through its handle, libzmq's functions are the ones pyzmq's sockets run on: those
-    linked into the module, or of the libzmq it depends on."""
-    try:
-        from zmq.backend.cython import _zmq
-    except ImportError:  # pragma: no cover - another backend (CFFI on PyPy)
-        return None
-    return str(_zmq.__file__)
-
-
-def bind_libzmq(bind: Callable[[str], Any]) -> bool:
-    """Bind a compiled module to the libzmq pyzmq calls: its ``bind(path)`` opens the
-    loaded library at ``path`` (no second copy) and looks the functions up through its
-    handle, returning the version it bound, or False.  ``path`` is pyzmq's backend
-    module (:func:`pyzmq_backend_path`), never a file found by name: another libzmq
-    in the process, of any version, is not bound.  The version must be pyzmq's."""
-    path = pyzmq_backend_path()
-    if path is None:
-        return False
-    version = bind(path)
-    return bool(version) and tuple(version) == libzmq_version()
