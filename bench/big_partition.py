@@ -14,7 +14,8 @@ lost or doubled.  It measures, in this order:
   the new copy is in sync), the time from the kill until the spare that replaces the
   lost copy is in sync, and that spare's catch-up alone (from the moment the broker
   lists it until it is in sync); then the killed shard is started again on its data
-  dir as the next spare.  Peak RSS of the primary and of the joining copy during the
+  dir as the next spare.  Peak memory (private memory and tables' memory files) of the
+  primary and of the joining copy during the
   catch-up (sampled every 20 ms, /proc);
 - **checkpoint**: ``checkpoint()`` of the partition (the client call), against the
   file's size;
@@ -31,13 +32,14 @@ the peak of a catch-up: the primary its partition and the pages written meanwhil
 (cuts are frozen versions, not copies), the joining copy its tables and a window of
 chunks, the restarted shard its partition, the writer's client its pushes: it
 refuses to start (exit status 2) when MemAvailable is below 4x the partition, unless
-``--force``.  The peak RSS of each is in the table.
+``--force``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -72,16 +74,32 @@ def rss_mb(pid: int, key: str = "VmRSS") -> float:
     return 0.0
 
 
+def held_mb(pid: int) -> float:
+    """What ``pid`` holds (MB): its private memory and every page of its tables' memory
+    files, mapped or not (a frozen cut's pages stop being mapped by the table once
+    written, so its resident size alone would miss them)."""
+    files = 0
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd).startswith("/memfd:zps-rows"):
+                    files += os.stat(fd).st_blocks * 512
+    except OSError:
+        return 0.0
+    return rss_mb(pid, "RssAnon") + files / 2**20
+
+
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.array(values), q)) if values else float("nan")
 
 
 class Sampler:
-    """The peak VmRSS (MB) of some processes, sampled every 20 ms in a thread."""
+    """The peak of what some processes hold (MB, :func:`held_mb`), sampled every 20 ms
+    in a thread."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = pids
-        self.start = {name: rss_mb(pid) for name, pid in pids.items()}
+        self.start = {name: held_mb(pid) for name, pid in pids.items()}
         self.peak = dict(self.start)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -90,7 +108,7 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.wait(0.02):
             for name, pid in self.pids.items():
-                self.peak[name] = max(self.peak[name], rss_mb(pid))
+                self.peak[name] = max(self.peak[name], held_mb(pid))
 
     def stop(self) -> dict[str, dict[str, float]]:
         self._stop.set()
@@ -222,7 +240,7 @@ class Bench:
         catch_up = t_sync - (t_listed or t_kill)
         print(
             f"kill {k + 1}: longest gap between acks {stall:.3f}s, in sync after "
-            f"{t_sync - t_kill:.2f}s (catch-up {catch_up:.2f}s), peak RSS primary "
+            f"{t_sync - t_kill:.2f}s (catch-up {catch_up:.2f}s), peak memory primary "
             f"{memory['primary']['peak_mb']:.0f} MB, joining {memory['joining']['peak_mb']:.0f} MB",
             flush=True,
         )
@@ -383,7 +401,7 @@ def report(r: dict[str, Any]) -> None:
         pri = max(k["memory"]["primary"]["peak_mb"] for k in kills)
         pri0 = min(k["memory"]["primary"]["start_mb"] for k in kills)
         join = max(k["memory"]["joining"]["peak_mb"] for k in kills)
-        print(f"peak RSS during a catch-up: primary {pri:.0f} MB (at the kill {pri0:.0f} MB), "
+        print(f"peak memory during a catch-up: primary {pri:.0f} MB (at the kill {pri0:.0f} MB), "
               f"joining copy {join:.0f} MB")  # fmt: skip
     verdict = "ok" if not r["exact_sum_problems"] else r["exact_sum_problems"]
     print(f"writer: {r['writer_pushes']} pushes acknowledged, {r['writer_error_count']} errors; "
