@@ -91,3 +91,18 @@ def test_zap_metadata_sets_the_identity_property() -> None:
         zmtp_property(b"", b"v")
     with pytest.raises(ValueError, match="1-255 bytes"):
         zmtp_property(b"n" * 256, b"v")
+
+
+def test_a_connections_metadata_is_known_until_it_closes() -> None:
+    t = PeerTable()
+    assert t.known(b"z-1") is None
+    t.learn(b"z-1", b"c-a", 7)
+    assert t.known(b"z-1") == (b"c-a", 7)
+    t.learn(b"z-2", b"c-b", 7)  # a new connection on fd 7: the old one closed
+    assert t.known(b"z-1") is None and t.known(b"z-2") == (b"c-b", 7)
+    assert t.closed(7) is None  # the old connection's close, reported late
+    assert t.known(b"z-2") == (b"c-b", 7)
+    t.closed(7)
+    assert t.known(b"z-2") is None
+    t.learn(b"z-3", b"c-c", None)  # no descriptor: nothing to forget it by, not kept
+    assert t.known(b"z-3") is None

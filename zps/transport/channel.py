@@ -301,19 +301,27 @@ class Channel:
         if len(frames) < 2:
             return None  # no frame of the peer's: nothing to hand on
         handle = frame_bytes(frames[0])
-        meta = frames[1]
-        fd = _property(meta, zmq.SRCFD)
-        fd = fd if isinstance(fd, int) and fd >= 0 else None
-        peers.seen(handle, fd)
-        zid = _property(meta, ZPS_ID_PROPERTY)
-        assigned = _property(meta, "Identity")
-        if not zid:
-            self._refuse(meta, "no_identity")
-            return None
-        if not is_handle(handle, assigned.encode() if isinstance(assigned, str) else None):
-            self._refuse(meta, "identity_of_another_key")
-            return None
-        sender = PeerId(zid.encode() if isinstance(zid, str) else zid)
+        known = peers.known(handle)  # a connection's metadata is read once
+        fd: int | None
+        if known is not None:
+            zid_bytes, fd = known
+        else:
+            meta = frames[1]
+            srcfd = _property(meta, zmq.SRCFD)
+            fd = srcfd if isinstance(srcfd, int) and srcfd >= 0 else None
+            zid = _property(meta, ZPS_ID_PROPERTY)
+            assigned = _property(meta, "Identity")
+            if not zid:
+                peers.seen(handle, fd)
+                self._refuse(meta, "no_identity")
+                return None
+            if not is_handle(handle, assigned.encode() if isinstance(assigned, str) else None):
+                peers.seen(handle, fd)
+                self._refuse(meta, "identity_of_another_key")
+                return None
+            zid_bytes = zid.encode() if isinstance(zid, str) else bytes(zid)
+            peers.learn(handle, zid_bytes, fd)
+        sender = PeerId(zid_bytes)
         sender.handle = handle
         sender.fd = fd
         frames[0] = sender

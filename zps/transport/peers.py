@@ -9,7 +9,9 @@ turns one into the handle to send to.
 Rules: a zps id is bound to a connection only by a message of it that its receiver
 accepted (the key owns the id), the newest accepted one winning; a message refused
 binds nothing.  A connection holds at most one binding, dropped when it closes, so
-the table is bounded by the open connections.  Pure decisions, no I/O.
+the table is bounded by the open connections.  What a connection's metadata said (its
+zps id) is remembered by its handle until it closes: it cannot change.  Pure
+decisions, no I/O.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class PeerTable:
         # seen there now (a descriptor is reused before its old connection's close
         # is reported).
         self._stale: dict[int, int] = {}
+        # handle -> (zps id, fd) of a connection whose metadata passed the edge's checks.
+        self._known: dict[bytes, tuple[bytes, int]] = {}
 
     def __len__(self) -> int:
         return len(self._route)
@@ -44,9 +48,22 @@ class PeerTable:
             return
         self._seen[fd] = handle
         if before is not None:
+            self._known.pop(before, None)
             # Another connection has the descriptor now: the one before it closed.
             self._stale[fd] = self._stale.get(fd, 0) + 1
             self._unbind(fd)
+
+    def known(self, handle: bytes) -> tuple[bytes, int] | None:
+        """The zps id and descriptor of the open connection of ``handle``, as
+        :meth:`learn` was told; None: not known (read its metadata)."""
+        return self._known.get(handle)
+
+    def learn(self, handle: bytes, zid: bytes, fd: int | None) -> None:
+        """A message by connection ``fd`` under ``handle`` carried zps id ``zid`` and
+        passed the edge's checks: remembered until that connection closes."""
+        self.seen(handle, fd)
+        if fd is not None:
+            self._known[handle] = (zid, fd)
 
     def accepted(self, zid: bytes, handle: bytes, fd: int | None) -> None:
         """A message of ``zid`` by connection ``fd`` (``handle``) was accepted: what is
@@ -75,7 +92,9 @@ class PeerTable:
             else:
                 self._stale[fd] = stale - 1
             return None  # an earlier connection of that descriptor
-        self._seen.pop(fd, None)
+        handle = self._seen.pop(fd, None)
+        if handle is not None:
+            self._known.pop(handle, None)
         return self._unbind(fd)
 
     def _unbind(self, fd: int) -> bytes | None:
