@@ -27,7 +27,7 @@ from zps.optim import FTRL, SGD, Adagrad, Adam, Momentum  # noqa: E402
 from zps.protocol.codec import CompressPolicy, Encoder, MsgType, Route, decode  # noqa: E402
 from zps.protocol.specs import EmbeddingSpec  # noqa: E402
 from zps.shard.core import ShardCore  # noqa: E402
-from zps.store import tables  # noqa: E402
+from zps.store import kernel  # noqa: E402
 
 malloc.tune()
 
@@ -62,7 +62,7 @@ spec = EmbeddingSpec("e", 32, "float32", Normal(0, 0.01), OPT, 1)
 cores = {}
 rng = np.random.default_rng(0)
 for flag in (False, True):
-    tables.KERNEL = flag
+    kernel.KERNEL = flag
     p, r = make_core(True), make_core(False)
     for c in (p, r):
         m = decode(frames([({"op": "create", "spec": spec.to_wire()}, {})], 1))
@@ -90,7 +90,7 @@ def batch(n):
 
 
 def run(flag, n, mode):
-    tables.KERNEL = flag
+    kernel.KERNEL = flag
     p, r = cores[flag]
     msgs = []
     for _ in range(R):

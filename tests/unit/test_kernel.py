@@ -21,10 +21,10 @@ from zps.optim import FTRL, SGD, Adagrad, Adam, Momentum, Optimizer
 from zps.protocol.codec import CompressPolicy, Encoder, MsgType, Route, decode
 from zps.protocol.specs import DenseSpec, EmbeddingSpec
 from zps.shard.core import ShardCore
-from zps.store import tables
+from zps.store import kernel
 from zps.store.tables import DenseTensor, EmbeddingTable
 
-KERNEL: Any = tables._kernel  # type: ignore[attr-defined]
+KERNEL: Any = kernel.COMPILED
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="the C kernel was not built")
@@ -45,7 +45,7 @@ OPT_IDS = [f"{type(o).__name__}-{i}" for i, o in enumerate(OPTIMIZERS)]
 
 
 class Spy:
-    """``tables._kernel`` with its calls and the statuses of ``push`` counted."""
+    """``kernel.COMPILED`` with its calls and the statuses of ``push`` counted."""
 
     def __init__(self, kernel: Any) -> None:
         self._k = kernel
@@ -72,7 +72,7 @@ class Spy:
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
     s = Spy(KERNEL)
-    monkeypatch.setattr(tables, "_kernel", s)
+    monkeypatch.setattr(kernel, "COMPILED", s)
     return s
 
 
@@ -113,7 +113,7 @@ def workload(seed: int, dim: int, dtype: str, steps: int = 80) -> list[tuple[str
 def replay(
     flag: bool, spec: EmbeddingSpec, ops: list[tuple[str, Any, Any]]
 ) -> tuple[dict[str, np.ndarray], list[np.ndarray], int]:
-    tables.KERNEL = flag
+    kernel.KERNEL = flag
     t = EmbeddingTable(spec)
     pulled = []
     for what, ids, g in ops:
@@ -126,9 +126,9 @@ def replay(
 
 @pytest.fixture(autouse=True)
 def _restore_kernel_flag() -> Any:
-    flag = tables.KERNEL
+    flag = kernel.KERNEL
     yield
-    tables.KERNEL = flag
+    kernel.KERNEL = flag
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -169,7 +169,7 @@ def test_dense_chunks_match_numpy_bit_for_bit(opt: Optimizer, dtype: str, spy: S
     ]
 
     def run(flag: bool) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
-        tables.KERNEL = flag
+        kernel.KERNEL = flag
         t = DenseTensor(spec)
         pulled = []
         for c, g in pushes:
@@ -270,7 +270,7 @@ def test_adam_steps_beyond_the_tables_and_odd_steps(
     last = rng.normal(0, 1, (400, 3)).astype(dtype)
     exports = []
     for flag in (True, False):
-        tables.KERNEL = flag
+        kernel.KERNEL = flag
         t = EmbeddingTable(spec)
         t.load({k: v.copy() for k, v in data.items()})
         for g in grads:
@@ -337,16 +337,16 @@ def test_replicas_end_bit_identical_to_primaries(
     primary.assign(0, 1, primary=True)
     replica.assign(0, 1, primary=False)
     for frames in _messages(5):
-        tables.KERNEL = primary_kernel
+        kernel.KERNEL = primary_kernel
         msg = decode(frames)
         assert primary.handle_request(msg.route, msg.header, msg.payloads).changed
-        tables.KERNEL = replica_kernel
+        kernel.KERNEL = replica_kernel
         msg = decode(frames)
         assert replica.apply_replicated(msg.header, msg.payloads) == primary.lsn
     assert replica.store.checksum() == primary.store.checksum()
     assert replica.dedup.entries() == primary.dedup.entries()
     # and the same state as a primary running only numpy
-    tables.KERNEL = False
+    kernel.KERNEL = False
     ref = ShardCore()
     ref.assign(0, 1, primary=True)
     for frames in _messages(5):
@@ -409,7 +409,7 @@ def test_kernel_refuses_wrong_buffers_and_positions() -> None:
 
 
 def test_zps_no_kernel_turns_the_kernel_off() -> None:
-    code = "import zps.store.tables as t; print(t.KERNEL, t._kernel is not None)"
+    code = "import zps.store.kernel as k; print(k.KERNEL, k.COMPILED is not None)"
     for env, want in (("1", "False True"), ("", "True True")):
         out = subprocess.run(
             [sys.executable, "-c", code],

@@ -69,6 +69,10 @@ LAYERS: dict[str, str] = {
     "zps.store.stepbuf": "core",
     "zps.store.slots": "core",
     "zps.store.tables": "core",
+    "zps.store.common": "core",
+    "zps.store.dense": "core",
+    "zps.store.embedding": "core",
+    "zps.store.kernel": "core",
     # the write-ahead log's files (file I/O, no sockets or event loop)
     "zps.store.wal": "driver",
     # per-role pure state machines and their drivers

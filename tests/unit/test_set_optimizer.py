@@ -255,9 +255,9 @@ def test_a_table_made_again_keeps_its_step_and_create_stays_idempotent() -> None
 def test_scheduled_rates_reach_the_kernel_and_numpy_alike(
     kernel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import zps.store.tables as tables
+    from zps.store import kernel as compiled
 
-    monkeypatch.setattr(tables, "KERNEL", kernel and tables.KERNEL)
+    monkeypatch.setattr(compiled, "KERNEL", kernel and compiled.KERNEL)
     opt = Adam(lr=Cosine(0.1, total_steps=4))
     core = new_core(opt)
     param = np.full((1, 3), 0.5)
