@@ -41,7 +41,9 @@ import numpy as np
 import numpy.typing as npt
 
 from zps.errors import BadRequestError, ProtocolError
+from zps.protocol import ops
 from zps.protocol.codec import BufferLike, Encoder, array_from
+from zps.protocol.ops import Operation
 from zps.store import PartitionStore
 from zps.store.slots import (
     Compaction,
@@ -56,21 +58,9 @@ from zps.store.slots import (
 )
 from zps.store.stepbuf import Pending, StepBuffer, is_entry
 
-#: Operations that touch rows or chunks, so are subject to the ownership rule.
-ROW_OPS = frozenset({"pull_rows", "push_rows", "set_rows"})
-CHUNK_OPS = frozenset({"push_dense", "set_dense", "pull_dense"})
-#: The move operations that change state (replicated and logged).
-SLOT_MUTATIONS = frozenset(
-    {
-        "slots_fence",
-        "slots_unfence",
-        "slots_import",
-        "slots_activate",
-        "slots_release",
-        "slots_drop_import",
-        "slots_compact",
-    }
-)
+#: The operations subject to the ownership rule (they address rows, or chunks), and
+#: the moves that change state (replicated and logged): the operation table's sets.
+ROW_OPS, CHUNK_OPS, SLOT_MUTATIONS = ops.ROW_OPS, ops.CHUNK_OPS, ops.SLOT_MUTATIONS
 OK: dict[str, Any] = {"st": "OK"}
 
 
@@ -227,7 +217,7 @@ def request_slots(
             t = op.get("t")
             if not isinstance(t, str):
                 continue
-            cs = op.get("chunks") if name == "pull_dense" else [op.get("chunk")]
+            cs = op.get("chunks") if name == Operation.PULL_DENSE else [op.get("chunk")]
             if isinstance(cs, list):
                 chunks.extend(chunk_slot(t, c, n_slots) for c in cs if type(c) is int)
     if chunks:
