@@ -136,13 +136,12 @@ def run(args: argparse.Namespace) -> int:
 
 async def _reset_partition(broker: str, client: ClientConfig, partition: int) -> int:
     from zps.client.client import connect
-    from zps.protocol.codec import MsgType
     from zps.protocol.messages import StatusRequest
 
     request = StatusRequest(reset_partition=partition, accept_data_loss=True)
     async with connect(broker, client) as ps:
         # A STATUS call that carries the command; the report says what came of it.
-        report = await ps._broker_call(MsgType.STATUS, request.to_wire())
+        report = await ps.status(request)
     result = report.get("reset") or {"ok": False, "msg": "the broker did not answer the reset"}
     print(result["msg"], file=sys.stdout if result["ok"] else sys.stderr)
     return 0 if result["ok"] else 1
@@ -150,13 +149,12 @@ async def _reset_partition(broker: str, client: ClientConfig, partition: int) ->
 
 async def _drain(broker: str, client: ClientConfig, node: str, *, undo: bool) -> int:
     from zps.client.client import connect
-    from zps.protocol.codec import MsgType
     from zps.protocol.messages import StatusRequest
 
     request = StatusRequest(undrain=node) if undo else StatusRequest(drain=node)
     async with connect(broker, client) as ps:
         # A STATUS call that carries the command; the report says what came of it.
-        report = await ps._broker_call(MsgType.STATUS, request.to_wire())
+        report = await ps.status(request)
     result = report.get("drain") or {"ok": False, "msg": "the broker did not answer"}
     print(result["msg"], file=sys.stdout if result["ok"] else sys.stderr)
     return 0 if result["ok"] else 1
@@ -178,7 +176,6 @@ async def _scale(
     import time
 
     from zps.client.client import connect
-    from zps.protocol.codec import MsgType
     from zps.protocol.messages import StatusRequest
 
     request = StatusRequest(
@@ -188,7 +185,7 @@ async def _scale(
         scale_piece_bytes=piece_bytes,
     )
     async with connect(broker, client) as ps:
-        report = await ps._broker_call(MsgType.STATUS, request.to_wire())
+        report = await ps.status(request)
         result = report.get("scale") or {"ok": False, "msg": "the broker did not answer"}
         print(result["msg"], file=sys.stdout if result["ok"] else sys.stderr)
         if not result["ok"]:

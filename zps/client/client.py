@@ -42,7 +42,6 @@ from zps.init import Initializer
 from zps.ops.config import ClientConfig
 from zps.ops.meter import ClientMeter
 from zps.optim import Optimizer
-from zps.protocol.codec import MsgType
 from zps.protocol.messages import StatusRequest
 from zps.protocol.specs import DenseSpec, EmbeddingSpec
 
@@ -141,13 +140,6 @@ class Client:
 
     def status(self, request: StatusRequest | None = None) -> Coroutine[Any, Any, dict[str, Any]]:
         return self.connection.status(request)
-
-    def _broker_call(
-        self, mtype: MsgType, header: dict[str, Any], forever: bool = False
-    ) -> Coroutine[Any, Any, dict[str, Any]]:
-        """:meth:`Connection.broker_call` (kept for callers of this name: use
-        :meth:`status` with a request, or ``connection.broker_call``)."""
-        return self.connection.broker_call(mtype, header, forever)
 
     # -- training ---------------------------------------------------------------
 

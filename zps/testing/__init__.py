@@ -293,7 +293,6 @@ class LocalCluster:
     ) -> dict[str, Any]:
         """``zps-server scale``: ask the broker to reshard to ``partitions`` (or cancel the
         move under way); the broker's answer (``{"ok", "msg"}``)."""
-        from zps.protocol.codec import MsgType
         from zps.protocol.messages import StatusRequest
 
         async def ask() -> dict[str, Any]:
@@ -304,7 +303,7 @@ class LocalCluster:
                 scale_piece_bytes=piece_bytes,
             )
             async with connect(self.address, timeout=timeout, name="zps.testing") as ps:
-                report = await ps._broker_call(MsgType.STATUS, request.to_wire())
+                report = await ps.status(request)
             return dict(report["scale"])
 
         return asyncio.run(ask())
