@@ -126,8 +126,8 @@ async def client(address: str, steps: int, rounds: int) -> None:
         rng = np.random.default_rng(0)
         pool = [zb.zipf_ids(rng) for _ in range(16)]
         grads = rng.standard_normal((4096, 32), dtype=np.float32) * np.float32(1e-2)
-        channels = list(ps.connection._socks)
-        compiled = [ch._io for ch in channels]
+        channels = ps.connection.channels
+        compiled = [ch.compiled for ch in channels]
 
         async def run(n: int) -> tuple[float, float]:
             t0, w0 = time.thread_time(), time.perf_counter()
@@ -140,9 +140,9 @@ async def client(address: str, steps: int, rounds: int) -> None:
         await run(100)
         print(f"\n{'round':6} {'path':9} {'client CPU us/step':>19} {'wall us/step':>13}")
         for r in range(rounds):
-            for name, ios in (("compiled", compiled), ("pyzmq", [None] * len(channels))):
-                for ch, io in zip(channels, ios, strict=True):
-                    ch._io = io
+            for name, paths in (("compiled", compiled), ("pyzmq", [False] * len(channels))):
+                for ch, on in zip(channels, paths, strict=True):
+                    ch.compiled = on
                 cpu, wall = await run(steps)
                 print(f"{r + 1:<6} {name:9} {cpu:19.0f} {wall:13.0f}")
 

@@ -310,6 +310,12 @@ class Connection:
         """zmq's I/O threads of this client and their scheduling policy (None: closed)."""
         return self._io
 
+    @property
+    def channels(self) -> tuple[transport.Channel, ...]:
+        """The channels to the brokers, one per address, in the order given (empty
+        before :meth:`start`): for tools that inspect or switch a channel's I/O path."""
+        return tuple(self._socks)
+
     def requests(self) -> list[tuple[int, list[Op]]]:
         """The requests sent and not answered yet: each one's id and its operations."""
         return [(r, ops) for r, ops, _ in self._session.in_flight() if isinstance(ops, list)]

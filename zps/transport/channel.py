@@ -158,6 +158,12 @@ class Channel:
         """Whether this channel sends and receives through ``zps._zmqio``."""
         return self._io is not None
 
+    @compiled.setter
+    def compiled(self, on: bool) -> None:
+        """From the next message on, send and receive through ``zps._zmqio`` (where it
+        is in use: see :data:`COMPILED_IO`) or through pyzmq's calls."""
+        self._io = _zmqio if on and COMPILED_IO else None
+
     def _events(self) -> int:
         """ZMQ_EVENTS (reading it also takes the descriptor's pending notice)."""
         io = self._io
