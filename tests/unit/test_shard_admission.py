@@ -52,7 +52,7 @@ def admit(
     mtype: MsgType = MsgType.REQUEST,
     policy: Policy = POLICY,
     lease: Lease | None = None,
-    link_full: bool = False,
+    held_bytes: int = 0,
     log_waits: bool = False,
 ) -> admission.Verdict:
     return admission.admit(
@@ -62,7 +62,7 @@ def admit(
         writes=admission.mutates(header),
         policy=policy,
         lease=lease or Lease(),
-        link_full=link_full,
+        held_bytes=held_bytes,
         log_waits=log_waits,
         now=7.0,
     )
@@ -106,7 +106,7 @@ def test_with_roles_the_dedup_id_must_be_the_senders() -> None:
 
 def test_a_full_link_refuses_before_the_lease_is_asked() -> None:
     lease = Lease()
-    v = admit({"ops": [PULL]}, link_full=True, lease=lease)
+    v = admit({"ops": [PULL]}, held_bytes=90_001, lease=lease)
     assert refusal(v) == (Status.OVERLOADED, Count.OVERLOADED)
     assert isinstance(v, Refuse) and "shard.reply_queue_bytes (100000)" in v.message
     assert "the broker" in v.message and lease.asked == []
@@ -115,9 +115,10 @@ def test_a_full_link_refuses_before_the_lease_is_asked() -> None:
 
 
 def test_link_full_leaves_room_for_one_full_reply() -> None:
-    assert not admission.link_full(0, POLICY)  # nothing held: zmq takes it
-    assert not admission.link_full(90_000, POLICY)  # 90,000 + 10,000 fits in 100,000
-    assert admission.link_full(90_001, POLICY)
+    for held, full in [(0, False), (90_000, False), (90_001, True)]:
+        # Nothing held: zmq takes it; 90,000 + 10,000 fits in 100,000.
+        assert admission.link_full(held, POLICY) is full
+        assert isinstance(admit({"ops": [PULL]}, held_bytes=held), Refuse) is full
 
 
 def test_without_a_lease_nothing_is_served() -> None:
@@ -280,6 +281,14 @@ def test_answers_given_back_go_first_and_the_timer_takes_all() -> None:
     acks.hold(b"d", 4, [])
     assert acks.release() == {b"c": [[1, []], [2, []], [3, []]], b"d": [[4, []]]}
     assert len(acks) == 0
+
+
+def test_take_is_seen_then_carry() -> None:
+    acks = HeldAcks(1.0)
+    assert acks.take(b"c", lazy=False) is None and acks.waiting(b"c")
+    assert acks.take(b"c", lazy=True) is None and not acks.waiting(b"c")
+    acks.hold(b"c", 1, [])
+    assert acks.take(b"c", lazy=True) == [[1, []]]
 
 
 def test_waiting_clients_are_forgotten_past_the_bound() -> None:

@@ -233,13 +233,14 @@ def admit(
     writes: bool,
     policy: Policy,
     lease: Lease,
-    link_full: bool,
+    held_bytes: int,
     log_waits: bool,
     now: float,
 ) -> Verdict:
     """Rules 2 to 7 for a request that decoded (``header``) from client ``source``;
-    ``writes``: it holds a mutation (:func:`mutates`); ``link_full``: rule 4's test of
-    the link it came by; ``log_waits``: answers to writes wait for the log."""
+    ``writes``: it holds a mutation (:func:`mutates`); ``held_bytes``: what is held for
+    the link it came by (rule 4, :func:`link_full`); ``log_waits``: answers to writes
+    wait for the log."""
     if mtype is not MsgType.REQUEST:
         return Refuse(
             Status.BAD_REQUEST, f"a shard serves REQUEST, not {mtype.name}", Count.MALFORMED
@@ -250,8 +251,8 @@ def admit(
         return Refuse(
             Status.BAD_REQUEST, "a request's 'cid' must be its sender's identity", Count.MALFORMED
         )
-    if link_full:
-        return overloaded(policy)
+    if held_bytes > 0 and held_bytes + policy.max_message_bytes > policy.reply_queue_bytes:
+        return overloaded(policy)  # link_full(held_bytes, policy), inline: every request
     if not lease.may_write(now):
         return Refuse(Status.NOT_PRIMARY, "the primary's lease from the broker has run out")
     acks_1 = header.get("acks") == 1
@@ -292,6 +293,16 @@ class ReplyPlan:
 
 
 _NOW = ReplyPlan(Wait.NOW)
+#: The plan of a request that changed state, by (acks_1, first_part, hold_final): none is
+#: made per request.
+_CHANGED = {
+    (acks_1, first, hold): ReplyPlan(
+        Wait.LOG if acks_1 else Wait.REPLICAS, replicate=True, first_part=first, hold_final=hold
+    )
+    for acks_1 in (False, True)
+    for first in (False, True)
+    for hold in (False, True)
+}
 
 
 def plan(
@@ -308,12 +319,8 @@ def plan(
     the current LSN."""
     if done.changed:
         first = done.writes_res is not None
-        return ReplyPlan(
-            Wait.LOG if admitted.acks_1 else Wait.REPLICAS,
-            replicate=True,
-            first_part=first,
-            hold_final=first and admitted.lazy and not admitted.acks_1,
-        )
+        acks_1 = admitted.acks_1
+        return _CHANGED[acks_1, first, first and admitted.lazy and not acks_1]
     too_large = None
     if reply_bytes > policy.max_message_bytes - REPLY_MARGIN:
         too_large = (
@@ -357,6 +364,16 @@ class HeldAcks:
             if len(self._eager) >= self.max_clients:
                 self._eager.clear()  # clients come and go: forget the oldest word
             self._eager.add(client)
+
+    def take(self, client: bytes, lazy: bool) -> list[list[Any]] | None:
+        """:meth:`seen` and :meth:`carry` in one call (the request path's)."""
+        if lazy:
+            self._eager.discard(client)
+        elif client not in self._eager:
+            if len(self._eager) >= self.max_clients:
+                self._eager.clear()
+            self._eager.add(client)
+        return self._held.get(client)
 
     def waiting(self, client: bytes) -> bool:
         """Whether ``client`` waits for its answers (its last request was not lazy)."""

@@ -96,9 +96,10 @@ def _is_mutation(op: object) -> bool:
     return isinstance(name, str) and name in MUTATIONS
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Handled:
-    """What :meth:`ShardCore.handle_request` did with one message."""
+    """What :meth:`ShardCore.handle_request` did with one message (made per request: not
+    frozen, which costs a call per field)."""
 
     #: The reply frames (with ``split``: maybe the first part, see ``writes_res``).
     reply: list[BufferLike]
@@ -296,7 +297,7 @@ class ShardCore:
         acked: list[list[Any]] | None = None,
     ) -> Handled:
         self.stats.requests += 1
-        self.stats.bytes_in += sum(len(p) for p in payloads)
+        self.stats.bytes_in += sum(map(len, payloads))
         self.last_clean = False
         errors = self.stats.errors
         reply_route = Route(MsgType.REPLY, route.partition, self.epoch, route.req_id)
@@ -357,24 +358,13 @@ class ShardCore:
                 if acked:
                     early["acked"] = acked
                 return Handled(
-                    enc.build(reply_route, early),
-                    True,
-                    writes_res,
-                    carried=bool(acked),
-                    duplicate=duplicate,
-                    clean=clean,
+                    enc.build(reply_route, early), True, writes_res, bool(acked), duplicate, clean
                 )
         whole: dict[str, Any] = {"st": "OK", "res": results}
         carried = bool(acked) and not changed
         if carried:  # answered now (a write's reply may wait, or be refused)
             whole["acked"] = acked
-        return Handled(
-            enc.build(reply_route, whole),
-            changed,
-            carried=carried,
-            duplicate=duplicate,
-            clean=clean,
-        )
+        return Handled(enc.build(reply_route, whole), changed, None, carried, duplicate, clean)
 
     def _refusal(self, route: Route) -> dict[str, Any] | None:
         if self.partition is None or route.partition != self.partition or not self.primary:

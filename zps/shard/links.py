@@ -132,6 +132,9 @@ class BrokerLinks:
         self._on_request = on_request
         self._on_seen = on_seen
         self._count_malformed = count_malformed
+        #: Per client, the routing broker's link its last request came by: its replies
+        #: go back there (zps.shard.routers keeps it; empty: every reply to the broker).
+        self.via: dict[bytes, transport.Outbound] = {}
         self.keys: CurveKeys | None = None
         #: Every data link, the one followed, and the highest term seen (broker pair).
         self.links: list[Link] = []
@@ -247,11 +250,13 @@ class BrokerLinks:
                 continue  # the broker answers on the liveness link
             transport.try_send(sock, frames)
 
-    def post(self, frames: list[Any], out: transport.Outbound | None = None) -> None:
-        """Send to the broker (or through ``out``) without waiting; held within
+    def post(self, frames: list[Any]) -> None:
+        """A reply to client ``frames[0]``: to the broker, or to the routing broker its
+        request came by (:attr:`via`), without waiting; held within
         ``reply_queue_bytes`` while its queue is full, dropped past that (the client's
         request times out or is retried)."""
-        out = out or self.out
+        via = self.via
+        out = via.get(frames[0], self.out) if via else self.out
         if out is None:
             return  # not connected yet
         if not out.ch.closed:

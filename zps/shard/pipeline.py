@@ -26,6 +26,17 @@ from zps.ops.metrics import LatencyHistogram
 from zps.protocol.codec import Message, MsgType, Route, decode, encode, unpack_route
 from zps.protocol.messages import Role, Status, StatusReply
 from zps.shard import admission
+from zps.shard.admission import (
+    FLOAT_SIZES,
+    Refuse,
+    Wait,
+    admit,
+    grad_frames,
+    malformed,
+    mutates,
+    plan,
+    shm_refusal,
+)
 from zps.shard.core import ShardCore
 from zps.shard.durability import Durability
 from zps.shard.primary import Reply
@@ -107,7 +118,7 @@ class RequestPipeline:
         verdict: admission.Verdict
         try:
             msg = decode(bufs, route=route)
-            writes = admission.mutates(msg.header)
+            writes = mutates(msg.header)
             if shm.KEY in msg.header:
                 # Payloads in the client's shared memory: copied here first, so what is
                 # applied, logged and replicated is this process's own (a write's into
@@ -115,13 +126,13 @@ class RequestPipeline:
                 # Only a write's header frame is logged and replicated (only MUTATIONS
                 # change the state, and mutates() tests those names): a read's stays as
                 # it came, naming the client's memory.
-                grads = admission.grad_frames(msg.header) if writes else {}
+                grads = grad_frames(msg.header) if writes else {}
                 got = (self._shm or shm.OFF).inbound(
                     bufs,
                     msg.header,
                     stage=stream.stage_room() if writes else 0,
                     reader=source,
-                    check={i: admission.FLOAT_SIZES[d] for i, d in grads.items()},
+                    check={i: FLOAT_SIZES[d] for i, d in grads.items()},
                     header_frame=writes,
                 )
                 frames = bufs = got.frames
@@ -129,32 +140,31 @@ class RequestPipeline:
                 shm_reply, no_shm_reply = got.reply_ok, got.reply_refused
                 finite = {i: grads[i] for i in got.finite}
         except shm.ShmUnavailableError as e:
-            verdict = admission.shm_refusal(
+            verdict = shm_refusal(
                 str(e), busy=e.busy, permanent=e.permanent, token=e.token, policy=self.policy
             )
         except ProtocolError as e:
-            verdict = admission.malformed(str(e))
+            verdict = malformed(str(e))
         else:
-            verdict = admission.admit(
+            verdict = admit(
                 source,
                 route.mtype,
                 msg.header,
                 writes=writes,
                 policy=self.policy,
                 lease=self.session,
-                link_full=admission.link_full(self.held_bytes(), self.policy),
+                held_bytes=self.held_bytes(),
                 log_waits=self.durability.waits,
                 now=time.monotonic(),
             )
-        if isinstance(verdict, admission.Refuse):
+        if isinstance(verdict, Refuse):
             self.count(verdict)
             self._post([source, *encode(reply_route, verdict.header())])
             return
         prev = core.lsn
         t0 = time.perf_counter()
         acks = self.acks
-        acks.seen(source, verdict.lazy)
-        held = acks.carry(source)
+        held = acks.take(source, verdict.lazy)
         done = core.handle_request(
             route, msg.header, msg.payloads, finite, split=verdict.split, acked=held
         )
@@ -170,7 +180,7 @@ class RequestPipeline:
             # it stops asking (and stops sending payloads this way to this shard).
             reply = told_no_shm(reply, self.policy.node_id)
         d = self.durability
-        todo = admission.plan(
+        todo = plan(
             verdict,
             done,
             reply_bytes=0 if done.changed else transport.message_bytes(reply),
@@ -195,11 +205,11 @@ class RequestPipeline:
                 reply = HeldAck(reply, route.req_id, done.writes_res)
         lsn, epoch = core.lsn, core.epoch
         match todo.wait:
-            case admission.Wait.NOW:
+            case Wait.NOW:
                 self._post([source, *reply])
-            case admission.Wait.LOG:
+            case Wait.LOG:
                 d.after(lsn, lambda: self._post([source, *reply]))
-            case admission.Wait.REPLICAS:
+            case Wait.REPLICAS:
                 d.after(lsn, lambda: self.logged_write(lsn, epoch, (source, reply)))
 
     def count(self, refusal: admission.Refuse) -> None:

@@ -37,6 +37,7 @@ class RouterLinks:
         *,
         connect: Callable[[str, str], Link],
         start: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+        via: dict[bytes, transport.Outbound],
         on_request: Callable[[bytes, Route, list[Any]], None],
         malformed: Callable[[transport.Frames, ProtocolError], None],
         refuse: Callable[[admission.Refuse], None],
@@ -44,8 +45,9 @@ class RouterLinks:
         epoch: Callable[[], int],
     ) -> None:
         """``connect(endpoint, name)``: a link; ``start``: run a coroutine beside the
-        shard's; ``refuse``: count a refusal; ``policy``, ``epoch``: the admission
-        policy and the partition's epoch now."""
+        shard's; ``via``: the record of which router each client came by, kept here and
+        read by the reply path (BrokerLinks.via); ``refuse``: count a refusal;
+        ``policy``, ``epoch``: the admission policy and the partition's epoch now."""
         self._connect = connect
         self._start = start
         self._on_request = on_request
@@ -57,9 +59,9 @@ class RouterLinks:
         self._links: dict[
             str, tuple[transport.Channel, transport.Outbound, asyncio.Task[None]]
         ] = {}
-        #: per client, the router link its last request came by (its replies go back
-        #: there; absent: through the broker).
-        self._via: dict[bytes, transport.Outbound] = {}
+        #: Per client, the router link its last request came by (its replies go back
+        #: there; absent: through the broker), changed in place only.
+        self.via = via
         self._absent: dict[str, float] = {}  # endpoint -> since when unlisted
 
     def follow(self, endpoints: set[str], now: float) -> None:
@@ -75,7 +77,8 @@ class RouterLinks:
             task.cancel()
             out.close()
             transport.close(sock)
-            self._via = {c: o for c, o in self._via.items() if o is not out}
+            for client in [c for c, o in self.via.items() if o is out]:
+                del self.via[client]  # in place: the broker links read this dict
         for endpoint in endpoints - self._links.keys():
             sock, out = self._connect(endpoint, f"router link {endpoint}")
             on_frames = functools.partial(self._on_frames, out=out)
@@ -83,14 +86,10 @@ class RouterLinks:
             self._links[endpoint] = (sock, out, task)
             log.info("connected to the routing broker at %s", endpoint)
 
-    def via(self, client: bytes) -> transport.Outbound | None:
-        """The router link to answer ``client`` through (None: the broker)."""
-        return self._via.get(client) if self._via else None
-
     def forget(self, client: bytes) -> None:
         """``client``'s request came through the broker: answered through it again."""
-        if self._via:
-            self._via.pop(client, None)
+        if self.via:
+            self.via.pop(client, None)
 
     def beat(self, frames: list[Any]) -> None:
         """Routing brokers send nothing to a link whose connection closed until the
@@ -127,7 +126,7 @@ class RouterLinks:
             reply_route = Route(MsgType.REPLY, route.partition, self._epoch(), route.req_id)
             out.post([source, *encode(reply_route, refusal.header())], policy.reply_queue_bytes)
             return
-        if len(self._via) > MAX_VIA:
-            self._via.clear()
-        self._via[source] = out
+        if len(self.via) > MAX_VIA:
+            self.via.clear()
+        self.via[source] = out
         self._on_request(source, route, frames[1:])

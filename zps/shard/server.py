@@ -195,13 +195,14 @@ class ShardServer:
                 self.node_id, False, config.reply_queue_bytes, config.max_message_bytes
             ),
             hold_s=config.ack_hold_s,
-            post=self._post,
+            post=self.links.post,
             shared=self._shm,
         )
         self.requests.held_bytes = self.links.held_bytes
         self.routers = RouterLinks(
             connect=self._router_link,
             start=self._start_task,
+            via=self.links.via,
             on_request=self.requests.request,
             malformed=self.links.malformed,
             refuse=self.requests.count,
@@ -556,10 +557,6 @@ class ShardServer:
         """A client's request routed by the broker followed."""
         self.routers.forget(source)  # answered through the broker again
         self.requests.request(source, route, frames)
-
-    def _post(self, frames: list[Any]) -> None:
-        """A reply, through the routing broker its request came by, else the broker."""
-        self.links.post(frames, self.routers.via(frames[0]))
 
     def _router_link(
         self, endpoint: str, name: str
