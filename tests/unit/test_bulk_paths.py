@@ -32,7 +32,7 @@ from zps.shard.checkpoint import (
 from zps.shard.core import ShardCore
 from zps.shard.snapshots import SnapshotSender
 from zps.store.partition import PartitionStore
-from zps.store.snapshot import Snapshot, StreamBuilder, build_store, ordered
+from zps.store.snapshot import Snapshot, StreamBuilder, build_store, ordered, slices
 from zps.store.tables import EmbeddingTable
 
 
@@ -189,3 +189,25 @@ async def test_a_snapshot_sent_in_chunks_carries_the_checksum_of_what_was_sent()
     assert build_store(snap).checksum() == want
     assert await ckpt.thawed(5)  # nothing stays frozen once the stream is read
     assert not ckpt._frozen_now
+
+
+def test_a_checkpoint_kept_as_it_arrives_outlives_other_checkpoints_written_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """A replica writes a snapshot to its checkpoint for as long as the transfer takes;
+    a checkpoint written meanwhile prunes stale temporary files, never that one."""
+    store = CheckpointStore(tmp_path, keep=5)
+    core = _shuffled_core(2000)
+    stale = store.folder(2) / ".ckpt-00000005-0000000000000001.zps.tmp-1"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"left by a crash")
+    pieces = slices(encode_checkpoint(finish(cut(core))), 4096, memoryview(bytearray(4096)))
+    pending = store.begin(2, 5, 9)
+    pending.write(next(pieces))
+    store.write(finish(cut(core)))  # prunes
+    assert not stale.exists()
+    for piece in pieces:
+        pending.write(piece)
+    path = pending.commit()
+    assert decode_checkpoint(path.read_bytes()).lsn == 9
+    assert not store.pending

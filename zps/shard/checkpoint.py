@@ -323,6 +323,8 @@ class CheckpointStore:
     def __init__(self, data_dir: str | os.PathLike[str], keep: int = 3) -> None:
         self.root = Path(data_dir)
         self.keep = keep
+        #: Temporary files of checkpoints being written now (never removed as stale).
+        self.pending: set[Path] = set()
 
     def _dir(self, partition: int) -> Path:
         return self.root / f"partition-{partition}"
@@ -381,11 +383,14 @@ class CheckpointStore:
 
     def remove_temporary(self, folder: Path | None = None) -> list[Path]:
         """Delete the temporary files of checkpoints that never finished (a crash or a
-        failure mid-write), in ``folder`` or every partition's; returns them."""
+        failure mid-write), in ``folder`` or every partition's, but for those being
+        written now (:attr:`pending`: a replica keeps a snapshot as it arrives, for as
+        long as the transfer takes); returns them."""
         if folder is None:
             found = list(self.root.glob("partition-*/.ckpt-*.tmp-*")) if self.root.is_dir() else []
         else:
             found = list(folder.glob(".ckpt-*.tmp-*"))
+        found = [stale for stale in found if stale not in self.pending]
         for stale in found:
             stale.unlink(missing_ok=True)
         return found
@@ -491,6 +496,7 @@ class PendingCheckpoint:
         self._tmp = folder / f".{name}.tmp-{os.getpid()}-{id(self):x}"
         self.file: io.RawIOBase = open(self._tmp, "wb", buffering=0)  # noqa: SIM115
         self.written = 0
+        store.pending.add(self._tmp)
 
     def write(self, view: memoryview) -> None:
         """Append ``view`` (to the operating system: no sync until :meth:`commit`)."""
@@ -506,11 +512,14 @@ class PendingCheckpoint:
         except BaseException:
             self.abort()
             raise
+        finally:
+            self._store.pending.discard(self._tmp)
         _fsync_dir(self._folder)
         self._store._prune(self._folder)
         return self.final
 
     def abort(self) -> None:
+        self._store.pending.discard(self._tmp)
         with contextlib.suppress(OSError):
             self.file.close()
         with contextlib.suppress(OSError):
