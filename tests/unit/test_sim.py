@@ -22,8 +22,11 @@ BUDGET = range(0, 100)
 #: at its old epoch and was refused against its own floor; 157: a shard whose log was lost
 #: (EIO on fsync of the folder) restarted, replayed a record its predecessor never synced
 #: and appended after it in a new segment: a power loss then took the record back and
-#: every synced record after it with it (the log now syncs what it replayed first).
-REGRESSIONS = (70, 157, 1015, 1032, 1049, 1112, 1185, 1200, 1235, 1293, 1343)
+#: every synced record after it with it (the log now syncs what it replayed first);
+#: 1528: after a power loss the replica came back behind what its primary confirmed and
+#: was made a spare, given to the other partition, and the primary's lost data dir then
+#: held the only copy of acknowledged writes (such a copy follows its primary now).
+REGRESSIONS = (70, 157, 1015, 1032, 1049, 1112, 1185, 1200, 1235, 1293, 1343, 1528)
 
 #: The broker pair (--faults failover,...): a budget of seeds that must pass, and seeds on
 #: which the current code fails, kept as expected failures until it is fixed.
@@ -33,7 +36,7 @@ KNOWN_PAIR: dict[int, str] = {
     seed: "a pair restarted whole takes over with the primary broker's record though the "
     "backup served after it (its record is newer): a stale in-sync set lets an older copy "
     "take the partition"
-    for seed in (42, 56, 64)
+    for seed in (56, 64)
 }
 KNOWN_PAIR_FAULTS = [
     "failover",
@@ -50,10 +53,10 @@ KNOWN_PAIR_FAULTS = [
 CATCH: dict[str, tuple[str, int]] = {
     "empty-shard-takes-partition": ("crash-all,broker,kill", 10),
     "wal-retry-partial": ("disk,crash-all,kill,power", 30),
-    "ack-before-durable": ("crash-all", 10),
+    "ack-before-durable": ("crash-all,kill,partition", 10),
     "older-copy-wins": ("pause-crash", 12),
     "stale-replica-in-tracker": ("pause,idle", 14),
-    "standby-without-record": ("failover,kill", 14),
+    "standby-without-record": ("failover,kill,power", 8),
     "pair-unfenced": ("failover,kill", 14),
 }
 
@@ -141,15 +144,15 @@ def test_the_cli_names_bad_input_and_prints_the_replay(capsys: pytest.CaptureFix
     assert "unknown fault meteor" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--bug", "nonsense"])
-    args = ["--seeds", "1", "--seed", "25", "--faults", "disk,crash-all,kill,power"]
+    args = ["--seeds", "1", "--seed", "19", "--faults", "disk,crash-all,kill,power"]
     assert main([*args, "--bug", "wal-retry-partial"]) == 1
     out = capsys.readouterr().out
-    assert "seed 25: FAILED" in out and "fault schedule" in out
-    assert "--seed 25 --seeds 1 --trace --bug wal-retry-partial --faults disk" in out
+    assert "seed 19: FAILED" in out and "fault schedule" in out
+    assert "--seed 19 --seeds 1 --trace --bug wal-retry-partial --faults disk" in out
     # Side by side in worker processes: the same runs, reported in seed order.
-    assert main(["--seeds", "2", "--seed", "24", "--jobs", "2", *args[4:], "--bug",
+    assert main(["--seeds", "2", "--seed", "18", "--jobs", "2", *args[4:], "--bug",
                  "wal-retry-partial", "--keep-going"]) == 1  # fmt: skip
-    assert "seed 25: FAILED" in capsys.readouterr().out
+    assert "seed 19: FAILED" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--jobs", "0"])
     assert "--jobs must be >= 1" in capsys.readouterr().err

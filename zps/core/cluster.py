@@ -319,10 +319,13 @@ class ClusterState:
             if why_not is not None and part.primary is None:
                 node.held = claim
                 self.notices.append(("error", recovery.not_taken(node, claim, why_not)))
-            return []
+            if current is None or newer or claim.epoch != part.epoch:
+                return []
+            # A copy of the serving primary's epoch, no newer (it may not be elected): it
+            # follows, as a spare may be given to another partition and leave this one
+            # with a single copy of what both held.
         if (
-            claim.role is Role.REPLICA
-            and not part.lost
+            not part.lost
             and claim.epoch >= part.epoch
             and (part.primary is None or claim.epoch == part.epoch)
             and (len(part.replicas) < self.replication - 1)
@@ -330,7 +333,7 @@ class ClusterState:
             raised = self._raise_epoch(claim.partition, claim.epoch)
             node.role, node.partition, node.epoch = Role.REPLICA, claim.partition, claim.epoch
             part.replicas.append(node.node_id)
-            if claim.in_sync and self.holding(now):
+            if claim.role is Role.REPLICA and claim.in_sync and self.holding(now):
                 # After a restart only the replica itself can say it was in sync.
                 part.in_sync.add(node.node_id)
             self._publish()
