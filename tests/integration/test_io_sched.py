@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import zps
-from zps import transport
 from zps.optim import SGD
 from zps.testing import LocalCluster
+from zps.transport.iothreads import batch_allowed
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "SCHED_BATCH") or not os.path.isdir("/proc/self/task"),
@@ -24,14 +24,14 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def _allowed() -> None:
-    if not transport._batch_allowed():
+    if not batch_allowed():
         pytest.skip("this process may not set SCHED_BATCH")
 
 
 def _policies(ps: zps.Client) -> list[int]:
     io = ps.connection.io_threads
-    assert io is not None and io._tids, "the client's I/O thread was not found"
-    return [os.sched_getscheduler(t) for t in io._tids]
+    assert io is not None and io.thread_ids, "the client's I/O thread was not found"
+    return [os.sched_getscheduler(t) for t in io.thread_ids]
 
 
 async def test_batch_while_several_requests_are_in_flight(
@@ -66,4 +66,4 @@ async def test_servers_mode_leaves_a_client_alone(
         await ps.pull_rows(name, np.arange(64, dtype=np.int64))
         io = ps.connection.io_threads
         assert io is not None and io.switches == 0 and not io.batch
-        assert io._name == "" and io._tids == []  # not even looked for
+        assert io.thread_name == "" and io.thread_ids == () and not io.looking  # not looked for

@@ -288,7 +288,7 @@ def test_sync_facade_overlap(cluster: LocalCluster) -> None:
 
 
 @pytest.mark.skipif(
-    not hasattr(os, "SCHED_BATCH") or not transport._batch_allowed(),
+    not hasattr(os, "SCHED_BATCH") or not transport.iothreads.batch_allowed(),
     reason="Linux's SCHED_BATCH, allowed here",
 )
 def test_the_servers_io_threads_run_sched_batch(cluster: LocalCluster) -> None:

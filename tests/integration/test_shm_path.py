@@ -632,7 +632,7 @@ async def test_a_push_that_does_not_wait_is_copied_once_into_shared_memory(
             puts = sm.arena.puts
             await fast.push_dense("d1", buf, wait=False)
             # One region per chunk, made by the push itself: none by the sending.
-            assert len(sm._staged) == chunks and sm.arena.puts == puts + chunks
+            assert sm.staged_regions == chunks and sm.arena.puts == puts + chunks
             buf[:] = np.nan  # the caller's buffer, reused at once
             await fast.flush()
             await inline.push_dense("d2", g)
@@ -641,7 +641,7 @@ async def test_a_push_that_does_not_wait_is_copied_once_into_shared_memory(
         assert got.tobytes() == want.tobytes()
         assert sm.arena.puts == 3 * chunks  # the pulls' replies came the other way
         await fast.pull_dense("d1")  # a call after the pushes were answered frees them
-        assert not sm._staged and sm.arena.live == 0, sm.stats()
+        assert sm.staged_regions == 0 and sm.arena.live == 0, sm.stats()
 
 
 async def test_a_push_from_a_gradient_buffer_is_read_where_it_was_written(
@@ -699,7 +699,7 @@ async def test_a_push_given_up_on_never_sends_what_the_caller_writes_after(
         await ps.create_dense("late", (BIG,), init=Zeros(), optimizer=SGD(lr=LR))
         await ps.create_dense("twin", (BIG,), init=Zeros(), optimizer=SGD(lr=LR))
         buf = await ps.gradient_buffer("late")
-        assert (ps.shm_path.memory is not None and bool(ps.shm_path.memory._buffers)) == bool(
+        assert (ps.shm_path.memory is not None and ps.shm_path.memory.buffer_regions > 0) == bool(
             shm_bytes
         )
         buf[:] = g
@@ -816,7 +816,7 @@ def test_an_interrupted_blocking_push_is_given_up_on_before_the_caller_goes_on(
         ps.create_dense("sync", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
         ps.create_dense("twin", (ELEMS,), init=Zeros(), optimizer=SGD(lr=LR))
         buf = ps.gradient_buffer("sync")
-        assert ps.client.shm_path.memory is not None and ps.client.shm_path.memory._buffers
+        assert ps.client.shm_path.memory is not None and ps.client.shm_path.memory.buffer_regions
         buf[:] = g
         pid = c.shard_pid(0)
         old = signal.signal(signal.SIGUSR1, interrupt)
@@ -1011,7 +1011,7 @@ async def test_pushes_that_do_not_wait_survive_the_primarys_sigkill_exactly_once
             got = await ps.pull_dense("a")
             assert c.shard_pid(0) != primary
             assert got.tobytes() == want.tobytes()
-            assert not ps.shm_path.memory._staged and ps.shm_path.memory.arena.live == 0, (
+            assert ps.shm_path.memory.staged_regions == 0 and ps.shm_path.memory.arena.live == 0, (
                 ps.shm_path.memory.stats()
             )
 

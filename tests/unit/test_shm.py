@@ -225,7 +225,7 @@ def test_a_staged_copy_is_sent_from_its_region_and_freed_when_it_goes() -> None:
         assert piece.base is not None and not np.any(np.isnan(piece))
         del piece
         sender.outbound(_request(np.zeros(4, np.float32))[0])
-        assert sender.arena.live == 0 and not sender._staged
+        assert sender.arena.live == 0 and sender.staged_regions == 0
     finally:
         sender.close()
         receiver.close()
@@ -241,9 +241,9 @@ def test_a_staged_copy_dropped_in_another_thread_is_freed_by_the_owner() -> None
         t = threading.Thread(target=holder.clear)
         t.start()
         t.join(10)
-        assert sp.arena.live == 1 and len(sp._unstaged) == 1  # noted, not yet freed
+        assert sp.arena.live == 1 and sp.unstaged_regions == 1  # noted, not yet freed
         again = sp.stage(np.ones(MiB // 2, np.float32))  # the owner's next call frees it
-        assert again is not None and sp.arena.live == 1 and len(sp._staged) == 1
+        assert again is not None and sp.arena.live == 1 and sp.staged_regions == 1
     finally:
         sp.close()
 
@@ -307,7 +307,7 @@ def test_nothing_to_say_leaves_the_frames_alone() -> None:
     try:
         frames, _ = _request(np.zeros(100, np.float32))
         out, descs = sp.outbound(frames)
-        assert out == frames and descs == [] and sp._arena is None  # no memfd made
+        assert out == frames and descs == [] and not sp.arena_made  # no memfd made
         assert not sp.wants(frames)
     finally:
         sp.close()

@@ -61,7 +61,7 @@ def _io_policy(client: bool) -> int:
 
 @pytest.fixture(autouse=True)
 def _allowed() -> None:
-    if not transport._batch_allowed():
+    if not iothreads.batch_allowed():
         pytest.skip("this process may not set SCHED_BATCH")
 
 
@@ -115,7 +115,7 @@ def _named(io: transport.IoThreads) -> list[int]:
     no event says so)."""
     deadline = time.monotonic() + 5
     while True:
-        tids = [t for t, name in transport._threads() if name.startswith(io._name)]
+        tids = [t for t, name in transport._threads() if name.startswith(io.thread_name)]
         if tids or time.monotonic() > deadline:
             return tids
         time.sleep(0.005)
@@ -176,7 +176,7 @@ def test_io_threads_switch_only_in_auto_mode(mode: str, monkeypatch: pytest.Monk
     sock = ctx.socket(zmq.DEALER)
     try:
         io.busy(True)
-        assert io._name == "" and io.switches == 0 and not io.batch  # not even named
+        assert io.thread_name == "" and io.switches == 0 and not io.batch  # not even named
     finally:
         sock.close(0)
         ctx.term()
@@ -202,7 +202,7 @@ def test_io_threads_keep_a_policy_they_started_with(monkeypatch: pytest.MonkeyPa
         tids = _named(io)
         io.busy(True)
         io.busy(False)
-        assert io.switches == 0 and io._tries == 0
+        assert io.switches == 0 and io.thread_ids == () and not io.looking
         assert tids and all(os.sched_getscheduler(x) == os.SCHED_BATCH for x in tids)
     finally:
         sock.close(0)
@@ -214,7 +214,7 @@ def test_io_threads_left_alone_in_a_forked_child(monkeypatch: pytest.MonkeyPatch
     with _io_threads() as (io, tids):
         monkeypatch.setattr(io, "_pid", os.getpid() + 1)  # as a child sees its parent's
         io.busy(True)
-        assert io.switches == 0 and io._tids == [] and io._tries == 0
+        assert io.switches == 0 and io.thread_ids == () and not io.looking
         assert os.sched_getscheduler(tids[0]) == os.SCHED_OTHER
 
 
@@ -223,9 +223,9 @@ def test_io_threads_prefixes_are_not_shared(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
     monkeypatch.setattr(transport.IoThreads, "_prefixes", iter([7, 7, 8]))
     with _io_threads() as (first, tids):
-        assert tids and first._name == "7/ZMQbg/IO/"
+        assert tids and first.thread_name == "7/ZMQbg/IO/"
         ctx: zmq.Context[Any] = zmq.Context()
         try:
-            assert transport.IoThreads(ctx)._name == "8/ZMQbg/IO/"
+            assert transport.IoThreads(ctx).thread_name == "8/ZMQbg/IO/"
         finally:
             ctx.term()

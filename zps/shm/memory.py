@@ -121,6 +121,28 @@ class SharedMemory:
             self._arena = Arena(self.budget, self.name, reclaim_after=self.reclaim_after)
         return self._arena
 
+    @property
+    def arena_made(self) -> bool:
+        """Whether this side's arena exists (it is made at first use)."""
+        return self._arena is not None
+
+    @property
+    def staged_regions(self) -> int:
+        """Regions made by :meth:`reserve`, :meth:`reserve_array` or :meth:`buffer` and
+        not freed yet.  The region of an array that is gone is freed at this memory's
+        next call (see :attr:`unstaged_regions`), not at once."""
+        return len(self._staged)
+
+    @property
+    def buffer_regions(self) -> int:
+        """Those of the regions of :attr:`staged_regions` that are :meth:`buffer` arrays."""
+        return len(self._buffers)
+
+    @property
+    def unstaged_regions(self) -> int:
+        """Regions whose array is gone, noted to be freed at this memory's next call."""
+        return len(self._unstaged)
+
     def reserve(self, length: int) -> np.ndarray | None:
         """A new region of ``length`` bytes of the arena, as a writable uint8 array (its
         bytes not yet written), or None when the budget has no room.  Sent as a payload

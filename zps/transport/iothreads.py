@@ -79,6 +79,23 @@ class IoThreads:
         self._name = f"{prefix}/ZMQbg/IO/"
         self._tries = self.FIND_TRIES
 
+    @property
+    def thread_name(self) -> str:
+        """The name each of the context's I/O threads starts with (empty: the threads are
+        left alone, never named nor looked for)."""
+        return self._name
+
+    @property
+    def thread_ids(self) -> tuple[int, ...]:
+        """The ids of the I/O threads found, whose policy :meth:`busy` sets (empty: not
+        found yet, or left alone)."""
+        return tuple(self._tids)
+
+    @property
+    def looking(self) -> bool:
+        """Whether :meth:`busy` still looks for the threads (not found yet, tries left)."""
+        return not self._tids and self._tries > 0
+
     @classmethod
     def _free_prefix(cls) -> int:
         """A prefix no thread of this process carries (a thread's name is at most 15
@@ -208,6 +225,12 @@ def _warn_io_sched(mode: str) -> None:
         mode,
         ", ".join(IO_SCHED_MODES),
     )
+
+
+def batch_allowed() -> bool:
+    """Whether this process may run threads under ``SCHED_BATCH`` (probed once: see
+    :func:`_batch_allowed`)."""
+    return _batch_allowed()
 
 
 @functools.cache
