@@ -55,6 +55,7 @@ from typing import Any, Protocol, TypeAlias
 
 from zps.protocol.codec import CODEC_RAW, MsgType
 from zps.protocol.messages import Status, StatusReply
+from zps.protocol.ops import PUSHES
 from zps.shard.core import MUTATIONS, Handled
 
 #: How many answers to a client's background writes may be held for its next reply to
@@ -165,7 +166,8 @@ def grad_frames(header: dict[str, Any]) -> dict[int, str]:
     for op in ops:
         if not isinstance(op, dict):
             continue
-        push = op.get("op") in ("push_dense", "push_rows")
+        name = op.get("op")
+        push = isinstance(name, str) and name in PUSHES
         for key, g in op.items():  # every array the operation names
             if not (isinstance(g, list) and len(g) == 4 and type(g[0]) is int):
                 continue

@@ -50,6 +50,7 @@ from zps.protocol.codec import (
     Route,
     array_from,
 )
+from zps.protocol.ops import MUTATIONS
 from zps.shard.cuts import Cuts
 from zps.shard.dedup import ENTRY_OVERHEAD, FLOOR_OVERHEAD, OK, DedupCache, expired_status
 from zps.shard.records import MAX_MESSAGE_CHARS, Limits, ShardStats, error_status
@@ -71,23 +72,6 @@ __all__ = [
     "ShardStats",
     "error_status",
 ]
-
-MUTATIONS = (
-    frozenset(
-        {
-            "create",
-            "push_dense",
-            "push_rows",
-            "commit",
-            "drop",
-            "set_dense",
-            "set_rows",
-            "set_optimizer",
-            "advance_step",
-        }
-    )
-    | slotops.SLOT_MUTATIONS
-)
 
 
 def _is_mutation(op: object) -> bool:
