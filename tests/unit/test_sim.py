@@ -38,6 +38,11 @@ KNOWN_PAIR: dict[int, str] = {
     "take the partition"
     for seed in (56, 64)
 }
+KNOWN_PAIR[66] = (
+    "a takeover from the record the standby last received, a beat older than the map the "
+    "active broker had published: a copy at the old floor is elected over the primary that "
+    "took acknowledged writes since"
+)
 KNOWN_PAIR_FAULTS = [
     "failover",
     "kill",
