@@ -5,8 +5,8 @@ that driver does (see docs/design.md, "Simulation"):
 
 * :class:`SimBroker` for :class:`zps.broker.broker.Broker`: ClusterState and
   FailureDetector as built; REGISTER / HEARTBEAT (report, lease echo) / BYE handling of
-  ``_from_shard``, the forwarding rules of ``_forward`` (NOT_PRIMARY in the hold,
-  SHARD_UNAVAILABLE with no primary), ``_tick_loop`` (deaths, ``tick``) and the map
+  ``_from_shard``, forwarding by the broker's own rule over a route table rebuilt with
+  each map (:mod:`zps.broker.routes`), ``_tick_loop`` (deaths, ``tick``) and the map
   published to every node once its record is kept (the record is written at once).
 * :class:`SimShard` for :class:`zps.shard.server.ShardServer` with
   :mod:`zps.shard.primary`, :mod:`zps.shard.replica` and the writer task of
@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from zps.broker.routes import NoRoute, RouteTable, refusal, route
 from zps.client.session import ClientSession, Deliver, Fail, Send
 from zps.core.cluster import Assignment as BrokerAssignment
 from zps.core.cluster import Claim, ClusterState
@@ -37,7 +38,7 @@ from zps.errors import ZpsError
 from zps.init import Zeros
 from zps.optim import SGD
 from zps.protocol.codec import Encoder, MsgType, Route, decode, encode, unpack_route
-from zps.protocol.messages import Role
+from zps.protocol.messages import Role, Status, StatusReply
 from zps.protocol.specs import EmbeddingSpec
 from zps.shard.checkpoint import CheckpointError, CheckpointStore, finish, restore
 from zps.shard.core import ShardCore
@@ -95,6 +96,7 @@ class SimBroker:
         self.state.lease = HB * (LIVE - 1)
         if record is not None:
             self.state.restore(*record)
+        self.routes = RouteTable.of(self.state.map)
         self.detector = FailureDetector(HB, LIVE, start=now)
         self.incarnations: dict[str, int] = {}
         self.published = -1
@@ -152,6 +154,7 @@ class SimBroker:
             return
         self.published = self.state.map_version
         cmap = self.state.map
+        self.routes = RouteTable.of(cmap)
         desc = " ".join(
             f"p{p}:{i.primary}@{i.epoch}/{','.join(i.in_sync)}{'/lost' if i.lost else ''}"
             for p, i in sorted(cmap.partitions.items())
@@ -204,17 +207,19 @@ class SimBroker:
         self._publish()
 
     def _forward(self, client: str, frames: list[Any]) -> None:
-        route = unpack_route(frames[0])
-        p = route.partition
-        now = self.w.sched.now
-        primary = self.state.primary_of(p)
-        reply = Route(MsgType.REPLY, route.partition, route.epoch, route.req_id)
-        if self.state.holding(now):
-            body = {"st": "NOT_PRIMARY", "msg": "collecting claims"}
-        elif primary is None or primary not in self.w.net.up:
-            body = {"st": "SHARD_UNAVAILABLE", "msg": f"partition {p} has no live shard"}
-            if primary is not None:
-                body = {"st": "NOT_PRIMARY", "msg": "unreachable"}
+        """``_route``: the broker's one forwarding rule (:func:`zps.broker.routes.route`)
+        over the route table of the last map; a primary the network cannot reach is
+        refused as the real broker refuses a send with no connection (NOT_PRIMARY)."""
+        req = unpack_route(frames[0])
+        p = req.partition
+        target = route(self.routes, p, holding=self.state.holding(self.w.sched.now))
+        reply = Route(MsgType.REPLY, p, req.epoch, req.req_id)
+        if isinstance(target, NoRoute):
+            floor = self.state.floor_of(p) if target is NoRoute.LOST else None
+            body = StatusReply(*refusal(target, p, floor)).to_wire()
+        elif (primary := target.decode()) not in self.w.net.up:
+            msg = f"the primary of partition {p} is unreachable"
+            body = StatusReply(Status.NOT_PRIMARY, msg).to_wire()
         else:
             self.send(primary, ("request", client, frames))
             return
