@@ -39,6 +39,7 @@ from zps.init import Zeros
 from zps.optim import SGD
 from zps.protocol.codec import Encoder, MsgType, Route, decode, encode, unpack_route
 from zps.protocol.messages import Role, Status, StatusReply
+from zps.protocol.ops import MUTATIONS
 from zps.protocol.specs import EmbeddingSpec
 from zps.shard.checkpoint import CheckpointError, CheckpointStore, finish, restore
 from zps.shard.core import ShardCore
@@ -523,7 +524,7 @@ class SimShard:
         route = unpack_route(frames[0])
         reply_route = Route(MsgType.REPLY, route.partition, self.core.epoch, route.req_id)
         msg = decode(frames, route=route)
-        mutates = any(op.get("op") in ("create", "push_rows") for op in msg.header["ops"])
+        mutates = any(op.get("op") in MUTATIONS for op in msg.header["ops"])
         refusal = None
         if not self.session.may_write(self.w.sched.now):
             refusal = {"st": "NOT_PRIMARY", "msg": "the primary's lease has run out"}
