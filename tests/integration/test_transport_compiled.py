@@ -44,9 +44,10 @@ async def _pair(compiled_router: bool = True, compiled_dealer: bool = True) -> P
     router, _ = transport.router(ctx, addr, max_message_bytes=MAX)
     dealer = transport.dealer(ctx, addr, b"c-test", max_message_bytes=MAX)
     if not compiled_router:
-        router._io = None
+        router.compiled = False
     if not compiled_dealer:
-        dealer._io = None
+        dealer.compiled = False
+    assert (router.compiled, dealer.compiled) == (compiled_router, compiled_dealer)
     return Pair(ctx, router, dealer)
 
 
