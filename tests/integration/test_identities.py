@@ -33,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 import zps
 from tests.integration.test_curve_roles import keygen, q
 from tests.integration.wire import dealer
-from zps.errors import BadRequestError, ZpsTimeoutError
+from zps.errors import BadRequestError
 from zps.ops.config import ClientConfig, Security
 from zps.ops.security import key_identity
 from zps.optim import SGD
@@ -424,10 +424,46 @@ def test_a_client_gets_its_identity_back_after_the_broker_restarts(kc: KeyCluste
         assert ident in {x["node"] for x in kc.status()["clients"]}
 
 
+class Zmtp:
+    """The ZMTP 3 commands one direction of a connection carried, by name and time of
+    relay.  Under CURVE the handshake ends with READY and every message (a ZMTP ping
+    too) goes as a MESSAGE (a frame that starts with that command's name)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.greeted = False
+        self.commands: list[tuple[bytes, float]] = []
+
+    def feed(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        if not self.greeted:
+            if len(buf) < 64:
+                return
+            del buf[:64]
+            self.greeted = True
+        while len(buf) >= 2:
+            flags = buf[0]
+            head = 9 if flags & 0x02 else 2
+            if len(buf) < head:
+                return
+            size = int.from_bytes(buf[1:9], "big") if flags & 0x02 else buf[1]
+            if len(buf) < head + size:
+                return
+            if size and (flags & 0x04 or buf[head : head + 8] == b"\x07MESSAGE"):
+                name = bytes(buf[head + 1 : head + 1 + buf[head]])
+                self.commands.append((name, time.monotonic()))
+            del buf[: head + size]
+
+    def first(self, name: bytes) -> float | None:
+        return next((t for n, t in self.commands if n == name), None)
+
+
 class HalfOpenProxy:
     """A TCP relay to ``upstream``: ``cut()`` closes the client side of every relayed
     connection but holds the server side open and silent, as a dead network path
-    that only one end has noticed."""
+    that only one end has noticed.  What each connection carried each way, as ZMTP
+    commands: ``zmtp[i]`` (the i-th accepted) ``["up"]`` (to ``upstream``), ``["down"]``."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
@@ -439,6 +475,7 @@ class HalfOpenProxy:
         self.lock = threading.Lock()
         self.stopped = False
         self.accepted = 0  # connections relayed so far
+        self.zmtp: list[dict[str, Zmtp]] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -452,12 +489,14 @@ class HalfOpenProxy:
             except OSError:  # nothing listens there yet: the peer connects again
                 down.close()
                 continue
+            zmtp = {"up": Zmtp(), "down": Zmtp()}
             with self.lock:
                 self.pairs.append((down, up))
+                self.zmtp.append(zmtp)
                 self.accepted += 1
-            threading.Thread(target=self._pump, args=(down, up), daemon=True).start()
+            threading.Thread(target=self._pump, args=(down, up, zmtp), daemon=True).start()
 
-    def _pump(self, down: socket.socket, up: socket.socket) -> None:
+    def _pump(self, down: socket.socket, up: socket.socket, zmtp: dict[str, Zmtp]) -> None:
         socks = [down, up]
         try:
             while not self.stopped:
@@ -470,6 +509,7 @@ class HalfOpenProxy:
                     if not data:
                         return
                     (up if r is down else down).sendall(data)
+                    zmtp["up" if r is down else "down"].feed(data)
                     with self.lock:
                         self.bytes[down] = self.bytes.get(down, 0) + len(data)
         except OSError:
@@ -525,9 +565,8 @@ def test_a_client_whose_connection_half_died_is_heard_again(kc: KeyCluster) -> N
 def test_a_shard_whose_data_link_half_died_serves_again(kc: KeyCluster, tmp_path: Path) -> None:
     """A shard's data link (its first connection) dies on the shard's side only, while
     its liveness link lives on: the shard connects again at once, under a new routing
-    id; the broker sends nothing more to the dead connection once it is closed, and
-    the shard's name goes to the new one once the shard speaks there.  Requests are
-    served again."""
+    id, and speaks there as soon as the handshake is done, so the broker sends it
+    everything there from then on: the first request after it is answered."""
     assert kc.workdir is not None
     for directory in ("clients", "shards", "operators"):
         shutil.copytree(kc.workdir / directory, tmp_path / directory)
@@ -543,19 +582,24 @@ def test_a_shard_whose_data_link_half_died_serves_again(kc: KeyCluster, tmp_path
             ps.create_dense("solo", shape=(2,), dtype="float64", optimizer=SGD(lr=1.0))
             ps.create_dense("big", shape=(1 << 17,), dtype="float64", optimizer=SGD(lr=1.0))
             ps.push_dense("big", np.ones(1 << 17))  # 1 MiB through the data link
+            assert proxy.accepted == 2  # the data link and the liveness link
             proxy.cut(busiest=True)
-            # It connects again at once.  Until it speaks there (once the broker's
-            # probes have not come for a lease), requests forwarded to it go to the
-            # dead connection and are lost with it, as on any connection that dies:
-            # a pull (it changes nothing) is asked again until one is answered.
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    np.testing.assert_array_equal(ps.pull_dense("solo"), [0.0, 0.0])
-                    break
-                except ZpsTimeoutError:
-                    assert time.monotonic() < deadline, proxy.accepted
-            assert proxy.accepted == 3  # the data link's new connection was heard
+            # Its new connection: the handshake is done once the broker's READY went
+            # by, and the shard speaks there (a MESSAGE to the broker) at once.  The
+            # broker holds the dead connection meanwhile (until its pings go unanswered
+            # for 1.5 s).
+            deadline = time.monotonic() + 10
+            while proxy.accepted < 3 or proxy.zmtp[2]["up"].first(b"MESSAGE") is None:
+                assert time.monotonic() < deadline, (proxy.accepted, [(z["up"].commands[:8], z["down"].commands[:8], z["up"].greeted, bytes(z["up"].buf[:40])) for z in proxy.zmtp])
+                time.sleep(0.005)
+            new = proxy.zmtp[2]
+            ready, spoke = new["down"].first(b"READY"), new["up"].first(b"MESSAGE")
+            assert ready is not None and spoke is not None
+            # Not the answer to the broker's first ZMTP ping (0.5 s) or the shard's own
+            # (1 s): its word, sent as the handshake succeeded.
+            assert spoke - ready < 0.4, new["up"].commands
+            np.testing.assert_array_equal(ps.pull_dense("solo"), [0.0, 0.0])  # the first
+            assert proxy.accepted == 3
             ps.push_dense("solo", np.ones(2))
             np.testing.assert_array_equal(ps.pull_dense("solo"), [-1.0, -1.0])
         assert "s-solo" in {s["node"] for s in c.status()["shards"]}

@@ -148,6 +148,8 @@ class Pair:
         self._seq = itertools.count(1)
         self._heard: tuple[str, int] = ("", 0)
         self.refused = 0
+        self.refused_peers = 0  # peer-link messages from another key (CURVE)
+        self._refused_keys: set[bytes | None] = set()
         self.takeovers: list[float] = []
 
     # -- queries -------------------------------------------------------------
@@ -252,7 +254,8 @@ class Pair:
     async def run(self, ctx: Any) -> None:
         """Serve the peer link until cancelled.  With CURVE keys configured, the link is
         encrypted too: both brokers of a pair use one key pair (the one clients know as
-        the broker's), and its public key must be in the allow-list."""
+        the broker's), its public key must be in the allow-list, and a message from any
+        other key is refused there."""
         keys = load_curve_keys(self.config.security)
         router, self.peer_endpoint = transport.router(
             ctx, self.peer_bind, max_message_bytes=self.config.max_message_bytes, curve=keys
@@ -273,6 +276,9 @@ class Pair:
             self.peer,
             self.timeout,
         )
+        # Each connection to the peer is made (again) with a beat at once: the peer
+        # hears this broker within a round trip, not a beat interval, later.
+        dealer.on_connected = lambda: self._beat(dealer, time.monotonic())
         # The peer's silence counts from now, when it can first be heard.
         self.star = BinaryStar(self.role, timeout=self.timeout, now=time.monotonic())
         self.bound.set()
@@ -280,7 +286,13 @@ class Pair:
         async def on_router(frames: transport.Frames) -> None:
             # Answer each beat at once over the same connection: a broker that just
             # (re)started hears its peer within a round trip, however long the peer's
-            # own DEALER waits to reconnect to it.
+            # own DEALER waits to reconnect to it.  Under CURVE only the pair's key
+            # speaks here, and its beat binds the connection the answer goes by.
+            if keys is not None:
+                if len(frames) < 2 or transport.sender_key(frames[1]) != keys.public:
+                    self._refuse_peer(frames)
+                    return
+                router.accepted(frames)
             await self._on_peer(frames[1:])
             echo = [frames[0], PEER_MAGIC, msgpack.packb(self._header(), use_bin_type=True)]
             transport.try_send(router, echo)
@@ -371,6 +383,19 @@ class Pair:
             return
         if change is not None:
             await self._changed(change, now)
+
+    def _refuse_peer(self, frames: transport.Frames) -> None:
+        """A message on the peer link from a key other than the pair's: dropped, and
+        logged once per key."""
+        key = transport.sender_key(frames[1]) if len(frames) > 1 else None
+        self.refused_peers += 1
+        if key not in self._refused_keys and len(self._refused_keys) < 64:
+            self._refused_keys.add(key)
+            log.warning(
+                "broker pair: refused a message on the peer link from key %s: only the "
+                "pair's own key speaks there",
+                key.decode() if key else "(none)",
+            )
 
     def _on_bad_peer(self, frames: transport.Frames, err: ProtocolError) -> None:
         log.warning("dropped a bad message on the peer link: %s", err)

@@ -124,7 +124,7 @@ class Connection:
         self._ctx: zmq.asyncio.Context | None = None
         self._io: transport.IoThreads | None = None
         self._sock: transport.Channel | None = None  # the current broker's
-        self._socks: list[transport.Channel] = []
+        self._socks: list[transport.Dealer] = []
         self._pair: PairFollower | None = None  # with a broker pair
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
@@ -196,8 +196,11 @@ class Connection:
             for address in self.addresses
         ]
         self._sock = self._socks[0]
-        if keys is not None:
-            self._handshakes = [transport.HandshakeWatch(ch.sock) for ch in self._socks]
+        self._handshakes = [ch.handshakes for ch in self._socks if ch.handshakes is not None]
+        for ch in self._socks:
+            # Under CURVE the broker sends to this client (maps, probes) over a new
+            # connection only once the client spoke there: it does at once.
+            ch.on_connected = functools.partial(self._greet, ch)
         if len(self._socks) > 1:
             choice = BrokerChoice(
                 len(self._socks),
@@ -669,6 +672,12 @@ class Connection:
             transport.try_send(self._sock, frames)
         else:
             await transport.send(self._sock, frames)
+
+    def _greet(self, ch: transport.Channel) -> None:
+        """A connection to a broker was made (again): a heartbeat there at once, if it
+        is the broker followed (a standby must not hear from clients)."""
+        if ch is self._sock and not self._closed:
+            transport.try_send(ch, encode(Route(MsgType.HEARTBEAT), Heartbeat().to_wire()))
 
     async def _heartbeat_loop(self) -> None:
         assert self._sock is not None

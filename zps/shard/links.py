@@ -11,6 +11,11 @@
   Served by a thread of its own (:class:`transport.LinkThread`).  Until the broker has
   answered on it (an older broker does not), heartbeats also go on the data link.
 
+Under CURVE a broker sends to the shard's name only over a connection that carried an
+accepted message of it, so each data link speaks as soon as its connection is made
+(again): its latest heartbeat, retimed (:func:`greeting`).  The liveness link needs no
+such word: the broker only answers what comes on it.
+
 With a broker pair, control messages go to both, and requests are taken (and replies
 sent) only through the broker whose term is the highest seen (:meth:`BrokerLinks.fenced`:
 an older broker's messages are dropped, its requests refused).
@@ -50,7 +55,7 @@ from zps.protocol.messages import (
     RegisterAgain,
 )
 from zps.shard import admission
-from zps.shard.liveness import Liveness
+from zps.shard.liveness import Liveness, retimed
 from zps.transport import CurveKeys
 from zps.version import __version__
 
@@ -76,6 +81,27 @@ def from_broker(mtype: MsgType, header: dict[str, Any]) -> BrokerToShard | None:
             return RegisterAgain.parse(header)
         case _:
             return None
+
+
+def greeting(beat: list[Any] | None, now: float) -> list[Any] | None:
+    """What a link says as its connection is made: the shard's latest heartbeat sent
+    again at ``now`` without what only the loop may report
+    (:func:`zps.shard.liveness.retimed`); None before the first heartbeat (the shard's
+    REGISTER, queued at start, is its first word)."""
+    return None if beat is None else retimed(beat, now)
+
+
+def greet(sock: transport.Channel, beat: Callable[[], list[Any] | None]) -> None:
+    """Have ``sock`` (a CURVE :class:`transport.Dealer`) send :func:`greeting` of the
+    latest heartbeat ``beat()`` as each of its connections is made."""
+
+    def on_connected() -> None:
+        frames = greeting(beat(), time.monotonic())
+        if frames is not None:
+            transport.try_send(sock, frames)
+
+    if isinstance(sock, transport.Dealer):
+        sock.on_connected = on_connected
 
 
 def dealer_link(
@@ -152,6 +178,8 @@ class BrokerLinks:
         self._heard_at: list[float] = []
         # Per data link: the messages it had received, and since when (see beat).
         self._data_heard: dict[int, tuple[int, float]] = {}
+        #: The latest heartbeat (said again as a data link's connection is made).
+        self.last_beat: list[Any] | None = None
         #: Set (in the loop) if the liveness thread fails: see _failed.
         self._dead: asyncio.Future[BaseException] | None = None
         self._version_warned = False
@@ -167,6 +195,8 @@ class BrokerLinks:
         first = dealer_link(ctx, cfg, self.node_id, keys, brokers[0], silence=silence)
         self.links = [first, *(dealer_link(ctx, cfg, self.node_id, keys, b) for b in brokers[1:])]
         self.sock, self.out = first
+        for sock, _ in self.links:
+            greet(sock, lambda: self.last_beat)
         loop = asyncio.get_running_loop()
         self._dead = loop.create_future()
         self.beat_policy = Liveness(hb.interval, hb.liveness, hb.max_loop_stall, time.monotonic())
@@ -237,6 +267,7 @@ class BrokerLinks:
         """A heartbeat: on every liveness link, and on a data link whose broker does not
         answer on its liveness link (not yet, an older broker, or under CURVE a data
         link quiet for a lease)."""
+        self.last_beat = frames
         if self.liveness is not None:
             self.liveness.post(frames)
         now = time.monotonic()
@@ -370,7 +401,8 @@ class BrokerLinks:
     def _data_link_quiet(self, sock: transport.Channel, now: float, lease: float) -> bool:
         """Whether the broker sent nothing on data link ``sock`` (its probes come every
         heartbeat interval) for a lease.  Under CURVE it sends nothing on a data link
-        whose connection closed until the shard speaks on the new one: the heartbeat
+        whose connection closed until the shard speaks on the new one, which it does as
+        the connection is made (:func:`greet`); should that word be lost, the heartbeat
         goes there too then."""
         if self.keys is None:
             return False  # without CURVE a reconnected link is heard at once

@@ -19,6 +19,7 @@ from zps import transport
 from zps.errors import ProtocolError
 from zps.protocol.codec import MsgType, Route, encode, unpack_route
 from zps.shard import admission
+from zps.shard.links import greet
 
 log = logging.getLogger("zps.shard")
 
@@ -63,6 +64,7 @@ class RouterLinks:
         #: there; absent: through the broker), changed in place only.
         self.via = via
         self._absent: dict[str, float] = {}  # endpoint -> since when unlisted
+        self._beat: list[Any] | None = None  # the latest heartbeat (see beat)
 
     def follow(self, endpoints: set[str], now: float) -> None:
         """Keep a link to every routing broker of the map (``endpoints``)."""
@@ -81,6 +83,7 @@ class RouterLinks:
                 del self.via[client]  # in place: the broker links read this dict
         for endpoint in endpoints - self._links.keys():
             sock, out = self._connect(endpoint, f"router link {endpoint}")
+            greet(sock, lambda: self._beat)
             on_frames = functools.partial(self._on_frames, out=out)
             task = self._start(transport.serve(sock, on_frames, self._malformed))
             self._links[endpoint] = (sock, out, task)
@@ -93,7 +96,10 @@ class RouterLinks:
 
     def beat(self, frames: list[Any]) -> None:
         """Routing brokers send nothing to a link whose connection closed until the
-        shard speaks on its new one (under CURVE): a heartbeat is that word."""
+        shard speaks on its new one (under CURVE): it does as the connection is made
+        (the latest heartbeat again: :func:`zps.shard.links.greet`), and every
+        heartbeat goes to each router too."""
+        self._beat = frames
         for sock, _, _ in self._links.values():
             transport.try_send(sock, frames)
 

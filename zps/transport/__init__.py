@@ -11,8 +11,8 @@ this boundary.  One job per module:
   :data:`IO_PATH`);
 - :mod:`~zps.transport.flow`: sending from a ROUTER to many peers without waiting on
   one (:class:`Outbound`, :class:`Allowance`, :class:`Posted`);
-- :mod:`~zps.transport.sockets`: :func:`router` and :func:`dealer`, with the options
-  every zps socket needs;
+- :mod:`~zps.transport.sockets`: :func:`router` and :func:`dealer` (a :class:`Dealer`),
+  with the options every zps socket needs;
 - :mod:`~zps.transport.curve`: CURVE keys on sockets, the ZAP handler, a frame's
   sender (:func:`sender_key`), the routing ids the ZAP handler assigns;
 - :mod:`~zps.transport.peers`: which connection stands for which zps id under CURVE
@@ -99,6 +99,7 @@ from zps.transport.link import (
 from zps.transport.peers import PeerTable
 from zps.transport.sockets import (
     DEFAULT_HWM,
+    Dealer,
     dealer,
     local_address,
     router,
@@ -123,6 +124,7 @@ __all__ = [
     "Allowance",
     "Channel",
     "CurveKeys",
+    "Dealer",
     "Frames",
     "Handler",
     "HandshakeWatch",

@@ -221,7 +221,11 @@ def watch_handshakes(
 
 class HandshakeWatch:
     """What became of a CURVE client socket's handshakes (a monitor on it), so a
-    peer that never answers can be told from one that refused this key."""
+    peer that never answers can be told from one that refused this key; and, with
+    ``on_connected``, a call on the event loop as each handshake succeeds (a
+    connection made or made again), so the socket can speak there at once: a CURVE
+    server sends to a zps id only by a connection that carried an accepted message
+    of it.  Make it before the socket connects (it must see the first handshake)."""
 
     _FAILED: dict[int, str] = {
         zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused this process's key (it is in none of "
@@ -232,7 +236,9 @@ class HandshakeWatch:
         "security.broker_public_key_file the server's key, and CURVE on there?)",
     }
 
-    def __init__(self, sock: zmq.Socket[Any]) -> None:
+    def __init__(
+        self, sock: zmq.Socket[Any], on_connected: Callable[[], object] | None = None
+    ) -> None:
         events = zmq.EVENT_HANDSHAKE_SUCCEEDED
         for event in self._FAILED:
             events |= event
@@ -242,20 +248,42 @@ class HandshakeWatch:
         self._monitor: zmq.Socket[Any] = zmq.Socket(sock.context, zmq.PAIR)
         self._monitor.connect(address)
         self._last: str | None = None
+        #: Called (on the loop) as each handshake succeeds; may be set later.
+        self.on_connected = on_connected
+        self.connected = 0  # handshakes that succeeded
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = -1
+        with contextlib.suppress(RuntimeError):  # no running loop: failure() reads
+            self._loop = asyncio.get_running_loop()
+            self._fd = int(self._monitor.FD)
+            self._loop.add_reader(self._fd, self._read)
+            self._loop.call_soon(self._read)
 
-    def failure(self) -> str | None:
-        """How the latest handshake failed; None if it succeeded, or none ended yet."""
+    def _read(self) -> None:
+        """Take every event queued (the descriptor is edge-triggered: to the end)."""
         from zmq.utils.monitor import parse_monitor_message
 
         while not self._monitor.closed:
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except (zmq.ZMQError, ValueError):
-                break
-            self._last = self._FAILED.get(int(event["event"]))
+                return
+            kind = int(event["event"])
+            self._last = self._FAILED.get(kind)
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected += 1
+                if self.on_connected is not None and not self._sock.closed:
+                    self.on_connected()
+
+    def failure(self) -> str | None:
+        """How the latest handshake failed; None if it succeeded, or none ended yet."""
+        self._read()
         return self._last
 
     def close(self) -> None:
+        if self._loop is not None and not self._monitor.closed:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._fd)
         if not self._sock.closed:
             with contextlib.suppress(zmq.ZMQError):
                 self._sock.disable_monitor()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -22,6 +23,7 @@ from zps.transport.channel import ZPS_ID_PROPERTY, Channel
 from zps.transport.curve import (
     CURVE_SERVER_HEARTBEAT,
     CurveKeys,
+    HandshakeWatch,
     _curve_client,
     _curve_server,
     _heartbeats,
@@ -85,6 +87,29 @@ def router(
     return channel, endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
 
 
+class Dealer(Channel):
+    """A connected DEALER's channel.  Under CURVE its handshakes are watched
+    (:attr:`handshakes`): ``on_connected`` (settable any time) is called on the loop
+    each time a connection is made or made again, for the socket to speak there at
+    once (see :func:`dealer`)."""
+
+    handshakes: HandshakeWatch | None = None
+
+    @property
+    def on_connected(self) -> Callable[[], object] | None:
+        return None if self.handshakes is None else self.handshakes.on_connected
+
+    @on_connected.setter
+    def on_connected(self, call: Callable[[], object] | None) -> None:
+        if self.handshakes is not None:
+            self.handshakes.on_connected = call
+
+    def close(self) -> None:
+        if self.handshakes is not None:
+            self.handshakes.close()
+        super().close()
+
+
 def dealer(
     ctx: zmq.asyncio.Context,
     connect: str,
@@ -95,12 +120,20 @@ def dealer(
     curve: CurveKeys | None = None,
     server_public: bytes | None = None,
     silence: float | None = None,
-) -> Channel:
+    on_connected: Callable[[], object] | None = None,
+) -> Dealer:
     """A DEALER connected to ``connect`` as zps id ``identity``.  With CURVE the
     socket's routing id is a secret and ``identity`` goes as connection metadata
     (:func:`_zps_id`); ``silence`` (seconds, for a server that sends something at least
     that often): a connection silent that long is made again (see
-    :meth:`Channel.reconnect_when_silent`)."""
+    :meth:`Channel.reconnect_when_silent`).
+
+    Rule: under CURVE the server cannot send to ``identity`` over a new connection
+    until a message of it came by that connection and was accepted.  A DEALER whose
+    server must reach it unasked (requests forwarded to a shard, a broker's probes and
+    maps) speaks as each connection is made: ``on_connected`` (also settable later as
+    :attr:`Dealer.on_connected`) sends a message the server accepts, such as its
+    heartbeat.  Without CURVE a connection is reachable at once."""
     sock = _dealer_socket(
         ctx,
         connect,
@@ -109,8 +142,16 @@ def dealer(
         hwm=hwm,
         curve=curve,
         server_public=server_public,
+        connected=False,
     )
-    ch = Channel(sock)
+    ch = Dealer(sock)
+    if curve is not None:  # watched before it connects: the first handshake counts too
+        ch.handshakes = HandshakeWatch(sock, on_connected)
+    try:
+        _connect(sock, connect)
+    except BrokenError:
+        ch.close()
+        raise
     if curve is not None and silence is not None:
         ch.reconnect_when_silent(connect, silence)
     return ch
@@ -125,21 +166,32 @@ def _dealer_socket(
     hwm: int = DEFAULT_HWM,
     curve: CurveKeys | None = None,
     server_public: bytes | None = None,
+    connected: bool = True,
 ) -> zmq.Socket[Any]:
-    """:func:`dealer`'s socket alone (for :class:`LinkThread`: no event loop)."""
+    """:func:`dealer`'s socket alone (for :class:`LinkThread`: no event loop); not
+    connected yet unless ``connected``."""
     sock: zmq.Socket[Any] = zmq.Socket(ctx, zmq.DEALER)
     _common(sock, max_message_bytes, hwm)
-    _curve_client(sock, curve, server_public)
-    if curve is None:
-        sock.setsockopt(zmq.IDENTITY, identity)
-    else:
-        _zps_id(sock, identity)
     try:
-        sock.connect(connect)
+        _curve_client(sock, curve, server_public)
+        if curve is None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        else:
+            _zps_id(sock, identity)
+    except BrokenError:
+        sock.close(0)
+        raise
+    if connected:
+        _connect(sock, connect)
+    return sock
+
+
+def _connect(sock: zmq.Socket[Any], endpoint: str) -> None:
+    try:
+        sock.connect(endpoint)
     except zmq.ZMQError as e:
         sock.close(0)
-        raise BrokenError(f"cannot connect to {connect}: {e.strerror}") from e
-    return sock
+        raise BrokenError(f"cannot connect to {endpoint}: {e.strerror}") from e
 
 
 #: libzmq's ZMQ_METADATA: connection metadata a socket sends with its handshake.
