@@ -128,6 +128,7 @@ LAYERS: dict[str, str] = {
     "zps.shard.liveness": "core",
     "zps.shard.snapshots": "driver",
     "zps.client": "driver",
+    "zps.shard.held": "driver",
     "zps.client.client": "driver",
     "zps.client.routers": "core",
     "zps.client.sync": "driver",

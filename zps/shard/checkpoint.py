@@ -54,7 +54,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,6 +223,10 @@ def finish(snap: Snapshot) -> Snapshot:
     return snap
 
 
+#: A checkpoint being written is synced each time this many bytes were written since
+#: the last sync (in the writing thread), so its final sync has at most this much to
+#: flush: the disk's queue never holds a whole partition for one fsync to wait on.
+SYNC_BYTES = 64 << 20
 #: The checksum at the end of a checkpoint stream (SHA-256 of everything before it).
 DIGEST_BYTES = _DIGEST
 #: Slices in which a stream is written or read, hashed beside it (in a second thread).
@@ -357,7 +361,7 @@ class CheckpointStore:
         pending = self.begin(partition, epoch, lsn)
         try:
             if checksum:
-                pending.write(memoryview(_write_hashed(pending.file, parts)))
+                pending.write(memoryview(_write_hashed(pending.write, parts)))
             else:
                 buf = memoryview(bytearray(_SLICE))
                 for piece in slices(parts, _SLICE, buf):
@@ -496,12 +500,18 @@ class PendingCheckpoint:
         self._tmp = folder / f".{name}.tmp-{os.getpid()}-{id(self):x}"
         self.file: io.RawIOBase = open(self._tmp, "wb", buffering=0)  # noqa: SIM115
         self.written = 0
+        self._unsynced = 0
         store.pending.add(self._tmp)
 
     def write(self, view: memoryview) -> None:
-        """Append ``view`` (to the operating system: no sync until :meth:`commit`)."""
+        """Append ``view``; synced in pieces of :data:`SYNC_BYTES` (from the thread that
+        writes), the rest at :meth:`commit`."""
         _write_all(self.file, memoryview(view).cast("B"))
         self.written += len(view)
+        self._unsynced += len(view)
+        if self._unsynced >= SYNC_BYTES:
+            os.fdatasync(self.file.fileno())
+            self._unsynced = 0
 
     def commit(self) -> Path:
         """Sync the file, rename it into place, sync the folder, prune the oldest."""
@@ -667,8 +677,8 @@ def _write_all(f: io.RawIOBase, view: memoryview) -> None:
         view = view[n:]
 
 
-def _write_hashed(f: io.RawIOBase, parts: Sequence[Part]) -> bytes:
-    """Write ``parts`` to ``f`` while a second thread hashes each slice; the SHA-256 of
+def _write_hashed(write: Callable[[memoryview], None], parts: Sequence[Part]) -> bytes:
+    """Write ``parts`` with ``write`` while a second thread hashes each slice; the SHA-256 of
     all of them.  Frozen parts are read into a buffer a slice at a time."""
     digest = hashlib.sha256()
     buf = memoryview(bytearray(_SLICE))
@@ -676,7 +686,7 @@ def _write_hashed(f: io.RawIOBase, parts: Sequence[Part]) -> bytes:
         for piece in slices(parts, _SLICE, buf):
             hashing = pool.submit(digest.update, piece)
             try:
-                _write_all(f, piece)
+                write(piece)
             finally:
                 hashing.result()
     return digest.digest()

@@ -43,12 +43,19 @@ from zps.protocol.messages import (
 from zps.shard.checkpoint import CheckpointStore, Digest, PendingCheckpoint
 from zps.shard.core import ShardCore
 from zps.shard.durability import Durability
+from zps.shard.held import HeldStream, HeldStreamFull
 from zps.shard.session import ShardSession
 from zps.store import PartitionStore
 from zps.store.snapshot import Snapshot, StreamBuilder, build_store
 
-#: Stream messages kept while a snapshot arrives, applied once it is loaded.
-HELD_STREAM_BYTES = 256 << 20
+#: Stream messages kept in memory while a snapshot arrives and loads; past this they
+#: are spooled to disk (zps.shard.held), up to HELD_SPOOL_BYTES.
+HELD_MEMORY_BYTES = 64 << 20
+HELD_SPOOL_BYTES = 1 << 40
+#: The held stream is applied in steps: at most this many bytes read back at a time,
+#: and the loop given a turn after at most this long of applying.
+DRAIN_BYTES = 8 << 20
+DRAIN_STEP_S = 0.02
 #: The largest snapshot a replica assembles (as a checkpoint file may be).
 MAX_SNAPSHOT_BYTES = 1 << 40
 #: A snapshot transfer with no chunk for this long is abandoned and asked for again.
@@ -86,9 +93,9 @@ class Upstream:
         #: The checksum of the snapshot being received, fed chunk by chunk in a worker
         #: thread beside the chunk's copy.
         self._digest: Digest | None = None
-        #: Stream messages that arrived during the snapshot: (route, header, payloads).
-        self._held: list[tuple[Route, Replicate, Any]] = []
-        self._held_bytes = 0
+        #: Stream messages that arrived during the snapshot, kept until it is loaded and
+        #: applied after it (None: none held, the stream is applied as it comes).
+        self._held: HeldStream | None = None
         #: The replica's own log (None or mode "none": no log).
         self._durability = (
             durability if durability is not None and durability.mode != "none" else None
@@ -115,6 +122,7 @@ class Upstream:
         finally:
             if self._loading is not None:
                 self._loading.cancel()
+            self._drop_held()
             if self._durability is not None and self._durability.on_durable == self._durable:
                 self._durability.on_durable = None
 
@@ -129,6 +137,10 @@ class Upstream:
     def ack_now(self) -> None:
         # Never waits on a primary that stopped reading: a later ack supersedes this one.
         # Only what this replica's log holds is acknowledged (on disk, in fsync mode).
+        # Nothing while the stream held during a snapshot is applied: the primary makes
+        # writes wait for a copy from its first acknowledgement on.
+        if self._held is not None:
+            return
         lsn = self.core.lsn
         if self._durability is not None:
             lsn = self._durability.acked_lsn(lsn)
@@ -182,9 +194,9 @@ class Upstream:
             match msg.route.mtype:
                 case MsgType.SNAPSHOT_CHUNK if not self.session.synced:
                     await self._on_chunk(msg.route, msg.header, msg.payloads)
-                case MsgType.REPLICATE if self.session.synced:
+                case MsgType.REPLICATE if self.session.synced and self._held is None:
                     self._apply_stream(msg.route, Replicate.parse(msg.header), msg.payloads)
-                case MsgType.REPLICATE:  # the stream runs ahead of the snapshot's chunks
+                case MsgType.REPLICATE:  # ahead of the snapshot, or of the backlog held
                     self._hold(msg.route, Replicate.parse(msg.header), msg.payloads)
                 case MsgType.BYE:
                     bye = Bye.parse(msg.header)
@@ -223,19 +235,27 @@ class Upstream:
         if self._assembly is not None:
             self._abandoned = self._assembly.snapshot_id
         self._drop_assembly()
-        self._held, self._held_bytes = [], 0
+        self._drop_held()
         self.session.resync()
 
+    def _drop_held(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            held.close()
+
     def _hold(self, route: Route, header: Replicate, payloads: Any) -> None:
-        """Keep a stream message until the snapshot under way is loaded (bounded; what
-        the snapshot already holds is skipped when the held messages are applied)."""
-        size = sum(len(p) for p in payloads)
-        if self._held_bytes + size > HELD_STREAM_BYTES:
-            log.warning("stream during the snapshot passed %d bytes: resync", HELD_STREAM_BYTES)
+        """Keep a stream message until the snapshot under way is loaded and what came
+        before it applied (in memory, then spooled to disk: zps.shard.held); what the
+        snapshot already holds is skipped when the held messages are applied."""
+        if self._held is None:
+            store = self._checkpoints
+            folder = store.root if store is not None and store.root.is_dir() else None
+            self._held = HeldStream(HELD_MEMORY_BYTES, HELD_SPOOL_BYTES, folder)
+        try:
+            self._held.add(route, header, payloads)
+        except HeldStreamFull as e:
+            log.warning("%s: resync", e)
             self._abandon()
-            return
-        self._held.append((route, header, payloads))
-        self._held_bytes += size
 
     async def _on_chunk(
         self, route: Route, header: dict[str, Any], payloads: Sequence[BufferLike]
@@ -346,7 +366,6 @@ class Upstream:
                 return
         if self._assembly is not assembly:
             return  # replaced while keeping
-        held, self._held, self._held_bytes = self._held, [], 0
         self._assembly, self._digest = None, None
         self._abandoned = None
         ok = self._load(snap, store)
@@ -356,12 +375,49 @@ class Upstream:
                 self._checkpoints.folder(snap.partition), snap.partition, snap.lsn
             )
         self.session.snapshot_loaded(ok, snap.lsn)
-        if ok:
-            for r, h, p in held:
-                if self.session.synced:
-                    self._apply_stream(r, h, p)
-            if self.session.synced:
-                await self.ack()
+        if not ok:
+            self._drop_held()
+            return
+        await self._drain()
+        if self.session.synced:
+            await self.ack()
+
+    async def _drain(self) -> None:
+        """Apply the stream held while the snapshot arrived and loaded, in order and in
+        steps (the loop gets a turn every DRAIN_STEP_S: heartbeats, the stream's reads);
+        what arrives meanwhile joins the end of it.  Done once it is empty, on the loop,
+        with no await between the last take and going back to applying as it comes."""
+        while self._held is not None and self.session.synced:
+            held = self._held
+            try:
+                batch = await held.take(DRAIN_BYTES)
+            except HeldStreamFull as e:
+                log.warning("%s: resync", e)
+                self._drop_held()
+                self.session.resync()
+                return
+            if self._held is not held:
+                return  # dropped meanwhile
+            if not batch:
+                self._held = None
+                held.close()
+                log.info(
+                    "applied the stream held during the snapshot (at most %.0f MB held, "
+                    "%.0f MB of it spooled)",
+                    held.peak_bytes / 1e6,
+                    held.total_spooled_bytes / 1e6,
+                )
+                return
+            began = time.monotonic()
+            for r, h, p in batch:
+                if not self.session.synced or self._held is not held:
+                    break
+                self._apply_stream(r, h, p)
+                if time.monotonic() - began > DRAIN_STEP_S:
+                    await asyncio.sleep(0)
+                    began = time.monotonic()
+            await asyncio.sleep(0)
+        self._drop_held()  # a resync meanwhile: the next snapshot's stream is held anew
 
     def _load(self, snap: Snapshot, store: PartitionStore | None) -> bool:
         if store is None or snap.epoch != self.core.epoch or snap.partition != self.core.partition:
