@@ -57,13 +57,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from zps.core import cluster_status, placement, recovery
+from zps.core import cluster_map, cluster_status, placement, recovery
 from zps.core.brokerstate import PartitionRecord
 from zps.core.nodes import Assignment, Claim, ClientNode, Partition, ShardNode, merge
 from zps.core.routing import (
     DEFAULT_SLOTS,
     ClusterMap,
-    PartitionInfo,
     RouterInfo,
     default_slot_map,
 )
@@ -99,7 +98,7 @@ class ClusterState:
         self.shards: dict[str, ShardNode] = {}
         self.clients: dict[str, ClientNode] = {}
         #: Routing brokers (``zps-server broker --follow``): watched like clients, listed
-        #: in the map, each partition's requests sent to one (see ``_routers_of``).
+        #: in the map, each partition's requests sent to one (see ``cluster_map.routers_of``).
         self.routers: dict[str, RouterInfo] = {}
         self._parts = [Partition() for _ in range(n_partitions)]
         self.map_version = 0
@@ -118,14 +117,7 @@ class ClusterState:
 
     def records(self) -> tuple[PartitionRecord, ...]:
         """Each partition's epoch, floor and hosts, for the broker's state record."""
-        out = []
-        for part in self._parts:
-            nodes = [n for n in (part.primary, *part.replicas) if n in self.shards]
-            hosts = tuple(sorted({self.shards[n].host for n in nodes})) or part.hosts
-            out.append(
-                PartitionRecord(part.epoch, part.floor_epoch, part.floor_lsn, hosts, part.members)
-            )
-        return tuple(out)
+        return cluster_map.records(self._parts, self.shards)
 
     def restore(
         self,
@@ -149,10 +141,7 @@ class ClusterState:
                 f"the recorded state has {len(partitions)} partitions, this broker "
                 f"{self.n_partitions}"
             )
-        for part, rec in zip(self._parts, partitions, strict=True):
-            part.epoch, part.floor_epoch, part.floor_lsn = rec.epoch, rec.floor_epoch, rec.floor_lsn
-            part.hosts, part.members = rec.hosts, rec.in_sync
-            part.pinned = bool(rec.in_sync)
+        cluster_map.restore(self._parts, partitions)
         self.map_version = max(self.map_version, map_version)
         self._publish()
 
@@ -246,15 +235,10 @@ class ClusterState:
         return now < self.hold_until
 
     def partition_state(self, partition: int, now: float) -> str:
-        """``ok`` (a primary and every replica in sync), ``degraded`` (a primary, fewer
-        copies in sync), ``lost`` (no copy left), ``holding`` (collecting claims after
-        a start) or ``unassigned`` (no shard yet)."""
-        part = self._parts[partition]
-        if part.primary is not None and part.primary in self.shards:
-            return "degraded" if len(part.in_sync) < self.replication - 1 else "ok"
-        if part.lost:
-            return "lost"
-        return "holding" if self.holding(now) else "unassigned"
+        """See :func:`zps.core.cluster_status.partition_state`."""
+        return cluster_status.partition_state(
+            self._parts[partition], self.shards, self.replication, self.holding(now)
+        )
 
     def assignment_of(self, node_id: str) -> Assignment | None:
         return self._assignment(node_id) if node_id in self.shards else None
@@ -467,11 +451,7 @@ class ClusterState:
             ):
                 node.final_lsn = lsn
             if p.primary == node_id and epoch == p.epoch:
-                # Confirmed: this primary serves (and may write at) this epoch.
-                kept = lsn if durable is None else min(lsn, durable)
-                p.floor_lsn = max(p.floor_lsn, kept) if p.floor_epoch == epoch else kept
-                p.floor_epoch = epoch
-                self._refresh_members(p)
+                p.confirm(epoch, lsn, durable)
         if (
             in_sync is None
             or node.role is not Role.PRIMARY
@@ -493,12 +473,7 @@ class ClusterState:
         """A node died or left (``planned``: it said goodbye, a stop an operator asked
         for); returns the assignments that follow (promotions)."""
         for part in self._parts:
-            if part.contender is not None and node_id in (part.contender, part.primary):
-                # The hand-over is off: a dead primary's last writes are unknown, so
-                # the held copy waits for the operator (or is compared again).
-                if part.primary in self.shards:
-                    self.shards[part.primary].fenced = False
-                part.contender = None
+            if recovery.call_off(part, node_id, self.shards):
                 self._publish()
         self.clients.pop(node_id, None)
         if self.routers.pop(node_id, None) is not None:
@@ -538,17 +513,13 @@ class ClusterState:
         its last copy was stopped on purpose, which is no error)."""
         part = self._parts[p]
         part.primary = None
-        candidates = [r for r in part.replicas if r in part.in_sync and r in self.shards]
-        if part.pinned and not part.released:
-            # After a restart, only the recorded in-sync set holds every write.
-            candidates = [r for r in candidates if r in part.members]
-        if not candidates:
+        best = recovery.elect(part, self.shards)
+        if best is None:
             self._lose(p, stopped=stopped)
             out = [a for r in list(part.replicas) for a in self._demote(r, p)]
             part.replicas, part.in_sync = [], set()
             self._publish()
             return out
-        best = max(candidates, key=lambda r: (self.shards[r].lsn, r))
         part.replicas.remove(best)
         self.failovers += 1
         out = self._make_primary(self.shards[best], p, part.epoch + 1, keep_origin=True)
@@ -679,31 +650,21 @@ class ClusterState:
             if part.primary is None or part.primary not in self.shards:
                 continue
             for r in list(part.replicas):
-                others = [c for c in self._copies(p) if c.node_id != r]
-                if not placement.clash(self.shards[r], others) > (False, False):
+                copies = {c.node_id: c for c in self._copies(p)}
+                extra = len(part.replicas) > self.replication - 1
+                step = placement.rebalance_step(
+                    r, copies, extra, sorted(part.in_sync), self.replication - 1, self._spares()
+                )
+                if step is None:
                     continue
-                if len(part.replicas) > self.replication - 1:
-                    # An extra replica was added for this: drop the clashing one once
-                    # another, well placed, is in sync.
-                    fine = [
-                        x
-                        for x in part.in_sync
-                        if x != r
-                        and not placement.clash(
-                            self.shards[x], [c for c in self._copies(p) if c.node_id != x]
-                        )
-                        > (False, False)
-                    ]
-                    if len(part.in_sync - {r}) >= self.replication - 1 and fine:
-                        part.replicas.remove(r)
-                        part.in_sync.discard(r)
-                        self._publish()
-                        out += self._demote(r, p)
-                    continue
-                rank = placement.clash(self.shards[r], others)
-                better = [n for n in self._spares() if placement.clash(n, others) < rank]
-                if better and r in part.in_sync:
-                    out.append(self._add_replica(better[0], p))
+                if step[1] is None:
+                    # The extra replica added for this is in sync: the clashing one leaves.
+                    part.replicas.remove(r)
+                    part.in_sync.discard(r)
+                    self._publish()
+                    out += self._demote(r, p)
+                else:
+                    out.append(self._add_replica(step[1], p))
         return out
 
     # -- operator ------------------------------------------------------------
@@ -792,16 +753,9 @@ class ClusterState:
             return self._make_primary(spares[0], p, part.epoch + 1)
         return []  # the first spare to register takes it
 
-    @staticmethod
-    def _refresh_members(part: Partition) -> None:
-        """A confirmed primary's in-sync set is the partition's members (a promoted
-        copy takes no write before it is confirmed: its lease starts then)."""
-        if part.primary is not None and part.floor_epoch == part.epoch and part.epoch > 0:
-            part.members = (part.primary, *sorted(part.in_sync))
-
     def _publish(self) -> None:
         for part in self._parts:
-            self._refresh_members(part)
+            part.refresh_members()
             for n in (part.primary, *part.replicas):
                 if n is not None and n in self.shards:
                     part.seen.add((self.shards[n].epoch, n))
@@ -809,47 +763,16 @@ class ClusterState:
         self.map = self._build_map()
 
     def _build_map(self) -> ClusterMap:
-        routers = self._routers_of()
-        parts = {
-            p: PartitionInfo(
-                epoch=part.epoch,
-                primary=None if part.contender is not None else part.primary,
-                replicas=tuple(part.replicas),
-                in_sync=tuple(sorted(part.in_sync)),
-                lost=part.lost,
-                router=routers[p],
-            )
-            for p, part in enumerate(self._parts)
-        }
-        return ClusterMap(
-            self.map_version,
-            self.n_slots,
-            self.slot_map,
-            parts,
-            self.incarnation,
-            tuple(self.routers[n] for n in sorted(self.routers)),
+        return cluster_map.build_map(
+            self._parts,
+            self.shards,
+            self.routers,
+            holding=self._holding,
+            version=self.map_version,
+            n_slots=self.n_slots,
+            slot_map=self.slot_map,
+            incarnation=self.incarnation,
         )
-
-    def _routers_of(self) -> list[str]:
-        """Each partition's router endpoint: a router on its primary's host (the hop
-        to the shard stays inside the host), else the routers in turn; none while
-        holding (requests then go to the broker, which holds them) or without routers."""
-        out = [""] * self.n_partitions
-        if not self.routers or self._holding:
-            return out
-        ordered = [self.routers[n] for n in sorted(self.routers)]
-        by_host: dict[str, RouterInfo] = {}
-        for r in ordered:
-            by_host.setdefault(r.host, r)
-        spread = 0
-        for p, part in enumerate(self._parts):
-            node = self.shards.get(part.primary) if part.primary else None
-            local = by_host.get(node.host) if node is not None and node.host else None
-            if local is None:
-                local = ordered[spread % len(ordered)]
-                spread += 1
-            out[p] = local.endpoint
-        return out
 
     def status(self, now: float, last_seen: dict[str, float | None]) -> dict[str, Any]:
         """A plain-data report for ``zps-server status``."""

@@ -122,3 +122,16 @@ def report(
         "shards": shard_rows,
         "clients": client_rows,
     }
+
+
+def partition_state(
+    part: Partition, shards: Mapping[str, ShardNode], replication: int, holding: bool
+) -> str:
+    """``ok`` (a primary and every replica in sync), ``degraded`` (a primary, fewer
+    copies in sync), ``lost`` (no copy left), ``holding`` (collecting claims after a
+    start) or ``unassigned`` (no shard yet)."""
+    if part.primary is not None and part.primary in shards:
+        return "degraded" if len(part.in_sync) < replication - 1 else "ok"
+    if part.lost:
+        return "lost"
+    return "holding" if holding else "unassigned"

@@ -109,6 +109,21 @@ class Partition:
     def floor(self) -> tuple[int, int]:
         return (self.floor_epoch, self.floor_lsn)
 
+    def confirm(self, epoch: int, lsn: int, durable: int | None) -> None:
+        """Its primary of ``epoch`` confirmed by heartbeat (it serves, and may write, at
+        that epoch): the floor rises to what its log holds (``durable``; without a log,
+        to ``lsn``: a restart would bring back less than it acknowledged)."""
+        kept = lsn if durable is None else min(lsn, durable)
+        self.floor_lsn = max(self.floor_lsn, kept) if self.floor_epoch == epoch else kept
+        self.floor_epoch = epoch
+        self.refresh_members()
+
+    def refresh_members(self) -> None:
+        """A confirmed primary's in-sync set is the partition's members (a promoted
+        copy takes no write before it is confirmed: its lease starts then)."""
+        if self.primary is not None and self.floor_epoch == self.epoch and self.epoch > 0:
+            self.members = (self.primary, *sorted(self.in_sync))
+
 
 def merge(assignments: list[Assignment]) -> list[Assignment]:
     """The last assignment per node wins (one message each)."""

@@ -56,3 +56,36 @@ def warning(copies: Sequence[ShardNode]) -> str | None:
                 "loses them together (no spare shard elsewhere)"
             )
     return None
+
+
+def badly_placed(node: ShardNode, copies: Sequence[ShardNode]) -> bool:
+    """Whether ``node`` shares a host or a zone with one of ``copies``."""
+    return clash(node, copies) > (False, False)
+
+
+def rebalance_step(
+    replica: str,
+    copies: Mapping[str, ShardNode],
+    extra: bool,
+    in_sync: Sequence[str],
+    needed: int,
+    spares: Sequence[ShardNode],
+) -> tuple[str, ShardNode | None] | None:
+    """What to do about ``replica`` of a partition whose copies are ``copies`` (by node
+    id), if it is badly placed: ``("drop", None)`` once the partition has an ``extra``
+    replica and, without it, ``needed`` in-sync replicas one of which is well placed;
+    ``("add", spare)`` while it is in sync and a spare would be better placed; else
+    None (rule 7 of :mod:`zps.core.cluster`)."""
+
+    def others(n: str) -> list[ShardNode]:
+        return [c for i, c in copies.items() if i != n]
+
+    if not badly_placed(copies[replica], others(replica)):
+        return None
+    if extra:
+        rest = [x for x in in_sync if x != replica]
+        fine = [x for x in rest if not badly_placed(copies[x], others(x))]
+        return ("drop", None) if len(rest) >= needed and fine else None
+    rank = clash(copies[replica], others(replica))
+    better = [n for n in spares if clash(n, others(replica)) < rank]
+    return ("add", better[0]) if better and replica in in_sync else None

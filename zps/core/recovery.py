@@ -7,6 +7,8 @@ carries out what they decide.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from zps.core.nodes import Claim, Partition, ShardNode
 
 _RESET = "zps-server reset-partition --partition {p} --accept-data-loss"
@@ -112,3 +114,25 @@ def lost(p: int, part: Partition, stopped: str | None) -> str:
         f"partition {p} is lost: no copy of it at epoch {part.floor_epoch}, LSN "
         f"{part.floor_lsn} or newer is left{where}; " + after
     )
+
+
+def elect(part: Partition, shards: Mapping[str, ShardNode]) -> str | None:
+    """The in-sync replica of ``part`` to promote (rule 4): the highest LSN, then the
+    greatest id; after a broker restart only a recorded member (until an operator
+    released the partition); None: no copy holds every acknowledged write."""
+    candidates = [r for r in part.replicas if r in part.in_sync and r in shards]
+    if part.pinned and not part.released:
+        candidates = [r for r in candidates if r in part.members]
+    return max(candidates, key=lambda r: (shards[r].lsn, r)) if candidates else None
+
+
+def call_off(part: Partition, node_id: str, shards: Mapping[str, ShardNode]) -> bool:
+    """A hand-over (rule 8) is off once its contender or its fenced primary is gone: a
+    dead primary's last writes are unknown, so the held copy waits for the operator
+    (or is compared again).  Returns whether one was called off."""
+    if part.contender is None or node_id not in (part.contender, part.primary):
+        return False
+    if part.primary is not None and part.primary in shards:
+        shards[part.primary].fenced = False
+    part.contender = None
+    return True
