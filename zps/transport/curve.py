@@ -65,7 +65,8 @@ def load_public_keys(directory: str) -> frozenset[bytes]:
 
 _monitors = iter(range(1 << 62))
 
-#: How long the ZAP handler waits before it answers a handshake.  libzmq sets a
+#: How long the ZAP handler waits before it answers a handshake (each on a timer of
+#: its own: many handshakes at once wait this long together).  libzmq sets a
 #: connection's routing id from the ZAP reply's ``Identity`` and from the peer's own
 #: metadata, whichever it reads last; the peer's is read just after the ZAP request is
 #: sent, so a reply this much later nearly always wins (a peer whose own id wins is
@@ -128,10 +129,46 @@ def start_authenticator(
     provider = _KeySet(keys, on_refused)
 
     class Authenticator(AsyncioAuthenticator):
-        async def handle_zap_message(self, msg: list[bytes]) -> None:
-            if len(msg) > 3:
-                provider.peer = msg[3].decode("utf-8", "replace")
+        """ZAP on a ROUTER rather than pyzmq's REP, which must answer one request
+        before it may take the next: each request is answered ZAP_REPLY_DELAY after
+        it came, on a timer of its own, so N handshakes arriving together are answered
+        together, not one delay after another."""
+
+        pending: set[asyncio.Task[None]] = set()
+        envelope: list[bytes] = []  # the routing of the request being answered
+        reader = -1
+
+        def start(self) -> None:
+            sock: zmq.Socket[Any] = self.context.socket(zmq.ROUTER, socket_class=zmq.Socket)
+            sock.linger = 1
+            sock.bind("inproc://zeromq.zap.01")
+            self.zap_socket = sock
+            loop = asyncio.get_running_loop()
+            self.reader = int(sock.FD)
+            loop.add_reader(self.reader, self._take)
+            loop.call_soon(self._take)
+
+        def _take(self) -> None:
+            """Every request queued (the descriptor is edge-triggered: to the end)."""
+            sock = self.zap_socket
+            while sock is not None and not sock.closed and int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+                if b"" not in frames:
+                    continue  # no envelope: not a ZAP request
+                i = frames.index(b"")
+                task = asyncio.ensure_future(self._answer(frames[: i + 1], frames[i + 1 :]))
+                self.pending.add(task)
+                task.add_done_callback(self.pending.discard)
+
+        async def _answer(self, envelope: list[bytes], msg: list[bytes]) -> None:
             await asyncio.sleep(ZAP_REPLY_DELAY)
+            if self.zap_socket is None or self.zap_socket.closed:
+                return  # stopped meanwhile
+            # pyzmq's handler decides and replies (_send_zap_reply) before its first
+            # suspension (the key check is synchronous): the peer and the envelope
+            # set here are this request's.
+            provider.peer = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
+            self.envelope = envelope
             await super().handle_zap_message(msg)
 
         def _send_zap_reply(
@@ -141,14 +178,24 @@ def start_authenticator(
             status_text: bytes,
             user_id: str = "anonymous",
         ) -> None:
-            if status_code != b"200":
-                super()._send_zap_reply(request_id, status_code, status_text, user_id)
-                return
             user = user_id.encode() if isinstance(user_id, str) else user_id
-            metadata = zap_metadata(new_handle())
-            self.zap_socket.send_multipart(
-                [b"1.0", request_id, status_code, status_text, user, metadata]
-            )
+            reply = [*self.envelope, b"1.0", request_id, status_code, status_text]
+            if status_code == b"200":
+                reply += [user, zap_metadata(new_handle())]
+            else:
+                reply += [b"", b""]
+            self.zap_socket.send_multipart(reply)
+            # A send may take the descriptor's notice of requests that came meanwhile.
+            asyncio.get_running_loop().call_soon(self._take)
+
+        def stop(self) -> None:
+            for task in list(self.pending):
+                task.cancel()
+            if self.reader >= 0:
+                with contextlib.suppress(Exception):
+                    asyncio.get_running_loop().remove_reader(self.reader)
+                self.reader = -1
+            super().stop()
 
     auth = Authenticator(ctx)
     auth.start()
