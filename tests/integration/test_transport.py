@@ -202,6 +202,7 @@ async def test_a_link_thread_sends_and_hears_while_the_loop_is_held() -> None:
         max_message_bytes=1 << 20,
     )
     links.start()
+    assert links.running
     try:
         assert links.post([b"", b"beat"])
         for r in routers:  # the beat first (the policy's ticks may follow in the burst)
@@ -216,12 +217,13 @@ async def test_a_link_thread_sends_and_hears_while_the_loop_is_held() -> None:
             await transport.send(routers[1], [b"h-s-test", b"echo %d" % n])
         got = [await asyncio.wait_for(heard.get(), 5) for _ in range(3)]
         assert got == [(1, [b"echo 0"]), (1, [b"echo 1"]), (1, [b"echo 2"])]
+        links.stop()
+        assert not links.running  # its thread has ended: nothing more goes out
     finally:
         links.stop()
         for r in routers:
             transport.close(r)
         transport.term(ctx)
-    assert not links._thread.is_alive()
 
 
 class _Breaks(_Every):
@@ -256,8 +258,8 @@ async def test_a_link_thread_that_fails_says_so_and_falls_silent() -> None:
         assert [transport.frame_bytes(f) for f in got[0]] == [b"h-s-test", b"", b"beat"]
         error = await asyncio.wait_for(failed, 5)
         assert isinstance(error, ValueError) and str(error) == "the policy broke"
-        await asyncio.to_thread(links._thread.join, 5)
-        assert not links._thread.is_alive()
+        assert await asyncio.to_thread(links.join, 5)
+        assert not links.running
         links.post([b"", b"unheard"])  # no thread to send it
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(transport.recv_burst(router), 0.3)

@@ -24,16 +24,20 @@ async def pair() -> AsyncIterator[Pair]:
 
 @pytest.mark.timeout(30)
 async def test_a_cancel_that_lands_with_a_wake_up_ends_the_receive(pair: Pair) -> None:
-    ch, _ = pair
-    for _ in range(50):
+    ch, peer = pair
+    for i in range(60):
         task = asyncio.create_task(ch.recv_burst(0.5))
         await asyncio.sleep(0)  # parked in the timed wait
         await asyncio.sleep(0)
-        ch._readable.set()  # the reader's wake-up ...
-        task.cancel()  # ... and the stop, in one loop iteration
+        peer.send(b"%d" % i)  # the reader callback wakes the reader at the next turn
+        # The stop lands just before that wake-up, or in the turn the woken reader runs.
+        for _ in range(1 + i % 2):
+            await asyncio.sleep(0)
+        task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        ch._readable.clear()
+        got = await ch.recv_burst(5.0)  # the message stays queued for the next receive
+        assert [bytes(f[0]) for f in got] == [b"%d" % i]
 
 
 # ---- the timed wait: one timer for many waits ----------------------------------------
@@ -66,6 +70,7 @@ async def test_a_wait_after_a_message_keeps_its_own_deadline(pair: Pair) -> None
 async def test_a_wake_up_without_a_message_does_not_lose_the_deadline(pair: Pair) -> None:
     ch, _ = pair
     loop = asyncio.get_running_loop()
+    # Fault injection: nothing public wakes a plain socket's reader with no message.
     loop.call_later(0.02, ch._readable.set)  # woken, nothing queued
     t0 = loop.time()
     assert await ch.recv_burst(0.1) == []

@@ -95,7 +95,7 @@ class Recorder:
 async def parked(ch: transport.Channel) -> None:
     """Until the serving task waits for messages (it sets the fast handler, or ends its
     burst, and then parks in the same step): a message sent now reaches the callback."""
-    while ch._fast is None or ch._busy:
+    while not ch.fast_ready:
         await asyncio.sleep(0)
 
 

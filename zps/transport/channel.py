@@ -164,6 +164,14 @@ class Channel:
         is in use: see :data:`COMPILED_IO`) or through pyzmq's calls."""
         self._io = _zmqio if on and COMPILED_IO else None
 
+    @property
+    def fast_ready(self) -> bool:
+        """Whether a message that arrives now is handled in the reader callback by
+        :func:`serve`'s fast handler: one is set, and the serving task is neither
+        handling a burst nor holding messages the fast handler left to it."""
+        fast = self._fast
+        return fast is not None and not fast.running and not self._busy and not self._backlog
+
     def _events(self) -> int:
         """ZMQ_EVENTS (reading it also takes the descriptor's pending notice)."""
         io = self._io

@@ -105,6 +105,20 @@ class LinkThread:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        """Whether the thread serves its links now (started, and neither stopped nor
+        failed)."""
+        return self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait (blocking: from a thread other than the loop's, or after :meth:`stop`)
+        at most ``timeout`` seconds until the thread has ended; whether it is not
+        running then (True for one never started too)."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def post(self, frames: Sequence[Any]) -> bool:
         """Hand ``frames`` to the thread (from the loop); False if it could not take them."""
         try:
