@@ -32,7 +32,6 @@ import logging
 import os
 import socket
 import time
-import uuid
 from collections.abc import Coroutine, Sequence
 from typing import Any, Self, assert_never
 
@@ -70,7 +69,7 @@ from zps.errors import (
 from zps.ops import malloc
 from zps.ops.config import ClientConfig, broker_endpoints
 from zps.ops.meter import ClientMeter
-from zps.ops.security import key_identity, load_curve_keys
+from zps.ops.security import client_identity, load_curve_keys
 from zps.protocol.codec import (
     NO_COMPRESSION,
     TRAFFIC,
@@ -103,13 +102,8 @@ class Connection:
         self.addresses = broker_endpoints(address, "the broker address")
         self.address = self.addresses[0]
         self.config = config or ClientConfig()
-        # Under CURVE the identity carries the key's tag: no other key may use it.
         curve = load_curve_keys(self.config.security)
-        self.client_id = (
-            key_identity(b"c-", curve.public, uuid.uuid4().hex[:8].encode())
-            if curve is not None
-            else f"c-{uuid.uuid4().hex[:16]}".encode()
-        )
+        self.client_id = client_identity(curve.public if curve is not None else None)
         self._handshakes: list[transport.HandshakeWatch] = []
         self._session: ClientSession[Token] = ClientSession(
             self.client_id,

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -228,6 +229,15 @@ def key_identity(prefix: bytes, key: bytes, suffix: bytes) -> bytes:
     """The routing identity a peer of ``key`` uses under CURVE: ``prefix`` (``c-``,
     ``r-``), the key's tag, ``-`` and ``suffix``."""
     return prefix + key_tag(key) + b"-" + suffix
+
+
+def client_identity(public: bytes | None) -> bytes:
+    """A new client's zps id: under CURVE (``public``: its key) ``c-``, the key's tag and
+    8 random hex digits, so no other key may use it; else ``c-`` and 16 random hex
+    digits."""
+    if public is not None:
+        return key_identity(b"c-", public, uuid.uuid4().hex[:8].encode())
+    return f"c-{uuid.uuid4().hex[:16]}".encode()
 
 
 def is_shard_identity(ident: bytes) -> bool:
