@@ -23,13 +23,18 @@ def next_(wait: bool = False) -> TaskRequest:
     return TaskRequest("next", "job", wait=wait)
 
 
-def run(calls: list[tuple[str, int, TaskRequest]]) -> tuple[Training, list[tuple[int, Any]]]:
+def run(
+    calls: list[tuple[str, int, TaskRequest]], replies: list[dict[str, Any]] | None = None
+) -> tuple[Training, list[tuple[int, Any]]]:
     """Feed TASK calls (node, request id, request); returns the training state and the
-    (request id, task id or None) of every answer to a 'next'."""
+    (request id, task id or None) of every answer to a 'next'.  Every reply's header
+    goes to ``replies`` too."""
     answers: list[tuple[int, Any]] = []
 
     async def send(frames: list[Any]) -> bool:
         msg = decode(frames[1:])
+        if replies is not None:
+            replies.append(msg.header)
         if "task" in msg.header:
             task = msg.header["task"]
             answers.append((msg.route.req_id, task["task"] if task else None))
@@ -57,10 +62,12 @@ def test_a_parked_next_call_that_comes_twice_waits_once() -> None:
     one = TaskRequest("create", "job", JobSettings(n_records=1, per_task=1))
     calls = [("a", 1, one), ("a", 2, next_()), ("b", 1, next_(wait=True))]
     calls += [("b", 1, next_(wait=True)), ("a", 3, TaskRequest("release", "job", task=0))]
-    t, answers = run(calls)
+    calls += [("a", 4, TaskRequest("show", "job"))]
+    replies: list[dict[str, Any]] = []
+    t, answers = run(calls, replies)
     assert answers == [(2, 0), (1, 0)]  # b got the released task once
     assert {tid: w for tid, (w, _) in t.jobs["job"].held.items()} == {0: "b"}
-    assert t._task_waiters == []
+    assert replies[-1]["progress"]["waiting"] == 0  # no call of b's left parked
 
 
 def test_a_restored_broker_holds_sync_joins_until_the_recorded_workers_tick() -> None:
