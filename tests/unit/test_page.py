@@ -243,10 +243,10 @@ def test_an_epochs_eta_starts_again_when_its_job_is_reset() -> None:
 
         for _ in range(3):
             await take_and_finish()
-        before = training._epoch_start["j", 0]
+        before = training.epoch_start("j", 0)
         training.jobs["j"].reset()
         await take_and_finish()
-        return [before, training._epoch_start["j", 0], training.status()["jobs"][0]]
+        return [before, training.epoch_start("j", 0), training.status()["jobs"][0]]
 
     before, after, progress = asyncio.run(run())
     assert after[0] > before[0] and after[1] == 0  # a fresh start, nothing done then

@@ -534,6 +534,12 @@ class Training:
             in_epoch = job.progress()["epochs"][task.epoch]["done"]
             self._epoch_start[job.name, task.epoch] = (time.monotonic(), in_epoch)
 
+    def epoch_start(self, job: str, epoch: int) -> tuple[float, int] | None:
+        """What ``epoch`` of ``job``'s ETA counts from: when its first task went out
+        (``time.monotonic()``) and how many of its tasks were done then; None before
+        any went out."""
+        return self._epoch_start.get((job, epoch))
+
     def on_report(self, node: str, report: TrainReport, now: float) -> None:
         """A worker's heartbeat carried what it reported (``now``: Unix seconds)."""
         self.reports.add(node, report, now)
