@@ -44,6 +44,7 @@ def _replay(folder: Path) -> tuple[Wal, list[int]]:
 
 def _kill(wal: Wal) -> None:
     """The process dies: its file stays as written, nothing is synced on the way out."""
+    # Fault injection: no public call closes a log without the sync a death skips.
     assert wal._fd is not None
     os.close(wal._fd)
     wal._fd = None
