@@ -117,7 +117,7 @@ def test_sigterm_everything_then_restart_restores_identical_state(
     broker2 = c.spawn(
         "broker1",
         [sys.executable, "-m", "zps", "broker", "--bind", c.address, "--partitions", "2",
-         "--replication", "2", *c._hb()],
+         "--replication", "2", *c.common_args()],
     )  # fmt: skip
     assert broker2.name == c.broker_name()
     c.wait_healthy(30)

@@ -31,7 +31,7 @@ class Routers(LocalCluster):
         proc = self.spawn(
             f"router{n}-{host}",
             [self.python, "-m", "zps", "broker", "--follow", self.address, "--bind", endpoint,
-             "--host", host, *self._hb()],
+             "--host", host, *self.common_args()],
         )  # fmt: skip
         self.routers[host] = (proc, endpoint)
         return proc, endpoint
@@ -195,14 +195,8 @@ def test_a_router_killed_then_one_paused_under_load(cluster: RouterCluster) -> N
 def test_routers_before_the_broker_and_a_broker_restart_converge() -> None:
     c = RouterCluster(partitions=2, shards=2, shard_hosts=HOSTS)
     c.routers = {}
-    c.port = free_port()
-    c.workdir = None
     try:
-        import tempfile
-        from pathlib import Path
-
-        c._tmp = tempfile.TemporaryDirectory(prefix="zps-routers-")
-        c.workdir = Path(c._tmp.name)
+        c.prepare()
         for host in HOSTS:  # cold start, in the wrong order: the routers first
             c.start_router(host)
         time.sleep(0.3)

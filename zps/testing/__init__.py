@@ -171,7 +171,9 @@ class LocalCluster:
         self.procs.append(proc)
         return proc
 
-    def _hb(self) -> list[str]:
+    def common_args(self) -> list[str]:
+        """The flags every process of this cluster is started with (heartbeat interval,
+        liveness, log level), for a test that starts one itself."""
         return [
             "--heartbeat-interval",
             str(self.heartbeat_interval),
@@ -200,7 +202,7 @@ class LocalCluster:
                 str(self.replication),
                 "--startup-grace",
                 str(grace),
-                *self._hb(),
+                *self.common_args(),
                 *(["--data-dir", str(self.broker_data_dir)] if self.broker_data_dir else []),
                 *self.broker_args,
             ],
@@ -221,7 +223,7 @@ class LocalCluster:
                 "tcp://127.0.0.1:0",
                 "--advertise-host",
                 "127.0.0.1",
-                *self._hb(),
+                *self.common_args(),
                 *(
                     ["--host", self.shard_hosts[n % len(self.shard_hosts)]]
                     if self.shard_hosts
@@ -232,11 +234,17 @@ class LocalCluster:
             ],
         )
 
-    def start(self, timeout: float = 30.0) -> LocalCluster:
+    def prepare(self) -> None:
+        """Choose the port (unless set) and the working directory (unless set: a
+        temporary one, removed by :meth:`stop`), starting nothing: for a test that
+        starts the processes itself, in an order of its own."""
         if self.workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="zps-cluster-")
             self.workdir = Path(self._tmp.name)
         self.port = self.port or free_port()
+
+    def start(self, timeout: float = 30.0) -> LocalCluster:
+        self.prepare()
         try:
             self.start_broker()
             for _ in range(self.shards):
@@ -408,7 +416,7 @@ class DataDirCluster(LocalCluster):
             f"broker{n}",
             [sys.executable, "-m", "zps", "broker", "--bind", self.address,
              "--partitions", str(self.partitions), "--replication", str(self.replication),
-             *self._hb()],
+             *self.common_args()],
         )  # fmt: skip
 
 
@@ -464,7 +472,7 @@ class PairCluster(LocalCluster):
                 str(self.replication),
                 "--startup-grace",
                 str(self.startup_grace if grace is None else grace),
-                *self._hb(),
+                *self.common_args(),
                 # each broker of the pair has a data dir of its own (ROLE under broker_data_dir)
                 *(["--data-dir", str(self.broker_data_dir / role)] if self.broker_data_dir else []),
                 *self.broker_args,
