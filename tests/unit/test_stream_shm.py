@@ -1,10 +1,13 @@
 """The replication stream's regions in the primary's shared memory: who gets
 descriptors, and when each region is freed (every reader acknowledged it, left, or
 let it wait past the stall timeout).  Real zmq (inproc) and a real arena; the
-replicas are DEALER sockets read by the test."""
+replicas are DEALER sockets the test reads and writes, and the stream serves them."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +18,7 @@ import pytest
 import zmq
 
 from zps import shm, transport
-from zps.protocol.codec import MsgType, decode
+from zps.protocol.codec import MsgType, Route, decode, encode
 from zps.protocol.messages import Role, StreamAck, Subscribe
 from zps.shard.core import ShardCore
 from zps.shard.primary import ReplicationStream
@@ -50,9 +53,22 @@ class Rig:
             out.append(sock.recv_multipart())
         return out
 
-    def ack(self, node: str, lsn: int, now: float = 0.0) -> None:
+    async def tell(self, node: str, mtype: MsgType, header: dict[str, Any]) -> None:
+        """``node`` sends the primary a message; returns once the stream has taken it
+        (its channel counts it received, and the stream handles what it receives at
+        once, in that step)."""
+        seen = self.stream.channel.received
+        self.replicas[node].send_multipart(encode(Route(mtype), header))
+        async with asyncio.timeout(5):
+            while self.stream.channel.received == seen:
+                await asyncio.sleep(0)
+
+    async def ack(self, node: str, lsn: int) -> None:
         base = self.session.followers[node].snapshot_lsn
-        self.stream._on_ack(node, StreamAck(lsn, E, base), now)
+        await self.tell(node, MsgType.ACK, StreamAck(lsn, E, base).to_wire())
+
+    async def subscribe(self, node: str, host: str | None = None) -> None:
+        await self.tell(node, MsgType.SUBSCRIBE, Subscribe(P, E, host=host).to_wire())
 
     @property
     def live(self) -> int:
@@ -96,10 +112,13 @@ async def rig() -> AsyncIterator[Rig]:
         assert session.acked(node, 0, E, 0.0, 0).in_sync
     stream.shm_followers = {"r1", "r2"}  # r3 asked for the stream inline
     r = Rig(stream, session, core, shared, replicas)
+    serving = asyncio.create_task(stream.serve())
     try:
         yield r
     finally:
-        stream.out.close()
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
         transport.close(stream.channel)
         for d in replicas.values():
             d.close(0)
@@ -116,13 +135,12 @@ def _read(frames: list[bytes], reader: shm.SharedMemory) -> list[Any]:
 
 
 async def test_a_subscription_naming_this_host_reads_through_shared_memory(rig: Rig) -> None:
-    rig.stream._subscribe("r3", Subscribe(P, E, host=rig.shared.host), 0.0)
+    await rig.subscribe("r3", host=rig.shared.host)
     assert "r3" in rig.stream.shm_followers
-    rig.stream._subscribe("r3", Subscribe(P, E, host="another-boot/1"), 0.0)
+    await rig.subscribe("r3", host="another-boot/1")
     assert "r3" not in rig.stream.shm_followers
-    rig.stream._subscribe("r2", Subscribe(P, E), 0.0)  # it asks for the stream inline now
+    await rig.subscribe("r2")  # it asks for the stream inline now
     assert rig.stream.shm_followers == {"r1"}
-    rig.stream.snapshots.close()
 
 
 async def test_in_sync_readers_on_the_host_get_descriptors_of_one_region(rig: Rig) -> None:
@@ -146,17 +164,17 @@ async def test_a_region_is_freed_once_every_reader_acknowledged_it(rig: Rig) -> 
     first = rig.write(b"x" * BIG)
     second = rig.write(b"y" * BIG)
     assert rig.live == 2
-    rig.ack("r1", second)
+    await rig.ack("r1", second)
     assert rig.live == 2  # r2 has read neither
-    rig.ack("r2", first)
+    await rig.ack("r2", first)
     assert rig.live == 1  # the first is read by both
-    rig.ack("r2", second)
+    await rig.ack("r2", second)
     assert rig.live == 0 and rig.stream.shared_bytes == 0
 
 
 async def test_a_reader_that_leaves_frees_what_waited_for_it(rig: Rig) -> None:
     lsn = rig.write(b"x" * BIG)
-    rig.ack("r1", lsn)
+    await rig.ack("r1", lsn)
     rig.stream.drop("r2", "test")
     assert rig.live == 0
     assert "r2" not in rig.stream.shm_followers
@@ -172,12 +190,13 @@ async def test_a_step_down_frees_the_regions_at_the_next_check(rig: Rig) -> None
 async def test_a_reader_that_leaves_a_region_unread_for_the_stall_timeout_is_dropped(
     rig: Rig,
 ) -> None:
-    lsn = rig.write(b"x" * BIG)
-    rig.ack("r1", lsn)
-    born = rig.stream._shared[0].born
-    rig.stream.expire_shared(born + STALL - 0.1)
+    t0 = time.monotonic()
+    lsn = rig.write(b"x" * BIG)  # its region is born between t0 and t1
+    t1 = time.monotonic()
+    await rig.ack("r1", lsn)
+    rig.stream.expire_shared(t0 + STALL - 0.1)
     assert rig.live == 1 and "r2" in rig.session.followers  # not yet
-    rig.stream.expire_shared(born + STALL + 0.1)
+    rig.stream.expire_shared(t1 + STALL + 0.1)
     assert rig.live == 0
     assert "r2" not in rig.session.followers and "r1" in rig.session.followers
     told = [decode(m).route.mtype for m in rig.received("r2")]
@@ -186,10 +205,13 @@ async def test_a_reader_that_leaves_a_region_unread_for_the_stall_timeout_is_dro
 
 async def test_a_follower_not_yet_in_sync_gets_the_stream_inline(rig: Rig) -> None:
     rig.session.subscribed("r2", 5, 0.0)  # resubscribed: loading a snapshot at LSN 5
-    rig.write(b"x" * BIG)
+    lsn = rig.write(b"x" * BIG)
     (msg,) = rig.received("r2")
     assert len(msg[3]) == BIG
-    assert rig.stream._shared[0].readers == {"r1"}
+    (desc,) = rig.received("r1")
+    assert len(desc[3]) == 0  # r1 reads it from the region ...
+    await rig.ack("r1", lsn)
+    assert rig.live == 0  # ... its only reader: r2's acknowledgement is not waited for
 
 
 async def test_the_stream_keeps_to_half_the_arena(rig: Rig) -> None:
