@@ -4,16 +4,19 @@ verdict per message on the Python data path (zps/broker/datapath.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 import zps
 from zps import transport
-from zps.broker import acceptance
+from zps.broker import acceptance, forward
 from zps.broker.broker import Broker
 from zps.broker.routes import NoRoute, RouteTable, refusal, route
 from zps.core import membership
@@ -22,6 +25,7 @@ from zps.ops.config import BrokerConfig
 from zps.protocol import codec
 from zps.protocol.codec import MsgType, Route, encode
 from zps.protocol.messages import Status
+from zps.testing import free_port
 
 SOURCE = Path(zps.__file__).parent / "broker" / "_forward.pyx"
 
@@ -122,24 +126,34 @@ def test_a_resized_table_keeps_its_routes_and_pads_with_none() -> None:
 # -- one verdict per message ----------------------------------------------------------
 
 
-class FakeOut:
-    """The broker's Outbound, recording what it is given."""
-
-    def __init__(self) -> None:
-        self.sent: list[list[Any]] = []
-        self.queues: dict[bytes, Any] = {}
-
-    def post(self, frames: list[Any], limit: int) -> transport.Posted:
-        self.sent.append(frames)
-        return transport.Posted.SENT
+async def _until(condition: Any, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0)
 
 
+async def _next_of(ch: transport.Channel, mtype: MsgType) -> Any:
+    """The next message of type ``mtype`` ``ch`` receives (others are skipped)."""
+    async with asyncio.timeout(5):
+        while True:
+            for frames in await ch.recv_burst():
+                msg = codec.decode([transport.frame_buffer(f) for f in frames])
+                if msg.route.mtype is mtype:
+                    return msg
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", ["compiled", "python"])
 async def test_a_message_the_fast_path_leaves_is_decoded_once(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    b = Broker(BrokerConfig(partitions=2))
-    out = FakeOut()
-    b._out = out  # type: ignore[assignment]
+    """A running broker, a client and a shard on its socket: the client's HELLO is left
+    by the fast path (and the compiled step) to the serving task, which decodes it once;
+    a REQUEST the route table names the shard for goes to it with nothing decoded."""
+    if path == "compiled" and forward.step is None:
+        pytest.skip("the compiled step was not built")
+    if path == "python":
+        monkeypatch.setattr(forward, "step", None)
     decoded: list[int] = []
     real = codec.decode
 
@@ -148,17 +162,48 @@ async def test_a_message_the_fast_path_leaves_is_decoded_once(
         return real(frames)
 
     monkeypatch.setattr(acceptance, "decode", counting)
-    hello = [b"c-1", *encode(Route(MsgType.HELLO, req_id=1), {"host": "h", "pid": 1})]
-    assert b._forward(hello) is False  # a control message: the serving task's
-    await b._on_message(hello)
-    assert len(decoded) == 1
-    assert "c-1" in b.state.clients
-    assert [f[0] for f in out.sent] == [b"c-1"]  # its map
-    # A REQUEST is routed by the table, in the fast path, with nothing decoded.
-    b.routes = RouteTable([b"s-a", None], (False, False))
-    b.state.hold_until = 0.0
-    req = [b"c-1", Route(MsgType.REQUEST, 0, 1, 5).pack(), b"hdr", b"x"]
-    assert b._forward(req) is True
-    assert out.sent[-1][:2] == [b"s-a", b"c-1"]
-    assert len(decoded) == 1
-    assert b.stats.routed == 1
+    b = Broker(BrokerConfig(partitions=2, startup_grace=0.0, bind=f"tcp://127.0.0.1:{free_port()}"))
+    serving = asyncio.create_task(b.run())
+    plain = zmq.Context()
+    peers: dict[bytes, transport.Channel] = {}
+    try:
+        await asyncio.wait_for(b.bound.wait(), 10)
+        assert b.endpoint is not None
+        for ident in (b"c-1", b"s-a"):
+            sock = plain.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, ident)
+            sock.connect(b.endpoint)
+            peers[ident] = transport.Channel(sock)
+        # The shard's first word (a late reply: counted, no more) shows it is connected.
+        peers[b"s-a"].send_nowait([b"c-0", Route(MsgType.REPLY).pack(), b""])
+        await _until(lambda: b.stats.stale_replies == 1)
+        assert decoded == []
+
+        hello = encode(Route(MsgType.HELLO, req_id=1), {"host": "h", "pid": 1})
+        peers[b"c-1"].send_nowait(hello)
+        await _next_of(peers[b"c-1"], MsgType.MAP)  # its map
+        assert len(decoded) == 1  # a control message: the serving task's, decoded once
+        assert "c-1" in b.state.clients
+
+        # A REQUEST is routed by the table (by the compiled step where it runs), with
+        # nothing decoded.
+        b.routes = RouteTable([b"s-a", None], (False, False))
+        peers[b"c-1"].send_nowait([Route(MsgType.REQUEST, 0, 1, 5).pack(), b"hdr", b"x"])
+        (got,) = await asyncio.wait_for(peers[b"s-a"].recv_burst(), 5)
+        assert [transport.frame_bytes(f) for f in got] == [
+            b"c-1",
+            Route(MsgType.REQUEST, 0, 1, 5).pack(),
+            b"hdr",
+            b"x",
+        ]
+        assert len(decoded) == 1
+        assert b.stats.routed == 1
+        report = b.status(time.monotonic())["broker"]
+        assert report["forwarded_compiled"] == (1 if path == "compiled" else 0)
+    finally:
+        b.stop()
+        await asyncio.wait_for(serving, 10)
+        for ch in peers.values():
+            ch.close()
+        plain.term()
