@@ -78,15 +78,16 @@ def held_mb(pid: int) -> float:
     """What ``pid`` holds (MB): its private memory and every page of its tables' memory
     files, mapped or not (a frozen cut's pages stop being mapped by the table once
     written, so its resident size alone would miss them)."""
-    files = 0
+    files: dict[tuple[int, int], int] = {}  # each file once (a frozen cut holds a second fd)
     try:
         for fd in Path(f"/proc/{pid}/fd").iterdir():
             with contextlib.suppress(OSError):
                 if os.readlink(fd).startswith("/memfd:zps-rows"):
-                    files += os.stat(fd).st_blocks * 512
+                    st = os.stat(fd)
+                    files[st.st_dev, st.st_ino] = st.st_blocks * 512
     except OSError:
         return 0.0
-    return rss_mb(pid, "RssAnon") + files / 2**20
+    return rss_mb(pid, "RssAnon") + sum(files.values()) / 2**20
 
 
 def percentile(values: list[float], q: float) -> float:

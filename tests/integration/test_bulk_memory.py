@@ -58,14 +58,15 @@ def held(pid: int) -> int:
     """What ``pid`` holds: its private memory and every page of its memory files (the
     tables' arrays), mapped or not: a frozen version's pages are no longer mapped by
     the table once written, and its resident size alone would not count them."""
-    files = 0
+    files: dict[tuple[int, int], int] = {}  # each file once (a frozen cut holds a second fd)
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
             if os.readlink(fd).startswith("/memfd:zps-rows"):
-                files += os.stat(fd).st_blocks * 512
+                st = os.stat(fd)
+                files[st.st_dev, st.st_ino] = st.st_blocks * 512
         except OSError:
             continue  # closed meanwhile
-    return _kb(pid, "RssAnon") + files
+    return _kb(pid, "RssAnon") + sum(files.values())
 
 
 class Peak:

@@ -16,10 +16,11 @@ takes the cut, which freezes the rows rather than copying them
 a buffer of its own in a worker thread, and the checksum is taken in another as
 the chunks go (a chunk is hashed after it is posted, the checksum sent once every
 byte before it is hashed), so no pass over the partition comes before the first
-chunk; the frozen version is released as soon as the last chunk is read, so the
-primary holds, per transfer, the pages written meanwhile and at most ``window + 2``
-chunks, never a copy of the partition; a transfer nobody acknowledges for
-``timeout`` seconds is given up and the replica is dropped (it subscribes again).
+chunk; each range of the frozen version is released (on the loop) as soon as a chunk
+has read it, so the primary holds, per transfer, the pages written meanwhile in the
+ranges not yet sent and at most ``window + 2`` chunks, never a copy of the partition;
+a transfer nobody acknowledges for ``timeout`` seconds is given up and the replica is
+dropped (it subscribes again).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from zps.store.snapshot import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_CHUNK_WINDOW,
     CutSpace,
+    FrozenPart,
     Part,
     Piece,
     Snapshot,
@@ -80,6 +82,18 @@ def _fill(parts: list[Part], pieces: tuple[Piece, ...], size: int) -> memoryview
         read_part(parts[i], a, b, out[pos:])
         pos += b - a
     return out
+
+
+def _give_back(parts: list[Part], pieces: tuple[Piece, ...]) -> int:
+    """Release what of the frozen version a chunk's ``pieces`` read (on the loop, which
+    writes the tables): the pages written there since the cut are copied back and held
+    no longer.  The bytes copied back."""
+    written = 0
+    for i, _a, b in pieces:
+        part = parts[i]
+        if isinstance(part, FrozenPart):
+            written += part.version.release_to(part.start + b)
+    return written
 
 
 async def _fed(
@@ -209,6 +223,7 @@ class SnapshotSender:
         plan = plan_chunks([*(len(p) for p in parts), DIGEST_BYTES], self.chunk_bytes)
         digest = Digest(plan.total)
         hashing: asyncio.Future[None] | None = None
+        given_back = 0  # bytes written during the transfer, copied back as it went
         log.info(
             "replica %s subscribed: snapshot %d at LSN %d, %d bytes in %d chunks",
             node,
@@ -228,6 +243,7 @@ class SnapshotSender:
                 body = tuple(p for p in pieces if p[0] < last)
                 size = sum(b - a for _, a, b in body)
                 data = [await asyncio.to_thread(_fill, parts, body, size)] if body else []
+                given_back += _give_back(parts, body)
                 if seq == plan.count - 1:
                     release(snap)  # every byte of it is read
                 if not self._current(node, transfer):
@@ -256,10 +272,12 @@ class SnapshotSender:
         if await self._room(node, transfer, plan.count + self.window - 1):
             self.completed += 1
             log.info(
-                "snapshot %d for replica %s delivered in %.2fs",
+                "snapshot %d for replica %s delivered in %.2fs (%.0f MB written meanwhile, "
+                "copied back as the chunks passed)",
                 transfer.snapshot_id,
                 node,
                 time.monotonic() - t0,
+                given_back / 1e6,
             )
 
     async def _room(self, node: str, transfer: _Transfer, seq: int) -> bool:

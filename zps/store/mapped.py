@@ -205,11 +205,13 @@ class Frozen:
         self._memory: weakref.ref[_Memory] = weakref.ref(m)
         self._thread = threading.get_ident()
         self.released = False
+        #: Bytes ``[0, released_to)`` are released already (:meth:`release_to`).
+        self.released_to = 0
         self._closer = weakref.finalize(self, os.close, self.fd)
 
     def read_into(self, offset: int, out: memoryview) -> None:
         """Bytes ``[offset, offset + len(out))`` of the frozen version into ``out``."""
-        if self.released:
+        if self.released or offset < self.released_to:
             raise ValueError("a frozen version read after its release")
         if offset < 0 or offset + len(out) > self.nbytes:
             raise ValueError(f"bytes {offset}+{len(out)} of a frozen {self.nbytes}")
@@ -227,6 +229,26 @@ class Frozen:
         Returns the bytes copied back."""
         return sum(self.release_steps(1 << 62))
 
+    def release_to(self, stop: int) -> int:
+        """Release bytes ``[0, stop)`` (``stop`` rounded down to a page): a reader that
+        has read them gives them back before it reads on, so the pages written there
+        are copied back (and held no longer) while the rest stays frozen.  From the
+        thread that froze it; the bytes copied back."""
+        if self.released:
+            return 0
+        if threading.get_ident() != self._thread:
+            raise RuntimeError("a frozen version is released by the thread that froze it")
+        m = self._memory()
+        if m is None or m.closed or m.frozen is not self:
+            return 0
+        stop = min(len(m), stop - stop % _PAGE)
+        if stop <= self.released_to:
+            return 0
+        written = _write_back(m, self.released_to, stop)
+        _remap(m, mmap.MAP_SHARED, self.released_to, stop)
+        self.released_to = stop
+        return written
+
     def release_steps(self, step: int) -> Iterator[int]:
         """:meth:`release` in steps of ``step`` bytes of the array, each atomic (its
         written pages copied back, then that range mapped shared again): the writer
@@ -239,7 +261,7 @@ class Frozen:
             raise RuntimeError("a frozen version is released by the thread that froze it")
         self.released = True
         try:
-            pos = 0
+            pos = self.released_to
             while True:
                 m = self._memory()
                 if m is None or m.closed or m.frozen is not self or pos >= len(m):
