@@ -606,14 +606,7 @@ class EmbeddingTable:
         # aligned int64 (a copy of the ids only, where needed).
         ids = np.require(ids, requirements=["A", "C"])
         n = ids.shape[0]
-        index = IdIndex(2 * n)
-        # Ids that ascend are distinct (one pass); others, in storage order as snapshots
-        # and checkpoints carry them, are distinct when the index takes each as new:
-        # no sort (a sort of 4 M ids took seconds on a loaded machine).
-        if bool(np.all(ids[1:] > ids[:-1])):
-            index.insert(ids)
-        elif index.get_or_insert(ids)[1] != n:
-            raise BadRequestError(f"table {name!r}: export 'ids' has duplicates")
+        index = self._index_of(ids)
         # Validated, not copied: they are copied into the table's own arrays below.
         rows = load_array(name, data, "rows", (n, self.spec.dim), self.dtype, copy=False)
         state = {
@@ -627,5 +620,52 @@ class EmbeddingTable:
             self._state[k][:n] = a
         self._tick = int(self._meta(TOUCHED)[:n].max()) if self._life and n else 0
 
+    def adopt(self, data: dict[str, Array]) -> None:
+        """:meth:`load`, taking ``data``'s arrays as the table's own where each is a
+        whole, writable array of its exact shape and dtype (from :func:`mapped.empty`,
+        as a snapshot's chunks are written into: no copy, and they grow in place like
+        the table's own); copied as :meth:`load` does otherwise.  All or nothing."""
+        ids = np.asarray(data.get("ids"))
+        n = ids.shape[0] if ids.ndim == 1 else -1
+        widths = {"rows": self.spec.dim, **self._widths}
+        arrays = {k: data.get(k) for k in widths}
+        if (
+            set(data) != {"ids", *widths}
+            or ids.dtype != np.int64
+            or not all(_ownable(a, (n, widths[k]), self.dtype) for k, a in arrays.items())
+        ):
+            self.load(data)  # validates, and copies
+            return
+        index = self._index_of(np.require(ids, requirements=["A", "C"]))
+        self._reset(0)
+        self._index = index
+        self._rows = arrays.pop("rows")  # type: ignore[assignment]
+        self._state = arrays  # type: ignore[assignment]
+        self._tick = int(self._meta(TOUCHED)[:n].max()) if self._life and n else 0
+
+    def _index_of(self, ids: npt.NDArray[np.int64]) -> IdIndex:
+        """An index of ``ids`` (aligned), proving them distinct: ids that ascend are
+        (one pass); others, in storage order as snapshots and checkpoints carry them,
+        are when the index takes each as new (no sort: seconds for 4 M ids)."""
+        n = ids.shape[0]
+        index = IdIndex(2 * n)
+        if bool(np.all(ids[1:] > ids[:-1])):
+            index.insert(ids)
+        elif index.get_or_insert(ids)[1] != n:
+            raise BadRequestError(f"table {self.spec.name!r}: export 'ids' has duplicates")
+        return index
+
     def checksum(self) -> str:
         return checksum_arrays(self.export())
+
+
+def _ownable(a: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> bool:
+    """Whether a table may take ``a`` as its array as it is (see EmbeddingTable.adopt)."""
+    return (
+        isinstance(a, np.ndarray)
+        and a.shape == shape
+        and a.dtype == dtype
+        and a.flags.writeable
+        and a.flags.c_contiguous
+        and (a.base is None or mapped.mapping(a) is not None)
+    )

@@ -23,9 +23,8 @@ from zps.errors import BadRequestError, ProtocolError
 from zps.protocol.codec import CODEC_RAW, WIRE_DTYPES, BufferLike, Encoder, array_from
 from zps.protocol.specs import EmbeddingSpec, spec_from_wire
 from zps.store import mapped
-from zps.store.index import IdIndex
 from zps.store.partition import PartitionStore
-from zps.store.tables import TOUCHED, DenseMemory, EmbeddingTable
+from zps.store.tables import DenseMemory, EmbeddingTable
 
 DedupEntry = tuple[bytes, int, list[dict[str, Any]]]
 
@@ -693,44 +692,5 @@ def build_store(snap: Snapshot, memory: DenseMemory | None = None) -> PartitionS
         if not isinstance(data, dict):
             raise BadRequestError(f"partition export: no data for table {name!r}")
         store.create(spec)
-        adopt(store.embedding(name), data)
+        store.embedding(name).adopt(data)
     return store
-
-
-def _ownable(a: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> bool:
-    return (
-        isinstance(a, np.ndarray)
-        and a.shape == shape
-        and a.dtype == dtype
-        and a.flags.writeable
-        and a.flags.c_contiguous
-        and (a.base is None or mapped.mapping(a) is not None)
-    )
-
-
-def adopt(table: EmbeddingTable, data: dict[str, Any]) -> None:
-    """:meth:`EmbeddingTable.load`, the table taking ``data``'s arrays as its own where
-    they are whole arrays of their exact shape (copies otherwise): validated, all or
-    nothing."""
-    ids = np.asarray(data.get("ids"))
-    n = ids.shape[0] if ids.ndim == 1 else -1
-    widths = {"rows": table.spec.dim, **table._widths}
-    arrays = {k: data.get(k) for k in widths}
-    if (
-        set(data) != {"ids", *widths}
-        or ids.dtype != np.int64
-        or not all(_ownable(a, (n, w), table.dtype) for k, a in arrays.items() for w in [widths[k]])
-    ):
-        table.load(data)  # validates, and copies
-        return
-    ids = np.require(ids, requirements=["A", "C"])
-    index = IdIndex(2 * n)
-    if bool(np.all(ids[1:] > ids[:-1])):
-        index.insert(ids)
-    elif index.get_or_insert(ids)[1] != n:
-        raise BadRequestError(f"table {table.spec.name!r}: export 'ids' has duplicates")
-    table._reset(0)
-    table._index = index
-    table._rows = arrays.pop("rows")  # type: ignore[assignment]
-    table._state = arrays  # type: ignore[assignment]
-    table._tick = int(table._meta(TOUCHED)[:n].max()) if table._life and n else 0
