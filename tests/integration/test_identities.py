@@ -462,8 +462,9 @@ class Zmtp:
 class HalfOpenProxy:
     """A TCP relay to ``upstream``: ``cut()`` closes the client side of every relayed
     connection but holds the server side open and silent, as a dead network path
-    that only one end has noticed.  What each connection carried each way, as ZMTP
-    commands: ``zmtp[i]`` (the i-th accepted) ``["up"]`` (to ``upstream``), ``["down"]``."""
+    that only one end has noticed; ``freeze()`` holds both sides open and silent.
+    What each connection carried each way, as ZMTP commands: ``zmtp[i]`` (the i-th
+    accepted) ``["up"]`` (to ``upstream``), ``["down"]``."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
@@ -524,6 +525,14 @@ class HalfOpenProxy:
         for down, up in cut:
             down.close()
             self.held.append(up)
+
+    def freeze(self) -> None:
+        """Stop relaying every connection relayed so far, holding both sides open and
+        silent: a path that died with neither end told.  Later connections are relayed."""
+        with self.lock:
+            frozen, self.pairs = self.pairs, []
+        for down, up in frozen:
+            self.held += [down, up]
 
     def close(self) -> None:
         self.stopped = True
@@ -590,7 +599,18 @@ def test_a_shard_whose_data_link_half_died_serves_again(kc: KeyCluster, tmp_path
             # for 1.5 s).
             deadline = time.monotonic() + 10
             while proxy.accepted < 3 or proxy.zmtp[2]["up"].first(b"MESSAGE") is None:
-                assert time.monotonic() < deadline, (proxy.accepted, [(z["up"].commands[:8], z["down"].commands[:8], z["up"].greeted, bytes(z["up"].buf[:40])) for z in proxy.zmtp])
+                assert time.monotonic() < deadline, (
+                    proxy.accepted,
+                    [
+                        (
+                            z["up"].commands[:8],
+                            z["down"].commands[:8],
+                            z["up"].greeted,
+                            bytes(z["up"].buf[:40]),
+                        )
+                        for z in proxy.zmtp
+                    ],
+                )
                 time.sleep(0.005)
             new = proxy.zmtp[2]
             ready, spoke = new["down"].first(b"READY"), new["up"].first(b"MESSAGE")

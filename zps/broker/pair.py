@@ -268,6 +268,9 @@ class Pair:
             hwm=16,
             curve=keys,
             server_public=(keys.server_public or keys.public) if keys else None,
+            # A connection that died unseen (the peer's host, or the path) answers no
+            # ping: it is made again, with or without CURVE.
+            heartbeats=True,
         )
         log.info(
             "broker pair: %s, peer link at %s, peer at %s (timeout %.2fs)",

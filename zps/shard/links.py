@@ -115,7 +115,9 @@ def dealer_link(
     silence: float | None = None,
 ) -> Link:
     """A DEALER to ``endpoint`` (a broker, or a routing broker) with its own reply
-    allowance (``shard.reply_queue_bytes``)."""
+    allowance (``shard.reply_queue_bytes``).  Its ZMTP heartbeats, with or without CURVE,
+    make again a connection whose server answers no ping (a routing broker sends a
+    shard's link nothing else to judge silence by)."""
     hb = config.heartbeat
     sock = transport.dealer(
         ctx,
@@ -125,6 +127,7 @@ def dealer_link(
         curve=keys,
         server_public=keys.server_public if keys else None,
         silence=silence,
+        heartbeats=True,
     )
     out = transport.Outbound(
         sock,

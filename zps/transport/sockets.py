@@ -21,6 +21,7 @@ import zmq.asyncio
 from zps.errors import BrokenError
 from zps.transport.channel import ZPS_ID_PROPERTY, Channel
 from zps.transport.curve import (
+    CURVE_CLIENT_HEARTBEAT,
     CURVE_SERVER_HEARTBEAT,
     CurveKeys,
     HandshakeWatch,
@@ -34,6 +35,9 @@ from zps.transport.peers import SECRET_PREFIX, PeerTable
 #: memory a flood (or a stalled peer) can pin, while leaving ample room for
 #: requests in flight.
 DEFAULT_HWM = 1000
+#: A DEALER's ZMTP heartbeats (interval, timeout: seconds), with CURVE or with
+#: ``dealer(heartbeats=True)``.
+CLIENT_HEARTBEAT = CURVE_CLIENT_HEARTBEAT
 
 
 def _common(sock: zmq.Socket[Any], max_message_bytes: int, hwm: int) -> None:
@@ -121,12 +125,16 @@ def dealer(
     server_public: bytes | None = None,
     silence: float | None = None,
     on_connected: Callable[[], object] | None = None,
+    heartbeats: bool = False,
 ) -> Dealer:
     """A DEALER connected to ``connect`` as zps id ``identity``.  With CURVE the
     socket's routing id is a secret and ``identity`` goes as connection metadata
     (:func:`_zps_id`); ``silence`` (seconds, for a server that sends something at least
     that often): a connection silent that long is made again (see
-    :meth:`Channel.reconnect_when_silent`).
+    :meth:`Channel.reconnect_when_silent`).  ``heartbeats``: ZMTP heartbeats without CURVE
+    too (a CURVE client always has them): a connection whose peer answers no ping within
+    the timeout (:data:`CLIENT_HEARTBEAT`) is closed and made again, so a connection that
+    died on the far side only, or on the path between, is noticed.
 
     Rule: under CURVE the server cannot send to ``identity`` over a new connection
     until a message of it came by that connection and was accepted.  A DEALER whose
@@ -143,6 +151,7 @@ def dealer(
         curve=curve,
         server_public=server_public,
         connected=False,
+        heartbeats=heartbeats,
     )
     ch = Dealer(sock)
     if curve is not None:  # watched before it connects: the first handshake counts too
@@ -167,11 +176,14 @@ def _dealer_socket(
     curve: CurveKeys | None = None,
     server_public: bytes | None = None,
     connected: bool = True,
+    heartbeats: bool = False,
 ) -> zmq.Socket[Any]:
     """:func:`dealer`'s socket alone (for :class:`LinkThread`: no event loop); not
     connected yet unless ``connected``."""
     sock: zmq.Socket[Any] = zmq.Socket(ctx, zmq.DEALER)
     _common(sock, max_message_bytes, hwm)
+    if heartbeats:  # before it connects: a connection takes the options as it is made
+        _heartbeats(sock, CLIENT_HEARTBEAT)
     try:
         _curve_client(sock, curve, server_public)
         if curve is None:
