@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from zps import transport
-from zps.broker.report import BrokerReport
+from zps.broker.base import BrokerStats
+from zps.core.cluster import ClusterState
 from zps.core.membership import is_liveness
 from zps.errors import ProtocolError
 from zps.ops.security import (
     ADMIN_FIELDS,
+    KeyRoles,
+    RefusalLog,
     identity_refusal,
     is_shard_identity,
     refused_by_role,
@@ -43,27 +47,56 @@ log = logging.getLogger("zps.broker")
 _MAX_BOUND_NAMES = 65536
 
 
-class BrokerAdmission(BrokerReport):
-    """CURVE roles, version mismatches, malformed messages (see the module notes)."""
+class Admission:
+    """CURVE roles, version mismatches, malformed messages (see the module notes).
 
-    def _authorised(self, ident: bytes, node: str, frames: transport.Frames) -> bool:
+    ``state`` is the broker's current one (a broker of a pair gets a new one when it
+    resets); ``bound_keys`` (shard name -> CURVE key) is shared with the record;
+    ``roles``, ``sock`` and ``out`` are set once the socket is bound."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        stats: BrokerStats,
+        refusals: RefusalLog,
+        bound_keys: dict[str, bytes],
+        *,
+        post: Callable[[list[Any]], object],
+        refuse: Callable[[bytes, Route, Status, str], None],
+        refuse_call: Callable[[bytes, Route, str], None],
+        state_changed: Callable[[], None],
+    ) -> None:
+        self.state = state
+        self.stats = stats
+        self.refusals = refusals
+        self.bound_keys = bound_keys
+        self._post = post
+        self._refuse = refuse
+        self._refuse_call = refuse_call
+        self._state_changed = state_changed
+        self.roles: KeyRoles | None = None
+        self.sock: transport.Channel | None = None
+        self.out: transport.Outbound | None = None
+        self._mismatched: set[str] = set()  # peers warned about another protocol version
+
+    def authorised(self, ident: bytes, node: str, frames: transport.Frames) -> bool:
         """CURVE: the sender's key must be allowed, own the identity (a shard name is
         bound to the key it first came with, any other identity carries its key's tag:
         zps.ops.security) and, for a command that changes the cluster, be an operator's.
         Anything else is dropped (a command refused with an answer), counted by reason
         and logged once per peer and key a minute."""
-        assert self._roles is not None
+        assert self.roles is not None
         key = transport.sender_key(frames[1])
         shard = is_shard_identity(ident)
-        owner = self._bound_keys.get(node) if shard else None
-        reason = identity_refusal(ident, key, self._roles, owner)
-        if reason is None and self._sock is not None:
-            self._sock.accepted(frames)  # its key owns the identity: answers go this way
+        owner = self.bound_keys.get(node) if shard else None
+        reason = identity_refusal(ident, key, self.roles, owner)
+        if reason is None and self.sock is not None:
+            self.sock.accepted(frames)  # its key owns the identity: answers go this way
         if reason is None and shard and owner is None:
             assert key is not None
             self._bind(node, key)
         if reason is None and not shard:
-            refused = self._command_refusal(ident, frames, "operator" in self._roles.roles(key))
+            refused = self._command_refusal(ident, frames, "operator" in self.roles.roles(key))
             if refused is not None:
                 self.stats.unauthorized += 1
                 self.refusals.refused(node, key, refused[0], time.monotonic(), refused[1])
@@ -74,21 +107,21 @@ class BrokerAdmission(BrokerReport):
         self.refusals.refused(node, key, reason, time.monotonic())
         return False
 
-    def _connection_closed(self, fd: int) -> None:
+    def connection_closed(self, fd: int) -> None:
         """CURVE: a connection closed; its identity gets nothing until it speaks again
         (whatever connection holds the identity next may be another key's)."""
-        if self._out is not None:
-            self._out.connection_closed(fd)
+        if self.out is not None:
+            self.out.connection_closed(fd)
 
     def _bind(self, node: str, key: bytes) -> None:
         """Bind shard name ``node`` to ``key``.  The table is bounded: past its bound a
         name no shard of the membership holds is forgotten (never a live one)."""
-        if len(self._bound_keys) >= _MAX_BOUND_NAMES:
-            idle = next((n for n in self._bound_keys if n not in self.state.shards), None)
+        if len(self.bound_keys) >= _MAX_BOUND_NAMES:
+            idle = next((n for n in self.bound_keys if n not in self.state.shards), None)
             if idle is not None:
-                del self._bound_keys[idle]
-        self._bound_keys[node] = key
-        self.state_changed()
+                del self.bound_keys[idle]
+        self.bound_keys[node] = key
+        self._state_changed()
 
     def _command_refusal(
         self, ident: bytes, frames: transport.Frames, operator: bool
@@ -130,15 +163,15 @@ class BrokerAdmission(BrokerReport):
         report: dict[str, Any] = {"st": Status.BAD_REQUEST.value, "msg": msg, "refused": "role"}
         for command in ("reset", "drain", "scale"):
             report[command] = {"ok": False, "msg": msg}
-        self.post([ident, *encode(Route(MsgType.STATUS, req_id=route.req_id), report)])
+        self._post([ident, *encode(Route(MsgType.STATUS, req_id=route.req_id), report)])
         return "wrong_role", msg
 
-    def _handshake_refused(self, peer: str, key: bytes | None, reason: str) -> None:
+    def handshake_refused(self, peer: str, key: bytes | None, reason: str) -> None:
         """A handshake the ZAP handler or the socket refused: counted, logged."""
         self.stats.unauthorized += 1
         self.refusals.refused(f"a peer at {peer}", key, reason, time.monotonic())
 
-    def _wrong_version(self, ident: bytes, node: str, error: VersionMismatchError) -> None:
+    def wrong_version(self, ident: bytes, node: str, error: VersionMismatchError) -> None:
         """Answer VERSION_MISMATCH (in this protocol version); warn once per peer."""
         self.stats.version_mismatch += 1
         if node not in self._mismatched:
@@ -161,9 +194,9 @@ class BrokerAdmission(BrokerReport):
         )
         route = Route(MsgType.REPLY, error.partition, error.epoch, error.req_id)
         prefix = [ident, b""] if ident.startswith(b"s-") or is_liveness(ident) else [ident]
-        self.post([*prefix, *encode(route, reply.to_wire())])
+        self._post([*prefix, *encode(route, reply.to_wire())])
 
-    def _on_malformed(self, frames: transport.Frames, err: ProtocolError) -> None:
+    def on_malformed(self, frames: transport.Frames, err: ProtocolError) -> None:
         self.stats.malformed += 1
         node = transport.frame_bytes(frames[0]).decode("utf-8", "replace") if frames else "?"
         log.debug("dropped a malformed message from %s: %s", node, err)

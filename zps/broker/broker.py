@@ -43,10 +43,12 @@ message first; a passive broker handles nothing (no timers run), and every
 control message an active one sends carries its term.
 
 This module is the process: its sockets, the receive loop and the timer loop.  The
-broker's jobs are modules of their own, each a layer of :class:`Broker`
-(:mod:`zps.broker.base` lists them); its collaborators (:class:`~zps.broker.pair.Pair`,
-:class:`~zps.broker.reshard.Resharder`, :class:`~zps.broker.training.Training`) get
-the few calls they use, never the broker itself.
+broker's jobs are parts of their own, one module each (:mod:`zps.broker.base` lists
+them); :class:`Broker` composes them and hands each only what it uses (the shared
+state objects and the calls it makes), never another part or the broker itself; so
+do its collaborators (:class:`~zps.broker.pair.Pair`,
+:class:`~zps.broker.reshard.Resharder`, :class:`~zps.broker.training.Training`),
+through the calls of :class:`Broker` their Protocols name.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import assert_never
+from typing import Any, assert_never
 
 from zps import transport
 from zps.broker import forward
@@ -72,20 +74,26 @@ from zps.broker.acceptance import (
     accept,
     accept_control,
 )
-from zps.broker.base import BrokerStats
-from zps.broker.control import BrokerControl
+from zps.broker.admission import Admission
+from zps.broker.base import BrokerStats, Outlet
+from zps.broker.control import Control
+from zps.broker.datapath import DataPath
 from zps.broker.pair import Pair
+from zps.broker.persistence import Record
+from zps.broker.report import Report
 from zps.broker.reshard import Resharder
 from zps.broker.routes import RouteTable
 from zps.broker.statefile import StateFile
 from zps.broker.training import Training
-from zps.core.cluster import ClusterState
+from zps.core.brokerstate import BrokerState
+from zps.core.cluster import Assignment, ClusterState
 from zps.core.membership import FailureDetector, speaks_for
 from zps.errors import ProtocolError
 from zps.ops.config import BrokerConfig
-from zps.ops.datadir import lock_data_dir
+from zps.ops.datadir import DataDirLock, lock_data_dir
 from zps.ops.metrics import MetricsServer
 from zps.ops.security import (
+    KeyRoles,
     RefusalLog,
     load_curve_keys,
     load_roles,
@@ -99,8 +107,9 @@ __all__ = ["Broker", "BrokerStats"]
 log = logging.getLogger("zps.broker")
 
 
-class Broker(BrokerControl):
-    """The broker process (see the module notes)."""
+class Broker:
+    """The broker process (see the module notes): it composes the parts and carries
+    out the calls its collaborators make."""
 
     def __init__(self, config: BrokerConfig, *, notifier: Notifier | None = None) -> None:
         self.config = config
@@ -116,52 +125,211 @@ class Broker(BrokerControl):
             config.heartbeat.interval, config.heartbeat.liveness, start=time.monotonic()
         )
         self.stats = BrokerStats()
-        self.endpoint = None
         self.bound = asyncio.Event()
         self._stop = asyncio.Event()
-        self._sock = None
-        self._sock_addr = 0
-        self._compiled = 0
-        self._out = None
         self._last_tick = time.monotonic()
         self._last_ping = 0.0
-        self.routes = RouteTable.empty(config.partitions)
-        self._started = time.monotonic()
         self._last_beat = 0.0
-        self._keys = {}
-        self._versions = {}
-        self._incarnations = {}
-        self._mismatched = set()
-        self._roles = None
-        self._bound_keys = {}
+        self._roles: KeyRoles | None = None
+        self._sock: transport.Channel | None = None
         self.refusals = RefusalLog(log, "the broker")
-        self.metrics = MetricsServer(
-            config.metrics,
-            self._collect,
-            ready=self._ready,
-            status=lambda: self.status(time.monotonic()),  # the status page's report
-        )
-        self.training = Training(self.state, self.send, self._send_durable)
-        self._record = None
-        self._writer = None
-        self.pair = None
+        self.pair: Pair | None = None
+        #: The data dir, held for this process's life (a second broker on it is refused).
+        self._lock: DataDirLock | None = None
+        # What the parts share: CURVE shard name -> the key it first registered with
+        # (kept whatever becomes of the shard, in the data dir's state too: a name
+        # outlives its key's process), and each node's zps release.
+        bound_keys: dict[str, bytes] = {}
+        versions: dict[str, str] = {}
+        self.outlet = outlet = Outlet(config, self.stats, self.detector)
+        self.training = Training(self.state, outlet.send, self._send_durable)
         self.reshard = Resharder(
             self,
             durable=config.data_dir is not None or config.pair_role is not None,
             heartbeat_interval=config.heartbeat.interval,
             liveness=config.heartbeat.liveness,
         )
-        self._lock = None
+        self.admission = admission = Admission(
+            self.state,
+            self.stats,
+            self.refusals,
+            bound_keys,
+            post=outlet.post,
+            refuse=outlet.refuse,
+            refuse_call=outlet.refuse_call,
+            state_changed=self.state_changed,
+        )
+        self.datapath = datapath = DataPath(
+            self.state,
+            self.detector,
+            self.stats,
+            RouteTable.empty(config.partitions),
+            post=outlet.post,
+            refuse=outlet.refuse,
+            authorised=admission.authorised,
+            wrong_version=admission.wrong_version,
+        )
+        self.record = record = Record(
+            config,
+            self.state,
+            self.training,
+            self.reshard,
+            bound_keys,
+            send=outlet.send,
+            post=outlet.post,
+            resized=self._resized,
+        )
+        self.report = report = Report(
+            config,
+            self.state,
+            self.detector,
+            self.training,
+            self.reshard,
+            self.stats,
+            self.refusals,
+            versions,
+            bound=self.bound,
+            stop=self._stop,
+            record_status=record.status,
+            forwarded=lambda: datapath.compiled,
+        )
+        self.control_plane = Control(
+            self.state,
+            self.detector,
+            self.training,
+            self.reshard,
+            self.stats,
+            versions,
+            control=record.control,
+            forget=outlet.forget,
+            saturated=outlet.saturated,
+            status=report.status,
+            state_changed=record.state_changed,
+            epoch_unrecorded=record.epoch_unrecorded,
+            map_changed=self._map_changed,
+            log_states=report.log_partition_states,
+        )
+        # The fast path, bound once: the socket's reader callback calls it directly.
+        self._forward = datapath.forward
+        self.metrics = MetricsServer(
+            config.metrics,
+            report.collect,
+            ready=report.ready,
+            status=lambda: self.report.status(time.monotonic()),  # the status page's report
+        )
         if config.data_dir is not None:
             self._lock = lock_data_dir(config.data_dir, f"broker {config.bind}")
-            self._load_state(StateFile(config.data_dir))
+            record.load(StateFile(config.data_dir), self.detector)
         now = time.monotonic()
-        n = self.state.n_partitions  # a resharded cluster's recorded count
-        self._part_states = [self.state.partition_state(p, now) for p in range(n)]
-        self._placements = [None] * n
-        self.routes = self.routes.resized(n)
+        report.reset_lists(now)  # a resharded cluster's recorded count
+        datapath.routes = datapath.routes.resized(self.state.n_partitions)
         if config.pair_role is not None:
-            self.pair = Pair(config, self, record=self._record)
+            self.pair = Pair(config, self, record=record.last)
+            record.pair = report.pair = datapath.pair = self.pair
+
+    def _share(self) -> None:
+        """Hand every part the current state, failure detector and training (a broker
+        of a pair gets new ones when it resets)."""
+        state, detector, training = self.state, self.detector, self.training
+        self.outlet.detector = detector
+        self.admission.state = state
+        self.datapath.state, self.datapath.detector = state, detector
+        self.record.state, self.record.training = state, training
+        self.report.state, self.report.detector, self.report.training = (
+            state,
+            detector,
+            training,
+        )
+        cp = self.control_plane
+        cp.state, cp.detector, cp.training = state, detector, training
+
+    def _lease(self) -> float:
+        """How long a primary's lease runs past the heartbeat an echo renews."""
+        hb = self.config.heartbeat
+        return hb.interval * (hb.liveness - 1)
+
+    def _resized(self, now: float) -> None:
+        """The partition count changed (a recorded slot map, or live resharding)."""
+        self.report.resize_lists(now)
+        self.datapath.routes = self.datapath.routes.resized(self.state.n_partitions)
+
+    def _map_changed(self, now: float) -> None:
+        """A new map: the per-partition lists follow its count, the route table it."""
+        if len(self.report.part_states) != self.state.n_partitions:
+            self._resized(now)  # live resharding added or removed some
+        self.datapath.rebuild_routes()
+
+    # -- the calls the collaborators make (PairHost, ReshardHost, Training) and the
+    # -- parts' entry points other code and tests use
+
+    @property
+    def routes(self) -> RouteTable:
+        """Where each partition's requests go (zps.broker.routes), rebuilt from each map."""
+        return self.datapath.routes
+
+    @routes.setter
+    def routes(self, table: RouteTable) -> None:
+        self.datapath.routes = table
+
+    @property
+    def _out(self) -> transport.Outbound | None:
+        return self.outlet.out
+
+    @_out.setter
+    def _out(self, out: transport.Outbound | None) -> None:
+        self.outlet.out = self.admission.out = self.datapath.out = self.report.out = out
+
+    @property
+    def endpoint(self) -> str | None:
+        return self.report.endpoint
+
+    def post(self, frames: list[Any]) -> transport.Posted:
+        """Send without waiting (see the module notes); the one way out of the broker."""
+        return self.outlet.post(frames)
+
+    async def send(self, frames: list[Any]) -> bool:
+        return await self.outlet.send(frames)
+
+    async def _send_durable(self, frames: list[Any]) -> bool:
+        return await self.record.send_durable(frames)
+
+    async def control(
+        self,
+        node: bytes,
+        mtype: MsgType,
+        header: dict[str, Any],
+        req_id: int = 0,
+        *,
+        durable: bool = False,
+    ) -> None:
+        await self.record.control(node, mtype, header, req_id, durable=durable)
+
+    def state_changed(self) -> None:
+        self.record.state_changed()
+
+    async def persisted(self) -> None:
+        await self.record.persisted()
+
+    def pair_record(self, version: int) -> BrokerState:
+        return self.record.pair_record(version)
+
+    def load_record(self, rec: BrokerState) -> None:
+        self.record.load_record(rec)
+
+    def state_record(self) -> BrokerState:
+        return self.record.state_record()
+
+    def routing(self) -> bool:
+        return self.datapath.routing()
+
+    async def apply(self, assignments: list[Assignment]) -> None:
+        await self.control_plane.apply(assignments)
+
+    async def publish_if_changed(self, before: int) -> None:
+        await self.control_plane.publish_if_changed(before)
+
+    def status(self, now: float) -> dict[str, Any]:
+        return self.report.status(now)
 
     def reset_state(self, now: float, *, hold: float) -> None:
         """Forget every node and start holding for claims (a broker of a pair that
@@ -172,11 +340,11 @@ class Broker(BrokerControl):
         )
         self.state.lease = self._lease()
         self.detector = FailureDetector(cfg.heartbeat.interval, cfg.heartbeat.liveness, start=now)
-        self.training = Training(self.state, self.send, self._send_durable)
-        self.routes = RouteTable.empty(cfg.partitions)
-        self._keys.clear()
-        self._part_states = [self.state.partition_state(p, now) for p in range(cfg.partitions)]
-        self._placements = [None] * cfg.partitions
+        self.training = Training(self.state, self.outlet.send, self._send_durable)
+        self._share()
+        self.datapath.routes = RouteTable.empty(cfg.partitions)
+        self.control_plane.keys.clear()
+        self.report.reset_lists(now)
         self.reshard.restore(None)
 
     async def republish(self) -> None:
@@ -197,28 +365,33 @@ class Broker(BrokerControl):
         ctx = transport.new_context()
         keys = load_curve_keys(self.config.security)
         self._roles = roles = load_roles(self.config.security)
+        self.admission.roles = self.datapath.roles = roles
         auth = (
             transport.start_authenticator(
                 ctx,
                 keys.allowed_dir,
                 keys=roles.admitted if roles else None,
-                on_refused=self._handshake_refused,
+                on_refused=self.admission.handshake_refused,
             )
             if keys
             else None
         )
-        self._sock, self.endpoint = transport.router(
+        sock, endpoint = transport.router(
             ctx, self.config.bind, max_message_bytes=self.config.max_message_bytes, curve=keys
         )
+        self._sock = self.admission.sock = self.datapath.sock = sock
+        self.report.endpoint = endpoint
         unwatch = (
-            transport.watch_handshakes(self._sock, self._handshake_refused, self._connection_closed)
+            transport.watch_handshakes(
+                sock, self.admission.handshake_refused, self.admission.connection_closed
+            )
             if keys
             else None
         )
         warn_if_exposed(self.config.bind, self.config.security, "the broker")
-        self._sock_addr = self._sock.handle
-        self._out = transport.Outbound(
-            self._sock,
+        self.datapath.sock_addr = sock.handle
+        self._out = out = transport.Outbound(
+            sock,
             total_limit=self.config.queue_bytes,
             stall_timeout=self.config.stall_timeout,
             name="broker",
@@ -245,22 +418,23 @@ class Broker(BrokerControl):
                 if self.pair is not None:
                     tasks.append(tg.create_task(self.pair.run(ctx)))
                 tasks.append(tg.create_task(self.reshard.run()))
-                if self._writer is not None:
-                    self._writer.changed()  # the restored record, under this version
-                    tasks.append(tg.create_task(self._writer.run()))
+                writer = self.record.writer
+                if writer is not None:
+                    writer.changed()  # the restored record, under this version
+                    tasks.append(tg.create_task(writer.run()))
                 await self._stop.wait()
                 self.notifier.stopping()
                 for t in tasks:
                     t.cancel()
         finally:
-            if self._writer is not None:
-                self._writer.flush()
-            self._out.close()
+            if self.record.writer is not None:
+                self.record.writer.flush()
+            out.close()
             if auth is not None:
                 auth.stop()
             if unwatch is not None:
                 unwatch()
-            transport.close(self._sock)
+            transport.close(sock)
             transport.term(ctx)
             if self._lock is not None:
                 self._lock.release()
@@ -294,16 +468,17 @@ class Broker(BrokerControl):
         await transport.serve(
             self._sock,
             self._on_message,
-            self._on_malformed,
-            fast=self._forward,
+            self.admission.on_malformed,
+            fast=self.datapath.forward,
             on_burst=self._alive,
             idle=self.config.heartbeat.interval,
             on_idle=self._on_idle,
-            pump=self._pump if forward.step is not None else None,
+            pump=self.datapath.pump if forward.step is not None else None,
         )
 
     async def _on_message(self, frames: transport.Frames) -> None:
-        declined, self._declined = frames is self._declined, None
+        datapath = self.datapath
+        declined, datapath.declined = frames is datapath.declined, None
         if len(frames) < 2:
             raise ProtocolError(f"{len(frames)} frame(s): no envelope and route")
         now = time.monotonic()
@@ -311,7 +486,7 @@ class Broker(BrokerControl):
         # A shard's liveness link (h-s-...) speaks for the shard: its heartbeats keep the
         # shard alive and its key must be the shard's; lease echoes go back on it.
         node = speaks_for(ident).decode("utf-8", "replace")
-        if self._roles is not None and not self._authorised(ident, node, frames):
+        if self._roles is not None and not self.admission.authorised(ident, node, frames):
             return
         if self.pair is not None and not await self.pair.admit(speaks_for(ident), frames, now):
             return  # a standby: answered PASSIVE, or a shard noted
@@ -324,13 +499,13 @@ class Broker(BrokerControl):
         try:
             match verdict:
                 case RouteRequest() | ForwardReply() | WrongVersion() | Reject():
-                    self._data(ident, node, verdict, frames, now)
+                    datapath.data(ident, node, verdict, frames, now)
                 case FromClient(route, message):
-                    await self._from_client(ident, node, route, message, now)
+                    await self.control_plane.from_client(ident, node, route, message, now)
                 case BadClientRequest(route, error):
                     await self.training.bad_request(ident, route, error)
                 case FromShard(_, message):
-                    await self._from_shard(ident, node, message, now)
+                    await self.control_plane.from_shard(ident, node, message, now)
                 case MoveReply():
                     self.reshard.on_reply(verdict)
                 case CommitReply(route, header):
@@ -354,8 +529,8 @@ class Broker(BrokerControl):
             for node in self.detector.tick(now):
                 kind = "shard" if node in self.state.shards else "client"
                 log.warning("%s %s missed its heartbeats; declared dead", kind, node)
-                self._keys.pop(node, None)
-                self._forget_queue(node.encode())
+                self.control_plane.keys.pop(node, None)
+                self.control_plane.forget(node.encode())
                 await self.apply(self.state.node_gone(node, now))
                 if kind == "client":
                     await self.training.worker_gone(node)
@@ -365,7 +540,7 @@ class Broker(BrokerControl):
             if held:  # the start-up hold just ended: a sync commit may go out now
                 await self.training.on_map_change()
             await self.training.on_timer()
-            self._log_partition_states(now)
+            self.report.log_partition_states(now)
             if now - self._last_beat >= interval:
                 self._last_beat = now
                 # Shards get probes too: a failed send is the fastest sign of death.

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, assert_never
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, assert_never
 
-from zps.broker.datapath import BrokerDataPath
-from zps.core.cluster import Assignment, Claim
+from zps.broker.base import BrokerStats
+from zps.broker.training import Training
+from zps.core.cluster import Assignment, Claim, ClusterState
+from zps.core.membership import FailureDetector
 from zps.protocol.codec import MsgType, Route
 from zps.protocol.messages import (
     ADMIN_CLIENT_PREFIX,
@@ -39,9 +42,86 @@ from zps.protocol.messages import (
 log = logging.getLogger("zps.broker")
 
 
-class BrokerControl(BrokerDataPath):
+class ControlSend(Protocol):
+    """A broker-originated message (:meth:`zps.broker.persistence.Record.control`)."""
+
+    def __call__(
+        self,
+        node: bytes,
+        mtype: MsgType,
+        header: dict[str, Any],
+        req_id: int = 0,
+        *,
+        durable: bool = False,
+    ) -> Awaitable[None]: ...
+
+
+class ReshardCommands(Protocol):
+    """What the operators' scale command needs of the resharding
+    (:class:`~zps.broker.reshard.Resharder`)."""
+
+    def request(
+        self, target: int, now: float, *, max_slots: int = 0, piece_bytes: int = 0
+    ) -> dict[str, Any]: ...
+
+    def cancel(self) -> dict[str, Any]: ...
+
+    def status(self) -> dict[str, Any] | None: ...
+
+
+class Control:
     """Registration, heartbeats, admin commands, assignments and maps (see the module
-    notes)."""
+    notes).
+
+    ``state``, ``detector`` and ``training`` are the broker's current ones (a broker of
+    a pair gets new ones when it resets); ``versions`` (node -> zps release) is shared
+    with the report.  The calls it makes: ``control`` (send a control message, maybe
+    durably), ``forget`` (drop what is held for a peer), ``saturated`` (a client's
+    allowance is spent), ``status`` (the report), ``state_changed``,
+    ``epoch_unrecorded``, ``map_changed`` (the partition count and the route table
+    follow the map) and ``log_states`` (log each partition's change of state)."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        detector: FailureDetector,
+        training: Training,
+        reshard: ReshardCommands,
+        stats: BrokerStats,
+        versions: dict[str, str],
+        *,
+        control: ControlSend,
+        forget: Callable[[bytes], None],
+        saturated: Callable[[bytes], bool],
+        status: Callable[[float], dict[str, Any]],
+        state_changed: Callable[[], None],
+        epoch_unrecorded: Callable[[int], bool],
+        map_changed: Callable[[float], None],
+        log_states: Callable[[float], None],
+    ) -> None:
+        self.state = state
+        self.detector = detector
+        self.training = training
+        self.reshard = reshard
+        self.stats = stats
+        self.versions = versions
+        self.control = control
+        self._forget = forget
+        self._saturated = saturated
+        self._status = status
+        self.state_changed = state_changed
+        self._epoch_unrecorded = epoch_unrecorded
+        self._map_changed = map_changed
+        self._log_states = log_states
+        self.keys: dict[str, str] = {}  # shard -> CURVE public key (for its replicas)
+        self.incarnations: dict[str, str] = {}  # shard -> its process (from REGISTER)
+
+    def forget(self, ident: bytes) -> None:
+        """A peer left: drop what is held for it (and its recorded release)."""
+        node = ident.decode("utf-8", "replace")
+        self.versions.pop(node, None)
+        self.incarnations.pop(node, None)
+        self._forget(ident)
 
     async def apply(self, assignments: list[Assignment]) -> None:
         for a in assignments:
@@ -63,35 +143,33 @@ class BrokerControl(BrokerDataPath):
                     epoch=a.epoch,
                     primary=a.primary,
                     primary_address=a.primary_address,
-                    primary_key=self._keys.get(a.primary or "", ""),
+                    primary_key=self.keys.get(a.primary or "", ""),
                     n_partitions=self.state.n_partitions,
                 ).to_wire(),
             )
 
     async def publish_if_changed(self, before: int) -> None:
-        self._log_notices()
+        self.log_notices()
         if self.state.map_version == before:
             return
         self.state_changed()
-        if len(self._part_states) != self.state.n_partitions:
-            self._resize_lists(time.monotonic())  # live resharding added or removed some
-        self._rebuild_routes()
+        self._map_changed(time.monotonic())
         # A map goes out once the record holding it is durable: a primary releases the
         # writes that waited for a replica only when a map drops that replica from the
         # in-sync set, and a restart must not elect the dropped copy.
         wire = MapUpdate(self.state.map.to_wire()).to_wire()
         for node in [*self.state.clients, *self.state.shards]:
             await self.control(node.encode(), MsgType.MAP, wire, durable=True)
-        self._log_partition_states(time.monotonic())
+        self._log_states(time.monotonic())
         await self.training.on_map_change()
 
-    def _log_notices(self) -> None:
+    def log_notices(self) -> None:
         levels = {"error": logging.ERROR, "warning": logging.WARNING}
         for level, message in self.state.notices:
             log.log(levels.get(level, logging.INFO), "%s", message)
         self.state.notices.clear()
 
-    async def _from_client(
+    async def from_client(
         self, ident: bytes, node: str, route: Route, message: ClientControl, now: float
     ) -> None:
         match message:
@@ -101,13 +179,13 @@ class BrokerControl(BrokerDataPath):
                 if node not in self.state.routers:
                     log.info("router %s joined at %s (%s pid %s)", node, router, host, pid)
                 self.state.register_router(node, endpoint=router, host=host, now=now, pid=pid)
-                self._versions[node] = version
+                self.versions[node] = version
                 await self.control(
                     ident, MsgType.MAP, MapUpdate(self.state.map.to_wire()).to_wire()
                 )
             case ClientHello(host, pid, name, version):
                 self.state.register_client(node, host=host, pid=pid, name=name, now=now)
-                self._versions[node] = version
+                self.versions[node] = version
                 # An admin command (status, drain, ...) connects for one query: debug only.
                 log.log(
                     logging.DEBUG if (name or "").startswith(ADMIN_CLIENT_PREFIX) else logging.INFO,
@@ -134,7 +212,7 @@ class BrokerControl(BrokerDataPath):
                 if self._saturated(ident):
                     self.stats.dropped += 1  # it reads nothing: spare the work
                     return
-                report = self.status(now)
+                report = self._status(now)
                 if result is not None:
                     report["reset"] = result
                 if drained is not None:
@@ -160,18 +238,18 @@ class BrokerControl(BrokerDataPath):
                 self.state_changed()
             case Bye():
                 self.detector.forget(node)
-                self._forget_queue(ident)
+                self.forget(ident)
                 self.state.node_gone(node, now)
                 await self.training.worker_gone(node)
                 self.state_changed()
             case _:
                 assert_never(message)
 
-    async def _from_shard(self, ident: bytes, node: str, message: ShardControl, now: float) -> None:
+    async def from_shard(self, ident: bytes, node: str, message: ShardControl, now: float) -> None:
         match message:
             case ShardRegister():
                 claim = _claim(message.claim)
-                earlier = self._incarnations.get(node)
+                earlier = self.incarnations.get(node)
                 if (
                     earlier
                     and message.incarnation
@@ -187,13 +265,13 @@ class BrokerControl(BrokerDataPath):
                         message.host,
                         message.pid,
                     )
-                    self._forget_queue(ident)
-                    self._keys.pop(node, None)
+                    self.forget(ident)
+                    self.keys.pop(node, None)
                     await self.apply(self.state.node_gone(node, now))
-                self._incarnations[node] = message.incarnation
+                self.incarnations[node] = message.incarnation
                 if message.public_key is not None:  # a Z85 CURVE public key
-                    self._keys[node] = message.public_key
-                self._versions[node] = message.version
+                    self.keys[node] = message.public_key
+                self.versions[node] = message.version
                 log.info(
                     "shard %s registered (%s pid %s, replication at %s)%s",
                     node,
@@ -246,8 +324,8 @@ class BrokerControl(BrokerDataPath):
             case Bye():
                 log.info("shard %s left", node)
                 self.detector.forget(node)
-                self._forget_queue(ident)
-                self._keys.pop(node, None)
+                self.forget(ident)
+                self.keys.pop(node, None)
                 await self.apply(self.state.node_gone(node, now, planned=True))
             case _:
                 assert_never(message)

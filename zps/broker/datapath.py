@@ -3,13 +3,13 @@ reply to its client.
 
 One job, one rule: where a REQUEST goes, or why nowhere, is :func:`zps.broker.routes.route`
 over the :class:`~zps.broker.routes.RouteTable` rebuilt from each map
-(:meth:`BrokerDataPath._rebuild_routes`).  Three ways forward, and each only consults it:
+(:meth:`DataPath.rebuild_routes`).  Three ways forward, and each only consults it:
 
 * the compiled step (:mod:`zps.broker.forward`), first in the socket's reader callback:
   it forwards what the table names a primary for, and hands back, untouched, whatever
   needs a decision (a control message, no primary, the hold, a peer with messages
   held for it, a full or gone queue);
-* the fast path (:meth:`BrokerDataPath._forward`), in the same callback, for what the
+* the fast path (:meth:`DataPath.forward`), in the same callback, for what the
   step handed back (or every message, where it is not built): the data message's
   verdict (:func:`zps.broker.acceptance.accept_data`) is carried out at once; a control
   message is left to the serving task, marked so that it gets its verdict there once
@@ -20,7 +20,8 @@ over the :class:`~zps.broker.routes.RouteTable` rebuilt from each map
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from zps import transport
 from zps.broker import forward
@@ -32,60 +33,105 @@ from zps.broker.acceptance import (
     WrongVersion,
     accept_data,
 )
-from zps.broker.admission import BrokerAdmission
+from zps.broker.base import BrokerStats
 from zps.broker.routes import NoRoute, RouteTable, refusal, route
+from zps.core.bstar import BinaryStar
+from zps.core.cluster import ClusterState
+from zps.core.membership import FailureDetector
 from zps.errors import ProtocolError
-from zps.protocol.codec import Route
+from zps.ops.security import KeyRoles
+from zps.protocol.codec import Route, VersionMismatchError
 from zps.protocol.messages import Status
 
 
-class BrokerDataPath(BrokerAdmission):
-    """Forwarding (see the module notes)."""
+class PairStar(Protocol):
+    """What the data path needs of the broker pair (:class:`~zps.broker.pair.Pair`):
+    its Binary Star state, read once per message."""
 
-    #: The message the fast path left to the serving task (a control message).
-    _declined: transport.Frames | None = None
+    @property
+    def star(self) -> BinaryStar: ...
+
+
+class DataPath:
+    """Forwarding (see the module notes).
+
+    ``state`` and ``detector`` are the broker's current ones (a broker of a pair gets
+    new ones when it resets); ``post``, ``refuse``, ``authorised`` and
+    ``wrong_version`` are bound once, as attributes; ``sock``, ``out`` and ``roles``
+    are set once the socket is bound, ``pair`` once the pair exists."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        detector: FailureDetector,
+        stats: BrokerStats,
+        routes: RouteTable,
+        *,
+        post: Callable[[list[Any]], transport.Posted],
+        refuse: Callable[[bytes, Route, Status, str], None],
+        authorised: Callable[[bytes, str, transport.Frames], bool],
+        wrong_version: Callable[[bytes, str, VersionMismatchError], None],
+    ) -> None:
+        self.state = state
+        self.detector = detector
+        self.stats = stats
+        #: Where each partition's requests go (zps.broker.routes), rebuilt from each map.
+        self.routes = routes
+        self._post = post
+        self._refuse = refuse
+        self._authorised = authorised
+        self._wrong_version = wrong_version
+        self.sock: transport.Channel | None = None
+        self.sock_addr = 0  # its zmq socket's address, for the compiled step
+        self.out: transport.Outbound | None = None
+        self.roles: KeyRoles | None = None
+        self.pair: PairStar | None = None
+        #: Messages the compiled step forwarded.
+        self.compiled = 0
+        #: The message the fast path left to the serving task (a control message).
+        self.declined: transport.Frames | None = None
 
     def routing(self) -> bool:
         """Whether this broker routes now: a pair's active one (or alone), not holding
         for the shards' claims."""
-        if self.pair is not None and not self.pair.active:
+        if self.pair is not None and not self.pair.star.active:
             return False
         return not self.state.holding(time.monotonic())
 
-    def _rebuild_routes(self) -> None:
+    def rebuild_routes(self) -> None:
         """The route table of the current map (on each map change)."""
         self.routes = RouteTable.of(self.state.map)
 
-    def _pump(self, limit: int) -> tuple[int, int, transport.Frames | None] | None:
+    def pump(self, limit: int) -> tuple[int, int, transport.Frames | None] | None:
         """The data path as one compiled step (:mod:`zps.broker.forward`) over the route
         table, for every message queued; the first it declines comes back, for
-        :meth:`_forward`.  None (the Python path) while this broker checks CURVE roles
+        :meth:`forward`.  None (the Python path) while this broker checks CURVE roles
         or is not a pair's active one."""
         pair = self.pair
-        if self._roles is not None or (pair is not None and not pair.star.active):
+        if self.roles is not None or (pair is not None and not pair.star.active):
             return None
-        if self._sock is None or self._sock.closed:
+        if self.sock is None or self.sock.closed:
             return None  # never hand compiled code a closed socket's address
         step = forward.step
-        assert step is not None and self._out is not None
+        assert step is not None and self.out is not None
         now = time.monotonic()
         events, routed, replies, declined = step(
-            self._sock_addr,
+            self.sock_addr,
             limit,
             self.routes.targets,
             self.state.shards,
             self.detector.last_heard,
-            self._out.queues,
+            self.out.queues,
             self.state.holding(now),
             now,
         )
         if routed or replies:
             self.stats.routed += routed
             self.stats.replies += replies
-            self._compiled += routed + replies
+            self.compiled += routed + replies
         return events, routed + replies, declined
 
-    def _forward(self, frames: transport.Frames) -> bool:
+    def forward(self, frames: transport.Frames) -> bool:
         """The fast path, run in the socket's reader callback (see transport.serve): a
         data message's verdict carried out.  False (for the serving task) for a control
         message, marked as such, or for anything while this broker is not a pair's
@@ -99,17 +145,17 @@ class BrokerDataPath(BrokerAdmission):
         heads = [transport.frame_buffer(frames[1]), transport.frame_buffer(frames[2])]
         verdict = accept_data(ident, heads, self.state)
         if verdict is None:
-            self._declined = frames
+            self.declined = frames
             return False
         node = ident.decode("utf-8", "replace")
-        if self._roles is not None and not self._authorised(ident, node, frames):
+        if self.roles is not None and not self._authorised(ident, node, frames):
             return True  # dropped (or refused), counted
         now = time.monotonic()
         self.detector.seen(node, now)
-        self._data(ident, node, verdict, frames, now)
+        self.data(ident, node, verdict, frames, now)
         return True
 
-    def _data(
+    def data(
         self, ident: bytes, node: str, verdict: DataVerdict, frames: transport.Frames, now: float
     ) -> None:
         """Carry out a data message's verdict (from the fast path or the serving task)."""
@@ -118,7 +164,7 @@ class BrokerDataPath(BrokerAdmission):
                 self._route(ident, route, frames, now)
             case ForwardReply(target):
                 self.stats.replies += 1
-                self.post([target, *frames[2:]])
+                self._post([target, *frames[2:]])
             case WrongVersion(error):
                 self._wrong_version(ident, node, error)
             case Reject(reason, counter):
@@ -139,7 +185,7 @@ class BrokerDataPath(BrokerAdmission):
             floor = self.state.floor_of(p) if target is NoRoute.LOST else None
             self._refuse(ident, req, *refusal(target, p, floor))
             return
-        posted = self.post([target, ident, *frames[1:]])
+        posted = self._post([target, ident, *frames[1:]])
         if posted is transport.Posted.DROPPED:
             # The primary's queue is full: the client retries with backoff, the
             # broker carries on with everyone else.

@@ -4,7 +4,7 @@ One job: build the state record (:class:`~zps.core.brokerstate.BrokerState`: par
 epochs, LSN floors, the slot map, training, shard keys), restore one at start, have the
 data dir's writer (:class:`~zps.broker.statefile.StateWriter`) write it when it changed,
 and send the messages that must wait until the state as it is now is durable
-(:meth:`BrokerRecord._send_durable`): maps, a promoted primary's lease echoes, the
+(:meth:`Record.send_durable`): maps, a promoted primary's lease echoes, the
 training's commits.  Without a data dir nothing waits.
 """
 
@@ -13,31 +13,89 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from zps.broker.base import BrokerBase
 from zps.broker.statefile import StateFile, StateWriter
+from zps.broker.training import Training
 from zps.core.brokerstate import BrokerState
-from zps.core.membership import is_liveness
+from zps.core.cluster import ClusterState
+from zps.core.membership import FailureDetector, is_liveness
 from zps.core.routing import default_slot_map
 from zps.errors import ConfigError
+from zps.ops.config import BrokerConfig
 from zps.protocol.codec import MsgType, Route, encode
 
 log = logging.getLogger("zps.broker")
 
 
-class BrokerRecord(BrokerBase):
-    """The state record and durable sends (see the module notes)."""
+class PairView(Protocol):
+    """What the record needs of the broker pair (:class:`~zps.broker.pair.Pair`)."""
+
+    @property
+    def active(self) -> bool: ...
+
+    @property
+    def term(self) -> int: ...
+
+    def mirrored(self) -> BrokerState | None: ...
+
+    def peer_holds_now(self) -> bool: ...
+
+    def peer_alive(self, now: float) -> bool: ...
+
+
+class ReshardRecord(Protocol):
+    """What the record needs of the resharding (:class:`~zps.broker.reshard.Resharder`)."""
+
+    @property
+    def record(self) -> Any: ...
+
+    def restore(self, record: Any) -> None: ...
+
+
+class Record:
+    """The state record and durable sends (see the module notes).
+
+    ``state`` and ``training`` are the broker's current ones (a broker of a pair gets
+    new ones when it resets); ``bound_keys`` (shard name -> CURVE key) is shared with
+    the admission; ``resized(now)`` is called when a recorded slot map changed the
+    partition count; ``pair`` is set once the pair exists."""
+
+    def __init__(
+        self,
+        config: BrokerConfig,
+        state: ClusterState,
+        training: Training,
+        reshard: ReshardRecord,
+        bound_keys: dict[str, bytes],
+        *,
+        send: Callable[[list[Any]], Awaitable[bool]],
+        post: Callable[[list[Any]], object],
+        resized: Callable[[float], None],
+    ) -> None:
+        self.config = config
+        self.state = state
+        self.training = training
+        self.reshard = reshard
+        self.bound_keys = bound_keys
+        self._send = send
+        self._post = post
+        self._resized = resized
+        self.pair: PairView | None = None
+        self.writer: StateWriter | None = None
+        #: The newest state record produced.
+        self.last: BrokerState | None = None
 
     def state_record(self) -> BrokerState:
         """The broker's state as one record: the one place it is built (for the state
         file, and for anything that mirrors this broker).  The version grows only
         when the content changed.  A standby of a pair records its active peer's
         state (the last record received), so either broker restarts knowing it."""
-        last = self._record
+        last = self.last
         version = (last.version if last else 0) + 1
         mirrored = self.pair.mirrored() if self.pair is not None else None
         if mirrored is not None:
@@ -54,11 +112,11 @@ class BrokerRecord(BrokerBase):
                 clocks=clocks,
                 jobs=jobs,
                 **self.reshard_record(),
-                shard_keys=tuple(sorted((n, k.decode()) for n, k in self._bound_keys.items())),
+                shard_keys=tuple(sorted((n, k.decode()) for n, k in self.bound_keys.items())),
             )
         if last is not None and rec.same_content(last):
             return last
-        self._record = rec
+        self.last = rec
         return rec
 
     def reshard_record(self) -> dict[str, Any]:
@@ -78,8 +136,7 @@ class BrokerRecord(BrokerBase):
         if rec.slot_map:
             slot_map = np.frombuffer(rec.slot_map, dtype="<i4").astype(np.int32)
             self.state.restore(rec.map_version, rec.partitions, slot_map)
-            if hasattr(self, "_placements"):  # not at start: __init__ sizes them next
-                self._resize_lists(time.monotonic())
+            self._resized(time.monotonic())
         else:
             self.state.restore(rec.map_version, rec.partitions)
         self.reshard.restore(rec.reshard)
@@ -112,7 +169,7 @@ class BrokerRecord(BrokerBase):
         one) and, in a pair, in the standby's copy (it takes over with it), unless the
         peer is gone: a dead peer takes nothing over (it stands by when it comes back,
         and is sent the state then), and waiting for it would hold the caller."""
-        writer = self._writer
+        writer = self.writer
         if writer is not None:
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -132,16 +189,9 @@ class BrokerRecord(BrokerBase):
             ):
                 await asyncio.sleep(0.01)
 
-    def _resize_lists(self, now: float) -> None:
-        n = self.state.n_partitions
-        self.routes = self.routes.resized(n)
-        self._part_states = (
-            self._part_states + [self.state.partition_state(p, now) for p in range(n)]
-        )[:n]
-        self._placements = (self._placements + [None] * n)[:n]
-
-    def apply_state(self, rec: BrokerState) -> None:
-        """Take over a recorded state (at start, before any node is known)."""
+    def apply_state(self, rec: BrokerState, detector: FailureDetector) -> None:
+        """Take over a recorded state (at start, before any node is known); the
+        recorded workers are watched by ``detector``."""
         if rec.slot_map and rec.n_slots == self.config.slots:
             pass  # resharded: the record's partition count stands
         elif (rec.n_partitions, rec.n_slots) != (self.config.partitions, self.config.slots):
@@ -152,23 +202,26 @@ class BrokerRecord(BrokerBase):
             )
         self.restore_slots(rec)
         self.training.restore(rec.clocks, rec.jobs)
-        self._bound_keys = {node: key.encode() for node, key in rec.shard_keys}
-        self._record = rec
+        self.bound_keys.clear()
+        self.bound_keys.update((node, key.encode()) for node, key in rec.shard_keys)
+        self.last = rec
         # The recorded workers are watched like any peer: one that never speaks to
         # this broker is declared dead (its tasks re-queued, its clock dropped).
         now = time.monotonic()
         for worker in {w for w, _, _ in rec.clocks.workers} | {
             w for job in rec.jobs for _, w in job.held
         }:
-            self.detector.seen(worker, now)
+            detector.seen(worker, now)
 
-    def _load_state(self, file: StateFile) -> None:
+    def load(self, file: StateFile, detector: FailureDetector) -> None:
+        """Restore the state from the data dir's file (if any) and write it there from
+        now on."""
         file.prepare()
         rec = file.load()
         if rec is None:
             log.info("no broker state in %s yet: a new cluster", file.dir)
         else:
-            self.apply_state(rec)
+            self.apply_state(rec, detector)
             known = [p for p, r in enumerate(rec.partitions) if r.known]
             log.info(
                 "restored the broker state (version %d) from %s: %d of %d partitions hold "
@@ -183,28 +236,40 @@ class BrokerRecord(BrokerBase):
                 if rec.clocks.committing is not None
                 else "",
             )
-        self._writer = StateWriter(file, self.state_record, written=rec)
+        self.writer = StateWriter(file, self.state_record, written=rec)
 
     def state_changed(self) -> None:
-        if self._writer is not None:
-            self._writer.changed()
+        if self.writer is not None:
+            self.writer.changed()
 
-    def _epoch_unrecorded(self, p: int) -> bool:
+    def status(self) -> dict[str, Any] | None:
+        """The data dir's record, for the status report (None without one)."""
+        w = self.writer
+        if w is None:
+            return None
+        return {
+            "path": str(w.file.path),
+            "version": w.written.version if w.written else None,
+            "writes": w.writes,
+            "write_failures": w.failures,
+        }
+
+    def epoch_unrecorded(self, p: int) -> bool:
         """Whether partition ``p``'s confirmed epoch is newer than the one on disk (its
         new primary's lease echoes wait for the record; none without a data dir)."""
-        written = self._writer.written if self._writer is not None else None
-        if self._writer is None:
+        written = self.writer.written if self.writer is not None else None
+        if self.writer is None:
             return False
         if written is None or p >= len(written.partitions):
             return True
         return written.partitions[p].floor_epoch < self.state.floor_of(p)[0]
 
-    async def _send_durable(self, frames: list[Any]) -> bool:
-        """:meth:`send` once the state as it is now is in the data dir (at once
-        without one)."""
-        if self._writer is None:
-            return await self.send(frames)
-        self._writer.after_write(lambda: self.post(frames))
+    async def send_durable(self, frames: list[Any]) -> bool:
+        """Send once the state as it is now is in the data dir (at once without one)."""
+        if self.writer is None:
+            return await self._send(frames)
+        post = self._post
+        self.writer.after_write(lambda: post(frames))
         return True
 
     async def control(
@@ -223,4 +288,4 @@ class BrokerRecord(BrokerBase):
         if self.pair is not None:  # fencing: shards and clients obey the highest term
             header = {**header, "term": self.pair.term}
         frames = [*prefix, *encode(Route(mtype, req_id=req_id), header)]
-        await (self._send_durable if durable else self.send)(frames)
+        await (self.send_durable if durable else self._send)(frames)

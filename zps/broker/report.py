@@ -6,14 +6,20 @@ One job: read the broker's state and say it; nothing here changes that state.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
+from zps import transport
 from zps.broker import forward
-from zps.broker.persistence import BrokerRecord
+from zps.broker.base import BrokerStats
+from zps.broker.training import Training
+from zps.core.cluster import ClusterState
+from zps.core.membership import FailureDetector
+from zps.ops.config import BrokerConfig
 from zps.ops.metrics import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -22,19 +28,90 @@ from zps.ops.metrics import (
     gauge,
     labelled,
 )
-from zps.ops.security import REFUSAL_REASONS
+from zps.ops.security import REFUSAL_REASONS, RefusalLog
 from zps.protocol.codec import PROTOCOL_VERSION
 from zps.version import __version__
 
 log = logging.getLogger("zps.broker")
 
 
-class BrokerReport(BrokerRecord):
-    """Status, metrics, readiness and state-change logs (see the module notes)."""
+class PairStatus(Protocol):
+    """What the report needs of the broker pair (:class:`~zps.broker.pair.Pair`)."""
 
-    def _ready(self) -> tuple[bool, str]:
+    @property
+    def active(self) -> bool: ...
+
+    def status(self, now: float) -> dict[str, Any]: ...
+
+
+class ReshardStatus(Protocol):
+    """What the report needs of the resharding (:class:`~zps.broker.reshard.Resharder`)."""
+
+    def status(self) -> dict[str, Any] | None: ...
+
+
+class Report:
+    """Status, metrics, readiness and state-change logs (see the module notes).
+
+    ``state``, ``detector`` and ``training`` are the broker's current ones (a broker of
+    a pair gets new ones when it resets); ``versions`` (node -> zps release) is the
+    control plane's; ``bound`` and ``stop`` are the process's events; ``record_status``
+    and ``forwarded`` (messages the compiled step forwarded) are read at each report;
+    ``out``, ``endpoint`` and ``pair`` are set once they exist."""
+
+    def __init__(
+        self,
+        config: BrokerConfig,
+        state: ClusterState,
+        detector: FailureDetector,
+        training: Training,
+        reshard: ReshardStatus,
+        stats: BrokerStats,
+        refusals: RefusalLog,
+        versions: dict[str, str],
+        *,
+        bound: asyncio.Event,
+        stop: asyncio.Event,
+        record_status: Callable[[], dict[str, Any] | None],
+        forwarded: Callable[[], int],
+    ) -> None:
+        self.config = config
+        self.state = state
+        self.detector = detector
+        self.training = training
+        self.reshard = reshard
+        self.stats = stats
+        self.refusals = refusals
+        self.versions = versions
+        self.bound = bound
+        self.stop = stop
+        self._record_status = record_status
+        self._forwarded = forwarded
+        self.out: transport.Outbound | None = None
+        self.endpoint: str | None = None
+        self.pair: PairStatus | None = None
+        self.started = time.monotonic()
+        self.part_states: list[str] = []  # each partition's state as last logged
+        self.placements: list[str | None] = []  # logged placement warnings
+        self.reset_lists(self.started)
+
+    def reset_lists(self, now: float) -> None:
+        """Each partition's state and placement as they are now, logged as known."""
+        n = self.state.n_partitions
+        self.part_states = [self.state.partition_state(p, now) for p in range(n)]
+        self.placements = [None] * n
+
+    def resize_lists(self, now: float) -> None:
+        """The partition count changed: partitions added start as they are now."""
+        n = self.state.n_partitions
+        self.part_states = (
+            self.part_states + [self.state.partition_state(p, now) for p in range(n)]
+        )[:n]
+        self.placements = (self.placements + [None] * n)[:n]
+
+    def ready(self) -> tuple[bool, str]:
         """For ``/ready`` (called from the metrics thread): the broker serves the map."""
-        if not self.bound.is_set() or self._stop.is_set():
+        if not self.bound.is_set() or self.stop.is_set():
             return False, "not listening"
         if self.pair is not None and not self.pair.active:
             return False, "the standby of a broker pair"
@@ -42,20 +119,9 @@ class BrokerReport(BrokerRecord):
             return False, "collecting the shards' claims after a start"
         return True, f"serving map v{self.state.map_version} on {self.endpoint}"
 
-    def _state_status(self) -> dict[str, Any] | None:
-        w = self._writer
-        if w is None:
-            return None
-        return {
-            "path": str(w.file.path),
-            "version": w.written.version if w.written else None,
-            "writes": w.writes,
-            "write_failures": w.failures,
-        }
-
     def flow(self) -> dict[str, Any]:
         """Flow control figures: bytes held for slow peers against their bounds."""
-        out = self._out
+        out = self.out
         return {
             "held_bytes": out.held_bytes if out else 0,
             "peak_held_bytes": out.allowance.peak if out else 0,
@@ -68,7 +134,7 @@ class BrokerReport(BrokerRecord):
             "stalled_peers": out.stalled if out else 0,
         }
 
-    def _collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterable[Metric]:
         yield labelled(
             CounterMetricFamily,
             "zps_broker_messages",
@@ -110,35 +176,35 @@ class BrokerReport(BrokerRecord):
             for r in self.state.map.routers
         ]
         for entry in (*report["shards"], *report["clients"]):
-            entry["version"] = self._versions.get(entry["node"]) or None
+            entry["version"] = self.versions.get(entry["node"]) or None
         report["broker"] = {
             "version": __version__,
             "protocol": PROTOCOL_VERSION,
             "pid": os.getpid(),
             "endpoint": self.endpoint,
-            "uptime_s": round(now - self._started, 1),
+            "uptime_s": round(now - self.started, 1),
             "heartbeat_interval_s": self.config.heartbeat.interval,
             "liveness": self.config.heartbeat.liveness,
             **vars(self.stats),
             # Which code forwards requests and replies (zps.broker.forward), and how
             # many messages the compiled step forwarded.
             "data_path": "python" if forward.step is None else "compiled",
-            "forwarded_compiled": self._compiled,
+            "forwarded_compiled": self._forwarded(),
             "flow": self.flow(),
-            "state": self._state_status(),
+            "state": self._record_status(),
         }
         if self.pair is not None:
             report["pair"] = self.pair.status(now)
         return report
 
-    def _log_partition_states(self, now: float) -> None:
+    def log_partition_states(self, now: float) -> None:
         """Log each change of a partition's state once: lost at ERROR, a copy gone
         (ok -> degraded) at WARNING, the rest (recoveries, start-up) at INFO."""
-        for p, old in enumerate(self._part_states):
+        for p, old in enumerate(self.part_states):
             new = self.state.partition_state(p, now)
             if new == old:
                 continue
-            self._part_states[p] = new
+            self.part_states[p] = new
             stopped = new == "lost" and self.state.stopped(p)
             level = (
                 logging.WARNING
@@ -164,10 +230,10 @@ class BrokerReport(BrokerRecord):
                 f" (primary {primary})" if primary and new in ("ok", "degraded") else "",
                 f": {why}" if why else "",
             )
-        for p, before in enumerate(self._placements):
+        for p, before in enumerate(self.placements):
             warning = self.state.placement_warning(p)
             if warning != before:
-                self._placements[p] = warning
+                self.placements[p] = warning
                 if warning is not None:
                     log.warning("partition %d: %s", p, warning)
                 else:
