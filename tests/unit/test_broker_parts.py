@@ -1,0 +1,72 @@
+"""The broker is a composition of parts (zps/broker/broker.py), each given only what it
+uses: no part inherits from another or takes the broker, and a broker of a pair that
+resets hands every part its new state (no sockets)."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+from zps import transport
+from zps.broker.admission import Admission
+from zps.broker.base import Outlet
+from zps.broker.broker import Broker
+from zps.broker.control import Control
+from zps.broker.datapath import DataPath
+from zps.broker.persistence import Record
+from zps.broker.report import Report
+from zps.broker.routes import RouteTable
+from zps.ops.config import BrokerConfig
+from zps.protocol.codec import MsgType, Route
+
+PARTS = (Outlet, Record, Report, Admission, DataPath, Control)
+
+
+class _Out:
+    """The broker's Outbound, recording what it is given."""
+
+    queues: dict[bytes, Any] = {}
+
+    def __init__(self) -> None:
+        self.sent: list[list[Any]] = []
+
+    def post(self, frames: list[Any], limit: int) -> transport.Posted:
+        self.sent.append(frames)
+        return transport.Posted.SENT
+
+
+def test_no_part_inherits_or_takes_the_broker() -> None:
+    for part in PARTS:
+        assert part.__mro__ == (part, object), part
+        for name, param in inspect.signature(part).parameters.items():
+            annotation = str(param.annotation)
+            assert "Broker " not in f"{annotation} " and "Broker]" not in annotation, (
+                f"{part.__name__}({name}: {annotation})"
+            )
+
+
+def test_a_reset_hands_every_part_the_new_state() -> None:
+    """After reset_state (a pair's takeover or step-down) the data path forwards by the
+    new state: a request during the new start-up hold is refused, not routed."""
+    b = Broker(BrokerConfig(partitions=2))
+    out = _Out()
+    b._out = out  # type: ignore[assignment]
+    request = [b"c-1", Route(MsgType.REQUEST, 1, 1, 5).pack(), b"hdr"]
+    b.state.hold_until = 0.0
+    b.routes = RouteTable([None, b"s-a"], (False, False))
+    assert b._forward(request) is True
+    assert out.sent[-1][0] == b"s-a" and b.stats.routed == 1
+
+    old = b.state
+    b.reset_state(time.monotonic(), hold=60.0)
+    assert b.state is not old
+    parts: list[Any] = [b.outlet, b.admission, b.datapath, b.record, b.report, b.control_plane]
+    for part in parts:
+        for shared in ("state", "detector", "training"):
+            if hasattr(part, shared):
+                assert getattr(part, shared) is getattr(b, shared), (type(part).__name__, shared)
+    b.routes = RouteTable([None, b"s-a"], (False, False))
+    assert b._forward(request) is True
+    assert out.sent[-1][0] == b"c-1", "routed by the old state, past the new hold"
+    assert b.stats.routed == 1
