@@ -158,8 +158,14 @@ class Control:
         # writes that waited for a replica only when a map drops that replica from the
         # in-sync set, and a restart must not elect the dropped copy.
         wire = MapUpdate(self.state.map.to_wire()).to_wire()
-        for node in [*self.state.clients, *self.state.shards]:
+        # Shards also get the shards' keys: a primary takes a replica's subscription
+        # only from the key that registered the replica's name.
+        keys = {n: k for n, k in self.keys.items() if n in self.state.shards}
+        shard_wire = MapUpdate(self.state.map.to_wire(), keys).to_wire()
+        for node in self.state.clients:
             await self.control(node.encode(), MsgType.MAP, wire, durable=True)
+        for node in self.state.shards:
+            await self.control(node.encode(), MsgType.MAP, shard_wire, durable=True)
         self._log_states(time.monotonic())
         await self.training.on_map_change()
 

@@ -544,18 +544,29 @@ class LeaseEcho:
 @dataclass(frozen=True, slots=True)
 class MapUpdate:
     """MAP, broker -> client/shard: the cluster map (``ClusterMap.to_wire()``), checked
-    by ``ClusterMap.from_wire`` on arrival."""
+    by ``ClusterMap.from_wire`` on arrival.  To shards under CURVE, ``shard_keys``: each
+    registered shard's name and the Z85 public key it registered with, so a primary
+    takes its replicas' subscriptions from those keys only."""
 
     map: dict[str, Any]
+    shard_keys: dict[str, str] | None = None
 
     @classmethod
     def parse(cls, h: Header) -> MapUpdate:
         m = _field(h, "map", "MAP")
         if not isinstance(m, dict):
             raise ProtocolError("MAP map must be a map")
-        return cls(m)
+        keys = h.get("shard_keys")
+        if keys is not None and not (
+            isinstance(keys, dict)
+            and all(isinstance(n, str) and isinstance(k, str) for n, k in keys.items())
+        ):
+            raise ProtocolError("MAP shard_keys must map shard names to keys")
+        return cls(m, keys)
 
     def to_wire(self) -> dict[str, Any]:
+        if self.shard_keys:
+            return {"map": self.map, "shard_keys": self.shard_keys}
         return {"map": self.map}
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, assert_never
 
@@ -195,12 +195,25 @@ class ReplicationStream:
         if node is not None:
             self.drop(node.decode("utf-8", "replace"), "its connection closed")
 
+    def bind_keys(self, keys: Mapping[str, str]) -> None:
+        """CURVE: the broker's word on which key registered each shard name (Z85): that
+        key owns the name here.  A follower of another key under a name is dropped."""
+        for node, key in keys.items():
+            owner, self._owners[node] = self._owners.get(node), key.encode()
+            if owner is not None and owner != key.encode() and node in self.session.followers:
+                self.drop(node, "its key is not the one its name registered with")
+        if len(self._owners) > MAX_OWNERS:  # a current replica's and the broker's stay
+            self._owners = {
+                n: k for n, k in self._owners.items() if n in self.session.replicas or n in keys
+            }
+
     def _admit(self, node: str, key: bytes, frames: transport.Frames) -> bool:
-        """CURVE: a follower is a shard identity, and the key that first subscribed as
-        an assigned replica owns that name here for this process's life: a message from
-        any other key under it (a subscription, an acknowledgement that would release
-        ``acks="all"`` writes) is refused, counted by reason and logged once per peer
-        and key a minute."""
+        """CURVE: a follower is a shard identity, owned by the key the broker says
+        registered it (:meth:`bind_keys`) or, from a broker that does not say, by the
+        key that first subscribed as an assigned replica, for this process's life: a
+        message from any other key under it (a subscription, an acknowledgement that
+        would release ``acks="all"`` writes) is refused, counted by reason and logged
+        once per peer and key a minute."""
         now = time.monotonic()
         if not node.startswith("s-"):
             self.refusals.refused(node, key, "wrong_role", now, "not a shard identity")

@@ -471,7 +471,9 @@ class ShardServer:
         match from_broker(route.mtype, header):
             case Assign() as assign if not self.session.leaving:
                 await self._assign(assign)
-            case MapUpdate(m):
+            case MapUpdate(m, keys):
+                if keys and self._stream is not None:
+                    self._stream.bind_keys(keys)
                 self._on_map(ClusterMap.from_wire(m))
             case LeaseEcho(t, role, partition, epoch):
                 self.session.echoed(t, role.value, partition, epoch)
