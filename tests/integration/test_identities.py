@@ -37,7 +37,7 @@ from zps.errors import BadRequestError
 from zps.ops.config import ClientConfig, Security
 from zps.ops.security import key_identity
 from zps.optim import SGD
-from zps.protocol.codec import Encoder, MsgType, Route, unpack_route
+from zps.protocol.codec import Encoder, MsgType, Route
 from zps.protocol.messages import StatusRequest
 from zps.testing import LocalCluster, Proc, free_port
 from zps.transport.sockets import ZMQ_METADATA
@@ -378,64 +378,6 @@ def test_a_replicas_identity_is_not_handed_to_another_shard_key(kc: KeyCluster) 
         ctx.destroy(0)
 
 
-def test_a_replica_name_at_a_primary_belongs_to_the_key_it_registered_with(
-    kc: KeyCluster, tmp_path: Path
-) -> None:
-    """A shard key that subscribes at a primary under an assigned replica's name before
-    that replica reaches the primary gets nothing and is logged there: the broker told
-    the primary which key registered the name.  The replica then gets in sync."""
-    assert kc.workdir is not None
-    for directory in ("clients", "shards", "operators"):
-        shutil.copytree(kc.workdir / directory, tmp_path / directory)
-    c = KeyCluster(partitions=1, replication=2, liveness=20, workdir=tmp_path)
-    c.keys, c.port, c.metrics_port = kc.keys, free_port(), free_port()
-    relay: HalfOpenProxy | None = None
-    ctx = zmq.Context()
-    try:
-        c.start_broker_process()
-        # alpha advertises 127.0.0.2, where nothing listens until the relay below: its
-        # replica cannot reach it until then.
-        alpha = c.start_role(
-            "shard-alpha",
-            "shard",
-            f'[shard]\nbroker = "{c.address}"\nname = "alpha"\n'
-            f'replication_bind = "tcp://127.0.0.1:0"\nadvertise_host = "127.0.0.2"\n'
-            f"{c.hb()}{c.security('shard0')}",
-        )
-        c.wait_for(lambda s: s["partitions"][0]["primary"] == "s-alpha", 30, "alpha primary")
-        c.start_shard_process("beta", "shard1")
-        status = c.wait_for(
-            lambda s: any(r["node"] == "s-beta" for r in s["partitions"][0]["replicas"]),
-            30,
-            "beta assigned as alpha's replica",
-        )
-        epoch = status["partitions"][0]["epoch"]
-        address = next(s for s in status["shards"] if s["node"] == "s-alpha")["address"]
-        port = int(address.rsplit(":", 1)[1])
-        rogue, monitor = curve_dealer(
-            ctx, c, "rogue", b"s-beta", f"tcp://127.0.0.1:{port}", "shard0"
-        )
-        handshake_done(monitor)
-        refused = r"the replication endpoint refused s-beta .*belongs to another key"
-        deadline = time.monotonic() + 20
-        while not re.search(refused, alpha.log()):
-            assert time.monotonic() < deadline, alpha.log()[-2000:]
-            rogue.send_multipart(
-                control(MsgType.SUBSCRIBE, {"partition": 0, "epoch": epoch, "lsn": 0})
-            )
-            if rogue.poll(300):  # a BYE: alpha has not had the map naming beta yet
-                frames = rogue.recv_multipart()
-                assert unpack_route(frames[0]).mtype is MsgType.BYE, "the rogue got the stream"
-        relay = HalfOpenProxy(("127.0.0.1", port), listen=("127.0.0.2", port))
-        c.wait_healthy(30)  # beta, through the relay: in sync
-        assert not rogue.poll(0)
-    finally:
-        ctx.destroy(0)
-        c.stop()
-        if relay is not None:
-            relay.close()
-
-
 def test_a_shard_name_outlives_its_key(kc: KeyCluster) -> None:
     """Once a key registered a shard name, no other shard key may take it, even after
     that shard was declared dead; its own key may."""
@@ -659,18 +601,7 @@ def test_a_shard_whose_data_link_half_died_serves_again(kc: KeyCluster, tmp_path
             # for 1.5 s).
             deadline = time.monotonic() + 10
             while proxy.accepted < 3 or proxy.zmtp[2]["up"].first(b"MESSAGE") is None:
-                assert time.monotonic() < deadline, (
-                    proxy.accepted,
-                    [
-                        (
-                            z["up"].commands[:8],
-                            z["down"].commands[:8],
-                            z["up"].greeted,
-                            bytes(z["up"].buf[:40]),
-                        )
-                        for z in proxy.zmtp
-                    ],
-                )
+                assert time.monotonic() < deadline, [z["up"].commands[:8] for z in proxy.zmtp]
                 time.sleep(0.005)
             new = proxy.zmtp[2]
             ready, spoke = new["down"].first(b"READY"), new["up"].first(b"MESSAGE")

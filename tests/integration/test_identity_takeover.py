@@ -36,6 +36,7 @@ from tests.integration.test_identities import (
     CLIENT_KEYS,
     NAMES,
     SHARD_KEYS,
+    HalfOpenProxy,
     KeyCluster,
     control,
     curve_dealer,
@@ -394,3 +395,57 @@ def test_victim_served_after_takeover_attempt_at_a_routing_broker(
     finally:
         ctx.destroy(0)
         proxy.close()
+
+
+def test_a_replica_name_at_a_primary_belongs_to_the_key_it_registered_with(
+    tmp_path: Path,
+) -> None:
+    """A shard key that subscribes at a primary under an assigned replica's name before
+    that replica reaches the primary gets nothing and is logged there: the broker told
+    the primary which key registered the name.  The replica then gets in sync."""
+    c = make_cluster(tmp_path, replication=2)
+    relay: HalfOpenProxy | None = None
+    ctx = zmq.Context()
+    try:
+        c.start_broker_process()
+        # alpha advertises 127.0.0.2, where nothing listens until the relay below: its
+        # replica cannot reach it until then.
+        alpha = c.start_role(
+            "shard-alpha",
+            "shard",
+            f'[shard]\nbroker = "{c.address}"\nname = "alpha"\n'
+            f'replication_bind = "tcp://127.0.0.1:0"\nadvertise_host = "127.0.0.2"\n'
+            f"{c.hb()}{c.security('shard0')}",
+        )
+        c.wait_for(lambda s: s["partitions"][0]["primary"] == "s-alpha", 30, "alpha primary")
+        c.start_shard_process("beta", "shard1")
+        status = c.wait_for(
+            lambda s: any(r["node"] == "s-beta" for r in s["partitions"][0]["replicas"]),
+            30,
+            "beta assigned as alpha's replica",
+        )
+        epoch = status["partitions"][0]["epoch"]
+        address = next(s for s in status["shards"] if s["node"] == "s-alpha")["address"]
+        port = int(address.rsplit(":", 1)[1])
+        rogue, monitor = curve_dealer(
+            ctx, c, "rogue", b"s-beta", f"tcp://127.0.0.1:{port}", "shard0"
+        )
+        handshake_done(monitor)
+        refused = r"the replication endpoint refused s-beta .*belongs to another key"
+        deadline = time.monotonic() + 20
+        while not re.search(refused, alpha.log()):
+            assert time.monotonic() < deadline, alpha.log()[-2000:]
+            rogue.send_multipart(
+                control(MsgType.SUBSCRIBE, {"partition": 0, "epoch": epoch, "lsn": 0})
+            )
+            if rogue.poll(300):  # a BYE: alpha has not had the map naming beta yet
+                frames = rogue.recv_multipart()
+                assert unpack_route(frames[0]).mtype is MsgType.BYE, "the rogue got the stream"
+        relay = HalfOpenProxy(("127.0.0.1", port), listen=("127.0.0.2", port))
+        c.wait_healthy(30)  # beta, through the relay: in sync
+        assert not rogue.poll(0)
+    finally:
+        ctx.destroy(0)
+        c.stop()
+        if relay is not None:
+            relay.close()
