@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -174,6 +175,12 @@ def test_lease_holds_behind_a_full_slow_link(lab: ShapedLab) -> None:
     assert lab.broker_address.endswith(f":{PORT}")
 
 
+def key_text(c: curve.RolesCluster, name: str) -> str:
+    """The Z85 public key of the cluster's key ``name``, as the broker's log gives it."""
+    public, _ = zmq.auth.load_certificate(str(c.keys / f"{name}.key"))
+    return public.decode("ascii")
+
+
 def test_a_liveness_link_needs_its_shards_key(roles: curve.RolesCluster) -> None:
     status = roles.status()
     victim = status["shards"][0]
@@ -187,17 +194,24 @@ def test_a_liveness_link_needs_its_shards_key(roles: curve.RolesCluster) -> None
         hostile = curve.curve_dealer(ctx, roles, "hostile", b"h-s-ghost", roles.address)
         hostile.send_multipart(beat)
         assert curve.wait_log(roles, r"the broker refused s-ghost .*role may not do this")
-        # Another shard's key presenting the victim's liveness link (connected: no
-        # connection takes an identity in use under CURVE) is not heard at all.
+        # Another shard's key presenting the victim's liveness link as its zps id is
+        # refused, logged under that key, and gets no lease echo.
         ident = f"h-{node}".encode()
         thief = curve.curve_dealer(ctx, roles, other_key, ident, roles.address)
         thief.send_multipart(beat)
+        other_public = key_text(roles, other_key)
+        assert curve.wait_log(
+            roles,
+            rf"the broker refused h?-?{node} \(key {re.escape(other_public)}\): "
+            "the identity belongs to another key",
+        )
         assert not hostile.poll(300) and not thief.poll(300), "a lease echo to an impostor"
         # The shards' own liveness links are admitted: the cluster stays healthy, and no
-        # message of theirs was refused.
+        # message under the victim's own key was refused.
         after = roles.status()
         assert roles.healthy(after), after
         assert after["failovers"] == status["failovers"]
-        assert f"the broker refused {node} " not in roles.broker().log()
+        own_public = key_text(roles, own_key)
+        assert f"(key {own_public})" not in roles.broker().log()
     finally:
         ctx.destroy(0)
