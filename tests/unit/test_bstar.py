@@ -50,6 +50,34 @@ def test_backup_ignores_a_starting_primary() -> None:
     assert b.state is State.BACKUP
 
 
+def test_a_pair_started_whole_the_newer_record_takes_over() -> None:
+    # The backup served after the primary: its record (term 2) is newer than the
+    # primary's (term 1, a higher version): the backup takes over, the primary stands by.
+    a = BinaryStar(PairRole.PRIMARY, timeout=T, now=0.0, term=1, record=(1, 9))
+    b = BinaryStar(PairRole.BACKUP, timeout=T, now=0.0, term=2, record=(2, 4))
+    assert a.on_peer(State.BACKUP, b.term, 0.1, b.record) is None
+    assert a.state is State.PRIMARY
+    t = b.on_peer(State.PRIMARY, a.term, 0.1, a.record)
+    assert t is not None and t.activated and b.term == 4
+    t = a.on_peer(*b.beat(), 0.2, b.record)
+    assert t is not None and t.new is State.PASSIVE and a.term == 4
+    # Same term: the higher version wins.
+    b = BinaryStar(PairRole.BACKUP, timeout=T, now=0.0, record=(3, 7))
+    assert b.on_peer(State.PRIMARY, 3, 0.1, (3, 6)) is not None and b.active
+    # Equal records, or a peer that does not say: the primary.
+    a = BinaryStar(PairRole.PRIMARY, timeout=T, now=0.0, record=(3, 7))
+    t = a.on_peer(State.BACKUP, 3, 0.1, (3, 7))
+    assert t is not None and t.activated
+    b = BinaryStar(PairRole.BACKUP, timeout=T, now=0.0, record=(3, 7))
+    assert b.on_peer(State.PRIMARY, 3, 0.1, (3, 7)) is None
+    assert b.on_peer(State.PRIMARY, 3, 0.1) is None and b.state is State.BACKUP
+    for bad in ((1,), (-1, 0), (1, True), [1, 2]):
+        with pytest.raises(ValueError, match="record"):
+            a.on_peer(State.BACKUP, 3, 0.2, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="record"):
+        BinaryStar(PairRole.PRIMARY, timeout=T, now=0.0, record=(0, -2))
+
+
 def test_primary_meets_active_backup_goes_passive() -> None:
     a = primary(term=1)
     t = a.on_peer(State.ACTIVE, 2, 0.1)

@@ -23,6 +23,12 @@ Rules:
    client that saw one) is no longer active: it goes passive and stops routing.
 4. Two active brokers: the higher term wins, the other goes passive.  Two
    passive brokers (nobody serving): the primary takes over.
+5. A pair started whole (both just started): the broker holding the newer
+   record takes over, the other stands by.  A record is ordered by ``(term,
+   version)``: the term it was produced at, then its version (the map version)
+   within that term; equal records: the primary.  This is Raft's election
+   restriction: of two candidates only one whose log is at least as up to date
+   may lead, so nothing the newer broker acknowledged is elected away.
 
 No I/O and no clock: the driver passes ``now`` (seconds, monotonic) and acts on
 the :class:`Transition` each event returns.
@@ -73,7 +79,15 @@ class PairError(Exception):
 class BinaryStar:
     """One broker's side of the pair (see the module notes)."""
 
-    def __init__(self, role: PairRole, *, timeout: float, now: float, term: int = 0) -> None:
+    def __init__(
+        self,
+        role: PairRole,
+        *,
+        timeout: float,
+        now: float,
+        term: int = 0,
+        record: tuple[int, int] = (0, 0),
+    ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         if term < 0:
@@ -86,6 +100,9 @@ class BinaryStar:
         #: The peer's last reported state and term (None: never heard).
         self.peer_state: State | None = None
         self.peer_term = 0
+        #: The ``(term, version)`` of the record this broker holds (rule 5); the
+        #: driver keeps it current.
+        self.record = _record(record)
         self._peer_expiry = now + timeout
         self.failovers = 0
 
@@ -104,10 +121,14 @@ class BinaryStar:
 
     # -- events ------------------------------------------------------------------
 
-    def on_peer(self, state: State, term: int, now: float) -> Transition | None:
-        """A heartbeat from the peer: it is in ``state`` and knows ``term``."""
+    def on_peer(
+        self, state: State, term: int, now: float, record: tuple[int, int] | None = None
+    ) -> Transition | None:
+        """A heartbeat from the peer: it is in ``state``, knows ``term`` and holds a
+        record ordered ``record`` (None: it did not say; rule 5 then picks the primary)."""
         if term < 0:
             raise ValueError(f"term must be >= 0, got {term!r}")
+        peer_record = None if record is None else _record(record)
         self.peer_state, self.peer_term = state, term
         self._peer_expiry = now + self.timeout
         if state is State.PRIMARY and self.role is PairRole.PRIMARY:
@@ -120,7 +141,13 @@ class BinaryStar:
         self.term = max(self.term, term)
         match mine, state:
             case State.PRIMARY, State.BACKUP:
+                if peer_record is not None and peer_record > self.record:
+                    return None  # rule 5: the backup takes over; this one then stands by
                 return self._activate("the backup is up and nobody is active")
+            case State.BACKUP, State.PRIMARY if peer_record is not None and (
+                self.record > peer_record
+            ):
+                return self._activate("the pair started whole and this broker's record is newer")
             case State.PRIMARY | State.BACKUP, State.ACTIVE:
                 return self._to(State.PASSIVE, self.term, "the peer is active")
             case State.PASSIVE, State.PRIMARY | State.BACKUP:
@@ -185,3 +212,14 @@ class BinaryStar:
         old = self.state
         self.state, self.term = state, term
         return Transition(old, state, term, reason)
+
+
+def _record(record: tuple[int, int]) -> tuple[int, int]:
+    """A record's ``(term, version)``, checked."""
+    if (
+        not isinstance(record, tuple)
+        or len(record) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in record)
+    ):
+        raise ValueError(f"a record is (term, version), two ints >= 0, got {record!r}")
+    return record

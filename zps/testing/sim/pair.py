@@ -54,12 +54,22 @@ class PairBroker(SimBroker):
         self.takeovers = 0
         self.beats = 0
         self.term = 0  # the term kept in its data dir
+        #: The term the record in its data dir was produced at (the active broker's).
+        self.rec_term = 0
 
     def start(self) -> None:
         now = self.w.sched.now
         self.star = BinaryStar(self.role, timeout=PEER_TIMEOUT, now=now, term=self.term)
         self.heard = set()
         super().start()
+        self.star.record = self._record_key()
+
+    def _record_key(self) -> tuple[int, int]:
+        """The held record's ``(term, version)`` (BinaryStar rule 5): the active broker's
+        own state at its term, or the record last received or restored."""
+        if self.star.active:
+            return self.star.term, self.state.map_version
+        return (self.rec_term, self.record[0]) if self.record is not None else (0, 0)
 
     def stop(self, *, keep_record: bool) -> None:
         """The data dir (:attr:`record`) holds the active broker's own state, or what a
@@ -71,6 +81,8 @@ class PairBroker(SimBroker):
         super().stop(keep_record=keep_record)
         if standby and keep_record:
             self.record = held
+        if self.record is None:
+            self.rec_term = 0
 
     @property
     def active(self) -> bool:
@@ -83,14 +95,16 @@ class PairBroker(SimBroker):
         if self.beats % 2 == 0:  # every PEER_TIMEOUT / 5 (the timer runs every HB / 2)
             state, term = self.star.beat()
             rec = (self.state.map_version, self.state.records()) if self.star.active else None
-            self.w.net.send(self.name, self.peer, ("peer", state.value, term, rec))
+            key = self._record_key()
+            self.w.net.send(self.name, self.peer, ("peer", state.value, term, rec, key))
         if self.star.active:
             super()._work(now)
 
-    def _on_peer(self, state: str, term: int, rec: Any) -> None:
+    def _on_peer(self, state: str, term: int, rec: Any, key: tuple[int, int] | None) -> None:
         if rec is not None and state == State.ACTIVE.value and not self.star.active:
-            self.record = rec  # kept, and written to its data dir
-        self._changed(self.star.on_peer(State(state), term, self.w.sched.now))
+            self.record, self.rec_term = rec, term  # kept, and written to its data dir
+            self.star.record = self._record_key()
+        self._changed(self.star.on_peer(State(state), term, self.w.sched.now, key))
 
     def _changed(self, change: Transition | None) -> None:
         if change is None:
@@ -99,6 +113,7 @@ class PairBroker(SimBroker):
         w.sched.log(f"{self.name}: {change.old.value} -> {change.new.value} at term "
                     f"{change.term} ({change.reason})")  # fmt: skip
         if change.activated:
+            self.rec_term = change.term
             self.takeovers += 1
             inc = f"sim{w.seed}-{self.name}-{self.starts}-{self.takeovers}"
             self._reset(now, self.record, inc)
@@ -119,7 +134,7 @@ class PairBroker(SimBroker):
 
     def on_message(self, src: str, msg: Any) -> None:
         if msg[0] == "peer":
-            self._on_peer(msg[1], msg[2], msg[3])
+            self._on_peer(msg[1], msg[2], msg[3], msg[4])
             return
         _, term, inner = msg
         now = self.w.sched.now
