@@ -5,12 +5,17 @@ Two brokers run as a primary/backup pair (``broker.pair_role``); the rules are
 
 * a peer link: each broker binds a ROUTER at ``peer_bind`` and connects a
   DEALER to the other's (``peer``).  Every ``peer_timeout / 5`` seconds each
-  sends a beat ``[PEER_MAGIC, {state, term, role, inc, seq}, record?]``, and
+  sends a beat ``[PEER_MAGIC, {state, term, role, inc, seq, record}, record?]``
+  (``record``: the held record's ``[term, map version]``, which decides who
+  takes over when the pair starts whole: BinaryStar rule 5), and
   each beat is answered at once over the same connection; a beat older than
   one already heard (``inc``, ``seq``) is ignored.  The active broker adds its
   state record (:class:`~zps.core.brokerstate.BrokerState` bytes) whenever it
   changed, until the standby reports holding it, and every second anyway: the
-  standby holds a copy at most one beat old.
+  standby holds a copy at most one beat old.  A durable send (a map) waits for
+  more: until the standby reports holding a record made after it was queued
+  (:meth:`Pair.after_held`), and the record goes at once rather than at the
+  next beat, so a takeover never starts from an older map than one sent out.
 * admission: the passive broker drops shard messages (it only notes who the
   shards are) and answers every client message ``PASSIVE`` unless the Binary
   Star rule lets it take over: it lost its peer *and* a client is asking.
@@ -35,6 +40,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -129,15 +135,24 @@ class Pair:
         self.peer_bind = cfg.peer_bind
         self.timeout = cfg.peer_timeout
         self.interval = cfg.peer_timeout / 5
-        self.star = BinaryStar(self.role, timeout=self.timeout, now=time.monotonic())
-        self.peer_endpoint: str | None = None  # what the peer socket bound
-        self.bound = asyncio.Event()
+        #: The term this broker was last active at (its own record's term).
+        self._active_term = record.term if record is not None else 0
+        #: The incarnation of the active broker whose record :attr:`record` is (None:
+        #: this broker's own, or restored).
+        self._held_from: str | None = None
         #: The last record received from the active peer; at start, what the broker
         #: restored from its data dir (a pair restarted whole, or a primary that finds
         #: no peer, takes over with it rather than with nothing).
         self.record: BrokerState | None = record
+        self.star = self._new_star()
+        self.peer_endpoint: str | None = None  # what the peer socket bound
+        self.bound = asyncio.Event()
         self._sent: BrokerState | None = None
         self._sent_at = 0.0
+        self._version = 0  # of the last record sent: grows for as long as the process runs
+        #: Durable sends waiting for the standby to hold a record of at least this version.
+        self._waiting: list[tuple[int, Callable[[], object]]] = []
+        self._dealer: transport.Channel | None = None
         self._shards: set[bytes] = set()  # shard identities heard while passive
         self._takeover_record: BrokerState | None = None
         self._peer_info: dict[str, Any] = {}
@@ -161,6 +176,31 @@ class Pair:
     @property
     def term(self) -> int:
         return self.star.term
+
+    @property
+    def record_term(self) -> int:
+        """The term the record this broker produces is stamped with: its term while
+        active, after that the term it was last active at."""
+        return self.star.term if self.star.active else self._active_term
+
+    def _new_star(self) -> BinaryStar:
+        """The state machine at start: it knows its record's term and order."""
+        rec = self.record
+        return BinaryStar(
+            self.role,
+            timeout=self.timeout,
+            now=time.monotonic(),
+            term=rec.term if rec is not None else 0,
+            record=(rec.term, rec.map_version) if rec is not None else (0, 0),
+        )
+
+    def _record_order(self) -> tuple[int, int]:
+        """The held record's ``(term, map version)`` (BinaryStar rule 5): the active
+        broker's own state, else the record last received or restored."""
+        if self.star.active:
+            return self.star.term, self.host.state.map_version
+        rec = self.record
+        return (rec.term, rec.map_version) if rec is not None else (0, 0)
 
     def status(self, now: float) -> dict[str, Any]:
         """For the status report: both brokers and which one is active."""
@@ -282,8 +322,9 @@ class Pair:
         # Each connection to the peer is made (again) with a beat at once: the peer
         # hears this broker within a round trip, not a beat interval, later.
         dealer.on_connected = lambda: self._beat(dealer, time.monotonic())
+        self._dealer = dealer
         # The peer's silence counts from now, when it can first be heard.
-        self.star = BinaryStar(self.role, timeout=self.timeout, now=time.monotonic())
+        self.star = self._new_star()
         self.bound.set()
 
         async def on_router(frames: transport.Frames) -> None:
@@ -318,6 +359,8 @@ class Pair:
                 self._beat(dealer, now)
             if self.star.active:
                 await self._end_hold(now)
+            if self._waiting and not (self.star.active and self.peer_alive(now)):
+                self._release(held=None)
             # After a takeover, look for the end of the hold more often than a beat.
             await asyncio.sleep(self.interval / 10 if self._takeover_record else self.interval)
 
@@ -332,6 +375,9 @@ class Pair:
         }
         if not self.star.active and self.record is not None:
             header["has_record"] = self.record.version  # what the standby holds
+            if self._held_from is not None:
+                header["held_from"] = self._held_from  # whose record it is
+        header["record"] = list(self._record_order())
         return header
 
     def _beat(self, dealer: transport.Channel, now: float) -> None:
@@ -339,11 +385,12 @@ class Pair:
         frames: list[Any] = [PEER_MAGIC]
         record: bytes | None = None
         if self.star.active:
-            rec = self.host.pair_record(self._sent.version if self._sent else 0)
+            rec = self.host.pair_record(self._version)
             behind = self._peer_info.get("has_record") != rec.version
             if behind or not rec.same_content(self._sent) or now - self._sent_at >= RESEND_S:
                 if not rec.same_content(self._sent):
-                    rec = replace(rec, version=rec.version + 1)
+                    self._version += 1
+                    rec = replace(rec, version=self._version)
                 record = rec.to_bytes()
                 self._sent, self._sent_at = rec, now
             header["version"] = rec.version
@@ -366,6 +413,10 @@ class Pair:
             inc, seq = str(header.get("inc", "")), header.get("seq", 0)
             if not isinstance(seq, int) or isinstance(seq, bool):
                 raise ValueError(f"bad seq {seq!r}")
+            order = header.get("record")
+            peer_record = None if order is None else (order[0], order[1])
+            if peer_record is not None and (len(order) != 2 or not all(map(_count, peer_record))):
+                raise ValueError(f"bad record order {order!r}")
         except (KeyError, TypeError, ValueError, msgpack.ExtraData, msgpack.FormatError) as e:
             raise ProtocolError(f"bad peer header: {e}") from e
         if inc == self._heard[0] and seq <= self._heard[1]:
@@ -377,10 +428,16 @@ class Pair:
                 self.record = BrokerState.from_bytes(transport.frame_bytes(frames[2]))
             except BrokerStateError as e:
                 raise ProtocolError(f"bad broker state from the peer: {e}") from e
+            self._held_from = inc
+            self.star.record = self._record_order()
             self.host.state_changed()  # into the data dir too
-        self._peer_info = {"has_record": header.get("has_record")}
+        self._peer_info = {
+            "has_record": header.get("has_record"),
+            "held_from": header.get("held_from"),
+        }
+        self._check_held()
         try:
-            change = self.star.on_peer(state, term, now)
+            change = self.star.on_peer(state, term, now, peer_record)
         except PairError as e:
             log.error("broker pair misconfigured: %s; check broker.pair_role on both", e)
             return
@@ -403,6 +460,40 @@ class Pair:
     def _on_bad_peer(self, frames: transport.Frames, err: ProtocolError) -> None:
         log.warning("dropped a bad message on the peer link: %s", err)
 
+    # -- durable sends -------------------------------------------------------
+
+    def after_held(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` once the standby holds this broker's state as it is now: at
+        once when not active or the peer is not alive (a dead peer takes nothing over;
+        it stands by when it comes back and is sent the state then), else when the
+        standby reports holding a record this broker sent after now.  The record goes
+        out at once rather than at the next beat."""
+        now = time.monotonic()
+        if not (self.star.active and self.peer_alive(now)):
+            callback()
+            return
+        sent = self._sent
+        current = sent is not None and self.host.pair_record(sent.version).same_content(sent)
+        need = self._version if current else self._version + 1
+        self._waiting.append((need, callback))
+        if not current and self._dealer is not None:
+            self._beat(self._dealer, now)
+        self._check_held()
+
+    def _check_held(self) -> None:
+        """Release what the standby's last report covers (a record of this process)."""
+        held = self._peer_info.get("has_record")
+        if self._waiting and self._peer_info.get("held_from") == self._incarnation and _count(held):
+            assert isinstance(held, int)
+            self._release(held=held)
+
+    def _release(self, *, held: int | None) -> None:
+        """Run the waiting sends the standby's record ``held`` covers (None: all)."""
+        ready = [cb for need, cb in self._waiting if held is None or need <= held]
+        self._waiting = [(n, cb) for n, cb in self._waiting if held is not None and n > held]
+        for cb in ready:
+            cb()
+
     # -- transitions ---------------------------------------------------------
 
     async def _changed(self, change: Transition, now: float) -> None:
@@ -416,13 +507,17 @@ class Pair:
             change.reason,
         )
         if change.activated:
+            self._active_term = change.term
             await self._take_over(now)
         elif change.deactivated:
             # Whatever it knew is stale now: it routes again only after a takeover.
-            # Until the peer's record comes, its own last one stands for it.
-            self.record = self.host.pair_record(0)
+            # Until the peer's record comes, its own last one (stamped with the term it
+            # was active at) stands for it.  What waited to go out never goes.
+            self.record, self._held_from = self.host.pair_record(0), None
+            self.star.record = self._record_order()
             self.host.reset_state(now, hold=self.config.grace)
             self._sent = None
+            self._waiting.clear()
 
     async def _take_over(self, now: float) -> None:
         b = self.host
@@ -465,3 +560,8 @@ class Pair:
         self._takeover_record = None
         log.info("broker pair: every partition's primary is back; routing")
         await self.host.republish()
+
+
+def _count(v: object) -> bool:
+    """An int >= 0 (not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0

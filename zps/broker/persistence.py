@@ -41,7 +41,12 @@ class PairView(Protocol):
     @property
     def term(self) -> int: ...
 
+    @property
+    def record_term(self) -> int: ...
+
     def mirrored(self) -> BrokerState | None: ...
+
+    def after_held(self, callback: Callable[[], object]) -> None: ...
 
     def peer_holds_now(self) -> bool: ...
 
@@ -113,6 +118,7 @@ class Record:
                 jobs=jobs,
                 **self.reshard_record(),
                 shard_keys=tuple(sorted((n, k.decode()) for n, k in self.bound_keys.items())),
+                term=self.pair.record_term if self.pair is not None else 0,
             )
         if last is not None and rec.same_content(last):
             return last
@@ -155,6 +161,7 @@ class Record:
             clocks=training.clocks.to_record(),
             jobs=tuple(job.to_record() for job in training.jobs.values()),
             **self.reshard_record(),
+            term=self.pair.record_term if self.pair is not None else 0,
         )
 
     def load_record(self, rec: BrokerState) -> None:
@@ -265,11 +272,24 @@ class Record:
         return written.partitions[p].floor_epoch < self.state.floor_of(p)[0]
 
     async def send_durable(self, frames: list[Any]) -> bool:
-        """Send once the state as it is now is in the data dir (at once without one)."""
-        if self.writer is None:
+        """Send once the state as it is now is in the data dir (at once without one)
+        and, in a pair, in the standby's copy (:meth:`Pair.after_held
+        <zps.broker.pair.Pair.after_held>`): a takeover starts from that copy, so nothing
+        that acknowledged writes depend on goes out before it holds it."""
+        pair, post = self.pair, self._post
+        if self.writer is None and pair is None:
             return await self._send(frames)
-        post = self._post
-        self.writer.after_write(lambda: post(frames))
+
+        def written() -> None:
+            if pair is None:
+                post(frames)
+            else:
+                pair.after_held(lambda: post(frames))
+
+        if self.writer is None:
+            written()
+        else:
+            self.writer.after_write(written)
         return True
 
     async def control(

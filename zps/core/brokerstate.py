@@ -139,6 +139,10 @@ class BrokerState:
     #: CURVE: (shard node id, the Z85 public key it is bound to), sorted by node id;
     #: absent from records written before it was kept (read as none).
     shard_keys: tuple[tuple[str, str], ...] = ()
+    #: A broker pair: the term of the active broker that produced the record (0: none,
+    #: or written before it was kept); of two pair records the one with the higher
+    #: ``(term, map_version)`` is newer.
+    term: int = 0
 
     def __post_init__(self) -> None:
         if len(self.partitions) != self.n_partitions:
@@ -210,6 +214,7 @@ class BrokerState:
                 ],
             },
             "shard_keys": [list(b) for b in self.shard_keys],
+            "term": self.term,
         }
 
     def to_bytes(self) -> bytes:
@@ -305,6 +310,7 @@ class BrokerState:
             slot_map=slot_map,
             reshard=reshard,
             shard_keys=tuple(shard_keys),
+            term=_int(d.get("term", 0), "term"),
         )
 
 

@@ -171,8 +171,8 @@ def _standby_without_record() -> list[tuple[Any, str, Any]]:
 
     real = PairBroker._on_peer
 
-    def on_peer(self: Any, state: str, term: int, rec: Any, key: Any) -> None:
-        real(self, state, term, None, key)
+    def on_peer(self: Any, state: str, term: int, rec: Any, *rest: Any) -> None:
+        real(self, state, term, None, *rest)
 
     return [(PairBroker, "_on_peer", on_peer)]
 

@@ -61,6 +61,8 @@ class PairBroker(SimBroker):
         now = self.w.sched.now
         self.star = BinaryStar(self.role, timeout=PEER_TIMEOUT, now=now, term=self.term)
         self.heard = set()
+        self.peer_key: tuple[int, int] | None = None  # the record the peer says it holds
+        self.sent_for = -1  # the map version a beat went out of turn for
         super().start()
         self.star.record = self._record_key()
 
@@ -93,18 +95,50 @@ class PairBroker(SimBroker):
     def _work(self, now: float) -> None:
         self.beats += 1
         if self.beats % 2 == 0:  # every PEER_TIMEOUT / 5 (the timer runs every HB / 2)
-            state, term = self.star.beat()
-            rec = (self.state.map_version, self.state.records()) if self.star.active else None
-            key = self._record_key()
-            self.w.net.send(self.name, self.peer, ("peer", state.value, term, rec, key))
+            self._beat()
         if self.star.active:
             super()._work(now)
 
-    def _on_peer(self, state: str, term: int, rec: Any, key: tuple[int, int] | None) -> None:
+    def _beat(self, *, echo: bool = False) -> None:
+        """A beat (the active broker's carries its record); ``echo``: the answer to one."""
+        state, term = self.star.beat()
+        rec = (self.state.map_version, self.state.records()) if self.star.active else None
+        key = self._record_key()
+        self.w.net.send(self.name, self.peer, ("peer", state.value, term, rec, key, echo))
+
+    def _on_peer(
+        self, state: str, term: int, rec: Any, key: tuple[int, int] | None, echo: bool
+    ) -> None:
         if rec is not None and state == State.ACTIVE.value and not self.star.active:
             self.record, self.rec_term = rec, term  # kept, and written to its data dir
             self.star.record = self._record_key()
+        self.peer_key = key
         self._changed(self.star.on_peer(State(state), term, self.w.sched.now, key))
+        if not echo:  # each beat is answered at once, with what this broker holds now
+            self._beat(echo=True)
+        if self.active:
+            self._publish()
+
+    def _peer_holds(self) -> bool:
+        """Pair.after_held: the standby reported holding this broker's record (of its
+        term) with the map as it is now, or the peer is not alive (a dead peer takes
+        nothing over)."""
+        if not (self.star.peer_alive(self.w.sched.now) and self.star.peer_state is not None):
+            return True
+        key = self.peer_key
+        return key is not None and key[0] == self.star.term and key[1] >= self.state.map_version
+
+    def _publish(self) -> None:
+        """A map goes out once the standby holds it (a takeover starts from the standby's
+        record; the map's in-sync set releases acknowledged writes).  While it waits, the
+        record goes to the standby at once rather than at the next beat."""
+        if self.active and self.state.map_version != self.published and not self._peer_holds():
+            self._keep()
+            if self.sent_for != self.state.map_version:
+                self.sent_for = self.state.map_version
+                self._beat()
+            return
+        super()._publish()
 
     def _changed(self, change: Transition | None) -> None:
         if change is None:
@@ -134,7 +168,7 @@ class PairBroker(SimBroker):
 
     def on_message(self, src: str, msg: Any) -> None:
         if msg[0] == "peer":
-            self._on_peer(msg[1], msg[2], msg[3], msg[4])
+            self._on_peer(*msg[1:])
             return
         _, term, inner = msg
         now = self.w.sched.now
