@@ -434,6 +434,7 @@ class Pair:
         self._peer_info = {
             "has_record": header.get("has_record"),
             "held_from": header.get("held_from"),
+            "record": peer_record and list(peer_record),  # its (term, map version)
         }
         self._check_held()
         try:
