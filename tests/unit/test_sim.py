@@ -60,6 +60,8 @@ CATCH: dict[str, tuple[str, int]] = {
     "stale-replica-in-tracker": ("pause,idle", 14),
     "standby-without-record": ("failover,kill,power", 8),
     "pair-unfenced": ("failover,pause", 6),
+    "pair-primary-first": ("failover,kill,power,pause,partition,disk,broker,crash-all", 57),
+    "pair-map-before-standby": ("failover,kill,partition", 46),
 }
 
 

@@ -177,6 +177,33 @@ def _standby_without_record() -> list[tuple[Any, str, Any]]:
     return [(PairBroker, "_on_peer", on_peer)]
 
 
+@_bug(
+    "pair-primary-first",
+    "a broker pair started whole is taken over by the primary whatever the records hold "
+    "(BinaryStar.on_peer without the peer's record order)",
+)
+def _pair_primary_first() -> list[tuple[Any, str, Any]]:
+    from zps.core.bstar import BinaryStar
+
+    real = BinaryStar.on_peer
+
+    def on_peer(self: Any, state: Any, term: int, now: float, record: Any = None) -> Any:
+        return real(self, state, term, now)
+
+    return [(BinaryStar, "on_peer", on_peer)]
+
+
+@_bug(
+    "pair-map-before-standby",
+    "the active broker of a pair publishes a map before its standby holds it (Pair.after_held "
+    "releasing at once)",
+)
+def _pair_map_before_standby() -> list[tuple[Any, str, Any]]:
+    from zps.testing.sim.pair import PairBroker
+
+    return [(PairBroker, "_peer_holds", lambda self: True)]
+
+
 @contextlib.contextmanager
 def patched(name: str | None) -> Iterator[None]:
     """Run with the defect ``name`` in place (None: none)."""
