@@ -50,7 +50,8 @@ async def test_writes_go_on_while_a_large_partitions_new_copy_loads(
 ) -> None:
     c = cluster
     c.start_broker()
-    procs = [c.start_shard(tmp_path / name) for name in ("a", "b", "spare")]
+    dirs = [tmp_path / name for name in ("a", "b", "spare")]
+    procs = [c.start_shard(d) for d in dirs]
     c.wait_for(lambda s: c.healthy(s) and len(s["shards"]) == 3, 60, "2 copies in sync and a spare")
     async with zps.connect(c.address, timeout=60) as ps:
         await ps.create_embedding("big", DIM, optimizer=Adagrad(lr=0.1))
@@ -88,7 +89,9 @@ async def test_writes_go_on_while_a_large_partitions_new_copy_loads(
         # The rebuilt copy is in sync: it holds every write the primary acknowledged
         # alone meanwhile, so it may take over at once (with the killed shard back as
         # the spare) without losing one.
-        back = c.start_shard(tmp_path / ("a" if primary is procs[0] else "b"))
+        # Whichever shard registered first became the primary: it comes back on its
+        # own data directory.
+        back = c.start_shard(dirs[procs.index(primary)])
         await asyncio.to_thread(
             c.wait_for,
             lambda x: any(y["pid"] == back.pid and y["role"] == "spare" for y in x["shards"]),
