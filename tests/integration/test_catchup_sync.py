@@ -3,9 +3,11 @@ while writes go on, with real processes: its event loop is never held for long (
 heartbeat delayed), and the stream written during the transfer cannot fail it.
 
 The slow disk is synthetic: the replica's interpreter loads a ``sitecustomize`` that
-makes each ``fsync``/``fdatasync`` of a file wait in proportion to the bytes written to
-it since its last sync (``DISK_BPS``), as a disk that flushes that many bytes a second
-would (only the replica's: the sleep releases the GIL, as a real sync does).  A
+makes each ``fsync``/``fdatasync`` of a checkpoint file wait in proportion to the bytes
+written to it since its last sync (``DISK_BPS``), as a disk that flushes that many bytes
+a second would (only the replica's: the sleep releases the GIL, as a real sync does).
+Its log syncs at full speed: a replica whose log cannot take the write rate is dropped
+as stuck, by design, which is another test's subject.  A
 checkpoint the replica keeps of its snapshot then takes seconds to sync; the stream
 written meanwhile is held, and must be applied after the snapshot without holding the
 loop, and without a bound in memory that a longer transfer would pass."""
@@ -25,10 +27,13 @@ import zps
 from zps.optim import Adagrad
 from zps.testing import LocalCluster, free_port, scrape_metric
 
-HB, LIVENESS = 0.1, 5
-#: What the broker allows between two heartbeats: a loop held longer is a missed beat
-#: but for the liveness thread's cover, and holds the stream's reads and acknowledgements.
-LIVENESS_S = HB * LIVENESS
+HB, LIVENESS = 0.1, 20
+#: The longest the replica's loop may be held: five heartbeats (a loop held longer holds
+#: the stream's reads and acknowledgements).  The liveness timeout (2 s) is longer on
+#: purpose: just after its catch-up a replica that held this much stream acknowledges
+#: nothing new for a while (over 0.5 s on an idle machine), and a primary drops a replica
+#: that acknowledges nothing new for a liveness timeout.
+LOOP_BOUND_S = HB * 5
 ROWS, DIM, BATCH = 625_000, 32, 125_000  # rows and Adagrad state: 160 MB
 #: The synthetic disk: bytes synced a second.
 DISK_BPS = 8e6
@@ -41,6 +46,12 @@ import os, time
 _fsync, _fdatasync, _synced = os.fsync, os.fdatasync, {{}}
 
 def _wait(fd):
+    try:
+        name = os.readlink(f"/proc/self/fd/{{fd}}")
+    except OSError:
+        return
+    if "ckpt-" not in os.path.basename(name):
+        return
     st = os.fstat(fd)
     key = (st.st_dev, st.st_ino)
     new = max(0, st.st_size - _synced.get(key, 0))
@@ -69,7 +80,9 @@ def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     try:
         yield c
     finally:
-        c.stop()
+        # A shard on the slowed disk would spend minutes on its final checkpoint, which
+        # nothing here checks: past 2 s it is killed.
+        c.stop(timeout=2.0)
 
 
 async def test_a_replica_syncing_its_snapshot_on_a_slow_disk_never_holds_its_loop(
@@ -114,8 +127,8 @@ async def test_a_replica_syncing_its_snapshot_on_a_slow_disk_never_holds_its_loo
         assert re.search(r"loaded a snapshot of partition 0", log), log[-2000:]
         held = scrape_metric(rport, "zps_shard_event_loop_longest_gap_seconds")
         print(f"{pushes} pushes during the catch-up; the replica's loop held at most {held:.2f}s")
-        assert held < LIVENESS_S, (
-            f"the replica's event loop was held {held:.2f}s (liveness {LIVENESS_S}s) "
+        assert held < LOOP_BOUND_S, (
+            f"the replica's event loop was held {held:.2f}s (bound {LOOP_BOUND_S}s) "
             "while it applied the stream held during its snapshot"
         )
         assert not re.search("declared dead", c.broker().log())
