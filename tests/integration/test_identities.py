@@ -129,22 +129,24 @@ allowed_operators_dir = {q(self.workdir / "operators")}
         return float(m.group(1))
 
 
-@pytest.fixture(scope="module")
-def kc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyCluster]:
-    work = tmp_path_factory.mktemp("identities")
+def make_cluster(work: Path, replication: int) -> KeyCluster:
+    """A KeyCluster's keys and allow-lists under ``work`` (nothing started)."""
     keys = work / "keys"
     for name in NAMES:
         keygen(keys, name)
-    for directory, members in (
-        ("shards", SHARD_KEYS),
-        ("clients", CLIENT_KEYS),
-        ("operators", ["operator"]),
-    ):
+    lists = {"shards": SHARD_KEYS, "clients": CLIENT_KEYS, "operators": ["operator"]}
+    for directory, members in lists.items():
         (work / directory).mkdir()
         for name in members:
             shutil.copy(keys / f"{name}.key", work / directory / f"{name}.key")
-    c = KeyCluster(partitions=1, replication=2, liveness=20, workdir=work)
+    c = KeyCluster(partitions=1, replication=replication, liveness=20, workdir=work)
     c.keys, c.port, c.metrics_port = keys, free_port(), free_port()
+    return c
+
+
+@pytest.fixture(scope="module")
+def kc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyCluster]:
+    c = make_cluster(tmp_path_factory.mktemp("identities"), replication=2)
     try:
         c.start_broker_process()
         c.start_shard_process("alpha", "shard0")

@@ -31,16 +31,13 @@ import zmq
 import zmq.auth
 
 import zps
-from tests.integration.test_curve_roles import keygen
 from tests.integration.test_identities import (
-    CLIENT_KEYS,
-    NAMES,
-    SHARD_KEYS,
     HalfOpenProxy,
     KeyCluster,
     control,
     curve_dealer,
     handshake_done,
+    make_cluster,
 )
 from zps import transport
 from zps.errors import ZpsError
@@ -120,24 +117,6 @@ class CutProxy:
         self.open.set()
         self.listener.close()
         self.cut()
-
-
-def make_cluster(work: Path, replication: int) -> KeyCluster:
-    """A KeyCluster's keys and allow-lists under ``work`` (nothing started)."""
-    keys = work / "keys"
-    for name in NAMES:
-        keygen(keys, name)
-    for directory, members in (
-        ("shards", SHARD_KEYS),
-        ("clients", CLIENT_KEYS),
-        ("operators", ["operator"]),
-    ):
-        (work / directory).mkdir()
-        for name in members:
-            shutil.copy(keys / f"{name}.key", work / directory / f"{name}.key")
-    c = KeyCluster(partitions=1, replication=replication, liveness=20, workdir=work)
-    c.keys, c.port, c.metrics_port = keys, free_port(), free_port()
-    return c
 
 
 @pytest.fixture(scope="module")
