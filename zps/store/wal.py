@@ -552,11 +552,13 @@ class Wal:
             _fsync_dir(self.folder)
         return gone
 
-    def close(self) -> None:
-        """Sync (unless the log is lost) and close the active segment."""
+    def close(self, *, sync: bool = True) -> None:
+        """Sync (unless the log is lost, or ``sync`` is false) and close the active
+        segment.  Without the sync what was written stays where a process that dies
+        leaves it: in the page cache, lost at a power loss."""
         if self._fd is not None:
             try:
-                if self.lost is None:
+                if sync and self.lost is None:
                     self.sync()
             finally:
                 os.close(self._fd)

@@ -292,9 +292,8 @@ class SimShard:
         self.w.net.detach(self.name)
         self.gen += 1
         wal = self.dur._wal
-        if wal is not None and wal._fd is not None:
-            self.w.os.close(wal._fd)  # the process is gone: no sync on the way out
-            wal._fd = None
+        if wal is not None:
+            wal.close(sync=False)  # the process is gone: no sync on the way out
 
     def _register(self) -> None:
         self.send("broker", ("register", self.session.claim(self.core.lsn), self.gen))
