@@ -333,6 +333,24 @@ class KeyValue:
                 self._rq.detach(flat)
             raise
 
+    async def _rows_of(
+        self, name: str, ids: Any, values: Any, what: str
+    ) -> tuple[EmbeddingSpec, npt.NDArray[np.int64], npt.NDArray[Any]]:
+        """Embedding ``name``'s spec, ``ids`` as ids and ``values`` (``what``: gradients,
+        rows) as an array of one row per id in the table's dtype, or a clear error."""
+        spec = self._specs.get(name)
+        if not isinstance(spec, EmbeddingSpec):
+            spec = await self._embedding_spec(name)
+        self.check_row(spec)
+        id_arr = as_ids(ids)
+        arr = as_float(values, spec.dtype, f"{what} for {name!r}")
+        if arr.shape != (id_arr.size, spec.dim):
+            raise ShapeMismatchError(
+                f"{what} for {name!r} have shape {arr.shape}; expected "
+                f"({id_arr.size}, {spec.dim}) for {id_arr.size} ids of dim {spec.dim}"
+            )
+        return spec, id_arr, arr
+
     def check_row(self, spec: EmbeddingSpec) -> int:
         """Calls are cut by rows: refuse, before sending anything, a table whose single
         row (with its id) this client could not send or receive.  Returns the bytes of
@@ -421,17 +439,7 @@ class KeyValue:
         ``wait=False``: as for :meth:`push_dense`.
         """
         self._rq.raise_background()
-        spec = self._specs.get(name)
-        if not isinstance(spec, EmbeddingSpec):
-            spec = await self._embedding_spec(name)
-        self.check_row(spec)
-        id_arr = as_ids(ids)
-        g = as_float(grads, spec.dtype, f"gradients for {name!r}")
-        if g.shape != (id_arr.size, spec.dim):
-            raise ShapeMismatchError(
-                f"gradients for {name!r} have shape {g.shape}; expected "
-                f"({id_arr.size}, {spec.dim}) for {id_arr.size} ids of dim {spec.dim}"
-            )
+        _, id_arr, g = await self._rows_of(name, ids, grads, "gradients")
         split = self.split(id_arr)
         # One partition owns every id: the arrays go as they are, the caller's memory.
         borrowed = wait and len(split.parts) == 1
@@ -637,17 +645,7 @@ class KeyValue:
         A call of any size is cut into messages within the message budget; each is
         applied atomically on its partition, the call as a whole is not (an error
         part-way may leave some partitions set)."""
-        spec = self._specs.get(name)
-        if not isinstance(spec, EmbeddingSpec):
-            spec = await self._embedding_spec(name)
-        self.check_row(spec)
-        id_arr = as_ids(ids)
-        v = as_float(rows, spec.dtype, f"rows for {name!r}")
-        if v.shape != (id_arr.size, spec.dim):
-            raise ShapeMismatchError(
-                f"rows for {name!r} have shape {v.shape}; expected "
-                f"({id_arr.size}, {spec.dim}) for {id_arr.size} ids of dim {spec.dim}"
-            )
+        spec, id_arr, v = await self._rows_of(name, ids, rows, "rows")
         check_finite(v, f"rows for {name!r}")
         uniq, counts = np.unique(id_arr, return_counts=True)
         if uniq.size != id_arr.size:
