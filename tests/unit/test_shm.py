@@ -550,7 +550,7 @@ def test_a_loan_past_reclaim_after_ends_and_a_late_read_is_refused() -> None:
         owner.free(shm.tokens(descs), reader=b"b")
         del values
         owner.housekeeping(now=101.1)
-        assert owner.arena.live == 0 and not owner._staged and not owner._staged_tokens
+        assert owner.arena.live == 0 and owner.staged_regions == 0 and owner.tracked_tokens == 0
     finally:
         owner.close()
         reader.close()
@@ -669,8 +669,8 @@ def test_a_buffer_gets_a_new_token_once_no_request_names_it() -> None:
         buf[:] = 1
         first, _ = sender.outbound(_request(buf[: MiB // 2])[0])
         second, _ = sender.outbound(_request(buf[MiB // 2 :])[0])
-        d1 = shm._descriptors(decode(first).header[shm.KEY]["d"])
-        d2 = shm._descriptors(decode(second).header[shm.KEY]["d"])
+        d1 = shm.descriptors(decode(first).header[shm.KEY]["d"])
+        d2 = shm.descriptors(decode(second).header[shm.KEY]["d"])
         sender.free(shm.tokens(d1))  # the first is over; the second is not
         assert sender.stats()["retokened"] == 0
         receiver.inbound(first, decode(first).header)  # a late copy: still the same bytes
@@ -689,7 +689,7 @@ def test_a_buffer_gets_a_new_token_once_no_request_names_it() -> None:
         sender.free(shm.tokens(d3))
         del buf, first, second, third, got
         sender.outbound(_request(np.zeros(4, np.float32))[0])
-        assert sender.arena.live == 0 and not sender._buffers and not sender._buffer_uses
+        assert sender.arena.live == 0 and sender.buffer_regions == 0 and sender.tracked_tokens == 0
     finally:
         sender.close()
         receiver.close()

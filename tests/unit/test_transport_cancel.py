@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
+import zmq
 
 from tests.unit.channel_pair import Pair, channel_pair
+from zps import transport
 
 
 @pytest.fixture
@@ -67,14 +70,37 @@ async def test_a_wait_after_a_message_keeps_its_own_deadline(pair: Pair) -> None
 
 
 @pytest.mark.timeout(30)
-async def test_a_wake_up_without_a_message_does_not_lose_the_deadline(pair: Pair) -> None:
-    ch, _ = pair
-    loop = asyncio.get_running_loop()
-    # Fault injection: nothing public wakes a plain socket's reader with no message.
-    loop.call_later(0.02, ch._readable.set)  # woken, nothing queued
-    t0 = loop.time()
-    assert await ch.recv_burst(0.1) == []
-    assert 0.1 - 0.002 <= loop.time() - t0 < 2.0
+async def test_a_wake_up_without_a_message_does_not_lose_the_deadline() -> None:
+    """A CURVE server's reader is woken by a message it then refuses at its edge (the
+    peer's connection carries no zps id): the receive waits on for its own deadline."""
+    ctx = transport.new_context()
+    public, secret = zmq.curve_keypair()
+    keys = transport.CurveKeys(public, secret, None, None)
+    ch, endpoint = transport.router(ctx, "tcp://127.0.0.1:0", max_message_bytes=1 << 20, curve=keys)
+    refused: list[str] = []
+    ch.on_refused = lambda _peer, _key, reason: refused.append(reason)
+    peer: zmq.Socket[Any] = zmq.Socket(ctx, zmq.DEALER)
+    peer.linger = 0
+    peer_public, peer_secret = zmq.curve_keypair()
+    peer.curve_secretkey, peer.curve_publickey = peer_secret, peer_public
+    peer.curve_serverkey = public  # no X-Zps-Id on its connection
+    connected = asyncio.Event()
+    watch = transport.HandshakeWatch(peer, on_connected=connected.set)
+    try:
+        peer.connect(endpoint)
+        await asyncio.wait_for(connected.wait(), 10.0)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.02, peer.send, b"no zps id")  # wakes the reader mid-wait
+        t0 = loop.time()
+        assert await ch.recv_burst(0.5) == []
+        elapsed = loop.time() - t0
+        assert refused == ["no_identity"]  # woken, received and refused in the wait
+        assert 0.5 - 0.002 <= elapsed < 5.0, elapsed
+    finally:
+        watch.close()
+        peer.close(0)
+        ch.close()
+        ctx.term()
 
 
 @pytest.mark.timeout(30)
@@ -89,7 +115,7 @@ async def test_messages_in_time_make_no_timer_per_wait(pair: Pair) -> None:
         made += 1
         return real(*args)  # type: ignore[arg-type]
 
-    loop.call_at = counting  # type: ignore[method-assign]
+    loop.call_at = counting  # type: ignore[method-assign, assignment]
     try:
         for i in range(200):
             loop.call_soon(peer.send, b"%d" % i)  # once the reader waits

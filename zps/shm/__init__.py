@@ -46,8 +46,7 @@ its descriptors), :mod:`~zps.shm.memory` (one process's side: :class:`SharedMemo
 """
 
 from zps.shm.arena import Arena
-from zps.shm.header import KEY, Inbound, tokens, with_entry
-from zps.shm.header import descriptors as _descriptors
+from zps.shm.header import KEY, Inbound, descriptors, tokens, with_entry
 from zps.shm.mapper import MAX_MAPPINGS, SWEEP_S, Mapper
 from zps.shm.memory import MIN_BYTES, OFF, SharedMemory
 from zps.shm.region import (
@@ -77,7 +76,7 @@ __all__ = [
     "Mapper",
     "SharedMemory",
     "ShmUnavailableError",
-    "_descriptors",
+    "descriptors",
     "disabled_by_env",
     "host_key",
     "tokens",

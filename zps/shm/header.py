@@ -42,7 +42,10 @@ def with_entry(header: Any, key: str, value: Any) -> bytes:
 
 
 def descriptors(value: object) -> list[list[int]]:
-    """The descriptors of a header's entry, checked (ProtocolError names a bad one)."""
+    """The descriptors of a header's :data:`KEY` entry (its ``"d"`` value), checked:
+    a list of at most 4096, each ``[frame, pid, fd, inode, offset, length, token]`` with
+    an optional ``skip`` (a multiple of 8), every field an int in ``[0, 2**64)``.
+    Returns ``value`` itself; a malformed one is a :class:`ProtocolError` naming it."""
     if not isinstance(value, list) or len(value) > 4096:
         raise ProtocolError("shared memory descriptors must be a list")
     for d in value:

@@ -139,6 +139,13 @@ class SharedMemory:
         return len(self._buffers)
 
     @property
+    def tracked_tokens(self) -> int:
+        """Tokens this memory still keeps a record of: those of its staged regions, and
+        those of :meth:`buffer` regions named by requests not yet freed.  None is kept
+        once every region is freed."""
+        return len(self._staged_tokens) + len(self._buffer_uses)
+
+    @property
     def unstaged_regions(self) -> int:
         """Regions whose array is gone, noted to be freed at this memory's next call."""
         return len(self._unstaged)
