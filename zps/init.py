@@ -17,6 +17,7 @@ rules.  Every failure is a :class:`~zps.errors.BadRequestError` naming the field
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from collections.abc import Mapping
@@ -160,6 +161,14 @@ def _check_type(what: str, field: str, value: object, hint: object) -> None:
         raise BadRequestError(f"{what}.{field} must be {expected}, got {type(value).__name__}")
 
 
+@functools.cache
+def _layout(cls: type) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """The field names of the record class ``cls`` and their annotations, resolved once
+    per class (a class's annotations do not change; resolving them costs more than
+    parsing a record)."""
+    return tuple(f.name for f in dataclasses.fields(cls)), typing.get_type_hints(cls)
+
+
 def parse_record(obj: object, what: str, kinds: Mapping[str, type[T]]) -> T:
     """Build ``kinds[obj["kind"]](**fields)`` from a wire dict, strictly.
 
@@ -173,8 +182,7 @@ def parse_record(obj: object, what: str, kinds: Mapping[str, type[T]]) -> T:
     if not isinstance(kind, str) or kind not in kinds:
         raise BadRequestError(f"{what}.kind must be one of {sorted(kinds)}, got {kind!r}")
     cls = kinds[kind]
-    hints = typing.get_type_hints(cls)
-    fields = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    fields, hints = _layout(typing.cast(type, cls))
     for key in obj:
         if key != "kind" and key not in fields:
             raise BadRequestError(f"{what}: unknown field {key!r} for kind {kind!r}")
