@@ -679,9 +679,11 @@ def _write_all(f: io.RawIOBase, view: memoryview) -> None:
 
 def _write_hashed(write: Callable[[memoryview], None], parts: Sequence[Part]) -> bytes:
     """Write ``parts`` with ``write`` while a second thread hashes each slice; the SHA-256 of
-    all of them.  Frozen parts are read into a buffer a slice at a time."""
+    all of them.  Frozen parts are read into a buffer a slice at a time (no larger than
+    the largest frozen part: a small checkpoint allocates no slice it does not fill)."""
     digest = hashlib.sha256()
-    buf = memoryview(bytearray(_SLICE))
+    frozen = max((len(p) for p in parts if isinstance(p, FrozenPart)), default=0)
+    buf = memoryview(bytearray(min(_SLICE, frozen)))
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zps-ckpt-hash") as pool:
         for piece in slices(parts, _SLICE, buf):
             hashing = pool.submit(digest.update, piece)
