@@ -13,6 +13,10 @@ the ``os`` name that :mod:`zps.store.wal` and :mod:`zps.shard.checkpoint` call
 
 Renames, creations and truncations are taken as durable at once (the code under test
 fsyncs the directory after each).
+
+The checkpoint module's hashing thread runs inline for the run (its ``concurrent`` name
+is the second seam, :class:`InlineExecutor`): the same bytes hashed in the same order, the
+same digest, and no thread to start and hand each slice to in a one-process simulation.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import errno
 import os as _os
 import random
 import shutil
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +74,10 @@ class SimOS:
         self.disks: list[Disk] = []
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(_os, name)
+        # Looked up once: the real function is kept as this object's attribute.
+        value = getattr(_os, name)
+        setattr(self, name, value)
+        return value
 
     def _disk(self, fd: int) -> tuple[Disk | None, str]:
         try:
@@ -123,18 +131,63 @@ class SimOS:
                 d.synced[str(dst)] = d.synced.pop(str(src))
 
 
-def install(sim_os: SimOS) -> list[tuple[Any, Any]]:
-    """Put ``sim_os`` where the log and checkpoint modules look up ``os``; returns what
-    to put back (:func:`uninstall`)."""
+class _Done:
+    """A call already made: its value, or the exception it raised."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self._error: BaseException | None = None
+        self._value: Any = None
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # re-raised by result, as a Future does
+            self._error = e
+
+    def result(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class InlineExecutor:
+    """A ``ThreadPoolExecutor`` that runs each call as it is submitted."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __enter__(self) -> InlineExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> _Done:
+        return _Done(fn, args)
+
+
+#: What the checkpoint module finds under its ``concurrent`` name during a run.
+_CONCURRENT = types.SimpleNamespace(
+    futures=types.SimpleNamespace(ThreadPoolExecutor=InlineExecutor)
+)
+
+
+def install(sim_os: SimOS) -> list[tuple[Any, str, Any]]:
+    """Put ``sim_os`` where the log and checkpoint modules look up ``os``, and the inline
+    executor where the checkpoint module looks up ``concurrent``; returns what to put back
+    (:func:`uninstall`)."""
     import zps.shard.checkpoint as checkpoint
     import zps.store.wal as wal
 
-    saved = [(module, module.__dict__["os"]) for module in (wal, checkpoint)]
-    for module, _ in saved:
-        setattr(module, "os", sim_os)  # noqa: B010 (the seam: the module's os name)
+    seams = [
+        (wal, "os", sim_os),
+        (checkpoint, "os", sim_os),
+        (checkpoint, "concurrent", _CONCURRENT),
+    ]
+    saved = [(module, name, module.__dict__[name]) for module, name, _ in seams]
+    for module, name, value in seams:
+        setattr(module, name, value)  # the seam: a name the module looks up at each call
     return saved
 
 
-def uninstall(saved: list[tuple[Any, Any]]) -> None:
-    for module, real in saved:
-        setattr(module, "os", real)  # noqa: B010
+def uninstall(saved: list[tuple[Any, str, Any]]) -> None:
+    for module, name, real in saved:
+        setattr(module, name, real)

@@ -50,20 +50,25 @@ class Network:
             self._blocked.pop(pipe, None)
 
     def send(self, src: str, dst: str, msg: Any) -> None:
+        up = self.up
+        if src not in up or dst not in up:
+            self.dropped += 1
+            return
         pipe = (src, dst)
-        if src not in self.up or dst not in self.up:
+        n = self._inflight.get(pipe, 0) + 1
+        if n > HWM:
             self.dropped += 1
             return
-        n = self._inflight.get(pipe, 0)
-        if n >= HWM:
-            self.dropped += 1
-            return
-        self._inflight[pipe] = n + 1
-        self.max_inflight = max(self.max_inflight, n + 1)
-        delay = 0.0005 + self.sched.rng.random() * 0.002
-        t = max(self.sched.now + delay, self._last.get(pipe, 0.0))
+        self._inflight[pipe] = n
+        if n > self.max_inflight:
+            self.max_inflight = n
+        sched = self.sched
+        t = sched.now + (0.0005 + sched.rng.random() * 0.002)
+        last = self._last.get(pipe, 0.0)
+        if last > t:
+            t = last
         self._last[pipe] = t
-        self.sched.at(t, lambda: self._arrive(pipe, msg))
+        sched.at(t, functools.partial(self._arrive, pipe, msg))
 
     def _arrive(self, pipe: tuple[str, str], msg: Any) -> None:
         src, dst = pipe

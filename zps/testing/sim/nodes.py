@@ -59,6 +59,8 @@ TICK = 0.025  # a client's timer (s): it ticks its session and may push
 STALL = 3.0
 SEGMENT = 4096  # bytes per log segment: many segments, many rolls
 TABLE = EmbeddingSpec("emb", 1, "float32", Zeros(), SGD(lr=1.0), 0)
+#: The table's wire form, which every push carries in its create (encoded, never changed).
+TABLE_WIRE = TABLE.to_wire()
 
 Reply = tuple[str, list[Any]]  # (client, reply frames)
 
@@ -714,7 +716,7 @@ class SimClient:
         p = row % w.n_partitions
         enc = Encoder()
         ops: list[dict[str, Any]] = [
-            {"op": "create", "spec": TABLE.to_wire()},
+            {"op": "create", "spec": TABLE_WIRE},
             {"op": "push_rows", "t": "emb",
              "ids": enc.array(np.array([row], dtype=np.int64)),
              "g": enc.array(np.array([[-grad]], dtype=np.float32))},
@@ -728,7 +730,7 @@ class SimClient:
         """A write of nothing (a gradient of 0) to ``p``: whether it takes writes."""
         enc = Encoder()
         ops: list[dict[str, Any]] = [
-            {"op": "create", "spec": TABLE.to_wire()},
+            {"op": "create", "spec": TABLE_WIRE},
             {"op": "push_rows", "t": "emb",
              "ids": enc.array(np.array([p], dtype=np.int64)),
              "g": enc.array(np.zeros((1, 1), dtype=np.float32))},
