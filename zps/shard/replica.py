@@ -138,7 +138,8 @@ class Upstream:
         # Never waits on a primary that stopped reading: a later ack supersedes this one.
         # Only what this replica's log holds is acknowledged (on disk, in fsync mode).
         # Nothing while the stream held during a snapshot is applied: the primary makes
-        # writes wait for a copy from its first acknowledgement on.
+        # writes wait for a copy from its first acknowledgement on (and watches from
+        # then on that the copy's acknowledgements keep moving: see _drain).
         if self._held is not None:
             return
         lsn = self.core.lsn
@@ -385,8 +386,17 @@ class Upstream:
     async def _drain(self) -> None:
         """Apply the stream held while the snapshot arrived and loaded, in order and in
         steps (the loop gets a turn every DRAIN_STEP_S: heartbeats, the stream's reads);
-        what arrives meanwhile joins the end of it.  Done once it is empty, on the loop,
-        with no await between the last take and going back to applying as it comes."""
+        what arrives meanwhile joins the end of it.  With a log, no faster than the log
+        takes it: a step is applied only once the log holds everything applied before
+        the previous step, and the held stream is done only once the log holds all that
+        was applied.  The first acknowledgement (after this) then names what the log
+        holds, and the next follow at the log's pace: a backlog of unlogged stream
+        behind it would keep the replica from acknowledging anything new for as long as
+        the log takes to write it, and its primary drops a replica that acknowledges
+        nothing new for a liveness timeout.  Done once it is empty and logged, on the
+        loop, with no await between the last take and going back to applying as it
+        comes."""
+        logged_before = self.core.lsn  # the log must hold this before the next step
         while self._held is not None and self.session.synced:
             held = self._held
             try:
@@ -399,6 +409,9 @@ class Upstream:
             if self._held is not held:
                 return  # dropped meanwhile
             if not batch:
+                if not self._log_holds(self.core.lsn):
+                    await self._log_reaches(self.core.lsn)
+                    continue  # what was held meanwhile comes next
                 self._held = None
                 held.close()
                 log.info(
@@ -408,6 +421,10 @@ class Upstream:
                     held.total_spooled_bytes / 1e6,
                 )
                 return
+            await self._log_reaches(logged_before)
+            if self._held is not held:
+                return  # dropped meanwhile
+            logged_before = self.core.lsn
             began = time.monotonic()
             for r, h, p in batch:
                 if not self.session.synced or self._held is not held:
@@ -418,6 +435,25 @@ class Upstream:
                     began = time.monotonic()
             await asyncio.sleep(0)
         self._drop_held()  # a resync meanwhile: the next snapshot's stream is held anew
+
+    def _log_holds(self, lsn: int) -> bool:
+        """Whether this replica's log holds ``lsn`` (as its mode requires; True without
+        a log)."""
+        return self._durability is None or self._durability.acked_lsn(lsn) >= lsn
+
+    async def _log_reaches(self, lsn: int) -> None:
+        """Wait until this replica's log holds ``lsn`` (a log that is lost never does:
+        the shard then leaves its role, which ends this subscription)."""
+        if self._durability is None or self._log_holds(lsn):
+            return
+        reached: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def release() -> None:
+            if not reached.done():
+                reached.set_result(None)
+
+        self._durability.after(lsn, release)
+        await reached
 
     def _load(self, snap: Snapshot, store: PartitionStore | None) -> bool:
         if store is None or snap.epoch != self.core.epoch or snap.partition != self.core.partition:
