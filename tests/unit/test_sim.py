@@ -1,15 +1,50 @@
 """The cluster simulator (zps/testing/sim): a fixed budget of seeds over the current code,
-each known defect caught when patched in, and runs replayed exactly from their seeds."""
+each known defect caught when patched in, and runs replayed exactly from their seeds.
+
+The seeds of a test run side by side in two worker processes (the machinery of the CLI's
+``--jobs``), reported in seed order: each seed's run is the same in any process, so what
+a test finds does not depend on which worker ran it."""
 
 from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
 from zps.testing.sim import bugs
-from zps.testing.sim.cli import main
-from zps.testing.sim.world import FAULTS, run_seed
+from zps.testing.sim.cli import main, run_seeds
+from zps.testing.sim.world import FAULTS, Result, run_seed
 
 pytestmark = pytest.mark.timeout(600)
+
+#: Worker processes running a test's seeds.
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ProcessPoolExecutor]:
+    # Spawned, not forked: the suite's process may hold threads of earlier tests.
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(WORKERS, mp_context=ctx) as ex:
+        yield ex
+
+
+def failures(results: Iterable[Result]) -> dict[int, list[str]]:
+    return {r.seed: r.failures[:3] + r.schedule for r in results if not r.ok}
+
+
+def first_failure(
+    pool: ProcessPoolExecutor, seeds: Sequence[int], faults: Sequence[str], bug: str
+) -> Result | None:
+    """The run of the first of ``seeds`` (in order) that fails a check with ``bug``."""
+    results = run_seeds(seeds, faults, bug=bug, pool=pool)
+    try:
+        return next((r for r in results if not r.ok), None)
+    finally:
+        results.close()  # the seeds after it are not run
+
 
 #: Seeds of the CI budget on which the current code fails a check, with what it is
 #: (tests below keep each one as an expected failure until it is fixed).
@@ -65,8 +100,9 @@ CATCH: dict[str, tuple[str, int]] = {
 }
 
 
-def test_the_same_seed_gives_the_same_run() -> None:
-    a, b = run_seed(5), run_seed(5)
+def test_the_same_seed_gives_the_same_run(pool: ProcessPoolExecutor) -> None:
+    a = run_seed(5)
+    b, c = run_seeds([5, 6], pool=pool)  # in a worker process: the same run
     assert (a.digest, a.failures, a.schedule, a.events) == (
         b.digest,
         b.failures,
@@ -74,24 +110,16 @@ def test_the_same_seed_gives_the_same_run() -> None:
         b.events,
     )
     assert a.acked > 0 and a.schedule  # the run did something: writes, faults
-    assert run_seed(6).digest != a.digest
+    assert c.digest != a.digest
 
 
-def test_the_current_code_passes_every_check_on_the_budget() -> None:
-    failed = {}
-    for seed in BUDGET:
-        if seed in KNOWN:
-            continue
-        r = run_seed(seed)
-        if not r.ok:
-            failed[seed] = r.failures[:3] + r.schedule
-    assert not failed, failed
+def test_the_current_code_passes_every_check_on_the_budget(pool: ProcessPoolExecutor) -> None:
+    seeds = [seed for seed in BUDGET if seed not in KNOWN]
+    assert not failures(run_seeds(seeds, pool=pool))
 
 
-@pytest.mark.parametrize("seed", REGRESSIONS)
-def test_seeds_that_found_defects_pass(seed: int) -> None:
-    r = run_seed(seed)
-    assert r.ok, (seed, r.failures[:3], r.schedule)
+def test_seeds_that_found_defects_pass(pool: ProcessPoolExecutor) -> None:
+    assert not failures(run_seeds(REGRESSIONS, pool=pool))
 
 
 @pytest.mark.parametrize("seed", sorted(KNOWN))
@@ -102,19 +130,12 @@ def test_known_defects_stay_found(seed: int) -> None:
     raise AssertionError(f"seed {seed} passes now: remove it from KNOWN ({KNOWN[seed]})")
 
 
-def test_the_broker_pair_passes_every_check_on_its_budget() -> None:
-    failed = {}
-    for seed in PAIR_BUDGET:
-        r = run_seed(seed, faults=PAIR_FAULTS)
-        if not r.ok:
-            failed[seed] = r.failures[:3] + r.schedule
-    assert not failed, failed
+def test_the_broker_pair_passes_every_check_on_its_budget(pool: ProcessPoolExecutor) -> None:
+    assert not failures(run_seeds(PAIR_BUDGET, PAIR_FAULTS, pool=pool))
 
 
-@pytest.mark.parametrize("seed", PAIR_REGRESSIONS)
-def test_pair_seeds_that_found_defects_pass(seed: int) -> None:
-    r = run_seed(seed, faults=KNOWN_PAIR_FAULTS)
-    assert r.ok, (seed, r.failures[:3], r.schedule)
+def test_pair_seeds_that_found_defects_pass(pool: ProcessPoolExecutor) -> None:
+    assert not failures(run_seeds(PAIR_REGRESSIONS, KNOWN_PAIR_FAULTS, pool=pool))
 
 
 @pytest.mark.parametrize("seed", sorted(KNOWN_PAIR))
@@ -126,16 +147,13 @@ def test_known_pair_defects_stay_found(seed: int) -> None:
 
 
 @pytest.mark.parametrize("bug", sorted(CATCH))
-def test_each_known_defect_is_caught_within_the_budget(bug: str) -> None:
+def test_each_known_defect_is_caught_within_the_budget(bug: str, pool: ProcessPoolExecutor) -> None:
     faults, budget = CATCH[bug]
-    for seed in range(budget):
-        with bugs.patched(bug):
-            r = run_seed(seed, faults=faults.split(","))
-        if not r.ok:
-            # The defect made the difference: the same run without it passes.
-            assert run_seed(seed, faults=faults.split(",")).ok, (bug, seed)
-            return
-    raise AssertionError(f"--bug {bug} not caught in {budget} seeds of --faults {faults}")
+    caught = first_failure(pool, range(budget), faults.split(","), bug)
+    assert caught is not None, f"--bug {bug} not caught in {budget} seeds of --faults {faults}"
+    # The defect made the difference: the same run without it passes.
+    (clean,) = run_seeds([caught.seed], faults.split(","), pool=pool)
+    assert clean.ok, (bug, caught.seed, clean.failures[:3])
 
 
 def test_every_bug_is_covered_and_patches_are_undone() -> None:

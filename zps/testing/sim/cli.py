@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 from collections.abc import Generator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor
 
 from zps.testing.sim import bugs
 from zps.testing.sim.world import FAULTS, LOADS, PAIR, Result, run_seed
@@ -46,27 +46,41 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _one(seed: int, faults: Sequence[str], trace: bool, bug: str | None) -> Result:
+def _one(seed: int, faults: Sequence[str] | None, trace: bool, bug: str | None) -> Result:
     with bugs.patched(bug):
+        if faults is None:
+            return run_seed(seed, trace=trace)
         return run_seed(seed, faults=faults, trace=trace)
 
 
-def _results(args: argparse.Namespace) -> Generator[Result]:
-    seeds = range(args.seed, args.seed + args.seeds)
-    if args.jobs == 1:
+def run_seeds(
+    seeds: Sequence[int],
+    faults: Sequence[str] | None = None,
+    *,
+    trace: bool = False,
+    bug: str | None = None,
+    jobs: int = 1,
+    pool: Executor | None = None,
+) -> Generator[Result]:
+    """The runs of ``seeds`` (``faults``: the default ones if None), in seed order: in this
+    process (``jobs`` 1, no ``pool``), else side by side in ``pool`` or in a pool of ``jobs``
+    worker processes.  Each seed's run is the same in any process.  Closing the generator
+    early cancels the seeds not yet started."""
+    if pool is None and jobs == 1:
         for seed in seeds:
-            yield _one(seed, args.faults, args.trace, args.bug)
+            yield _one(seed, faults, trace, bug)
         return
-    n = len(seeds)
-    with ProcessPoolExecutor(args.jobs) as pool:
-        yield from pool.map(
-            _one,
-            seeds,
-            [args.faults] * n,
-            [args.trace] * n,
-            [args.bug] * n,
-            chunksize=max(1, min(20, n // (4 * args.jobs))),
-        )
+    own = pool is None
+    ex = ProcessPoolExecutor(jobs) if pool is None else pool
+    futures = [ex.submit(_one, seed, faults, trace, bug) for seed in seeds]
+    try:
+        for f in futures:
+            yield f.result()
+    finally:
+        for f in futures:
+            f.cancel()
+        if own:
+            ex.shutdown(cancel_futures=True)
 
 
 def report(r: Result, bug: str | None, faults: Sequence[str]) -> str:
@@ -91,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed: list[int] = []
     unavailable = 0
     n = 0
-    results = _results(args)
+    seeds = range(args.seed, args.seed + args.seeds)
+    results = run_seeds(seeds, args.faults, trace=args.trace, bug=args.bug, jobs=args.jobs)
     for r in results:
         seed = r.seed
         n += 1
@@ -104,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             failed.append(seed)
             print(report(r, args.bug, args.faults), flush=True)
             if not args.keep_going:
-                results.close()  # the workers' pool shuts down; seeds not run are dropped
+                results.close()  # the seeds not started are cancelled, the pool shut down
                 break
         if n % PROGRESS == 0 and n < args.seeds:
             print(_summary(n, t0, failed, unavailable), file=sys.stderr, flush=True)
