@@ -14,7 +14,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from zps.testing.sim import bugs
-from zps.testing.sim.cli import main, run_seeds
+from zps.testing.sim.cli import main, parser, run_seeds
 from zps.testing.sim.world import FAULTS, Result, run_seed
 
 pytestmark = pytest.mark.timeout(600)
@@ -86,6 +86,11 @@ KNOWN_PAIR_FAULTS = [
     "crash-all",
 ]
 
+#: Slow and non-reading peers and slow disks (--faults slow,...): a budget of seeds that
+#: must pass (a peer that reads slowly or not at all never holds others' writes past STALL).
+SLOW_FAULTS = ["slow", "kill", "power", "pause", "partition", "disk"]
+SLOW_BUDGET = range(0, 20)
+
 #: Each defect, the faults that expose it and the seeds it must be caught within.
 CATCH: dict[str, tuple[str, int]] = {
     "empty-shard-takes-partition": ("crash-all,broker,kill", 10),
@@ -97,6 +102,7 @@ CATCH: dict[str, tuple[str, int]] = {
     "pair-unfenced": ("failover,pause", 6),
     "pair-primary-first": ("failover,kill,power,pause,partition,disk,broker,crash-all", 57),
     "pair-map-before-standby": ("failover,kill,partition", 46),
+    "stuck-replica-kept": ("slow", 6),
 }
 
 
@@ -136,6 +142,10 @@ def test_the_broker_pair_passes_every_check_on_its_budget(pool: ProcessPoolExecu
 
 def test_pair_seeds_that_found_defects_pass(pool: ProcessPoolExecutor) -> None:
     assert not failures(run_seeds(PAIR_REGRESSIONS, KNOWN_PAIR_FAULTS, pool=pool))
+
+
+def test_slow_peers_stall_no_one_on_their_budget(pool: ProcessPoolExecutor) -> None:
+    assert not failures(run_seeds(SLOW_BUDGET, SLOW_FAULTS, pool=pool))
 
 
 @pytest.mark.parametrize("seed", sorted(KNOWN_PAIR))
@@ -185,3 +195,4 @@ def test_the_cli_names_bad_input_and_prints_the_replay(capsys: pytest.CaptureFix
         main(["--jobs", "0"])
     assert "--jobs must be >= 1" in capsys.readouterr().err
     assert set(FAULTS) >= {"kill", "pause", "partition", "disk", "crash-all", "broker"}
+    assert parser().parse_args(["--faults", "slow,kill"]).faults == ["slow", "kill"]

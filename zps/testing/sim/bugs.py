@@ -204,6 +204,25 @@ def _pair_map_before_standby() -> list[tuple[Any, str, Any]]:
     return [(PairBroker, "_peer_holds", lambda self: True)]
 
 
+@_bug(
+    "stuck-replica-kept",
+    "a primary drops an in-sync replica only when it is silent (ShardSession._drop_lagging "
+    "without its rule for a replica that acknowledges without getting further): a replica "
+    'that does not read, or whose disk is full, holds acks="all" writes while it answers',
+)
+def _stuck_replica_kept() -> list[tuple[Any, str, Any]]:
+    from zps.shard.session import ShardSession
+
+    real = ShardSession._drop_lagging
+
+    def drop_lagging(self: Any, now: float, lsn: int) -> Any:
+        for follower in self.followers.values():
+            follower.stuck_since = None  # no follower has been stuck for any time
+        return real(self, now, lsn)
+
+    return [(ShardSession, "_drop_lagging", drop_lagging)]
+
+
 @contextlib.contextmanager
 def patched(name: str | None) -> Iterator[None]:
     """Run with the defect ``name`` in place (None: none)."""

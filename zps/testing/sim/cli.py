@@ -9,15 +9,15 @@ from collections.abc import Generator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 
 from zps.testing.sim import bugs
-from zps.testing.sim.world import FAULTS, LOADS, PAIR, Result, run_seed
+from zps.testing.sim.world import FAULTS, LOADS, NAMED, PAIR, SLOW, Result, run_seed
 
 
 def _faults(text: str) -> list[str]:
     names = [f for f in text.split(",") if f]
-    unknown = [f for f in names if f not in FAULTS and f not in LOADS and f not in PAIR]
+    unknown = [f for f in names if f not in NAMED]
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown fault {', '.join(unknown)}; known: {', '.join((*FAULTS, *LOADS, *PAIR))}"
+            f"unknown fault {', '.join(unknown)}; known: {', '.join(NAMED)}"
         )
     return names
 
@@ -32,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
         type=_faults,
         default=list(FAULTS),
         help=f"comma-separated faults to draw from (default all: {','.join(FAULTS)}; "
-        f"also {','.join(LOADS)}; {','.join(PAIR)} runs a broker pair)",
+        f"also {','.join((*LOADS, *SLOW))}; {','.join(PAIR)} runs a broker pair)",
     )
     p.add_argument("--bug", choices=sorted(bugs.BUGS), help="re-introduce a known defect")
     p.add_argument("--keep-going", action="store_true", help="run every seed after a failure")

@@ -40,6 +40,7 @@ class Disk:
         self.synced: dict[str, int] = {}  # path -> length known durable
         self.enospc = 0  # the next N writes fail part-way with ENOSPC
         self.fsync_eio = 0  # the next N fsyncs fail with EIO
+        self.slow = 0.0  # seconds a log write takes beyond the usual (a slow disk)
         self.faults: list[str] = []
         root.mkdir(parents=True, exist_ok=True)
 

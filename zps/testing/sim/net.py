@@ -7,11 +7,20 @@ mark, is dropped, as a ROUTER drops what it cannot route and a full pipe drops w
 sender posts without waiting (zps never blocks on a peer).  A cut link holds what is sent
 across it (as a TCP connection that stops moving does) and delivers it, in order, when
 it heals; a cut may be one-way (``a`` cannot reach ``b``, ``b`` still reaches ``a``).
+
+What a node has not read yet counts towards its pipes' high-water marks, as ZeroMQ's
+queues do: a paused node reads nothing until it resumes (then all it was sent, in the
+order it arrived); a *slow* node reads one message every so often, from its pipes in
+turn (ZeroMQ's fair queueing), or none at all (a peer that does not read), while its
+timers run; so the pipes to it fill, and past their mark what is sent to it is dropped.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import math
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +39,12 @@ class Network:
         self.cut: set[tuple[str, str]] = set()  # (from, to) pairs that drop
         self._last: dict[tuple[str, str], float] = {}  # pipe -> last arrival time
         self._inflight: dict[tuple[str, str], int] = {}
-        self._held: dict[str, list[tuple[str, Any]]] = {}  # paused node -> arrived
+        #: What arrived at a paused or slow node and is not read yet, by pipe (in the
+        #: order the node reads its pipes), each message with its order of arrival.
+        self._inbox: dict[str, dict[tuple[str, str], deque[tuple[int, Any]]]] = {}
+        self._arrivals = itertools.count()
+        self.slow: dict[str, float] = {}  # node -> seconds it takes to read one message
+        self._reading: set[str] = set()  # slow nodes with a read scheduled
         self._blocked: dict[tuple[str, str], list[Any]] = {}  # cut pipe -> held messages
         self.dropped = 0
         self.max_inflight = 0
@@ -43,7 +57,7 @@ class Network:
         """The node's process is gone: its pipes and what it had not read go with it."""
         self.up.discard(node)
         self.paused.discard(node)
-        self._held.pop(node, None)
+        self._inbox.pop(node, None)
         for pipe in [p for p in self._last if node in p]:
             del self._last[pipe]
             self._inflight.pop(pipe, None)
@@ -77,14 +91,58 @@ class Network:
         if pipe in self.cut:  # held until the link heals
             self._blocked.setdefault(pipe, []).append(msg)
             return
-        self._inflight[pipe] -= 1
         if dst not in self.up:
+            self._inflight[pipe] -= 1
             self.dropped += 1
             return
-        if dst in self.paused:
-            self._held.setdefault(dst, []).append((src, msg))
+        if dst in self.paused or dst in self.slow:
+            box = self._inbox.setdefault(dst, {})
+            box.setdefault(pipe, deque()).append((next(self._arrivals), msg))
+            self._read_later(dst)
             return
+        self._inflight[pipe] -= 1
         self.handlers[dst](src, msg)
+
+    def _taken(self, pipe: tuple[str, str]) -> None:
+        """A message of ``pipe`` was read: it no longer counts towards the pipe's mark."""
+        n = self._inflight.get(pipe)
+        if n:
+            self._inflight[pipe] = n - 1
+
+    def _read_later(self, node: str) -> None:
+        gap = self.slow.get(node, math.inf)
+        idle = node not in self._reading and node not in self.paused
+        if idle and gap < math.inf and node in self._inbox:
+            self._reading.add(node)
+            self.sched.after(gap, functools.partial(self._read_one, node))
+
+    def _read_one(self, node: str) -> None:
+        """A slow node reads one message, from the pipe whose turn it is."""
+        self._reading.discard(node)
+        box = self._inbox.get(node)
+        if node in self.paused or node not in self.slow or not box:
+            return
+        pipe = next(iter(box))
+        queue = box.pop(pipe)
+        _, msg = queue.popleft()
+        if queue:
+            box[pipe] = queue  # its next message after the other pipes' turns
+        if not box:
+            del self._inbox[node]
+        self._taken(pipe)
+        self.handlers[node](pipe[0], msg)
+        self._read_later(node)
+
+    def _read_all(self, node: str) -> None:
+        """The node reads everything waiting for it, in the order it arrived."""
+        box = self._inbox.pop(node, None)
+        if not box:
+            return
+        waiting = sorted((n, pipe, msg) for pipe, queue in box.items() for n, msg in queue)
+        for _, pipe, msg in waiting:
+            self._taken(pipe)
+            if node in self.up:
+                self.handlers[node](pipe[0], msg)
 
     def heal(self, pairs: set[tuple[str, str]]) -> None:
         """The links in ``pairs`` move again: what they held arrives, in order."""
@@ -98,6 +156,17 @@ class Network:
 
     def resume(self, node: str) -> None:
         self.paused.discard(node)
-        for src, msg in self._held.pop(node, []):
-            if node in self.up:
-                self.handlers[node](src, msg)
+        if node in self.slow:
+            self._read_later(node)
+        else:
+            self._read_all(node)
+
+    def slow_down(self, node: str, gap: float) -> None:
+        """``node`` reads one message every ``gap`` seconds (``math.inf``: none)."""
+        self.slow[node] = gap
+        self._read_later(node)
+
+    def speed_up(self, node: str) -> None:
+        """``node`` reads at full speed again: at once, everything waiting for it."""
+        if self.slow.pop(node, None) is not None and node not in self.paused:
+            self._read_all(node)

@@ -366,7 +366,8 @@ class SimShard:
             return
         self.writing = True
         gen = self.gen
-        self.w.sched.after(0.002 + self.w.sched.rng.random() * 0.01, lambda: self._write(gen))
+        latency = 0.002 + self.w.sched.rng.random() * 0.01 + self.disk.slow
+        self.w.sched.after(latency, lambda: self._write(gen))
 
     def _write(self, gen: int) -> None:
         if not self._live(gen):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -35,6 +36,12 @@ LOADS = ("idle",)
 #: The broker pair, only when named: ``failover`` runs two brokers (:mod:`.pair`) and
 #: draws kills, pauses and isolations of the active one.
 PAIR = ("failover",)
+#: Slow peers, only when named (the default draws, and so the seeds kept, stay as they
+#: were): ``slow``, a shard or client that reads one message every 10-300 ms or none at
+#: all for a while, its pipes filling to their high-water mark, or a shard's slow disk.
+SLOW = ("slow",)
+#: Every fault that may be named.
+NAMED = (*FAULTS, *LOADS, *PAIR, *SLOW)
 #: Bounds on what any queue may hold (the "queues bounded" check).
 QUEUE_BOUND = 2000
 
@@ -74,9 +81,9 @@ class World:
     ) -> None:
         self.seed = seed
         self.faults = set(faults)
-        unknown = self.faults - set(FAULTS) - set(LOADS) - set(PAIR)
+        unknown = self.faults - set(NAMED)
         if unknown:
-            known = ", ".join((*FAULTS, *LOADS, *PAIR))
+            known = ", ".join(NAMED)
             raise ValueError(f"unknown faults {sorted(unknown)}; known: {known}")
         self.sched = Scheduler(seed, trace=trace)
         self.net = Network(self.sched)
@@ -286,6 +293,8 @@ class World:
                 self.sched.after(rng.uniform(0.1, 1.5), functools.partial(self._start, br))
         elif kind == "failover":
             self._failover()
+        elif kind == "slow":
+            self._slow()
         elif kind == "broker":
             if not self.broker.alive:
                 return
@@ -324,6 +333,32 @@ class World:
                       f"for {length:.2f}s")  # fmt: skip
             self.net.cut |= pairs
             self.sched.after(length, lambda: self._heal(pairs))
+
+    def _slow(self) -> None:
+        """A shard or client reads slowly (one message every 10-300 ms) or not at all for
+        a while (up to 5 s, past STALL), its timers running; or a shard's disk takes
+        50-500 ms a log write."""
+        rng = self.sched.rng
+        how = rng.choice(("slow", "deaf", "disk"))
+        # Longer than STALL at times: a peer that does not read must be dropped first.
+        length = rng.uniform(0.5, 3.0) if how != "deaf" else rng.uniform(1.0, 5.0)
+        if how == "disk":
+            shard = rng.choice(self.shards)
+            if shard.disk.slow:
+                return
+            shard.disk.slow = rng.uniform(0.05, 0.5)
+            self.note(f"{shard.name}'s disk takes {shard.disk.slow:.3f}s a log write "
+                      f"for {length:.2f}s")  # fmt: skip
+            self.sched.after(length, functools.partial(setattr, shard.disk, "slow", 0.0))
+            return
+        node = rng.choice([s.name for s in self.shards] + [c.name for c in self.clients])
+        if node in self.net.slow:
+            return
+        gap = rng.uniform(0.01, 0.3) if how == "slow" else math.inf
+        what = f"reads a message every {gap:.3f}s" if how == "slow" else "reads nothing"
+        self.note(f"{node} {what} for {length:.2f}s")
+        self.net.slow_down(node, gap)
+        self.sched.after(length, functools.partial(self.net.speed_up, node))
 
     def serving(self) -> SimBroker:
         """The broker whose map counts: the active one of the pair with the newest term."""
@@ -377,8 +412,11 @@ class World:
         self.net.heal(set(self.net.cut))
         for node in list(self.net.paused):
             self.net.resume(node)
+        for node in sorted(self.net.slow):
+            self.net.speed_up(node)
         for s in self.shards:
             s.disk.enospc = s.disk.fsync_eio = 0
+            s.disk.slow = 0.0
         for c in self.clients:
             c.pushing = False
         self._broker_back()
