@@ -205,6 +205,24 @@ def test_a_read_is_answered_at_once() -> None:
     assert plan(READ, done(), behind=True) == ReplyPlan(Wait.NOW)  # reads never wait
 
 
+def test_a_reply_that_goes_at_once_with_nothing_else_to_do_is_the_shared_plan() -> None:
+    """The driver tells admission.NOW by identity and does nothing more for it: every
+    plan equal to it is it, and none that asks for more is."""
+    for p in (
+        plan(READ, done(carried=True)),
+        plan(READ, done(duplicate=True), behind=True),
+        plan(WRITE, done(carried=True)),  # a write that changed nothing, log in step
+    ):
+        assert p is admission.NOW
+    for p in (
+        plan(READ, done(), size=10**6),
+        plan(WRITE, done(), behind=True),
+        plan(WRITE, done(duplicate=True)),
+        plan(WRITE, done(changed=True)),
+    ):
+        assert p is not admission.NOW and p != admission.NOW
+
+
 def test_a_reply_over_the_limit_is_refused_and_gives_back_what_it_carried() -> None:
     limit = 10_000 - admission.REPLY_MARGIN
     p = plan(READ, done(carried=True), size=limit + 1)

@@ -133,6 +133,7 @@ class Admit:
 
 
 Verdict: TypeAlias = Admit | Refuse
+_REQUEST = MsgType.REQUEST
 
 #: Every Admit there is, by (mutates, acks_1, split, lazy): none is made per request.
 _ADMITS = {
@@ -147,10 +148,14 @@ _ADMITS = {
 def mutates(header: dict[str, Any]) -> bool:
     """Whether a request holds an operation that changes state."""
     ops = header.get("ops")
-    return isinstance(ops, list) and any(
-        isinstance(op, dict) and isinstance(op.get("op"), str) and op["op"] in MUTATIONS
-        for op in ops
-    )
+    if not isinstance(ops, list):
+        return False
+    for op in ops:  # a loop, not any() over a generator: every request asks
+        if isinstance(op, dict):
+            name = op.get("op")
+            if isinstance(name, str) and name in MUTATIONS:
+                return True
+    return False
 
 
 def grad_frames(header: dict[str, Any]) -> dict[int, str]:
@@ -231,7 +236,6 @@ def admit(
     source: bytes,
     mtype: MsgType,
     header: dict[str, Any],
-    *,
     writes: bool,
     policy: Policy,
     lease: Lease,
@@ -242,12 +246,14 @@ def admit(
     """Rules 2 to 7 for a request that decoded (``header``) from client ``source``;
     ``writes``: it holds a mutation (:func:`mutates`); ``held_bytes``: what is held for
     the link it came by (rule 4, :func:`link_full`); ``log_waits``: answers to writes
-    wait for the log."""
-    if mtype is not MsgType.REQUEST:
+    wait for the log.  An admitted request's verdict is one of a few shared
+    :class:`Admit` records (none is made per request)."""
+    if mtype is not _REQUEST:
         return Refuse(
             Status.BAD_REQUEST, f"a shard serves REQUEST, not {mtype.name}", Count.MALFORMED
         )
-    if policy.roles and header.get("cid", source) != source and not source.startswith(b"\0"):
+    get = header.get
+    if policy.roles and get("cid", source) != source and not source.startswith(b"\0"):
         # Dedup is keyed by the authenticated sender: no client may use (or poison)
         # another's sequence numbers.
         return Refuse(
@@ -257,11 +263,11 @@ def admit(
         return overloaded(policy)  # link_full(held_bytes, policy), inline: every request
     if not lease.may_write(now):
         return Refuse(Status.NOT_PRIMARY, "the primary's lease from the broker has run out")
-    acks_1 = header.get("acks") == 1
+    acks_1 = get("acks") == 1
     if writes and not acks_1 and not lease.enough_in_sync():
         return Refuse(Status.NOT_ENOUGH_REPLICAS, lease.short_of_copies())
-    split = header.get("er") == 1 and (log_waits or (not acks_1 and lease.replicas_required))
-    return _ADMITS[writes, acks_1, split, header.get("lz") == 1]
+    split = get("er") == 1 and (log_waits or (not acks_1 and lease.replicas_required))
+    return _ADMITS[writes, acks_1, split, get("lz") == 1]
 
 
 class Wait(enum.Enum):
@@ -294,7 +300,10 @@ class ReplyPlan:
     hold_final: bool = False
 
 
-_NOW = ReplyPlan(Wait.NOW)
+#: The plan of a reply that goes at once with nothing else to do (most requests that
+#: changed nothing): the one record :func:`plan` returns for it, so the driver may
+#: tell it by identity and skip the rest of the plan.
+NOW = ReplyPlan(Wait.NOW)
 #: The plan of a request that changed state, by (acks_1, first_part, hold_final): none is
 #: made per request.
 _CHANGED = {
@@ -310,7 +319,6 @@ _CHANGED = {
 def plan(
     admitted: Admit,
     done: Handled,
-    *,
     reply_bytes: int,
     log_behind: bool,
     policy: Policy,
@@ -318,13 +326,17 @@ def plan(
     """Rules 8 and 9 for what the core did (``done``) with an admitted request;
     ``reply_bytes``: the reply's size as it would be sent (read only for a request that
     changed nothing); ``log_behind``: answers wait for the log and it does not yet hold
-    the current LSN."""
+    the current LSN.  Every plan but rule 8a's and a give-back is a shared record
+    (:data:`NOW` for a reply that goes at once)."""
     if done.changed:
         first = done.writes_res is not None
         acks_1 = admitted.acks_1
         return _CHANGED[acks_1, first, first and admitted.lazy and not acks_1]
+    fits = reply_bytes <= policy.max_message_bytes - REPLY_MARGIN
+    if fits and not (admitted.mutates and (done.duplicate or log_behind)):
+        return NOW
     too_large = None
-    if reply_bytes > policy.max_message_bytes - REPLY_MARGIN:
+    if not fits:
         too_large = (
             f"the reply would be {reply_bytes} bytes, over shard.max_message_bytes "
             f"({policy.max_message_bytes}); ask for less per request"
@@ -334,8 +346,6 @@ def plan(
         wait = Wait.LOG if admitted.acks_1 else Wait.REPLICAS
     elif log_behind and admitted.mutates:
         wait = Wait.LOG
-    elif too_large is None:
-        return _NOW
     else:
         wait = Wait.NOW
     give_back = done.carried and (too_large is not None or resent)

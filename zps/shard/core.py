@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -78,6 +79,10 @@ def _is_mutation(op: object) -> bool:
     # ``op["op"]`` may be any msgpack value, including an unhashable list or map.
     name = op.get("op") if isinstance(op, dict) else None
     return isinstance(name, str) and name in MUTATIONS
+
+
+#: No payload known finite (a request's payloads read inline).
+_NONE_FINITE: Mapping[int, str] = MappingProxyType({})
 
 
 @dataclass(slots=True)
@@ -131,7 +136,7 @@ class ShardCore:
         self._checked = False
         #: Payloads of the request being handled whose floats are known finite (checked
         #: as they were read from a client's shared memory), with the dtype checked.
-        self._finite: Mapping[int, str] = {}
+        self._finite: Mapping[int, str] = _NONE_FINITE
         self._clock = clock
         self._cid = b""  # the client of the message being handled
         #: Export cuts: the partition's values at one LSN, read in pieces (see op_cut).
@@ -266,24 +271,27 @@ class ShardCore:
         to a request that changed nothing) carries ``acked`` (``[req_id, statuses]`` of
         earlier requests of the same client, see zps.shard.admission.HeldAcks), and
         ``carried`` says so."""
-        self._finite = finite or {}
-        try:
-            return self._handle_request(route, header, payloads, split, acked)
-        finally:
-            self._finite = {}
+        if finite:
+            self._finite = finite
+            try:
+                return self._handle(route, header, payloads, split, acked)
+            finally:
+                self._finite = _NONE_FINITE
+        return self._handle(route, header, payloads, split, acked)
 
-    def _handle_request(
+    def _handle(
         self,
         route: Route,
         header: dict[str, Any],
         payloads: Sequence[BufferLike],
-        split: bool = False,
-        acked: list[list[Any]] | None = None,
+        split: bool,
+        acked: list[list[Any]] | None,
     ) -> Handled:
-        self.stats.requests += 1
-        self.stats.bytes_in += sum(map(len, payloads))
+        stats = self.stats
+        stats.requests += 1
+        stats.bytes_in += sum(map(len, payloads))
         self.last_clean = False
-        errors = self.stats.errors
+        errors = stats.errors
         reply_route = Route(MsgType.REPLY, route.partition, self.epoch, route.req_id)
         enc = Encoder(self.compress)
         refusal = self._refusal(route)

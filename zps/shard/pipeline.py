@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
+from time import monotonic, perf_counter
 from typing import Any, Protocol
 
 import msgpack
 
-from zps import shm, transport
+from zps import shm
 from zps.errors import ProtocolError
 from zps.ops.metrics import LatencyHistogram
 from zps.protocol.codec import Message, MsgType, Route, decode, encode, unpack_route
@@ -28,6 +28,7 @@ from zps.protocol.messages import Role, Status, StatusReply
 from zps.shard import admission
 from zps.shard.admission import (
     FLOAT_SIZES,
+    NOW,
     Refuse,
     Wait,
     admit,
@@ -41,6 +42,7 @@ from zps.shard.core import ShardCore
 from zps.shard.durability import Durability
 from zps.shard.primary import Reply
 from zps.shard.session import ShardSession
+from zps.transport import frame_buffer, message_bytes
 
 log = logging.getLogger("zps.shard")
 
@@ -51,6 +53,11 @@ class Replicator(Protocol):
     def replicate(self, prev: int, frames: list[Any], *, checked: bool = False) -> None: ...
 
     def stage_room(self) -> int: ...
+
+
+def _reply_route(route: Route, epoch: int) -> Route:
+    """The route of a reply made here (a refusal, or a write's final part)."""
+    return Route(MsgType.REPLY, route.partition, epoch, route.req_id)
 
 
 class HeldAck(list[Any]):
@@ -99,6 +106,7 @@ class RequestPipeline:
         self.held_bytes: Callable[[], int] = lambda: 0
         #: Time to handle a request, by kind (read, write): zps_shard_request_seconds.
         self.latency = {k: LatencyHistogram() for k in ("read", "write")}
+        self._read_latency, self._write_latency = self.latency["read"], self.latency["write"]
         self.overloaded = 0  # requests refused OVERLOADED (the broker link was full)
         #: Released answers to clients' background writes, waiting to ride on the next
         #: reply to the same client (at most ``ack_hold_s``).
@@ -109,34 +117,36 @@ class RequestPipeline:
         """Carry out the admission rules (zps.shard.admission) for a client's request."""
         stream = self.replicator
         assert stream is not None
-        bufs = [transport.frame_buffer(f) for f in frames]
+        bufs = list(map(frame_buffer, frames))
         core = self.core
-        reply_route = Route(MsgType.REPLY, route.partition, core.epoch, route.req_id)
+        d = self.durability
+        log_waits = d.waits
         shm_reply = no_shm_reply = False
-        finite: dict[int, str] = {}
-        writes = False
+        finite: dict[int, str] | None = None
         verdict: admission.Verdict
         try:
             msg = decode(bufs, route=route)
-            writes = mutates(msg.header)
-            if shm.KEY in msg.header:
+            header = msg.header
+            writes = mutates(header)
+            if shm.KEY in header:
                 # Payloads in the client's shared memory: copied here first, so what is
                 # applied, logged and replicated is this process's own (a write's into
                 # this process's arena, when followers read the stream from there).
                 # Only a write's header frame is logged and replicated (only MUTATIONS
                 # change the state, and mutates() tests those names): a read's stays as
                 # it came, naming the client's memory.
-                grads = grad_frames(msg.header) if writes else {}
+                grads = grad_frames(header) if writes else {}
                 got = (self._shm or shm.OFF).inbound(
                     bufs,
-                    msg.header,
+                    header,
                     stage=stream.stage_room() if writes else 0,
                     reader=source,
-                    check={i: FLOAT_SIZES[d] for i, d in grads.items()},
+                    check={i: FLOAT_SIZES[dt] for i, dt in grads.items()},
                     header_frame=writes,
                 )
                 frames = bufs = got.frames
-                msg = Message(msg.route, got.header, bufs[2:])  # the header read once
+                header = got.header  # read once
+                msg = Message(msg.route, header, bufs[2:])
                 shm_reply, no_shm_reply = got.reply_ok, got.reply_refused
                 finite = {i: grads[i] for i in got.finite}
         except shm.ShmUnavailableError as e:
@@ -149,29 +159,30 @@ class RequestPipeline:
             verdict = admit(
                 source,
                 route.mtype,
-                msg.header,
-                writes=writes,
-                policy=self.policy,
-                lease=self.session,
-                held_bytes=self.held_bytes(),
-                log_waits=self.durability.waits,
-                now=time.monotonic(),
+                header,
+                writes,
+                self.policy,
+                self.session,
+                self.held_bytes(),
+                log_waits,
+                monotonic(),
             )
         if isinstance(verdict, Refuse):
             self.count(verdict)
-            self._post([source, *encode(reply_route, verdict.header())])
+            self._post([source, *encode(_reply_route(route, core.epoch), verdict.header())])
             return
         prev = core.lsn
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         acks = self.acks
         held = acks.take(source, verdict.lazy)
         done = core.handle_request(
-            route, msg.header, msg.payloads, finite, split=verdict.split, acked=held
+            route, header, msg.payloads, finite, split=verdict.split, acked=held
         )
         reply = done.reply
+        changed = done.changed
         if done.carried:
             acks.carried(source)  # they ride on this reply
-        self.latency["write" if done.changed else "read"].observe(time.perf_counter() - t0)
+        (self._write_latency if changed else self._read_latency).observe(perf_counter() - t0)
         if shm_reply and self._shm is not None and self._shm.wants(reply):
             # The client copies the large frames; dense values are lent, not copied.
             reply = self._shm.outbound(reply, lend_to=source)[0]
@@ -179,17 +190,22 @@ class RequestPipeline:
             # A client on another host (or this shard's path off): told once, so that
             # it stops asking (and stops sending payloads this way to this shard).
             reply = told_no_shm(reply, self.policy.node_id)
-        d = self.durability
         todo = plan(
             verdict,
             done,
-            reply_bytes=0 if done.changed else transport.message_bytes(reply),
-            log_behind=d.waits and d.durable < core.lsn,
-            policy=self.policy,
+            0 if changed else message_bytes(reply),
+            log_waits and d.durable < core.lsn,
+            self.policy,
         )
+        if todo is NOW:
+            self._post([source, *reply])
+            return
         if todo.too_large is not None:
             core.stats.errors += 1
-            reply = encode(reply_route, StatusReply(Status.BAD_REQUEST, todo.too_large).to_wire())
+            reply = encode(
+                _reply_route(route, core.epoch),
+                StatusReply(Status.BAD_REQUEST, todo.too_large).to_wire(),
+            )
         if todo.give_back and held:
             acks.give_back(source, held)
         if todo.replicate:
@@ -200,17 +216,17 @@ class RequestPipeline:
             # the writes' acknowledgement waits.
             self._post([source, *reply])
             assert done.writes_res is not None
-            reply = encode(reply_route, {"st": "OK", "res": done.writes_res})
+            reply = encode(_reply_route(route, core.epoch), {"st": "OK", "res": done.writes_res})
             if todo.hold_final:
                 reply = HeldAck(reply, route.req_id, done.writes_res)
-        lsn, epoch = core.lsn, core.epoch
-        match todo.wait:
-            case Wait.NOW:
-                self._post([source, *reply])
-            case Wait.LOG:
-                d.after(lsn, lambda: self._post([source, *reply]))
-            case Wait.REPLICAS:
-                d.after(lsn, lambda: self.logged_write(lsn, epoch, (source, reply)))
+        wait = todo.wait
+        if wait is Wait.NOW:
+            self._post([source, *reply])
+        elif wait is Wait.LOG:
+            d.after(core.lsn, lambda: self._post([source, *reply]))
+        else:  # Wait.REPLICAS
+            lsn, epoch = core.lsn, core.epoch
+            d.after(lsn, lambda: self.logged_write(lsn, epoch, (source, reply)))
 
     def count(self, refusal: admission.Refuse) -> None:
         """A refusal counts in the statistic it names."""
