@@ -411,9 +411,11 @@ def test_off_where_the_tokens_order_cannot_be_kept(monkeypatch: pytest.MonkeyPat
     """A CPU that reorders memory, without the compiled barrier: the path stays off."""
     from zps.core import rows
 
-    monkeypatch.setattr(rows, "_FENCE", None)
-    assert rows.memory_ordered("x86_64") and rows.memory_ordered("AMD64")
-    assert not rows.memory_ordered("aarch64") and not rows.memory_ordered("ppc64le")
+    for machine in ("x86_64", "AMD64"):
+        assert rows.memory_ordered(machine, barrier=False)
+    for machine in ("aarch64", "ppc64le"):
+        assert not rows.memory_ordered(machine, barrier=False)
+        assert rows.memory_ordered(machine, barrier=True)
     monkeypatch.setattr(shm.memory, "memory_ordered", lambda: False)
     assert shm.SharedMemory.create(MiB, "x") is None
 
@@ -441,7 +443,7 @@ def test_barriers_between_tokens_and_bytes(monkeypatch: pytest.MonkeyPatch) -> N
             reader.read(desc)
         assert e.value.token == desc[5] and not e.value.permanent  # told to the client
         assert calls == ["barrier", "barrier"]  # the reader's, then free's
-        assert rows._FENCE is None or rows.memory_ordered("aarch64")  # compiled: any CPU
+        assert not rows.BARRIER or rows.memory_ordered("aarch64")  # compiled: any CPU
     finally:
         reader.close()
         arena.close()

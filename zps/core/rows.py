@@ -38,6 +38,8 @@ KERNEL = _rows is not None and os.environ.get("ZPS_NO_KERNEL", "") in ("", "0")
 #: The compiled barrier (whatever ``ZPS_NO_KERNEL`` says: it is no alternative to numpy's
 #: work but the only barrier there is); None without the kernel (or an older build).
 _FENCE = getattr(_rows, "fence", None)
+#: Whether this build has the compiled barrier (see :func:`memory_ordered`).
+BARRIER = _FENCE is not None
 #: The compiled byte comparison (None without the kernel, or an older build).
 _SAME = getattr(_rows, "same", None)
 
@@ -80,11 +82,12 @@ def copy_finite(dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], itemsize
 TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
 
 
-def memory_ordered(machine: str | None = None) -> bool:
+def memory_ordered(machine: str | None = None, *, barrier: bool | None = None) -> bool:
     """Whether :func:`fence` orders memory on this CPU (``machine``: ``platform.machine()``):
     always with the compiled kernel, which has a real barrier; without it, only on the
-    CPUs of :data:`TSO_MACHINES`.  ``zps.shm`` stays off where this is False."""
-    if _FENCE is not None:
+    CPUs of :data:`TSO_MACHINES`.  ``barrier``: whether the compiled barrier is there
+    (default: :data:`BARRIER`, this build's).  ``zps.shm`` stays off where this is False."""
+    if BARRIER if barrier is None else barrier:
         return True
     return (machine if machine is not None else platform.machine()).lower() in TSO_MACHINES
 
