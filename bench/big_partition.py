@@ -90,6 +90,12 @@ def held_mb(pid: int) -> float:
     return rss_mb(pid, "RssAnon") + sum(files.values()) / 2**20
 
 
+def wall(t: float) -> str:
+    """A ``time.monotonic()`` instant as the time of day the logs use (UTC, ms)."""
+    at = time.time() - (time.monotonic() - t)
+    return time.strftime("%H:%M:%S", time.gmtime(at)) + f",{int(at % 1 * 1000):03d}"
+
+
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.array(values), q)) if values else float("nan")
 
@@ -140,9 +146,9 @@ class Writer:
                     continue
                 self.acks.append(time.monotonic())
 
-    def worst_gap(self, t_kill: float, t_end: float) -> float:
+    def worst_gap(self, t_kill: float, t_end: float) -> tuple[float, float, float]:
         """The longest time between two acknowledgements, from the last one before
-        ``t_kill`` to the first one after ``t_end``."""
+        ``t_kill`` to the first one after ``t_end``: (seconds, its first, its last)."""
         acks = self.acks
         before = [a for a in acks if a <= t_kill]
         times = [before[-1] if before else t_kill]
@@ -150,7 +156,10 @@ class Writer:
         after = [a for a in acks if a > t_end]
         if after:
             times.append(after[0])
-        return float(np.diff(times).max()) if len(times) > 1 else t_end - times[0]
+        if len(times) < 2:
+            return t_end - times[0], times[0], t_end
+        i = int(np.diff(times).argmax())
+        return times[i + 1] - times[i], times[i], times[i + 1]
 
 
 class Bench:
@@ -237,8 +246,13 @@ class Bench:
             await asyncio.sleep(0.02)
         memory = sampler.stop()
         await asyncio.sleep(0.3)  # an ack after the catch-up ends the last gap
-        stall = writer.worst_gap(t_kill, t_sync)
+        stall, gap_from, gap_to = writer.worst_gap(t_kill, t_sync)
         catch_up = t_sync - (t_listed or t_kill)
+        print(
+            f"kill {k + 1} at {wall(t_kill)} (pid {primary}): the longest gap between acks "
+            f"from {wall(gap_from)} to {wall(gap_to)}",
+            flush=True,
+        )
         print(
             f"kill {k + 1}: longest gap between acks {stall:.3f}s, in sync after "
             f"{t_sync - t_kill:.2f}s (catch-up {catch_up:.2f}s), peak memory primary "
@@ -248,6 +262,8 @@ class Bench:
         # The killed shard, started again on its data dir, is the next spare.
         self.start_shard(self.dirs[primary])
         return {
+            "killed_at": wall(t_kill),
+            "gap": [wall(gap_from), wall(gap_to)],
             "stall_s": stall,
             "in_sync_s": t_sync - t_kill,
             "catch_up_s": catch_up,

@@ -60,6 +60,10 @@ DRAIN_STEP_S = 0.02
 MAX_SNAPSHOT_BYTES = 1 << 40
 #: A snapshot transfer with no chunk for this long is abandoned and asked for again.
 CHUNK_STALL_S = 10.0
+#: A refused subscription is asked for again after this long, doubled at each refusal
+#: in a row up to the interval between asks (two heartbeats): a replica's SUBSCRIBE
+#: can reach a new primary before the broker's map that lists the replica does.
+REFUSED_RETRY_S = 0.02
 
 log = logging.getLogger("zps.shard")
 
@@ -103,6 +107,10 @@ class Upstream:
         self._checkpoints = checkpoints if self._durability is not None else None
         #: Large stream frames through the primary's shared memory (None: inline).
         self.shm = shared
+        #: Refusals in a row, and the ask scheduled after the last one.
+        self._refusals = 0
+        self._reask: asyncio.TimerHandle | None = None
+        self._asking: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
         """Subscribe to the primary, load its snapshot, then apply its stream."""
@@ -120,6 +128,10 @@ class Upstream:
                 on_idle=self._ask,
             )
         finally:
+            if self._reask is not None:
+                self._reask.cancel()
+            if self._asking is not None:
+                self._asking.cancel()
             if self._loading is not None:
                 self._loading.cancel()
             self._drop_held()
@@ -179,6 +191,23 @@ class Upstream:
             await self.ack()
         await self._ask()
 
+    def _ask_again_soon(self) -> None:
+        """Subscribe again after REFUSED_RETRY_S (doubled at each refusal in a row, up
+        to the interval between asks), not at the next ask."""
+        delay = min(self.interval * 2, REFUSED_RETRY_S * 2**self._refusals)
+        self._refusals += 1
+        if self._reask is not None:
+            self._reask.cancel()
+        self._reask = asyncio.get_running_loop().call_later(delay, self._ask_now)
+
+    def _ask_now(self) -> None:
+        self._reask = None
+        if self.session.synced or self._assembly is not None:
+            return
+        self.session.resync()  # due at once
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.ensure_future(self._ask())
+
     def _malformed(self, frames: transport.Frames, e: ProtocolError) -> None:
         log.warning("bad message from the primary: %s; resync", e)
         self.session.resync()
@@ -203,6 +232,7 @@ class Upstream:
                     bye = Bye.parse(msg.header)
                     self.session.refused()
                     log.info("the primary refused the subscription: %s", bye.msg)
+                    self._ask_again_soon()
         except ProtocolError:
             raise
         except ZpsError as e:
@@ -291,6 +321,7 @@ class Upstream:
             self._abandon()
             raise
         self._last_chunk = time.monotonic()
+        self._refusals = 0
         # The chunk is copied into the tables' arrays, written to the checkpoint and
         # hashed, in three worker threads; acknowledged once all are done, so at most
         # the primary's window of chunks is held here.

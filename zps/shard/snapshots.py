@@ -159,8 +159,20 @@ class SnapshotSender:
         transfer = _Transfer(next(self._ids), self.core.epoch)
         self._transfers[node] = transfer
         self.started += 1
+        # A follower from now on, at the LSN it is accepted at (its snapshot's, once
+        # cut, replaces it): the writes taken until the cut are in the snapshot, and
+        # with write_while_repairing they need not wait for the cut (which waits for
+        # another cut to end and holds the loop for a time that grows with the
+        # partition) to be acknowledged on this primary's log.
+        self.session.subscribed(
+            node, self.core.lsn, time.monotonic(), snapshot_bytes=self._held_bytes()
+        )
         transfer.task = asyncio.create_task(self._run(node, transfer))
         return True
+
+    def _held_bytes(self) -> int:
+        """What of a snapshot may be held for one transfer at once: the chunks in flight."""
+        return (self.window + 1) * (self.chunk_bytes + 4096)
 
     def acked(self, node: str, ack: SnapshotAck) -> None:
         transfer = self._transfers.get(node)
@@ -211,9 +223,7 @@ class SnapshotSender:
             release(snap)  # on the loop, which writes the tables
 
     async def _stream(self, node: str, transfer: _Transfer, snap: Snapshot) -> None:
-        # What of the snapshot may be held for it at once: the chunks in flight.
-        held = (self.window + 1) * (self.chunk_bytes + 4096)
-        self.session.subscribed(node, snap.lsn, time.monotonic(), snapshot_bytes=held)
+        self.session.subscribed(node, snap.lsn, time.monotonic(), snapshot_bytes=self._held_bytes())
         partition, epoch, lsn = snap.partition, snap.epoch, snap.lsn
         t0 = time.monotonic()
         parts = await asyncio.to_thread(_encode, snap)
