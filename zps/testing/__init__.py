@@ -32,6 +32,8 @@ from zps.errors import ZpsError, ZpsTimeoutError
 from zps.optim import SGD
 
 _handed_out: set[int] = set()
+#: How often :meth:`LocalCluster.wait_for` asks the broker for its status.
+POLL_S = 0.02
 
 
 def _port_range() -> range:
@@ -272,20 +274,41 @@ class LocalCluster:
     def wait_for(
         self, condition: Callable[[dict[str, Any]], bool], timeout: float, what: str
     ) -> dict[str, Any]:
-        """Poll the broker's status until ``condition`` holds."""
+        """Poll the broker's status until ``condition`` holds, through one client kept
+        for the wait (a client that fails is dropped and a fresh one connects)."""
+        from zps.client.sync import SyncClient, connect_sync
+
         deadline = time.monotonic() + timeout
         last: dict[str, Any] | None = None
-        while time.monotonic() < deadline:
-            for proc in self.procs:
-                if proc.name == self.broker_name() and not proc.alive():
-                    raise ZpsError(f"the broker exited early:\n{proc.log()[-3000:]}")
-            try:
-                last = self.status(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
-            except ZpsTimeoutError:
-                continue
-            if condition(last):
-                return last
-            time.sleep(0.05)
+        client: SyncClient | None = None
+        try:
+            while time.monotonic() < deadline:
+                for proc in self.procs:
+                    if proc.name == self.broker_name() and not proc.alive():
+                        raise ZpsError(f"the broker exited early:\n{proc.log()[-3000:]}")
+                fresh = client is None
+                if client is None:
+                    wait = min(2.0, max(0.1, deadline - time.monotonic()))
+                    try:
+                        client = connect_sync(
+                            self.address, connect_timeout=wait, timeout=wait, name="zps.testing"
+                        )
+                    except ZpsTimeoutError:
+                        continue
+                try:
+                    last = client.status()
+                except ZpsError as e:
+                    client.close()
+                    client = None
+                    if fresh and not isinstance(e, ZpsTimeoutError):
+                        raise  # not the stale session of a client kept across a restart
+                    continue
+                if condition(last):
+                    return last
+                time.sleep(POLL_S)
+        finally:
+            if client is not None:
+                client.close()
         raise ZpsTimeoutError(
             f"timed out after {timeout:g}s waiting for {what}; last status: {last}\n{self.logs()}"
         )
