@@ -772,3 +772,5 @@ _HANDLERS: dict[str, _Handler] = {
     "checkpoint": ShardCore.op_checkpoint,
     **slotops.HANDLERS,
 }
+#: The operations a shard serves (the wire names of its handlers).
+SERVED: frozenset[str] = frozenset(_HANDLERS)
