@@ -4,8 +4,11 @@ so a broker, a shard or a worker does not pay for the client it never uses."""
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +57,22 @@ def test_top_level_names_load_on_first_use() -> None:
 def test_unknown_top_level_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'conect'"):
         _ = zps.conect  # type: ignore[attr-defined]
+
+
+def test_test_processes_cache_their_bytecode_outside_the_tree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.conftest import cache_bytecode
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    env = {"PYTHONDONTWRITEBYTECODE": "1"}
+    prefix = cache_bytecode(env)
+    assert prefix is not None and prefix.parent == tmp_path
+    assert env == {"PYTHONPYCACHEPREFIX": str(prefix)}
+    assert stat.S_IMODE(prefix.stat().st_mode) == 0o700
+    chosen = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": "/elsewhere"}
+    assert cache_bytecode(chosen) is None and chosen["PYTHONPYCACHEPREFIX"] == "/elsewhere"
+    assert cache_bytecode({}) is None
+    prefix.chmod(0o777)  # a directory others may write to is not used
+    env = {"PYTHONDONTWRITEBYTECODE": "1"}
+    assert cache_bytecode(env) is None and env == {"PYTHONDONTWRITEBYTECODE": "1"}
