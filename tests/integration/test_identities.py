@@ -702,18 +702,18 @@ def test_the_routers_identity_table_keeps_live_bindings() -> None:
     from zps.broker import router as router_mod
     from zps.ops.config import BrokerConfig
 
-    r = router_mod.Router(BrokerConfig(follow="tcp://127.0.0.1:1"))
+    keys = router_mod.Router(BrokerConfig(follow="tcp://127.0.0.1:1")).shard_keys
     limit = router_mod.MAX_BOUND
     now = 1000.0
-    assert r._bind(b"s-victim", b"K" * 40, now)
+    assert keys.bind(b"s-victim", b"K" * 40, now)
     for i in range(limit - 1):
-        assert r._bind(b"s-flood-%d" % i, b"F" * 40, now)
-    assert not r._bind(b"s-one-more", b"F" * 40, now + 1)  # all live: refused
-    assert r._bound_keys[b"s-victim"][0] == b"K" * 40
+        assert keys.bind(b"s-flood-%d" % i, b"F" * 40, now)
+    assert not keys.bind(b"s-one-more", b"F" * 40, now + 1)  # all live: refused
+    assert keys.key_of(b"s-victim") == b"K" * 40 and keys.key_of(b"s-one-more") is None
     later = now + router_mod.BOUND_IDLE_S + 1
-    assert r._bind(b"s-victim", b"K" * 40, later)  # heard again: most recent
-    assert r._bind(b"s-one-more", b"F" * 40, later)  # the oldest idle one went
-    assert b"s-victim" in r._bound_keys and len(r._bound_keys) == limit
+    assert keys.bind(b"s-victim", b"K" * 40, later)  # heard again: most recent
+    assert keys.bind(b"s-one-more", b"F" * 40, later)  # the oldest idle one went
+    assert b"s-victim" in keys and b"s-flood-0" not in keys and len(keys) == limit
 
 
 class _Quiet:

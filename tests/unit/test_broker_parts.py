@@ -51,11 +51,11 @@ def test_a_reset_hands_every_part_the_new_state() -> None:
     new state: a request during the new start-up hold is refused, not routed."""
     b = Broker(BrokerConfig(partitions=2))
     out = _Out()
-    b._out = out  # type: ignore[assignment]
+    b.out = out  # type: ignore[assignment]
     request = [b"c-1", Route(MsgType.REQUEST, 1, 1, 5).pack(), b"hdr"]
     b.state.hold_until = 0.0
     b.routes = RouteTable([None, b"s-a"], (False, False))
-    assert b._forward(request) is True
+    assert b.datapath.forward(request) is True
     assert out.sent[-1][0] == b"s-a" and b.stats.routed == 1
 
     old = b.state
@@ -67,6 +67,6 @@ def test_a_reset_hands_every_part_the_new_state() -> None:
             if hasattr(part, shared):
                 assert getattr(part, shared) is getattr(b, shared), (type(part).__name__, shared)
     b.routes = RouteTable([None, b"s-a"], (False, False))
-    assert b._forward(request) is True
+    assert b.datapath.forward(request) is True
     assert out.sent[-1][0] == b"c-1", "routed by the old state, past the new hold"
     assert b.stats.routed == 1

@@ -272,11 +272,13 @@ class Broker:
         self.datapath.routes = table
 
     @property
-    def _out(self) -> transport.Outbound | None:
+    def out(self) -> transport.Outbound | None:
+        """What the broker sends through (its socket's, once it runs): every part that
+        sends is handed the same one."""
         return self.outlet.out
 
-    @_out.setter
-    def _out(self, out: transport.Outbound | None) -> None:
+    @out.setter
+    def out(self, out: transport.Outbound | None) -> None:
         self.outlet.out = self.admission.out = self.datapath.out = self.report.out = out
 
     @property
@@ -390,7 +392,7 @@ class Broker:
         )
         warn_if_exposed(self.config.bind, self.config.security, "the broker")
         self.datapath.sock_addr = sock.handle
-        self._out = out = transport.Outbound(
+        self.out = out = transport.Outbound(
             sock,
             total_limit=self.config.queue_bytes,
             stall_timeout=self.config.stall_timeout,

@@ -138,6 +138,43 @@ def newer(held: tuple[int, str, int] | None, got: tuple[int, str, int]) -> bool:
     return inc != held[1] or version > held[2]
 
 
+class ShardKeys:
+    """CURVE: each shard identity the routing broker has heard, bound to the key it first
+    came with, least recently heard first.  Bounded: past :data:`MAX_BOUND` names the
+    least recently heard is forgotten if it was silent for :data:`BOUND_IDLE_S`; never a
+    live one: a new name is refused then.  No I/O, no clock (``now`` is an argument)."""
+
+    def __init__(self) -> None:
+        self._table: collections.OrderedDict[bytes, tuple[bytes, float]] = collections.OrderedDict()
+
+    def key_of(self, ident: bytes) -> bytes | None:
+        """The key ``ident`` is bound to; None if it is not."""
+        bound = self._table.get(ident)
+        return None if bound is None else bound[0]
+
+    def bind(self, ident: bytes, key: bytes, now: float) -> bool:
+        """Bind (or keep bound) shard identity ``ident`` to ``key``, heard at ``now``;
+        False (nothing bound) when the table is full of names heard recently."""
+        table = self._table
+        if ident in table:
+            table[ident] = (key, now)
+            table.move_to_end(ident)
+            return True
+        if len(table) >= MAX_BOUND:
+            oldest, (_, heard) = next(iter(table.items()))
+            if now - heard < BOUND_IDLE_S:
+                return False
+            del table[oldest]
+        table[ident] = (key, now)
+        return True
+
+    def __contains__(self, ident: object) -> bool:
+        return ident in self._table
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+
 class Leader:
     """Which broker of the followed pair the router talks to (as a client would).
 
@@ -209,11 +246,9 @@ class Router:
         self._started = time.monotonic()
         self._warned: set[bytes] = set()
         self._roles: KeyRoles | None = None  # CURVE: which keys may act as what
-        # CURVE: shard identity -> the key it first came with, least recently heard
-        # first (bounded, see _bind; other identities carry their key's tag).
-        self._bound_keys: collections.OrderedDict[bytes, tuple[bytes, float]] = (
-            collections.OrderedDict()
-        )
+        # CURVE: shard identity -> the key it first came with (other identities carry
+        # their key's tag).
+        self.shard_keys = ShardKeys()
         self.refusals = RefusalLog(log, "the routing broker")
         self.metrics = MetricsServer(config.metrics, self._collect, ready=self._ready)
 
@@ -434,14 +469,14 @@ class Router:
         key = transport.sender_key(frames[1])
         now = time.monotonic()
         shard = is_shard_identity(ident)
-        bound = self._bound_keys.get(ident) if shard else None
-        reason = identity_refusal(ident, key, self._roles, bound[0] if bound else None)
+        bound = self.shard_keys.key_of(ident) if shard else None
+        reason = identity_refusal(ident, key, self._roles, bound)
         if reason is None and self._sock is not None:
             self._sock.accepted(frames)  # its key owns the identity: answers go this way
         peer = ident.decode("utf-8", "replace")
         if reason is None and shard:
             assert key is not None
-            if not self._bind(ident, key, now):
+            if not self.shard_keys.bind(ident, key, now):
                 self.stats.unauthorized += 1
                 self.refusals.refused(peer, key, "wrong_role", now, "too many shard names")
                 return False
@@ -472,23 +507,6 @@ class Router:
         """CURVE: a connection closed; its identity gets nothing until it speaks again."""
         if self._out is not None:
             self._out.connection_closed(fd)
-
-    def _bind(self, ident: bytes, key: bytes, now: float) -> bool:
-        """Bind (or keep bound) shard identity ``ident`` to ``key``, heard at ``now``.
-        Past :data:`MAX_BOUND` names the least recently heard is forgotten if it was
-        silent for :data:`BOUND_IDLE_S`; never a live one: a new name is refused then."""
-        table = self._bound_keys
-        if ident in table:
-            table[ident] = (key, now)
-            table.move_to_end(ident)
-            return True
-        if len(table) >= MAX_BOUND:
-            oldest, (_, heard) = next(iter(table.items()))
-            if now - heard < BOUND_IDLE_S:
-                return False
-            del table[oldest]
-        table[ident] = (key, now)
-        return True
 
     def _handshake_refused(self, peer: str, key: bytes | None, reason: str) -> None:
         """A handshake the ZAP handler or the socket refused: counted, logged."""
