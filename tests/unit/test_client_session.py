@@ -342,7 +342,7 @@ def test_a_background_push_waits_as_any_request_and_its_timers_stay_few() -> Non
         assert wake is not None
         now = wake
         assert s.tick(now) == []
-        assert len(s._due) <= 4  # one live timer per request, and a stale one at most
+        assert s.timers <= 4  # one live timer per request, and a stale one at most
     assert now < 60.0 and len(s) == 2
     out = sent(s.on_map(cmap(version, epoch=2), now))
     assert sorted(m.header.get("lz", 0) for m in out) == [0, 1]

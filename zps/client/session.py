@@ -232,6 +232,12 @@ class ClientSession(Generic[T]):
         """Requests and broker calls in flight."""
         return len(self._table)
 
+    @property
+    def timers(self) -> int:
+        """Request timers held (live ones, and stale ones not yet dropped): bounded by
+        the requests in flight, whatever the maps and backoffs do."""
+        return len(self._due)
+
     # -- events --------------------------------------------------------------
 
     def hello(self) -> Send:
