@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import itertools
 import math
+import mmap
 import os
 import resource
 import signal
@@ -576,7 +577,11 @@ async def test_a_request_region_found_reused_is_sent_again_in_new_regions(
             got = real_put(data, now)
             if got is not None and not spoiled:  # as if reused before the shard read it
                 spoiled.append(got[5])
-                shm._TOKEN.pack_into(arena._mm, got[3] + 8, 0)
+                # Another mapping of the client's memory (opened as a peer opens it, by
+                # /proc/PID/fd/FD) clears the region's token.
+                pid, fd, _, offset = got[:4]
+                with open(f"/proc/{pid}/fd/{fd}", "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+                    shm.region.set_token(mm, offset, 0)
             return got
 
         refusals: list[dict[str, Any]] = []
