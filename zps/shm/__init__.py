@@ -58,7 +58,6 @@ from zps.shm.region import (
     disabled_by_env,
     host_key,
 )
-from zps.shm.region import TOKEN as _TOKEN
 
 __all__ = [
     "HEAD",
@@ -70,7 +69,6 @@ __all__ = [
     "OFF",
     "RETRY_S",
     "SWEEP_S",
-    "_TOKEN",
     "Arena",
     "Inbound",
     "Mapper",
