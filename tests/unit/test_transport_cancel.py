@@ -92,10 +92,10 @@ async def test_a_wake_up_without_a_message_does_not_lose_the_deadline() -> None:
         loop = asyncio.get_running_loop()
         loop.call_later(0.02, peer.send, b"no zps id")  # wakes the reader mid-wait
         t0 = loop.time()
-        assert await ch.recv_burst(0.5) == []
+        assert await ch.recv_burst(1.0) == []
         elapsed = loop.time() - t0
         assert refused == ["no_identity"]  # woken, received and refused in the wait
-        assert 0.5 - 0.002 <= elapsed < 5.0, elapsed
+        assert 1.0 - 0.002 <= elapsed < 6.0, elapsed
     finally:
         watch.close()
         peer.close(0)
