@@ -9,7 +9,7 @@ from collections.abc import Generator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 
 from zps.testing.sim import bugs
-from zps.testing.sim.world import FAULTS, LOADS, NAMED, PAIR, SLOW, Result, run_seed
+from zps.testing.sim.world import FAULTS, LOADS, NAMED, NAMED_ONLY, PAIR, Result, run_seed
 
 
 def _faults(text: str) -> list[str]:
@@ -32,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
         type=_faults,
         default=list(FAULTS),
         help=f"comma-separated faults to draw from (default all: {','.join(FAULTS)}; "
-        f"also {','.join((*LOADS, *SLOW))}; {','.join(PAIR)} runs a broker pair)",
+        f"also {','.join((*LOADS, *NAMED_ONLY))}; {','.join(PAIR)} runs a broker pair)",
     )
     p.add_argument("--bug", choices=sorted(bugs.BUGS), help="re-introduce a known defect")
     p.add_argument("--keep-going", action="store_true", help="run every seed after a failure")

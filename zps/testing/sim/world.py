@@ -36,12 +36,13 @@ LOADS = ("idle",)
 #: The broker pair, only when named: ``failover`` runs two brokers (:mod:`.pair`) and
 #: draws kills, pauses and isolations of the active one.
 PAIR = ("failover",)
-#: Slow peers, only when named (the default draws, and so the seeds kept, stay as they
+#: Faults drawn only when named (the default draws, and so the seeds kept, stay as they
 #: were): ``slow``, a shard or client that reads one message every 10-300 ms or none at
-#: all for a while, its pipes filling to their high-water mark, or a shard's slow disk.
-SLOW = ("slow",)
+#: all for a while, its pipes filling to their high-water mark, or a shard's slow disk;
+#: ``client``, a client's process killed and started again (a new session).
+NAMED_ONLY = ("slow", "client")
 #: Every fault that may be named.
-NAMED = (*FAULTS, *LOADS, *PAIR, *SLOW)
+NAMED = (*FAULTS, *LOADS, *PAIR, *NAMED_ONLY)
 #: Bounds on what any queue may hold (the "queues bounded" check).
 QUEUE_BOUND = 2000
 
@@ -295,6 +296,13 @@ class World:
             self._failover()
         elif kind == "slow":
             self._slow()
+        elif kind == "client":
+            client = rng.choice(self.clients)
+            if not client.alive:
+                return
+            self.note(f"kill {client.name}, back in {back:.2f}s")
+            client.crash()
+            self.sched.after(back, functools.partial(self._client_back, client))
         elif kind == "broker":
             if not self.broker.alive:
                 return
@@ -369,6 +377,10 @@ class World:
         if not broker.alive:
             broker.start()
 
+    def _client_back(self, client: SimClient) -> None:
+        if not client.alive:
+            client.start()
+
     def _broker_back(self) -> None:
         for b in self.brokers:
             self._start(b)
@@ -419,6 +431,7 @@ class World:
             s.disk.slow = 0.0
         for c in self.clients:
             c.pushing = False
+            self._client_back(c)
         self._broker_back()
         for s in self.shards:
             if not s.alive:
