@@ -76,3 +76,17 @@ def test_test_processes_cache_their_bytecode_outside_the_tree(
     prefix.chmod(0o777)  # a directory others may write to is not used
     env = {"PYTHONDONTWRITEBYTECODE": "1"}
     assert cache_bytecode(env) is None and env == {"PYTHONDONTWRITEBYTECODE": "1"}
+
+
+@pytest.mark.parametrize("role", ["zps.broker.broker", "zps.broker.router", "zps.shard.server"])
+def test_a_server_imports_prometheus_only_for_its_metrics(role: str) -> None:
+    mods = imported_after(f"import zps.cli.main, {role}")
+    assert not {m for m in mods if m.split(".")[0] == "prometheus_client"}
+    served = imported_after(
+        "from zps.ops.config import Metrics\n"
+        "from zps.ops.metrics import MetricsServer, counter\n"
+        "server = MetricsServer(Metrics(), lambda: [counter('zps_x', 'x', 1.0)])\n"
+        "assert b'zps_x_total 1.0' in __import__('prometheus_client').generate_latest("
+        "server.registry)"
+    )
+    assert "prometheus_client" in served

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -17,7 +18,7 @@ from zps.cli.worker import check_arguments, keyword_args
 from zps.errors import ConfigError
 from zps.ops.config import WorkerConfig, settings_from_mapping
 from zps.ops.meter import LATENCY_BUCKETS, ClientMeter
-from zps.ops.metrics import Metric, client_families
+from zps.ops.metrics import client_families
 from zps.ops.systemd import Notifier, client_stall
 
 

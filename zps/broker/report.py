@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from zps import transport
 from zps.broker import forward
@@ -20,17 +20,13 @@ from zps.broker.training import Training
 from zps.core.cluster import ClusterState
 from zps.core.membership import FailureDetector
 from zps.ops.config import BrokerConfig
-from zps.ops.metrics import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    Metric,
-    counter,
-    gauge,
-    labelled,
-)
+from zps.ops.metrics import counter, gauge, labelled
 from zps.ops.security import REFUSAL_REASONS, RefusalLog
 from zps.protocol.codec import PROTOCOL_VERSION
 from zps.version import __version__
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 log = logging.getLogger("zps.broker")
 
@@ -136,7 +132,7 @@ class Report:
 
     def collect(self) -> Iterable[Metric]:
         yield labelled(
-            CounterMetricFamily,
+            "counter",
             "zps_broker_messages",
             "Messages by outcome",
             "outcome",
@@ -152,7 +148,7 @@ class Report:
             flow["peak_held_bytes"],
         )
         yield labelled(
-            CounterMetricFamily,
+            "counter",
             "zps_broker_refusals",
             "CURVE peers and messages refused, by reason",
             "reason",
@@ -241,14 +237,16 @@ class Report:
 
 
 def _collect_status(report: dict[str, Any]) -> Iterable[Metric]:
+    from prometheus_client.core import GaugeMetricFamily
+
     roles: dict[str, float] = {"primary": 0, "replica": 0, "spare": 0}
     for s in report["shards"]:
         roles[s["role"]] = roles.get(s["role"], 0) + 1
-    yield labelled(GaugeMetricFamily, "zps_shards", "Registered shards by role", "role", roles)
+    yield labelled("gauge", "zps_shards", "Registered shards by role", "role", roles)
     states: dict[str, float] = {"ok": 0, "degraded": 0, "lost": 0, "holding": 0, "unassigned": 0}
     for p in report["partitions"]:
         states[p["state"]] = states.get(p["state"], 0) + 1
-    yield labelled(GaugeMetricFamily, "zps_partitions", "Partitions by state", "state", states)
+    yield labelled("gauge", "zps_partitions", "Partitions by state", "state", states)
     yield gauge("zps_clients", "Connected clients", len(report["clients"]))
     yield counter(
         "zps_failovers", "Promotions of a replica after a primary died", report["failovers"]

@@ -43,7 +43,7 @@ import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from zps import transport
@@ -51,7 +51,7 @@ from zps.core.membership import SHARD_PREFIX, is_liveness
 from zps.core.routing import ClusterMap
 from zps.errors import ProtocolError
 from zps.ops.config import BrokerConfig
-from zps.ops.metrics import CounterMetricFamily, Metric, MetricsServer, gauge, labelled
+from zps.ops.metrics import MetricsServer, gauge, labelled
 from zps.ops.security import (
     REFUSAL_REASONS,
     KeyRoles,
@@ -76,6 +76,9 @@ from zps.protocol.codec import (
 )
 from zps.protocol.messages import ClientHello, Heartbeat, MapUpdate, Status, StatusReply
 from zps.version import __version__
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 log = logging.getLogger("zps.router")
 
@@ -681,14 +684,14 @@ class Router:
 
     def _collect(self) -> Iterable[Metric]:
         yield labelled(
-            CounterMetricFamily,
+            "counter",
             "zps_router_messages",
             "Messages by outcome",
             "outcome",
             {k: float(v) for k, v in vars(self.stats).items()},
         )
         yield labelled(
-            CounterMetricFamily,
+            "counter",
             "zps_router_refusals",
             "CURVE peers and messages refused, by reason",
             "reason",

@@ -12,13 +12,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zps.broker.acceptance import COMMIT_TARGET
 from zps.core.brokerstate import ClockRecord, JobRecord
 from zps.core.cluster import ClusterState
 from zps.core.coord import Clocks, Job, JobFailed, Task
-from zps.ops.metrics import CounterMetricFamily, GaugeMetricFamily, Metric, labelled
+from zps.ops.metrics import labelled
 from zps.protocol.codec import MsgType, Route, encode
 from zps.protocol.messages import (
     ClockRequest,
@@ -28,6 +28,9 @@ from zps.protocol.messages import (
     TaskRequest,
     TrainReport,
 )
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 log = logging.getLogger("zps.broker")
 
@@ -580,14 +583,14 @@ class Training:
         totals = self.reports.totals()
         if totals:
             yield labelled(
-                CounterMetricFamily,
+                "counter",
                 "zps_job_rows",
                 "Rows the workers reported trained (ps.report), by job",
                 "job_name",
                 {job: rows for job, (rows, _, _) in totals.items()},
             )
             yield labelled(
-                CounterMetricFamily,
+                "counter",
                 "zps_job_steps",
                 "Steps the workers reported (ps.report calls), by job",
                 "job_name",
@@ -596,7 +599,7 @@ class Training:
         losses = {job: loss for job, (_, _, loss) in totals.items() if loss is not None}
         if losses:
             yield labelled(
-                GaugeMetricFamily,
+                "gauge",
                 "zps_job_loss",
                 "The mean loss the workers reported (ps.report) over the newest point of "
                 "the job's history (a second at first), by job",
@@ -606,14 +609,14 @@ class Training:
         jobs = list(self.jobs.values())
         if jobs:
             yield labelled(
-                GaugeMetricFamily,
+                "gauge",
                 "zps_job_tasks",
                 "Tasks of the job, all epochs",
                 "job_name",
                 {job.name: float(job.total) for job in jobs},
             )
             yield labelled(
-                GaugeMetricFamily,
+                "gauge",
                 "zps_job_tasks_done",
                 "Tasks of the job done, all epochs",
                 "job_name",

@@ -35,6 +35,8 @@ A process that gives a ``status`` callback (the broker) also answers:
 Beside the process's own series every registry has the standard ``process_*``
 series (CPU seconds, resident memory, open file descriptors, start time: read
 from ``/proc`` at scrape time) and ``zps_build_info{version, protocol}``.
+``prometheus_client`` is imported when a registry or a family is first made (a scrape, or
+:attr:`MetricsServer.registry` read), not when a process starts.
 """
 
 from __future__ import annotations
@@ -48,21 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
-
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    ProcessCollector,
-    generate_latest,
-)
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.registry import Collector
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from zps.errors import ZpsError
 from zps.ops.config import Metrics
@@ -71,15 +59,17 @@ from zps.ops.page import render as render_page
 from zps.protocol.codec import PROTOCOL_VERSION
 from zps.version import __version__
 
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
+
 __all__ = [
     "LATENCY_BUCKETS",
     "LOOP_MAX_AGE_S",
     "STATUS_MAX_AGE_S",
     "STATUS_TIMEOUT_S",
-    "CounterMetricFamily",
-    "GaugeMetricFamily",
     "LatencyHistogram",
-    "Metric",
     "MetricsServer",
     "StatusUnavailable",
     "client_families",
@@ -92,7 +82,9 @@ __all__ = [
 log = logging.getLogger("zps.metrics")
 
 
-class _Callback(Collector):
+class _Callback:
+    """A collector (all a registry asks of one is ``collect``)."""
+
     def __init__(self, collect: Callable[[], Iterable[Metric]]) -> None:
         self._collect = collect
 
@@ -103,6 +95,8 @@ class _Callback(Collector):
 def counter(
     name: str, doc: str, value: float, labels: dict[str, str] | None = None
 ) -> CounterMetricFamily:
+    from prometheus_client.core import CounterMetricFamily
+
     m = CounterMetricFamily(name, doc, labels=list(labels or {}))
     m.add_metric(list((labels or {}).values()), value)
     return m
@@ -111,19 +105,27 @@ def counter(
 def gauge(
     name: str, doc: str, value: float, labels: dict[str, str] | None = None
 ) -> GaugeMetricFamily:
+    from prometheus_client.core import GaugeMetricFamily
+
     m = GaugeMetricFamily(name, doc, labels=list(labels or {}))
     m.add_metric(list((labels or {}).values()), value)
     return m
 
 
 def labelled(
-    kind: type[CounterMetricFamily] | type[GaugeMetricFamily],
+    kind: Literal["counter", "gauge"],
     name: str,
     doc: str,
     label: str,
     values: dict[str, float],
 ) -> Metric:
-    m = kind(name, doc, labels=[label])
+    """A family of ``kind`` (``"counter"`` or ``"gauge"``) with one series per value,
+    labelled ``label``."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    if kind not in ("counter", "gauge"):
+        raise ValueError(f"a labelled family is a 'counter' or a 'gauge', not {kind!r}")
+    m = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=[label])
     for key, value in sorted(values.items()):
         m.add_metric([key], value)
     return m
@@ -140,6 +142,8 @@ def _build_info() -> Iterable[Metric]:
 
 def request_seconds(by_kind: dict[str, LatencyHistogram]) -> Metric:
     """``zps_shard_request_seconds{kind}``: a shard's time to handle one request message."""
+    from prometheus_client.core import HistogramMetricFamily
+
     family = HistogramMetricFamily(
         "zps_shard_request_seconds", "Time to handle one request message", labels=["kind"]
     )
@@ -162,6 +166,8 @@ def client_families(
     (``zps_worker_*``): read at scrape time from the client's :class:`ClientMeter`,
     its session's request and retry counts, and its training step.  ``now`` is
     ``time.monotonic()``."""
+    from prometheus_client.core import HistogramMetricFamily
+
     buckets, total = meter.latency()
     yield HistogramMetricFamily(
         "zps_client_request_seconds",
@@ -174,7 +180,7 @@ def client_families(
     operations = meter.operations.copy()
     if operations:  # a family with no series is left out
         yield labelled(
-            CounterMetricFamily,
+            "counter",
             "zps_client_operations_total",
             "Operations sent to the shards, by operation (push_rows, pull_rows, ...)",
             "op",
@@ -259,6 +265,8 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         text = "text/plain; charset=utf-8"
         if path == "/metrics":
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
             code, ctype, data = 200, CONTENT_TYPE_LATEST, generate_latest(owner.registry)
         elif path in ("/healthz", "/ready"):
             ok, why = owner.healthz() if path == "/healthz" else owner.readiness()
@@ -320,10 +328,8 @@ class MetricsServer:
         status: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.config = config
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Callback(collect))
-        self.registry.register(_Callback(_build_info))
-        ProcessCollector(registry=self.registry)
+        self._collect = collect
+        self._registry: CollectorRegistry | None = None
         self.readiness = ready
         self.loop_stamp: float | None = None
         self._server: _HttpServer | None = None
@@ -334,6 +340,20 @@ class MetricsServer:
         self._status_lock = threading.Lock()
         self._status_cached: tuple[float, bytes] | None = None
         self._status_pending: concurrent.futures.Future[bytes] | None = None
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The process's own registry: its collector, ``zps_build_info`` and the
+        ``process_*`` series (made on first use)."""
+        if self._registry is None:
+            from prometheus_client import CollectorRegistry, ProcessCollector
+
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(cast("Collector", _Callback(self._collect)))
+            registry.register(cast("Collector", _Callback(_build_info)))
+            ProcessCollector(registry=registry)
+            self._registry = registry
+        return self._registry
 
     @property
     def serves_status(self) -> bool:

@@ -9,14 +9,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from zps import shm
 from zps.ops.metrics import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
     LatencyHistogram,
-    Metric,
     counter,
     gauge,
     labelled,
@@ -29,6 +26,9 @@ from zps.shard.durability import Durability
 from zps.shard.liveness import Liveness
 from zps.shard.primary import ReplicationStream, Reply
 from zps.shard.session import ShardSession
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 #: Seconds after which a reply's shared-memory region may be reused unread.
 SHM_RECLAIM_S = 2.0
@@ -90,11 +90,13 @@ class Observed(Protocol):
 
 def collect(shard: Observed) -> Iterable[Metric]:
     """The shard's metrics (zps_shard_*), read in the metrics thread."""
+    from prometheus_client.core import GaugeMetricFamily
+
     s, core = shard.core.stats, shard.core
     yield counter("zps_shard_requests", "Request messages handled", s.requests)
     yield request_seconds(shard.latency)
     yield labelled(
-        CounterMetricFamily,
+        "counter",
         "zps_shard_ops",
         "Operations by kind",
         "op",
@@ -108,7 +110,7 @@ def collect(shard: Observed) -> Iterable[Metric]:
     if shard.stream is not None:
         counts = shard.stream.refusals.counts
         yield labelled(
-            CounterMetricFamily,
+            "counter",
             "zps_shard_replication_refusals",
             "CURVE peers and messages refused at the replication endpoint, by reason",
             "reason",
