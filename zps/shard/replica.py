@@ -26,6 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from zps import shm, transport
@@ -107,6 +108,8 @@ class Upstream:
         self._checkpoints = checkpoints if self._durability is not None else None
         #: Large stream frames through the primary's shared memory (None: inline).
         self.shm = shared
+        #: Set after each batch of the log is written (see _drain).
+        self._log_moved = asyncio.Event()
         #: Refusals in a row, and the ask scheduled after the last one.
         self._refusals = 0
         self._reask: asyncio.TimerHandle | None = None
@@ -140,6 +143,7 @@ class Upstream:
 
     def _durable(self) -> None:
         """A batch of the log is on disk: acknowledge what it holds."""
+        self._log_moved.set()
         if self.session.synced:
             self.ack_now()
 
@@ -418,16 +422,20 @@ class Upstream:
         """Apply the stream held while the snapshot arrived and loaded, in order and in
         steps (the loop gets a turn every DRAIN_STEP_S: heartbeats, the stream's reads);
         what arrives meanwhile joins the end of it.  With a log, no faster than the log
-        takes it: a step is applied only once the log holds everything applied before
-        the previous step, and the held stream is done only once the log holds all that
-        was applied.  The first acknowledgement (after this) then names what the log
-        holds, and the next follow at the log's pace: a backlog of unlogged stream
-        behind it would keep the replica from acknowledging anything new for as long as
-        the log takes to write it, and its primary drops a replica that acknowledges
-        nothing new for a liveness timeout.  Done once it is empty and logged, on the
-        loop, with no await between the last take and going back to applying as it
-        comes."""
-        logged_before = self.core.lsn  # the log must hold this before the next step
+        takes it: a step is applied only once the log holds the step before the previous
+        one, and once it is empty the log is waited for until it holds, and has synced
+        since, the last step (what arrives meanwhile, a few hundred ms of the stream, is
+        then applied without waiting).  The first acknowledgement (after this) then names
+        what the log holds, and the next follow at the log's pace: a backlog of unwritten
+        or unsynced stream behind it would keep the replica from acknowledging anything
+        new for as long as the log takes to write or sync it, and its primary drops a
+        replica that acknowledges nothing new for a liveness timeout.  Done once it is empty and
+        logged, on the loop, with no await between the last take and going back to
+        applying as it comes."""
+        # The last step applied, and the one before it: the log holds that one before the
+        # next step is applied (one step written while the next is applied).
+        last = before = _LogMark(self.core.lsn, 0, False)
+        synced_at_end = False
         while self._held is not None and self.session.synced:
             held = self._held
             try:
@@ -440,8 +448,11 @@ class Upstream:
             if self._held is not held:
                 return  # dropped meanwhile
             if not batch:
-                if not self._log_holds(self.core.lsn):
-                    await self._log_reaches(self.core.lsn)
+                if not synced_at_end and not self._log_has(last):
+                    # Once: what arrives during this wait is applied without another
+                    # (every wait lets more arrive: under writes none would be the last).
+                    synced_at_end = True
+                    await self._log_reaches(last)
                     continue  # what was held meanwhile comes next
                 self._held = None
                 held.close()
@@ -452,10 +463,11 @@ class Upstream:
                     held.total_spooled_bytes / 1e6,
                 )
                 return
-            await self._log_reaches(logged_before)
+            await self._log_reaches(before, synced=False)
             if self._held is not held:
                 return  # dropped meanwhile
-            logged_before = self.core.lsn
+            first = self.core.lsn
+            syncs = self._durability.stats.syncs if self._durability is not None else 0
             began = time.monotonic()
             for r, h, p in batch:
                 if not self.session.synced or self._held is not held:
@@ -464,27 +476,24 @@ class Upstream:
                 if time.monotonic() - began > DRAIN_STEP_S:
                     await asyncio.sleep(0)
                     began = time.monotonic()
+            before, last = last, _LogMark(self.core.lsn, syncs, self.core.lsn > first)
             await asyncio.sleep(0)
         self._drop_held()  # a resync meanwhile: the next snapshot's stream is held anew
 
-    def _log_holds(self, lsn: int) -> bool:
-        """Whether this replica's log holds ``lsn`` (as its mode requires; True without
-        a log)."""
-        return self._durability is None or self._durability.acked_lsn(lsn) >= lsn
+    def _log_has(self, mark: _LogMark, *, synced: bool = True) -> bool:
+        """Whether this replica's log holds ``mark.lsn`` (as its mode requires) and, with
+        ``synced`` if ``mark`` wrote to it, has synced since (True without a log)."""
+        d = self._durability
+        if d is None or d.acked_lsn(mark.lsn) < mark.lsn:
+            return d is None
+        return not (synced and mark.wrote) or d.stats.syncs > mark.syncs
 
-    async def _log_reaches(self, lsn: int) -> None:
-        """Wait until this replica's log holds ``lsn`` (a log that is lost never does:
-        the shard then leaves its role, which ends this subscription)."""
-        if self._durability is None or self._log_holds(lsn):
-            return
-        reached: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        def release() -> None:
-            if not reached.done():
-                reached.set_result(None)
-
-        self._durability.after(lsn, release)
-        await reached
+    async def _log_reaches(self, mark: _LogMark, *, synced: bool = True) -> None:
+        """Wait until :meth:`_log_has` ``mark`` (a log that is lost never does: the shard
+        then leaves its role, which ends this subscription)."""
+        while not self._log_has(mark, synced=synced):
+            self._log_moved.clear()
+            await self._log_moved.wait()
 
     def _load(self, snap: Snapshot, store: PartitionStore | None) -> bool:
         if store is None or snap.epoch != self.core.epoch or snap.partition != self.core.partition:
@@ -529,6 +538,16 @@ class Upstream:
             return
         if self._durability is not None:
             self._durability.log(route.epoch, prev, lsn, payloads)
+
+
+@dataclass(frozen=True)
+class _LogMark:
+    """A step of the held stream applied: the LSN after it, the log's syncs before it,
+    and whether it logged anything."""
+
+    lsn: int
+    syncs: int
+    wrote: bool
 
 
 def _write(keeping: PendingCheckpoint, views: list[memoryview]) -> None:
