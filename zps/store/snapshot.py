@@ -189,15 +189,17 @@ CUT_SLACK = 0.05
 
 def cut_space(store: PartitionStore, *, frozen: bool = False) -> CutSpace:
     """Buffers (not yet touched) for a cut of ``store``'s embedding tables (with
-    ``frozen``, of those :func:`freeze_export` could not freeze now)."""
+    ``frozen``, only the ids of those :func:`freeze_export` can freeze now: their ids
+    are copied, the rest frozen)."""
     out: dict[str, dict[str, np.ndarray]] = {}
     for spec in store.specs():
         if isinstance(spec, EmbeddingSpec):
             table = store.embedding(spec.name)
-            if frozen and _freezable(table):
-                continue
             rows = int(len(table) * (1 + CUT_SLACK)) + 1024
             arrays = {"ids": np.empty(rows, dtype=np.int64)}
+            if frozen and _freezable(table):
+                out[spec.name] = arrays
+                continue
             arrays["rows"] = np.empty((rows, spec.dim), dtype=table.dtype)
             for key, width in table._widths.items():
                 arrays[key] = np.empty((rows, width), dtype=table.dtype)
@@ -338,10 +340,10 @@ def freeze_export(
         for spec in specs:
             if isinstance(spec, EmbeddingSpec):
                 table = store.embedding(spec.name)
+                room = space.buffers.get(spec.name, {}) if space is not None else {}
                 if _freezable(table):
-                    tables[spec.name] = _frozen_copy(table, versions)
+                    tables[spec.name] = _frozen_copy(table, versions, room)
                 else:
-                    room = space.buffers.get(spec.name, {}) if space is not None else {}
                     tables[spec.name] = _unordered_copy(table, room)
             else:
                 tables[spec.name] = store.dense(spec.name).export()
@@ -352,9 +354,17 @@ def freeze_export(
     return {"specs": [s.to_wire() for s in specs], "tables": tables}, tuple(versions)
 
 
-def _frozen_copy(table: EmbeddingTable, versions: list[mapped.Frozen]) -> dict[str, Any]:
+def _frozen_copy(
+    table: EmbeddingTable, versions: list[mapped.Frozen], room: dict[str, np.ndarray]
+) -> dict[str, Any]:
     n = len(table)
-    out: dict[str, Any] = {"ids": table._index._ids[:n].copy()}
+    ids, buf = table._index._ids, room.get("ids")
+    out: dict[str, Any] = {}
+    if buf is None or buf.shape[0] < n:
+        out["ids"] = ids[:n].copy()
+    else:  # touched off the loop: the copy costs no page faults
+        np.copyto(buf[:n], ids[:n])
+        out["ids"] = buf[:n]
     for key, src in {"rows": table._rows, **table._state}.items():
         version = mapped.freeze(src)
         if version is None:
