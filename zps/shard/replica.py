@@ -423,14 +423,14 @@ class Upstream:
         steps (the loop gets a turn every DRAIN_STEP_S: heartbeats, the stream's reads);
         what arrives meanwhile joins the end of it.  With a log, no faster than the log
         takes it: a step is applied only once the log holds the step before the previous
-        one, and once it is empty the log is waited for until it holds, and has synced
-        since, the last step (what arrives meanwhile, a few hundred ms of the stream, is
-        then applied without waiting).  The first acknowledgement (after this) then names
-        what the log holds, and the next follow at the log's pace: a backlog of unwritten
-        or unsynced stream behind it would keep the replica from acknowledging anything
-        new for as long as the log takes to write or sync it, and its primary drops a
-        replica that acknowledges nothing new for a liveness timeout.  Done once it is empty and
-        logged, on the loop, with no await between the last take and going back to
+        one, and once it is empty the log is waited for, once, until it holds and has
+        synced since the last step (what arrives during that wait is then applied
+        without another).  The first acknowledgement (after this) then names what the
+        log holds, and the next follow at the log's pace: a backlog of unwritten or
+        unsynced stream behind it would keep the replica from acknowledging anything new
+        for as long as the log takes to write or sync it, and its primary drops a
+        replica that acknowledges nothing new for a liveness timeout.  Done once it is
+        empty, on the loop, with no await between the last take and going back to
         applying as it comes."""
         # The last step applied, and the one before it: the log holds that one before the
         # next step is applied (one step written while the next is applied).
