@@ -62,6 +62,10 @@ class PairBroker(SimBroker):
         self.star = BinaryStar(self.role, timeout=PEER_TIMEOUT, now=now, term=self.term)
         self.heard = set()
         self.peer_key: tuple[int, int] | None = None  # the record the peer says it holds
+        #: The floor epoch of each partition in the record the peer says it holds.
+        self.peer_floors: tuple[int, ...] | None = None
+        #: Lease echoes to promoted primaries, waiting for the peer to hold their epoch.
+        self.echoes: list[tuple[str, Any]] = []
         self.sent_for = -1  # the map version a beat went out of turn for
         super().start()
         self.star.record = self._record_key()
@@ -94,30 +98,61 @@ class PairBroker(SimBroker):
 
     def _work(self, now: float) -> None:
         self.beats += 1
+        if self.echoes:
+            self._release_echoes()  # those whose epoch the standby holds, or a dead peer
         if self.beats % 2 == 0:  # every PEER_TIMEOUT / 5 (the timer runs every HB / 2)
             self._beat()
         if self.star.active:
             super()._work(now)
 
     def _beat(self, *, echo: bool = False) -> None:
-        """A beat (the active broker's carries its record); ``echo``: the answer to one."""
+        """A beat (the active broker's carries its record); ``echo``: the answer to one,
+        each saying what record its sender holds (key, floors)."""
         state, term = self.star.beat()
         rec = (self.state.map_version, self.state.records()) if self.star.active else None
-        key = self._record_key()
-        self.w.net.send(self.name, self.peer, ("peer", state.value, term, rec, key, echo))
+        held = rec if rec is not None else self.record
+        floors = tuple(r.floor_epoch for r in held[1]) if held is not None else None
+        msg = ("peer", state.value, term, rec, self._record_key(), floors, echo)
+        self.w.net.send(self.name, self.peer, msg)
 
     def _on_peer(
-        self, state: str, term: int, rec: Any, key: tuple[int, int] | None, echo: bool
+        self,
+        state: str,
+        term: int,
+        rec: Any,
+        key: tuple[int, int] | None,
+        floors: tuple[int, ...] | None,
+        echo: bool,
     ) -> None:
         if rec is not None and state == State.ACTIVE.value and not self.star.active:
             self.record, self.rec_term = rec, term  # kept, and written to its data dir
             self.star.record = self._record_key()
-        self.peer_key = key
+        self.peer_key, self.peer_floors = key, floors
         self._changed(self.star.on_peer(State(state), term, self.w.sched.now, key))
         if not echo:  # each beat is answered at once, with what this broker holds now
             self._beat(echo=True)
         if self.active:
             self._publish()
+        self._release_echoes()
+
+    def _unheld(self, partition: int) -> bool:
+        """Whether the standby's record may lack partition ``partition``'s confirmed epoch
+        (ControlPlane: a promoted primary's echo waits until the record naming its epoch
+        is durable, and in a pair held by the standby, Pair.after_held)."""
+        if not (self.star.peer_alive(self.w.sched.now) and self.star.peer_state is not None):
+            return False  # a dead peer takes nothing over
+        floors = self.peer_floors
+        held = floors[partition] if floors is not None and partition < len(floors) else 0
+        return held < self.state.floor_of(partition)[0]
+
+    def _release_echoes(self) -> None:
+        if not self.active:
+            self.echoes.clear()  # a broker that stepped down renews no lease
+            return
+        ready = [(node, msg) for node, msg in self.echoes if not self._unheld(msg[3])]
+        self.echoes = [(node, msg) for node, msg in self.echoes if self._unheld(msg[3])]
+        for node, msg in ready:
+            self.w.net.send(self.name, node, ("t", self.star.term, msg))
 
     def _peer_holds(self) -> bool:
         """Pair.after_held: the standby reported holding this broker's record (of its
@@ -163,6 +198,10 @@ class PairBroker(SimBroker):
     # -- admission -----------------------------------------------------------------
 
     def send(self, node: str, msg: Any) -> None:
+        if msg[0] == "echo" and msg[2] == "primary" and self._unheld(msg[3]):
+            self.echoes.append((node, msg))  # the record goes to the standby at once
+            self._beat()
+            return
         term = None if msg[0] == "reply" else self.star.term  # a shard's answer: no term
         self.w.net.send(self.name, node, ("t", term, msg))
 
