@@ -14,7 +14,9 @@ lost or doubled.  It measures, in this order:
   the new copy is in sync), the time from the kill until the spare that replaces the
   lost copy is in sync, and that spare's catch-up alone (from the moment the broker
   lists it until it is in sync); then the killed shard is started again on its data
-  dir as the next spare.  Peak memory (private memory and tables' memory files) of the
+  dir as the next spare.  Each kill's time and the two acknowledgements around its
+  longest gap are printed in the logs' clock (UTC), to be read against ``--workdir``'s
+  logs.  Peak memory (private memory and tables' memory files) of the
   primary and of the joining copy during the
   catch-up (sampled every 20 ms, /proc);
 - **checkpoint**: ``checkpoint()`` of the partition (the client call), against the
