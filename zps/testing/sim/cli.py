@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
+from collections import deque
 from collections.abc import Generator, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 
 from zps.testing.sim import bugs
 from zps.testing.sim.world import FAULTS, LOADS, NAMED, NAMED_ONLY, PAIR, Result, run_seed
@@ -64,23 +66,33 @@ def run_seeds(
 ) -> Generator[Result]:
     """The runs of ``seeds`` (``faults``: the default ones if None), in seed order: in this
     process (``jobs`` 1, no ``pool``), else side by side in ``pool`` or in a pool of ``jobs``
-    worker processes.  Each seed's run is the same in any process.  Closing the generator
-    early cancels the seeds not yet started."""
+    worker processes, at most :data:`AHEAD` seeds submitted ahead of the one reported (a
+    long run holds no more).  Each seed's run is the same in any process.  Closing the
+    generator early cancels the seeds not yet started."""
     if pool is None and jobs == 1:
         for seed in seeds:
             yield _one(seed, faults, trace, bug)
         return
     own = pool is None
     ex = ProcessPoolExecutor(jobs) if pool is None else pool
-    futures = [ex.submit(_one, seed, faults, trace, bug) for seed in seeds]
+    todo = iter(seeds)
+    ahead: deque[Future[Result]] = deque()
     try:
-        for f in futures:
-            yield f.result()
+        while True:
+            for seed in itertools.islice(todo, AHEAD - len(ahead)):
+                ahead.append(ex.submit(_one, seed, faults, trace, bug))
+            if not ahead:
+                return
+            yield ahead.popleft().result()
     finally:
-        for f in futures:
+        for f in ahead:
             f.cancel()
         if own:
             ex.shutdown(cancel_futures=True)
+
+
+#: Seeds submitted to the workers ahead of the one being reported.
+AHEAD = 16
 
 
 def report(r: Result, bug: str | None, faults: Sequence[str]) -> str:
