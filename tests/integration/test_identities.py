@@ -33,6 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 import zps
 from tests.integration.test_curve_roles import keygen, q
 from tests.integration.wire import dealer
+from zps.client.sync import SyncClient
 from zps.errors import BadRequestError
 from zps.ops.config import ClientConfig, Security
 from zps.ops.security import key_identity
@@ -80,9 +81,8 @@ allowed_operators_dir = {q(self.workdir / "operators")}
             security=sec, connect_timeout=timeout, timeout=timeout, name="zps.testing"
         )
 
-    def status(self, timeout: float = 5.0) -> dict[str, Any]:
-        with zps.connect_sync(self.address, self.client_config(timeout=timeout)) as ps:
-            return ps.status()
+    def status_client(self, timeout: float) -> SyncClient:
+        return zps.connect_sync(self.address, self.client_config(timeout=timeout))
 
     def start_role(self, name: str, role: str, toml: str) -> Proc:
         assert self.workdir is not None

@@ -16,12 +16,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
 import zps
+from zps.client.sync import SyncClient
 from zps.errors import ZpsTimeoutError
 from zps.ops.config import ClientConfig, Security
 from zps.optim import SGD
@@ -42,12 +42,11 @@ class SecureCluster(LocalCluster):
     allowed: Path
     admin: Security  # the allowed client's keys, for status polling
 
-    def status(self, timeout: float = 5.0) -> dict[str, Any]:
+    def status_client(self, timeout: float) -> SyncClient:
         cfg = ClientConfig(
             connect_timeout=timeout, timeout=timeout, name="zps.testing", security=self.admin
         )
-        with zps.connect_sync(self.address, cfg) as ps:
-            return ps.status()
+        return zps.connect_sync(self.address, cfg)
 
     def start_with_config(self, name: str, role: str, toml: str) -> Proc:
         assert self.workdir is not None

@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from zps.client.client import connect
 from zps.core.routing import partitions_of_ids
 from zps.errors import ZpsError, ZpsTimeoutError
 from zps.optim import SGD
+
+if TYPE_CHECKING:
+    from zps.client.sync import SyncClient
 
 _handed_out: set[int] = set()
 #: How often :meth:`LocalCluster.wait_for` asks the broker for its status.
@@ -263,12 +266,17 @@ class LocalCluster:
             raise
         return self
 
-    def status(self, timeout: float = 5.0) -> dict[str, Any]:
+    def status_client(self, timeout: float) -> SyncClient:
+        """A client for the harness's status polls (:meth:`status`, :meth:`wait_for`);
+        a cluster with keys overrides it to present an allowed key."""
         from zps.client.sync import connect_sync
 
-        with connect_sync(
+        return connect_sync(
             self.address, connect_timeout=timeout, timeout=timeout, name="zps.testing"
-        ) as ps:
+        )
+
+    def status(self, timeout: float = 5.0) -> dict[str, Any]:
+        with self.status_client(timeout) as ps:
             return ps.status()
 
     def wait_for(
@@ -276,8 +284,6 @@ class LocalCluster:
     ) -> dict[str, Any]:
         """Poll the broker's status until ``condition`` holds, through one client kept
         for the wait (a client that fails is dropped and a fresh one connects)."""
-        from zps.client.sync import SyncClient, connect_sync
-
         deadline = time.monotonic() + timeout
         last: dict[str, Any] | None = None
         client: SyncClient | None = None
@@ -290,9 +296,7 @@ class LocalCluster:
                 if client is None:
                     wait = min(2.0, max(0.1, deadline - time.monotonic()))
                     try:
-                        client = connect_sync(
-                            self.address, connect_timeout=wait, timeout=wait, name="zps.testing"
-                        )
+                        client = self.status_client(wait)
                     except ZpsTimeoutError:
                         continue
                 try:
