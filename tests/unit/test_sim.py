@@ -46,9 +46,18 @@ def first_failure(
         results.close()  # the seeds after it are not run
 
 
-#: Seeds of the CI budget on which the current code fails a check, with what it is
-#: (tests below keep each one as an expected failure until it is fixed).
-KNOWN: dict[int, str] = {}
+#: Seeds (of the CI budget, or of a long run of the default faults) on which the current
+#: code fails a check, with what it is (tests below keep each one as an expected failure
+#: until it is fixed).
+KNOWN: dict[int, str] = {
+    12978: "after a whole-cluster power loss the old primary of p0 came back at its epoch "
+    "with LSN 43 and was granted p0 again at that epoch, while its replica held LSN 50 of "
+    "the same epoch and a checkpoint at LSN 50 of those unacknowledged records; the replica "
+    "loaded the primary's snapshot at LSN 43 and logged on from it, but kept that newer "
+    "checkpoint, so its restart after the next power loss restored the LSN 50 checkpoint "
+    "of the other history and replayed the new log after it (row 0 reads 66 where 74 was "
+    "acknowledged) and it was elected",
+}
 BUDGET = range(0, 100)
 #: Seeds on which the simulator found a defect, fixed since: each must pass.
 #: 70 and 1032-1343: a replica whose full disk kept it acknowledging one LSN held
