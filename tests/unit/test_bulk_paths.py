@@ -30,7 +30,7 @@ from zps.shard.checkpoint import (
     finish,
 )
 from zps.shard.core import ShardCore
-from zps.shard.snapshots import SnapshotSender
+from zps.shard.snapshots import SnapshotSender, prepare
 from zps.store.partition import PartitionStore
 from zps.store.snapshot import Snapshot, StreamBuilder, build_store, ordered, slices
 from zps.store.tables import EmbeddingTable
@@ -210,3 +210,38 @@ def test_a_checkpoint_kept_as_it_arrives_outlives_other_checkpoints_written_mean
     path = pending.commit()
     assert decode_checkpoint(path.read_bytes()).lsn == 9
     assert not store.pending
+
+
+async def test_cuts_that_wait_for_one_release_freeze_one_at_a_time() -> None:
+    """Two cuts waiting for the same frozen version (a checkpoint and a snapshot) go one
+    at a time: the second waits for the first one's release and freezes the tables too,
+    never copies them on the loop into buffers sized for a frozen cut."""
+    core = ShardCore()
+    core.assign(2, 5)
+    core.store = PartitionStore()
+    core.store.create(EmbeddingSpec("e", 64, "float32", Zeros(), Adagrad(), 1))
+    core.store.embedding("e").push(np.arange(8000), np.ones((8000, 64), np.float32))
+    core.lsn = 9
+
+    async def take() -> Snapshot:
+        space = await prepare(core)
+        return cut(core, space)  # no await in between, as the shard's cuts
+
+    held = cut(core)
+    assert held.frozen and ckpt.copied_rows(held.export) == 0
+    first, second = asyncio.create_task(take()), asyncio.create_task(take())
+    await asyncio.sleep(0.05)
+    assert not first.done() and not second.done()
+    ckpt.release(held)
+    done, waiting = await asyncio.wait({first, second}, return_when=asyncio.FIRST_COMPLETED)
+    assert len(done) == 1, "both cuts went ahead at the release"
+    snap = done.pop().result()
+    assert snap.frozen and ckpt.copied_rows(snap.export) == 0
+    await asyncio.sleep(0.05)
+    (later,) = waiting
+    assert not later.done()  # waits for the first one's release
+    ckpt.release(snap)
+    other = await asyncio.wait_for(later, 5)
+    assert other.frozen and ckpt.copied_rows(other.export) == 0
+    ckpt.release(other)
+    assert await ckpt.thawed(5)

@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from zps.errors import ProtocolError, ZpsError
 from zps.protocol.codec import Encoder, MsgType, Route, decode
@@ -111,6 +112,13 @@ def cut(core: ShardCore, space: CutSpace | None = None) -> Snapshot:
     except BaseException:
         _release(versions)
         raise
+    copied = copied_rows(snap.export) if mapped.FREEZABLE else 0
+    if copied:
+        log.warning(
+            "a cut of partition %d at LSN %d: %.0f MB of rows copied on the loop (their "
+            "arrays could not be frozen)",
+            snap.partition, snap.lsn, copied / 1e6,
+        )  # fmt: skip
     if versions:
         _frozen_now.update(versions)
         try:
@@ -119,6 +127,18 @@ def cut(core: ShardCore, space: CutSpace | None = None) -> Snapshot:
             loop = None
         weakref.finalize(snap, _release_from, threading.get_ident(), loop, snap.frozen)
     return snap
+
+
+def copied_rows(export: dict[str, Any]) -> int:
+    """The bytes of large embedding arrays (rows, optimizer state) a cut's ``export``
+    holds as copies rather than frozen: each copied on the loop, at the cut."""
+    return sum(
+        a.nbytes
+        for arrays in export["tables"].values()
+        if isinstance(arrays, dict) and "ids" in arrays
+        for key, a in arrays.items()
+        if key != "ids" and isinstance(a, np.ndarray) and a.nbytes >= mapped.MIN_BYTES
+    )
 
 
 #: Versions frozen by cuts and not yet released, and who waits for none (see thawed).

@@ -56,15 +56,26 @@ from zps.store.snapshot import (
 log = logging.getLogger("zps.shard")
 
 
-async def prepare(core: ShardCore) -> CutSpace:
-    """Ready for a cut of ``core``'s partition: no other cut holds a frozen version
-    (one at a time), and buffers, their pages touched off the loop, for the tables
-    that cannot be frozen (small ones, or all of them if the other cut outlives
-    :func:`thawed`'s wait: then they are copied)."""
-    await thawed()
-    space = cut_space(core.store, frozen=True)
-    await asyncio.to_thread(space.prefault)
-    return space
+#: How long a cut waits for another's frozen version before it copies the tables.
+THAW_WAIT = 60.0
+
+
+async def prepare(core: ShardCore, wait: float = THAW_WAIT) -> CutSpace:
+    """Ready for a cut of ``core``'s partition, which the caller takes on the loop with
+    no await in between: no other cut holds a frozen version (one at a time), and
+    buffers, their pages touched off the loop, for the tables that cannot be frozen
+    (small ones, or all of them if the other cut outlives ``wait`` seconds: then they
+    are copied).  Cuts waiting for the same release go one at a time: a space that no
+    longer fits when its buffers are touched (another cut froze the tables meanwhile)
+    is prepared again once that cut is released, never used to copy the tables into
+    memory nobody touched."""
+    deadline = time.monotonic() + wait
+    while True:
+        await thawed(max(0.0, deadline - time.monotonic()))
+        space = cut_space(core.store, frozen=True)
+        await asyncio.to_thread(space.prefault)
+        if space.fits(core.store):
+            return space
 
 
 def _encode(snap: Snapshot) -> list[Part]:

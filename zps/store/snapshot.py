@@ -182,6 +182,24 @@ class CutSpace:
     def nbytes(self) -> int:
         return sum(b.nbytes for arrays in self.buffers.values() for b in arrays.values())
 
+    def fits(self, store: PartitionStore) -> bool:
+        """Whether a cut of ``store`` taken now copies no embedding rows but into these
+        buffers: each table can be frozen now, or has room here for all its arrays.
+        (Another cut that froze the tables since the buffers were sized makes it False:
+        a cut then would copy them into memory nobody touched.)"""
+        for spec in store.specs():
+            if not isinstance(spec, EmbeddingSpec):
+                continue
+            table = store.embedding(spec.name)
+            if _freezable(table):
+                continue
+            room, n = self.buffers.get(spec.name, {}), len(table)
+            for key in ("rows", *table._state):
+                buf = room.get(key)
+                if buf is None or buf.shape[0] < n:
+                    return False
+        return True
+
 
 #: Room for rows inserted between sizing and copying a cut.
 CUT_SLACK = 0.05
