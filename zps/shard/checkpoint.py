@@ -534,10 +534,18 @@ class PendingCheckpoint:
             self._unsynced = 0
 
     def commit(self) -> Path:
-        """Sync the file, rename it into place, sync the folder, prune the oldest."""
+        """Sync the file, remove the partition's checkpoints named after it (newer
+        than the state it holds: of a history this copy left, as when a replica
+        takes a snapshot behind its own), rename it into place, sync the folder, prune
+        the oldest."""
         try:
             os.fsync(self.file.fileno())
             self.file.close()
+            newer = [p for p in self._folder.glob("ckpt-*.zps") if p.name > self.final.name]
+            for path in newer:
+                path.unlink(missing_ok=True)
+            if newer:
+                _fsync_dir(self._folder)
             os.replace(self._tmp, self.final)
         except BaseException:
             self.abort()
