@@ -168,17 +168,20 @@ def _start_release(versions: Sequence[mapped.Frozen]) -> None:
         loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
     except RuntimeError:
         loop = None
-    t0, written = time.monotonic(), [0]
+    t0, written, longest = time.monotonic(), [0], [0.0]
 
     def step() -> None:
+        began = time.monotonic()
         try:
             written[0] += next(steps)
         except StopIteration:
-            _released(todo, time.monotonic() - t0, written[0])
+            _released(todo, time.monotonic() - t0, written[0], longest[0])
             return
         except BaseException:
-            _released(todo, time.monotonic() - t0, written[0])
+            _released(todo, time.monotonic() - t0, written[0], longest[0])
             raise
+        finally:
+            longest[0] = max(longest[0], time.monotonic() - began)
         if loop is None or loop.is_closed():
             step()  # no loop to give turns to: all at once
         else:
@@ -187,15 +190,19 @@ def _start_release(versions: Sequence[mapped.Frozen]) -> None:
     step()
 
 
-def _released(versions: Sequence[mapped.Frozen], took: float, written: int) -> None:
+def _released(
+    versions: Sequence[mapped.Frozen], took: float, written: int, longest: float = 0.0
+) -> None:
     for version in versions:
         _frozen_now.discard(version)
         _releasing.discard(version)
     if written > 64 << 20:
         log.info(
-            "a frozen cut released in %.2fs, in steps (%.0f MB written meanwhile, copied back)",
+            "a frozen cut released in %.2fs, in steps (%.0f MB written meanwhile, copied "
+            "back; longest step %.3fs)",
             took,
             written / 1e6,
+            longest,
         )
     if not _frozen_now:
         waiters, _thaw_waiters[:] = list(_thaw_waiters), []

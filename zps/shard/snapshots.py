@@ -226,14 +226,18 @@ class SnapshotSender:
         if not self._current(node, transfer) or self.core.partition is None:
             return
         # On the loop, with no await in between: the cut and the start of the stream.
+        began = time.monotonic()
         snap = cut(self.core, space)
+        cut_s = time.monotonic() - began
         del space
         try:
-            await self._stream(node, transfer, snap)
+            await self._stream(node, transfer, snap, cut_s)
         finally:
             release(snap)  # on the loop, which writes the tables
 
-    async def _stream(self, node: str, transfer: _Transfer, snap: Snapshot) -> None:
+    async def _stream(
+        self, node: str, transfer: _Transfer, snap: Snapshot, cut_s: float = 0.0
+    ) -> None:
         self.session.subscribed(node, snap.lsn, time.monotonic(), snapshot_bytes=self._held_bytes())
         partition, epoch, lsn = snap.partition, snap.epoch, snap.lsn
         t0 = time.monotonic()
@@ -246,12 +250,13 @@ class SnapshotSender:
         hashing: asyncio.Future[None] | None = None
         given_back = 0  # bytes written during the transfer, copied back as it went
         log.info(
-            "replica %s subscribed: snapshot %d at LSN %d, %d bytes in %d chunks",
+            "replica %s subscribed: snapshot %d at LSN %d, %d bytes in %d chunks (cut in %.3fs)",
             node,
             transfer.snapshot_id,
             lsn,
             plan.total,
             plan.count,
+            cut_s,
         )
         route = Route(MsgType.SNAPSHOT_CHUNK, partition, epoch, lsn).pack()
         try:
