@@ -2,8 +2,9 @@
 at the same time, with real processes: one cut at a time holds a frozen version, the
 other waits for it to be released and then freezes too, and neither holds the primary's
 event loop for longer than a step (docs/design.md, Replication).  Two cuts that waited
-for the same release used to both go ahead: the second found the tables frozen by the
-first and copied them on the loop, into memory it had not touched."""
+for the same release must not both go ahead: the second would find the tables frozen by
+the first and copy them on the loop, into memory it had not touched (figures:
+docs/performance.md, Big partitions)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ HB, LIVENESS = 0.1, 10
 #: The broker's liveness timeout (1 s).
 TIMEOUT = HB * LIVENESS
 #: The longest a cut or a step of a release may hold the primary's loop, well under the
-#: liveness timeout.  (A copied cut of this partition held it 1.1-1.6 s.)
+#: liveness timeout.
 STEP_LIMIT = 0.5
 ROWS, DIM, BATCH = 1_250_000, 32, 50_000
 #: Checkpoints back to back under the pushes: one every this many writes.
