@@ -113,6 +113,8 @@ class Channel:
         self.on_refused: OnRefused | None = None
         self.refused = 0  # messages refused at the edge
         self.received = 0  # messages received through _recv_message
+        #: ZMQ_EVENTS readings taken (each is two system calls: see recv_burst).
+        self.events_read = 0
         self.reconnects = 0  # connections made again after silence (see dealer)
         # The compiled send and receive (see the module notes), with the socket's address.
         self._io = _zmqio if compiled and COMPILED_IO else None
@@ -174,6 +176,7 @@ class Channel:
 
     def _events(self) -> int:
         """ZMQ_EVENTS (reading it also takes the descriptor's pending notice)."""
+        self.events_read += 1
         io = self._io
         if io is not None and not self.sock.closed:
             events: int = io.events(self._addr)
