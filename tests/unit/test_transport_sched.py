@@ -85,7 +85,7 @@ def test_left_alone_where_the_policy_cannot_be_set(monkeypatch: pytest.MonkeyPat
     """A sandbox that forbids sched_setscheduler: the probe fails, nothing is asked of
     libzmq (which would abort the process)."""
     monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
-    monkeypatch.setattr(iothreads, "_batch_allowed", lambda: False)
+    monkeypatch.setattr(iothreads, "batch_allowed", lambda: False)
     assert _io_policy(client=False) == os.SCHED_OTHER
 
 
@@ -93,12 +93,9 @@ def test_the_probe_fails_when_the_call_is_refused(monkeypatch: pytest.MonkeyPatc
     def refused(*args: object) -> None:
         raise PermissionError(1, "Operation not permitted")
 
-    iothreads._batch_allowed.cache_clear()
+    assert transport.probe_batch()  # allowed here (see _allowed): refused below only
     monkeypatch.setattr(os, "sched_setscheduler", refused)
-    try:
-        assert not iothreads._batch_allowed()
-    finally:
-        iothreads._batch_allowed.cache_clear()
+    assert not transport.probe_batch()
 
 
 def test_an_unknown_mode_keeps_the_default_policy_and_says_so(
@@ -115,7 +112,7 @@ def _named(io: transport.IoThreads) -> list[int]:
     no event says so)."""
     deadline = time.monotonic() + 5
     while True:
-        tids = [t for t, name in transport._threads() if name.startswith(io.thread_name)]
+        tids = [t for t, name in transport.threads() if name.startswith(io.thread_name)]
         if tids or time.monotonic() > deadline:
             return tids
         time.sleep(0.005)
@@ -140,7 +137,12 @@ def test_io_threads_switch_on_a_change_only(monkeypatch: pytest.MonkeyPatch) -> 
         assert len(tids) == 1 and _comm(tids[0]).endswith("/ZMQbg/IO/0")
         calls: list[int] = []
         real = os.sched_setscheduler
-        monkeypatch.setattr(os, "sched_setscheduler", lambda *a: (calls.append(a[1]), real(*a))[1])
+
+        def counted(*a: Any) -> None:
+            calls.append(a[1])
+            real(*a)
+
+        monkeypatch.setattr(os, "sched_setscheduler", counted)
         io.busy(False)  # already the default: nothing to do
         assert calls == [] and os.sched_getscheduler(tids[0]) == os.SCHED_OTHER
         io.busy(True)
@@ -159,7 +161,7 @@ def test_io_threads_left_alone_once_refused(monkeypatch: pytest.MonkeyPatch) -> 
 
         monkeypatch.setattr(os, "sched_setscheduler", refused)
         io.busy(True)  # no error: the policy stays, and is not asked for again
-        assert not io.batch and io.switches == 0 and io._tries == 0
+        assert not io.batch and io.switches == 0 and not io.looking
         assert os.sched_getscheduler(tids[0]) == os.SCHED_OTHER
 
 

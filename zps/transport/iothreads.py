@@ -100,7 +100,7 @@ class IoThreads:
     def _free_prefix(cls) -> int:
         """A prefix no thread of this process carries (a thread's name is at most 15
         bytes: "999/ZMQbg/IO/0" fits, so they are counted modulo 1000)."""
-        used = {name.split("/", 1)[0] for _, name in _threads() if "/ZMQbg/" in name}
+        used = {name.split("/", 1)[0] for _, name in threads() if "/ZMQbg/" in name}
         prefix = 0
         for _ in range(1000):
             prefix = next(cls._prefixes) % 1000
@@ -110,7 +110,7 @@ class IoThreads:
 
     def _find(self) -> bool:
         self._tries -= 1
-        tids = [tid for tid, name in _threads() if name.startswith(self._name)]
+        tids = [tid for tid, name in threads() if name.startswith(self._name)]
         try:
             if any(os.sched_getscheduler(t) != os.SCHED_OTHER for t in tids):
                 self._tries = 0  # started under a policy of the process's own: kept
@@ -138,8 +138,9 @@ class IoThreads:
         self.switches += 1
 
 
-def _threads() -> list[tuple[int, str]]:
-    """(id, name) of each thread of this process (none where /proc cannot tell)."""
+def threads() -> list[tuple[int, str]]:
+    """(id, name) of each thread of this process, read from /proc at each call (none
+    where /proc cannot tell): how :class:`IoThreads` finds a context's I/O threads."""
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
@@ -198,7 +199,7 @@ def io_sched_batch(client: bool) -> bool:
     mode = _io_sched_mode()
     if mode == "normal" or (client and mode != "batch"):
         return False
-    return _batch_allowed()
+    return batch_allowed()
 
 
 def _io_sched_mode() -> str:
@@ -211,7 +212,7 @@ def _io_sched_mode() -> str:
 
 def _adaptive_client() -> bool:
     """Whether a client switches its I/O threads' policy as it works (``auto``)."""
-    return _io_sched_mode() == "auto" and _batch_allowed()
+    return _io_sched_mode() == "auto" and batch_allowed()
 
 
 #: The values of ``ZPS_IO_SCHED``.
@@ -228,14 +229,20 @@ def _warn_io_sched(mode: str) -> None:
 
 
 def batch_allowed() -> bool:
-    """Whether this process may run threads under ``SCHED_BATCH`` (probed once: see
-    :func:`_batch_allowed`)."""
+    """Whether this process may run threads under ``SCHED_BATCH``: the first answer of
+    :func:`probe_batch`, kept for the life of the process (every policy decision reads
+    it here)."""
     return _batch_allowed()
 
 
 @functools.cache
 def _batch_allowed() -> bool:
-    """libzmq sets the policy in each of its threads and aborts the process if that
+    return probe_batch()
+
+
+def probe_batch() -> bool:
+    """Whether a new thread of this process may set ``SCHED_BATCH``, asked again at each
+    call.  libzmq sets the policy in each of its threads and aborts the process if that
     fails, so a probe thread tries ``SCHED_BATCH`` first (it may be refused where the
     call is filtered for it, or for a process under ``SCHED_IDLE`` without
     ``RLIMIT_NICE`` room), and the policy is left alone if it is."""
