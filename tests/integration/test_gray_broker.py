@@ -179,7 +179,6 @@ CLIENT = textwrap.dedent(
     import zmq
     import zps
     from zps import transport
-    from zps.transport import sockets
 
     sent = 0
     _send, _send_if_room = transport.send, transport.send_if_room
@@ -199,23 +198,11 @@ CLIENT = textwrap.dedent(
     # The client's requests go out through these two (the second when the queue is full).
     transport.send, transport.send_if_room = counted, counted_if_room
 
-    # A host with modest socket buffers (Linux lets a receive buffer grow to 32 MiB,
-    # which would hide the replies due in the kernel rather than at the broker).
-    _common = sockets._common
-    shrunk = []
-
-    def modest(sock, max_message_bytes, hwm):
-        _common(sock, max_message_bytes, hwm)
-        sock.setsockopt(zmq.RCVBUF, 1 << 16)
-        shrunk.append(sock)
-
-    sockets._common = modest
-
     async def main() -> None:
         async with zps.connect(
             sys.argv[1], timeout=300.0, batch_max_ops=1, compress=False
         ) as ps:
-            assert shrunk, "the client's sockets kept their receive buffers"
+            assert transport.tcp_rcvbuf() == 1 << 16, "the modest buffers were not set"
             ids = np.arange(%(n_rows)d, dtype=np.int64)
             await ps.pull_rows(%(table)r, ids)
             base = sent
@@ -257,10 +244,13 @@ async def test_a_stopped_client_with_thousands_in_flight_does_not_freeze_the_bro
         await honest.step()
         flow0 = dict(honest.broker["flow"], dropped=honest.broker["dropped"])
         script = CLIENT % {"n_rows": 1024, "table": TABLE, "in_flight": 4000, "due": 6000}
+        # A host with modest socket buffers (Linux lets a receive buffer grow to 32 MiB,
+        # which would hide the replies due in the kernel rather than at the broker).
+        modest = {"ZPS_TCP_RCVBUF": str(1 << 16)}
         proc = subprocess.Popen(
             [sys.executable, "-c", script, c.address],
             stdout=subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **modest},
         )
         try:
             assert proc.stdout is not None

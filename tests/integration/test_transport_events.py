@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 import pytest
+import zmq
 
 from zps import transport
 from zps.testing import free_port
@@ -96,3 +97,22 @@ async def test_messages_arriving_while_a_channel_only_sends_are_all_received() -
         transport.close(router)
         transport.close(dealer)
         transport.term(ctx)
+
+
+@pytest.mark.timeout(30)
+async def test_sockets_ask_for_the_receive_buffer_zps_tcp_rcvbuf_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ZPS_TCP_RCVBUF", str(1 << 16))
+    ctx, router, dealer = await _pair(b"c-buf")
+    try:
+        assert router.sock.getsockopt(zmq.RCVBUF) == 1 << 16
+        assert dealer.sock.getsockopt(zmq.RCVBUF) == 1 << 16
+    finally:
+        transport.close(router)
+        transport.close(dealer)
+        transport.term(ctx)
+    monkeypatch.setenv("ZPS_TCP_RCVBUF", "64k")
+    with pytest.raises(ValueError, match="ZPS_TCP_RCVBUF='64k' is not a positive number"):
+        transport.tcp_rcvbuf()
+    assert transport.tcp_rcvbuf({}) is None  # unset: the kernel's own

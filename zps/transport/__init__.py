@@ -104,6 +104,7 @@ from zps.transport.sockets import (
     dealer,
     local_address,
     router,
+    tcp_rcvbuf,
 )
 
 __all__ = [
@@ -165,6 +166,7 @@ __all__ = [
     "sender_key",
     "serve",
     "start_authenticator",
+    "tcp_rcvbuf",
     "term",
     "threads",
     "try_send",

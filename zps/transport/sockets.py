@@ -3,7 +3,8 @@
 
 Rules: every socket lingers for nothing, bounds its messages' size and its queues
 (:data:`DEFAULT_HWM`), keeps TCP alive and reconnects within a broker's start-up hold
-(:func:`_common`); a ROUTER reports an unroutable send rather than drop it; a failure
+(:func:`_common`), and asks the kernel for the receive buffer ``ZPS_TCP_RCVBUF`` names, if
+set (:func:`tcp_rcvbuf`); a ROUTER reports an unroutable send rather than drop it; a failure
 to bind or connect is a :class:`BrokenError` naming the endpoint.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -40,8 +41,29 @@ DEFAULT_HWM = 1000
 CLIENT_HEARTBEAT = CURVE_CLIENT_HEARTBEAT
 
 
+def tcp_rcvbuf(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The kernel receive buffer (bytes, ``ZMQ_RCVBUF``) every zps socket asks for:
+    ``ZPS_TCP_RCVBUF`` in the environment, a positive integer; unset or empty, the
+    kernel's own (Linux grows a buffer up to ``net.ipv4.tcp_rmem``'s maximum).  A host
+    that must bound the memory its connections pin, or keep replies queued where zps
+    bounds them (the broker's flow control) rather than in the kernel, sets it."""
+    raw = environ.get("ZPS_TCP_RCVBUF", "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"ZPS_TCP_RCVBUF={raw!r} is not a positive number of bytes")
+    return value
+
+
 def _common(sock: zmq.Socket[Any], max_message_bytes: int, hwm: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
+    rcvbuf = tcp_rcvbuf()
+    if rcvbuf is not None:
+        sock.setsockopt(zmq.RCVBUF, rcvbuf)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
