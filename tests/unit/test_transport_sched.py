@@ -212,22 +212,50 @@ def test_io_threads_keep_a_policy_they_started_with(monkeypatch: pytest.MonkeyPa
 
 
 def test_io_threads_left_alone_in_a_forked_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked child's IoThreads holds its parent's thread ids: it sets nothing."""
     monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
     with _io_threads() as (io, tids):
-        monkeypatch.setattr(io, "_pid", os.getpid() + 1)  # as a child sees its parent's
-        io.busy(True)
-        assert io.switches == 0 and io.thread_ids == () and not io.looking
+        io.busy(True)  # found and switched in the parent
+        assert io.thread_ids and os.sched_getscheduler(tids[0]) == os.SCHED_BATCH
+        pid = os.fork()
+        if pid == 0:  # the child: the same object, the parent's threads
+            try:
+                io.busy(False)
+                ok = io.switches == 1 and io.thread_ids == () and not io.looking
+                os._exit(0 if ok else 1)
+            finally:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert os.sched_getscheduler(tids[0]) == os.SCHED_BATCH  # the parent's, untouched
+        io.busy(False)
         assert os.sched_getscheduler(tids[0]) == os.SCHED_OTHER
 
 
 def test_io_threads_prefixes_are_not_shared(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Counted modulo 1000: a prefix a live context's threads carry is skipped."""
+    """Counted modulo 1000: a prefix a live thread of the process carries is skipped."""
     monkeypatch.delenv("ZPS_IO_SCHED", raising=False)
-    monkeypatch.setattr(transport.IoThreads, "_prefixes", iter([7, 7, 8]))
     with _io_threads() as (first, tids):
-        assert tids and first.thread_name == "7/ZMQbg/IO/"
-        ctx: zmq.Context[Any] = zmq.Context()
+        assert tids
+        taken = (int(first.thread_name.split("/", 1)[0]) + 1) % 1000  # the next one counted
+        named = threading.Event()
+        release = threading.Event()
+
+        def carry(prefix: int) -> None:  # a thread named as a live context's I/O thread
+            with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+                f.write(f"{prefix}/ZMQbg/IO/0")
+            named.set()
+            release.wait(10)
+
+        t = threading.Thread(target=carry, args=(taken,))
+        t.start()
         try:
-            assert transport.IoThreads(ctx).thread_name == "8/ZMQbg/IO/"
+            assert named.wait(10)
+            ctx: zmq.Context[Any] = zmq.Context()
+            try:
+                assert transport.IoThreads(ctx).thread_name == f"{(taken + 1) % 1000}/ZMQbg/IO/"
+            finally:
+                ctx.term()
         finally:
-            ctx.term()
+            release.set()
+            t.join()
