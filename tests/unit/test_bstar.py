@@ -19,6 +19,14 @@ def backup(now: float = 0.0, term: int = 0) -> BinaryStar:
     return BinaryStar(PairRole.BACKUP, timeout=T, now=now, term=term)
 
 
+def run(star: BinaryStar, start: float, end: float) -> None:
+    """The broker runs from ``start`` to ``end``, its driver ticking every tenth of the
+    timeout (rule 6: a broker not ticked for a timeout was paused)."""
+    steps = max(1, round((end - start) / (T / 10)))
+    for i in range(1, steps + 1):
+        star.tick(start + (end - start) * i / steps)
+
+
 def exchange(a: BinaryStar, b: BinaryStar, now: float) -> None:
     """One heartbeat each way."""
     a.on_peer(*b.beat(), now)
@@ -114,6 +122,7 @@ def test_two_active_brokers_the_higher_term_wins() -> None:
     exchange(a, b, 0.0)
     assert a.active and b.state is State.PASSIVE
     # a is paused; b takes over when a client asks after the timeout.
+    run(b, 0.0, 2.0)
     serve, t = b.on_client(2.0)
     assert serve and t is not None and t.activated and b.term == 2
     # a resumes, still believing it is active: b's beat fences it.
@@ -200,8 +209,9 @@ def test_terms_are_disjoint_and_increasing() -> None:
     terms = [a.term]
     now = 0.0
     for _ in range(6):
-        now += 2.0
         active, passive = (a, b) if a.active else (b, a)
+        run(passive, now, now + 2.0)
+        now += 2.0
         serve, t = passive.on_client(now)  # the active one went silent
         assert serve and t is not None
         active.on_peer(*passive.beat(), now)
@@ -220,6 +230,7 @@ def test_a_newer_term_seen_elsewhere_fences_the_active_broker() -> None:
     assert t is not None and t.deactivated and a.term == 4
     # a passive broker only remembers it, so its next activation is above it
     assert a.on_term(6, 0.3) is None and a.term == 6
+    run(a, 0.3, 5.0)
     serve, t = a.on_client(5.0)
     assert serve and t is not None and a.term == 7
 
@@ -240,12 +251,16 @@ def test_a_paused_broker_fenced_on_resume_does_not_take_over_at_once() -> None:
 
 def test_never_two_active_brokers_in_one_term() -> None:
     """Any interleaving of beats and client requests: no term is held active by both."""
-    for seq in itertools.product(("a", "b", "ca", "cb", "tick"), repeat=6):
+    for seq in itertools.product(("a", "b", "ca", "cb", "run", "pause"), repeat=6):
         a, b = primary(), backup()
         now = 0.0
         held: dict[int, str] = {}
         for step in seq:
-            if step == "tick":
+            if step == "run":  # both run on, hearing nothing
+                run(a, now, now + 1.5)
+                run(b, now, now + 1.5)
+                now += 1.5
+            elif step == "pause":  # both were paused
                 now += 1.5
             elif step == "a":
                 b.on_peer(*a.beat(), now)
@@ -274,3 +289,45 @@ def test_a_stale_passive_beat_read_after_a_pause_does_not_reactivate() -> None:
     # Both truly passive at the term both know: the primary takes over.
     t = a.on_peer(State.PASSIVE, 2, 10.1)
     assert t is not None and t.activated and a.term == 3
+
+
+def test_a_standby_paused_past_the_timeout_reads_a_client_before_its_peer() -> None:
+    """Rule 6: the standby, paused past the peer timeout, resumes and reads a client's
+    request before the active broker's beats queued for it: its own silence is not the
+    peer's, so it does not take over; the queued beat read next keeps it standing by."""
+    a, b = primary(), backup()
+    exchange(a, b, 0.0)
+    run(b, 0.0, 0.5)
+    # paused from 0.5 to 2.5 while a stayed active (and moved on to newer records)
+    assert b.on_client(2.5) == (False, None) and b.state is State.PASSIVE
+    assert b.on_peer(*a.beat(), 2.5) is None and b.state is State.PASSIVE
+    run(b, 2.5, 3.0)
+    assert b.on_client(3.0) == (False, None) and b.failovers == 0
+
+
+def test_a_paused_standby_whose_peer_is_gone_takes_over_after_its_own_timeout() -> None:
+    """Rule 6: after its pause, the standby waits a whole timeout of its own running
+    time for its peer; when none comes, a client's request makes it take over."""
+    a, b = primary(), backup()
+    exchange(a, b, 0.0)
+    run(b, 0.0, 0.5)
+    assert b.on_client(2.5) == (False, None)  # resumed: the peer may still speak
+    run(b, 2.5, 3.4)
+    assert b.on_client(3.4) == (False, None)  # not a whole timeout yet
+    run(b, 3.4, 3.6)
+    serve, t = b.on_client(3.6)
+    assert serve and t is not None and t.activated and b.term == 2 and b.failovers == 1
+
+
+def test_a_pause_of_the_standby_counts_from_any_event() -> None:
+    """Rule 6 holds whichever event comes first after the pause: a newer term seen
+    elsewhere (on_term) or a tick also starts the peer's timeout afresh."""
+    a, b = primary(), backup()
+    exchange(a, b, 0.0)
+    b.tick(5.0)
+    assert b.peer_alive(5.0) and not b.peer_alive(6.01)
+    assert b.on_client(5.5) == (False, None)
+    c = backup()
+    c.on_peer(State.ACTIVE, 1, 0.0)
+    assert c.on_term(1, 5.0) is None  # not newer, but the gap still counts
+    assert c.on_client(5.5) == (False, None)

@@ -354,6 +354,7 @@ class Pair:
         last = 0.0
         while True:
             now = time.monotonic()
+            self.star.tick(now)  # BinaryStar rule 6: a gap here is this broker's own pause
             if now - last >= self.interval:
                 last = now
                 self._beat(dealer, now)

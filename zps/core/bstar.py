@@ -29,6 +29,13 @@ Rules:
    within that term; equal records: the primary.  This is Raft's election
    restriction: of two candidates only one whose log is at least as up to date
    may lead, so nothing the newer broker acknowledged is elected away.
+6. A broker's own silence is not its peer's.  When ``now`` has moved on by more than
+   ``timeout`` since this broker's last event or :meth:`BinaryStar.tick` (it was
+   paused: its loop, its process or its host stopped), the peer's silence counts from
+   the resume: the peer expires ``timeout`` after it at the earliest.  A standby takes
+   over only once it has run for a whole timeout without hearing its peer, so the
+   beats queued for it while it was paused are read first, whatever order it reads a
+   client's request and those beats in.
 
 No I/O and no clock: the driver passes ``now`` (seconds, monotonic) and acts on
 the :class:`Transition` each event returns.
@@ -104,6 +111,7 @@ class BinaryStar:
         #: driver keeps it current.
         self.record = _record(record)
         self._peer_expiry = now + timeout
+        self._last_run = now  # rule 6
         self.failovers = 0
 
     # -- queries -----------------------------------------------------------------
@@ -121,6 +129,14 @@ class BinaryStar:
 
     # -- events ------------------------------------------------------------------
 
+    def tick(self, now: float) -> None:
+        """This broker is running at ``now`` (the driver calls it at least every beat
+        interval): a gap longer than the peer timeout since its last event or tick was
+        its own silence, not its peer's (rule 6)."""
+        if now - self._last_run > self.timeout:
+            self._peer_expiry = max(self._peer_expiry, now + self.timeout)
+        self._last_run = max(self._last_run, now)
+
     def on_peer(
         self, state: State, term: int, now: float, record: tuple[int, int] | None = None
     ) -> Transition | None:
@@ -128,6 +144,7 @@ class BinaryStar:
         record ordered ``record`` (None: it did not say; rule 5 then picks the primary)."""
         if term < 0:
             raise ValueError(f"term must be >= 0, got {term!r}")
+        self.tick(now)
         peer_record = None if record is None else _record(record)
         self.peer_state, self.peer_term = state, term
         self._peer_expiry = now + self.timeout
@@ -167,7 +184,8 @@ class BinaryStar:
                 return None
 
     def on_client(self, now: float) -> tuple[bool, Transition | None]:
-        """A client asks this broker: serve it?  May take over (rule 1)."""
+        """A client asks this broker: serve it?  May take over (rules 1, 6)."""
+        self.tick(now)
         match self.state:
             case State.ACTIVE:
                 return True, None
@@ -187,6 +205,7 @@ class BinaryStar:
         A newer term means the peer took over: that counts as hearing from it, so a
         broker that was paused (its peer clock stale, client requests queued up
         meanwhile) does not take over again at once before its peer's beats are read."""
+        self.tick(now)
         if term <= self.term:
             return None
         self._peer_expiry = max(self._peer_expiry, now + self.timeout)

@@ -97,6 +97,7 @@ class PairBroker(SimBroker):
     # -- the peer link and the transitions ---------------------------------------
 
     def _work(self, now: float) -> None:
+        self.star.tick(now)  # BinaryStar rule 6: the gaps are its own pauses
         self.beats += 1
         if self.echoes:
             self._release_echoes()  # those whose epoch the standby holds, or a dead peer
