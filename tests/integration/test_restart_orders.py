@@ -119,8 +119,12 @@ def test_an_older_copy_never_wins_a_restart(
             "the older copy to be held",
         )
     else:
+        # The newer copy comes after the broker's hold (within it, the newer claim of the
+        # two simply wins: no write is routed during the hold).
         c.wait_for(
-            lambda s: s["partitions"][0]["primary"] is not None, 20, "the older copy to serve"
+            lambda s: s["partitions"][0]["primary"] is not None and s["broker"]["holding_s"] == 0,
+            20,
+            "the older copy to serve after the hold",
         )
     assert replica_dir.exists()
     newer = c.start_shard(tmp_path / ("a" if replica is second else "b"), flags)

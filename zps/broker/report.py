@@ -179,6 +179,8 @@ class Report:
             "pid": os.getpid(),
             "endpoint": self.endpoint,
             "uptime_s": round(now - self.started, 1),
+            # The start-up hold's time left (collecting the shards' claims); 0 once over.
+            "holding_s": round(max(0.0, self.state.hold_until - now), 3),
             "heartbeat_interval_s": self.config.heartbeat.interval,
             "liveness": self.config.heartbeat.liveness,
             **vars(self.stats),
