@@ -92,10 +92,22 @@ def wait_status(
         time.sleep(0.1)
 
 
+def carried(proxy: HalfOpenProxy) -> list[tuple[list[bytes], list[bytes]]]:
+    """Each relayed connection's first ZMTP commands each way (a handshake that never
+    reached READY shows here)."""
+    return [
+        ([n for n, _ in z["up"].commands[:4]], [n for n, _ in z["down"].commands[:4]])
+        for z in proxy.zmtp
+    ]
+
+
 def wait_accepted(proxy: HalfOpenProxy, count: int, what: str) -> None:
     deadline = time.monotonic() + RECOVERY_S
     while proxy.accepted < count:
-        assert time.monotonic() < deadline, f"{what} never connected again through the relay"
+        assert time.monotonic() < deadline, (
+            f"{what} never connected again through the relay; what each connection it "
+            f"relayed carried (ZMTP commands up, down): {carried(proxy)}"
+        )
         time.sleep(0.02)
 
 

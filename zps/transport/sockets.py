@@ -2,10 +2,11 @@
 :class:`~zps.transport.channel.Channel`, with the options every zps socket needs.
 
 Rules: every socket lingers for nothing, bounds its messages' size and its queues
-(:data:`DEFAULT_HWM`), keeps TCP alive and reconnects within a broker's start-up hold
-(:func:`_common`), and asks the kernel for the receive buffer ``ZPS_TCP_RCVBUF`` names, if
-set (:func:`tcp_rcvbuf`); a ROUTER reports an unroutable send rather than drop it; a failure
-to bind or connect is a :class:`BrokenError` naming the endpoint.
+(:data:`DEFAULT_HWM`), keeps TCP alive, gives up a handshake after
+:data:`HANDSHAKE_S` and reconnects within a broker's start-up hold (:func:`_common`),
+and asks the kernel for the receive buffer ``ZPS_TCP_RCVBUF`` names, if set
+(:func:`tcp_rcvbuf`); a ROUTER reports an unroutable send rather than drop it; a
+failure to bind or connect is a :class:`BrokenError` naming the endpoint.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ DEFAULT_HWM = 1000
 #: A DEALER's ZMTP heartbeats (interval, timeout: seconds), with CURVE or with
 #: ``dealer(heartbeats=True)``.
 CLIENT_HEARTBEAT = CURVE_CLIENT_HEARTBEAT
+#: A connection whose handshake (the ZMTP greeting, CURVE's HELLO to READY, the ZAP
+#: check) has not finished within this many seconds is closed, and a connecting socket
+#: makes it again: a path that died during the handshake is given up as a heartbeat
+#: gives up one that died later (libzmq's own bound is 30 s).
+HANDSHAKE_S = 5.0
 
 
 def tcp_rcvbuf(environ: Mapping[str, str] = os.environ) -> int | None:
@@ -67,6 +73,7 @@ def _common(sock: zmq.Socket[Any], max_message_bytes: int, hwm: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
     # Reconnect every 0.1-0.35 s (zmq adds up to RECONNECT_IVL of jitter): a restarted
