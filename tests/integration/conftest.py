@@ -48,3 +48,23 @@ def make_cluster(
     yield make
     for c in made:
         c.stop()
+
+
+@pytest.fixture
+def replicated_partition(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalCluster]:
+    """One partition with two copies, its broker and shards not started (a test starts
+    them one by one), with the test module's heartbeat settings (``HB``, ``LIVENESS``);
+    stopped afterwards."""
+    c = LocalCluster(
+        partitions=1,
+        shards=0,
+        heartbeat_interval=getattr(request.module, "HB", 0.1),
+        liveness=getattr(request.module, "LIVENESS", 10),
+        workdir=tmp_path,
+    )
+    c.port = free_port()
+    c.replication = 2
+    try:
+        yield c
+    finally:
+        c.stop()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -31,16 +30,8 @@ MARGIN = 120 << 20
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(
-        partitions=1, shards=0, heartbeat_interval=HB, liveness=LIVENESS, workdir=tmp_path
-    )
-    c.port = free_port()
-    c.replication = 2
-    try:
-        yield c
-    finally:
-        c.stop()
+def cluster(replicated_partition: LocalCluster) -> LocalCluster:
+    return replicated_partition
 
 
 def _kb(pid: int, field: str) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -41,16 +40,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(
-        partitions=1, shards=0, heartbeat_interval=HB, liveness=LIVENESS, workdir=tmp_path
-    )
-    c.port = free_port()
-    c.replication = 2
-    try:
-        yield c
-    finally:
-        c.stop()
+def cluster(replicated_partition: LocalCluster) -> LocalCluster:
+    return replicated_partition
 
 
 async def build(ps: Client) -> None:
