@@ -125,3 +125,32 @@ async def test_sends_a_full_queue_held_back_all_arrive_in_order(
         assert not ps.sends_held_back
         after = await ps.pull_rows("held", ids)
     np.testing.assert_allclose(after, before - total, rtol=1e-4, atol=1e-3)
+
+
+async def test_a_killed_primary_is_declared_dead_by_its_closed_connections() -> None:
+    """A SIGKILLed shard's data connection and liveness link both close: the broker
+    declares it dead at once, long before its liveness timeout (10 s here) and before
+    the two intervals (1 s here) a single closed connection gets, and its replica takes
+    over with nothing acknowledged lost.  Without the rule the log says "missed its
+    heartbeats" and the failover waits for that grace."""
+    with LocalCluster(
+        partitions=1, shards=3, replication=2, heartbeat_interval=0.5, liveness=20
+    ) as c:
+        c.wait_healthy()
+        async with zps.connect(c.address, timeout=20.0) as ps:
+            await ps.create_embedding("t", dim=4, optimizer=SGD(lr=1.0))
+            ids = np.arange(100, dtype=np.int64)
+            pushed = 0
+            for _ in range(5):
+                await ps.push_rows("t", ids, np.ones((100, 4)))
+                pushed += 1
+            pid = c.shard_pid(0)
+            victim = next(s["node"] for s in c.status()["shards"] if s["pid"] == pid)
+            c.kill(pid, signal.SIGKILL)
+            await ps.push_rows("t", ids, np.ones((100, 4)))  # the replica, promoted
+            pushed += 1
+            rows = await ps.pull_rows("t", ids)
+        log = c.broker().log()
+        assert f"shard {victim} closed both its connections; declared dead" in log, log
+        np.testing.assert_array_equal(rows, np.full((100, 4), -float(pushed)))
+        assert c.shard_pid(0) != pid

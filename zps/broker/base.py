@@ -70,14 +70,30 @@ class Outlet:
         elif posted is transport.Posted.UNROUTABLE:
             self.stats.undeliverable += 1
             if shard:
-                # zmq dropped the route: the shard's connection is gone (a killed
-                # process); don't wait the whole liveness timeout to fail over.
-                self.detector.suspect(
-                    speaks_for(ident).decode("utf-8", "replace"),
-                    time.monotonic(),
-                    grace=2 * self.config.heartbeat.interval,
-                )
+                # zmq dropped the route: that connection of the shard is gone (a killed
+                # process closes both); don't wait the whole liveness timeout to fail
+                # over (the detector's rule: FailureDetector.route_dropped).
+                node = speaks_for(ident).decode("utf-8", "replace")
+                liveness = is_liveness(ident)
+                if self.detector.route_dropped(node, liveness, time.monotonic()):
+                    self.probe(node, liveness=not liveness)
+        elif shard and is_liveness(ident):
+            self.detector.linked(speaks_for(ident).decode("utf-8", "replace"))
         return posted
+
+    def probe(self, node: str, *, liveness: bool) -> None:
+        """An empty HEARTBEAT to the shard ``node`` on its liveness link or its data
+        connection: a shard takes it as a probe; sent to learn whether zmq still has a
+        route to that connection (:meth:`post` reports it if not)."""
+        ident = node.encode()
+        target = liveness_identity(ident) if liveness else ident
+        self.post([target, b"", *encode(Route(MsgType.HEARTBEAT), {})])
+
+    def probe_dropped(self, now: float) -> None:
+        """Probe again the other connection of each shard one of whose routes dropped
+        lately (its close may reach zmq a little after the first's)."""
+        for node, liveness in self.detector.probes(now):
+            self.probe(node, liveness=liveness)
 
     async def send(self, frames: list[Any]) -> bool:
         """:meth:`post` for callers that only ask whether the peer is known."""

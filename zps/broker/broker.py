@@ -528,9 +528,16 @@ class Broker:
                 continue  # a standby watches no one
             before = self.state.map_version
             held = self.state.holding(now - interval / 2) and not self.state.holding(now)
+            # A shard one of whose connections closed lately: is the other gone too?
+            self.outlet.probe_dropped(now)
             for node in self.detector.tick(now):
                 kind = "shard" if node in self.state.shards else "client"
-                log.warning("%s %s missed its heartbeats; declared dead", kind, node)
+                why = (
+                    "closed both its connections"
+                    if self.detector.closed(node)
+                    else "missed its heartbeats"
+                )
+                log.warning("%s %s %s; declared dead", kind, node, why)
                 self.control_plane.keys.pop(node, None)
                 self.control_plane.forget(node.encode())
                 await self.apply(self.state.node_gone(node, now))

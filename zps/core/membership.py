@@ -43,7 +43,16 @@ def speaks_for(ident: bytes) -> bytes:
 
 
 class FailureDetector:
-    __slots__ = ("_last", "_last_tick", "interval", "liveness")
+    __slots__ = (
+        "_closed",
+        "_dropped",
+        "_last",
+        "_last_tick",
+        "_linked",
+        "_stalled_at",
+        "interval",
+        "liveness",
+    )
 
     def __init__(self, interval: float, liveness: int, start: float | None = None) -> None:
         """``start``: when the detector starts watching (its first tick's reference for
@@ -54,6 +63,14 @@ class FailureDetector:
         self.liveness = liveness
         self._last: dict[str, float] = {}
         self._last_tick: float | None = start
+        #: When this detector last found itself stalled (see :meth:`tick`).
+        self._stalled_at: float | None = None
+        #: Shards whose liveness link carried a message: they have two connections.
+        self._linked: set[str] = set()
+        #: node -> (whether the liveness link's route was dropped, when), for one drop.
+        self._dropped: dict[str, tuple[bool, float]] = {}
+        #: Shards found dead by their connections (:meth:`route_dropped`), until asked.
+        self._closed: set[str] = set()
 
     @property
     def timeout(self) -> float:
@@ -81,8 +98,57 @@ class FailureDetector:
         if last is not None:
             self._last[node] = min(last, now + grace - self.timeout)
 
+    def linked(self, node: str) -> None:
+        """``node``'s liveness link carried a message: the shard has two connections to
+        this process, and :meth:`route_dropped` may weigh them together."""
+        self._linked.add(node)
+
+    def route_dropped(self, node: str, liveness: bool, now: float) -> bool:
+        """zmq dropped the route of a shard's data connection (``liveness`` False) or of
+        its liveness link: that connection closed.  Returns whether to probe the other one
+        (a send to it tells whether its route is gone too, which is then reported here).
+
+        Rule: one connection gone, the shard gets two intervals to speak (:meth:`suspect`):
+        a live shard may be making it again.  Both gone within those two intervals, it is
+        dead at the next tick: a live shard closes its connections only when its broker
+        has been silent for seconds (ZMTP heartbeats, a CURVE client's reconnect silence
+        and the handshake bound are all 4 s or more), and a killed one has closed them all.
+        Except within a timeout of this detector's own stall: a pause that long is the
+        silence that makes live shards reconnect, and their old routes drop as it ends."""
+        grace = 2 * self.interval
+        calm = self._stalled_at is None or now - self._stalled_at > self.timeout
+        both = node in self._linked and calm
+        other = self._dropped.pop(node, None)
+        if both and other is not None and other[0] != liveness and now - other[1] <= grace:
+            self.suspect(node, now, 0.0)
+            self._closed.add(node)
+            return False
+        self._dropped[node] = (liveness, now)
+        self.suspect(node, now, grace)
+        return both
+
+    def probes(self, now: float) -> list[tuple[str, bool]]:
+        """The shards with one connection's route dropped within the last two intervals,
+        and whether to probe the liveness link (True) or the data connection: each tick
+        asks again, as the other connection's close may reach zmq a little later."""
+        grace = 2 * self.interval
+        for node in [n for n, (_, t) in self._dropped.items() if now - t > grace]:
+            del self._dropped[node]
+        return [(node, not lv) for node, (lv, _) in self._dropped.items() if node in self._linked]
+
+    def closed(self, node: str) -> bool:
+        """Whether ``node``, declared dead, was found so by its connections (both
+        closed), not by its silence; asked once."""
+        if node in self._closed:
+            self._closed.discard(node)
+            return True
+        return False
+
     def forget(self, node: str) -> None:
         self._last.pop(node, None)
+        self._linked.discard(node)
+        self._dropped.pop(node, None)
+        self._closed.discard(node)
 
     def __contains__(self, node: object) -> bool:
         return node in self._last
@@ -95,6 +161,7 @@ class FailureDetector:
         stalled = self._last_tick is not None and now - self._last_tick > self.timeout / 2
         self._last_tick = now
         if stalled:
+            self._stalled_at = now
             for node in self._last:
                 self._last[node] = max(self._last[node], now)
             return []
@@ -102,4 +169,6 @@ class FailureDetector:
         dead = [node for node, last in self._last.items() if last < deadline]
         for node in dead:
             del self._last[node]
+            self._linked.discard(node)
+            self._dropped.pop(node, None)
         return dead
