@@ -37,6 +37,12 @@ def parser() -> argparse.ArgumentParser:
         f"also {','.join((*LOADS, *NAMED_ONLY))}; {','.join(PAIR)} runs a broker pair)",
     )
     p.add_argument("--bug", choices=sorted(bugs.BUGS), help="re-introduce a known defect")
+    p.add_argument(
+        "--real-broker",
+        action="store_true",
+        help="run the real broker (zps.broker.broker.Broker) on the simulated event loop, "
+        "transport and clock, instead of the simulator's stand-in (single-broker runs only)",
+    )
     p.add_argument("--keep-going", action="store_true", help="run every seed after a failure")
     p.add_argument(
         "--jobs",
@@ -48,11 +54,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _one(seed: int, faults: Sequence[str] | None, trace: bool, bug: str | None) -> Result:
+def _one(
+    seed: int,
+    faults: Sequence[str] | None,
+    trace: bool,
+    bug: str | None,
+    real_broker: bool = False,
+) -> Result:
     with bugs.patched(bug):
         if faults is None:
-            return run_seed(seed, trace=trace)
-        return run_seed(seed, faults=faults, trace=trace)
+            return run_seed(seed, trace=trace, real_broker=real_broker)
+        return run_seed(seed, faults=faults, trace=trace, real_broker=real_broker)
 
 
 def run_seeds(
@@ -63,15 +75,17 @@ def run_seeds(
     bug: str | None = None,
     jobs: int = 1,
     pool: Executor | None = None,
+    real_broker: bool = False,
 ) -> Generator[Result]:
     """The runs of ``seeds`` (``faults``: the default ones if None), in seed order: in this
     process (``jobs`` 1, no ``pool``), else side by side in ``pool`` or in a pool of ``jobs``
     worker processes, at most :data:`AHEAD` seeds submitted ahead of the one reported (a
     long run holds no more).  Each seed's run is the same in any process.  Closing the
-    generator early cancels the seeds not yet started."""
+    generator early cancels the seeds not yet started.  ``real_broker``: the real broker
+    runs (zps.testing.sim.realbroker), not the simulator's stand-in."""
     if pool is None and jobs == 1:
         for seed in seeds:
-            yield _one(seed, faults, trace, bug)
+            yield _one(seed, faults, trace, bug, real_broker)
         return
     own = pool is None
     ex = ProcessPoolExecutor(jobs) if pool is None else pool
@@ -80,7 +94,7 @@ def run_seeds(
     try:
         while True:
             for seed in itertools.islice(todo, AHEAD - len(ahead)):
-                ahead.append(ex.submit(_one, seed, faults, trace, bug))
+                ahead.append(ex.submit(_one, seed, faults, trace, bug, real_broker))
             if not ahead:
                 return
             yield ahead.popleft().result()
@@ -95,8 +109,10 @@ def run_seeds(
 AHEAD = 16
 
 
-def report(r: Result, bug: str | None, faults: Sequence[str]) -> str:
+def report(r: Result, bug: str | None, faults: Sequence[str], *, real_broker: bool = False) -> str:
     replay = f"python -m zps.testing.sim --seed {r.seed} --seeds 1 --trace"
+    if real_broker:
+        replay += " --real-broker"
     if bug:
         replay += f" --bug {bug}"
     if list(faults) != list(FAULTS):
@@ -113,12 +129,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser().error("--seeds must be >= 1")
     if args.jobs < 1:
         parser().error("--jobs must be >= 1")
+    if args.real_broker and "failover" in args.faults:
+        parser().error("--real-broker runs one broker: a broker pair (failover) is simulated")
     t0 = time.monotonic()
     failed: list[int] = []
     unavailable = 0
     n = 0
     seeds = range(args.seed, args.seed + args.seeds)
-    results = run_seeds(seeds, args.faults, trace=args.trace, bug=args.bug, jobs=args.jobs)
+    results = run_seeds(
+        seeds,
+        args.faults,
+        trace=args.trace,
+        bug=args.bug,
+        jobs=args.jobs,
+        real_broker=args.real_broker,
+    )
     for r in results:
         seed = r.seed
         n += 1
@@ -129,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r.maybe} failed or unanswered")  # fmt: skip
         if not r.ok:
             failed.append(seed)
-            print(report(r, args.bug, args.faults), flush=True)
+            print(report(r, args.bug, args.faults, real_broker=args.real_broker), flush=True)
             if not args.keep_going:
                 results.close()  # the seeds not started are cancelled, the pool shut down
                 break

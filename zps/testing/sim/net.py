@@ -48,6 +48,8 @@ class Network:
         self._blocked: dict[tuple[str, str], list[Any]] = {}  # cut pipe -> held messages
         self.dropped = 0
         self.max_inflight = 0
+        #: Told of each node that resumes (the run's event loop runs what it held).
+        self.on_resume: Callable[[str], None] | None = None
 
     def attach(self, node: str, handler: Callable[[str, Any], None]) -> None:
         self.handlers[node] = handler
@@ -62,6 +64,10 @@ class Network:
             del self._last[pipe]
             self._inflight.pop(pipe, None)
             self._blocked.pop(pipe, None)
+
+    def room(self, src: str, dst: str) -> bool:
+        """Whether the pipe ``src`` -> ``dst`` takes a message now (below its mark)."""
+        return self._inflight.get((src, dst), 0) < HWM
 
     def send(self, src: str, dst: str, msg: Any) -> None:
         up = self.up
@@ -160,6 +166,8 @@ class Network:
             self._read_later(node)
         else:
             self._read_all(node)
+        if self.on_resume is not None:
+            self.on_resume(node)
 
     def slow_down(self, node: str, gap: float) -> None:
         """``node`` reads one message every ``gap`` seconds (``math.inf``: none)."""

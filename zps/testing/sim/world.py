@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import math
@@ -14,9 +15,12 @@ from typing import Any
 
 from zps.protocol.messages import Role
 from zps.testing.sim import disk as simdisk
+from zps.testing.sim import simtransport
+from zps.testing.sim.aioloop import SimLoop
 from zps.testing.sim.net import HWM, Network
 from zps.testing.sim.nodes import HB, HOLD, LIVE, TICK, Op, SimBroker, SimClient, SimShard
 from zps.testing.sim.pair import BROKERS, PEER_TIMEOUT, PairBroker, PairClient, PairShard
+from zps.testing.sim.realbroker import RealBroker, WireClient, WireShard
 from zps.testing.sim.sched import Scheduler
 
 FAULTS = (
@@ -79,6 +83,7 @@ class World:
         rows: int = 6,
         duration: float = 12.0,
         timeout: float = 3.0,
+        real_broker: bool = False,
     ) -> None:
         self.seed = seed
         self.faults = set(faults)
@@ -100,23 +105,34 @@ class World:
         self.failures: list[str] = []
         self.schedule: list[str] = []
         self.acks: dict[tuple[int, int], set[str]] = {}
+        self.pair = "failover" in self.faults
+        if real_broker and self.pair:
+            raise ValueError("the real broker runs alone: a broker pair (failover) is simulated")
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
         self.tmp = Path(tempfile.mkdtemp(prefix="zps-sim-", dir=base))
         self.sched.redact = f"{self.tmp}/"
         self.os = simdisk.SimOS()
-        self.pair = "failover" in self.faults
+        #: The real broker (zps.testing.sim.realbroker) on the run's one event loop.
+        self.real_broker = real_broker
+        self.loop: SimLoop | None = None
         self.client_cls: type[SimClient] = SimClient
-        if self.pair:
-            self.brokers: list[SimBroker] = [
-                PairBroker(self, name, n_partitions, replication) for name in BROKERS
-            ]
-            shard_cls: type[SimShard] = PairShard
+        self.brokers: list[SimBroker | RealBroker]
+        shard_cls: type[SimShard]
+        prefix = "s"
+        if real_broker:
+            self.brokers = [RealBroker(self, n_partitions, replication)]
+            shard_cls = WireShard
+            self.client_cls = WireClient
+            prefix = "s-"  # the broker tells shards from clients by their identity
+        elif self.pair:
+            self.brokers = [PairBroker(self, name, n_partitions, replication) for name in BROKERS]
+            shard_cls = PairShard
             self.client_cls = PairClient
         else:
             self.brokers = [SimBroker(self, n_partitions, replication)]
             shard_cls = SimShard
         self.broker = self.brokers[0]
-        self.shards = [shard_cls(self, f"s{i}") for i in range(n_shards)]
+        self.shards = [shard_cls(self, f"{prefix}{i}") for i in range(n_shards)]
         self.shard_names = {s.name for s in self.shards}
         self.clients = [self.client_cls(self, f"c{i}", timeout=timeout) for i in range(n_clients)]
         # A data dir lost with min_in_sync 1 may hold the only copy of acknowledged writes.
@@ -368,12 +384,12 @@ class World:
         self.net.slow_down(node, gap)
         self.sched.after(length, functools.partial(self.net.speed_up, node))
 
-    def serving(self) -> SimBroker:
+    def serving(self) -> SimBroker | RealBroker:
         """The broker whose map counts: the active one of the pair with the newest term."""
         active = [b for b in self.brokers if isinstance(b, PairBroker) and b.active]
         return max(active, key=lambda b: b.star.term) if active else self.broker
 
-    def _start(self, broker: SimBroker) -> None:
+    def _start(self, broker: SimBroker | RealBroker) -> None:
         if not broker.alive:
             broker.start()
 
@@ -393,9 +409,12 @@ class World:
     def run(self) -> Result:
         saved = simdisk.install(self.os)
         logging.disable(logging.CRITICAL)  # the nodes' logs: the trace says what happened
+        seams = self._real_broker_seams() if self.real_broker else None
         try:
             return self._run()
         finally:
+            if seams is not None:
+                self._end_loop(seams)
             simdisk.uninstall(saved)
             logging.disable(logging.NOTSET)
             for s in self.shards:
@@ -404,6 +423,28 @@ class World:
                     self.os.close(wal._fd)
                     wal._fd = None
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _real_broker_seams(self) -> simtransport.Saved:
+        """The run's one event loop, on the scheduler's clock, and the real broker's
+        transport and clock seams (zps.testing.sim.simtransport)."""
+        net = self.net
+        loop = self.loop = SimLoop(self.sched, net.paused.__contains__)
+        net.on_resume = loop.thaw
+        asyncio.events._set_running_loop(loop)
+        return simtransport.install(net, RealBroker.name)
+
+    def _end_loop(self, seams: simtransport.Saved) -> None:
+        loop = self.loop
+        assert loop is not None
+        try:
+            for b in self.brokers:
+                if isinstance(b, RealBroker):
+                    b.end()
+            loop.settle()
+        finally:
+            simtransport.uninstall(seams)
+            asyncio.events._set_running_loop(None)
+            loop.close()
 
     def _run(self) -> Result:
         sched = self.sched
@@ -454,6 +495,8 @@ class World:
 
     def _verdict(self, reads: list[Op], probes: list[Op]) -> Result:
         now = self.sched.now
+        for error in self.loop.errors if self.loop is not None else []:
+            self.fail(f"a callback of the event loop raised: {error}")
         cmap = self.serving().state.map
         for op in probes:
             info = cmap.partitions.get(op.partition)

@@ -1,0 +1,251 @@
+"""The real broker (zps.broker.broker.Broker, unchanged) on the simulator's event loop,
+transport and clock (zps/testing/sim: aioloop, simtransport, realbroker).
+
+A harness runs the broker alone with scripted shards speaking the real frames: they
+register, are assigned, and a shard that falls silent is declared dead after the
+liveness timeout of simulated time and its replica promoted, with no real sleeping.
+Then whole simulated runs (``--real-broker``): a budget of seeds passes every check,
+the same seed gives the same trace, and the known defects of the broker's rules are
+caught with the real broker driving them."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zps.broker.broker import Broker
+from zps.core.routing import ClusterMap
+from zps.ops.config import BrokerConfig, Heartbeat
+from zps.protocol.codec import MsgType, Route, decode, encode, unpack_route
+from zps.protocol.control import ShardHeartbeat, ShardRegister
+from zps.protocol.messages import Assign, MapUpdate, RegisterAgain, Role
+from zps.shard.links import from_broker
+from zps.testing.sim import simtransport
+from zps.testing.sim.aioloop import Proc, SimLoop
+from zps.testing.sim.cli import main, run_seeds
+from zps.testing.sim.net import Network
+from zps.testing.sim.realbroker import RealBroker
+from zps.testing.sim.sched import Scheduler
+from zps.testing.sim.world import World, run_seed
+
+pytestmark = pytest.mark.timeout(600)
+
+#: The product's heartbeat: every 0.2 s, a peer silent for 5 of them (1 s) is dead.
+INTERVAL, LIVENESS = 0.2, 5
+
+
+class Harness:
+    """The real broker alone on a simulated network, loop and clock; shards are scripts."""
+
+    def __init__(self, seed: int, data_dir: Path) -> None:
+        self.sched = Scheduler(seed, trace=True)
+        self.net = Network(self.sched)
+        self.loop = SimLoop(self.sched, self.net.paused.__contains__)
+        self.net.on_resume = self.loop.thaw
+        asyncio.events._set_running_loop(self.loop)
+        self.saved = simtransport.install(self.net, "broker")
+        config = BrokerConfig(
+            bind="sim://broker",
+            partitions=1,
+            replication=2,
+            startup_grace=0.3,
+            heartbeat=Heartbeat(interval=INTERVAL, liveness=LIVENESS),
+            data_dir=str(data_dir),
+        )
+        self.broker = Broker(config)
+        self.proc = Proc("broker")
+        self.task = self.loop.spawn(self.proc, self.broker.run())
+
+    def close(self) -> None:
+        try:
+            self.broker.stop()
+            self.loop.settle()
+            self.sched.run_until(self.sched.now + 0.1)
+        finally:
+            simtransport.uninstall(self.saved)
+            asyncio.events._set_running_loop(None)
+            self.loop.close()
+
+
+class ScriptedShard:
+    """A shard as the broker sees it: REGISTER, then a HEARTBEAT every interval (a
+    primary's naming its partition's replicas in sync), the ASSIGNs and MAPs kept."""
+
+    def __init__(self, h: Harness, name: str) -> None:
+        self.h, self.name = h, name
+        self.role, self.partition, self.epoch = Role.SPARE, None, 0
+        self.replicas: list[str] = []
+        self.assigned: list[tuple[float, str, int | None, int]] = []
+        h.net.attach(name, self.on_message)
+        h.sched.after(INTERVAL * h.sched.rng.random(), self.register)
+        h.sched.after(INTERVAL * h.sched.rng.random(), self.beat)
+
+    def register(self) -> None:
+        self.send(MsgType.REGISTER, ShardRegister(host=self.name, address=self.name).to_wire())
+
+    def send(self, mtype: MsgType, header: dict[str, Any]) -> None:
+        self.h.net.send(self.name, "broker", [b"", *encode(Route(mtype), header)])
+
+    def beat(self) -> None:
+        h = self.h
+        if self.name not in h.net.paused:
+            primary = self.role is Role.PRIMARY
+            beat = ShardHeartbeat(
+                t=h.sched.now,
+                epoch=self.epoch,
+                in_sync=tuple(self.replicas) if primary else None,
+                durable=0,
+            )
+            self.send(MsgType.HEARTBEAT, beat.to_wire())
+        h.sched.after(INTERVAL, self.beat)
+
+    def on_message(self, src: str, frames: list[Any]) -> None:
+        route = unpack_route(frames[1])
+        match from_broker(route.mtype, decode(frames[1:]).header):
+            case Assign(role, partition, epoch):
+                self.role, self.partition, self.epoch = role, partition, epoch
+                self.assigned.append((self.h.sched.now, role.value, partition, epoch))
+                self.h.sched.log(f"{self.name} assigned {role.value} p={partition} e={epoch}")
+            case MapUpdate(m):
+                info = ClusterMap.from_wire(m).partitions.get(self.partition or 0)
+                self.replicas = list(info.replicas) if info is not None else []
+            case RegisterAgain():
+                self.register()
+            case _:
+                pass
+
+
+def _run_failover(seed: int, data_dir: Path) -> tuple[Harness, dict[str, ScriptedShard], float]:
+    h = Harness(seed, data_dir)
+    try:
+        shards = {n: ScriptedShard(h, n) for n in ("s-a", "s-b", "s-c")}
+        h.sched.run_until(5.0)
+        primary = next(s for s in shards.values() if s.role is Role.PRIMARY)
+        paused_at = h.sched.now
+        h.net.pause(primary.name)  # silent, its connection still up: only the timeout tells
+        h.sched.run_until(paused_at + 25.0)
+    finally:
+        h.close()
+    return h, shards, paused_at
+
+
+def test_the_real_broker_fails_over_on_simulated_time(tmp_path: Path) -> None:
+    t0 = time.perf_counter()
+    h, shards, paused_at = _run_failover(3, tmp_path / "a")
+    wall = time.perf_counter() - t0
+    assert not h.loop.errors and not h.task.exception()
+    # Each registered as a spare; once the start-up hold (0.3 s) ended, one was made
+    # the primary and one its replica.
+    roles = {
+        n: [a for a in s.assigned if a[1] != "spare" and a[0] < paused_at]
+        for n, s in shards.items()
+    }
+    assert all(a[0] >= 0.3 for given in roles.values() for a in given)
+    firsts = {n: given[0][1] for n, given in roles.items() if given}
+    assert sorted(firsts.values()) == ["primary", "replica"]
+    old = next(n for n, role in firsts.items() if role == "primary")
+    replica = next(n for n, role in firsts.items() if role == "replica")
+    promoted = [a for a in shards[replica].assigned if a[1] == "primary"]
+    assert promoted, shards[replica].assigned
+    t, _, partition, epoch = promoted[0]
+    assert (partition, epoch) == (0, 2)
+    # Declared dead one liveness timeout after the last heartbeat it sent (within a
+    # heartbeat before the pause), on the broker's half-interval timer.
+    timeout = INTERVAL * LIVENESS
+    assert timeout - INTERVAL <= t - paused_at <= timeout + INTERVAL, t - paused_at
+    assert old not in h.broker.state.shards
+    # The spare took the replica's place.
+    (spare,) = set(shards) - {old, replica}
+    assert shards[spare].assigned[-1][1:] == ("replica", 0, 2)
+    # 30 s of simulated time, none of it slept.
+    assert h.sched.now >= 30.0 and wall < 0.2 * h.sched.now, wall
+
+
+def test_the_same_seed_gives_the_same_trace(tmp_path: Path) -> None:
+    a, _, _ = _run_failover(11, tmp_path / "a")
+    b, _, _ = _run_failover(11, tmp_path / "b")
+    c, _, _ = _run_failover(12, tmp_path / "c")
+    assert a.sched.lines and a.sched.digest == b.sched.digest and a.sched.lines == b.sched.lines
+    assert c.sched.digest != a.sched.digest
+
+
+def test_a_run_drives_the_real_broker() -> None:
+    w = World(1, real_broker=True)
+    (broker,) = w.brokers
+    assert isinstance(broker, RealBroker)
+    r = w.run()
+    assert r.ok, r.failures[:3]
+    assert isinstance(broker.broker, Broker) and r.acked > 0
+    assert r.sim_seconds > 20
+    with pytest.raises(ValueError, match="pair"):
+        World(1, real_broker=True, faults=["failover"])
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ProcessPoolExecutor]:
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(2, mp_context=ctx) as ex:
+        yield ex
+
+
+def test_a_seed_replays_exactly_in_any_process(pool: ProcessPoolExecutor) -> None:
+    a = run_seed(5, real_broker=True)
+    b, c = run_seeds([5, 6], pool=pool, real_broker=True)
+    assert (a.digest, a.failures, a.schedule, a.events) == (
+        b.digest,
+        b.failures,
+        b.schedule,
+        b.events,
+    )
+    assert a.schedule and c.digest != a.digest
+
+
+#: Seeds of the default faults that must pass with the real broker.
+BUDGET = range(0, 30)
+
+
+def test_the_real_broker_passes_every_check_on_the_budget(pool: ProcessPoolExecutor) -> None:
+    results = run_seeds(BUDGET, pool=pool, real_broker=True)
+    assert not {r.seed: r.failures[:3] + r.schedule for r in results if not r.ok}
+
+
+#: The known defects of the broker's own rules (zps.core.cluster, run by the real broker
+#: here), the faults that expose them and the seeds they must be caught within.
+BROKER_BUGS = {
+    "older-copy-wins": ("pause-crash", 12),
+    "empty-shard-takes-partition": ("crash-all,broker,kill", 10),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(BROKER_BUGS))
+def test_broker_defects_are_caught_with_the_real_broker(
+    bug: str, pool: ProcessPoolExecutor
+) -> None:
+    faults, budget = BROKER_BUGS[bug]
+    results = run_seeds(range(budget), faults.split(","), bug=bug, pool=pool, real_broker=True)
+    try:
+        caught = next((r for r in results if not r.ok), None)
+    finally:
+        results.close()
+    assert caught is not None, f"--bug {bug} not caught in {budget} seeds with the real broker"
+    (clean,) = run_seeds([caught.seed], faults.split(","), pool=pool, real_broker=True)
+    assert clean.ok, (bug, caught.seed, clean.failures[:3])
+
+
+def test_the_cli_runs_the_real_broker(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--seeds", "1", "--seed", "1", "--faults", "pause-crash", "--real-broker"]
+    assert main(args) == 0
+    assert main([*args, "--bug", "older-copy-wins"]) == 1
+    out = capsys.readouterr().out
+    assert "seed 1: FAILED" in out
+    assert "--seed 1 --seeds 1 --trace --real-broker --bug older-copy-wins" in out
+    with pytest.raises(SystemExit):
+        main(["--real-broker", "--faults", "failover,kill"])
+    assert "a broker pair (failover) is simulated" in capsys.readouterr().err

@@ -1,0 +1,329 @@
+"""The transport and clock seams of the real broker in a simulated run.
+
+The broker's modules reach ZeroMQ only through their ``transport`` name
+(``from zps import transport``) and the clock only through their ``time`` name; a run
+with the real broker replaces both names (as :mod:`.disk` replaces the ``os`` name of
+the log) for its duration (:func:`install`):
+
+* ``transport`` -> this module: :func:`router` makes a :class:`SimChannel`, the
+  broker's node on the simulated :class:`~zps.testing.sim.net.Network` (whole messages,
+  per-pipe order; a peer whose process is down has no route, ``UNROUTABLE``; a pipe at
+  its high-water mark takes nothing now, as a full zmq queue, so the real
+  :class:`~zps.transport.flow.Outbound` holds the message within its byte allowances
+  and drops it past them); :func:`serve` is the one receive-and-dispatch loop with the
+  real one's rules (the fast handler first, in the delivery callback while nothing is
+  queued; what it declines, and all after it, handled in order by the serving task;
+  ``on_idle`` after ``idle`` seconds without a message); the compiled step is never
+  given (the pure Python data path runs);
+* ``time`` -> :data:`CLOCK`, whose ``monotonic()`` and ``time()`` read the
+  scheduler's time;
+* the state file's ``asyncio`` -> :data:`INLINE`, whose ``to_thread`` runs the write
+  inline (no thread in a one-process run; the file is real, in the run's scratch
+  directory).
+
+A shard's liveness link is not simulated: its heartbeats come on its one connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import types
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import zmq
+
+from zps.errors import ClosedError, ProtocolError
+from zps.testing.sim.net import Network
+from zps.testing.sim.sched import Scheduler
+from zps.transport.channel import Frames, frame_buffer, frame_bytes, message_bytes
+from zps.transport.flow import FLUSH_S, Allowance, Outbound, Posted
+
+__all__ = [
+    "CLOCK",
+    "FLUSH_S",
+    "INLINE",
+    "Allowance",
+    "Channel",
+    "Frames",
+    "Outbound",
+    "Posted",
+    "SimChannel",
+    "close",
+    "frame_buffer",
+    "frame_bytes",
+    "install",
+    "message_bytes",
+    "new_context",
+    "router",
+    "serve",
+    "term",
+    "uninstall",
+]
+
+#: Messages the serving task takes per wake-up, at most (as the real channel's burst).
+DRAIN_BATCH = 256
+
+
+class SimClock:
+    """The clock seam: ``monotonic()`` and ``time()`` are the scheduler's time."""
+
+    def __init__(self) -> None:
+        self.sched: Scheduler | None = None
+
+    def monotonic(self) -> float:
+        assert self.sched is not None
+        return self.sched.now
+
+    def time(self) -> float:
+        assert self.sched is not None
+        return 1.7e9 + self.sched.now
+
+    def perf_counter(self) -> float:
+        return self.monotonic()
+
+
+CLOCK = SimClock()
+
+
+async def _inline(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+#: The state file's ``asyncio`` seam: asyncio itself, but ``to_thread`` runs inline.
+INLINE = types.SimpleNamespace(**{n: getattr(asyncio, n) for n in asyncio.__all__})
+INLINE.to_thread = _inline
+
+#: The network the next :func:`router` binds on (set by the run), and its node's name.
+_where: dict[str, Any] = {}
+
+
+class SimChannel:
+    """The broker's ROUTER on the simulated network (see the module notes): what arrives
+    is ``[sender identity, *frames]``; what is sent names its peer in its first frame."""
+
+    def __init__(self, net: Network, name: str) -> None:
+        self.net = net
+        self.name = name
+        self.closed = False
+        self.handle = 0
+        self.peers = None
+        self._inbox: deque[Frames] = deque()
+        self._waiter: asyncio.Future[bool] | None = None
+        self._serve: _Serve | None = None
+        self._context = contextvars.copy_context()  # the process's: its callbacks are its own
+        net.attach(name, self._deliver)
+
+    def _deliver(self, src: str, msg: Any) -> None:
+        self._context.run(self._arrive, [src.encode(), *msg])
+
+    def _arrive(self, frames: Frames) -> None:
+        s = self._serve
+        if s is not None and s.fast is not None and not s.busy and not self._inbox:
+            # The reader callback: the fast handler takes what it can at once.
+            try:
+                handled = s.fast(frames)
+            except ProtocolError as e:
+                s.on_malformed(frames, e)
+                handled = True
+            if handled:
+                s.handled += 1
+                if s.on_burst is not None:
+                    s.on_burst()
+                return
+        self._inbox.append(frames)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(True)
+
+    def send_nowait(self, frames: Sequence[Any]) -> bool:
+        """Queue a message for its peer: False if the peer has no connection (its
+        process is down), ``zmq.Again`` if the pipe to it holds its high-water mark."""
+        if self.closed:
+            raise ClosedError("socket closed")
+        peer = frame_bytes(frames[0]).decode("utf-8", "replace")
+        net = self.net
+        if peer not in net.up:
+            return False
+        if not net.room(self.name, peer):
+            raise zmq.Again()
+        net.send(self.name, peer, list(frames[1:]))
+        return True
+
+    async def wait(self, timeout: float | None) -> bool:
+        """Until a message is queued (True) or ``timeout`` passes (False)."""
+        if self._inbox or self.closed:
+            return True
+        loop = asyncio.get_running_loop()
+        w = self._waiter = loop.create_future()
+        timer = None if timeout is None else loop.call_later(timeout, _expire, w)
+        try:
+            got: bool = await w
+            return got
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def accepted(self, frames: Frames) -> None:
+        pass
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.net.detach(self.name)
+            self._inbox.clear()
+            w = self._waiter
+            if w is not None and not w.done():
+                w.set_result(True)
+
+
+Channel = SimChannel
+
+
+def _expire(w: asyncio.Future[bool]) -> None:
+    if not w.done():
+        w.set_result(False)
+
+
+class _Serve:
+    __slots__ = ("busy", "fast", "handled", "on_burst", "on_malformed")
+
+    def __init__(
+        self,
+        fast: Callable[[Frames], bool] | None,
+        on_malformed: Callable[[Frames, ProtocolError], None],
+        on_burst: Callable[[], Any] | None,
+    ) -> None:
+        self.fast = fast
+        self.on_malformed = on_malformed
+        self.on_burst = on_burst
+        self.busy = False
+        self.handled = 0
+
+
+def new_context() -> object:
+    return object()
+
+
+def term(ctx: object) -> None:
+    pass
+
+
+def router(
+    ctx: object, bind: str, *, max_message_bytes: int = 0, curve: object = None
+) -> tuple[SimChannel, str]:
+    """The broker's socket: its node on the run's network."""
+    if curve is not None:
+        raise NotImplementedError("CURVE is not simulated")
+    net, name = _where["net"], _where["name"]
+    return SimChannel(net, name), bind
+
+
+def close(ch: SimChannel) -> None:
+    ch.close()
+
+
+async def serve(
+    ch: SimChannel,
+    handle: Callable[[Frames], Awaitable[None]],
+    on_malformed: Callable[[Frames, ProtocolError], None],
+    *,
+    fast: Callable[[Frames], bool] | None = None,
+    on_burst: Callable[[], Awaitable[None] | None] | None = None,
+    idle: float | None = None,
+    on_idle: Callable[[], Awaitable[None]] | None = None,
+    pump: object = None,
+) -> None:
+    """:func:`zps.transport.serve` on a :class:`SimChannel` (see the module notes)."""
+    s = ch._serve = _Serve(fast, on_malformed, on_burst)
+    seen = 0
+    try:
+        while not ch.closed:
+            if not await ch.wait(idle):
+                if s.handled != seen:
+                    seen = s.handled  # messages came, to the fast handler: not idle
+                    continue
+                if on_idle is not None:
+                    await on_idle()
+                continue
+            if ch.closed:
+                return
+            box = ch._inbox
+            burst = [box.popleft() for _ in range(min(len(box), DRAIN_BATCH))]
+            s.busy = True
+            try:
+                for frames in burst:
+                    try:
+                        await handle(frames)
+                    except ProtocolError as e:
+                        on_malformed(frames, e)
+                if on_burst is not None:
+                    done = on_burst()
+                    if done is not None:
+                        await done
+            finally:
+                s.busy = False
+    finally:
+        ch._serve = None
+
+
+# -- the seams -------------------------------------------------------------------
+
+#: The broker's modules whose ``transport`` and ``time`` names the run replaces.
+BROKER_MODULES = (
+    "zps.broker.broker",
+    "zps.broker.base",
+    "zps.broker.admission",
+    "zps.broker.datapath",
+    "zps.broker.report",
+    "zps.broker.control",
+    "zps.broker.persistence",
+    "zps.broker.training",
+    "zps.broker.reshard",
+    "zps.broker.statefile",
+)
+#: Other modules the broker runs whose clock is replaced too.
+CLOCK_MODULES = ("zps.transport.flow", "zps.ops.metrics")
+
+Saved = list[tuple[Any, str, Any]]
+
+
+def install(net: Network, name: str) -> Saved:
+    """Replace the seams (see the module notes) for a run on ``net``, the broker's node
+    being ``name``; returns what :func:`uninstall` puts back."""
+    import importlib
+    import sys
+
+    from zps.broker import forward
+
+    CLOCK.sched = net.sched
+    _where.update(net=net, name=name)
+    saved: Saved = []
+
+    def put(obj: Any, attr: str, value: Any) -> None:
+        saved.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, value)
+
+    this = sys.modules[__name__]
+    for modname in BROKER_MODULES:
+        mod = importlib.import_module(modname)
+        if hasattr(mod, "transport"):
+            put(mod, "transport", this)
+        if hasattr(mod, "time"):
+            put(mod, "time", CLOCK)
+    for modname in CLOCK_MODULES:
+        put(importlib.import_module(modname), "time", CLOCK)
+    statefile = importlib.import_module("zps.broker.statefile")
+    put(statefile, "asyncio", INLINE)
+    put(forward, "step", None)  # the pure Python data path
+    return saved
+
+
+def uninstall(saved: Saved) -> None:
+    for obj, attr, value in reversed(saved):
+        setattr(obj, attr, value)
+    _where.clear()
+    CLOCK.sched = None
