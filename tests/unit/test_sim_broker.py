@@ -176,6 +176,37 @@ def test_the_same_seed_gives_the_same_trace(tmp_path: Path) -> None:
     assert c.sched.digest != a.sched.digest
 
 
+def test_a_paused_broker_runs_nothing_until_it_resumes(tmp_path: Path) -> None:
+    h = Harness(7, tmp_path)
+    heard: list[float] = []
+    try:
+        shards = {n: ScriptedShard(h, n) for n in ("s-a", "s-b", "s-c")}
+        for shard in shards.values():
+            handler = shard.on_message
+
+            def spy(src: str, frames: list[Any], handler: Any = handler) -> None:
+                heard.append(h.sched.now)
+                handler(src, frames)
+
+            h.net.handlers[shard.name] = spy
+        h.sched.run_until(3.0)
+        before = {n: list(s.assigned) for n, s in shards.items()}
+        h.net.pause("broker")  # SIGSTOP: its timers stop too, its peers keep beating
+        h.sched.run_until(5.0)
+        h.net.resume("broker")
+        h.sched.run_until(8.0)
+    finally:
+        h.close()
+    assert not h.loop.errors
+    # Nothing came from it while it was stopped (what it had sent before arrives within
+    # the network's delay), and it came back with every node alive: its own stall is not
+    # its peers' silence.
+    assert not [t for t in heard if 3.01 < t < 5.0]
+    assert [t for t in heard if t > 5.0]
+    assert {n: s.assigned for n, s in shards.items()} == before
+    assert len(h.broker.state.shards) == 3
+
+
 def test_a_run_drives_the_real_broker() -> None:
     w = World(1, real_broker=True)
     (broker,) = w.brokers
