@@ -150,13 +150,19 @@ class ShardCore:
         #: here; see zps/shard/slotops.py).
         self.slots: slotops.SlotState | None = None
 
-    def assign(self, partition: int | None, epoch: int, *, primary: bool = True) -> None:
+    def assign(
+        self, partition: int | None, epoch: int, *, primary: bool = True
+    ) -> PartitionStore | None:
         """Hold ``partition`` at ``epoch`` (None: nothing), as primary or replica.
 
         Data is kept when the partition stays the same (a promotion, or a
-        re-registration after a broker restart); another partition starts empty.
+        re-registration after a broker restart); another partition starts empty, and
+        the store let go is returned (None if none): releasing the memory of a large
+        one takes time in proportion to it, which a driver spends off its loop.
         """
+        dropped = None
         if partition != self.partition:
+            dropped = self.store
             self.cuts.clear()
             self.checkpointed = self.checkpoint_wanted = None
             self.store = PartitionStore(self.dense_memory)
@@ -166,6 +172,7 @@ class ShardCore:
             self.slots = None
         self.partition, self.epoch = partition, epoch
         self.primary = primary and partition is not None
+        return dropped
 
     def _new_dedup(self) -> DedupCache:
         return DedupCache(self.limits.dedup_bytes)

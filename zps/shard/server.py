@@ -31,6 +31,7 @@ import math
 import os
 import re
 import socket
+import threading
 import time
 import uuid
 from typing import Any, assert_never
@@ -87,6 +88,22 @@ log = logging.getLogger("zps.shard")
 #: (small tensors, a tensor's last chunk) stay on the heap and leave that room to the
 #: large chunks, whose copy is what lending saves.
 LEND_MIN_BYTES = 1 << 20
+
+
+def release_later(store: object) -> None:
+    """Let go of ``store`` (a partition's store, or None) on a thread of its own.
+
+    Rule: the memory of a partition the shard no longer holds is released off the
+    loop.  Unmapping GBs of table memory takes time in proportion to it (0.5 s and more
+    for 3 GB), during which the loop would read no request and post no heartbeat.  The
+    thread starts on the loop's next turn, once the caller's own references are gone, so
+    that it drops the last one."""
+    if store is None:
+        return
+    box = [store]
+    del store
+    thread = threading.Thread(target=box.clear, name="zps-release", daemon=True)
+    asyncio.get_running_loop().call_soon(thread.start)
 
 
 def shard_node_id(config: ShardConfig, *, hostname: str, pid: int) -> str:
@@ -493,6 +510,10 @@ class ShardServer:
             # systemd hears READY only now: the broker has admitted this shard.
             self.registered = True
             self.notifier.ready(f"registered with {self.config.broker}: {role.value}")
+            # Its first heartbeat at once: the liveness thread repeats the latest one
+            # while the loop is held, and has none before it (this assignment may drop
+            # a restored partition of GBs).
+            self._report()
         change = self.session.assign(role, partition, epoch, address)
         if not change.changed:
             return  # nothing changed (the broker repeats itself after a restart)
@@ -511,18 +532,18 @@ class ShardServer:
             self._close_upstream()
         match role:
             case Role.PRIMARY:
-                self.core.assign(partition, epoch, primary=True)
+                release_later(self.core.assign(partition, epoch, primary=True))
                 self.checkpoints.log_as_primary()
                 # A lease comes only from the broker's answer to a heartbeat
                 # sent from now on; ask for one at once.
                 self._report()
             case Role.REPLICA:
-                self.core.assign(partition, epoch, primary=False)
+                release_later(self.core.assign(partition, epoch, primary=False))
                 if change.follow:
                     key = a.primary_key
                     self._follow(change.follow, epoch, key.encode() if key else None)
             case Role.SPARE:
-                self.core.assign(None, 0)
+                release_later(self.core.assign(None, 0))
         self.assigned.set()
 
     def _on_map(self, cmap: ClusterMap) -> None:
