@@ -37,3 +37,79 @@ def test_a_frozen_version_released_as_a_reader_passes_keeps_the_rest_frozen() ->
     assert sum(version.release_steps(16 << 20)) >= half - 4096  # the rest, as before
     assert mapped.frozen(holder["a"]) is None
     np.testing.assert_array_equal(holder["a"], want)
+
+
+def _present(arr: np.ndarray) -> int:
+    """Pages of ``arr`` mapped in this process (/proc/self/pagemap's present bit)."""
+    addr, size = arr.__array_interface__["data"][0], arr.nbytes
+    first, count = addr // mapped._PAGE, -(-size // mapped._PAGE)
+    with open("/proc/self/pagemap", "rb", buffering=0) as f:
+        raw = os.pread(f.fileno(), count * 8, first * 8)
+    entries = np.frombuffer(raw, np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum())
+
+
+def test_dropped_pages_keep_their_contents_and_a_frozen_array_is_left_alone() -> None:
+    rows = 300_000  # 36 MiB: more than one step
+    a = mapped.empty(rows, 32, np.float32)
+    a[:] = np.arange(rows, dtype=np.float32)[:, None]
+    want = a.copy()
+    pages = a.nbytes // mapped._PAGE
+    assert _present(a) >= pages - 1
+    mapped.drop_pages(a)
+    assert _present(a) < pages // 100  # the entries are gone ...
+    np.testing.assert_array_equal(a, want)  # ... the contents are not
+    # Frozen: its private pages hold the writes since the freeze; none is discarded.
+    version = mapped.freeze(a)
+    assert version is not None
+    a[:] += 1.0
+    mapped.drop_pages(a)
+    version.release()
+    np.testing.assert_array_equal(a, want + 1.0)
+    # Plain memory is not a memory file's: left as it is.
+    plain = np.ones((1000, 8), np.float32)
+    mapped.drop_pages(plain)
+    np.testing.assert_array_equal(plain, 1.0)
+
+
+def test_pages_dropped_on_a_thread_while_the_writer_freezes_grows_and_releases() -> None:
+    """drop_pages on another thread, all the time, while the array's writer freezes it,
+    writes, releases it range by range and grows it: no write is lost, the frozen
+    version always reads what it froze."""
+    import threading
+
+    rows = 100_000
+    holder = {"a": mapped.empty(rows, 32, np.float32)}
+    holder["a"][:] = 0.0
+    stop = threading.Event()
+
+    def dropper() -> None:
+        while not stop.is_set():
+            arr = holder["a"]
+            if arr is not None:
+                mapped.drop_pages(arr)
+            del arr
+
+    t = threading.Thread(target=dropper)
+    t.start()
+    try:
+        for i in range(1, 41):
+            a = holder["a"]
+            version = mapped.freeze(a)
+            assert version is not None
+            a[:] += 1.0  # private pages, while the dropper runs
+            head = np.empty(8, np.float32)
+            version.read_into(0, head.data.cast("B"))
+            np.testing.assert_array_equal(head, float(i - 1))
+            for _ in version.release_steps(4 << 20):
+                pass
+            np.testing.assert_array_equal(a[::997], float(i))
+            if i % 10 == 0:  # grown in place (or copied) while the dropper runs
+                n = a.shape[0]
+                del a
+                mapped.grow(holder, "a", n + 50_000, n)
+                holder["a"][n:] = float(i)
+    finally:
+        stop.set()
+        t.join(10)
+    np.testing.assert_array_equal(holder["a"], 40.0)

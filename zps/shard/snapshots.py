@@ -49,6 +49,7 @@ from zps.store.snapshot import (
     Piece,
     Snapshot,
     cut_space,
+    drop_pages,
     plan_chunks,
     read_part,
 )
@@ -68,12 +69,16 @@ async def prepare(core: ShardCore, wait: float = THAW_WAIT) -> CutSpace:
     are copied).  Cuts waiting for the same release go one at a time: a space that no
     longer fits when its buffers are touched (another cut froze the tables meanwhile)
     is prepared again once that cut is released, never used to copy the tables into
-    memory nobody touched."""
+    memory nobody touched.  The page-table entries of the arrays to freeze are dropped
+    off the loop too (:func:`zps.store.snapshot.drop_pages`)."""
     deadline = time.monotonic() + wait
     while True:
         await thawed(max(0.0, deadline - time.monotonic()))
         space = cut_space(core.store, frozen=True)
         await asyncio.to_thread(space.prefault)
+        # The page-table entries of the arrays to freeze, dropped off the loop: the
+        # freeze then drops only those of the pages touched since.
+        await asyncio.to_thread(drop_pages, core.store)
         if space.fits(core.store):
             return space
 

@@ -345,6 +345,19 @@ def _freezable(table: EmbeddingTable) -> bool:
     )
 
 
+def drop_pages(store: PartitionStore) -> None:
+    """:func:`mapped.drop_pages` of every array :func:`freeze_export` would freeze now:
+    from a thread other than the tables' writer, just before a frozen cut, so that the
+    cut's remap drops only the page-table entries of the pages touched since."""
+    for spec in store.specs():
+        if isinstance(spec, EmbeddingSpec):
+            table = store.embedding(spec.name)
+            arrays = [table._rows, *list(table._state.values())]
+            if len(table) > 0:
+                for arr in arrays:
+                    mapped.drop_pages(arr)
+
+
 def freeze_export(
     store: PartitionStore, space: CutSpace | None = None
 ) -> tuple[dict[str, Any], tuple[mapped.Frozen, ...]]:
