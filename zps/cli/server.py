@@ -226,6 +226,10 @@ async def _serve_broker(config: BrokerConfig) -> int:
 
 async def _serve_shard(config: ShardConfig) -> int:
     from zps.shard.server import ShardServer
+    from zps.store import lowfds
+
+    # Before any socket: the memory files of its tables go below them (see zps.store.lowfds).
+    lowfds.reserve()
 
     server = ShardServer(config, notifier=Notifier.from_env(os.environ))
     on_signals(server.stop)

@@ -42,6 +42,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from zps.store import lowfds
+
 __all__ = [
     "DROP_STEP",
     "MIN_BYTES",
@@ -85,19 +87,20 @@ class _Memory(mmap.mmap):
 
 def _memory(nbytes: int) -> mmap.mmap:
     if FREEZABLE:
-        try:
-            fd = os.memfd_create(f"zps-rows-{next(_names)}", os.MFD_CLOEXEC)
+        name = f"zps-rows-{next(_names)}"
+        try:  # every descriptor of the file numbered low (see zps.store.lowfds)
+            fd = lowfds.low(lambda: os.memfd_create(name, os.MFD_CLOEXEC))
         except OSError:  # out of file descriptors, say: anonymous memory, copied to cut
             pass
         else:
             try:
                 os.ftruncate(fd, nbytes)
-                m = _Memory(fd, nbytes, flags=mmap.MAP_SHARED)
+                m = lowfds.low(lambda: _Memory(fd, nbytes, flags=mmap.MAP_SHARED))
             except BaseException:
-                os.close(fd)
+                lowfds.release(fd)
                 raise
             m.fd = fd
-            weakref.finalize(m, os.close, fd)
+            weakref.finalize(m, lowfds.release, fd)
             return m
     return _Memory(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
@@ -212,13 +215,13 @@ class Frozen:
 
     def __init__(self, m: _Memory, nbytes: int) -> None:
         self.nbytes = nbytes
-        self.fd = os.dup(m.fd)  # readable after the array is gone
+        self.fd = lowfds.low(lambda: os.dup(m.fd))  # readable after the array is gone
         self._memory: weakref.ref[_Memory] = weakref.ref(m)
         self._thread = threading.get_ident()
         self.released = False
         #: Bytes ``[0, released_to)`` are released already (:meth:`release_to`).
         self.released_to = 0
-        self._closer = weakref.finalize(self, os.close, self.fd)
+        self._closer = weakref.finalize(self, lowfds.release, self.fd)
 
     def read_into(self, offset: int, out: memoryview) -> None:
         """Bytes ``[offset, offset + len(out))`` of the frozen version into ``out``."""
