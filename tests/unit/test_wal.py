@@ -617,3 +617,54 @@ def test_a_cut_that_cannot_be_kept_aside_destroys_no_whole_record(
         f.write(b"".join(bytes(p) for p in encode_record(rec(7)))[:-2])
     result = Wal(tmp_path).recover(0, 0, Applier())
     assert result.lsn == 6 and result.complete and seg.read_bytes() == whole
+
+
+def test_records_after_a_snapshot_of_another_history_are_set_aside(tmp_path: Path) -> None:
+    """A replica keeps a snapshot at LSN 6 as its checkpoint while its log holds LSN 1-10
+    of the history that snapshot replaces: restarted between the checkpoint and its new
+    log, it replayed 7-10 after the checkpoint (a mix of two histories).  cut_after(6)
+    first sets them aside, and replay after a state at 6 applies nothing."""
+    write(tmp_path, [rec(i) for i in range(1, 11)], segment_bytes=120).close()
+    before = Applier()
+    Wal(tmp_path).recover(6, 1, before)
+    assert [r.lsn for r in before.seen] == [7, 8, 9, 10]  # what the restart did before
+    write(tmp_path, [rec(i) for i in range(1, 11)], segment_bytes=120).close()
+    wal = Wal(tmp_path)
+    assert wal.cut_after(6) == 4
+    wal.close()
+    after = Applier()
+    recovery = Wal(tmp_path).recover(6, 1, after)
+    assert after.seen == [] and recovery.lsn == 6
+    assert any(p.name.endswith((".broken",)) or ".cut-" in p.name for p in tmp_path.iterdir())
+    # Records at or below the checkpoint stay; a log ending below it loses nothing.
+    assert [r.lsn for r in Wal(tmp_path).records()] == [1, 2, 3, 4, 5, 6]
+    short = tmp_path / "short"
+    write(short, [rec(i) for i in range(1, 4)]).close()
+    wal = Wal(short)
+    assert wal.cut_after(6) == 0
+    wal.close()
+    assert [r.lsn for r in Wal(short).records()] == [1, 2, 3]
+
+
+@pytest.mark.asyncio
+async def test_durability_sets_a_replaced_history_aside_in_the_writers_turn(
+    tmp_path: Path,
+) -> None:
+    d = Durability("fsync")
+    d.start(tmp_path, 0, 0)
+    writer = asyncio.create_task(d.run())
+    try:
+        for lsn in range(1, 9):
+            d.log(1, lsn - 1, lsn, [b"h%d" % lsn])
+        await _until(lambda: d.acked_lsn(8) == 8)
+        assert await asyncio.wait_for(d.cut_after(tmp_path, 5), 10) is True
+        other = tmp_path / "other"  # a partition whose log is not the open one
+        write(other, [rec(i) for i in range(1, 5)]).close()
+        assert await asyncio.wait_for(d.cut_after(other, 2), 10) is True
+    finally:
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writer
+    assert [r.lsn for r in Wal(tmp_path).records()] == [1, 2, 3, 4, 5]
+    assert [r.lsn for r in Wal(other).records()] == [1, 2]
+    assert await Durability("none").cut_after(tmp_path, 3) is True

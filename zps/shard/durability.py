@@ -145,6 +145,48 @@ class Durability:
         self._wake.set()
         self._release(force=True)
 
+    def cut_after(self, folder: Path, lsn: int) -> asyncio.Future[bool]:
+        """Before a checkpoint at ``lsn`` that another copy's snapshot gave is committed
+        in ``folder`` (a partition's): set aside every record the log there holds after
+        ``lsn``, in the writer's turn (:meth:`Wal.cut_after`).  Those records are of the
+        history the snapshot replaces: after that checkpoint a restart would replay them
+        and hold a mix of both.  Done (True) once they are set aside; False if that
+        could not be done (a lost log, a failing disk), and the checkpoint must not be
+        committed.  True at once without a log."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[bool] = loop.create_future()
+        if self.mode == "none" or self.lost is not None:
+            done.set_result(self.lost is None)
+            return done
+
+        def settle(ok: bool) -> None:
+            if not done.done():
+                done.set_result(ok)
+
+        def cut() -> None:
+            try:
+                wal = self._wal
+                if wal is None or wal.folder != folder:
+                    wal = Wal(folder, segment_bytes=self.segment_bytes)
+                    aside = wal.cut_after(lsn)
+                    wal.close()
+                else:
+                    aside = wal.cut_after(lsn)
+            except BaseException:
+                loop.call_soon_threadsafe(settle, False)
+                raise
+            if aside:
+                log.warning(
+                    "write-ahead log %s: %d records after LSN %d set aside (another "
+                    "history, replaced by a snapshot at that LSN)",
+                    folder, aside, lsn,
+                )  # fmt: skip
+            loop.call_soon_threadsafe(settle, True)
+
+        self._queue.append(cut)
+        self._wake.set()
+        return done
+
     def continues(self, partition: int, lsn: int) -> bool:
         """Whether the open log ends at ``lsn`` of ``partition`` (so it can go on)."""
         return self.partition == partition and self.logged == lsn

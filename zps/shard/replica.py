@@ -393,6 +393,24 @@ class Upstream:
             return  # replaced while building
         if keeping is not None:
             self._keeping = None
+            # The records of the history it replaces go aside first: with the checkpoint
+            # committed and them still in the log, a restart would replay them after it.
+            durability, kept = self._durability, self._checkpoints
+            cut = (
+                await durability.cut_after(kept.folder(snap.partition), snap.lsn)
+                if durability is not None and kept is not None
+                else True
+            )
+            if not cut:
+                keeping.abort()
+                log.error(
+                    "could not keep the snapshot at LSN %d as a checkpoint: the log "
+                    "after it could not be set aside",
+                    snap.lsn,
+                )
+                if self._assembly is assembly:
+                    self._abandon()
+                return
             try:
                 await asyncio.to_thread(keeping.commit)
             except OSError as e:

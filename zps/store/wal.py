@@ -317,6 +317,30 @@ class Wal:
         set_aside, reached = self._cut(segments, position, covered, stopped_in, lsn)
         return Recovery(lsn, epoch, applied, cut, set_aside, max(lsn, reached))
 
+    def cut_after(self, lsn: int) -> int:
+        """Set aside every record after LSN ``lsn`` and open the log for appending after
+        it: a checkpoint at ``lsn`` of another copy's history is about to replace the
+        state, and a restart must never replay records of the history it replaced after
+        that checkpoint.  Records at or below ``lsn`` stay (the checkpoint holds the
+        state at it).  Set aside as recovery sets a torn tail aside (``*.cut-OFFSET``,
+        ``*.broken``), never deleted.  Returns the records set aside."""
+        self.close()
+        position: tuple[Path, int] | None = None
+        covered: set[Path] = set()
+        segments = self.segments()
+        for start, path in segments:
+            if start == lsn and position is None:
+                position = (path, 0)
+            parsed = parse_records(path.read_bytes())
+            below = all(r.lsn <= lsn for r, _ in parsed.records)
+            if parsed.error is None and start <= lsn and below:
+                covered.add(path)
+            for rec, end in parsed.records:
+                if rec.lsn == lsn:
+                    position = (path, end)
+        aside, _ = self._cut(segments, position, covered, None, lsn)
+        return aside
+
     def _cut(
         self,
         segments: list[tuple[int, Path]],
