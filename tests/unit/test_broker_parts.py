@@ -70,3 +70,51 @@ def test_a_reset_hands_every_part_the_new_state() -> None:
     assert b.datapath.forward(request) is True
     assert out.sent[-1][0] == b"c-1", "routed by the old state, past the new hold"
     assert b.stats.routed == 1
+
+
+class _Pair:
+    """The broker pair as the record sees it: the standby holds what it is sent once
+    :meth:`hold` is called."""
+
+    active, term, record_term = True, 1, 1
+
+    def __init__(self) -> None:
+        self.waiting: list[Any] = []
+
+    def mirrored(self) -> None:
+        return None
+
+    def after_held(self, callback: Any) -> None:
+        self.waiting.append(callback)
+
+    def hold(self) -> None:
+        waiting, self.waiting = self.waiting, []
+        for cb in waiting:
+            cb()
+
+    def peer_holds_now(self) -> bool:
+        return not self.waiting
+
+    def peer_alive(self, now: float) -> bool:
+        return True
+
+
+def test_without_a_data_dir_a_pairs_promoted_primary_waits_for_the_standby() -> None:
+    """A pair without data dirs: the standby's copy is the record a takeover starts
+    from, so a promoted primary's lease echoes wait until the standby holds its epoch
+    (without, a takeover from the older copy could elect the old primary's)."""
+    b = Broker(BrokerConfig(partitions=2))
+    record = b.record
+    floors = {0: 3, 1: 1}
+    b.state.floor_of = lambda p: (floors[p], 0)  # type: ignore[method-assign]
+    assert record.writer is None and not record.epoch_unrecorded(0)  # a single broker
+    pair = _Pair()
+    record.pair = pair
+    assert record.epoch_unrecorded(0) and record.epoch_unrecorded(0)  # until held
+    pair.hold()
+    assert not record.epoch_unrecorded(0) and record.epoch_unrecorded(1)
+    pair.hold()
+    floors[0] = 4  # promoted again
+    assert record.epoch_unrecorded(0) and not record.epoch_unrecorded(1)
+    pair.hold()
+    assert not record.epoch_unrecorded(0)

@@ -94,6 +94,9 @@ class Record:
         self.writer: StateWriter | None = None
         #: The newest state record produced.
         self.last: BrokerState | None = None
+        #: Without a data dir, in a pair: each partition's newest confirmed epoch the
+        #: standby is known to hold (see :meth:`epoch_unrecorded`).
+        self._held_floor: dict[int, int] = {}
 
     def state_record(self) -> BrokerState:
         """The broker's state as one record: the one place it is built (for the state
@@ -262,11 +265,26 @@ class Record:
         }
 
     def epoch_unrecorded(self, p: int) -> bool:
-        """Whether partition ``p``'s confirmed epoch is newer than the one on disk (its
-        new primary's lease echoes wait for the record; none without a data dir)."""
+        """Whether partition ``p``'s confirmed epoch is newer than the one recorded (its
+        new primary's lease echoes wait for the record): on disk; without a data dir, in
+        a pair, in the standby's copy, which a takeover starts from (then this asks to
+        learn when the standby holds it); never for a single broker without a data dir.
+        Rule: a promoted primary takes no write before the record that names its epoch
+        would survive this broker."""
         written = self.writer.written if self.writer is not None else None
         if self.writer is None:
-            return False
+            pair = self.pair
+            if pair is None:
+                return False
+            epoch = self.state.floor_of(p)[0]
+            if self._held_floor.get(p, -1) >= epoch:
+                return False
+
+            def held() -> None:
+                self._held_floor[p] = max(self._held_floor.get(p, -1), epoch)
+
+            pair.after_held(held)
+            return True
         if written is None or p >= len(written.partitions):
             return True
         return written.partitions[p].floor_epoch < self.state.floor_of(p)[0]
