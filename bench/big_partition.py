@@ -28,8 +28,9 @@ lost or doubled.  It measures, in this order:
 
 Prints one table (path, bytes, seconds, GB/s; 1 GB = 10^9 bytes) and the stall
 percentiles.  Every process is stopped on the way out (Ctrl-C and SIGTERM too); with
-``--workdir`` the data dirs and logs are kept there: about 10x the partition on disk
-(each shard keeps 3 checkpoints and its log), which the caller removes.  Memory, at
+``--workdir`` the logs are kept there (``DIR/logs``), and with ``--keep-data`` the data dirs
+too: about 10x the partition on disk (each shard keeps 3 checkpoints and its log), which the
+caller removes.  Memory, at
 the peak of a catch-up: the primary its partition and the pages written meanwhile
 (cuts are frozen versions, not copies), the joining copy its tables and a window of
 chunks, the restarted shard its partition, the writer's client its pushes: it
@@ -165,16 +166,16 @@ class Writer:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, root: Path) -> None:
+    def __init__(self, args: argparse.Namespace, root: Path, logs: Path) -> None:
         self.args = args
         self.root = root
-        (root / "logs").mkdir(parents=True, exist_ok=True)
+        logs.mkdir(parents=True, exist_ok=True)
         self.c = DataDirCluster(
             partitions=1,
             replication=2,
             heartbeat_interval=args.heartbeat,
             liveness=args.liveness,
-            workdir=root / "logs",
+            workdir=logs,
             broker_data_dir=root / "broker",
             log_level="info",
         )
@@ -455,7 +456,12 @@ def main() -> int:
     ap.add_argument(
         "--force", action="store_true", help="run even when the memory it needs looks unavailable"
     )
-    ap.add_argument("--workdir", help="keep the data dirs and logs here")
+    ap.add_argument("--workdir", help="keep the logs here (DIR/logs)")
+    ap.add_argument(
+        "--keep-data",
+        action="store_true",
+        help="with --workdir, keep the data dirs there too (about 10x the partition)",
+    )
     ap.add_argument("--json", help="also write every figure here")
     args = ap.parse_args()
     if args.gb <= 0 or args.kills < 0:
@@ -474,8 +480,10 @@ def main() -> int:
         )
         return 2
     with tempfile.TemporaryDirectory(prefix="zps-bench-big-") as tmp:
-        root = Path(args.workdir) if args.workdir else Path(tmp)
-        bench = Bench(args, root)
+        # The data dirs (about 10x the partition) stay only with --keep-data.
+        logs = Path(args.workdir or tmp) / "logs"
+        root = Path(args.workdir) if args.workdir and args.keep_data else Path(tmp)
+        bench = Bench(args, root, logs)
 
         def stop(*_: object) -> None:
             # The cluster first: the threads polling it then fail at once, and the
