@@ -32,6 +32,7 @@ from zps.testing.sim.aioloop import Proc, SimLoop
 from zps.testing.sim.cli import main, run_seeds
 from zps.testing.sim.net import Network
 from zps.testing.sim.realbroker import RealBroker
+from zps.testing.sim.realpair import RealPairBroker
 from zps.testing.sim.sched import Scheduler
 from zps.testing.sim.world import World, run_seed
 
@@ -215,8 +216,6 @@ def test_a_run_drives_the_real_broker() -> None:
     assert r.ok, r.failures[:3]
     assert isinstance(broker.broker, Broker) and r.acked > 0
     assert r.sim_seconds > 20
-    with pytest.raises(ValueError, match="pair"):
-        World(1, real_broker=True, faults=["failover"])
 
 
 @pytest.fixture(scope="module")
@@ -296,6 +295,95 @@ def test_the_cli_runs_the_real_broker(capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     assert "seed 1: FAILED" in out
     assert "--seed 1 --seeds 1 --trace --real-broker --bug older-copy-wins" in out
-    with pytest.raises(SystemExit):
-        main(["--real-broker", "--faults", "failover,kill"])
-    assert "a broker pair (failover) is simulated" in capsys.readouterr().err
+
+
+# -- the real broker pair (--real-broker --faults failover,...) ------------------------
+
+#: The broker pair's faults (tests/unit/test_sim.py: PAIR_FAULTS).
+PAIR_FAULTS = ["failover", "kill", "power", "pause", "partition", "disk", "broker", "wipe"]
+
+
+def test_a_run_drives_the_real_pair() -> None:
+    w = World(1, real_broker=True, faults=["failover"], trace=True)
+    assert [type(b) for b in w.brokers] == [RealPairBroker, RealPairBroker]
+    primary, backup = w.brokers
+    assert isinstance(primary, RealPairBroker) and isinstance(backup, RealPairBroker)
+    r = w.run()
+    assert r.ok, r.failures[:3]
+    assert r.acked > 0 and r.sim_seconds > 20
+    # The real Pair ran both sides, and the active broker was replaced more than once:
+    # killed, paused and cut off, the standby took over (its term new each time).
+    assert any("kill the active broker" in s for s in r.schedule), r.schedule
+    takeovers = [line for line in r.trace if "-> active at term" in line]
+    assert len(takeovers) >= 3, takeovers
+    assert any(line.split()[1] == "backup:" for line in takeovers)
+    assert any("follows backup" in line for line in r.trace)
+    # The standby wrote the record it was sent to its data dir (it takes over with it).
+    assert any("start (record: True)" in line for line in r.trace)
+
+
+def test_a_pair_seed_replays_exactly_in_any_process(pool: ProcessPoolExecutor) -> None:
+    a = run_seed(3, faults=PAIR_FAULTS, real_broker=True)
+    b, c = run_seeds([3, 4], PAIR_FAULTS, pool=pool, real_broker=True)
+    assert (a.digest, a.failures, a.schedule, a.events) == (
+        b.digest,
+        b.failures,
+        b.schedule,
+        b.events,
+    )
+    assert a.schedule and c.digest != a.digest
+
+
+#: Seeds of the pair's faults that must pass with the real pair.
+PAIR_BUDGET = range(0, 20)
+
+
+def test_the_real_pair_passes_every_check_on_the_budget(pool: ProcessPoolExecutor) -> None:
+    results = run_seeds(PAIR_BUDGET, PAIR_FAULTS, pool=pool, real_broker=True)
+    assert not {r.seed: r.failures[:3] + r.schedule for r in results if not r.ok}
+
+
+#: The seeds on which the simulator found the pair's defects with the stand-in pair
+#: (tests/unit/test_sim.py: PAIR_REGRESSIONS, LONG_PAIR_REGRESSIONS), run with the real
+#: pair (another run: the real broker's messages and timers differ): they must pass.
+PAIR_SEEDS = {
+    "failover,kill,power,pause,partition,disk,broker,crash-all": (56, 64, 66),
+    "failover,kill,power,pause,partition,disk,broker,crash-all,wipe": (2173, 4094),
+}
+
+
+@pytest.mark.parametrize("faults", sorted(PAIR_SEEDS))
+def test_the_pair_regression_seeds_pass_with_the_real_pair(
+    faults: str, pool: ProcessPoolExecutor
+) -> None:
+    results = run_seeds(PAIR_SEEDS[faults], faults.split(","), pool=pool, real_broker=True)
+    assert not {r.seed: r.failures[:3] + r.schedule for r in results if not r.ok}
+
+
+#: The pair's known defects in the real code paths (zps.testing.sim.realbugs, and
+#: BinaryStar itself), the faults that expose them and the seeds they must be caught in.
+PAIR_BUGS = {
+    "standby-without-record": ("failover,kill,power", 8),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(PAIR_BUGS))
+def test_pair_defects_are_caught_with_the_real_pair(bug: str, pool: ProcessPoolExecutor) -> None:
+    faults, budget = PAIR_BUGS[bug]
+    results = run_seeds(range(budget), faults.split(","), bug=bug, pool=pool, real_broker=True)
+    try:
+        caught = next((r for r in results if not r.ok), None)
+    finally:
+        results.close()
+    assert caught is not None, f"--bug {bug} not caught in {budget} seeds with the real pair"
+    (clean,) = run_seeds([caught.seed], faults.split(","), pool=pool, real_broker=True)
+    assert clean.ok, (bug, caught.seed, clean.failures[:3])
+
+
+def test_the_cli_runs_the_real_pair(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--seeds", "1", "--seed", "0", "--faults", "failover,kill,power", "--real-broker"]
+    assert main(args) == 0
+    assert main([*args, "--bug", "standby-without-record"]) == 1
+    out = capsys.readouterr().out
+    assert "seed 0: FAILED" in out
+    assert "--real-broker --bug standby-without-record --faults failover,kill,power" in out

@@ -69,16 +69,17 @@ class RealBroker:
 
     name = "broker"
 
-    def __init__(self, world: World, n_partitions: int, replication: int) -> None:
+    def __init__(self, world: World, n_partitions: int, replication: int, **pair: Any) -> None:
         self.w = world
-        self.data_dir = world.tmp / "broker"
+        self.data_dir = world.tmp / self.name
         self.config = BrokerConfig(
-            bind=BIND,
+            bind=f"sim://{self.name}",
             partitions=n_partitions,
             replication=replication,
             startup_grace=HOLD,
             heartbeat=Heartbeat(interval=HB, liveness=LIVE),
             data_dir=str(self.data_dir),
+            **pair,
         )
         self.alive = False
         self.starts = 0
@@ -105,9 +106,13 @@ class RealBroker:
         # A run is deterministic: the incarnation comes from the seed, not uuid4.
         b.state.incarnation = f"sim{w.seed}-{self.starts}"
         b.state.map = b.state._build_map()
+        self.started(b)
         self.proc = proc = Proc(self.name)
         task = self.loop.spawn(proc, b.run())
         task.add_done_callback(self._ended)
+
+    def started(self, b: _Broker) -> None:
+        """The broker is made, not yet running (a broker of a pair sets up its side)."""
 
     def _ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -145,6 +150,14 @@ class WireShard(SimShard):
         if node != "broker":
             super().send(node, msg)
             return
+        self.w.net.send(self.name, node, self.frames(msg))
+
+    def stamped(self, header: dict[str, Any]) -> dict[str, Any]:
+        """A control message's header as sent (a shard of a pair adds its term)."""
+        return header
+
+    def frames(self, msg: Any) -> list[Any]:
+        """The real frames of a message to the broker."""
         kind = msg[0]
         if kind == "reply":
             frames = [msg[1].encode(), *msg[2]]
@@ -157,7 +170,7 @@ class WireShard(SimShard):
                 in_sync=None if f["in_sync"] is None else tuple(f["in_sync"]),
                 durable=f["durable"],
             )
-            frames = [b"", *encode(Route(MsgType.HEARTBEAT), beat.to_wire())]
+            frames = [b"", *encode(Route(MsgType.HEARTBEAT), self.stamped(beat.to_wire()))]
         elif kind == "register":
             claim = msg[1]
             register = ShardRegister(
@@ -169,12 +182,12 @@ class WireShard(SimShard):
                 version=__version__,
                 incarnation=f"{self.name}-{msg[2]}",
             )
-            frames = [b"", *encode(Route(MsgType.REGISTER), register.to_wire())]
+            frames = [b"", *encode(Route(MsgType.REGISTER), self.stamped(register.to_wire()))]
         elif kind == "bye":
-            frames = [b"", *encode(Route(MsgType.BYE), {})]
+            frames = [b"", *encode(Route(MsgType.BYE), self.stamped({}))]
         else:
             raise AssertionError(f"a shard sends no {kind!r} to the broker")
-        self.w.net.send(self.name, node, frames)
+        return frames
 
     def on_message(self, src: str, msg: Any) -> None:
         if src != "broker":
@@ -204,6 +217,10 @@ class WireClient(SimClient):
     """:class:`~zps.testing.sim.nodes.SimClient` speaking the real frames to the broker."""
 
     def send(self, msg: Any) -> None:
+        self.w.net.send(self.name, "broker", self.frames(msg))
+
+    def frames(self, msg: Any) -> list[Any]:
+        """The real frames of a message to the broker."""
         kind = msg[0]
         if kind == "request":
             frames = list(msg[1])
@@ -214,7 +231,7 @@ class WireClient(SimClient):
             frames = encode(Route(MsgType.HEARTBEAT), Probe().to_wire())
         else:
             raise AssertionError(f"a client sends no {kind!r} to the broker")
-        self.w.net.send(self.name, "broker", frames)
+        return frames
 
     def on_message(self, src: str, msg: Any) -> None:
         route = unpack_route(msg[0])

@@ -19,7 +19,16 @@ the log) for its duration (:func:`install`):
   scheduler's time;
 * the state file's ``asyncio`` -> :data:`INLINE`, whose ``to_thread`` runs the write
   inline (no thread in a one-process run; the file is real, in the run's scratch
-  directory).
+  directory);
+* the ``uuid`` of the pair and of the cluster state -> numbered incarnations.
+
+A broker pair's peer link (:class:`zps.broker.pair.Pair`) is a ROUTER and a DEALER of
+each broker (:func:`dealer`), on the broker's one network node: what the peer link
+carries travels tagged (:data:`PEER_LINK`), and the node hands it to the socket it is
+for (:class:`SimNode`).  A DEALER reaches its peer while the peer's process is up with
+its peer ROUTER bound, and each time it is (again) its ``on_connected`` runs, as a
+connection made; a ``sim://NAME`` endpoint is node NAME's main socket, ``sim://NAME/peer``
+its peer ROUTER.
 
 A shard's liveness link is not simulated: its heartbeats come on its one connection.
 """
@@ -28,7 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import types
+import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -36,6 +47,7 @@ from typing import Any
 import zmq
 
 from zps.errors import ClosedError, ProtocolError
+from zps.testing.sim.aioloop import PROC
 from zps.testing.sim.net import Network
 from zps.testing.sim.sched import Scheduler
 from zps.transport.channel import Frames, frame_buffer, frame_bytes, message_bytes
@@ -52,6 +64,7 @@ __all__ = [
     "Posted",
     "SimChannel",
     "close",
+    "dealer",
     "frame_buffer",
     "frame_bytes",
     "install",
@@ -60,6 +73,7 @@ __all__ = [
     "router",
     "serve",
     "term",
+    "try_send",
     "uninstall",
 ]
 
@@ -100,24 +114,78 @@ INLINE.to_thread = _inline
 _where: dict[str, Any] = {}
 
 
-class SimChannel:
-    """The broker's ROUTER on the simulated network (see the module notes): what arrives
-    is ``[sender identity, *frames]``; what is sent names its peer in its first frame."""
+#: The first element of what the peer link of a broker pair carries on the network:
+#: ``(PEER_LINK, "router", dealer identity, frames)`` or ``(PEER_LINK, "dealer", frames)``.
+PEER_LINK = "peer-link"
+
+
+class SimNode:
+    """A broker process's sockets on its network node: the main ROUTER takes what
+    shards and clients send, the peer link's sockets what is tagged for them."""
 
     def __init__(self, net: Network, name: str) -> None:
         self.net = net
         self.name = name
+        self.ports: dict[str, SimChannel] = {}
+        net.attach(name, self._deliver)
+
+    @property
+    def current(self) -> bool:
+        """Whether this is the node's process now (not one that was killed)."""
+        return _where.get("nodes", {}).get(self.name) is self and self.name in self.net.up
+
+    def _deliver(self, src: str, msg: Any) -> None:
+        if type(msg) is tuple and msg and msg[0] == PEER_LINK:
+            ch = self.ports.get(msg[1])
+        else:
+            ch = self.ports.get("main")
+        if ch is not None and not ch.closed:
+            ch._deliver(src, msg)
+
+
+class SimChannel:
+    """A socket on the simulated network (see the module notes).  The broker's ROUTER
+    (``port`` "main"): what arrives is ``[sender identity, *frames]``, what is sent names
+    its peer in its first frame; the peer link's ROUTER ("router") and DEALER
+    ("dealer") speak with the peer broker's."""
+
+    def __init__(
+        self, net: Network, name: str, *, port: str = "main", node: SimNode | None = None
+    ) -> None:
+        self.net = net
+        self.name = name
+        self.port = port
         self.closed = False
         self.handle = 0
         self.peers = None
+        self.received = 0
         self._inbox: deque[Frames] = deque()
         self._waiter: asyncio.Future[bool] | None = None
         self._serve: _Serve | None = None
         self._context = contextvars.copy_context()  # the process's: its callbacks are its own
-        net.attach(name, self._deliver)
+        if node is None:
+            node = SimNode(net, name)
+            _where.setdefault("nodes", {})[name] = node
+        self.node = node
+        node.ports[port] = self
+        #: The peer ROUTER: the node of each DEALER identity heard.  The DEALER: the
+        #: node it connects to, its identity, and what runs as a connection is made.
+        self.idents: dict[bytes, str] = {}
+        self.target = ""
+        self.identity = b""
+        self.on_connected: Callable[[], Any] | None = None
 
     def _deliver(self, src: str, msg: Any) -> None:
-        self._context.run(self._arrive, [src.encode(), *msg])
+        if self.port == "main":
+            frames: Frames = [src.encode(), *msg]
+        elif self.port == "router":
+            _, _, ident, body = msg
+            self.idents[ident] = src
+            frames = [ident, *body]
+        else:
+            frames = list(msg[2])
+        self.received += 1
+        self._context.run(self._arrive, frames)
 
     def _arrive(self, frames: Frames) -> None:
         s = self._serve
@@ -143,13 +211,26 @@ class SimChannel:
         process is down), ``zmq.Again`` if the pipe to it holds its high-water mark."""
         if self.closed:
             raise ClosedError("socket closed")
-        peer = frame_bytes(frames[0]).decode("utf-8", "replace")
         net = self.net
+        msg: Any
+        if self.port == "dealer":
+            peer = self.target
+            node = _where.get("nodes", {}).get(peer)
+            if node is None or not node.current or "router" not in node.ports:
+                return False  # not connected: a DEALER's send finds no pipe
+            msg = (PEER_LINK, "router", self.identity, list(frames))
+        elif self.port == "router":
+            found = self.idents.get(frame_bytes(frames[0]))
+            if found is None:
+                return False
+            peer, msg = found, (PEER_LINK, "dealer", list(frames[1:]))
+        else:
+            peer, msg = frame_bytes(frames[0]).decode("utf-8", "replace"), list(frames[1:])
         if peer not in net.up:
             return False
         if not net.room(self.name, peer):
             raise zmq.Again()
-        net.send(self.name, peer, list(frames[1:]))
+        net.send(self.name, peer, msg)
         return True
 
     async def wait(self, timeout: float | None) -> bool:
@@ -173,7 +254,10 @@ class SimChannel:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.net.detach(self.name)
+            if self.node.ports.get(self.port) is self:
+                del self.node.ports[self.port]
+            if self.port == "main" and self.node.current:
+                self.net.detach(self.name)  # the process's node goes with its socket
             self._inbox.clear()
             w = self._waiter
             if w is not None and not w.done():
@@ -215,11 +299,73 @@ def term(ctx: object) -> None:
 def router(
     ctx: object, bind: str, *, max_message_bytes: int = 0, curve: object = None
 ) -> tuple[SimChannel, str]:
-    """The broker's socket: its node on the run's network."""
+    """A broker's socket: ``sim://NAME`` its node on the run's network (the node named
+    at :func:`install` for any other endpoint), ``sim://NAME/peer`` its peer ROUTER."""
     if curve is not None:
         raise NotImplementedError("CURVE is not simulated")
-    net, name = _where["net"], _where["name"]
-    return SimChannel(net, name), bind
+    net = _where["net"]
+    name, port = _where["name"], "main"
+    if bind.startswith("sim://"):
+        name, _, rest = bind.removeprefix("sim://").partition("/")
+        port = "router" if rest else "main"
+    node = _where.get("nodes", {}).get(name) if port != "main" else None
+    if port != "main" and node is None:
+        raise RuntimeError(f"{bind}: the process has no main socket on its node")
+    ch = SimChannel(net, name, port=port, node=node)
+    if port == "router":
+        for d in _where.get("dealers", []):
+            if d.target == name and not d.closed:
+                _connected(d)
+    return ch, bind
+
+
+def dealer(
+    ctx: object,
+    endpoint: str,
+    identity: bytes,
+    *,
+    max_message_bytes: int = 0,
+    hwm: int = 0,
+    curve: object = None,
+    server_public: object = None,
+    heartbeats: bool = False,
+) -> SimChannel:
+    """The peer link's DEALER of the broker whose process runs this, to the peer ROUTER
+    at ``endpoint`` (``sim://NAME/peer``)."""
+    if curve is not None:
+        raise NotImplementedError("CURVE is not simulated")
+    proc = PROC.get()
+    assert proc is not None, "a DEALER belongs to a simulated process"
+    node = _where["nodes"][proc.name]
+    ch = SimChannel(_where["net"], proc.name, port="dealer", node=node)
+    ch.target = endpoint.removeprefix("sim://").partition("/")[0]
+    ch.identity = identity
+    dealers: list[SimChannel] = _where.setdefault("dealers", [])
+    dealers[:] = [d for d in dealers if not d.closed]
+    dealers.append(ch)
+    peer = _where["nodes"].get(ch.target)
+    if peer is not None and peer.current and "router" in peer.ports:
+        _connected(ch)
+    return ch
+
+
+def _connected(ch: SimChannel) -> None:
+    """A DEALER's connection is made (again): its ``on_connected`` runs soon, as its
+    process's (it is set after the socket is made)."""
+
+    def run() -> None:
+        if not ch.closed and ch.on_connected is not None:
+            ch.on_connected()
+
+    asyncio.get_event_loop().call_soon(run, context=ch._context)
+
+
+def try_send(ch: SimChannel, frames: Sequence[Any]) -> bool:
+    """:func:`zps.transport.try_send`: False if it cannot go at once."""
+    try:
+        return ch.send_nowait(frames)
+    except (zmq.Again, ClosedError):
+        return False
 
 
 def close(ch: SimChannel) -> None:
@@ -284,9 +430,14 @@ BROKER_MODULES = (
     "zps.broker.training",
     "zps.broker.reshard",
     "zps.broker.statefile",
+    "zps.broker.pair",
 )
 #: Other modules the broker runs whose clock is replaced too.
 CLOCK_MODULES = ("zps.transport.flow", "zps.ops.metrics")
+
+#: Modules whose ``uuid`` name the run replaces: their incarnations are numbered, so a
+#: seed fixes them (a pair's beats and a new state's incarnation).
+UUID_MODULES = ("zps.broker.pair", "zps.core.cluster")
 
 Saved = list[tuple[Any, str, Any]]
 
@@ -319,6 +470,10 @@ def install(net: Network, name: str) -> Saved:
     statefile = importlib.import_module("zps.broker.statefile")
     put(statefile, "asyncio", INLINE)
     put(forward, "step", None)  # the pure Python data path
+    ids = itertools.count(1)
+    numbered = types.SimpleNamespace(uuid4=lambda: uuid.UUID(int=next(ids) << 80))
+    for modname in UUID_MODULES:
+        put(importlib.import_module(modname), "uuid", numbered)
     return saved
 
 

@@ -21,6 +21,7 @@ from zps.testing.sim.net import HWM, Network
 from zps.testing.sim.nodes import HB, HOLD, LIVE, TICK, Op, SimBroker, SimClient, SimShard
 from zps.testing.sim.pair import BROKERS, PEER_TIMEOUT, PairBroker, PairClient, PairShard
 from zps.testing.sim.realbroker import RealBroker, WireClient, WireShard
+from zps.testing.sim.realpair import RealPairBroker, WirePairClient, WirePairShard
 from zps.testing.sim.sched import Scheduler
 
 FAULTS = (
@@ -47,6 +48,8 @@ PAIR = ("failover",)
 NAMED_ONLY = ("slow", "client")
 #: Every fault that may be named.
 NAMED = (*FAULTS, *LOADS, *PAIR, *NAMED_ONLY)
+#: The brokers of a pair: the stand-in's, or the real ones (--real-broker).
+PAIRED = (PairBroker, RealPairBroker)
 #: Bounds on what any queue may hold (the "queues bounded" check).
 QUEUE_BOUND = 2000
 
@@ -106,8 +109,6 @@ class World:
         self.schedule: list[str] = []
         self.acks: dict[tuple[int, int], set[str]] = {}
         self.pair = "failover" in self.faults
-        if real_broker and self.pair:
-            raise ValueError("the real broker runs alone: a broker pair (failover) is simulated")
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
         self.tmp = Path(tempfile.mkdtemp(prefix="zps-sim-", dir=base))
         self.sched.redact = f"{self.tmp}/"
@@ -119,7 +120,12 @@ class World:
         self.brokers: list[SimBroker | RealBroker]
         shard_cls: type[SimShard]
         prefix = "s"
-        if real_broker:
+        if real_broker and self.pair:
+            self.brokers = [RealPairBroker(self, n, n_partitions, replication) for n in BROKERS]
+            shard_cls = WirePairShard
+            self.client_cls = WirePairClient
+            prefix = "s-"
+        elif real_broker:
             self.brokers = [RealBroker(self, n_partitions, replication)]
             shard_cls = WireShard
             self.client_cls = WireClient
@@ -333,7 +339,7 @@ class World:
         """The active broker of the pair is killed (back with its data dir), paused past
         the peer timeout, or cut off from its peer and the clients (not the shards)."""
         rng = self.sched.rng
-        active = [b for b in self.brokers if isinstance(b, PairBroker) and b.active]
+        active = [b for b in self.brokers if isinstance(b, PAIRED) and b.active]
         if not active:
             return
         b = max(active, key=lambda b: b.star.term)
@@ -386,7 +392,7 @@ class World:
 
     def serving(self) -> SimBroker | RealBroker:
         """The broker whose map counts: the active one of the pair with the newest term."""
-        active = [b for b in self.brokers if isinstance(b, PairBroker) and b.active]
+        active = [b for b in self.brokers if isinstance(b, PAIRED) and b.active]
         return max(active, key=lambda b: b.star.term) if active else self.broker
 
     def _start(self, broker: SimBroker | RealBroker) -> None:
