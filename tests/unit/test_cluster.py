@@ -1188,3 +1188,77 @@ def test_the_floor_follows_what_the_primary_s_log_holds() -> None:
     assert cs.floor_of(0) == (1, 97)
     cs.report("a", lsn=120, epoch=1, durable=130)  # never past what it applied
     assert cs.floor_of(0) == (1, 120)
+
+
+# ---- the start-up hold: every copy that holds the acknowledged writes stays electable ----
+
+
+def two_members(hold: float = 1.0) -> ClusterState:
+    """1 partition x 2 copies, a primary and b its in-sync replica, confirmed at LSN 94,
+    then a broker restart from the record (both members), holding until 101."""
+    cs = ClusterState(1, n_slots=16, replication=2)
+    reg(cs, "a")
+    reg(cs, "b")
+    cs.report("a", lsn=94, epoch=1, in_sync=["b"], t=1.0)
+    assert cs.members_of(0) == ("a", "b")
+    return restarted(cs, now=100.0, hold=hold)
+
+
+def test_a_member_that_follows_a_claim_granted_in_the_hold_is_elected_if_it_dies() -> None:
+    """Seed 166 of the cluster simulator (real broker): after a whole-cluster power loss
+    b's claim was granted first, which made b the members alone; a, the other member at
+    the same LSN, was made b's replica, out of sync, so when b died before a caught up
+    nothing could be elected: the partition was lost and a made a spare (its copy, the
+    last one holding the acknowledged writes, given away)."""
+    cs = two_members()
+    assert reg(cs, "b", claim=claim_primary(0, 1, 94), now=100.2) == [primary("b", 0, 1)]
+    assert cs.members_of(0) == ("b",)  # b may write alone once it serves
+    assert reg(cs, "a", claim=claim_primary(0, 1, 94), now=100.3) == [replica("a", 0, 1, "b")]
+    # No write is routed during the hold: a holds every acknowledged write.
+    assert part(cs, 0).in_sync == ("a",) and cs.members_of(0) == ("b", "a")
+    cs.report("b", lsn=94, epoch=1, in_sync=[], t=100.4)  # not caught up yet
+    assert part(cs, 0).in_sync == ("a",)
+    cs.node_gone("b", now=100.5)
+    assert cs.tick(101.0) == [primary("a", 0, 2)]
+    assert not cs.is_lost(0) and cs.records()[0].in_sync == ("b", "a")
+    # Confirmed at its epoch, a is the members alone (b's copy is gone).
+    cs.report("a", lsn=94, epoch=2, in_sync=[], t=101.2)
+    assert cs.members_of(0) == ("a",)
+
+
+def test_a_recorded_member_that_comes_after_a_dead_claim_in_the_hold_takes_the_partition() -> None:
+    cs = two_members()
+    reg(cs, "b", claim=claim_primary(0, 1, 94), now=100.2)
+    cs.node_gone("b", now=100.3)
+    assert reg(cs, "a", claim=claim_primary(0, 1, 94), now=100.4) == [primary("a", 0, 1)]
+
+
+def test_after_the_hold_the_members_are_the_granted_primary_s_alone() -> None:
+    """Once writes are routed the granted primary may have acknowledged some alone: the
+    other recorded member follows it out of sync and is not elected."""
+    cs = two_members()
+    reg(cs, "b", claim=claim_primary(0, 1, 94), now=100.2)
+    assert cs.tick(101.0) == []
+    cs.report("b", lsn=99, epoch=1, in_sync=[], t=101.1)
+    assert reg(cs, "a", claim=claim_primary(0, 1, 94), now=101.2) == [replica("a", 0, 1, "b")]
+    assert part(cs, 0).in_sync == () and cs.members_of(0) == ("b",)
+    cs.node_gone("b", now=101.3)
+    assert cs.is_lost(0) and cs.primary_of(0) is None
+    # After the hold a report replaces the in-sync set, as always.
+    cs = two_members()
+    reg(cs, "b", claim=claim_primary(0, 1, 94), now=100.2)
+    reg(cs, "a", claim=claim_primary(0, 1, 94), now=100.3)
+    cs.tick(101.0)
+    cs.report("b", lsn=94, epoch=1, in_sync=[], t=101.1)
+    assert part(cs, 0).in_sync == () and cs.members_of(0) == ("b",)
+
+
+def test_without_a_record_only_a_copy_as_new_as_the_granted_one_is_in_sync() -> None:
+    cs = ClusterState(1, n_slots=16, replication=3, hold_until=10.0)
+    reg(cs, "a", claim=claim_primary(0, 1, 50), now=1.0)
+    reg(cs, "b", claim=claim_primary(0, 1, 40), now=2.0)  # may lack writes a acknowledged
+    reg(cs, "c", claim=claim_primary(0, 1, 50), now=3.0)
+    assert part(cs, 0).replicas == ("b", "c") and part(cs, 0).in_sync == ("c",)
+    cs.node_gone("a", now=4.0)
+    out = by_node(cs.tick(10.0))
+    assert out["c"] == primary("c", 0, 2) and out["b"] == replica("b", 0, 2, "c")

@@ -25,7 +25,11 @@ Rules:
    publishes a map only once the record holding it is durable, so a replica
    leaves the recorded set before its primary acknowledges a write without it.
 5. The in-sync set of a partition comes from its primary's reports (it sees
-   the acknowledgements) and shrinks when the broker loses a replica.
+   the acknowledgements) and shrinks when the broker loses a replica.  During
+   the start-up hold (no write is routed) it also takes the copies that say so
+   themselves: a replica that was in sync, and a copy that could have been
+   granted the partition (:func:`zps.core.recovery.vouches`) following the one
+   granted at its epoch; a report drops no member of the broker's record then.
 6. Never two primaries for one partition.
 7. Never two copies of a partition on one host (or one zone) while a spare
    elsewhere could hold one; a copy placed together for want of a spare is
@@ -142,6 +146,8 @@ class ClusterState:
                 f"{self.n_partitions}"
             )
         cluster_map.restore(self._parts, partitions)
+        for part in self._parts:
+            part.recorded = part.members
         self.map_version = max(self.map_version, map_version)
         self._publish()
 
@@ -281,8 +287,9 @@ class ClusterState:
     def _grant(self, node: ShardNode, claim: Claim, now: float) -> list[Assignment]:
         part = self._parts[claim.partition]
         node.lsn = claim.lsn
+        vouched = False
         if claim.role is Role.PRIMARY:
-            why_not = self._distrust(part, claim, node.node_id)
+            why_not = self._distrust(part, claim, node.node_id, holding=self.holding(now))
             current = self.shards.get(part.primary) if part.primary else None
             newer = current is not None and recovery.unseen_newer(part, claim, node.node_id)
             if why_not is None and current is not None and newer:
@@ -305,9 +312,12 @@ class ClusterState:
                 self.notices.append(("error", recovery.not_taken(node, claim, why_not)))
             if current is None or newer or claim.epoch != part.epoch:
                 return []
-            # A copy of the serving primary's epoch, no newer (it may not be elected): it
-            # follows, as a spare may be given to another partition and leave this one
-            # with a single copy of what both held.
+            # A copy of the serving primary's epoch, no newer, follows it (even one that
+            # may not be elected: a spare may be given to another partition and leave
+            # this one with a single copy of what both held).  One that could have been
+            # granted holds every acknowledged write: during the hold (no write routed
+            # yet) it is in sync, so it is elected if the primary dies before it caught up.
+            vouched = why_not is None and recovery.vouches(part, claim)
         if (
             not part.lost
             and claim.epoch >= part.epoch
@@ -317,8 +327,9 @@ class ClusterState:
             raised = self._raise_epoch(claim.partition, claim.epoch)
             node.role, node.partition, node.epoch = Role.REPLICA, claim.partition, claim.epoch
             part.replicas.append(node.node_id)
-            if claim.role is Role.REPLICA and claim.in_sync and self.holding(now):
-                # After a restart only the replica itself can say it was in sync.
+            own = vouched or (claim.role is Role.REPLICA and claim.in_sync)
+            if own and self.holding(now):
+                # After a restart only the copy itself can say it was in sync.
                 part.in_sync.add(node.node_id)
             self._publish()
             return [*raised, self._assignment(node.node_id)]
@@ -461,6 +472,10 @@ class ClusterState:
             return False
         part = self._parts[node.partition]
         reported = {r for r in in_sync if r in part.replicas}
+        if self._holding:
+            # No write is routed before the hold ends: a member of the recorded set in
+            # sync stays so (and the primary waits for it while the map names it).
+            reported |= part.in_sync.intersection(part.recorded)
         if reported == part.in_sync:
             return False
         part.in_sync = reported

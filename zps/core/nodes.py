@@ -92,6 +92,10 @@ class Partition:
     #: 4); binding on claims once restored from a broker's record (``pinned``).
     members: tuple[str, ...] = ()
     pinned: bool = False
+    #: The in-sync set the broker's record held when this broker started: during the
+    #: start-up hold (no write is routed) each of them still holds every acknowledged
+    #: write, also once a claim granted to one of them made it the members alone.
+    recorded: tuple[str, ...] = ()
     #: The (epoch, LSN) of the copy its primary's line was granted from (a claim or
     #: nothing; kept across failovers), and the LSN then (rule 8).
     origin: tuple[int, int] = (0, 0)

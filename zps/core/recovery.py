@@ -20,27 +20,38 @@ def claim_epoch(part: Partition, claim: Claim) -> int:
     return claim.epoch if claim.epoch >= part.epoch else part.epoch + 1
 
 
-def distrust(part: Partition, claim: Claim, node_id: str) -> str | None:
-    """Why a primary claim may not have its partition (rule 4), or None."""
+def distrust(part: Partition, claim: Claim, node_id: str, *, holding: bool = False) -> str | None:
+    """Why a primary claim may not have its partition (rule 4), or None.  During the
+    start-up hold (``holding``) a member of the recorded in-sync set is one still."""
     if part.released:
         return None
     if not claim.complete:
         return "it was restored without a log and may lack acknowledged writes"
-    if (claim.epoch, claim.lsn) < part.floor and not (
-        node_id in part.members and claim.lsn >= part.floor_lsn
-    ):
+    member = node_id in part.members or (holding and node_id in part.recorded)
+    if (claim.epoch, claim.lsn) < part.floor and not (member and claim.lsn >= part.floor_lsn):
         # (A member's copy at the floor's LSN from an older epoch took no write at the
         # floor's epoch, or its log would say so: it is the floor's copy.)
         return (
             f"older than the epoch {part.floor_epoch}, LSN {part.floor_lsn} its primary confirmed"
         )
-    if part.pinned and node_id not in part.members:
+    if part.pinned and not member:
         return f"it is not in the partition's last in-sync set ({', '.join(part.members)})"
     # At or past the floor.  Below the current epoch only when a floor is known
     # (the newer epoch was never confirmed, so it took no writes).
     if claim.epoch >= part.epoch or part.floor_epoch > 0:
         return None
     return f"its epoch {claim.epoch} is older than the partition's {part.epoch}"
+
+
+def vouches(part: Partition, claim: Claim) -> bool:
+    """Whether a primary claim that :func:`distrust` accepts, following the serving
+    primary at its epoch, holds every acknowledged write as surely as the primary's own
+    copy: a member of the recorded in-sync set, or, with no recorded set to go by (or
+    once an operator released the partition), a copy at least as new as the one the
+    serving primary was granted from."""
+    if part.pinned and not part.released:
+        return True
+    return (claim.epoch, claim.lsn) >= part.origin
 
 
 def unseen_newer(part: Partition, claim: Claim, node_id: str) -> bool:
