@@ -50,9 +50,7 @@ CHILD = textwrap.dedent(
 
 
 def test_memory_files_take_numbers_below_the_sockets() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60
-    )
+    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 

@@ -124,8 +124,8 @@ CATCH: dict[str, tuple[str, int]] = {
     "stale-replica-in-tracker": ("pause,idle", 14),
     "standby-without-record": ("failover,kill,power", 8),
     "pair-unfenced": ("failover,pause", 23),
-    "pair-primary-first": ("failover,kill,power,pause,partition,disk,broker,crash-all", 331),
-    "pair-map-before-standby": ("failover,kill,partition", 589),
+    "pair-primary-first": ("failover,power,crash-all,broker", 60),
+    "pair-map-before-standby": ("failover,power", 70),
     "stuck-replica-kept": ("slow", 6),
 }
 

@@ -421,8 +421,8 @@ def test_known_real_pair_defects_stay_found(seed: int, faults: list[str]) -> Non
 PAIR_BUGS = {
     "standby-without-record": ("failover,kill,power", 1),
     "pair-unfenced": ("failover,pause", 51),
-    "pair-primary-first": ("failover,kill,power,pause,partition,disk,broker,crash-all", 123),
-    "pair-map-before-standby": ("failover,kill,partition", 156),
+    "pair-primary-first": ("failover,power,crash-all,broker", 20),
+    "pair-map-before-standby": ("failover,power", 40),
 }
 
 

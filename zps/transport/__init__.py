@@ -82,6 +82,7 @@ from zps.transport.flow import (
     Allowance,
     Outbound,
     Posted,
+    QueueFull,
 )
 from zps.transport.iothreads import (
     IO_SCHED_MODES,
@@ -139,6 +140,7 @@ __all__ = [
     "PeerTable",
     "Posted",
     "Pump",
+    "QueueFull",
     "_raw_get",
     "_raw_recv",
     "_raw_send",

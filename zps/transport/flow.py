@@ -101,6 +101,11 @@ class Allowance:
         return [p for p, t in self._since.items() if now - t >= timeout]
 
 
+#: What :meth:`Channel.send_nowait` raises when the peer's queue holds its high-water mark
+#: (``zmq.Again``); a channel standing in for a real one raises it too.
+QueueFull = zmq.Again
+
+
 class Posted(enum.Enum):
     """What became of a message handed to :meth:`Outbound.post`."""
 

@@ -44,14 +44,12 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import zmq
-
 from zps.errors import ClosedError, ProtocolError
 from zps.testing.sim.aioloop import PROC
 from zps.testing.sim.net import Network
 from zps.testing.sim.sched import Scheduler
 from zps.transport.channel import Frames, frame_buffer, frame_bytes, message_bytes
-from zps.transport.flow import FLUSH_S, Allowance, Outbound, Posted
+from zps.transport.flow import FLUSH_S, Allowance, Outbound, Posted, QueueFull
 
 __all__ = [
     "CLOCK",
@@ -208,7 +206,7 @@ class SimChannel:
 
     def send_nowait(self, frames: Sequence[Any]) -> bool:
         """Queue a message for its peer: False if the peer has no connection (its
-        process is down), ``zmq.Again`` if the pipe to it holds its high-water mark."""
+        process is down), ``QueueFull`` (zmq.Again) if the pipe to it holds its high-water mark."""
         if self.closed:
             raise ClosedError("socket closed")
         net = self.net
@@ -229,7 +227,7 @@ class SimChannel:
         if peer not in net.up:
             return False
         if not net.room(self.name, peer):
-            raise zmq.Again()
+            raise QueueFull()
         net.send(self.name, peer, msg)
         return True
 
@@ -364,7 +362,7 @@ def try_send(ch: SimChannel, frames: Sequence[Any]) -> bool:
     """:func:`zps.transport.try_send`: False if it cannot go at once."""
     try:
         return ch.send_nowait(frames)
-    except (zmq.Again, ClosedError):
+    except (QueueFull, ClosedError):
         return False
 
 
