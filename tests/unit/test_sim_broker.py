@@ -420,7 +420,7 @@ def test_known_real_pair_defects_stay_found(seed: int, faults: list[str]) -> Non
 #: (each is caught at the last of its budget's seeds, the first at its first).
 PAIR_BUGS = {
     "standby-without-record": ("failover,kill,power", 1),
-    "pair-unfenced": ("failover,pause", 51),
+    "pair-unfenced": ("failover,pause,kill", 20),
     "pair-primary-first": ("failover,power,crash-all,broker", 20),
     "pair-map-before-standby": ("failover,power", 40),
 }
