@@ -2,54 +2,47 @@
 
 Rules:
 
-1. Every change of who serves a partition bumps that partition's epoch when a
-   *different* shard becomes primary; the map version bumps on any change and
-   the map is only ever replaced, never edited in place.
-2. A registering shard first gets back what it claims (after a broker restart
-   the shards rebuild the map), else fills a partition without a primary, else
-   a partition short of replicas, else waits as a spare.
-3. After a broker (re)start, for ``hold`` seconds only claims are granted:
-   every surviving shard gets the chance to reclaim its role before anything
-   is promoted or handed to an empty shard.
-4. When a primary dies, the in-sync replica with the highest reported LSN is
-   promoted at epoch + 1; the other replicas must catch up again from it.
-   With no in-sync replica the partition is *lost*: it is never handed to a
-   fresh, empty shard (that would silently reset its values), nor to a copy
-   older than its *floor*, the newest (epoch, LSN) a primary confirmed by
-   heartbeat, nor to a copy outside its last in-sync set (*members*: the
-   primary and the replicas it counted, which hold every acknowledged write),
-   nor to a copy that says it may lack acknowledged writes (``complete``
-   false); only :meth:`ClusterState.reset_partition` (an operator accepting
-   the loss) lifts that.  Floors, epochs and members survive a broker restart
-   (:meth:`ClusterState.records` / :meth:`ClusterState.restore`); the driver
-   publishes a map only once the record holding it is durable, so a replica
-   leaves the recorded set before its primary acknowledges a write without it.
-5. The in-sync set of a partition comes from its primary's reports (it sees
-   the acknowledgements) and shrinks when the broker loses a replica.  During
-   the start-up hold (no write is routed) it also takes the copies that say so
-   themselves: a replica that was in sync, and a copy that could have been
-   granted the partition (:func:`zps.core.recovery.vouches`) following the one
-   granted at its epoch; a report drops no member of the broker's record then.
+1. Every change of who serves a partition bumps that partition's epoch when a *different* shard
+   becomes primary; the map version bumps on any change and the map is only ever replaced, never
+   edited in place.
+2. A registering shard first gets back what it claims (after a broker restart the shards rebuild
+   the map), else fills a partition without a primary, else a partition short of replicas, else
+   waits as a spare.
+3. After a broker (re)start, for ``hold`` seconds only claims are granted: every surviving shard
+   gets the chance to reclaim its role before anything is promoted or handed to an empty shard.
+4. When a primary dies, the in-sync replica with the highest reported LSN is promoted at the
+   next epoch; the other replicas must catch up again from it. With no in-sync replica the
+   partition is *lost*: it is never handed to a fresh, empty shard (that would silently reset
+   its values), nor to a copy older than its *floor*, the newest (epoch, LSN) a primary
+   confirmed by heartbeat, nor to a copy outside its last in-sync set (*members*: the primary
+   and the replicas it counted, which hold every acknowledged write), nor to a copy that says it
+   may lack acknowledged writes (``complete`` false); only :meth:`ClusterState.reset_partition`
+   (an operator accepting the loss) lifts that.  Floors, epochs and members survive a broker
+   restart (:meth:`ClusterState.records` / :meth:`ClusterState.restore`); the driver publishes a
+   map only once the record holding it is durable, so a replica leaves the recorded set before
+   its primary acknowledges a write without it.
+5. The in-sync set of a partition comes from its primary's reports (it sees the
+   acknowledgements) and shrinks when the broker loses a replica.  During the start-up hold (no
+   write is routed) it also takes the copies that say so themselves: a replica that was in sync,
+   and a copy that could have been granted the partition (:func:`zps.core.recovery.vouches`)
+   following the one granted at its epoch; a report drops no member of the broker's record then.
 6. Never two primaries for one partition.
-7. Never two copies of a partition on one host (or one zone) while a spare
-   elsewhere could hold one; a copy placed together for want of a spare is
-   moved when one turns up (a well-placed replica is added first and the
-   other dropped once it is in sync), and :meth:`ClusterState.status` warns.
-8. A copy that registers with a newer history (epoch, LSN) than the one the
-   serving primary's line was granted from (a claim, or nothing; a failover
-   keeps it), of an epoch this broker never gave that shard, while the
-   partition has no recorded in-sync set (whose members hold every
-   acknowledged write: a newer member only holds unacknowledged ones), takes
-   the partition over only if that primary took no write since: the primary
-   is first *fenced* (the map names no primary, its lease is no longer
-   renewed) until a heartbeat it sent after its lease ran out shows its final
-   LSN.  If it took writes, both histories hold writes the other lacks:
-   neither is overwritten (the newer copy is held) and an error names both
-   copies and the operator's choices.  A partition with a
-   held copy is never handed to an empty shard.
+7. Never two copies of a partition on one host (or one zone) while a spare elsewhere could hold
+   one; a copy placed together for want of a spare is moved when one turns up (a well-placed
+   replica is added first and the other dropped once it is in sync), and
+   :meth:`ClusterState.status` warns.
+8. A copy that registers with a newer history (epoch, LSN) than the one the serving primary's
+   line was granted from (a claim, or nothing; a failover keeps it), of an epoch this broker
+   never gave that shard, while the partition has no recorded in-sync set (whose members hold
+   every acknowledged write: a newer member only holds unacknowledged ones), takes the partition
+   over only if that primary took no write since: the primary is first *fenced* (the map names
+   no primary, its lease is no longer renewed) until a heartbeat it sent after its lease ran out
+   shows its final LSN.  If it took writes, both histories hold writes the other lacks: neither
+   is overwritten (the newer copy is held) and an error names both copies and the operator's
+   choices.  A partition with a held copy is never handed to an empty shard.
 
-No I/O and no clock: the broker driver calls these methods with ``now`` and
-sends what they return.
+No I/O and no clock: the broker driver calls these methods with ``now`` and sends what they
+return.
 """
 
 from __future__ import annotations
@@ -294,8 +287,8 @@ class ClusterState:
             newer = current is not None and recovery.unseen_newer(part, claim, node.node_id)
             if why_not is None and current is not None and newer:
                 if self.holding(now):
-                    # A newer copy than the one granted earlier in the hold (no write
-                    # is routed during the hold): it wins.
+                    # A newer copy than the one granted earlier in the hold (no write is routed
+                    # during the hold): it wins.
                     out = self._demote(current.node_id, claim.partition)
                     part.primary = None
                     return out + self._make_primary(
@@ -312,11 +305,9 @@ class ClusterState:
                 self.notices.append(("error", recovery.not_taken(node, claim, why_not)))
             if current is None or newer or claim.epoch != part.epoch:
                 return []
-            # A copy of the serving primary's epoch, no newer, follows it (even one that
-            # may not be elected: a spare may be given to another partition and leave
-            # this one with a single copy of what both held).  One that could have been
-            # granted holds every acknowledged write: during the hold (no write routed
-            # yet) it is in sync, so it is elected if the primary dies before it caught up.
+            # A copy of the serving primary's epoch, no newer, follows it (even one that may not
+            # be elected: a spare may be given to another partition and leave this one with a
+            # single copy of what both held); recovery.vouches: in sync during the hold.
             vouched = why_not is None and recovery.vouches(part, claim)
         if (
             not part.lost
@@ -471,11 +462,7 @@ class ClusterState:
         ):
             return False
         part = self._parts[node.partition]
-        reported = {r for r in in_sync if r in part.replicas}
-        if self._holding:
-            # No write is routed before the hold ends: a member of the recorded set in
-            # sync stays so (and the primary waits for it while the map names it).
-            reported |= part.in_sync.intersection(part.recorded)
+        reported = recovery.reported_in_sync(part, in_sync, holding=self._holding)
         if reported == part.in_sync:
             return False
         part.in_sync = reported
@@ -538,8 +525,8 @@ class ClusterState:
         part.replicas.remove(best)
         self.failovers += 1
         out = self._make_primary(self.shards[best], p, part.epoch + 1, keep_origin=True)
-        # The others may hold writes the new primary lacks (or lack ones it has):
-        # they resynchronise from it at the new epoch.
+        # The others may hold writes the new primary lacks (or lack ones it has): they
+        # resynchronise from it at the new epoch.
         part.in_sync = set()
         for r in part.replicas:
             self.shards[r].epoch = part.epoch
@@ -585,8 +572,8 @@ class ClusterState:
         out = [Assignment(node.node_id, Role.PRIMARY, partition, epoch)]
         # Replicas that were waiting for a primary (after a restart) follow it now.
         out += [self._assignment(r) for r in part.replicas]
-        # Older copies kept in case an operator wanted them: no longer needed.  A
-        # newer one is kept (rule 8: it is compared once the partition serves).
+        # Older copies kept in case an operator wanted them: no longer needed.  A newer one is
+        # kept (rule 8: it is compared once the partition serves).
         for other in self.shards.values():
             held = other.held
             if held is None or held.partition != partition or other is node:
@@ -600,14 +587,9 @@ class ClusterState:
         return any(n.held is not None and n.held.partition == p for n in self.shards.values())
 
     def _spares(self) -> list[ShardNode]:
-        return sorted(
-            (
-                n
-                for n in self.shards.values()
-                if n.role is Role.SPARE and n.held is None and n.node_id not in self.drained
-            ),
-            key=lambda n: (n.registered_at, n.node_id),
-        )
+        free = [n for n in self.shards.values() if n.role is Role.SPARE and n.held is None]
+        free = [n for n in free if n.node_id not in self.drained]
+        return sorted(free, key=lambda n: (n.registered_at, n.node_id))
 
     def _copies(self, p: int) -> list[ShardNode]:
         part = self._parts[p]

@@ -48,10 +48,21 @@ def vouches(part: Partition, claim: Claim) -> bool:
     primary at its epoch, holds every acknowledged write as surely as the primary's own
     copy: a member of the recorded in-sync set, or, with no recorded set to go by (or
     once an operator released the partition), a copy at least as new as the one the
-    serving primary was granted from."""
+    serving primary was granted from.  During the start-up hold (no write routed yet)
+    such a copy is in sync, so it is elected if the primary dies before it caught up."""
     if part.pinned and not part.released:
         return True
     return (claim.epoch, claim.lsn) >= part.origin
+
+
+def reported_in_sync(part: Partition, in_sync: list[str], *, holding: bool) -> set[str]:
+    """The in-sync set a primary's report gives ``part``: the replicas it names; during
+    the start-up hold (no write is routed) a member of the recorded set in sync stays so
+    (and the primary waits for it while the map names it)."""
+    reported = {r for r in in_sync if r in part.replicas}
+    if holding:
+        reported |= part.in_sync.intersection(part.recorded)
+    return reported
 
 
 def unseen_newer(part: Partition, claim: Claim, node_id: str) -> bool:
