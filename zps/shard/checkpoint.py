@@ -2,10 +2,14 @@
 
 Layout of ``partition-P/ckpt-EPOCH-LSN.zps``::
 
-    b"ZPSCKPT1" | u64 header length | msgpack header | frame 0 | frame 1 | ... | sha256
+    b"ZPSCKPT2" | u64 header length | msgpack header | frame 0 | frame 1 | ... | xxh3-128
 
 The header is :func:`zps.store.snapshot.encode_snapshot`'s plus the frame lengths;
-the SHA-256 covers everything before it.  A file is written to a temporary
+the checksum, 16 bytes of XXH3-128, covers everything before it.  The magic names the
+checksum: files written before, ``b"ZPSCKPT1"``, end with a SHA-256 (32 bytes) and
+load as they did (:data:`zps.store.snapshot.CHECKSUMS`).  The checksum guards against
+a torn or corrupted file or stream, not against tampering: whoever can write a data
+directory can write its checkpoints.  A file is written to a temporary
 name, fsynced, renamed into place and the directory fsynced, so a crash
 leaves either the old set of files or the new one; a write that fails (a full
 disk) removes its temporary file and keeps the older checkpoints, and temporary
@@ -45,7 +49,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import hashlib
 import io
 import itertools
 import logging
@@ -67,7 +70,10 @@ from zps.protocol.codec import Encoder, MsgType, Route, decode
 from zps.shard.core import ShardCore
 from zps.store import mapped
 from zps.store.snapshot import (
+    CHECKSUMS,
+    STREAM_DIGEST,
     STREAM_MAGIC,
+    Checksum,
     CutSpace,
     FrozenPart,
     Part,
@@ -79,6 +85,7 @@ from zps.store.snapshot import (
     encode_snapshot,
     freeze_export,
     slices,
+    stream_checksum,
 )
 from zps.store.wal import Record, Recovery, Wal, WalError
 
@@ -88,7 +95,8 @@ MAGIC = STREAM_MAGIC
 #: The note of a clean stop beside a partition's checkpoints (see mark_final).
 FINAL = "FINAL"
 _LEN = struct.Struct("<Q")
-_DIGEST = 32
+#: The checksum of the streams and files written now (the magic names it).
+CHECKSUM: Checksum = CHECKSUMS[MAGIC]
 
 
 class CheckpointError(ZpsError):
@@ -254,8 +262,9 @@ def finish(snap: Snapshot) -> Snapshot:
 #: the last sync (in the writing thread), so its final sync has at most this much to
 #: flush: the disk's queue never holds a whole partition for one fsync to wait on.
 SYNC_BYTES = 64 << 20
-#: The checksum at the end of a checkpoint stream (SHA-256 of everything before it).
-DIGEST_BYTES = _DIGEST
+#: The length of the checksum at the end of a checkpoint stream written now (XXH3-128
+#: of everything before it).
+DIGEST_BYTES = STREAM_DIGEST
 #: Slices in which a stream is written or read, hashed beside it (in a second thread).
 _SLICE = 16 << 20
 
@@ -276,7 +285,7 @@ def encode_parts(snap: Snapshot) -> list[Part]:
 
 def encode_checkpoint(snap: Snapshot) -> list[Part]:
     parts = encode_parts(snap)
-    digest = hashlib.sha256()
+    digest = CHECKSUM.new()
     buf = memoryview(bytearray(_SLICE))
     for piece in slices(parts, _SLICE, buf):
         digest.update(piece)
@@ -286,27 +295,49 @@ def encode_checkpoint(snap: Snapshot) -> list[Part]:
 
 class Digest:
     """The checksum of a checkpoint stream of ``total`` bytes, fed in order, piece by
-    piece, as the stream is sent or received: bytes past the body (the checksum itself)
-    are left out.  SHA-256 releases the GIL, so a worker thread hashes while the event
-    loop moves the next chunks."""
+    piece, as the stream is sent or received: the one its magic names (the checksum of
+    the streams written now if the magic is not one), and bytes past the body (the
+    checksum itself) are left out.  Both checksums release the GIL, so a worker thread
+    hashes while the event loop moves the next chunks."""
 
     def __init__(self, total: int) -> None:
-        self._hash = hashlib.sha256()
-        self._room = max(0, total - _DIGEST)
+        self._total = total
+        self._magic = bytearray()
+        self._kind = CHECKSUM
+        self._hash: Any = None
+        self._room = 0
+
+    @property
+    def checksum(self) -> Checksum | None:
+        """The checksum taken (None until the magic is fed)."""
+        return None if self._hash is None else self._kind
 
     def feed(self, pieces: list[memoryview]) -> None:
         for piece in pieces:
-            take = min(self._room, len(piece))
-            if take:
-                self._hash.update(piece[:take])
-                self._room -= take
+            if self._hash is None:
+                take = min(len(MAGIC) - len(self._magic), len(piece))
+                self._magic += piece[:take]
+                piece = piece[take:]
+                if len(self._magic) < len(MAGIC):
+                    continue
+                self._kind = stream_checksum(self._magic) or CHECKSUM
+                self._hash = self._kind.new()
+                self._room = max(0, self._total - self._kind.size)
+                self._update(memoryview(self._magic))
+            self._update(piece)
+
+    def _update(self, piece: memoryview) -> None:
+        take = min(self._room, len(piece))
+        if take:
+            self._hash.update(piece[:take])
+            self._room -= take
 
     @property
     def complete(self) -> bool:
-        return self._room == 0
+        return self._hash is not None and self._room == 0
 
     def digest(self) -> bytes:
-        return self._hash.digest()
+        return b"" if self._hash is None else bytes(self._hash.digest())
 
 
 def decode_checkpoint(
@@ -315,12 +346,16 @@ def decode_checkpoint(
     """A checkpoint's snapshot, its checksum and structure verified (``copy``: see
     :func:`zps.store.snapshot.decode_snapshot`; ``verified``: the caller checked the
     checksum already, as a :class:`Digest` fed while the stream arrived)."""
-    view = memoryview(data)
-    if len(view) < len(MAGIC) + _LEN.size + _DIGEST or bytes(view[: len(MAGIC)]) != MAGIC:
+    view = memoryview(data).cast("B")
+    kind = stream_checksum(view)
+    if kind is None or len(view) < len(MAGIC) + _LEN.size + kind.size:
         raise CheckpointError("not a zps checkpoint (bad magic or too short)")
-    body, digest = view[:-_DIGEST], bytes(view[-_DIGEST:])
-    if not verified and hashlib.sha256(body).digest() != digest:
-        raise CheckpointError("checksum mismatch (corrupt or truncated)")
+    body, digest = view[: -kind.size], bytes(view[-kind.size :])
+    if not verified:
+        hashed = kind.new()
+        hashed.update(body)
+        if hashed.digest() != digest:
+            raise CheckpointError(f"{kind.name} checksum mismatch (corrupt or truncated)")
     (head_len,) = _LEN.unpack_from(body, len(MAGIC))
     start = len(MAGIC) + _LEN.size
     if start + head_len > len(body):
@@ -513,7 +548,9 @@ class CheckpointStore:
             try:
                 # Read into the arrays its tables will own, the checksum taken beside.
                 return Found(read_checkpoint(path), path)
-            except (CheckpointError, OSError) as e:
+            except CheckpointError as e:
+                log.error("%s; trying an older one", e)
+            except OSError as e:
                 log.error("checkpoint %s is unusable (%s); trying an older one", path, e)
         return None
 
@@ -669,8 +706,16 @@ def _load(core: ShardCore, snap: Snapshot) -> None:
 
 def read_checkpoint(path: Path) -> Snapshot:
     """The snapshot in the checkpoint at ``path``, read in slices into the arrays its
-    tables will own (:class:`StreamBuilder`) while a second thread takes its checksum;
-    CheckpointError if it does not verify or decode."""
+    tables will own (:class:`StreamBuilder`) while a second thread takes its checksum
+    (the one its magic names); CheckpointError naming the file if it does not verify or
+    decode."""
+    try:
+        return _read_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint {path} is unusable: {e}") from None
+
+
+def _read_checkpoint(path: Path) -> Snapshot:
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         try:
@@ -696,8 +741,9 @@ def read_checkpoint(path: Path) -> Snapshot:
                     raise CheckpointError(f"malformed checkpoint: {e}") from None
                 finally:
                     hashing.result()
-    if digest.digest() != builder.digest():
-        raise CheckpointError("checksum mismatch (corrupt or truncated)")
+    if not digest.complete or digest.digest() != builder.digest():
+        name = builder.checksum.name if builder.checksum is not None else "its"
+        raise CheckpointError(f"{name} checksum mismatch (corrupt or truncated)")
     try:
         return builder.snapshot()
     except (ProtocolError, KeyError, TypeError, ValueError, AttributeError) as e:
@@ -713,10 +759,11 @@ def _write_all(f: io.RawIOBase, view: memoryview) -> None:
 
 
 def _write_hashed(write: Callable[[memoryview], None], parts: Sequence[Part]) -> bytes:
-    """Write ``parts`` with ``write`` while a second thread hashes each slice; the SHA-256 of
-    all of them.  Frozen parts are read into a buffer a slice at a time (no larger than
-    the largest frozen part: a small checkpoint allocates no slice it does not fill)."""
-    digest = hashlib.sha256()
+    """Write ``parts`` with ``write`` while a second thread hashes each slice; the checksum
+    (:data:`CHECKSUM`) of all of them.  Frozen parts are read into a buffer a slice at a
+    time (no larger than the largest frozen part: a small checkpoint allocates no slice
+    it does not fill)."""
+    digest = CHECKSUM.new()
     frozen = max((len(p) for p in parts if isinstance(p, FrozenPart)), default=0)
     buf = memoryview(bytearray(min(_SLICE, frozen)))
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zps-ckpt-hash") as pool:

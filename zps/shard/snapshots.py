@@ -1,7 +1,7 @@
 """Snapshots for joining replicas, in bounded chunks: the primary's sender.
 
 A replica that subscribes gets the partition as the checkpoint byte stream
-(:func:`zps.shard.checkpoint.encode_checkpoint`: header, arrays, SHA-256) cut
+(:func:`zps.shard.checkpoint.encode_checkpoint`: header, arrays, XXH3-128) cut
 into chunks of at most ``chunk_bytes`` (:func:`zps.store.snapshot.plan_chunks`),
 each a ``SNAPSHOT_CHUNK`` message.  At most ``window`` chunks are unacknowledged
 at once: the replica answers each with ``SNAPSHOT_ACK``, so a slow replica slows

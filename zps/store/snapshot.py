@@ -10,14 +10,16 @@ Rule: :func:`decode_snapshot` returns a complete, validated snapshot or raises
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import numpy as np
+import xxhash
 
 from zps.errors import BadRequestError, ProtocolError
 from zps.protocol.codec import CODEC_RAW, WIRE_DTYPES, BufferLike, Encoder, array_from
@@ -462,12 +464,41 @@ def chunk_count(total: int, chunk_bytes: int) -> int:
     return max(1, -(-total // chunk_bytes))
 
 
-#: A snapshot stream's first bytes (as a checkpoint file's), the length of its header
-#: that follows them, and the checksum that ends it.
-STREAM_MAGIC = b"ZPSCKPT1"
+class Hasher(Protocol):
+    def update(self, data: BufferLike, /) -> None: ...
+    def digest(self) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class Checksum:
+    """The checksum a snapshot stream ends with, as its magic names it."""
+
+    name: str
+    size: int  # bytes of the digest at the stream's end
+    new: Callable[[], Hasher]
+
+
+#: A snapshot stream's first bytes (as a checkpoint file's) name the checksum of
+#: everything before its last bytes, which hold it: XXH3-128 in the streams written now
+#: (integrity at memory speed: a multi-GB stream is hashed on both sides of every
+#: transfer and at every checkpoint and restart), SHA-256 in those written before
+#: (still read).  The length of the header follows the magic.
+STREAM_MAGIC = b"ZPSCKPT2"
+STREAM_MAGIC_SHA256 = b"ZPSCKPT1"
+CHECKSUMS: dict[bytes, Checksum] = {
+    STREAM_MAGIC: Checksum("XXH3-128", 16, xxhash.xxh3_128),
+    STREAM_MAGIC_SHA256: Checksum("SHA-256", 32, hashlib.sha256),
+}
 _HEAD_LEN = struct.Struct("<Q")
 _PREFIX = len(STREAM_MAGIC) + _HEAD_LEN.size
-STREAM_DIGEST = 32
+#: The checksum's length in the streams written now.
+STREAM_DIGEST = CHECKSUMS[STREAM_MAGIC].size
+_MIN_DIGEST = min(c.size for c in CHECKSUMS.values())
+
+
+def stream_checksum(magic: BufferLike) -> Checksum | None:
+    """The checksum a stream beginning with ``magic`` ends with (None: not a stream)."""
+    return CHECKSUMS.get(bytes(memoryview(magic).cast("B")[: len(STREAM_MAGIC)]))
 
 
 class StreamBuilder:
@@ -499,7 +530,7 @@ class StreamBuilder:
             raise ProtocolError("snapshot chunk_bytes must be positive")
         if total > max_bytes:
             raise ProtocolError(f"snapshot of {total} bytes exceeds the limit of {max_bytes}")
-        if total < _PREFIX + STREAM_DIGEST:
+        if total < _PREFIX + _MIN_DIGEST:
             raise ProtocolError(f"snapshot of {total} bytes is too short to be one")
         if count != chunk_count(total, chunk_bytes):
             raise ProtocolError(
@@ -523,6 +554,8 @@ class StreamBuilder:
         self._frame = 0
         self._frame_pos = 0
         self._digest = bytearray()
+        #: The checksum the stream ends with (known once its magic is taken).
+        self.checksum: Checksum | None = None
 
     @classmethod
     def from_header(cls, header: dict[str, Any], *, max_bytes: int) -> StreamBuilder:
@@ -589,7 +622,8 @@ class StreamBuilder:
             if self._frame_pos == dest.shape[0]:
                 self._next_frame()
         else:
-            take = min(len(view), STREAM_DIGEST - len(self._digest))
+            assert self.checksum is not None  # known since the prefix
+            take = min(len(view), self.checksum.size - len(self._digest))
             if take == 0:
                 raise ProtocolError("snapshot stream runs past its checksum")
             self._digest += view[:take]
@@ -597,10 +631,12 @@ class StreamBuilder:
         return take
 
     def _begin(self, prefix: bytes) -> None:
-        if prefix[: len(STREAM_MAGIC)] != STREAM_MAGIC:
+        checksum = stream_checksum(prefix)
+        if checksum is None:
             raise ProtocolError("snapshot stream does not begin as one (bad magic)")
+        self.checksum = checksum
         (head_len,) = _HEAD_LEN.unpack_from(prefix, len(STREAM_MAGIC))
-        if head_len > self.total - _PREFIX - STREAM_DIGEST:
+        if head_len > self.total - _PREFIX - checksum.size:
             raise ProtocolError("snapshot header runs past the end of the stream")
         self._head_len = head_len
         if head_len == 0:
@@ -615,7 +651,8 @@ class StreamBuilder:
         if not isinstance(header, dict):
             raise ProtocolError("snapshot header is not a map")
         sizes = header.pop("frame_bytes", None)
-        body = self.total - _PREFIX - self._head_len - STREAM_DIGEST
+        assert self.checksum is not None  # known since the prefix
+        body = self.total - _PREFIX - self._head_len - self.checksum.size
         if (
             not isinstance(sizes, list)
             or not all(type(n) is int and n >= 0 for n in sizes)

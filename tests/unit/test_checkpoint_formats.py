@@ -1,0 +1,169 @@
+"""Checkpoint and snapshot-stream checksums: XXH3-128 in what is written now, SHA-256 in
+files and streams written before (the magic names which); both restore exactly, and a
+flipped byte in either is refused with an error naming the file."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+from zps.init import Zeros
+from zps.optim import Adagrad
+from zps.protocol.specs import DenseSpec, EmbeddingSpec
+from zps.shard import checkpoint as ckpt
+from zps.shard.checkpoint import (
+    CheckpointError,
+    CheckpointStore,
+    Digest,
+    cut,
+    decode_checkpoint,
+    encode_parts,
+    read_checkpoint,
+)
+from zps.shard.core import ShardCore
+from zps.store.snapshot import StreamBuilder, build_store, plan_chunks
+
+ROWS, DIM = 3000, 8
+
+
+def _core(lsn: int = 7) -> ShardCore:
+    core = ShardCore()
+    core.assign(2, 5)
+    core.store.create(EmbeddingSpec("e", DIM, "float32", Zeros(), Adagrad(lr=0.1), 0))
+    core.store.create(DenseSpec("d", (10,), "float32", Zeros(), Adagrad(), 1, chunk_elems=4))
+    rng = np.random.default_rng(3)
+    ids = rng.permutation(10 * ROWS)[:ROWS].astype(np.int64)
+    table = core.store.embedding("e")
+    data = {"ids": ids, "rows": rng.random((ROWS, DIM), dtype=np.float32)}
+    for key, width in table._widths.items():
+        data[key] = rng.random((ROWS, width), dtype=np.float32)
+    table.load(data)
+    core.lsn = lsn
+    return core
+
+
+def _old_layout(core: ShardCore) -> bytes:
+    """A checkpoint as written before XXH3-128: ``b"ZPSCKPT1" | u64 header length |
+    msgpack header | frames | sha256`` of everything before the digest."""
+    parts = encode_parts(cut(core))
+    body = b"".join([b"ZPSCKPT1", *(bytes(memoryview(p)) for p in parts[1:])])
+    return body + hashlib.sha256(body).digest()
+
+
+def _write_old(store: CheckpointStore, core: ShardCore) -> Path:
+    assert core.partition is not None
+    return store.write_encoded(core.partition, core.epoch, core.lsn, [_old_layout(core)])
+
+
+def _restored(path: Path) -> ShardCore:
+    snap = read_checkpoint(path)
+    out = ShardCore()
+    out.install_snapshot(snap, build_store(snap))
+    return out
+
+
+def test_a_checkpoint_written_now_ends_with_the_xxh3_128_of_the_rest(tmp_path: Path) -> None:
+    core = _core()
+    path = CheckpointStore(tmp_path).write(cut(core))
+    data = path.read_bytes()
+    assert data[:8] == b"ZPSCKPT2" and ckpt.DIGEST_BYTES == 16
+    assert data[-16:] == xxhash.xxh3_128(data[:-16]).digest()
+    restored = _restored(path)
+    assert restored.store.checksum() == core.store.checksum() and restored.lsn == 7
+    assert decode_checkpoint(data).lsn == 7
+
+
+def test_a_checkpoint_in_the_sha256_format_still_restores_exactly(tmp_path: Path) -> None:
+    core = _core()
+    store = CheckpointStore(tmp_path)
+    path = _write_old(store, core)
+    assert path.read_bytes()[:8] == b"ZPSCKPT1"
+    found = store.latest()
+    assert found is not None and found.path == path
+    restored = ShardCore()
+    restored.install_snapshot(found.snapshot, build_store(found.snapshot))
+    assert restored.store.checksum() == core.store.checksum()
+    assert (restored.partition, restored.epoch, restored.lsn) == (2, 5, 7)
+    assert decode_checkpoint(path.read_bytes()).lsn == 7
+
+
+@pytest.mark.parametrize("fmt", ["xxh3", "sha256"])
+@pytest.mark.parametrize("where", ["header", "rows", "digest"])
+def test_a_flipped_byte_is_refused_naming_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, fmt: str, where: str
+) -> None:
+    core = _core()
+    store = CheckpointStore(tmp_path, keep=5)
+    older = store.write(cut(_core(lsn=3)))
+    path = store.write(cut(core)) if fmt == "xxh3" else _write_old(store, core)
+    data = bytearray(path.read_bytes())
+    pos = {"header": 20, "rows": len(data) // 2, "digest": len(data) - 1}[where]
+    data[pos] ^= 0x10
+    path.write_bytes(bytes(data))
+    name = "XXH3-128" if fmt == "xxh3" else "SHA-256"
+    with pytest.raises(CheckpointError, match=r"checksum mismatch|malformed") as err:
+        read_checkpoint(path)
+    assert str(path) in str(err.value)
+    if where != "header":  # the header still decodes: the checksum is what refuses it
+        assert f"{name} checksum mismatch" in str(err.value)
+    with pytest.raises(CheckpointError, match=r"checksum mismatch|malformed"):
+        decode_checkpoint(bytes(data))
+    # A restart falls back to the older checkpoint and says which file it skipped.
+    with caplog.at_level(logging.ERROR, logger="zps.checkpoint"):
+        found = store.latest()
+    assert found is not None and found.path == older
+    assert any(str(path) in r.getMessage() for r in caplog.records)
+
+
+def test_a_truncated_checkpoint_is_refused_in_either_format(tmp_path: Path) -> None:
+    core = _core()
+    for path in (
+        CheckpointStore(tmp_path / "new").write(cut(core)),
+        _write_old(CheckpointStore(tmp_path / "old"), core),
+    ):
+        data = path.read_bytes()
+        path.write_bytes(data[:-5])
+        with pytest.raises(CheckpointError, match=re.escape(str(path))):
+            read_checkpoint(path)
+        path.write_bytes(data[:12])
+        with pytest.raises(CheckpointError, match=re.escape(str(path))):
+            read_checkpoint(path)
+
+
+@pytest.mark.parametrize("fmt", ["xxh3", "sha256"])
+def test_a_stream_in_either_format_is_taken_and_verified_in_chunks(fmt: str) -> None:
+    """A replica takes a snapshot stream from a primary of either version."""
+    core = _core()
+    if fmt == "xxh3":
+        data = b"".join(bytes(memoryview(p)) for p in ckpt.encode_checkpoint(cut(core)))
+    else:
+        data = _old_layout(core)
+    chunk = 4096
+    plan = plan_chunks([len(data)], chunk)
+    for flip in (None, len(data) // 3):
+        stream = bytearray(data)
+        if flip is not None:
+            stream[flip] ^= 1
+        view = memoryview(bytes(stream))
+        builder = StreamBuilder(9, len(view), chunk, plan.count, 1 << 30)
+        digest = Digest(len(view))
+        for seq in range(plan.count):
+            piece = view[seq * chunk : (seq + 1) * chunk]
+            builder.check(9, seq, [piece])
+            builder.take([piece])
+            digest.feed([piece[:3], piece[3:]])  # pieces split inside the magic too
+        assert digest.complete
+        assert builder.checksum is not None and digest.checksum is builder.checksum
+        assert builder.checksum.name == ("XXH3-128" if fmt == "xxh3" else "SHA-256")
+        assert (digest.digest() == builder.digest()) is (flip is None)
+        if flip is None:
+            snap = builder.snapshot()
+            out = ShardCore()
+            out.install_snapshot(snap, build_store(snap))
+            assert out.store.checksum() == core.store.checksum()
