@@ -27,22 +27,23 @@ from zps.shard.checkpoint import (
     read_checkpoint,
 )
 from zps.shard.core import ShardCore
+from zps.store import mapped
 from zps.store.snapshot import StreamBuilder, build_store, plan_chunks
 
 ROWS, DIM = 3000, 8
 
 
-def _core(lsn: int = 7) -> ShardCore:
+def _core(lsn: int = 7, rows: int = ROWS) -> ShardCore:
     core = ShardCore()
     core.assign(2, 5)
     core.store.create(EmbeddingSpec("e", DIM, "float32", Zeros(), Adagrad(lr=0.1), 0))
     core.store.create(DenseSpec("d", (10,), "float32", Zeros(), Adagrad(), 1, chunk_elems=4))
     rng = np.random.default_rng(3)
-    ids = rng.permutation(10 * ROWS)[:ROWS].astype(np.int64)
+    ids = rng.permutation(10 * rows)[:rows].astype(np.int64)
     table = core.store.embedding("e")
-    data = {"ids": ids, "rows": rng.random((ROWS, DIM), dtype=np.float32)}
+    data = {"ids": ids, "rows": rng.random((rows, DIM), dtype=np.float32)}
     for key, width in table._widths.items():
-        data[key] = rng.random((ROWS, width), dtype=np.float32)
+        data[key] = rng.random((rows, width), dtype=np.float32)
     table.load(data)
     core.lsn = lsn
     return core
@@ -167,3 +168,45 @@ def test_a_stream_in_either_format_is_taken_and_verified_in_chunks(fmt: str) -> 
             out = ShardCore()
             out.install_snapshot(snap, build_store(snap))
             assert out.store.checksum() == core.store.checksum()
+
+
+def test_a_tables_array_is_written_through_its_memory_file() -> None:
+    arr = mapped.empty(mapped.MIN_BYTES // 32 + 10, 8, np.float32)
+    data = np.arange(arr.size, dtype=np.float32)
+    raw = memoryview(data).cast("B")
+    if mapped.mapping(arr) is None or not mapped.freezable(arr):
+        pytest.skip("no memory files here: arrays are copied into")
+    assert mapped.write_at(arr, 0, raw[:4096])
+    assert mapped.write_at(arr, 4096, raw[4096:])
+    assert np.array_equal(arr.reshape(-1), data)
+    arr[3, 1] = -1.0  # the mapping and the file are one memory
+    assert mapped.write_at(arr, 0, raw[:128]) and arr[3, 1] == data[25]
+    with pytest.raises(ValueError):
+        mapped.write_at(arr, arr.nbytes - 4, raw[:8])
+    assert not mapped.write_at(np.zeros((4, 8), np.float32), 0, raw[:8])
+    version = mapped.freeze(arr)
+    assert version is not None
+    assert not mapped.write_at(arr, 0, raw[:8])  # frozen: the caller copies
+    version.release()
+
+
+def test_a_big_table_restored_from_chunks_owns_memory_files_and_grows(tmp_path: Path) -> None:
+    """Tables' arrays of a MB and more are written through their memory files at a
+    restore (and a catch-up); the restored table is exact, and is then written, frozen
+    and grown like any other."""
+    rows = 2 * mapped.MIN_BYTES // (DIM * 4)
+    core = _core(rows=rows)
+    path = CheckpointStore(tmp_path).write(cut(core))
+    restored = _restored(path)
+    assert restored.store.checksum() == core.store.checksum()
+    own = restored.store.embedding("e")._rows
+    assert own.nbytes >= mapped.MIN_BYTES
+    assert mapped.mapping(own) is not None or not mapped.IN_PLACE
+    for other in (restored, core):
+        emb = other.store.embedding("e")
+        new_ids = np.arange(10 * rows, 10 * rows + 5000, dtype=np.int64)
+        emb.push(new_ids, np.ones((5000, DIM), np.float32))
+        emb.push(emb.export()["ids"][:100], np.ones((100, DIM), np.float32))
+    assert restored.store.checksum() == core.store.checksum()
+    again = _restored(CheckpointStore(tmp_path / "again").write(cut(restored)))
+    assert again.store.checksum() == core.store.checksum()

@@ -56,6 +56,8 @@ __all__ = [
     "grow",
     "grown",
     "mapping",
+    "populate",
+    "write_at",
 ]
 
 #: Arrays smaller than this are plain numpy arrays (copying them costs nothing).
@@ -343,6 +345,25 @@ def populate(arr: Any, start: int, stop: int) -> None:
     if stop > first:
         with contextlib.suppress(OSError, ValueError):
             m.madvise(_POPULATE_WRITE, first, stop - first)
+
+
+def write_at(arr: Any, offset: int, data: memoryview) -> bool:
+    """Write ``data`` at byte ``offset`` of ``arr`` (from :func:`empty`, not frozen)
+    through its memory file, in the kernel: one copy, no page fault and no page-table
+    entry (pages are mapped on their first access, as after :func:`drop_pages`).  False,
+    writing nothing, for other arrays: the caller copies."""
+    m = mapping(arr)
+    if not isinstance(m, _Memory) or m.fd < 0 or m.frozen is not None:
+        return False
+    if offset < 0 or offset + len(data) > len(m):
+        raise ValueError(f"bytes {offset}+{len(data)} of an array of {len(m)}")
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.pwrite(m.fd, view, offset)
+        if n <= 0:
+            raise OSError(f"could not write rows at {offset} of {len(m)}")
+        view, offset = view[n:], offset + n
+    return True
 
 
 def frozen(arr: Any) -> Frozen | None:

@@ -615,9 +615,15 @@ class StreamBuilder:
             dest = self._frames[self._frame]
             take = min(len(view), dest.shape[0] - self._frame_pos)
             owner = self._dests.get(self._frame)
-            if owner is not None:  # its pages faulted in at once, not one by one
-                mapped.populate(owner, self._frame_pos, self._frame_pos + take)
-            dest[self._frame_pos : self._frame_pos + take] = np.frombuffer(view[:take], np.uint8)
+            # A table's array is written through its memory file (one copy in the
+            # kernel, no page faults); other memory is copied into, its pages faulted in
+            # at once rather than one by one.
+            if owner is None or not mapped.write_at(owner, self._frame_pos, view[:take]):
+                if owner is not None:
+                    mapped.populate(owner, self._frame_pos, self._frame_pos + take)
+                dest[self._frame_pos : self._frame_pos + take] = np.frombuffer(
+                    view[:take], np.uint8
+                )
             self._frame_pos += take
             if self._frame_pos == dest.shape[0]:
                 self._next_frame()
