@@ -150,8 +150,8 @@ def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
         yield c
     finally:
         # A shard on the slowed disk would spend minutes on its final checkpoint, which
-        # nothing here checks: past 2 s it is killed.
-        c.stop(timeout=2.0)
+        # nothing here checks: past 0.5 s it is killed.
+        c.stop(timeout=0.5)
 
 
 async def test_a_replica_syncing_its_snapshot_on_a_slow_disk_never_holds_its_loop(
