@@ -259,8 +259,10 @@ def finish(snap: Snapshot) -> Snapshot:
 
 
 #: A checkpoint being written is synced each time this many bytes were written since
-#: the last sync (in the writing thread), so its final sync has at most this much to
-#: flush: the disk's queue never holds a whole partition for one fsync to wait on.
+#: the last sync, in a thread of its own while the writer goes on (the disk writes while
+#: the next bytes arrive); the writer waits for the sync before the next one starts, so
+#: at most twice this much is unsynced and the final sync never waits on a whole
+#: partition in the disk's queue.
 SYNC_BYTES = 64 << 20
 #: The length of the checksum at the end of a checkpoint stream written now (XXH3-128
 #: of everything before it).
@@ -565,24 +567,52 @@ class PendingCheckpoint:
         self.file: io.RawIOBase = open(self._tmp, "wb", buffering=0)  # noqa: SIM115
         self.written = 0
         self._unsynced = 0
+        self._syncer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._syncing: concurrent.futures.Future[None] | None = None
         store.pending.add(self._tmp)
 
     def write(self, view: memoryview) -> None:
-        """Append ``view``; synced in pieces of :data:`SYNC_BYTES` (from the thread that
-        writes), the rest at :meth:`commit`."""
+        """Append ``view``; synced in pieces of :data:`SYNC_BYTES` behind the writes (see
+        :meth:`_sync_behind`), the rest at :meth:`commit`.  From one thread at a time."""
         _write_all(self.file, memoryview(view).cast("B"))
         self.written += len(view)
         self._unsynced += len(view)
         if self._unsynced >= SYNC_BYTES:
-            os.fdatasync(self.file.fileno())
+            self._sync_behind()
             self._unsynced = 0
 
+    def _sync_behind(self) -> None:
+        """Start an ``fdatasync`` of what is written so far in the syncing thread, once
+        the one before it has finished (its error raised here)."""
+        self._synced()
+        if self._syncer is None:
+            self._syncer = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="zps-ckpt-sync"
+            )
+        self._syncing = self._syncer.submit(os.fdatasync, self.file.fileno())
+
+    def _synced(self) -> None:
+        """Wait for the sync under way, if any; its error is raised."""
+        syncing, self._syncing = self._syncing, None
+        if syncing is not None:
+            syncing.result()
+
+    def _stop_syncing(self) -> None:
+        """Wait for the sync under way (its error ignored) and end the syncing thread."""
+        with contextlib.suppress(OSError):
+            self._synced()
+        if self._syncer is not None:
+            self._syncer.shutdown()
+            self._syncer = None
+
     def commit(self) -> Path:
-        """Sync the file, remove the partition's checkpoints named after it (newer
-        than the state it holds: of a history this copy left, as when a replica
-        takes a snapshot behind its own), rename it into place, sync the folder, prune
-        the oldest."""
+        """Sync the file (once the sync under way, whose error fails the commit, has
+        finished), remove the partition's checkpoints named after it (newer than the
+        state it holds: of a history this copy left, as when a replica takes a snapshot
+        behind its own), rename it into place, sync the folder, prune the oldest."""
         try:
+            self._synced()
+            self._stop_syncing()
             os.fsync(self.file.fileno())
             self.file.close()
             newer = [p for p in self._folder.glob("ckpt-*.zps") if p.name > self.final.name]
@@ -601,7 +631,9 @@ class PendingCheckpoint:
         return self.final
 
     def abort(self) -> None:
+        """Close and remove the file (off the event loop: it waits for a sync under way)."""
         self._store.pending.discard(self._tmp)
+        self._stop_syncing()
         with contextlib.suppress(OSError):
             self.file.close()
         with contextlib.suppress(OSError):

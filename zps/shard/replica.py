@@ -402,7 +402,7 @@ class Upstream:
                 else True
             )
             if not cut:
-                keeping.abort()
+                await asyncio.to_thread(keeping.abort)  # it may wait for a sync under way
                 log.error(
                     "could not keep the snapshot at LSN %d as a checkpoint: the log "
                     "after it could not be set aside",
