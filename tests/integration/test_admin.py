@@ -170,7 +170,7 @@ def test_values_set_survive_failover_and_a_restart_of_everything(
     for p in victims:
         p.popen.wait(10)
     restarted = [c.start_shard(d, flags) for d in dirs]
-    c.restart_broker()
+    c.restart_broker(grace=1.0)
     c.wait_for(served, 60, "the restarted shards to claim their partitions")
     with zps.connect_sync(c.address, timeout=30) as ps:
         expect(ps, dense, ids, rows)

@@ -86,7 +86,7 @@ def run_crash(
                 shutil.rmtree(d)
         # Same data dirs; clients keep re-sending what was in flight.
         restarted = [c.start_shard(d, flags) for d in dirs]
-        c.restart_broker()
+        c.restart_broker(grace=1.0)
         await asyncio.to_thread(c.wait_healthy, 60)
         # Pushes go on after the restart, then stop.
         target = load.total_pushes + 200
@@ -149,7 +149,7 @@ def test_a_torn_last_record_is_cut_at_restart_and_only_it_is_lost(
     with open(segment, "r+b") as f:
         f.truncate(size - 5)  # the last record (push 10) torn, as by a crash mid-write
     shard2 = c.start_shard(data, flags)
-    c.restart_broker()
+    c.restart_broker(grace=1.0)
     c.wait_healthy(30)
     assert re.search(r"write-ahead log replay stopped: .*runs past the end", shard2.log())
     with zps.connect_sync(c.address, timeout=20) as ps:

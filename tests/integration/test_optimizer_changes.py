@@ -136,7 +136,7 @@ def test_optimizer_changes_and_a_schedule_survive_failover_restart_and_export(
             ]
             assert max(written, default=0) < lsn, (p, written, lsn)  # fmt: skip
         restarted = [c.start_shard(d, FLAGS) for d in dirs]
-        c.restart_broker()
+        c.restart_broker(grace=1.0)
         await asyncio.to_thread(c.wait_healthy, 90)
         replayed = [int(m.group(1)) for p in restarted if (m := RESTORED.search(p.log()))]
         assert replayed and max(replayed) > 0, c.logs()

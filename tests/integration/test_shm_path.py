@@ -403,7 +403,7 @@ def test_the_log_holds_the_bytes_of_pushes_sent_through_shared_memory(tmp_path: 
             os.kill(p.pid, signal.SIGKILL)
             p.popen.wait(10)
         restarted = [c.start_shard(d, flags) for d in dirs]
-        c.restart_broker()
+        c.restart_broker(grace=1.0)
         c.wait_healthy(60)
 
         async def after() -> np.ndarray:

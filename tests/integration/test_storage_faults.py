@@ -88,7 +88,7 @@ def test_pushes_acknowledged_while_the_disk_fills_and_frees_survive_a_sigkill(
         assert not pusher.is_alive() and acked == list(range(1, 41))
     kill(shard, c.broker())
     shard2 = c.start_shard(data, flags)
-    c.restart_broker()
+    c.restart_broker(grace=1.0)
     c.wait_healthy(60)
     assert "write-ahead log replay stopped" not in shard2.log(), shard2.log()[-3000:]
     with zps.connect_sync(c.address, timeout=20) as ps:
@@ -124,7 +124,7 @@ def test_a_flipped_bit_in_the_newest_checkpoint_restores_from_the_previous_and_t
     raw[len(raw) // 2] ^= 0x04  # one flipped bit
     newest.write_bytes(bytes(raw))
     shard2 = c.start_shard(data, flags)
-    c.restart_broker()
+    c.restart_broker(grace=1.0)
     c.wait_healthy(60)
     log = shard2.log()
     assert f"checkpoint {newest} is unusable" in log
@@ -216,7 +216,7 @@ def test_without_a_log_only_a_checkpoint_written_at_a_clean_stop_is_claimed_comp
     assert (data / "partition-0" / "FINAL").exists()
     kill(c.broker())
     shard2 = c.start_shard(data, flags)
-    c.restart_broker()
+    c.restart_broker(grace=1.0)
     c.wait_healthy(60)
     assert "restored partition 0 at epoch 1, LSN 6" in shard2.log()
     assert "claimed as incomplete" not in shard2.log()
@@ -296,7 +296,7 @@ def test_a_real_full_disk_filled_and_freed_under_acknowledged_pushes_loses_none(
             assert not pusher.is_alive() and acked == list(range(1, 41))
         kill(shard, c.broker())
         shard2 = c.start_shard(data, flags)
-        c.restart_broker()
+        c.restart_broker(grace=1.0)
         c.wait_healthy(60)
         assert "write-ahead log replay stopped" not in shard2.log(), shard2.log()[-3000:]
         with zps.connect_sync(c.address, timeout=20) as ps:

@@ -435,16 +435,41 @@ class DataDirCluster(LocalCluster):
         args = ["--data-dir", str(data_dir)] if data_dir is not None else []
         return super().start_shard([*args, *extra])
 
-    def restart_broker(self) -> Proc:
-        """A fresh broker on the same port, with its default start-up hold (two liveness
-        timeouts), so it rebuilds its map from the restarted shards' claims."""
+    def restart_broker(self, grace: float | None = None, timeout: float = 60.0) -> Proc:
+        """A fresh broker on the same port, so it rebuilds its map from the restarted
+        shards' claims: with its default start-up hold (two liveness timeouts), or with
+        ``grace`` seconds of hold once every running shard has restored its data and is
+        connecting (within ``timeout``), as then each claim comes as the broker binds.
+        The broker routes no request while it holds, even for a claimed partition."""
+        if grace is not None:
+            self.wait_connecting(timeout)
         n = sum(p.name.startswith("broker") for p in self.procs)
+        hold = [] if grace is None else ["--startup-grace", str(grace)]
         return self.spawn(
             f"broker{n}",
             [sys.executable, "-m", "zps", "broker", "--bind", self.address,
              "--partitions", str(self.partitions), "--replication", str(self.replication),
-             *self.common_args()],
+             *hold, *self.common_args()],
         )  # fmt: skip
+
+    def wait_connecting(self, timeout: float) -> None:
+        """Until every running shard's log says it is connecting to the broker (it has
+        restored what its data dir holds: its claim goes out as the broker answers)."""
+        deadline = time.monotonic() + timeout
+        shards = [p for p in self.procs if p.name.startswith("shard") and p.alive()]
+        while True:
+            waiting = [p for p in shards if not re.search(r"\) connecting to ", p.log())]
+            if not waiting:
+                return
+            for p in waiting:
+                if not p.alive():
+                    raise ZpsError(f"{p.name} exited before connecting:\n{p.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise ZpsTimeoutError(
+                    f"timed out after {timeout:g}s waiting for {[p.name for p in waiting]} "
+                    f"to connect\n{self.logs()}"
+                )
+            time.sleep(POLL_S)
 
 
 @dataclass
