@@ -210,3 +210,39 @@ def test_a_big_table_restored_from_chunks_owns_memory_files_and_grows(tmp_path: 
     assert restored.store.checksum() == core.store.checksum()
     again = _restored(CheckpointStore(tmp_path / "again").write(cut(restored)))
     assert again.store.checksum() == core.store.checksum()
+
+
+def test_a_frozen_window_shows_the_version_at_the_freeze_and_is_unmapped_after() -> None:
+    arr = mapped.empty(mapped.MIN_BYTES // 32 + 3, 8, np.float32)
+    if not mapped.freezable(arr):
+        pytest.skip("no memory files here: cuts copy")
+    arr[:] = np.arange(arr.size, dtype=np.float32).reshape(arr.shape)
+    want = arr.copy()
+    version = mapped.freeze(arr)
+    assert version is not None
+    arr[:] = -1.0  # written after the freeze: private pages, not the file
+    off = 3 * 4096 + 100  # not page-aligned: the mapping starts below it
+    with version.window(off, 50_000) as view:
+        assert view.readonly
+        assert bytes(view) == want.tobytes()[off : off + 50_000]
+    with pytest.raises(ValueError):  # released on the way out
+        view.tobytes()
+    with pytest.raises(ValueError), version.window(version.nbytes - 4, 8):
+        pass
+    version.release()
+    with pytest.raises(ValueError), version.window(0, 8):
+        pass
+    assert float(arr[0, 0]) == -1.0
+
+
+def test_a_checkpoint_of_a_frozen_cut_holds_the_cut_not_later_writes(tmp_path: Path) -> None:
+    rows = 2 * mapped.MIN_BYTES // (DIM * 4)
+    core = _core(rows=rows)
+    want = core.store.checksum()
+    snap = cut(core)
+    assert snap.frozen or not mapped.FREEZABLE
+    emb = core.store.embedding("e")
+    emb.push(emb.export()["ids"][:2000], np.ones((2000, DIM), np.float32))  # after the cut
+    path = CheckpointStore(tmp_path).write(snap)
+    ckpt.release(snap)
+    assert _restored(path).store.checksum() == want != core.store.checksum()

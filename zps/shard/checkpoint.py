@@ -267,7 +267,7 @@ SYNC_BYTES = 64 << 20
 #: The length of the checksum at the end of a checkpoint stream written now (XXH3-128
 #: of everything before it).
 DIGEST_BYTES = STREAM_DIGEST
-#: Slices in which a stream is written or read, hashed beside it (in a second thread).
+#: Slices in which a stream is written or read, hashed as it goes.
 _SLICE = 16 << 20
 
 
@@ -403,8 +403,8 @@ class CheckpointStore:
 
     def write(self, snap: Snapshot) -> Path:
         """Write atomically; prune old files; return the new file's path.  The checksum
-        is taken as the arrays are written, a slice ahead in a second thread, from the
-        tables' own arrays (no copy of the stream)."""
+        is taken as the arrays are written, slice by slice, from the tables' own arrays
+        (frozen ones read where they are, in their files: no copy of the stream)."""
         return self.write_encoded(
             snap.partition, snap.epoch, snap.lsn, encode_parts(snap), checksum=True
         )
@@ -791,20 +791,15 @@ def _write_all(f: io.RawIOBase, view: memoryview) -> None:
 
 
 def _write_hashed(write: Callable[[memoryview], None], parts: Sequence[Part]) -> bytes:
-    """Write ``parts`` with ``write`` while a second thread hashes each slice; the checksum
-    (:data:`CHECKSUM`) of all of them.  Frozen parts are read into a buffer a slice at a
-    time (no larger than the largest frozen part: a small checkpoint allocates no slice
-    it does not fill)."""
+    """Write ``parts`` with ``write``, each slice hashed before it is written; the checksum
+    (:data:`CHECKSUM`) of all of them.  Frozen parts are hashed and written where they
+    are, a slice of their file mapped at a time (no copy into a buffer first).  One
+    thread: the checksum runs at memory speed, and a second thread reading the mappings
+    would cost each unmapping a flush of its CPU's TLB."""
     digest = CHECKSUM.new()
-    frozen = max((len(p) for p in parts if isinstance(p, FrozenPart)), default=0)
-    buf = memoryview(bytearray(min(_SLICE, frozen)))
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zps-ckpt-hash") as pool:
-        for piece in slices(parts, _SLICE, buf):
-            hashing = pool.submit(digest.update, piece)
-            try:
-                write(piece)
-            finally:
-                hashing.result()
+    for piece in slices(parts, _SLICE, memoryview(b""), mapped_frozen=True):
+        digest.update(piece)
+        write(piece)
     return digest.digest()
 
 

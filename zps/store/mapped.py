@@ -185,6 +185,7 @@ _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FIXED = 0x10
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _address(m: mmap.mmap) -> int:
@@ -237,6 +238,32 @@ class Frozen:
             if n <= 0:
                 raise OSError(f"a frozen version ended at {offset + got} of {self.nbytes}")
             got += n
+
+    @contextlib.contextmanager
+    def window(self, offset: int, size: int) -> Iterator[memoryview]:
+        """Bytes ``[offset, offset + size)`` of the frozen version as a read-only view of
+        a mapping of its file made for it (its pages mapped at once, unmapped on the way
+        out: they count in the resident size only meanwhile), so that a writer or a
+        checksum reads them where they are, with no copy into a buffer first."""
+        if self.released or offset < self.released_to:
+            raise ValueError("a frozen version read after its release")
+        if offset < 0 or size < 0 or offset + size > self.nbytes:
+            raise ValueError(f"bytes {offset}+{size} of a frozen {self.nbytes}")
+        first = offset - offset % mmap.ALLOCATIONGRANULARITY
+        m = mmap.mmap(
+            self.fd,
+            offset + size - first,
+            flags=mmap.MAP_SHARED | _MAP_POPULATE,
+            prot=mmap.PROT_READ,
+            offset=first,
+        )
+        view = memoryview(m)[offset - first :]
+        try:
+            yield view
+        finally:
+            view.release()
+            with contextlib.suppress(BufferError):  # a view still held: unmapped with it
+                m.close()
 
     def release(self) -> int:
         """Make the array shared with its file again: the pages written since the

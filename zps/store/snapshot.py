@@ -327,14 +327,21 @@ def read_part(part: Part, a: int, b: int, out: memoryview) -> None:
         out[: b - a] = memoryview(part).cast("B")[a:b]
 
 
-def slices(parts: Sequence[Part], size: int, buf: memoryview) -> Iterator[memoryview]:
+def slices(
+    parts: Sequence[Part], size: int, buf: memoryview, *, mapped_frozen: bool = False
+) -> Iterator[memoryview]:
     """The stream ``parts`` make, in slices of at most ``size`` bytes: views of parts in
-    memory, frozen parts read into ``buf`` (a slice is valid until the next one)."""
+    memory, frozen parts read into ``buf``, or with ``mapped_frozen`` viewed in a mapping
+    of their file made for the slice (:meth:`mapped.Frozen.window`: no copy; ``buf`` is
+    then unused).  A slice is valid until the next one is asked for."""
     for part in parts:
         n = len(part)
         for a in range(0, n, size):
             b = min(n, a + size)
-            if isinstance(part, FrozenPart):
+            if isinstance(part, FrozenPart) and mapped_frozen:
+                with part.version.window(part.start + a, b - a) as view:
+                    yield view
+            elif isinstance(part, FrozenPart):
                 read_part(part, a, b, buf)
                 yield buf[: b - a]
             else:
