@@ -133,11 +133,25 @@ def replicated() -> Iterator[LocalCluster]:
         yield c
 
 
-@pytest.fixture
-def replicated_one() -> Iterator[LocalCluster]:
-    """One partition, two copies: a stopped primary may be failed over or not."""
+@pytest.fixture(scope="module")
+def _replicated_one() -> Iterator[LocalCluster]:
     with LocalCluster(partitions=1, shards=2, replication=2) as c:
         yield c
+
+
+@pytest.fixture
+def replicated_one(_replicated_one: LocalCluster) -> Iterator[LocalCluster]:
+    """One partition, two copies, shared by the module's tests that only pause its
+    processes (each continued before the test ends): a stopped primary may be failed
+    over or not.  Each test starts with both copies in sync and no table; the tables it
+    made are dropped after it."""
+    c = _replicated_one
+    assert all(p.alive() for p in c.procs), c.logs()
+    c.wait_healthy(30)
+    yield c
+    with zps_sync(c.address, timeout=20) as ps:
+        for name in ps.list_tables():
+            ps.drop_table(name)
 
 
 def _kill_primaries(c: LocalCluster) -> None:
