@@ -54,7 +54,9 @@ def make_cluster(
 def replicated_partition(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalCluster]:
     """One partition with two copies, its broker and shards not started (a test starts
     them one by one), with the test module's heartbeat settings (``HB``, ``LIVENESS``);
-    stopped afterwards."""
+    afterwards its shards are killed (the final checkpoint a graceful stop writes, of a
+    partition of hundreds of MB in the tests that use this, is not what they check) and
+    the rest stopped."""
     c = LocalCluster(
         partitions=1,
         shards=0,
@@ -67,4 +69,8 @@ def replicated_partition(request: pytest.FixtureRequest, tmp_path: Path) -> Iter
     try:
         yield c
     finally:
+        for p in c.procs:
+            if p.name.startswith("shard") and p.alive():
+                p.popen.kill()
+                p.popen.wait(10)
         c.stop()
