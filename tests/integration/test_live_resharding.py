@@ -384,7 +384,9 @@ def test_checkpoints_after_the_moves_restore_exactly(tmp_path: Path) -> None:
             assert p.popen.wait(30) == 0, p.log()[-3000:]
         for d in dirs:
             c.start_shard(d, flags)
-        c.start_broker(grace=2.0)
+        # Every shard restored and connecting first: the claims come as the broker binds.
+        c.wait_connecting(60)
+        c.start_broker(grace=1.0)
         after = c.wait_resharded(2, 60)
 
         async def check() -> tuple[list[str], list[int]]:
