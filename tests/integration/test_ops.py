@@ -12,7 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgpack
@@ -90,11 +90,19 @@ def test_journald_priorities_and_partition_state_changes() -> None:
         assert len(wait_log(broker, r"-> lost", timeout=0)) == 1
 
 
-def test_plain_logs_without_journald() -> None:
-    with LocalCluster(partitions=1, shards=1) as c:
-        lines = wait_log(c.broker(), r"partition 0: \w+ -> ok")
-        assert lines and re.match(r"\d{4}-\d\d-\d\d ", lines[0]), lines
-        assert not any(line.startswith("<") for line in c.broker().log().splitlines())
+@pytest.fixture(scope="module")
+def shared() -> Iterator[LocalCluster]:
+    """One partition of two copies, plain logs, shared by the tests that only look at
+    it (its logs, the versions in its status)."""
+    with LocalCluster(partitions=1, shards=2, replication=2) as c:
+        yield c
+
+
+def test_plain_logs_without_journald(shared: LocalCluster) -> None:
+    c = shared
+    lines = wait_log(c.broker(), r"partition 0: \w+ -> ok")
+    assert lines and re.match(r"\d{4}-\d\d-\d\d ", lines[0]), lines
+    assert not any(line.startswith("<") for line in c.broker().log().splitlines())
 
 
 def test_status_check_exit_codes() -> None:
@@ -283,20 +291,20 @@ def test_version_flags() -> None:
         assert out.stdout.strip() == f"{prog} {zps.__version__} (zps protocol {PROTOCOL_VERSION})"
 
 
-def test_status_shows_the_version_of_every_process() -> None:
-    with LocalCluster(partitions=1, shards=2, replication=2) as c:
-        report = c.status()
-        assert report["broker"]["version"] == zps.__version__
-        assert report["broker"]["protocol"] == PROTOCOL_VERSION
-        assert len(report["shards"]) == 2
-        assert all(s["version"] == zps.__version__ for s in report["shards"]), report["shards"]
-        assert report["clients"] and all(x["version"] == zps.__version__ for x in report["clients"])
-        table = run(["status", "--broker", c.address]).stdout
-        assert f"zps {zps.__version__} (protocol {PROTOCOL_VERSION})" in table, table
-        shard_lines = [line for line in table.splitlines() if line.startswith("s-")]
-        assert len(shard_lines) == 2 and all(
-            line.endswith(zps.__version__) for line in shard_lines
-        ), table
+def test_status_shows_the_version_of_every_process(shared: LocalCluster) -> None:
+    c = shared
+    report = c.status()
+    assert report["broker"]["version"] == zps.__version__
+    assert report["broker"]["protocol"] == PROTOCOL_VERSION
+    assert len(report["shards"]) == 2
+    assert all(s["version"] == zps.__version__ for s in report["shards"]), report["shards"]
+    assert report["clients"] and all(x["version"] == zps.__version__ for x in report["clients"])
+    table = run(["status", "--broker", c.address]).stdout
+    assert f"zps {zps.__version__} (protocol {PROTOCOL_VERSION})" in table, table
+    shard_lines = [line for line in table.splitlines() if line.startswith("s-")]
+    assert len(shard_lines) == 2 and all(line.endswith(zps.__version__) for line in shard_lines), (
+        table
+    )
 
 
 def _raw_exchange(address: str, identity: bytes, frames: list[bytes]) -> list[bytes]:
