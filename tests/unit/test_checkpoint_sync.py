@@ -5,6 +5,7 @@ a sync that fails fails the checkpoint (no file left, the older ones kept)."""
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from pathlib import Path
 
@@ -72,3 +73,32 @@ def test_a_failed_sync_behind_the_writes_fails_the_checkpoint(
         store.write_encoded(0, 1, 5, [data, data, data] if at == "the commit" else [data] * 5)
     assert sorted(p.name for p in kept.parent.iterdir()) == [kept.name]
     assert not store.pending
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
+def test_a_checkpoint_leaves_the_page_cache_once_synced_and_once_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ckpt, "SYNC_BYTES", 2 * PIECE)
+    advice: list[tuple[int, int, int]] = []
+    synced: list[int] = []
+    real = os.posix_fadvise
+
+    def fadvise(fd: int, offset: int, length: int, what: int) -> None:
+        advice.append((offset, length, what))
+        real(fd, offset, length, what)
+
+    def fdatasync(fd: int) -> None:
+        synced.append(os.fstat(fd).st_size)
+
+    monkeypatch.setattr("zps.shard.checkpoint.os.posix_fadvise", fadvise)
+    monkeypatch.setattr("zps.shard.checkpoint.os.fdatasync", fdatasync)
+    store = CheckpointStore(tmp_path)
+    pending = store.begin(0, 1, 5)
+    for _ in range(3):
+        pending.write(memoryview(b"x" * PIECE))
+    pending.commit()
+    dropped = [(o, n) for o, n, what in advice if what == os.POSIX_FADV_DONTNEED]
+    # What a sync behind the writes covered (at least the bytes written when it
+    # started), then the whole file once the commit's fsync is done.
+    assert dropped == [(0, 2 * PIECE), (0, 0)] and synced and synced[0] >= 2 * PIECE
