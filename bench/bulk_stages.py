@@ -8,8 +8,9 @@ replica's catch-up (the cut, which freezes the rows; the sender's reads of the c
 and their checksum; the replica's copies of them into its tables' arrays, its
 checksum and its checkpoint write; the build of its tables; the release of the
 frozen version), of a checkpoint (cut, read, checksum, write, fsync) and of a restart
-(read and check into the tables' arrays, build the tables).  Peak RSS is printed at
-the end.
+(read and check into the tables' arrays, build the tables: the file the checkpoint
+stage wrote, which a checkpoint drops from the page cache once synced, so from the
+disk).  Peak RSS is printed at the end.
 CPU seconds count every thread of the process (``time.process_time``); on a loaded
 machine they are the figures to compare.  No sockets: ``bench/big_partition.py`` times
 the whole paths between processes.  Files go to a temporary directory, removed after.
