@@ -31,7 +31,7 @@ from zps.shard.checkpoint import (
 from zps.shard.core import ShardCore
 from zps.shard.snapshots import SnapshotSender, prepare
 from zps.store.partition import PartitionStore
-from zps.store.snapshot import Snapshot, StreamBuilder, build_store, ordered, slices
+from zps.store.snapshot import READABLE, Snapshot, StreamBuilder, build_store, ordered, slices
 from zps.store.tables import EmbeddingTable
 
 
@@ -150,7 +150,15 @@ class _Session:
         pass
 
 
-async def test_a_snapshot_sent_in_chunks_carries_the_checksum_of_what_was_sent() -> None:
+@pytest.mark.parametrize(
+    ("readable", "magic"),
+    [(READABLE, b"ZPSCKPT2"), ((), b"ZPSCKPT1"), (("SHA-256", "BLAKE9"), b"ZPSCKPT1")],
+)
+async def test_a_snapshot_sent_in_chunks_carries_the_checksum_of_what_was_sent(
+    readable: tuple[str, ...], magic: bytes
+) -> None:
+    """The stream ends with a checksum the replica reads: XXH3-128 if it names it, else
+    SHA-256 (a replica of an earlier release names none and reads only that)."""
     core = _shuffled_core(5000)
     want = core.store.checksum()
     sent: list[list[Any]] = []
@@ -167,7 +175,7 @@ async def test_a_snapshot_sent_in_chunks_carries_the_checksum_of_what_was_sent()
         chunk_bytes=10_000,
         window=2,
     )
-    assert sender.subscribe("r")
+    assert sender.subscribe("r", None, readable)
     assembly: StreamBuilder | None = None
     digest: Digest | None = None
     while sender.in_progress("r"):
@@ -176,6 +184,7 @@ async def test_a_snapshot_sent_in_chunks_carries_the_checksum_of_what_was_sent()
             msg = decode(sent.pop(0))
             chunk = SnapshotChunk.parse(msg.header)
             if assembly is None:
+                assert bytes(msg.payloads[0])[:8] == magic
                 assembly = StreamBuilder.from_header(msg.header, max_bytes=1 << 30)
                 digest = Digest(assembly.total)
             assembly.check(chunk.id, chunk.seq, msg.payloads)

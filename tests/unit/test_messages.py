@@ -95,6 +95,7 @@ RECORDS: list[Any] = [
     Subscribe(None, 0),
     Subscribe(3, 5, abandoned=2),
     Subscribe(3, 5, host="boot-id/4026531836"),
+    Subscribe(3, 5, checksums=("XXH3-128", "SHA-256")),
     StreamAck(10, 2),
     StreamAck(10, 2, base=-1),
     StreamAck(12, 2, base=8),
@@ -169,6 +170,11 @@ def test_the_wire_keys_stay_those_the_peers_speak() -> None:
     assert Subscribe(1, 2).to_wire() == {"partition": 1, "epoch": 2}
     assert set(Subscribe(1, 2, 7).to_wire()) == {"partition", "epoch", "abandoned"}
     assert Subscribe(1, 2, host="h").to_wire() == {"partition": 1, "epoch": 2, "host": "h"}
+    assert Subscribe(1, 2, checksums=("XXH3-128",)).to_wire()["checksums"] == ["XXH3-128"]
+    assert Subscribe.parse({"partition": 1, "epoch": 2}).checksums == ()  # an earlier release
+    for bad in ("XXH3-128", ["x" * 33], [1], ["a"] * 9):
+        with pytest.raises(ProtocolError, match="SUBSCRIBE checksums"):
+            Subscribe.parse({"partition": 1, "epoch": 2, "checksums": bad})
     assert StreamAck(5, 2, 3).to_wire() == {"lsn": 5, "epoch": 2, "base": 3}
     assert Replicate(4, 5).to_wire() == {"prev": 4, "lsn": 5}
     assert Replicate(4, 5, True).to_wire() == {"prev": 4, "lsn": 5, "ok": True}

@@ -23,23 +23,37 @@ class Subscribe:
     the stream).  ``abandoned`` names a snapshot transfer the replica gave up, to be
     replaced by a new one.  ``host``: the replica's shared-memory host key
     (:func:`zps.shm.host_key`), when it reads large stream frames from the primary's
-    shared memory; absent, every frame comes inline."""
+    shared memory; absent, every frame comes inline.  ``checksums``: the names of the
+    checksums a snapshot stream may end with that the replica reads
+    (:data:`zps.store.snapshot.CHECKSUMS`); absent (a replica of an earlier release), it
+    reads only SHA-256, and its snapshot is sent so."""
 
     partition: int | None
     epoch: int
     abandoned: int | None = None
     host: str | None = None
+    checksums: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, h: Header) -> Subscribe:
         partition, abandoned, host = h.get("partition"), h.get("abandoned"), h.get("host")
         if host is not None and (not isinstance(host, str) or len(host) > 256):
             raise ProtocolError("SUBSCRIBE host must be a string of at most 256 characters")
+        checksums = h.get("checksums", [])
+        if (
+            not isinstance(checksums, list)
+            or len(checksums) > 8
+            or not all(isinstance(c, str) and len(c) <= 32 for c in checksums)
+        ):
+            raise ProtocolError(
+                "SUBSCRIBE checksums must be a list of at most 8 names of at most 32 characters"
+            )
         return cls(
             partition=None if partition is None else _int(partition, "SUBSCRIBE partition"),
             epoch=_int(_field(h, "epoch", "SUBSCRIBE"), "SUBSCRIBE epoch"),
             abandoned=None if abandoned is None else _int(abandoned, "SUBSCRIBE abandoned"),
             host=host,
+            checksums=tuple(checksums),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -48,6 +62,8 @@ class Subscribe:
             h["abandoned"] = self.abandoned
         if self.host is not None:
             h["host"] = self.host
+        if self.checksums:
+            h["checksums"] = list(self.checksums)
         return h
 
 

@@ -271,10 +271,14 @@ DIGEST_BYTES = STREAM_DIGEST
 _SLICE = 16 << 20
 
 
-def encode_parts(snap: Snapshot) -> list[Part]:
+def encode_parts(snap: Snapshot, magic: bytes = MAGIC) -> list[Part]:
     """A checkpoint stream without its final checksum (see :class:`Digest`): the
     header and the arrays as they are, no copy (frozen arrays are read as the stream
-    is: :func:`zps.store.snapshot.slices`)."""
+    is: :func:`zps.store.snapshot.slices`).  ``magic`` names the checksum that will end
+    it (:data:`zps.store.snapshot.CHECKSUMS`; a replica of an earlier release reads only
+    SHA-256's)."""
+    if magic not in CHECKSUMS:
+        raise ValueError(f"unknown stream magic {magic!r}")
     enc = Encoder()
     header = encode_snapshot(enc, snap)
     frames: list[Part] = [
@@ -282,7 +286,7 @@ def encode_parts(snap: Snapshot) -> list[Part]:
     ]
     header["frame_bytes"] = [len(f) for f in frames]
     head = msgpack.packb(header, use_bin_type=True)
-    return [MAGIC, _LEN.pack(len(head)), head, *frames]
+    return [magic, _LEN.pack(len(head)), head, *frames]
 
 
 def encode_checkpoint(snap: Snapshot) -> list[Part]:

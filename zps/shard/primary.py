@@ -383,7 +383,7 @@ class ReplicationStream:
             self.shm_followers.add(node)
         else:
             self._forget_reader(node)  # it asked for the stream inline
-        if not self.snapshots.subscribe(node, sub.abandoned):
+        if not self.snapshots.subscribe(node, sub.abandoned, sub.checksums):
             return  # its snapshot is on its way (zps.shard.snapshots)
         self.out.forget(node.encode())  # what was held for an earlier subscription
 

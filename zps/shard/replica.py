@@ -47,7 +47,7 @@ from zps.shard.durability import Durability
 from zps.shard.held import HeldStream, HeldStreamFull
 from zps.shard.session import ShardSession
 from zps.store import PartitionStore
-from zps.store.snapshot import Snapshot, StreamBuilder, build_store
+from zps.store.snapshot import READABLE, Snapshot, StreamBuilder, build_store
 
 #: Stream messages kept in memory while a snapshot arrives and loads; past this they
 #: are spooled to disk (zps.shard.held), up to HELD_SPOOL_BYTES.
@@ -186,7 +186,9 @@ class Upstream:
             self._abandon()
         if self.session.subscribe_due(now):
             host = self.shm.host if self.shm is not None else None
-            sub = Subscribe(self.session.partition, self.session.epoch, self._abandoned, host)
+            sub = Subscribe(
+                self.session.partition, self.session.epoch, self._abandoned, host, READABLE
+            )
             await transport.send(self.channel, encode(Route(MsgType.SUBSCRIBE), sub.to_wire()))
             self.session.subscribe_sent(time.monotonic())
 

@@ -37,10 +37,11 @@ import numpy as np
 
 from zps.protocol.codec import MsgType, Route, encode
 from zps.protocol.messages import Role, SnapshotAck, SnapshotChunk
-from zps.shard.checkpoint import DIGEST_BYTES, Digest, cut, encode_parts, release, thawed
+from zps.shard.checkpoint import Digest, cut, encode_parts, release, thawed
 from zps.shard.core import ShardCore
 from zps.shard.session import ShardSession
 from zps.store.snapshot import (
+    CHECKSUMS,
     DEFAULT_CHUNK_BYTES,
     DEFAULT_CHUNK_WINDOW,
     CutSpace,
@@ -50,6 +51,7 @@ from zps.store.snapshot import (
     Snapshot,
     cut_space,
     drop_pages,
+    magic_for,
     plan_chunks,
     read_part,
 )
@@ -83,11 +85,11 @@ async def prepare(core: ShardCore, wait: float = THAW_WAIT) -> CutSpace:
             return space
 
 
-def _encode(snap: Snapshot) -> list[Part]:
+def _encode(snap: Snapshot, magic: bytes) -> list[Part]:
     # Rows stay in storage order: a table loads them in any order, and sorting
     # would cost a second copy of the partition while it is sent.  The checksum is
     # taken as the chunks go (see SnapshotSender._send), not in a pass before the first.
-    return encode_parts(snap)
+    return encode_parts(snap, magic)
 
 
 def _fill(parts: list[Part], pieces: tuple[Piece, ...], size: int) -> memoryview:
@@ -125,6 +127,7 @@ async def _fed(
 class _Transfer:
     snapshot_id: int
     epoch: int
+    magic: bytes  # names the checksum the stream ends with: one the replica reads
     acked: int = -1  # highest chunk acknowledged
     progress: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
@@ -161,18 +164,22 @@ class SnapshotSender:
     def in_progress(self, node: str) -> bool:
         return node in self._transfers
 
-    def subscribe(self, node: str, abandoned: object = None) -> bool:
+    def subscribe(
+        self, node: str, abandoned: object = None, readable: tuple[str, ...] = ()
+    ) -> bool:
         """``node`` subscribed: start its snapshot unless one is already on its way.
 
         ``abandoned`` is the id of a transfer the replica gave up (a bad chunk);
-        that one is replaced.  Returns True if a transfer started.
+        that one is replaced.  ``readable``: the checksums the replica reads (none
+        named: SHA-256 only, a replica of an earlier release).  Returns True if a
+        transfer started.
         """
         running = self._transfers.get(node)
         if running is not None:
             if abandoned is None or abandoned != running.snapshot_id:
                 return False
             self.cancel(node)
-        transfer = _Transfer(next(self._ids), self.core.epoch)
+        transfer = _Transfer(next(self._ids), self.core.epoch, magic_for(readable))
         self._transfers[node] = transfer
         self.started += 1
         # A follower from now on, at the LSN it is accepted at (its snapshot's, once
@@ -246,21 +253,24 @@ class SnapshotSender:
         self.session.subscribed(node, snap.lsn, time.monotonic(), snapshot_bytes=self._held_bytes())
         partition, epoch, lsn = snap.partition, snap.epoch, snap.lsn
         t0 = time.monotonic()
-        parts = await asyncio.to_thread(_encode, snap)
+        parts = await asyncio.to_thread(_encode, snap, transfer.magic)
         # The stream's last part is its checksum: each chunk is fed to it in a worker
         # thread once posted, and it is known when every chunk before it is hashed.
         last = len(parts)
-        plan = plan_chunks([*(len(p) for p in parts), DIGEST_BYTES], self.chunk_bytes)
+        digest_bytes = CHECKSUMS[transfer.magic].size
+        plan = plan_chunks([*(len(p) for p in parts), digest_bytes], self.chunk_bytes)
         digest = Digest(plan.total)
         hashing: asyncio.Future[None] | None = None
         given_back = 0  # bytes written during the transfer, copied back as it went
         log.info(
-            "replica %s subscribed: snapshot %d at LSN %d, %d bytes in %d chunks (cut in %.3fs)",
+            "replica %s subscribed: snapshot %d at LSN %d, %d bytes in %d chunks, %s "
+            "(cut in %.3fs)",
             node,
             transfer.snapshot_id,
             lsn,
             plan.total,
             plan.count,
+            CHECKSUMS[transfer.magic].name,
             cut_s,
         )
         route = Route(MsgType.SNAPSHOT_CHUNK, partition, epoch, lsn).pack()

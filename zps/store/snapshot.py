@@ -508,6 +508,17 @@ def stream_checksum(magic: BufferLike) -> Checksum | None:
     return CHECKSUMS.get(bytes(memoryview(magic).cast("B")[: len(STREAM_MAGIC)]))
 
 
+#: The names of the checksums this release reads, as a replica tells its primary.
+READABLE: tuple[str, ...] = tuple(c.name for c in CHECKSUMS.values())
+
+
+def magic_for(readable: Sequence[str]) -> bytes:
+    """The magic of the stream to send a replica that reads the checksums named
+    ``readable``: the one written now if it reads it, else SHA-256's, which every
+    release reads (one of an earlier release names none)."""
+    return STREAM_MAGIC if CHECKSUMS[STREAM_MAGIC].name in readable else STREAM_MAGIC_SHA256
+
+
 class StreamBuilder:
     """A replica's side (and a restart's): the chunks of one snapshot stream, accepted
     strictly in order, written as they come into the arrays the partition's tables
