@@ -19,7 +19,8 @@ from zps.protocol.codec import Encoder, MsgType, Route, decode
 from zps.shard.core import ShardCore
 from zps.shard.slotops import SlotState
 from zps.store import DenseSpec, EmbeddingSpec
-from zps.store.slots import slots_of_ids
+from zps.store.index import IdIndex
+from zps.store.slots import index_slots, slots_of_ids
 
 N_SLOTS = 64
 EMB = EmbeddingSpec("emb", 4, "float32", Zeros(), Adagrad(lr=0.1), 3)
@@ -107,8 +108,8 @@ def test_a_move_between_two_cores_keeps_values_state_and_exactly_once() -> None:
     assert header["st"] == "OK"
     before = src.ok([pull(ids)])
 
-    dst.ok([({"op": "slots_import", **common(moving, [])}, {})])
-    src.ok([({"op": "slots_fence", **common(moving, everything)}, {})])
+    begun = dst.ok([({"op": "slots_import", **common(moving, [])}, {})])["res"]
+    fenced = src.ok([({"op": "slots_fence", **common(moving, everything)}, {})])["res"]
     header, _ = src.call([push(ids[on][:5], 7.0)])
     assert header["st"] == "NOT_PRIMARY"  # fenced: not applied
     header, _ = src.call([push(ids[on][:5], 100.0)], seq=1000)
@@ -137,8 +138,14 @@ def test_a_move_between_two_cores_keeps_values_state_and_exactly_once() -> None:
         assert reply.header["res"][0]["st"] == "OK", reply.header
     header, _ = dst.call([pull(ids[on])])
     assert header["st"] == "NOT_PRIMARY"  # importing: not served before the map says so
-    dst.ok([({"op": "slots_activate", **common(moving, [])}, {})])
-    src.ok([({"op": "slots_release", **common(moving, everything), "drop": False}, {})])
+    activated = dst.ok([({"op": "slots_activate", **common(moving, [])}, {})])["res"]
+    released = src.ok([({"op": "slots_release", **common(moving, everything), "drop": False}, {})])[
+        "res"
+    ]
+    # Each side counted the requests it refused meanwhile (the broker breathes between
+    # moves only then).
+    assert activated["refused"] == begun["refused"] + 1
+    assert released["refused"] == fenced["refused"] + 1
     header, _ = src.call([pull(ids[on][:3])])
     assert header["st"] == "MOVED"
     # An export cut holds the owned slots only, released rows still held or not.
@@ -393,9 +400,12 @@ def test_released_rows_are_dropped_in_steps_while_the_shard_serves() -> None:
         assert len(store.embedding("emb")) == len(ref.core.store.embedding("emb"))
 
 
-def _copy_cut(src: Shard, dst: Shard, cut: dict[str, Any], moving: list[int]) -> dict[str, Any]:
+def _copy_cut(
+    src: Shard, dst: Shard, cut: dict[str, Any], moving: list[int], fresh: bool = False
+) -> dict[str, Any]:
     """Take the source's cut ``cut`` and import every piece at the destination, as the
-    broker does (payload frames forwarded as they are); the manifest."""
+    broker does (payload frames forwarded as they are; ``fresh``: the move's first
+    copy); the manifest."""
     manifest: dict[str, Any] = src.ok([(cut, {})])["res"]
     for table in manifest.get("tables", []):
         read: dict[str, Any] = {"op": "slots_cut_read", "t": table["spec"]["name"]}
@@ -406,6 +416,8 @@ def _copy_cut(src: Shard, dst: Shard, cut: dict[str, Any], moving: list[int]) ->
             read["chunks"] = extra["chunks"] = table["chunks"]
         got = src.ok([(read, {})])
         imp = {"op": "slots_import", **common(moving, []), "spec": table["spec"], **extra}
+        if fresh:
+            imp["fresh"] = True
         dst.seq += 1
         header = {"cid": b"broker", "seq": dst.seq, "ops": [{**imp, "a": got["res"]["a"]}]}
         frames = [
@@ -443,8 +455,10 @@ def test_catch_up_copies_only_the_rows_written_after_the_unfenced_copy() -> None
 
     dst.ok([({"op": "slots_import", **common(moving, [])}, {})])
     track = {"op": "slots_cut", **common(moving, everything), "track": True}
-    first = _copy_cut(src, dst, track, moving)
+    first = _copy_cut(src, dst, track, moving, fresh=True)
     assert first["rows"] == int(on.sum())
+    assert len(dst.core.store.embedding("emb")) == first["rows"]
+    assert dst.core.slots is not None and dst.core.slots.vacant is not None  # no lookup
     # Served during the copy: writes to 40 rows on the moving slots (twice to some),
     # 5 new rows there, and rows elsewhere, which do not move.
     written = ids[on][:40]
@@ -466,6 +480,7 @@ def test_catch_up_copies_only_the_rows_written_after_the_unfenced_copy() -> None
 
     src.ok([({"op": "slots_fence", **common(moving, everything)}, {})])
     delta = _copy_cut(src, dst, {"op": "slots_cut", "slots": moving, "delta": True}, moving)
+    assert dst.core.slots.vacant is None  # the delta's rows were there already
     # Only the rows written since the first copy, on the moving slots.
     assert delta["rows"] == written.size + new.size
     dst.ok([({"op": "slots_activate", **common(moving, [])}, {})])
@@ -505,3 +520,47 @@ def test_a_table_rebuilt_during_the_unfenced_copy_makes_the_move_copy_again() ->
     assert res.get("rebuilt") is True
     # Copied whole under the fence instead.
     assert src.ok([({"op": "slots_cut", "slots": moving}, {})])["res"]["rows"] == 0
+
+
+def test_slots_of_an_index_are_hashed_once_and_follow_its_inserts() -> None:
+    index = IdIndex()
+    index.insert(np.arange(1, 1001, dtype=np.int64))
+    first = index_slots(index, N_SLOTS)
+    np.testing.assert_array_equal(first, slots_of_ids(index.ids(), N_SLOTS))
+    index.get_or_insert(np.arange(500, 3001, dtype=np.int64))  # half new
+    np.testing.assert_array_equal(index_slots(index, N_SLOTS), slots_of_ids(index.ids(), N_SLOTS))
+    np.testing.assert_array_equal(index_slots(index, 128), slots_of_ids(index.ids(), 128))
+    other = IdIndex()
+    other.insert(np.arange(7, 20, dtype=np.int64))
+    np.testing.assert_array_equal(index_slots(other, N_SLOTS), slots_of_ids(other.ids(), N_SLOTS))
+
+
+def test_a_first_copy_onto_slots_holding_rows_there_merges_them() -> None:
+    """Rows the destination still holds on the slots (released there, not yet dropped):
+    the move's first copy (``fresh``) finds them, one row per id, the values moved."""
+    from zps.protocol.codec import array_from
+
+    src, dst = Shard(0), Shard(1)
+    everything, moving = list(range(N_SLOTS)), list(range(0, N_SLOTS, 2))
+    src.core.slots = SlotState.of(np.ones(N_SLOTS, np.bool_))
+    dst.core.slots = SlotState.of(np.ones(N_SLOTS, np.bool_))
+    ids = np.arange(1, 1001, dtype=np.int64)
+    on = np.isin(slots_of_ids(ids, N_SLOTS), moving)
+    for shard, v in ((src, 2.0), (dst, 9.0)):
+        shard.ok([({"op": "create", "spec": EMB.to_wire()}, {})])
+        shard.ok([push(ids, v)])
+    dst.ok([({"op": "slots_release", **common(everything, everything), "drop": False}, {})])
+    assert len(dst.core.store.embedding("emb")) == ids.size  # left for slots_compact
+
+    dst.ok([({"op": "slots_import", **common(moving, [])}, {})])
+    assert dst.core.slots is not None and dst.core.slots.vacant is None
+    track = {"op": "slots_cut", **common(moving, everything), "track": True}
+    _copy_cut(src, dst, track, moving, fresh=True)
+    assert len(dst.core.store.embedding("emb")) == ids.size
+    dst.ok([({"op": "slots_activate", **common(moving, [])}, {})])
+    got = dst.ok([pull(ids[on])])
+    want = src.ok([pull(ids[on])])
+    np.testing.assert_array_equal(
+        array_from(got["res"]["a"], got["payloads"], max_bytes=1 << 30),
+        array_from(want["res"]["a"], want["payloads"], max_bytes=1 << 30),
+    )

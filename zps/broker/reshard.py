@@ -415,11 +415,13 @@ class Resharder:
             self._set(None)
             await self._persisted()
             return
-        await self._move(plan.moves[0].source, plan.moves[0].dest, plan.moves[0].slots)
-        # A breath between moves, longer than a client's retry backoff (its heartbeat
-        # interval): a message refused during this move's fence is served before the next
-        # fence, instead of finding slots of the next move fenced in turn.
-        await asyncio.sleep(1.5 * self.heartbeat_interval)
+        refused = await self._move(plan.moves[0].source, plan.moves[0].dest, plan.moves[0].slots)
+        if refused:
+            # A breath between moves, longer than a client's retry backoff (its
+            # heartbeat interval): a message refused during this move's fence is served
+            # before the next fence, instead of finding slots of the next move fenced in
+            # turn.  Nothing refused: nothing to wait for.
+            await asyncio.sleep(1.5 * self.heartbeat_interval)
 
     async def _compact(self, partitions: range) -> None:
         """Each source drops the rows of the slots it released (once, at the end: a
@@ -469,7 +471,9 @@ class Resharder:
             "version": state.map_version,
         }
 
-    async def _move(self, source: int, dest: int, slots: tuple[int, ...]) -> None:
+    async def _move(self, source: int, dest: int, slots: tuple[int, ...]) -> bool:
+        """Move ``slots`` from ``source`` to ``dest``; whether a request was refused
+        meanwhile (or may have been: a copy changed)."""
         rec = self.record
         assert rec is not None
         t0 = time.monotonic()
@@ -487,7 +491,8 @@ class Resharder:
         try:
             while training.commit_in_flight:
                 await asyncio.sleep(0.01)
-            await self._call(dest, [{"op": "slots_import", **self._common(dest, slots)}])
+            begun, _ = await self._call(dest, [{"op": "slots_import", **self._common(dest, slots)}])
+            dest_epoch = self.host.state.map.partitions[dest].epoch
             mark("import_begun")
             moved = 0
             if self.catchup:
@@ -495,28 +500,30 @@ class Resharder:
                 # lists the rows written from then on (a source failover loses the
                 # list, and the move is cancelled at the fenced cut below).
                 track = {"op": "slots_cut", **self._common(source, slots), "track": True}
-                got = await self._copy(source, dest, slots, track)
+                got = await self._copy(source, dest, slots, track, fresh=True, mark=mark)
                 assert got is not None
                 moved += got[0]
                 mark("copied_unfenced")
             fence = {"op": "slots_fence", **self._common(source, slots)}
-            await self._call(source, [fence])
+            fenced_res, _ = await self._call(source, [fence])
             fence_epoch = self.host.state.map.partitions[source].epoch
             t_fence = time.monotonic()
             mark("fenced")
             self._progress["fenced_at"] = round(time.time(), 3)
             got = None
+            fresh = not self.catchup
             if self.catchup:
                 delta = {"op": "slots_cut", "slots": list(slots), "delta": True}
-                got = await self._copy(source, dest, slots, delta)
+                got = await self._copy(source, dest, slots, delta, mark=mark)
                 if got is None:  # a table was rebuilt meanwhile: copy everything again
                     log.warning("slot move %d -> %d: copying the slots again", source, dest)
                     common = self._common(dest, slots)
                     await self._call(dest, [{"op": "slots_drop_import", **common}])
                     await self._call(dest, [{"op": "slots_import", **common}])
+                    fresh = True
             if got is None:  # fence, then copy everything
                 full = {"op": "slots_cut", "slots": list(slots)}
-                got = await self._copy(source, dest, slots, full)
+                got = await self._copy(source, dest, slots, full, fresh=fresh)
             assert got is not None
             moved += got[0]
             fenced_rows = got[1]
@@ -534,9 +541,26 @@ class Resharder:
             self._set(copied)
             await self._persisted()
             mark("recorded_copied")
-            await self._finish(copied, mark)
+            after = await self._finish(copied, mark)
         finally:
             training.paused = False
+        # Whether a request was refused while the slots moved (fenced at the source,
+        # importing at the destination), as the copies that answered counted it (a
+        # copy that took over meanwhile counted from its start).
+        parts = self.host.state.map.partitions
+        counts = (
+            begun.get("refused"),
+            after.get("dest_refused"),
+            fenced_res.get("refused"),
+            after.get("source_refused"),
+        )
+        refused = (
+            parts[source].epoch != fence_epoch
+            or parts[dest].epoch != dest_epoch
+            or any(type(c) is not int for c in counts)
+            or counts[0] != counts[1]
+            or counts[2] != counts[3]
+        )
         # Fenced: from the fence until the destination serves the slots.
         fenced = dict(marks)["activated"] - t_fence
         took = time.monotonic() - t0
@@ -572,16 +596,30 @@ class Resharder:
             " ".join(f"{w} {t - marks[i][1]:.3f}" for i, (w, t) in enumerate(marks[1:])),
         )
         await training.advance()
+        return refused
 
     async def _copy(
-        self, source: int, dest: int, slots: tuple[int, ...], cut: dict[str, Any]
+        self,
+        source: int,
+        dest: int,
+        slots: tuple[int, ...],
+        cut: dict[str, Any],
+        *,
+        fresh: bool = False,
+        mark: Callable[[str], None] = _nop,
     ) -> tuple[int, int] | None:
         """Take the source's cut (``cut``, a ``slots_cut``), read it in pieces and import
         each at the destination, up to ``PIPELINE`` pieces under way at once (pieces are
         distinct rows or chunks: the order they land in does not matter).  The bytes and
-        the embedding rows copied; None if the source answered ``rebuilt``."""
+        the embedding rows copied; None if the source answered ``rebuilt``.  ``fresh``:
+        the first copy since the import's first record (its pieces' ids are distinct,
+        and absent there unless the destination held rows on the slots, which it
+        checks)."""
         common = self._common(dest, slots)
+        if fresh:
+            common["fresh"] = True
         manifest, _ = await self._call(source, [cut])
+        mark("cut_fenced" if cut.get("delta") else "cut_unfenced")
         if manifest.get("rebuilt"):
             return None
         budget = self.piece_bytes
@@ -643,8 +681,12 @@ class Resharder:
             await self._call(dest, [op], payloads)
         return moved, int(manifest.get("rows", 0))
 
-    async def _finish(self, rec: ReshardRecord, mark: Callable[[str], None] = _nop) -> None:
-        """The copy is complete (recorded): publish, activate, release."""
+    async def _finish(
+        self, rec: ReshardRecord, mark: Callable[[str], None] = _nop
+    ) -> dict[str, Any]:
+        """The copy is complete (recorded): publish, activate, release.  The requests
+        the destination and the source had refused (``dest_refused``,
+        ``source_refused``), as they answered."""
         state = self.host.state
         slots = list(rec.slots)
         if rec.dest >= state.n_partitions:
@@ -656,16 +698,20 @@ class Resharder:
             await self._persisted()
             mark("map_recorded")
             await self.host.publish_if_changed(before)
-        await self._call(rec.dest, [{"op": "slots_activate", **self._common(rec.dest, slots)}])
+        activate = {"op": "slots_activate", **self._common(rec.dest, slots)}
+        res, _ = await self._call(rec.dest, [activate])
+        out = {"dest_refused": res.get("refused")}
         mark("activated")
         if rec.source < state.n_partitions:
             release = {"op": "slots_release", **self._common(rec.source, slots), "drop": False}
-            await self._call(rec.source, [release])
+            res, _ = await self._call(rec.source, [release])
+            out["source_refused"] = res.get("refused")
             mark("released")
         cur = self.record
         if cur is not None:
             self._set(replace(cur, source=-1, dest=-1, slots=(), stage=""))
         self._progress = {}
+        return out
 
     async def _undo(self, rec: ReshardRecord) -> None:
         """Cancel the move of ``rec``: the source unfences, the destination drops."""

@@ -21,7 +21,9 @@ holds them.  The operations, all sent by the active broker:
   from then on are listed), then, fenced, those written since (``delta``), or
   everything on fenced slots;
 - ``slots_import`` (destination): a piece of the copy (rows or chunks with their
-  optimizer state), written and marked as importing;
+  optimizer state), written and marked as importing (``fresh``: a piece of the move's
+  first copy, whose ids are inserted without a lookup where the slots held no row at
+  the import's first record);
 - ``slots_activate`` (destination): serve the imported slots from map ``version``;
 - ``slots_release`` (source): the map gave the slots away: drop their rows (or
   leave them to ``slots_compact``, which drops them in bounded steps);
@@ -51,6 +53,8 @@ from zps.store.slots import (
     chunk_slot,
     cut_slots,
     drop_slots,
+    forget_index_slots,
+    holds_rows_on,
     load_chunks,
     load_rows,
     slot_mask,
@@ -117,6 +121,15 @@ class SlotState:
     #: slots a finished one left without rows (not replicated: each copy has its own).
     compaction: Compaction | None = field(default=None, repr=False)
     clean: npt.NDArray[np.bool_] | None = field(default=None, repr=False)
+    #: Requests this copy answered ``NOT_PRIMARY`` (fenced or importing slots), as it
+    #: counted them (not replicated): the fence and release, the first import record
+    #: and the activation answer it, so the broker sees whether a move refused anything.
+    refused: int = 0
+    #: The slots of the import under way when they held no row here at its first record
+    #: (not replicated: a copy without it imports the slower way), until a piece of
+    #: another copy than the first lands: a piece of that first copy (``fresh``) holds
+    #: ids that are absent, each once, and is inserted without a lookup.
+    vacant: npt.NDArray[np.bool_] | None = field(default=None, repr=False)
 
     @property
     def n_slots(self) -> int:
@@ -242,6 +255,7 @@ def check(core: SlotHost, ops: list[Any], payloads: Sequence[BufferLike]) -> dic
             "msg": f"partition {core.partition} no longer holds some of these ids "
             f"(map version {state.version}): split the call by the new map",
         }
+    state.refused += 1
     return {
         "st": "NOT_PRIMARY",
         "msg": f"partition {core.partition}: slots of this request are being moved; retry",
@@ -281,7 +295,7 @@ def op_slots_fence(
         raise BadRequestError("only slots this partition owns can be fenced")
     held = bool((state.fenced[mask]).all())
     state.fenced |= mask
-    return {"st": "OK", "held": held}
+    return {"st": "OK", "held": held, "refused": state.refused}
 
 
 def op_slots_unfence(
@@ -447,14 +461,20 @@ def op_slots_import(
     if type(committed) is int and committed > core.steps.committed:
         # A new partition takes the sync-mode step its source had committed.
         core.steps.committed = committed
+    fresh = op.get("fresh") is True
+    if not fresh:
+        state.vacant = None
     if op.get("steps") is True:
         _import_steps(core, desc, payloads, limit)
         return OK
-    if spec is None:
-        return OK  # the move's first record: only the slots
+    if spec is None:  # the move's first record: only the slots
+        state.vacant = None if holds_rows_on(core.store, mask) else mask
+        return {"st": "OK", "refused": state.refused}
     if isinstance(desc, dict):
         arrays = {str(k): array_from(d, payloads, max_bytes=limit) for k, d in desc.items()}
-        load_rows(core.store, spec, arrays)
+        vacant = state.vacant
+        absent = fresh and vacant is not None and not bool((mask & ~vacant).any())
+        load_rows(core.store, spec, arrays, absent=absent)
         return OK
     chunks = op.get("chunks")
     if not isinstance(desc, list) or not isinstance(chunks, list) or len(chunks) != len(desc):
@@ -482,7 +502,8 @@ def op_slots_activate(
     state.importing &= ~mask
     state.owned |= mask
     state.version = max(state.version, version)
-    return OK
+    state.vacant = None
+    return {"st": "OK", "refused": state.refused}
 
 
 def op_slots_release(
@@ -502,7 +523,7 @@ def op_slots_release(
     state.version = max(state.version, version)
     state.cut, state.cut_slots = None, ()
     state.stop_tracking()
-    return {"st": "OK", "dropped": dropped}
+    return {"st": "OK", "dropped": dropped, "refused": state.refused}
 
 
 def op_slots_compact(
@@ -534,6 +555,8 @@ def op_slots_compact(
     if done:
         state.compaction = None
         state.clean = mask
+        if not state.moving:
+            forget_index_slots(core.store)
     return {"st": "OK", "dropped": dropped, "done": done, "steps": comp.steps}
 
 
@@ -545,6 +568,7 @@ def op_slots_drop_import(
     dropped = drop_slots(core.store, mask)
     _drop_steps(core, mask)  # sync-mode gradients imported with the slots go too
     state.importing &= ~mask
+    state.vacant = None
     return {"st": "OK", "dropped": dropped}
 
 

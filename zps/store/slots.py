@@ -21,6 +21,7 @@ Pure functions over :class:`~zps.store.partition.PartitionStore`; no I/O.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,60 @@ def slots_of_ids(ids: npt.NDArray[np.int64], n_slots: int) -> npt.NDArray[np.int
     h = mix64(ids)
     h = h & np.uint64(n_slots - 1) if n_slots & (n_slots - 1) == 0 else h % np.uint64(n_slots)
     return h.view(np.int64)
+
+
+class _IndexSlots:
+    """The slots of an index's first ``n`` ids (position order), for ``n_slots``."""
+
+    def __init__(self, n_slots: int, cap: int) -> None:
+        self.n_slots = n_slots
+        self.n = 0
+        dtype = np.uint16 if n_slots <= 1 << 16 else np.int32
+        self.slots: npt.NDArray[Any] = np.empty(cap, dtype=dtype)
+
+
+#: The slots of each id index's ids, kept while the index lives (an index never loses
+#: an id, nor changes one: a table that drops rows gets a new index, so only ids
+#: inserted since are hashed again).  :func:`forget_index_slots` lets them go.
+_INDEX_SLOTS: weakref.WeakKeyDictionary[IdIndex, _IndexSlots] = weakref.WeakKeyDictionary()
+
+
+def index_slots(index: IdIndex, n_slots: int) -> npt.NDArray[Any]:
+    """The slot of each id of ``index``, in position order (``slots_of_ids(index.ids(),
+    n_slots)``): hashed once per id, not at every move's cut."""
+    n = len(index)
+    kept = _INDEX_SLOTS.get(index)
+    if kept is None or kept.n_slots != n_slots or kept.n > n:
+        kept = _INDEX_SLOTS[index] = _IndexSlots(n_slots, n)
+    if kept.n < n:
+        if kept.slots.shape[0] < n:
+            grown = np.empty(max(n, kept.slots.shape[0] * 3 // 2), dtype=kept.slots.dtype)
+            grown[: kept.n] = kept.slots[: kept.n]
+            kept.slots = grown
+        kept.slots[kept.n : n] = slots_of_ids(index._ids[kept.n : n], n_slots)
+        kept.n = n
+    return kept.slots[:n]
+
+
+def forget_index_slots(store: PartitionStore) -> None:
+    """Let go of the slots kept for the tables of ``store`` (no move under way)."""
+    for spec in store.specs():
+        table = store.table(spec.name)
+        if isinstance(table, EmbeddingTable):
+            _INDEX_SLOTS.pop(table._index, None)
+
+
+def holds_rows_on(store: PartitionStore, mask: npt.NDArray[np.bool_]) -> bool:
+    """Whether an embedding table of ``store`` holds a row on a slot of ``mask``."""
+    for spec in store.specs():
+        table = store.table(spec.name)
+        if (
+            isinstance(table, EmbeddingTable)
+            and len(table._index)
+            and mask[index_slots(table._index, mask.shape[0])].any()
+        ):
+            return True
+    return False
 
 
 def chunk_slot(name: str, chunk: int, n_slots: int) -> int:
@@ -84,15 +139,12 @@ def cut_slots(
                 pos = pos[pos >= 0]
             else:
                 n = len(table._index)
-                ids = table._index.ids()
-                pos = (
-                    np.flatnonzero(mask[slots_of_ids(ids, n_slots)]) if n else np.zeros(0, np.int64)
-                )
-                ids = ids[pos]
-            n = len(table._index)
-            out: dict[str, Any] = {"ids": ids, "rows": table._rows[:n][pos]}
+                pos = np.flatnonzero(mask[index_slots(table._index, n_slots)])
+                ids = table._index._ids[:n][pos]
+            # ``take``: a gather of whole rows (half the time of fancy indexing).
+            out: dict[str, Any] = {"ids": ids, "rows": table._rows.take(pos, axis=0)}
             for k in _state_keys(table):
-                out[k] = table._state[k][:n][pos]
+                out[k] = table._state[k].take(pos, axis=0)
             tables[spec.name] = out
         else:
             assert isinstance(table, DenseTensor)
@@ -105,9 +157,12 @@ def cut_slots(
     return {"specs": specs, "tables": tables}
 
 
-def load_rows(store: PartitionStore, spec_wire: Any, data: dict[str, Array]) -> int:
+def load_rows(
+    store: PartitionStore, spec_wire: Any, data: dict[str, Array], *, absent: bool = False
+) -> int:
     """Write embedding rows with their state (``ids``, ``rows``, state columns) into the
-    table of ``spec_wire`` (created if absent); returns the rows written."""
+    table of ``spec_wire`` (created if absent); returns the rows written.  ``absent``:
+    the ids are known distinct and absent from the table (inserted without a lookup)."""
     spec = spec_from_wire(spec_wire)
     if isinstance(spec, DenseSpec):
         raise BadRequestError(f"table {spec.name!r} is not an embedding table")
@@ -135,12 +190,17 @@ def load_rows(store: PartitionStore, spec_wire: Any, data: dict[str, Array]) -> 
     if table._dirty is not None:
         table._note(ids)
     before = len(table._index)
-    pos, n_new = table._index.get_or_insert(ids)
+    if absent:
+        pos, n_new = table._index.insert(ids), n
+    else:
+        pos, n_new = table._index.get_or_insert(ids)
     if n_new:
         table._grow(before, before + n_new)
-    table._rows[pos] = rows
+    # Every id new (and each once): their positions follow on, a slice, not a scatter.
+    at: slice | npt.NDArray[np.int64] = slice(before, before + n) if n_new == n else pos
+    table._rows[at] = rows
     for k in keys:
-        table._state[k][pos] = data[k]
+        table._state[k][at] = data[k]
     if table._life:
         table._tick = max(table._tick, int(np.asarray(data[TOUCHED]).max(initial=0)))
     return int(n)
@@ -170,7 +230,7 @@ def drop_slots(store: PartitionStore, mask: npt.NDArray[np.bool_]) -> int:
             n = len(table._index)
             if not n:
                 continue
-            on = mask[slots_of_ids(table._index.ids(), n_slots)]
+            on = mask[index_slots(table._index, n_slots)]
             if on.any():
                 dropped += int(on.sum())
                 table._compact(np.flatnonzero(~on))
@@ -287,8 +347,12 @@ class Shrink:
             self.dirty.n_ids = 0
         if self.phase == "scan":
             stop = min(self.n0, self.cursor + _SCAN_PER_ROW * budget)
-            ids = self.index._ids[self.cursor : stop]
-            self.keep[self.cursor : stop] = ~self.mask[slots_of_ids(ids, self.mask.shape[0])]
+            kept = _INDEX_SLOTS.get(self.index)
+            if kept is not None and kept.n_slots == self.mask.shape[0] and kept.n >= stop:
+                slots: npt.NDArray[Any] = kept.slots[self.cursor : stop]
+            else:
+                slots = slots_of_ids(self.index._ids[self.cursor : stop], self.mask.shape[0])
+            self.keep[self.cursor : stop] = ~self.mask[slots]
             self.cursor = stop
             if self.cursor < self.n0:
                 return 0, False
@@ -479,7 +543,7 @@ def _drop_rows(table: EmbeddingTable, mask: npt.NDArray[np.bool_]) -> int:
     n = len(table._index)
     if not n:
         return 0
-    on = mask[slots_of_ids(table._index.ids(), mask.shape[0])]
+    on = mask[index_slots(table._index, mask.shape[0])]
     if on.any():
         table._compact(np.flatnonzero(~on))
     return int(on.sum())
