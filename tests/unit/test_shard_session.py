@@ -695,6 +695,26 @@ def test_a_replica_that_acknowledges_without_getting_further_is_dropped() -> Non
     assert "r2" in s.local_in_sync
 
 
+def test_a_replica_the_map_dropped_is_in_sync_again_only_once_it_holds_what_was_released() -> None:
+    """The broker's map drops an in-sync replica (from a report the primary has since
+    superseded: the replica came back meanwhile); the writes waiting for it are released
+    without it.  Its next acknowledgement, short of them, must not put it back in sync
+    (the broker would record it as holding every acknowledged write, and elect it after
+    a crash: sim seed 103931); it holds writes back as a joining copy until it has them."""
+    s = primary("r1")
+    s.on_map(E, {"r1"}, {"r1"})
+    in_sync(s, "r1", lsn=5)
+    assert s.add_write(6, "w6") == []  # waits for r1
+    assert s.on_map(E, set(), {"r1"}).released == ["w6"]  # acknowledged without r1
+    assert "r1" not in s.local_in_sync
+    again = ack(s, "r1", 5, E, 0.1)
+    assert not again.in_sync and "r1" not in s.local_in_sync
+    assert s.add_write(7, "w7") == []  # it is joining: new writes wait for it
+    back = ack(s, "r1", 6, E, 0.2)  # it holds w6, every write acknowledged: in sync
+    assert back.in_sync and back.released == [] and "r1" in s.local_in_sync
+    assert ack(s, "r1", 7, E, 0.3).released == ["w7"]
+
+
 def test_a_rebuilt_copy_is_in_sync_only_once_it_holds_what_was_acknowledged_alone() -> None:
     """In the repair window the primary acknowledges writes on its own log.  The copy
     being rebuilt loaded a snapshot older than some of them: it is promoted-worthy (in

@@ -351,8 +351,15 @@ class ShardSession(Generic[T]):
             return MapResult()
         # The broker dropped these (dead, or reported lagging): stop waiting.  A
         # replica missing from one map (a restarted broker rebuilding it) keeps its
-        # stream; followers are checked when they subscribe.
-        self.local_in_sync -= self.published_in_sync - in_sync
+        # stream; followers are checked when they subscribe.  Writes this map releases
+        # without one it must hold before it counts as in sync again: it catches up
+        # to them as a rebuilt copy does (:meth:`acked`), never on its old mark.
+        dropped = self.local_in_sync & (self.published_in_sync - in_sync)
+        for node in dropped:
+            follower = self.followers.get(node)
+            if follower is not None:
+                follower.catch_up_to = None
+        self.local_in_sync -= dropped
         self.joining &= self.replicas
         self.published_in_sync = set(in_sync)
         return self.settle()
