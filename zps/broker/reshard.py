@@ -107,14 +107,16 @@ class ReshardHost(Protocol):
 
 log = logging.getLogger("zps.broker.reshard")
 
-#: Answers that mean "the partition is between primaries, or busy": the same request
-#: (same sequence number: the shard's dedup record keeps it exactly once) again.
 #: Pieces of a move's copy under way at once (read from the source, imported at the
-#: destination): reading the next overlaps importing this one.
-PIPELINE = 3
+#: destination): reading the next overlaps importing this one, and the destination finds
+#: the next piece waiting when it is done with one (at most ``PIPELINE * piece_bytes``
+#: held by the broker at once; figures: docs/performance.md, "Live resharding").
+PIPELINE = 6
 #: Rows' worth of work per step of a drop of released rows (``slots_compact``): a few
 #: tens of milliseconds of a shard's event loop.
 COMPACT_ROWS = 131072
+#: Answers that mean "the partition is between primaries, or busy": the same request
+#: (same sequence number: the shard's dedup record keeps it exactly once) again.
 _RETRY = frozenset({"NOT_PRIMARY", "STALE_EPOCH", "OVERLOADED", "NOT_ENOUGH_REPLICAS"})
 
 
