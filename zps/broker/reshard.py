@@ -182,6 +182,8 @@ class Resharder:
         self._wake = asyncio.Event()
         self._cancel = False
         self._progress: dict[str, Any] = {}
+        #: No move fences its slots before then (monotonic): see :meth:`_breathe`.
+        self._fence_after = 0.0
 
     # -- commands --------------------------------------------------------------
 
@@ -422,8 +424,17 @@ class Resharder:
             # A breath between moves, longer than a client's retry backoff (its
             # heartbeat interval): a message refused during this move's fence is served
             # before the next fence, instead of finding slots of the next move fenced in
-            # turn.  Nothing refused: nothing to wait for.
-            await asyncio.sleep(1.5 * self.heartbeat_interval)
+            # turn.  The next move's unfenced copy refuses nothing: it goes on
+            # meanwhile, and only its fence waits.  Nothing refused: nothing to wait for.
+            self._fence_after = time.monotonic() + 1.5 * self.heartbeat_interval
+
+    async def _breathe(self) -> bool:
+        """Wait until a fence may be taken (the breath after a move that refused a
+        request); whether it waited."""
+        wait = self._fence_after - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return wait > 0
 
     async def _compact(self, partitions: range) -> None:
         """Each source drops the rows of the slots it released (once, at the end: a
@@ -507,6 +518,8 @@ class Resharder:
                 moved += got[0]
                 mark("copied_unfenced")
             fence = {"op": "slots_fence", **self._common(source, slots)}
+            if await self._breathe():
+                mark("breathed")
             fenced_res, _ = await self._call(source, [fence])
             fence_epoch = self.host.state.map.partitions[source].epoch
             t_fence = time.monotonic()
