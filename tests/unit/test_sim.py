@@ -125,7 +125,7 @@ CATCH: dict[str, tuple[str, int]] = {
     "standby-without-record": ("failover,kill,power", 8),
     "pair-unfenced": ("failover,pause", 23),
     "pair-primary-first": ("failover,power,crash-all,broker", 60),
-    "pair-map-before-standby": ("failover,power", 70),
+    "pair-map-before-standby": ("failover,power", 150),
     "stuck-replica-kept": ("slow", 6),
 }
 

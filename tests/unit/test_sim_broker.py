@@ -367,40 +367,58 @@ def test_the_pair_regression_seeds_pass_with_the_real_pair(
     assert not {r.seed: r.failures[:3] + r.schedule for r in results if not r.ok}
 
 
-#: Seeds of the long run's pair faults (tests/unit/test_sim.py: LONG_PAIR_FAULTS) on which
-#: the current code fails a check with the real pair, kept as expected failures until it is
-#: fixed.  Replay: python -m zps.testing.sim --seed SEED --seeds 1 --trace --real-broker
-#: --faults failover,kill,power,pause,partition,disk,broker,crash-all,wipe
-REAL_PAIR_KNOWN: dict[int, str] = {
-    231: "a primary broker that starts after a whole-cluster power loss and hears no peer "
-    "within the peer timeout takes over with its own data dir's record when a client asks "
-    "(BinaryStar: no peer answered at start), though the backup, starting 1.07 s after it, "
-    "holds the newer one (it served at term 4 after the primary was killed): rule 5, the "
-    "newer record takes over, holds only for brokers that hear each other at start.  The "
-    "older record names s-3 in p1's in-sync set (LSN 83, killed since); it is granted p1 at "
-    "epoch 1 and s-1 (LSN 124, in sync at term 4) made its replica at that epoch, taking its "
-    "history: the writes acknowledged past LSN 83 at term 4 are lost",
-}
 LONG_PAIR_FAULTS = [*PAIR_FAULTS[:-1], "crash-all", "wipe"]
 
+#: Seeds of the long run's pair faults (LONG_PAIR_FAULTS) on which the current code fails a
+#: check with the real pair, kept as expected failures until it is fixed.  Replay: python -m
+#: zps.testing.sim --seed SEED --seeds 1 --trace --real-broker --faults
+#: failover,kill,power,pause,partition,disk,broker,crash-all,wipe
+REAL_PAIR_KNOWN: dict[int, str] = {}
 
 #: Seeds of the pair's faults (PAIR_FAULTS) on which the current code fails a check with
 #: the real pair, kept as expected failures.  Replay: python -m zps.testing.sim --seed SEED
 #: --seeds 1 --trace --real-broker --faults failover,kill,power,pause,partition,disk,broker,wipe
-REAL_PAIR_KNOWN_SHORT: dict[int, str] = {
-    294: "as seed 231 of LONG_PAIR_FAULTS: the primary broker, restarted while the active "
-    "backup (term 4) is paused past the peer timeout, hears no peer and takes over at term 5 "
-    "with its own older record (term 3), whose in-sync set for p0 still names s-2; s-2, its "
-    "log lost since (EIO) and back at LSN 151, is granted p0 at epoch 1: the writes s-1 "
-    "acknowledged alone at term 4 are lost",
-    318: "the primary broker, restarted while the active backup is cut off from it and the "
-    "clients, takes over at term 3 with its older record; when the cut heals the backup reads "
-    "the beats it held (the first from before that takeover, 'the peer restarted') and takes "
-    "over at term 4, its maps going v20-v22 with p1's in-sync set empty (s-3 the primary "
-    "alone) before v23 puts s-4 back; s-3 acknowledges writes s-4 lacks (cut off from s-3 "
-    "since 8.24) at 8.69, and when s-3's log is lost (EIO) s-4 is elected at epoch 3 "
-    "without them",
-}
+REAL_PAIR_KNOWN_SHORT: dict[int, str] = {}
+
+#: Seeds on which the real pair lost acknowledged writes, fixed: they must pass.
+#:
+#: 231 (LONG_PAIR_FAULTS): a primary broker that starts after a whole-cluster power loss and
+#: hears no peer within the peer timeout takes over with its own data dir's record when a
+#: client asks (BinaryStar: no peer answered at start), though the backup, starting 1.07 s
+#: after it, holds the newer one (it served at term 4 after the primary was killed): rule 5,
+#: the newer record takes over, holds only for brokers that hear each other at start.  The
+#: older record names s-3 in p1's in-sync set (LSN 83, killed since); it is granted p1 at
+#: epoch 1 and s-1 (LSN 124, in sync at term 4) made its replica at that epoch, taking its
+#: history: the writes acknowledged past LSN 83 at term 4 were lost.  Now (BinaryStar rules
+#: 7 and 8) the lone takeover holds for the whole grace, the backup's record of term 4 (and
+#: the shards' kept term 4) marks the record stale, its in-sync sets bind no more, and s-1's
+#: newer copy takes p1 from s-3 during the hold.
+#:
+#: 294 (PAIR_FAULTS): as seed 231: the primary broker, restarted while the active backup
+#: (term 4) is paused past the peer timeout, hears no peer and takes over at term 5 with its
+#: own older record (term 3), whose in-sync set for p0 still names s-2; s-2, its log lost
+#: since (EIO) and back at LSN 151, was granted p0 at epoch 1: the writes s-1 acknowledged
+#: alone at term 4 were lost.  The shards report term 4: the record is stale at the takeover.
+#:
+#: 318 (PAIR_FAULTS): the primary broker, restarted while the active backup is cut off from
+#: it and the clients, took over at term 3 with its older record and routed writes at once;
+#: when the cut healed the backup read the beats it held (the first from before that
+#: takeover, 'the peer restarted') and took over at term 4, its maps v20-v22 naming s-3
+#: p1's primary alone in sync (releasing the writes that waited for s-4, cut off from s-3
+#: since 8.24) before its own claim put s-4 back in sync (v23); when s-3's log was lost
+#: (EIO) s-4 was elected at epoch 3 without them.  Now the lone takeover routes nothing
+#: before its grace ends (rule 8), both takeovers know their records stale (rule 7), and a
+#: replica registering after its primary's grant is in sync on its own word only if it
+#: holds the primary's granted copy (recovery.says_in_sync).
+REAL_PAIR_REGRESSIONS = [(231, LONG_PAIR_FAULTS), (294, PAIR_FAULTS), (318, PAIR_FAULTS)]
+
+
+@pytest.mark.parametrize(("seed", "faults"), REAL_PAIR_REGRESSIONS)
+def test_real_pair_seeds_that_found_defects_pass(seed: int, faults: list[str]) -> None:
+    r = run_seed(seed, faults=faults, real_broker=True)
+    assert r.ok, (seed, r.failures[:3], r.schedule)
+
+
 KNOWN_PAIR_SEEDS = [(s, LONG_PAIR_FAULTS) for s in sorted(REAL_PAIR_KNOWN)] + [
     (s, PAIR_FAULTS) for s in sorted(REAL_PAIR_KNOWN_SHORT)
 ]
@@ -417,12 +435,15 @@ def test_known_real_pair_defects_stay_found(seed: int, faults: list[str]) -> Non
 
 #: The pair's known defects in the real code paths (zps.testing.sim.realbugs, and
 #: BinaryStar itself), the faults that expose them and the seeds they must be caught in
-#: (each is caught at the last of its budget's seeds, the first at its first).
+#: (the first at its first seed).  pair-map-before-standby is caught at seed 143: with
+#: BinaryStar rules 7 and 8 and a replica's own word of being in sync counting only
+#: before its primary's grant (recovery.says_in_sync), a standby's record one map behind
+#: loses writes in fewer runs.
 PAIR_BUGS = {
     "standby-without-record": ("failover,kill,power", 1),
     "pair-unfenced": ("failover,pause,kill", 20),
     "pair-primary-first": ("failover,power,crash-all,broker", 20),
-    "pair-map-before-standby": ("failover,power", 40),
+    "pair-map-before-standby": ("failover,power", 144),
 }
 
 

@@ -499,7 +499,8 @@ class Pair:
     # -- transitions ---------------------------------------------------------
 
     async def _changed(self, change: Transition, now: float) -> None:
-        level = logging.WARNING if change.activated or change.deactivated else logging.INFO
+        significant = change.activated or change.deactivated or change.stale
+        level = logging.WARNING if significant else logging.INFO
         log.log(
             level,
             "broker pair: %s -> %s at term %d (%s)",
@@ -510,7 +511,11 @@ class Pair:
         )
         if change.activated:
             self._active_term = change.term
-            await self._take_over(now)
+            await self._take_over(now, stale=change.stale, alone=change.alone)
+        elif change.stale:
+            # BinaryStar rule 7: the record this broker took over with binds no more.
+            self.host.state.record_stale()
+            self.host.state_changed()
         elif change.deactivated:
             # Whatever it knew is stale now: it routes again only after a takeover.
             # Until the peer's record comes, its own last one (stamped with the term it
@@ -521,7 +526,7 @@ class Pair:
             self._sent = None
             self._waiting.clear()
 
-    async def _take_over(self, now: float) -> None:
+    async def _take_over(self, now: float, *, stale: bool = False, alone: bool = False) -> None:
         b = self.host
         rec = self.record
         # Hold for the shards' claims: with the peer's record, they are asked at once
@@ -534,7 +539,11 @@ class Pair:
             except ValueError as e:
                 log.error("cannot take over the recorded state: %s", e)
                 rec = None
-        self._takeover_record = rec
+        if stale:
+            b.state.record_stale()  # BinaryStar rule 7
+        # Rule 8: a broker that heard no peer since it started holds for the whole grace
+        # (the shards that are up report the terms they obeyed before a write is routed).
+        self._takeover_record = None if alone else rec
         self.takeovers.append(now)
         log.warning(
             "broker pair: active at term %d with %s; asking %d shards to register",

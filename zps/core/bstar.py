@@ -36,6 +36,17 @@ Rules:
    over only once it has run for a whole timeout without hearing its peer, so the
    beats queued for it while it was paused are read first, whatever order it reads a
    client's request and those beats in.
+7. A record older than a term some shard obeyed is *stale*: the broker active at
+   that term may have changed every in-sync set since (shards keep the highest term
+   they obeyed in their data dirs and report it, :meth:`BinaryStar.on_term`).  A broker
+   takes over from a stale record knowing it is (``Transition.stale``: its in-sync sets
+   no longer bind, :func:`zps.core.recovery.unpin`), and an active broker that learns
+   of a term between its record's and its own (a shard that obeyed it comes back, or
+   its peer starts with a record of it) gets the same decision as a transition from
+   active to active.
+8. A takeover by a primary that heard no peer since it started (``Transition.alone``)
+   cannot know whether its peer served meanwhile: the driver holds for the whole
+   start-up grace, so every shard that is up reports its term before a write is routed.
 
 No I/O and no clock: the driver passes ``now`` (seconds, monotonic) and acts on
 the :class:`Transition` each event returns.
@@ -63,16 +74,21 @@ class PairRole(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Transition:
-    """The state changed from ``old`` to ``new``; ``term`` is the term now held."""
+    """The state changed from ``old`` to ``new``; ``term`` is the term now held.
+    ``stale``: the record this broker serves from (or takes over with) is older than a
+    term some shard obeyed (rule 7); ``alone``: a takeover with no peer heard since
+    start (rule 8)."""
 
     old: State
     new: State
     term: int
     reason: str
+    stale: bool = False
+    alone: bool = False
 
     @property
     def activated(self) -> bool:
-        return self.new is State.ACTIVE
+        return self.new is State.ACTIVE and self.old is not State.ACTIVE
 
     @property
     def deactivated(self) -> bool:
@@ -110,6 +126,8 @@ class BinaryStar:
         #: The ``(term, version)`` of the record this broker holds (rule 5); the
         #: driver keeps it current.
         self.record = _record(record)
+        #: The highest term a shard reported having obeyed (rule 7).
+        self.reported = 0
         self._peer_expiry = now + timeout
         self._last_run = now  # rule 6
         self.failovers = 0
@@ -156,6 +174,19 @@ class BinaryStar:
         if term > self.term and mine is State.ACTIVE:
             return self._to(State.PASSIVE, term, f"the peer holds a newer term {term}")
         self.term = max(self.term, term)
+        change = self._on_peer_state(mine, state, term, known, peer_record)
+        if change is None and peer_record is not None and mine is State.ACTIVE:
+            return self._stale(peer_record[0], "its peer holds a record of term")
+        return change
+
+    def _on_peer_state(
+        self,
+        mine: State,
+        state: State,
+        term: int,
+        known: int,
+        peer_record: tuple[int, int] | None,
+    ) -> Transition | None:
         match mine, state:
             case State.PRIMARY, State.BACKUP:
                 if peer_record is not None and peer_record > self.record:
@@ -206,8 +237,9 @@ class BinaryStar:
         broker that was paused (its peer clock stale, client requests queued up
         meanwhile) does not take over again at once before its peer's beats are read."""
         self.tick(now)
+        self.reported = max(self.reported, term)
         if term <= self.term:
-            return None
+            return self._stale(term, "a shard obeyed term") if self.active else None
         self._peer_expiry = max(self._peer_expiry, now + self.timeout)
         if self.state is State.ACTIVE:
             return self._to(State.PASSIVE, term, f"a newer term {term} is in use")
@@ -222,15 +254,30 @@ class BinaryStar:
         if term % 2 != parity:
             term += 1
         was_passive = self.state is State.PASSIVE
-        t = self._to(State.ACTIVE, term, reason)
+        stale = self.record[0] < self.reported
+        if stale:
+            reason += f"; its record (term {self.record[0]}) is stale: a shard obeyed term "
+            reason += str(self.reported)
+            self.record = (term, self.record[1])  # rule 7: decided once
+        alone = self.state is State.PRIMARY and self.peer_state is None
+        t = self._to(State.ACTIVE, term, reason, stale=stale, alone=alone)
         if was_passive:
             self.failovers += 1
         return t
 
-    def _to(self, state: State, term: int, reason: str) -> Transition:
+    def _stale(self, term: int, why: str) -> Transition | None:
+        """Rule 7 for an active broker that hears of ``term``: its record is stale if
+        ``term`` lies between the record's and its own (decided once per record)."""
+        if not self.record[0] < term < self.term:
+            return None
+        reason = f"{why} {term}, newer than its record's {self.record[0]}: the record is stale"
+        self.record = (self.term, self.record[1])
+        return Transition(State.ACTIVE, State.ACTIVE, self.term, reason, stale=True)
+
+    def _to(self, state: State, term: int, reason: str, **flags: bool) -> Transition:
         old = self.state
         self.state, self.term = state, term
-        return Transition(old, state, term, reason)
+        return Transition(old, state, term, reason, **flags)
 
 
 def _record(record: tuple[int, int]) -> tuple[int, int]:

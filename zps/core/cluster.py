@@ -23,9 +23,10 @@ Rules:
    its primary acknowledges a write without it.
 5. The in-sync set of a partition comes from its primary's reports (it sees the
    acknowledgements) and shrinks when the broker loses a replica.  During the start-up hold (no
-   write is routed) it also takes the copies that say so themselves: a replica that was in sync,
-   and a copy that could have been granted the partition (:func:`zps.core.recovery.vouches`)
-   following the one granted at its epoch; a report drops no member of the broker's record then.
+   write is routed) it also takes the copies that say so themselves: a replica that was in sync
+   (:func:`zps.core.recovery.says_in_sync`) and a copy that could have been granted the partition
+   (:func:`zps.core.recovery.vouches`) following the one granted at its epoch; a report drops no
+   member of the broker's record then.
 6. Never two primaries for one partition.
 7. Never two copies of a partition on one host (or one zone) while a spare elsewhere could hold
    one; a copy placed together for want of a spare is moved when one turns up (a well-placed
@@ -57,12 +58,7 @@ import numpy.typing as npt
 from zps.core import cluster_map, cluster_status, placement, recovery
 from zps.core.brokerstate import PartitionRecord
 from zps.core.nodes import Assignment, Claim, ClientNode, Partition, ShardNode, merge
-from zps.core.routing import (
-    DEFAULT_SLOTS,
-    ClusterMap,
-    RouterInfo,
-    default_slot_map,
-)
+from zps.core.routing import DEFAULT_SLOTS, ClusterMap, RouterInfo, default_slot_map
 from zps.protocol.messages import Role
 
 __all__ = ["Assignment", "Claim", "ClientNode", "ClusterState", "ShardNode"]
@@ -143,6 +139,11 @@ class ClusterState:
             part.recorded = part.members
         self.map_version = max(self.map_version, map_version)
         self._publish()
+
+    def record_stale(self) -> None:
+        """The record restored is older than a term some shard obeyed (recovery.unpin)."""
+        for part in self._parts:
+            recovery.unpin(part)
 
     # -- live resharding (zps/broker/reshard.py drives it) -----------------------
 
@@ -318,7 +319,7 @@ class ClusterState:
             raised = self._raise_epoch(claim.partition, claim.epoch)
             node.role, node.partition, node.epoch = Role.REPLICA, claim.partition, claim.epoch
             part.replicas.append(node.node_id)
-            own = vouched or (claim.role is Role.REPLICA and claim.in_sync)
+            own = vouched or (claim.role is Role.REPLICA and recovery.says_in_sync(part, claim))
             if own and self.holding(now):
                 # After a restart only the copy itself can say it was in sync.
                 part.in_sync.add(node.node_id)

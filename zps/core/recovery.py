@@ -55,6 +55,18 @@ def vouches(part: Partition, claim: Claim) -> bool:
     return (claim.epoch, claim.lsn) >= part.origin
 
 
+def says_in_sync(part: Partition, claim: Claim) -> bool:
+    """Whether a replica's own word that it was in sync counts during the start-up hold:
+    while no copy serves the partition, or when it holds at least the copy the serving
+    primary was granted from.  A primary granted first was sent a map without it, and
+    such a map releases the writes that waited for it (routed by the broker before
+    this one, and applied on the primary's copy, whose LSN counts them): a replica behind
+    that copy may lack writes acknowledged since."""
+    if not claim.in_sync:
+        return False
+    return part.primary is None or (claim.epoch, claim.lsn) >= part.origin
+
+
 def reported_in_sync(part: Partition, in_sync: list[str], *, holding: bool) -> set[str]:
     """The in-sync set a primary's report gives ``part``: the replicas it names; during
     the start-up hold (no write is routed) a member of the recorded set in sync stays so
@@ -73,6 +85,21 @@ def unseen_newer(part: Partition, claim: Claim, node_id: str) -> bool:
         and (claim.epoch, node_id) not in part.seen
         and (claim.epoch, claim.lsn) > part.origin
     )
+
+
+def unpin(part: Partition) -> None:
+    """The broker's record is stale (:mod:`zps.core.bstar` rule 7: a shard obeyed a newer
+    broker since it was made): its in-sync set for ``part`` binds no more, since the newer
+    broker may have dropped any member and acknowledged writes without it, nor does its
+    floor (a claim below the partition's epoch is trusted when a floor is known, as that
+    epoch was never confirmed: the newer broker may have confirmed it).  The partition is
+    judged as by a broker restarted without its record: the newest claim wins during the
+    hold; after it a newer copy takes over only from a primary that took no write since
+    it was granted, else both are kept (rule 8).  Its members and floor from now on are
+    the ones its primary confirms to this broker."""
+    part.pinned = False
+    part.members = part.recorded = ()
+    part.floor_epoch = part.floor_lsn = 0
 
 
 def not_taken(node: ShardNode, claim: Claim, why: str) -> str:

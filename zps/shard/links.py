@@ -18,7 +18,11 @@ such word: the broker only answers what comes on it.
 
 With a broker pair, control messages go to both, and requests are taken (and replies
 sent) only through the broker whose term is the highest seen (:meth:`BrokerLinks.fenced`:
-an older broker's messages are dropped, its requests refused).
+an older broker's messages are dropped, its requests refused).  That term is kept in
+the data dir (:class:`BrokerTerm`) before a message of it is obeyed, and reported in
+every control message, so a broker of the pair that starts from a record older than
+a term the shards obeyed learns it, after a power loss too (:mod:`zps.core.bstar`
+rule 7).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -62,6 +67,67 @@ from zps.version import __version__
 log = logging.getLogger("zps.shard")
 
 Link = tuple[transport.Channel, transport.Outbound]
+
+
+#: The file in a shard's data dir holding the highest broker term it obeyed.
+TERM_FILE = "broker-term"
+
+
+class BrokerTerm:
+    """The highest term of a broker of the pair this shard obeyed, kept in its data dir
+    (``data_dir`` None: in memory only).  The file is replaced atomically and synced
+    before a newer term is taken (:meth:`obey`), so what a shard reports after a power
+    loss is never below a term it acted on.  Its ``os`` name is the simulator's disk
+    seam (:func:`zps.testing.sim.disk.install`)."""
+
+    def __init__(self, data_dir: str | os.PathLike[str] | None) -> None:
+        self.path = None if data_dir is None else os.path.join(data_dir, TERM_FILE)
+        self.value = 0
+        #: A newer term could not be kept (the message was dropped): the caller asks the
+        #: broker to say again what it said (the shard registers again) and clears it.
+        self.failed = False
+        if self.path is not None:
+            try:
+                with open(self.path, "rb") as f:
+                    text = f.read().strip()
+                self.value = int(text) if text.isdigit() else 0
+            except FileNotFoundError:
+                pass
+
+    def obey(self, term: int) -> bool:
+        """Whether a message of broker term ``term`` may be obeyed: not below the highest
+        term kept; a newer one is kept first (False if it could not be: the message is
+        dropped, :attr:`failed` set)."""
+        if term < self.value:
+            return False
+        if term > self.value and self.path is not None:
+            try:
+                _write_synced(self.path, f"{term}\n".encode())
+            except OSError as e:
+                log.error("cannot keep broker term %d in %s: %s", term, self.path, e)
+                self.failed = True
+                return False
+        self.value = term
+        return True
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data``, durably: a temporary file synced, renamed over it,
+    and the directory synced."""
+    tmp = f"{path}.tmp"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def from_broker(mtype: MsgType, header: dict[str, Any]) -> BrokerToShard | None:
@@ -168,7 +234,7 @@ class BrokerLinks:
         #: Every data link, the one followed, and the highest term seen (broker pair).
         self.links: list[Link] = []
         self.current = 0
-        self.term = 0
+        self._term = BrokerTerm(config.data_dir if len(config.endpoints) > 1 else None)
         #: The data link followed, and what is sent on it beyond zmq's queue (bounded in
         #: bytes: past ``reply_queue_bytes - max_message_bytes`` held, requests are refused).
         self.sock: transport.Channel | None = None
@@ -302,6 +368,11 @@ class BrokerLinks:
         """Bytes held for the broker followed beyond zmq's queue."""
         return 0 if self.out is None else self.out.held_bytes
 
+    @property
+    def term(self) -> int:
+        """The highest broker term obeyed (kept in the data dir: :class:`BrokerTerm`)."""
+        return self._term.value
+
     def with_term(self, header: dict[str, Any]) -> dict[str, Any]:
         """A broker pair learns from the shards the highest term they have seen."""
         return {**header, "term": self.term} if len(self.links) > 1 else header
@@ -318,13 +389,12 @@ class BrokerLinks:
         term = header.get("term")
         if len(self.links) < 2 or not isinstance(term, int) or isinstance(term, bool):
             return False
-        if term < self.term:
+        if not self._term.obey(term):
             return True
         if link != self.current:
             log.warning("following the broker at %s (term %d)", self.config.endpoints[link], term)
             self.current = link
             self.sock, self.out = self.links[link]
-        self.term = term
         return False
 
     async def on_frames(self, frames: transport.Frames, link: int = 0) -> None:
@@ -335,6 +405,11 @@ class BrokerLinks:
             msg = decode([transport.frame_buffer(f) for f in frames[1:]])
             if not self.fenced(link, msg.header):
                 await self._on_control(route, msg.header)
+            elif self._term.failed:
+                # Its term could not be kept: the message was dropped, and the shard
+                # registers again, so the broker says again what it said.
+                self._term.failed = False
+                await self._on_control(Route(MsgType.REGISTER), {})
         except (KeyError, ValueError, TypeError, OverflowError) as e:
             raise ProtocolError(str(e)) from e
 

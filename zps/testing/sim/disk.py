@@ -2,7 +2,8 @@
 
 The files are real (in a scratch directory, tmpfs where there is one); what is
 simulated is what a machine's disk does that a healthy run never shows.  The seam is
-the ``os`` name that :mod:`zps.store.wal` and :mod:`zps.shard.checkpoint` call
+the ``os`` name that :mod:`zps.store.wal`, :mod:`zps.shard.checkpoint` and
+:mod:`zps.shard.links` (the broker term a shard keeps) call
 (:func:`install` puts a :class:`SimOS` there for the run; the product code is unchanged):
 
 * what was written but not yet ``fsync``'d / ``fdatasync``'d is lost at a crash of
@@ -176,11 +177,13 @@ def install(sim_os: SimOS) -> list[tuple[Any, str, Any]]:
     executor where the checkpoint module looks up ``concurrent``; returns what to put back
     (:func:`uninstall`)."""
     import zps.shard.checkpoint as checkpoint
+    import zps.shard.links as links
     import zps.store.wal as wal
 
     seams = [
         (wal, "os", sim_os),
         (checkpoint, "os", sim_os),
+        (links, "os", sim_os),  # the broker term a shard keeps (BrokerTerm)
         (checkpoint, "concurrent", _CONCURRENT),
     ]
     saved = [(module, name, module.__dict__[name]) for module, name, _ in seams]

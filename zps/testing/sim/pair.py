@@ -30,6 +30,7 @@ from typing import Any
 from zps.client.session import BrokerChoice
 from zps.core.bstar import BinaryStar, PairRole, State, Transition
 from zps.protocol.codec import MsgType, Route, decode, encode, unpack_route
+from zps.shard.links import BrokerTerm
 from zps.testing.sim.nodes import HOLD, SimBroker, SimClient, SimShard
 
 World = Any
@@ -186,10 +187,14 @@ class PairBroker(SimBroker):
             self.rec_term = change.term
             self.takeovers += 1
             inc = f"sim{w.seed}-{self.name}-{self.starts}-{self.takeovers}"
-            self._reset(now, self.record, inc)
+            self._reset(now, self.record, inc)  # it holds for the whole HOLD (rule 8)
+            if change.stale:
+                self.state.record_stale()  # BinaryStar rule 7
             for shard in sorted(self.heard):
                 self.send(shard, ("reregister",))
             self.heard.clear()
+        elif change.stale:
+            self.state.record_stale()  # BinaryStar rule 7
         elif change.deactivated:
             # What it knew is stale: it routes again only after a takeover.
             self.record = (self.state.map_version, self.state.records())
@@ -212,8 +217,8 @@ class PairBroker(SimBroker):
             return
         _, term, inner = msg
         now = self.w.sched.now
-        if isinstance(term, int) and term > self.star.term:
-            self._changed(self.star.on_term(term, now))
+        if isinstance(term, int) and (term > self.star.term or src in self.w.shard_names):
+            self._changed(self.star.on_term(term, now))  # a shard's: rules 3 and 7
         if src in self.w.shard_names:
             if self.star.active:
                 super().on_message(src, inner)
@@ -240,9 +245,14 @@ class PairBroker(SimBroker):
 
 class PairShard(SimShard):
     def start(self) -> bool:
-        self.term = 0  # a new process knows no term yet
+        # The highest term obeyed, kept in the data dir (BrokerLinks: BrokerTerm).
+        self.fence = BrokerTerm(self.disk.root)
         self.current = BROKERS[0]
         return super().start()
+
+    @property
+    def term(self) -> int:
+        return self.fence.value
 
     def send(self, node: str, msg: Any) -> None:
         if node != "broker":
@@ -258,18 +268,20 @@ class PairShard(SimShard):
         new makes its broker the one followed."""
         if term is None:
             return False
-        if term < self.term:
+        if not self.fence.obey(term):
             return True
         if src != self.current:
             self.w.sched.log(f"{self.name} follows {src} (term {term})")
             self.current = src
-        self.term = term
         return False
 
     def on_message(self, src: str, msg: Any) -> None:
         if src in BROKERS:
             _, term, inner = msg
             if self._fenced(src, term):
+                if self.fence.failed:  # BrokerLinks.on_frames: not kept, so registered again
+                    self.fence.failed = False
+                    super().on_message("broker", ("reregister",))
                 return
             src, msg = "broker", inner
         super().on_message(src, msg)

@@ -10,7 +10,8 @@ its beat loop on the run's event loop.  The primary's node is ``broker``, the ba
 
 :class:`WirePairShard` does what the real shard's broker links do
 (:class:`zps.shard.links.BrokerLinks`): control messages to both brokers, stamped with
-the highest term seen; a control message with an older term is dropped, one at least
+the highest term seen (kept in its data dir: :class:`zps.shard.links.BrokerTerm`); a
+control message with an older term is dropped, one at least
 as new makes its broker the one followed; requests are taken (and replies sent) through
 the broker followed only, a request routed by the other is refused as routed by a
 broker that was replaced.
@@ -30,6 +31,7 @@ from zps.client.session import BrokerChoice
 from zps.core.bstar import BinaryStar, Transition
 from zps.protocol.codec import MsgType, Route, decode, encode, unpack_route
 from zps.shard.admission import REPLACED
+from zps.shard.links import BrokerTerm
 from zps.testing.sim.pair import BROKERS, PEER_TIMEOUT, RETRY, SILENCE
 from zps.testing.sim.realbroker import RealBroker, WireClient, WireShard, _Broker
 
@@ -86,9 +88,14 @@ class WirePairShard(WireShard):
     """A shard's broker links to the pair (see the module notes)."""
 
     def start(self) -> bool:
-        self.term = 0  # a new process knows no term yet
+        # The highest term obeyed, kept in the data dir (BrokerLinks: BrokerTerm).
+        self.fence = BrokerTerm(self.disk.root)
         self.current = BROKERS[0]
         return super().start()
+
+    @property
+    def term(self) -> int:
+        return self.fence.value
 
     def stamped(self, header: dict[str, Any]) -> dict[str, Any]:
         return {**header, "term": self.term}  # BrokerLinks.with_term
@@ -108,12 +115,11 @@ class WirePairShard(WireShard):
         term = header.get("term")
         if not isinstance(term, int) or isinstance(term, bool):
             return False
-        if term < self.term:
+        if not self.fence.obey(term):
             return True
         if src != self.current:
             self.w.sched.log(f"{self.name} follows {src} (term {term})")
             self.current = src
-        self.term = term
         return False
 
     def on_message(self, src: str, msg: Any) -> None:
@@ -130,6 +136,9 @@ class WirePairShard(WireShard):
             super().on_message("broker", msg)
             return
         if self._fenced(src, decode(msg[1:]).header):
+            if self.fence.failed:  # BrokerLinks.on_frames: not kept, so registered again
+                self.fence.failed = False
+                super().on_message("broker", [b"", *encode(Route(MsgType.REGISTER), {})])
             return
         super().on_message("broker", msg)
 
