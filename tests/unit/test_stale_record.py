@@ -136,9 +136,20 @@ def test_a_stale_records_in_sync_set_binds_no_more_and_a_newer_copy_wins_the_hol
     out = by_node(reg(cs, "s", claim=claim_primary(0, 1, 30), now=100.2))
     assert out["s"].role is Role.PRIMARY and cs.primary_of(0) == "s"
     assert out["r"].role is not Role.PRIMARY
-    # Nor does its floor: the newer broker may have confirmed an epoch the record
-    # never saw, so a claim below the partition's epoch is not taken.
-    assert cs.floor_of(0) == (0, 0)
+    # Its floor is a bound still (floors only grow).
+    assert cs.floor_of(0) == (1, 10)
+
+
+def test_with_a_stale_record_a_claim_below_the_partitions_epoch_is_not_taken() -> None:
+    """A copy that followed a primary at epoch 2 (given by the newer broker) registers;
+    an older primary claim at epoch 1, above the record's floor, must not take the
+    partition (the floor vouches for it only when the newer epoch was never confirmed,
+    which a stale record cannot tell)."""
+    cs = recorded_pair()
+    cs.record_stale()
+    reg(cs, "s", claim=claim_replica(0, 2, 30, in_sync=True), now=100.1)
+    assert reg(cs, "p", claim=claim_primary(0, 1, 12), now=100.2) == []
+    assert cs.primary_of(0) is None and cs.shards["p"].held is not None
 
 
 def test_without_the_stale_mark_the_recorded_set_decides() -> None:

@@ -86,12 +86,12 @@ class ClusterState:
         self.replication = replication
         self.hold_until = hold_until
         self._holding = hold_until > 0
+        self.stale = False  # the record restored is stale (record_stale)
         self.incarnation = uuid.uuid4().hex[:12]
         self.slot_map = default_slot_map(n_slots, n_partitions)
         self.shards: dict[str, ShardNode] = {}
         self.clients: dict[str, ClientNode] = {}
-        #: Routing brokers (``zps-server broker --follow``): watched like clients, listed
-        #: in the map, each partition's requests sent to one (see ``cluster_map.routers_of``).
+        #: Routing brokers (``zps-server broker --follow``), as clients; see ``routers_of``.
         self.routers: dict[str, RouterInfo] = {}
         self._parts = [Partition() for _ in range(n_partitions)]
         self.map_version = 0
@@ -142,6 +142,7 @@ class ClusterState:
 
     def record_stale(self) -> None:
         """The record restored is older than a term some shard obeyed (recovery.unpin)."""
+        self.stale = True
         for part in self._parts:
             recovery.unpin(part)
 
@@ -283,7 +284,7 @@ class ClusterState:
         node.lsn = claim.lsn
         vouched = False
         if claim.role is Role.PRIMARY:
-            why_not = self._distrust(part, claim, node.node_id, holding=self.holding(now))
+            why_not = self._distrust(part, claim, node.node_id, self.holding(now), self.stale)
             current = self.shards.get(part.primary) if part.primary else None
             newer = current is not None and recovery.unseen_newer(part, claim, node.node_id)
             if why_not is None and current is not None and newer:

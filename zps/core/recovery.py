@@ -20,9 +20,13 @@ def claim_epoch(part: Partition, claim: Claim) -> int:
     return claim.epoch if claim.epoch >= part.epoch else part.epoch + 1
 
 
-def distrust(part: Partition, claim: Claim, node_id: str, *, holding: bool = False) -> str | None:
+def distrust(
+    part: Partition, claim: Claim, node_id: str, holding: bool = False, stale: bool = False
+) -> str | None:
     """Why a primary claim may not have its partition (rule 4), or None.  During the
-    start-up hold (``holding``) a member of the recorded in-sync set is one still."""
+    start-up hold (``holding``) a member of the recorded in-sync set is one still.  With
+    a ``stale`` record (:func:`unpin`) its floor is a bound still, but a claim below the
+    partition's epoch is not trusted: a newer broker may have confirmed that epoch."""
     if part.released:
         return None
     if not claim.complete:
@@ -38,7 +42,7 @@ def distrust(part: Partition, claim: Claim, node_id: str, *, holding: bool = Fal
         return f"it is not in the partition's last in-sync set ({', '.join(part.members)})"
     # At or past the floor.  Below the current epoch only when a floor is known
     # (the newer epoch was never confirmed, so it took no writes).
-    if claim.epoch >= part.epoch or part.floor_epoch > 0:
+    if claim.epoch >= part.epoch or (part.floor_epoch > 0 and not stale):
         return None
     return f"its epoch {claim.epoch} is older than the partition's {part.epoch}"
 
@@ -90,16 +94,15 @@ def unseen_newer(part: Partition, claim: Claim, node_id: str) -> bool:
 def unpin(part: Partition) -> None:
     """The broker's record is stale (:mod:`zps.core.bstar` rule 7: a shard obeyed a newer
     broker since it was made): its in-sync set for ``part`` binds no more, since the newer
-    broker may have dropped any member and acknowledged writes without it, nor does its
-    floor (a claim below the partition's epoch is trusted when a floor is known, as that
-    epoch was never confirmed: the newer broker may have confirmed it).  The partition is
-    judged as by a broker restarted without its record: the newest claim wins during the
-    hold; after it a newer copy takes over only from a primary that took no write since
-    it was granted, else both are kept (rule 8).  Its members and floor from now on are
-    the ones its primary confirms to this broker."""
+    broker may have dropped any member and acknowledged writes without it.  The partition
+    is judged as by a broker restarted without its record (the newest claim wins during
+    the hold; after it a newer copy takes over only from a primary that took no write
+    since it was granted, else both are kept: rule 8), but for its floor, a bound still
+    (floors only grow), though not one that vouches for a claim below the partition's
+    epoch (:func:`distrust`).  Its members from now on are the ones its primary confirms
+    to this broker."""
     part.pinned = False
     part.members = part.recorded = ()
-    part.floor_epoch = part.floor_lsn = 0
 
 
 def not_taken(node: ShardNode, claim: Claim, why: str) -> str:

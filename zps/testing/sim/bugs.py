@@ -30,10 +30,10 @@ def _older_copy_wins() -> list[tuple[Any, str, Any]]:
 
     real = ClusterState._distrust
 
-    def distrust(part: Any, claim: Any, node_id: str, **kw: Any) -> str | None:
+    def distrust(part: Any, claim: Any, node_id: str, *args: Any, **kw: Any) -> str | None:
         pinned, part.pinned = part.pinned, False
         try:
-            return real(part, claim, node_id, **kw)
+            return real(part, claim, node_id, *args, **kw)
         finally:
             part.pinned = pinned
 
