@@ -167,17 +167,47 @@ def test_primary_death_without_an_in_sync_replica_loses_the_partition() -> None:
     cs.report("a", lsn=3, epoch=1, in_sync=[])
     old = cs.map
     out = cs.node_gone("a", 1.0)
-    assert out == [spare("c")]
+    # The replica is not made a spare: it keeps its copy (held), told nothing.
+    assert out == []
     assert cs.is_lost(0) and cs.primary_of(0) is None
     assert part(cs, 0) == PartitionInfo(1, None, (), (), lost=True)
     assert old.partitions[0].lost is False  # old maps are never edited
-    assert cs.shards["c"].role is Role.SPARE
+    assert cs.shards["c"].held == Claim(0, 1, Role.REPLICA, 0)
     assert cs.failovers == 0
     assert not cs.is_lost(1)
-    # Neither the demoted replica nor a fresh shard gets the lost partition.
+    # Neither the held replica nor a fresh shard gets the lost partition on its own.
     assert reg(cs, "e", now=2.0) == [spare("e")]
     assert cs.is_lost(0) and cs.primary_of(0) is None
     assert cs.status(3.0, {})["partitions"][0]["state"] == "lost"
+
+
+def test_a_lost_partitions_replica_keeps_its_copy_for_reset_partition() -> None:
+    """With no in-sync replica left the partition is lost, but its replicas' copies are
+    held, never made spares (which drops them): under min_in_sync 2 a replica the primary
+    dropped holds every acknowledged write.  reset-partition serves the newest of them,
+    not an empty spare; a copy at the floor coming back releases the older ones."""
+    cs = full_cluster(1, 3, "p", "r1", "r2", "s")  # s: a spare
+    cs.report("p", lsn=9, epoch=1, in_sync=[])
+    cs.report("r1", lsn=7)
+    cs.report("r2", lsn=8)
+    assert cs.node_gone("p", 1.0) == []
+    assert cs.is_lost(0) and cs.shards["s"].role is Role.SPARE
+    held = {n: cs.shards[n].held for n in ("r1", "r2")}
+    assert held == {"r1": Claim(0, 1, Role.REPLICA, 7), "r2": Claim(0, 1, Role.REPLICA, 8)}
+    out = by_node(cs.reset_partition(0, 2.0))
+    assert out["r2"] == primary("r2", 0, 2)  # the newest held copy, not the spare
+    assert out["r1"] == replica("r1", 0, 2, "r2")  # older: released, and it follows r2
+    assert cs.primary_of(0) == "r2" and cs.shards["r1"].held is None
+
+
+def test_a_replica_claim_of_a_lost_partition_is_held_not_made_a_spare() -> None:
+    cs = full_cluster(1, 2, "p", "r")
+    cs.report("p", lsn=9, epoch=1, in_sync=[])
+    cs.node_gone("p", 1.0)
+    cs.node_gone("r", 1.5)  # the held replica restarts: it claims its copy again
+    assert reg(cs, "r", claim=claim_replica(0, 1, lsn=6), now=2.0) == []
+    assert cs.shards["r"].held == claim_replica(0, 1, lsn=6)
+    assert cs.is_lost(0)
 
 
 def test_a_lost_partition_is_never_given_to_a_fresh_spare() -> None:
@@ -371,7 +401,8 @@ def test_after_the_hold_a_partition_with_only_out_of_sync_replicas_is_lost() -> 
     reg(cs, "r", claim=claim_replica(0, 2, lsn=5, in_sync=False), now=1.0)
     reg(cs, "s", now=1.0)
     assert part(cs, 0) == PartitionInfo(2, None, ("r",), ())
-    assert cs.tick(10.0) == [spare("r")]
+    assert cs.tick(10.0) == []  # r keeps its copy, held (no role): reset-partition's choice
+    assert cs.shards["r"].held == Claim(0, 2, Role.REPLICA, 5)
     assert part(cs, 0) == PartitionInfo(2, None, (), (), lost=True)
     assert cs.shards["s"].role is Role.SPARE  # a lost partition goes to no fresh shard
 
@@ -611,12 +642,13 @@ def test_replicas_of_an_older_epoch_do_not_stay_in_sync_with_a_newer_primary() -
     assert part(cs, 0).in_sync == ()
 
 
-def test_replicas_demoted_at_the_end_of_the_hold_fill_other_partitions() -> None:
+def test_replicas_of_a_partition_lost_at_the_end_of_the_hold_keep_their_copies() -> None:
     cs = ClusterState(2, n_slots=16, replication=2, hold_until=10.0)
     reg(cs, "r", claim=claim_replica(0, 1, lsn=5, in_sync=False), now=1.0)
     cs.tick(10.0)
     assert cs.is_lost(0)
-    assert cs.primary_of(1) == "r"
+    assert cs.primary_of(1) is None  # r does not give its copy up for another partition
+    assert cs.shards["r"].held == claim_replica(0, 1, lsn=5)
 
 
 def test_a_lost_partition_never_keeps_replicas() -> None:
@@ -755,6 +787,9 @@ class Sim:
             assert a.node_id in cs.shards, f"assignment for a dead node {a.node_id}"
             self.beliefs[a.node_id] = a
         for node, a in by_node(out).items():
+            held = cs.shards[node].held
+            if held is not None and a.role is Role.REPLICA and a.partition == held.partition:
+                continue  # made a replica, then its partition was lost: it keeps its copy
             assert a == cs.assignment_of(node)  # the last one sent is the truth
         if claimant in cs.shards and claimant not in by_node(out):
             shard = cs.shards[claimant]

@@ -296,12 +296,12 @@ def test_broker_defects_are_caught_with_the_real_broker(
 
 
 def test_the_cli_runs_the_real_broker(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["--seeds", "1", "--seed", "1", "--faults", "pause-crash", "--real-broker"]
+    args = ["--seeds", "1", "--seed", "9", "--faults", "pause-crash", "--real-broker"]
     assert main(args) == 0
     assert main([*args, "--bug", "older-copy-wins"]) == 1
     out = capsys.readouterr().out
-    assert "seed 1: FAILED" in out
-    assert "--seed 1 --seeds 1 --trace --real-broker --bug older-copy-wins" in out
+    assert "seed 9: FAILED" in out
+    assert "--seed 9 --seeds 1 --trace --real-broker --bug older-copy-wins" in out
 
 
 # -- the real broker pair (--real-broker --faults failover,...) ------------------------

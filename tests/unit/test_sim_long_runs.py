@@ -1,7 +1,6 @@
 """Seeds the simulator's long runs (``python -m zps.testing.sim --seeds N ...``, figures in
 docs/performance.md, "The cluster simulator") failed on, each with the fault mix of its
-run: fixed defects, kept as regressions (every one must pass), and known ones, kept as
-expected failures until they are fixed (each must still fail)."""
+run: fixed defects, kept as regressions (every one must pass)."""
 
 from __future__ import annotations
 
@@ -38,6 +37,18 @@ REGRESSIONS: dict[int, tuple[list[str], bool, str]] = {
         # it was elected: the writes acknowledged past its log's LSN 106 were lost.
         "a replica the map dropped was in sync again short of the writes released without it",
     ),
+    105879: (
+        LONG_FAULTS,
+        True,
+        # min_in_sync 2.  Partition 1's replica was cut off from its primary, which dropped
+        # it (and could acknowledge nothing alone); the primary was then killed and its
+        # data dir wiped.  With no in-sync replica the partition was lost (right: the
+        # broker cannot know the replica missed nothing), and ClusterState._failover made
+        # the replica a spare, which dropped the copy holding every acknowledged write;
+        # after a broker restart without its record an empty shard took the partition.  A
+        # lost partition's copies are held now (reset-partition serves the newest).
+        "a lost partition's replicas were made spares, dropping their copies",
+    ),
 }
 
 
@@ -46,32 +57,3 @@ def test_seeds_the_long_runs_failed_on_pass(seed: int) -> None:
     faults, real_broker, _ = REGRESSIONS[seed]
     r = run_seed(seed, faults=faults, real_broker=real_broker)
     assert r.ok, (r.failures[:3], r.schedule)
-
-
-#: seed -> (the faults it was drawn from, the real broker, what it finds), not fixed yet.
-KNOWN: dict[int, tuple[list[str], bool, str]] = {
-    105879: (
-        LONG_FAULTS,
-        True,
-        # min_in_sync 2.  Partition 1's replica s-0 is cut off from its primary s-4, which
-        # drops it (the map names s-4 alone; it can acknowledge nothing alone), then s-4 is
-        # killed and its data dir wiped.  With no in-sync replica the partition is lost,
-        # and ClusterState._failover demotes s-0 to a spare: the copy holding every
-        # acknowledged write drops its partition.  After a broker restart without its
-        # record an empty shard takes the partition (and reset-partition would too: it
-        # hands a lost partition to its newest held copy, and none is held).  The rule to
-        # make: a lost partition's replicas keep their copies (held, as a claim not taken
-        # is), for reset-partition and a broker rebuilding from claims to find.
-        "a lost partition's replicas are made spares, dropping the copy that held "
-        "every acknowledged write",
-    ),
-}
-
-
-@pytest.mark.parametrize("seed", sorted(KNOWN))
-def test_known_defects_the_long_runs_found_stay_found(seed: int) -> None:
-    faults, real_broker, why = KNOWN[seed]
-    r = run_seed(seed, faults=faults, real_broker=real_broker)
-    if not r.ok:
-        pytest.xfail(f"seed {seed}: {why}: {r.failures[0]}")
-    raise AssertionError(f"seed {seed} passes now: move it to REGRESSIONS")

@@ -17,10 +17,11 @@ Rules:
    confirmed by heartbeat, nor to a copy outside its last in-sync set (*members*: the primary
    and the replicas it counted, which hold every acknowledged write), nor to a copy that says it
    may lack acknowledged writes (``complete`` false); only :meth:`ClusterState.reset_partition`
-   (an operator accepting the loss) lifts that.  Floors, epochs and members survive a broker
-   restart (:meth:`ClusterState.records` / :meth:`ClusterState.restore`); the driver publishes a
-   map only once the record holding it is durable, so a replica leaves the recorded set before
-   its primary acknowledges a write without it.
+   (an operator accepting the loss) lifts that, with the newest copy held: a lost partition's
+   replicas keep their copies, held like a claim not taken, never made spares.  Floors, epochs
+   and members survive a broker restart (:meth:`ClusterState.records` / ``restore``); the
+   driver publishes a map only once the record holding it is durable, so a replica leaves the
+   recorded set before its primary acknowledges a write without it.
 5. The in-sync set of a partition comes from its primary's reports (it sees the
    acknowledgements) and shrinks when the broker loses a replica.  During the start-up hold (no
    write is routed) it also takes the copies that say so themselves: a replica that was in sync
@@ -326,6 +327,8 @@ class ClusterState:
                 part.in_sync.add(node.node_id)
             self._publish()
             return [*raised, self._assignment(node.node_id)]
+        if part.lost and claim.role is Role.REPLICA:
+            node.held = claim  # kept for reset-partition (see _failover), never a spare
         return []
 
     _claim_epoch = staticmethod(recovery.claim_epoch)
@@ -520,10 +523,9 @@ class ClusterState:
         best = recovery.elect(part, self.shards)
         if best is None:
             self._lose(p, stopped=stopped)
-            out = [a for r in list(part.replicas) for a in self._demote(r, p)]
-            part.replicas, part.in_sync = [], set()
+            recovery.hold_copies(p, part, self.shards)  # never spares: no assignment
             self._publish()
-            return out
+            return []
         part.replicas.remove(best)
         self.failovers += 1
         out = self._make_primary(self.shards[best], p, part.epoch + 1, keep_origin=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from zps.core.nodes import Claim, Partition, ShardNode
+from zps.protocol.messages import Role
 
 _RESET = "zps-server reset-partition --partition {p} --accept-data-loss"
 
@@ -103,6 +104,19 @@ def unpin(part: Partition) -> None:
     to this broker."""
     part.pinned = False
     part.members = part.recorded = ()
+
+
+def hold_copies(p: int, part: Partition, shards: Mapping[str, ShardNode]) -> None:
+    """A lost partition's replicas keep their copies, held as a claim not taken is: no
+    role, no assignment (a spare drops its partition), so each keeps what it holds, which
+    may be every acknowledged write (with ``min_in_sync`` 2 its primary acknowledged
+    nothing without it).  reset-partition serves the newest; a broker rebuilding from
+    claims finds them; a copy at the floor that comes back releases the older ones."""
+    for r in part.replicas:
+        node = shards[r]
+        node.held = Claim(p, node.epoch, Role.REPLICA, node.lsn, complete=True)
+        node.role, node.partition, node.epoch = Role.SPARE, None, 0
+    part.replicas, part.in_sync = [], set()
 
 
 def not_taken(node: ShardNode, claim: Claim, why: str) -> str:
