@@ -31,8 +31,7 @@ Rules:
 6. Never two primaries for one partition.
 7. Never two copies of a partition on one host (or one zone) while a spare elsewhere could hold
    one; a copy placed together for want of a spare is moved when one turns up (a well-placed
-   replica is added first and the other dropped once it is in sync), and
-   :meth:`ClusterState.status` warns.
+   replica is added first and the other dropped once it is in sync); ``status`` warns.
 8. A copy that registers with a newer history (epoch, LSN) than the one the serving primary's
    line was granted from (a claim, or nothing; a failover keeps it), of an epoch this broker
    never gave that shard, while the partition has no recorded in-sync set (whose members hold
@@ -43,8 +42,7 @@ Rules:
    is overwritten (the newer copy is held) and an error names both copies and the operator's
    choices.  A partition with a held copy is never handed to an empty shard.
 
-No I/O and no clock: the broker driver calls these methods with ``now`` and sends what they
-return.
+No I/O and no clock: the broker driver calls these methods with ``now``, sends what they return.
 """
 
 from __future__ import annotations
@@ -308,9 +306,8 @@ class ClusterState:
                 self.notices.append(("error", recovery.not_taken(node, claim, why_not)))
             if current is None or newer or claim.epoch != part.epoch:
                 return []
-            # A copy of the serving primary's epoch, no newer, follows it (even one that may not
-            # be elected: a spare may be given to another partition and leave this one with a
-            # single copy of what both held); recovery.vouches: in sync during the hold.
+            # A copy of the serving primary's epoch, no newer, follows it (even one that may not be
+            # elected: a spare elsewhere would leave a single copy); recovery.vouches: the hold.
             vouched = why_not is None and recovery.vouches(part, claim)
         if (
             not part.lost
