@@ -416,11 +416,17 @@ REAL_PAIR_KNOWN_SHORT: dict[int, str] = {}
 #: acknowledged writes to LSN 62 at term 3, was down: a stale record's floor is a bound
 #: still (recovery.unpin keeps it; recovery.distrust only stops it vouching for a claim
 #: below the partition's epoch).
+#:
+#: 413 (LONG_PAIR_FAULTS): partition 1 was lost (no in-sync replica left) and its replica
+#: made a spare, dropping its copy; after three whole-cluster power losses the writes only
+#: that copy held were gone.  A lost partition's replicas are held now, never made spares
+#: (recovery.hold_copies; tests/unit/test_sim_long_runs.py, seed 105879).
 REAL_PAIR_REGRESSIONS = [
     (231, LONG_PAIR_FAULTS),
     (294, PAIR_FAULTS),
     (318, PAIR_FAULTS),
     (318, LONG_PAIR_FAULTS),
+    (413, LONG_PAIR_FAULTS),
 ]
 
 
