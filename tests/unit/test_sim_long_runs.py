@@ -6,22 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from zps.testing.sim.world import run_seed
+from zps.testing.sim.world import FAULTS, run_seed
 
 #: The long run's faults: every default one and the slow and client faults.
-LONG_FAULTS = [
-    "kill",
-    "power",
-    "wipe",
-    "pause",
-    "partition",
-    "disk",
-    "crash-all",
-    "broker",
-    "pause-crash",
-    "slow",
-    "client",
-]
+LONG_FAULTS = [*FAULTS, "slow", "client"]
 
 #: seed -> (the faults it was drawn from, the real broker, what it found).
 REGRESSIONS: dict[int, tuple[list[str], bool, str]] = {
