@@ -208,7 +208,10 @@ async def test_broker_killed_and_restarted_under_load(replicated: LocalCluster) 
         await asyncio.sleep(0.3)
         c.start_broker(grace=1.0)  # same port; the shards reclaim their roles
         await asyncio.to_thread(c.wait_healthy, 30)
-        await asyncio.sleep(0.5)
+        # Writes go on through the restarted broker (the clients find it on their own).
+        deadline = time.monotonic() + 10
+        while load.total_pushes <= pushes_before and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         assert load.total_pushes > pushes_before
     finally:
         stop.set()
