@@ -12,8 +12,9 @@ import pytest
 
 from tests.unit.test_shardcore import call, new_core, push_dense
 from zps.protocol.messages import ShardClaim
-from zps.shard.checkpoint import CheckpointStore, cut, decode_checkpoint, finish, restore
+from zps.shard.checkpoint import CheckpointStore, cut, decode_checkpoint, finish
 from zps.shard.core import ShardCore
+from zps.shard.restore import restore
 from zps.shard.session import ShardSession
 
 

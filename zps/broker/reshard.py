@@ -55,55 +55,15 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from zps.broker.acceptance import MOVE_TARGET, MoveReply
+from zps.broker.reshardhost import ReshardHost
 from zps.core.brokerstate import ReshardRecord
-from zps.core.cluster import Assignment, ClusterState
 from zps.core.reshard import DEFAULT_MAX_SLOTS_PER_MOVE, plan_moves
 from zps.protocol.codec import BufferLike, MsgType, Route, encode
-
-
-class CommitGate(Protocol):
-    """What a move needs of the training: hold sync commits back while slots move."""
-
-    paused: bool
-
-    @property
-    def commit_in_flight(self) -> bool: ...
-
-    async def advance(self) -> None: ...
-
-
-class ReshardHost(Protocol):
-    """What the resharding needs of its broker (the map's owner)."""
-
-    @property
-    def state(self) -> ClusterState: ...
-
-    @property
-    def training(self) -> CommitGate: ...
-
-    def routing(self) -> bool:
-        """Whether the broker routes now (a pair's active one, not holding for claims)."""
-
-    def state_changed(self) -> None:
-        """The state record changed (the resharding record is part of it)."""
-
-    async def persisted(self) -> None:
-        """Return once the state record as it is now survives the broker."""
-
-    async def apply(self, assignments: list[Assignment]) -> None:
-        """Send the shards these assignments."""
-
-    async def publish_if_changed(self, before: int) -> None:
-        """Publish the map if its version is no longer ``before``."""
-
-    def post(self, frames: list[Any]) -> object:
-        """Send at once (or hold for a slow peer), never waiting."""
-
 
 log = logging.getLogger("zps.broker.reshard")
 

@@ -28,8 +28,9 @@ from zps.errors import BadRequestError
 from zps.init import generate
 from zps.model.format import EmbeddingSink, Export, ExportWriter, state_offsets
 from zps.protocol.specs import DenseSpec, EmbeddingSpec, TableSpec
-from zps.shard.checkpoint import CheckpointStore, apply_record
+from zps.shard.checkpoint import CheckpointStore
 from zps.shard.core import ShardCore
+from zps.shard.restore import apply_record
 from zps.store.wal import Wal
 
 log = logging.getLogger("zps.export")

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from zps.shard import snapshots
-from zps.shard.checkpoint import CheckpointStore, cut, finish, restore
+from zps.shard.checkpoint import CheckpointStore, cut, finish
 from zps.shard.core import ShardCore
 from zps.shard.durability import Durability
 from zps.shard.metrics import CheckpointStats
 from zps.shard.primary import Reply
+from zps.shard.restore import restore
 from zps.shard.session import ShardSession
 from zps.store.snapshot import Snapshot
 

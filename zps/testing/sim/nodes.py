@@ -41,9 +41,10 @@ from zps.protocol.codec import Encoder, MsgType, Route, decode, encode, unpack_r
 from zps.protocol.messages import Role, Status, StatusReply
 from zps.protocol.ops import MUTATIONS
 from zps.protocol.specs import EmbeddingSpec
-from zps.shard.checkpoint import CheckpointError, CheckpointStore, finish, restore
+from zps.shard.checkpoint import CheckpointError, CheckpointStore, finish
 from zps.shard.core import ShardCore
 from zps.shard.durability import RETRY_S, Durability
+from zps.shard.restore import restore
 from zps.shard.session import MapResult, ShardSession
 from zps.store.wal import WalLost
 
