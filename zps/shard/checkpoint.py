@@ -68,11 +68,9 @@ from zps.errors import ProtocolError, ZpsError
 from zps.protocol.codec import Encoder
 from zps.shard.core import ShardCore
 from zps.store import mapped
+from zps.store.checksums import CHECKSUMS, STREAM_DIGEST, STREAM_MAGIC, Checksum, stream_checksum
+from zps.store.slicereader import SliceReader
 from zps.store.snapshot import (
-    CHECKSUMS,
-    STREAM_DIGEST,
-    STREAM_MAGIC,
-    Checksum,
     CutSpace,
     FrozenPart,
     Part,
@@ -83,7 +81,6 @@ from zps.store.snapshot import (
     encode_snapshot,
     freeze_export,
     slices,
-    stream_checksum,
 )
 
 log = logging.getLogger("zps.checkpoint")
@@ -680,35 +677,29 @@ def read_checkpoint(path: Path) -> Snapshot:
 
 
 def _read_checkpoint(path: Path) -> Snapshot:
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
+    with SliceReader(path) as f:
+        size = f.size
         try:
             builder = StreamBuilder(0, size, _SLICE, chunk_count(size, _SLICE), 1 << 40)
         except ProtocolError as e:
             raise CheckpointError(f"not a zps checkpoint: {e}") from None
         digest = Digest(size)
-        buf = memoryview(bytearray(min(size, _SLICE)))
-        if hasattr(os, "posix_fadvise"):  # read once, in order: a larger read-ahead
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zps-ckpt-hash") as pool:
-            for seq in range(builder.count):
-                piece = buf[: min(_SLICE, size - seq * _SLICE)]
-                got = 0
-                while got < len(piece):
-                    n = f.readinto(piece[got:])
-                    if not n:
-                        raise CheckpointError("the file ended before its size (truncated)")
-                    got += n
-                hashing = pool.submit(digest.feed, [piece])
-                try:
-                    builder.check(0, seq, [piece])
-                    builder.take([piece])
-                except ProtocolError as e:
-                    raise CheckpointError(f"malformed checkpoint: {e}") from None
-                finally:
-                    hashing.result()
-        _drop_cached(f.fileno(), 0)  # read: its tables hold it now
+            try:
+                # Each slice is read (by the reader's thread) while the one before is
+                # taken into the tables' arrays here and hashed in the pool.
+                for seq, piece in enumerate(f.slices(_SLICE)):
+                    hashing = pool.submit(digest.feed, [piece])
+                    try:
+                        builder.check(0, seq, [piece])
+                        builder.take([piece])
+                    except ProtocolError as e:
+                        raise CheckpointError(f"malformed checkpoint: {e}") from None
+                    finally:
+                        hashing.result()
+            except EOFError:
+                raise CheckpointError("the file ended before its size (truncated)") from None
+        f.drop_cached()  # read: its tables hold it now
     if not digest.complete or digest.digest() != builder.digest():
         name = builder.checksum.name if builder.checksum is not None else "its"
         raise CheckpointError(f"{name} checksum mismatch (corrupt or truncated)")

@@ -47,7 +47,8 @@ from zps.shard.durability import Durability
 from zps.shard.held import HeldStream, HeldStreamFull
 from zps.shard.session import ShardSession
 from zps.store import PartitionStore
-from zps.store.snapshot import READABLE, Snapshot, StreamBuilder, build_store
+from zps.store.checksums import READABLE
+from zps.store.snapshot import Snapshot, StreamBuilder, build_store
 
 #: Stream messages kept in memory while a snapshot arrives and loads; past this they
 #: are spooled to disk (zps.shard.held), up to HELD_SPOOL_BYTES.
@@ -91,7 +92,7 @@ class Upstream:
         #: into its tables' arrays as it comes, and (with a log) into a checkpoint.
         self._assembly: StreamBuilder | None = None
         self._keeping: PendingCheckpoint | None = None
-        self._last_chunk = 0.0
+        self._first_chunk = self._last_chunk = 0.0
         self._abandoned: int | None = None
         #: The load of a snapshot whose chunks are all here (a task beside the stream).
         self._loading: asyncio.Future[None] | None = None
@@ -307,6 +308,7 @@ class Upstream:
         seq, sid = chunk.seq, chunk.id
         if seq == 0 and (self._assembly is None or self._assembly.snapshot_id != sid):
             self._drop_assembly()
+            self._first_chunk = time.monotonic()
             self._assembly = StreamBuilder.from_header(header, max_bytes=MAX_SNAPSHOT_BYTES)
             self._digest = Digest(self._assembly.total)
             try:
@@ -382,6 +384,7 @@ class Upstream:
         the chunks were written into), then load it and apply the stream held
         meanwhile."""
         digest, keeping = self._digest, self._keeping
+        began, last = self._first_chunk, time.monotonic()
         if digest is None or not digest.complete or digest.digest() != assembly.digest():
             self._abandon()
             raise ProtocolError(f"snapshot {sid} does not decode: checksum mismatch")
@@ -422,6 +425,14 @@ class Upstream:
                 return
         if self._assembly is not assembly:
             return  # replaced while keeping
+        log.info(
+            "snapshot %d received: %.0f MB in %.2fs, its tables built and its checkpoint "
+            "kept %.2fs after the last chunk",
+            sid,
+            assembly.total / 1e6,
+            last - began,
+            time.monotonic() - last,
+        )
         self._assembly, self._digest = None, None
         self._abandoned = None
         ok = self._load(snap, store)

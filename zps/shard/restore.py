@@ -5,12 +5,13 @@ log replayed after it (:func:`restore`); the files' layout and rules are
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from zps.errors import ZpsError
 from zps.protocol.codec import MsgType, Route, decode
-from zps.shard.checkpoint import CheckpointError, CheckpointStore
+from zps.shard.checkpoint import CheckpointError, CheckpointStore, Found
 from zps.shard.core import ShardCore
 from zps.store.snapshot import Snapshot, build_store
 from zps.store.wal import Record, Recovery, Wal, WalError
@@ -60,7 +61,7 @@ def restore(
         log.warning("removed %s, a checkpoint that never finished", stale)
     finals = store.take_finals()
     if log_segment_bytes is None:
-        found = store.latest()
+        found = _latest(store)
         if found is None:
             return None, None
         _load(core, found.snapshot)
@@ -71,7 +72,7 @@ def restore(
     partition = store.newest_partition()
     if partition is None:
         return None, None
-    found = store.latest(partition)
+    found = _latest(store, partition)
     if found is not None:
         _load(core, found.snapshot)
     else:
@@ -95,6 +96,17 @@ def restore(
         recovery.complete,
     )
     return restored, wal
+
+
+def _latest(store: CheckpointStore, partition: int | None = None) -> Found | None:
+    """:meth:`CheckpointStore.latest`, how long it took logged."""
+    began = time.monotonic()
+    found = store.latest(partition)
+    if found is not None:
+        took = time.monotonic() - began
+        size = found.path.stat().st_size if found.path.exists() else 0
+        log.info("read %s: %.0f MB in %.2fs", found.path.name, size / 1e6, took)
+    return found
 
 
 def _load(core: ShardCore, snap: Snapshot) -> None:

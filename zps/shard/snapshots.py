@@ -40,8 +40,8 @@ from zps.protocol.messages import Role, SnapshotAck, SnapshotChunk
 from zps.shard.checkpoint import Digest, cut, encode_parts, release, thawed
 from zps.shard.core import ShardCore
 from zps.shard.session import ShardSession
+from zps.store.checksums import CHECKSUMS, magic_for
 from zps.store.snapshot import (
-    CHECKSUMS,
     DEFAULT_CHUNK_BYTES,
     DEFAULT_CHUNK_WINDOW,
     CutSpace,
@@ -51,7 +51,6 @@ from zps.store.snapshot import (
     Snapshot,
     cut_space,
     drop_pages,
-    magic_for,
     plan_chunks,
     read_part,
 )

@@ -41,7 +41,7 @@ from zps.store.common import (
     given_state,
     load_array,
 )
-from zps.store.index import IdIndex, as_ids
+from zps.store.index import IdIndex, IndexBuild, as_ids, index_of
 from zps.store.kernel import KernelOpt, adam_tables, kernel_opt
 
 __all__ = ["SEEN", "TOUCHED", "EmbeddingTable", "WriteLog"]
@@ -620,11 +620,13 @@ class EmbeddingTable:
             self._state[k][:n] = a
         self._tick = int(self._meta(TOUCHED)[:n].max()) if self._life and n else 0
 
-    def adopt(self, data: dict[str, Array]) -> None:
+    def adopt(self, data: dict[str, Array], index: IndexBuild | None = None) -> None:
         """:meth:`load`, taking ``data``'s arrays as the table's own where each is a
         whole, writable array of its exact shape and dtype (from :func:`mapped.empty`,
         as a snapshot's chunks are written into: no copy, and they grow in place like
-        the table's own); copied as :meth:`load` does otherwise.  All or nothing."""
+        the table's own); copied as :meth:`load` does otherwise.  All or nothing.
+        ``index``: the index of ``data["ids"]`` (that very array), built while the rows
+        arrived; used where the arrays are taken."""
         ids = np.asarray(data.get("ids"))
         n = ids.shape[0] if ids.ndim == 1 else -1
         widths = {"rows": self.spec.dim, **self._widths}
@@ -636,22 +638,22 @@ class EmbeddingTable:
         ):
             self.load(data)  # validates, and copies
             return
-        index = self._index_of(np.require(ids, requirements=["A", "C"]))
+        if index is not None and index.ids is ids:
+            built = index.result()
+            if built is None:
+                raise BadRequestError(f"table {self.spec.name!r}: export 'ids' has duplicates")
+        else:
+            built = self._index_of(np.require(ids, requirements=["A", "C"]))
         self._reset(0)
-        self._index = index
+        self._index = built
         self._rows = arrays.pop("rows")  # type: ignore[assignment]
         self._state = arrays  # type: ignore[assignment]
         self._tick = int(self._meta(TOUCHED)[:n].max()) if self._life and n else 0
 
     def _index_of(self, ids: npt.NDArray[np.int64]) -> IdIndex:
-        """An index of ``ids`` (aligned), proving them distinct: ids that ascend are
-        (one pass); others, in storage order as snapshots and checkpoints carry them,
-        are when the index takes each as new (no sort: seconds for 4 M ids)."""
-        n = ids.shape[0]
-        index = IdIndex(2 * n)
-        if bool(np.all(ids[1:] > ids[:-1])):
-            index.insert(ids)
-        elif index.get_or_insert(ids)[1] != n:
+        """An index of ``ids`` (aligned), proving them distinct (:func:`index_of`)."""
+        index = index_of(ids)
+        if index is None:
             raise BadRequestError(f"table {self.spec.name!r}: export 'ids' has duplicates")
         return index
 

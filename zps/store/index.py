@@ -49,7 +49,7 @@ try:  # the compiled lookup, built by ``pip install`` where a C compiler is foun
 except ImportError:  # pragma: no cover - depends on the build
     _probe = None
 
-__all__ = ["EMPTY", "IdIndex"]
+__all__ = ["EMPTY", "IdIndex", "IndexBuild", "index_of"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -408,3 +408,53 @@ class _Build:
         finally:
             del ids  # its view of the ids: they may grow in place again
             self.done.set()
+
+
+def index_of(ids: I64) -> IdIndex | None:
+    """An index of ``ids`` (1-D int64, aligned), positions in their order, sized for them
+    (load <= 1/2); None if two of them are the same.  Ids that ascend are proven
+    distinct in one pass; others, in storage order as snapshots and checkpoints carry
+    them, as the index takes each as new (no sort: seconds for 4 M ids)."""
+    n = ids.shape[0]
+    index = IdIndex(2 * n)
+    if bool(np.all(ids[1:] > ids[:-1])):
+        index.insert(ids)
+    elif KERNEL:  # one pass, each id taken as new (the empty index looked up for none)
+        _check_keys(ids)
+        found = np.empty(n, dtype=np.int64)
+        index._n = int(
+            _probe.get_or_insert(index._slots, index._ids, 0, np.ascontiguousarray(ids), found)
+        )
+        if index._n != n:
+            return None
+    elif index.get_or_insert(ids)[1] != n:
+        return None
+    return index
+
+
+class IndexBuild:
+    """:func:`index_of` ``ids``, by a thread of its own started at once: the ids of a
+    table whose rows are still arriving (a snapshot stream, a checkpoint being read)
+    are indexed while the rows come.  ``ids`` must not change meanwhile; the index is
+    :meth:`result`'s once the thread is done."""
+
+    def __init__(self, ids: I64) -> None:
+        self.ids = ids
+        self._index: IdIndex | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="zps-index-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._index = index_of(self.ids)
+        except BaseException as e:  # MemoryError, a bad id: raised by result()
+            self._error = e
+
+    def result(self) -> IdIndex | None:
+        """The index (None: the ids hold duplicates), once the thread is done; its error
+        is raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._index

@@ -10,21 +10,32 @@ Rule: :func:`decode_snapshot` returns a complete, validated snapshot or raises
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import math
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import msgpack
 import numpy as np
-import xxhash
 
 from zps.errors import BadRequestError, ProtocolError
 from zps.protocol.codec import CODEC_RAW, WIRE_DTYPES, BufferLike, Encoder, array_from
 from zps.protocol.specs import EmbeddingSpec, spec_from_wire
 from zps.store import mapped
+from zps.store.checksums import (  # the stream's checksums, re-exported from here
+    CHECKSUMS,
+    READABLE,  # noqa: F401
+    STREAM_DIGEST,  # noqa: F401
+    STREAM_MAGIC,
+    STREAM_MAGIC_SHA256,  # noqa: F401
+    Checksum,
+    Hasher,  # noqa: F401
+    magic_for,  # noqa: F401
+    stream_checksum,
+)
+from zps.store.index import IndexBuild
 from zps.store.partition import PartitionStore
 from zps.store.tables import DenseMemory, EmbeddingTable
 
@@ -48,6 +59,9 @@ class Snapshot:
     #: The frozen versions its arrays read (:func:`freeze_export`), released once the
     #: snapshot is encoded and read: see zps.shard.checkpoint.release.
     frozen: tuple[mapped.Frozen, ...] = ()
+    #: By embedding table, the index of its ids built while the rest of the stream
+    #: arrived (:class:`StreamBuilder`), which :func:`build_store` uses.
+    indexes: dict[str, IndexBuild] = field(default_factory=dict)
 
 
 def encode_snapshot(enc: Encoder, snap: Snapshot) -> dict[str, Any]:
@@ -471,52 +485,9 @@ def chunk_count(total: int, chunk_bytes: int) -> int:
     return max(1, -(-total // chunk_bytes))
 
 
-class Hasher(Protocol):
-    def update(self, data: BufferLike, /) -> None: ...
-    def digest(self) -> bytes: ...
-
-
-@dataclass(frozen=True)
-class Checksum:
-    """The checksum a snapshot stream ends with, as its magic names it."""
-
-    name: str
-    size: int  # bytes of the digest at the stream's end
-    new: Callable[[], Hasher]
-
-
-#: A snapshot stream's first bytes (as a checkpoint file's) name the checksum of
-#: everything before its last bytes, which hold it: XXH3-128 in the streams written now
-#: (integrity at memory speed: a multi-GB stream is hashed on both sides of every
-#: transfer and at every checkpoint and restart), SHA-256 in those written before
-#: (still read).  The length of the header follows the magic.
-STREAM_MAGIC = b"ZPSCKPT2"
-STREAM_MAGIC_SHA256 = b"ZPSCKPT1"
-CHECKSUMS: dict[bytes, Checksum] = {
-    STREAM_MAGIC: Checksum("XXH3-128", 16, xxhash.xxh3_128),
-    STREAM_MAGIC_SHA256: Checksum("SHA-256", 32, hashlib.sha256),
-}
 _HEAD_LEN = struct.Struct("<Q")
 _PREFIX = len(STREAM_MAGIC) + _HEAD_LEN.size
-#: The checksum's length in the streams written now.
-STREAM_DIGEST = CHECKSUMS[STREAM_MAGIC].size
 _MIN_DIGEST = min(c.size for c in CHECKSUMS.values())
-
-
-def stream_checksum(magic: BufferLike) -> Checksum | None:
-    """The checksum a stream beginning with ``magic`` ends with (None: not a stream)."""
-    return CHECKSUMS.get(bytes(memoryview(magic).cast("B")[: len(STREAM_MAGIC)]))
-
-
-#: The names of the checksums this release reads, as a replica tells its primary.
-READABLE: tuple[str, ...] = tuple(c.name for c in CHECKSUMS.values())
-
-
-def magic_for(readable: Sequence[str]) -> bytes:
-    """The magic of the stream to send a replica that reads the checksums named
-    ``readable``: the one written now if it reads it, else SHA-256's, which every
-    release reads (one of an earlier release names none)."""
-    return STREAM_MAGIC if CHECKSUMS[STREAM_MAGIC].name in readable else STREAM_MAGIC_SHA256
 
 
 class StreamBuilder:
@@ -569,6 +540,9 @@ class StreamBuilder:
         self._header: dict[str, Any] | None = None
         self._frames: list[np.ndarray] = []  # each frame's bytes, where they go
         self._dests: dict[int, np.ndarray] = {}  # frames that are tables' arrays
+        self._id_frames: dict[int, str] = {}  # frames that are tables' ids, by table
+        #: By table, the index of its ids, built (by a thread) once they are taken.
+        self.indexes: dict[str, IndexBuild] = {}
         self._frame = 0
         self._frame_pos = 0
         self._digest = bytearray()
@@ -644,6 +618,9 @@ class StreamBuilder:
                 )
             self._frame_pos += take
             if self._frame_pos == dest.shape[0]:
+                name = self._id_frames.get(self._frame)
+                if name is not None:  # indexed while the rows come
+                    self.indexes[name] = IndexBuild(self._dests[self._frame])
                 self._next_frame()
         else:
             assert self.checksum is not None  # known since the prefix
@@ -685,6 +662,7 @@ class StreamBuilder:
             raise ProtocolError("snapshot frame sizes do not match the stream")
         self._header = header
         self._dests = _destinations(header, sizes)
+        self._id_frames = _id_frames(header, self._dests)
         self._frames = [
             self._dests[i].reshape(-1).view(np.uint8) if i in self._dests else np.empty(n, np.uint8)
             for i, n in enumerate(sizes)
@@ -721,7 +699,7 @@ class StreamBuilder:
                 dest = dests.get(desc[0])
                 if dest is not None:
                     arrays[key] = dest  # the same bytes, owned (and growable)
-        return snap
+        return dataclasses.replace(snap, indexes=dict(self.indexes))
 
 
 def _destinations(header: dict[str, Any], sizes: list[int]) -> dict[int, np.ndarray]:
@@ -768,6 +746,24 @@ def _destinations(header: dict[str, Any], sizes: list[int]) -> dict[int, np.ndar
     return out
 
 
+#: Tables of at least this many ids have them indexed by a thread of their own as soon
+#: as a stream's ids are taken, while its rows come (smaller ones at the build).
+INDEX_AHEAD_IDS = 1 << 16
+
+
+def _id_frames(header: dict[str, Any], dests: dict[int, np.ndarray]) -> dict[int, str]:
+    """By frame index, the embedding tables whose ids are large frames of ``dests``."""
+    out: dict[int, str] = {}
+    tables = header.get("tables")
+    for name, descs in tables.items() if isinstance(tables, dict) else ():
+        desc = descs.get("ids") if isinstance(descs, dict) else None
+        if isinstance(name, str) and isinstance(desc, list) and desc and type(desc[0]) is int:
+            dest = dests.get(desc[0])
+            if dest is not None and dest.ndim == 1 and dest.shape[0] >= INDEX_AHEAD_IDS:
+                out[desc[0]] = name
+    return out
+
+
 def build_store(snap: Snapshot, memory: DenseMemory | None = None) -> PartitionStore:
     """The tables of ``snap``, validated, their embedding tables owning the snapshot's
     arrays where they can (a :class:`StreamBuilder`'s: no copy of the rows), copies
@@ -794,5 +790,5 @@ def build_store(snap: Snapshot, memory: DenseMemory | None = None) -> PartitionS
         if not isinstance(data, dict):
             raise BadRequestError(f"partition export: no data for table {name!r}")
         store.create(spec)
-        store.embedding(name).adopt(data)
+        store.embedding(name).adopt(data, snap.indexes.get(name))
     return store
