@@ -1,6 +1,6 @@
 """A partition's bulk reads: a checkpoint read past the page cache in slices (and through
 it where direct reads are refused), a table's ids indexed while the rest of its stream
-arrives."""
+arrives, and a sender's chunk buffers used again only once acknowledged and hashed."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from zps.errors import BadRequestError
 from zps.init import Zeros
 from zps.optim import Adagrad
 from zps.protocol.specs import EmbeddingSpec
+from zps.shard import snapshots as sender
 from zps.shard.checkpoint import (
     CheckpointError,
     CheckpointStore,
@@ -160,3 +161,26 @@ def test_a_checkpoint_read_past_the_cache_loads_what_was_written(tmp_path: Path)
     os.truncate(path, len(data) - 3)
     with pytest.raises(CheckpointError):
         read_checkpoint(path)
+
+
+def test_a_chunk_buffer_is_used_again_only_once_acknowledged_and_hashed() -> None:
+    buffers = sender._Buffers(16)
+    first = buffers.take(0, -1, 16)
+    second = buffers.take(1, -1, 16)
+    assert not _same(first, second)
+    buffers.hashed = 2
+    third = buffers.take(2, -1, 16)  # hashed, not acknowledged: a new one
+    assert not _same(third, first) and not _same(third, second)
+    buffers.hashed = 0
+    fourth = buffers.take(3, 1, 16)  # acknowledged, not hashed: a new one
+    assert not any(_same(fourth, b) for b in (first, second, third))
+    buffers.hashed = 1
+    fifth = buffers.take(4, 1, 8)  # chunk 0 acknowledged and hashed: its buffer
+    assert _same(fifth, first) and len(fifth) == 8
+
+
+def _same(a: memoryview, b: memoryview) -> bool:
+    return bool(
+        np.frombuffer(a, np.uint8).__array_interface__["data"][0]
+        == np.frombuffer(b, np.uint8).__array_interface__["data"][0]
+    )

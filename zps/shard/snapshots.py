@@ -26,6 +26,8 @@ dropped (it subscribes again).
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import itertools
 import logging
 import time
@@ -93,12 +95,39 @@ def _encode(snap: Snapshot, magic: bytes) -> list[Part]:
 
 def _fill(parts: list[Part], pieces: tuple[Piece, ...], size: int) -> memoryview:
     """A chunk's bytes, read from the stream's parts into a buffer of its own."""
-    out = np.empty(size, np.uint8).data
+    return _fill_into(parts, pieces, np.empty(size, np.uint8).data)
+
+
+def _fill_into(parts: list[Part], pieces: tuple[Piece, ...], out: memoryview) -> memoryview:
+    """A chunk's bytes, read from the stream's parts into ``out`` (of their size)."""
     pos = 0
     for i, a, b in pieces:
         read_part(parts[i], a, b, out[pos:])
         pos += b - a
     return out
+
+
+class _Buffers:
+    """The buffers a transfer reads its chunks into, each used again once its chunk is
+    acknowledged (the replica has it all, so the socket no longer reads it: chunks go
+    without a copy) and hashed: a new buffer's pages cost a fault and the kernel's
+    clearing of each (more CPU than the read into it), a buffer used again neither."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._free: list[np.ndarray] = []
+        self._used: collections.deque[tuple[int, np.ndarray]] = collections.deque()
+        #: Chunks fed to the checksum, in order.
+        self.hashed = 0
+
+    def take(self, seq: int, acked: int, size: int) -> memoryview:
+        """A buffer of ``size`` bytes for chunk ``seq``, chunks up to ``acked`` acknowledged."""
+        done = min(acked + 1, self.hashed)
+        while self._used and self._used[0][0] < done:
+            self._free.append(self._used.popleft()[1])
+        buf = self._free.pop() if self._free else np.empty(self._size, np.uint8)
+        self._used.append((seq, buf))
+        return buf[:size].data
 
 
 def _give_back(parts: list[Part], pieces: tuple[Piece, ...]) -> int:
@@ -114,12 +143,17 @@ def _give_back(parts: list[Part], pieces: tuple[Piece, ...]) -> int:
 
 
 async def _fed(
-    before: asyncio.Future[None] | None, digest: Digest, views: list[memoryview]
+    before: asyncio.Future[None] | None,
+    digest: Digest,
+    views: list[memoryview],
+    buffers: _Buffers,
 ) -> None:
-    """Feed ``views`` to ``digest`` in a worker thread, once ``before`` has fed its own."""
+    """Feed ``views`` (a chunk) to ``digest`` in a worker thread, once ``before`` has fed
+    its own; counted in ``buffers``."""
     if before is not None:
         await before
     await asyncio.to_thread(digest.feed, views)
+    buffers.hashed += 1
 
 
 @dataclass
@@ -258,8 +292,12 @@ class SnapshotSender:
         last = len(parts)
         digest_bytes = CHECKSUMS[transfer.magic].size
         plan = plan_chunks([*(len(p) for p in parts), digest_bytes], self.chunk_bytes)
+        bodies = [tuple(p for p in pieces if p[0] < last) for pieces in plan.chunks]
         digest = Digest(plan.total)
         hashing: asyncio.Future[None] | None = None
+        buffers = _Buffers(plan.chunk_bytes)
+        # The next chunk is read while this one waits for room: (seq, its read).
+        reading: tuple[int, asyncio.Future[memoryview]] | None = None
         given_back = 0  # bytes written during the transfer, copied back as it went
         log.info(
             "replica %s subscribed: snapshot %d at LSN %d, %d bytes in %d chunks, %s "
@@ -273,16 +311,27 @@ class SnapshotSender:
             cut_s,
         )
         route = Route(MsgType.SNAPSHOT_CHUNK, partition, epoch, lsn).pack()
+
+        def read(seq: int) -> tuple[int, asyncio.Future[memoryview]] | None:
+            body = bodies[seq] if seq < plan.count else ()
+            if not body:
+                return None
+            size = sum(b - a for _, a, b in body)
+            buf = buffers.take(seq, transfer.acked, size)
+            return seq, asyncio.ensure_future(asyncio.to_thread(_fill_into, parts, body, buf))
+
         try:
             for seq, pieces in enumerate(plan.chunks):
+                if reading is None or reading[0] != seq:
+                    reading = read(seq)
                 if not await self._room(node, transfer, seq):
                     return
                 header = SnapshotChunk(
                     transfer.snapshot_id, seq, plan.count, plan.total, plan.chunk_bytes, lsn
                 )
-                body = tuple(p for p in pieces if p[0] < last)
-                size = sum(b - a for _, a, b in body)
-                data = [await asyncio.to_thread(_fill, parts, body, size)] if body else []
+                body = bodies[seq]
+                data = [await reading[1]] if reading is not None else []
+                reading = None
                 given_back += _give_back(parts, body)
                 if seq == plan.count - 1:
                     release(snap)  # every byte of it is read
@@ -290,7 +339,7 @@ class SnapshotSender:
                     return
                 payload = list(data)
                 if len(body) < len(pieces):  # (part of) the checksum: after all the rest
-                    hashing = asyncio.ensure_future(_fed(hashing, digest, data))
+                    hashing = asyncio.ensure_future(_fed(hashing, digest, data, buffers))
                     await hashing
                     if not self._current(node, transfer):
                         return
@@ -302,13 +351,19 @@ class SnapshotSender:
                     self._give_up(node, transfer, "it cannot take its snapshot")
                     return
                 self.chunks_sent += 1
+                # The next chunk is read (in a worker thread) while this one is hashed
+                # and the replica makes room.
+                reading = read(seq + 1)
                 if data:
                     if hashing is not None and not hashing.done():
                         await hashing  # at most two chunks wait for the checksum
-                    hashing = asyncio.ensure_future(_fed(hashing, digest, data))
+                    hashing = asyncio.ensure_future(_fed(hashing, digest, data, buffers))
         finally:
             if hashing is not None and not hashing.done():
                 hashing.cancel()
+            if reading is not None:  # done before the frozen version is released
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(reading[1])
         if await self._room(node, transfer, plan.count + self.window - 1):
             self.completed += 1
             log.info(
