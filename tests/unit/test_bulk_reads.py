@@ -1,13 +1,11 @@
-"""A partition's bulk reads: a checkpoint read past the page cache in slices (and through
-it where direct reads are refused), a table's ids indexed while the rest of its stream
-arrives, and a sender's chunk buffers used again only once acknowledged and hashed."""
+"""A partition's bulk reads: a checkpoint read in slices, the next read while the one
+before is taken, a table's ids indexed while the rest of its stream arrives, and a
+sender's chunk buffers used again only once acknowledged and hashed."""
 
 from __future__ import annotations
 
-import errno
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -25,9 +23,8 @@ from zps.shard.checkpoint import (
     read_checkpoint,
 )
 from zps.shard.core import ShardCore
-from zps.store import slicereader
 from zps.store import snapshot as sn
-from zps.store.slicereader import ALIGN, SliceReader
+from zps.store.slicereader import SliceReader
 
 
 def _file(tmp_path: Path, size: int) -> tuple[Path, bytes]:
@@ -37,43 +34,20 @@ def _file(tmp_path: Path, size: int) -> tuple[Path, bytes]:
     return path, data
 
 
-@pytest.mark.parametrize("size", [1, ALIGN - 1, ALIGN, 3 * ALIGN + 5, 10 * ALIGN])
-@pytest.mark.parametrize("direct", [True, False])
-def test_a_file_read_in_slices_is_the_file(tmp_path: Path, size: int, direct: bool) -> None:
+@pytest.mark.parametrize("size", [1, 4095, 4096, 3 * 4096 + 5, 10 * 4096])
+def test_a_file_read_in_slices_is_the_file(tmp_path: Path, size: int) -> None:
     path, data = _file(tmp_path, size)
-    with SliceReader(path, direct=direct) as f:
-        got = b"".join(bytes(piece) for piece in f.slices(2 * ALIGN))
+    with SliceReader(path) as f:
+        got = b"".join(bytes(piece) for piece in f.slices(2 * 4096))
     assert got == data
-
-
-def test_a_filesystem_that_refuses_direct_reads_is_read_through_the_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    path, data = _file(tmp_path, 5 * ALIGN + 7)
-    real = os.preadv
-    refused = []
-
-    def preadv(fd: int, buffers: Any, offset: int) -> int:
-        if fd == reader.direct_fd:
-            refused.append(offset)
-            raise OSError(errno.EINVAL, "direct reads refused")
-        return real(fd, buffers, offset)
-
-    reader = SliceReader(path)
-    monkeypatch.setattr(slicereader.os, "preadv", preadv)
-    with reader:
-        got = b"".join(bytes(piece) for piece in reader.slices(2 * ALIGN))
-        assert reader.direct_fd == -1
-    assert got == data
-    assert refused in ([], [0])  # at most the first direct read was tried
 
 
 def test_a_file_shorter_than_its_size_when_read_is_an_eof(tmp_path: Path) -> None:
-    path, _ = _file(tmp_path, 4 * ALIGN)
+    path, _ = _file(tmp_path, 4 * 4096)
     with SliceReader(path) as f:
-        slices = f.slices(ALIGN)
+        slices = f.slices(4096)
         next(slices)
-        os.truncate(path, ALIGN + 10)
+        os.truncate(path, 4096 + 10)
         with pytest.raises(EOFError):
             list(slices)
 
@@ -144,7 +118,7 @@ def test_duplicate_ids_indexed_ahead_are_refused_when_the_tables_are_built(
         sn.build_store(snap)
 
 
-def test_a_checkpoint_read_past_the_cache_loads_what_was_written(tmp_path: Path) -> None:
+def test_a_checkpoint_read_in_slices_loads_what_was_written(tmp_path: Path) -> None:
     core = _core(20000)
     store = CheckpointStore(tmp_path)
     path = store.write(cut(core))
