@@ -44,6 +44,9 @@ class Proc:
         self.tasks: list[asyncio.Task[Any]] = []
         self.context = contextvars.Context()
         self.context.run(PROC.set, self)
+        #: Seconds a call handed to an executor of its own takes (a log write on the
+        #: process's disk); None: it runs inline, as every other off-loop call does.
+        self.io_delay: Callable[[], float] | None = None
 
 
 class SimLoop(asyncio.BaseEventLoop):
@@ -91,10 +94,31 @@ class SimLoop(asyncio.BaseEventLoop):
 
     def _run(self, handle: events.Handle) -> None:
         proc = handle._context.get(PROC)  # type: ignore[attr-defined]
+        if proc is not None and not proc.alive and isinstance(handle, events.TimerHandle):
+            return  # a timer of a process that is gone: nothing of it runs on
         if proc is not None and proc.alive and self._paused(proc.name):
             self._frozen.append(handle)  # the process is stopped: it runs this on resuming
             return
         handle._run()
+
+    def _write_to_self(self) -> None:
+        """``call_soon_threadsafe``: nothing to wake (no thread, no selector)."""
+
+    def run_in_executor(  # type: ignore[override]
+        self, executor: Any, func: Callable[..., Any], *args: Any
+    ) -> asyncio.Future[Any]:
+        """No thread: ``func`` runs inline, its future done at once (``to_thread`` and
+        the default executor); a call handed to an executor of the process's own (its
+        log's writer) runs once :attr:`Proc.io_delay` has passed, at that simulated time,
+        as the process's (held while it is paused, never once it is gone)."""
+        fut: asyncio.Future[Any] = self.create_future()
+        proc = PROC.get()
+        delay = proc.io_delay if proc is not None and proc.alive and executor is not None else None
+        if delay is None:
+            _settle_with(fut, func, args)
+        else:
+            self.call_later(delay(), _settle_with, fut, func, args)
+        return fut
 
     def _drain(self) -> None:
         self._drain_due = False
@@ -161,3 +185,15 @@ class SimLoop(asyncio.BaseEventLoop):
             return
         exc = context.get("exception")
         self.errors.append(f"{message}: {exc!r}" if exc is not None else message)
+
+
+def _settle_with(fut: asyncio.Future[Any], func: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """Run ``func(*args)`` and set ``fut`` with its value or exception (unless cancelled)."""
+    if fut.cancelled():
+        return
+    try:
+        value = func(*args)
+    except BaseException as e:  # the future carries it, as an executor's does
+        fut.set_exception(e)
+    else:
+        fut.set_result(value)

@@ -9,6 +9,7 @@ import time
 from collections import deque
 from collections.abc import Generator, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from typing import Any
 
 from zps.testing.sim import bugs, realbugs
 from zps.testing.sim.world import FAULTS, LOADS, NAMED, NAMED_ONLY, PAIR, Result, run_seed
@@ -44,6 +45,12 @@ def parser() -> argparse.ArgumentParser:
         "transport and clock, instead of the simulator's stand-in (with failover: the real "
         "broker pair, zps.broker.pair.Pair)",
     )
+    p.add_argument(
+        "--real-shard",
+        action="store_true",
+        help="run the real shard (zps.shard.server.ShardServer) for every shard, on the "
+        "simulated event loop, transport, clock and disk (implies --real-broker)",
+    )
     p.add_argument("--keep-going", action="store_true", help="run every seed after a failure")
     p.add_argument(
         "--jobs",
@@ -61,11 +68,14 @@ def _one(
     trace: bool,
     bug: str | None,
     real_broker: bool = False,
+    real_shard: bool = False,
 ) -> Result:
-    with bugs.patched(bug), realbugs.patched(bug if real_broker else None):
+    real = real_broker or real_shard
+    with bugs.patched(bug), realbugs.patched(bug if real else None, real_shard=real_shard):
+        kw: dict[str, Any] = {"real_broker": real_broker, "real_shard": real_shard}
         if faults is None:
-            return run_seed(seed, trace=trace, real_broker=real_broker)
-        return run_seed(seed, faults=faults, trace=trace, real_broker=real_broker)
+            return run_seed(seed, trace=trace, **kw)
+        return run_seed(seed, faults=faults, trace=trace, **kw)
 
 
 def run_seeds(
@@ -77,16 +87,18 @@ def run_seeds(
     jobs: int = 1,
     pool: Executor | None = None,
     real_broker: bool = False,
+    real_shard: bool = False,
 ) -> Generator[Result]:
     """The runs of ``seeds`` (``faults``: the default ones if None), in seed order: in this
     process (``jobs`` 1, no ``pool``), else side by side in ``pool`` or in a pool of ``jobs``
     worker processes, at most :data:`AHEAD` seeds submitted ahead of the one reported (a
     long run holds no more).  Each seed's run is the same in any process.  Closing the
     generator early cancels the seeds not yet started.  ``real_broker``: the real broker
-    runs (zps.testing.sim.realbroker), not the simulator's stand-in."""
+    runs (zps.testing.sim.realbroker), not the simulator's stand-in; ``real_shard``: the
+    real shards too (zps.testing.sim.realshard)."""
     if pool is None and jobs == 1:
         for seed in seeds:
-            yield _one(seed, faults, trace, bug, real_broker)
+            yield _one(seed, faults, trace, bug, real_broker, real_shard)
         return
     own = pool is None
     ex = ProcessPoolExecutor(jobs) if pool is None else pool
@@ -95,7 +107,7 @@ def run_seeds(
     try:
         while True:
             for seed in itertools.islice(todo, AHEAD - len(ahead)):
-                ahead.append(ex.submit(_one, seed, faults, trace, bug, real_broker))
+                ahead.append(ex.submit(_one, seed, faults, trace, bug, real_broker, real_shard))
             if not ahead:
                 return
             yield ahead.popleft().result()
@@ -110,9 +122,18 @@ def run_seeds(
 AHEAD = 16
 
 
-def report(r: Result, bug: str | None, faults: Sequence[str], *, real_broker: bool = False) -> str:
+def report(
+    r: Result,
+    bug: str | None,
+    faults: Sequence[str],
+    *,
+    real_broker: bool = False,
+    real_shard: bool = False,
+) -> str:
     replay = f"python -m zps.testing.sim --seed {r.seed} --seeds 1 --trace"
-    if real_broker:
+    if real_shard:
+        replay += " --real-shard"
+    elif real_broker:
         replay += " --real-broker"
     if bug:
         replay += f" --bug {bug}"
@@ -142,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bug=args.bug,
         jobs=args.jobs,
         real_broker=args.real_broker,
+        real_shard=args.real_shard,
     )
     for r in results:
         seed = r.seed
@@ -153,7 +175,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r.maybe} failed or unanswered")  # fmt: skip
         if not r.ok:
             failed.append(seed)
-            print(report(r, args.bug, args.faults, real_broker=args.real_broker), flush=True)
+            print(
+                report(
+                    r,
+                    args.bug,
+                    args.faults,
+                    real_broker=args.real_broker,
+                    real_shard=args.real_shard,
+                ),
+                flush=True,
+            )
             if not args.keep_going:
                 results.close()  # the seeds not started are cancelled, the pool shut down
                 break

@@ -1,8 +1,9 @@
-"""The broker pair's known defects (:mod:`.bugs`) as they apply to the real code paths
-a ``--real-broker`` run takes: the real :class:`~zps.broker.pair.Pair` and the wire
-shard of :mod:`.realpair`.  ``--bug NAME`` puts both in place; a defect with no entry
-here patches the stand-in only (or, as ``pair-primary-first`` in
-:class:`~zps.core.bstar.BinaryStar`, code both run)."""
+"""The known defects (:mod:`.bugs`) as they apply to the real code paths a
+``--real-broker`` run takes: the real :class:`~zps.broker.pair.Pair` and the wire
+shard of :mod:`.realpair`; with ``--real-shard``, the real shard's replication stream.
+``--bug NAME`` puts both in place; a defect with no entry here patches the stand-in
+only (or, as ``pair-primary-first`` in :class:`~zps.core.bstar.BinaryStar`, code both
+run)."""
 
 from __future__ import annotations
 
@@ -50,14 +51,41 @@ _PATCHES: dict[str, Callable[[], Patch]] = {
 }
 
 
+def _stale_replica_stream() -> Patch:
+    from zps.shard.primary import ReplicationStream
+
+    def on_ack(self: Any, node: str, ack: Any, now: float) -> None:
+        # ReplicationStream._on_ack as it was: no drop of a node the map no longer lists.
+        if node not in self.session.followers:
+            return
+        result = self.session.acked(node, ack.lsn, ack.epoch, now, ack.base)
+        if self._shared:
+            self._read(node, ack.lsn)
+        if result.in_sync:
+            self._report()
+        self._release(result.released)
+
+    return [(ReplicationStream, "_on_ack", on_ack)]
+
+
+#: The shard's defects in the real shard's own driver (``--real-shard``); those of the
+#: pure cores (``ShardSession``, ``Durability.acked_lsn``, ``Wal._write``) are patched in
+#: by :mod:`.bugs` for every run.
+SHARD_PATCHES: dict[str, Callable[[], Patch]] = {
+    "stale-replica-in-tracker": _stale_replica_stream,
+}
+
+
 @contextlib.contextmanager
-def patched(name: str | None) -> Iterator[None]:
+def patched(name: str | None, *, real_shard: bool = False) -> Iterator[None]:
     """Run with the real code paths' form of the defect ``name`` in place (None, or a
-    defect without one: nothing)."""
-    if name is None or name not in _PATCHES:
+    defect without one: nothing); ``real_shard``: the real shard's too
+    (:data:`SHARD_PATCHES`)."""
+    table = {**_PATCHES, **SHARD_PATCHES} if real_shard else _PATCHES
+    if name is None or name not in table:
         yield
         return
-    patches = _PATCHES[name]()
+    patches = table[name]()
     saved = [(obj, attr, obj.__dict__[attr]) for obj, attr, _ in patches]
     for obj, attr, value in patches:
         setattr(obj, attr, value)

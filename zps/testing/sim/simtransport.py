@@ -135,8 +135,10 @@ class SimNode:
     def _deliver(self, src: str, msg: Any) -> None:
         if type(msg) is tuple and msg and msg[0] == PEER_LINK:
             ch = self.ports.get(msg[1])
+            if msg[1] == "dealer" and ch is not None and getattr(ch, "target", src) != src:
+                return  # for a DEALER closed since: a new one hears its own peer only
         else:
-            ch = self.ports.get("main")
+            ch = self.ports.get(f"link:{src}") or self.ports.get("main")
         if ch is not None and not ch.closed:
             ch._deliver(src, msg)
 
@@ -174,8 +176,14 @@ class SimChannel:
         self.on_connected: Callable[[], Any] | None = None
 
     def _deliver(self, src: str, msg: Any) -> None:
-        if self.port == "main":
-            frames: Frames = [src.encode(), *msg]
+        if self.port == "main" and type(msg) is tuple:  # from a DEALER of another identity
+            _, _, ident, body = msg
+            self.idents[ident] = src
+            frames: Frames = [ident, *body]
+        elif self.port == "main":
+            frames = [src.encode(), *msg]
+        elif self.port.startswith("link:"):
+            frames = list(msg)
         elif self.port == "router":
             _, _, ident, body = msg
             self.idents[ident] = src
@@ -222,6 +230,15 @@ class SimChannel:
             if found is None:
                 return False
             peer, msg = found, (PEER_LINK, "dealer", list(frames[1:]))
+        elif self.port.startswith("link:"):
+            peer = self.target
+            node = _where.get("nodes", {}).get(peer)
+            if node is None or not node.current or "main" not in node.ports:
+                return False  # not connected
+            msg = list(frames)
+        elif frame_bytes(frames[0]) in self.idents:  # a DEALER of another identity
+            ident = frame_bytes(frames[0])
+            peer, msg = self.idents[ident], (PEER_LINK, "live", list(frames[1:]))
         else:
             peer, msg = frame_bytes(frames[0]).decode("utf-8", "replace"), list(frames[1:])
         if peer not in net.up:

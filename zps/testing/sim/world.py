@@ -15,13 +15,14 @@ from typing import Any
 
 from zps.protocol.messages import Role
 from zps.testing.sim import disk as simdisk
-from zps.testing.sim import simtransport
+from zps.testing.sim import shardnet, simtransport
 from zps.testing.sim.aioloop import SimLoop
 from zps.testing.sim.net import HWM, Network
 from zps.testing.sim.nodes import HB, HOLD, LIVE, TICK, Op, SimBroker, SimClient, SimShard
 from zps.testing.sim.pair import BROKERS, PEER_TIMEOUT, PairBroker, PairClient, PairShard
 from zps.testing.sim.realbroker import RealBroker, WireClient, WireShard
 from zps.testing.sim.realpair import RealPairBroker, WirePairClient, WirePairShard
+from zps.testing.sim.realshard import RealShard
 from zps.testing.sim.sched import Scheduler
 
 FAULTS = (
@@ -87,6 +88,7 @@ class World:
         duration: float = 12.0,
         timeout: float = 3.0,
         real_broker: bool = False,
+        real_shard: bool = False,
     ) -> None:
         self.seed = seed
         self.faults = set(faults)
@@ -113,12 +115,14 @@ class World:
         self.tmp = Path(tempfile.mkdtemp(prefix="zps-sim-", dir=base))
         self.sched.redact = f"{self.tmp}/"
         self.os = simdisk.SimOS()
-        #: The real broker (zps.testing.sim.realbroker) on the run's one event loop.
-        self.real_broker = real_broker
+        #: The real broker (zps.testing.sim.realbroker) on the run's one event loop, and
+        #: the real shards (zps.testing.sim.realshard), which need it.
+        self.real_shard = real_shard
+        self.real_broker = real_broker = real_broker or real_shard
         self.loop: SimLoop | None = None
         self.client_cls: type[SimClient] = SimClient
         self.brokers: list[SimBroker | RealBroker]
-        shard_cls: type[SimShard]
+        shard_cls: type[SimShard] | type[RealShard]
         prefix = "s"
         if real_broker and self.pair:
             self.brokers = [RealPairBroker(self, n, n_partitions, replication) for n in BROKERS]
@@ -138,7 +142,9 @@ class World:
             self.brokers = [SimBroker(self, n_partitions, replication)]
             shard_cls = SimShard
         self.broker = self.brokers[0]
-        self.shards = [shard_cls(self, f"{prefix}{i}") for i in range(n_shards)]
+        if real_shard:
+            shard_cls = RealShard
+        self.shards: list[Any] = [shard_cls(self, f"{prefix}{i}") for i in range(n_shards)]
         self.shard_names = {s.name for s in self.shards}
         self.clients = [self.client_cls(self, f"c{i}", timeout=timeout) for i in range(n_clients)]
         # A data dir lost with min_in_sync 1 may hold the only copy of acknowledged writes.
@@ -424,7 +430,7 @@ class World:
             simdisk.uninstall(saved)
             logging.disable(logging.NOTSET)
             for s in self.shards:
-                wal = s.dur._wal if hasattr(s, "dur") else None
+                wal = getattr(getattr(s, "dur", None), "_wal", None)
                 if wal is not None and wal._fd is not None:
                     self.os.close(wal._fd)
                     wal._fd = None
@@ -437,12 +443,18 @@ class World:
         loop = self.loop = SimLoop(self.sched, net.paused.__contains__)
         net.on_resume = loop.thaw
         asyncio.events._set_running_loop(loop)
-        return simtransport.install(net, RealBroker.name)
+        seams = simtransport.install(net, RealBroker.name)
+        if self.real_shard:
+            seams += shardnet.install()
+        return seams
 
     def _end_loop(self, seams: simtransport.Saved) -> None:
         loop = self.loop
         assert loop is not None
         try:
+            for s in self.shards:
+                if isinstance(s, RealShard):
+                    s.end()
             for b in self.brokers:
                 if isinstance(b, RealBroker):
                     b.end()
