@@ -188,8 +188,11 @@ class RealShard:
             return change
 
         def released(*, force: bool = False) -> None:
-            if not force and dur.waits:
-                self.was_durable = (dur.partition, dur.durable)  # a batch synced
+            # A batch synced: what the log holds, while it is the log of the partition
+            # the shard holds (a spare, or a copy of another partition, keeps the old
+            # one open until it starts a new one: a restart may restore either).
+            if not force and dur.waits and dur.partition == session.partition:
+                self.was_durable = (dur.partition, dur.durable)
             release(force=force)
 
         server.checkpoints.restore = restored  # type: ignore[method-assign]
