@@ -508,6 +508,7 @@ class Broker:
                     await self.training.bad_request(ident, route, error)
                 case FromShard(_, message):
                     await self.control_plane.from_shard(ident, node, message, now)
+                    await self._claims_in(now)
                 case MoveReply():
                     self.reshard.on_reply(verdict)
                 case CommitReply(route, header):
@@ -518,6 +519,17 @@ class Broker:
         finally:
             await self.publish_if_changed(before)
 
+    async def _claims_in(self, now: float) -> None:
+        """End the start-up hold of a broker restarted from its record as soon as every
+        copy it records is back (:func:`zps.core.recovery.claims_in`; the grace bounds
+        it).  A broker of a pair decides after a takeover (the pair's ``_end_hold``)."""
+        if self.pair is not None or not self.state.claims_in(now):
+            return
+        self.state.hold_until = now
+        log.info("every recorded copy is back: the start-up hold ends, routing")
+        await self.apply(self.state.tick(now))
+        await self.republish()  # clients re-send what the hold refused
+
     async def _tick_loop(self) -> None:
         interval = self.config.heartbeat.interval
         while True:
@@ -526,6 +538,7 @@ class Broker:
             self._last_tick = now
             if self.pair is not None and not self.pair.active:
                 continue  # a standby watches no one
+            await self._claims_in(now)
             before = self.state.map_version
             held = self.state.holding(now - interval / 2) and not self.state.holding(now)
             # A shard one of whose connections closed lately: is the other gone too?

@@ -558,18 +558,18 @@ class Pair:
         self._shards.clear()
 
     async def _end_hold(self, now: float) -> None:
-        """After a takeover: stop holding once every partition that held data has its
-        primary back (the shards reclaim at once; the grace period is the bound)."""
-        rec = self._takeover_record
+        """After a takeover from a record: stop holding once every copy it records is
+        back (:func:`zps.core.recovery.claims_in`: the shards reclaim at once; the grace
+        period is the bound).  Without a record, or having heard no peer since it
+        started (BinaryStar rule 8), the broker holds for the whole grace."""
         state = self.host.state
-        if rec is None or not state.holding(now):
+        if self._takeover_record is not None and not state.holding(now):
+            self._takeover_record = None  # the grace ran out
+        if self._takeover_record is None or not state.claims_in(now):
             return
-        for p, part in enumerate(rec.partitions):
-            if part.known and state.primary_of(p) is None:
-                return
         state.hold_until = now
         self._takeover_record = None
-        log.info("broker pair: every partition's primary is back; routing")
+        log.info("broker pair: every recorded copy is back; routing")
         await self.host.republish()
 
 

@@ -142,8 +142,7 @@ class ClusterState:
     def record_stale(self) -> None:
         """The record restored is older than a term some shard obeyed (recovery.unpin)."""
         self.stale = True
-        for part in self._parts:
-            recovery.unpin(part)
+        recovery.unpin(self._parts)
 
     # -- live resharding (zps/broker/reshard.py drives it) -----------------------
 
@@ -234,6 +233,10 @@ class ClusterState:
     def holding(self, now: float) -> bool:
         return now < self.hold_until
 
+    def claims_in(self, now: float) -> bool:
+        """Whether the start-up hold may end now (:func:`recovery.claims_in`)."""
+        return self.holding(now) and recovery.claims_in(self._parts, self.shards, self.stale)
+
     def partition_state(self, partition: int, now: float) -> str:
         """See :func:`zps.core.cluster_status.partition_state`."""
         return cluster_status.partition_state(
@@ -283,6 +286,7 @@ class ClusterState:
         node.lsn = claim.lsn
         vouched = False
         if claim.role is Role.PRIMARY:
+            epoch = recovery.claim_epoch(part, claim)
             why_not = self._distrust(part, claim, node.node_id, self.holding(now), self.stale)
             current = self.shards.get(part.primary) if part.primary else None
             newer = current is not None and recovery.unseen_newer(part, claim, node.node_id)
@@ -292,15 +296,11 @@ class ClusterState:
                     # during the hold): it wins.
                     out = self._demote(current.node_id, claim.partition)
                     part.primary = None
-                    return out + self._make_primary(
-                        node, claim.partition, self._claim_epoch(part, claim), claim
-                    )
+                    return out + self._make_primary(node, claim.partition, epoch, claim)
                 node.held = claim
                 return self._contend(node, claim)
             if why_not is None and part.primary is None:
-                return self._make_primary(
-                    node, claim.partition, self._claim_epoch(part, claim), claim
-                )
+                return self._make_primary(node, claim.partition, epoch, claim)
             if why_not is not None and part.primary is None:
                 node.held = claim
                 self.notices.append(("error", recovery.not_taken(node, claim, why_not)))
@@ -328,7 +328,6 @@ class ClusterState:
             node.held = claim  # kept for reset-partition (see _failover), never a spare
         return []
 
-    _claim_epoch = staticmethod(recovery.claim_epoch)
     _distrust = staticmethod(recovery.distrust)
 
     def _contend(self, node: ShardNode, claim: Claim) -> list[Assignment]:

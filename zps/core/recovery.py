@@ -7,7 +7,7 @@ carries out what they decide.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from zps.core.nodes import Claim, Partition, ShardNode
 from zps.protocol.messages import Role
@@ -92,9 +92,9 @@ def unseen_newer(part: Partition, claim: Claim, node_id: str) -> bool:
     )
 
 
-def unpin(part: Partition) -> None:
+def unpin(parts: Sequence[Partition]) -> None:
     """The broker's record is stale (:mod:`zps.core.bstar` rule 7: a shard obeyed a newer
-    broker since it was made): its in-sync set for ``part`` binds no more, since the newer
+    broker since it was made): its in-sync set for each part binds no more, since the newer
     broker may have dropped any member and acknowledged writes without it.  The partition
     is judged as by a broker restarted without its record (the newest claim wins during
     the hold; after it a newer copy takes over only from a primary that took no write
@@ -102,8 +102,55 @@ def unpin(part: Partition) -> None:
     (floors only grow), though not one that vouches for a claim below the partition's
     epoch (:func:`distrust`).  Its members from now on are the ones its primary confirms
     to this broker."""
-    part.pinned = False
-    part.members = part.recorded = ()
+    for part in parts:
+        part.pinned = False
+        part.members = part.recorded = ()
+
+
+def claims_in(parts: Sequence[Partition], shards: Mapping[str, ShardNode], stale: bool) -> bool:
+    """Whether a broker restarted from its record (``parts`` as restored, ``shards``
+    registered since) may end its start-up hold now, before the grace runs out.
+
+    The rule: the record is not ``stale``, at least one partition held data, and every
+    partition that held data (epoch > 0) has a recorded in-sync set, each member of which
+    has registered with this broker, and its primary back (granted; not being handed
+    over).  Otherwise the grace bounds the hold.
+
+    Why that is enough: ending the hold changes nothing but when routing starts, since
+    no claim still to come could change who serves.  Only a recorded member may be
+    elected (rule 4), a later member's claim does not displace a granted one (rule 8 is
+    for partitions with no recorded set), and every member holds every acknowledged
+    write; with all of them in, a later claim is a non-member's, which may not serve the
+    partition, and joins it out of sync (it resynchronises).  Each member is waited for,
+    not just one: a member still away (a partition whose recorded set has 2 copies, 1
+    claimed) may come back within the grace; in the hold it would rejoin the in-sync set
+    at once (:func:`says_in_sync`, :func:`vouches`), after it the primary writes without
+    it and it resynchronises, or, its claim at an epoch the partition left, it is made a
+    spare.  A member that registered with nothing (its disk wiped) has said its last
+    word.  A lost partition, whose last in-sync set names a copy that is away, waits the
+    whole grace (that copy alone may hold its writes), as does one whose members all
+    came back and none was granted (its election or loss is decided when the grace
+    ends).
+
+    Never early: without a record (no partition held data: an empty partition cannot
+    be told from one whose copies are away), for a partition that held data with no
+    recorded set (the newest claim wins only during the hold; after it a newer copy
+    waits for the serving primary to be fenced, or for the operator: rule 8), and with
+    a ``stale`` record (:func:`unpin`: no set binds, and every shard that is up should
+    report the term it obeyed before a write is routed: :mod:`zps.core.bstar` rule 7).
+    Whether a record counts at all is the driver's: a pair's broker that took over
+    having heard no peer since it started (rule 8 of :mod:`zps.core.bstar`) holds for
+    the whole grace."""
+    known = [part for part in parts if part.epoch > 0]
+    if stale or not known:
+        return False
+    return all(
+        part.recorded
+        and all(m in shards for m in part.recorded)
+        and part.primary in shards
+        and part.contender is None
+        for part in known
+    )
 
 
 def hold_copies(p: int, part: Partition, shards: Mapping[str, ShardNode]) -> None:
