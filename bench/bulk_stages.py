@@ -5,12 +5,15 @@
 A partition of ``--gb`` GB (an embedding of rows x 32 float32 with Adagrad, its ids
 pushed in a random order unless ``--ordered``) in a ShardCore, then each stage of a
 replica's catch-up (the cut, which freezes the rows; the sender's reads of the chunks
-and their checksum; the replica's copies of them into its tables' arrays, its
-checksum and its checkpoint write; the build of its tables; the release of the
+and their checksum; the replica's copies of them into its tables' arrays, with its
+ids indexed by a thread as soon as they are taken, its checksum and its checkpoint
+write; the build of its tables, which waits for that index; the release of the
 frozen version), of a checkpoint (cut, read, checksum, write, fsync) and of a restart
-(read and check into the tables' arrays, build the tables: the file the checkpoint
-stage wrote, which a checkpoint drops from the page cache once synced, so from the
-disk).  Peak RSS is printed at the end.
+(read and check into the tables' arrays, the ids indexed meanwhile; build the
+tables: the file the checkpoint stage wrote, which a checkpoint drops from the page
+cache once synced, so from the disk).  The sender's stage reads every chunk into a
+buffer of its own (held for the stages after it), where a transfer reuses a window
+of them.  Peak RSS is printed at the end.
 CPU seconds count every thread of the process (``time.process_time``); on a loaded
 machine they are the figures to compare.  No sockets: ``bench/big_partition.py`` times
 the whole paths between processes.  Files go to a temporary directory, removed after.
@@ -110,7 +113,7 @@ def main() -> int:
             builder.check(1, seq, [data])
             builder.take([data])
 
-    stage("replica: take the chunks into its tables' arrays", take, builder, chunks)
+    stage("replica: take the chunks into its tables' arrays, index", take, builder, chunks)
     check = ck.Digest(plan.total)
     stage("replica: checksum of the chunks", check.feed, chunks)
     assert check.digest() == builder.digest()
@@ -126,13 +129,13 @@ def main() -> int:
         stage("replica: write its checkpoint, fsync", keep, chunks)
         del chunks
         received = stage("replica: decode the header", builder.snapshot)
-        stage("replica: build the tables (index, own the arrays)", sn.build_store, received)
+        stage("replica: build the tables (own the arrays)", sn.build_store, received)
         del received, builder
         snap = stage("checkpoint: cut (frozen)", ck.cut, core)
         stage("checkpoint: read, checksum, write, fsync", store.write, ck.finish(snap))
         stage("checkpoint: release the frozen version", ck.release, snap)
         del snap
-        found = stage("restart: read and check into the tables' arrays", store.latest)
+        found = stage("restart: read, check into the arrays, index", store.latest)
         assert found is not None
         stage("restart: build the tables", sn.build_store, found.snapshot)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
