@@ -528,6 +528,27 @@ def test_a_log_that_ends_below_the_state_goes_on_in_a_new_segment(tmp_path: Path
     assert [r.lsn for r in applied.seen] == [9]
 
 
+def test_a_torn_segment_before_the_one_the_state_continues_into_stops_nothing(
+    tmp_path: Path,
+) -> None:
+    # A log lost before its last sync left LSN 1..5 in the page cache and a checkpoint at
+    # 8 holds them; the restart went on in a segment at 8 and synced 9..12 there.  A
+    # power loss then tears the old segment's unsynced tail: the replay from 8 does not
+    # read it, and nothing synced after it is set aside.
+    write(tmp_path, [rec(i, size=64) for i in range(1, 6)]).close()
+    wal = Wal(tmp_path)
+    wal.recover(8, 1, Applier())
+    wal.append([rec(i) for i in range(9, 13)])
+    wal.close()
+    old = tmp_path / segment_name(0)
+    os.truncate(old, old.stat().st_size - 30)
+    applied = Applier()
+    result = Wal(tmp_path).recover(8, 1, applied)
+    assert [r.lsn for r in applied.seen] == [9, 10, 11, 12]
+    assert (result.lsn, result.cut, result.set_aside) == (12, None, 0)
+    assert not list(tmp_path.glob("*.broken")) and not list(tmp_path.glob("*.cut-*"))
+
+
 def test_a_segment_that_cannot_be_created_leaves_the_active_one_in_use(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

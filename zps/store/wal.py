@@ -277,7 +277,15 @@ class Wal:
         applied, cut = 0, None
         segments = self.segments()
         stopped_in: int | None = None  # index of the segment replay stopped in
+        # A segment's records end where the next one starts: replay begins in the last
+        # segment starting at or below ``lsn``; the ones before it hold only what the
+        # state holds, unread (a torn tail there, unsynced records of a lost log that a
+        # checkpoint covers, stops nothing).
+        first = max((i for i, (start, _) in enumerate(segments) if start <= lsn), default=0)
+        covered.update(path for _, path in segments[:first])
         for i, (start, path) in enumerate(segments):
+            if i < first:
+                continue
             if start == lsn:  # the state continues into this segment
                 position = (path, 0)
             parsed = parse_records(path.read_bytes())
