@@ -23,8 +23,9 @@ Two brokers run as a primary/backup pair (``broker.pair_role``); the rules are
   (partitions, epochs, LSN floors, map version, jobs; with none from the peer,
   the one in its own data dir, where a standby also writes what it receives),
   asks every shard it has heard from to register again at once, and ends its
-  start-up hold as soon as each partition that held data has its primary back
-  (the claims come within a round trip), rather than after the whole grace
+  start-up hold as soon as every copy the record names is back and each
+  partition that held data has its primary (:func:`zps.core.recovery.claims_in`;
+  the claims come within a round trip), rather than after the whole grace
   period.
 * fencing: every control message the broker sends carries its term (see
   :meth:`zps.broker.persistence.BrokerRecord.control`); shards and clients obey the

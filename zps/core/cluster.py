@@ -10,6 +10,7 @@ Rules:
    waits as a spare.
 3. After a broker (re)start, for ``hold`` seconds only claims are granted: every surviving shard
    gets the chance to reclaim its role before anything is promoted or handed to an empty shard.
+   The driver ends it early once every copy the record names is back (:meth:`claims_in`).
 4. When a primary dies, the in-sync replica with the highest reported LSN is promoted at the
    next epoch; the other replicas must catch up again from it. With no in-sync replica the
    partition is *lost*: it is never handed to a fresh, empty shard (that would silently reset
