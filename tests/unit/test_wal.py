@@ -283,6 +283,26 @@ async def test_fsync_mode_acknowledges_after_the_disk_and_groups_what_waited(
 
 
 @pytest.mark.asyncio
+async def test_a_roll_that_syncs_the_log_counts_as_its_sync(tmp_path: Path) -> None:
+    # A checkpoint's roll ends the segment with a sync, leaving the batch's last sync
+    # nothing to do: a replica waiting for a sync after what it applied must see it.
+    d = Durability("fsync")
+    d.start(tmp_path, 0, 0)
+    d.log(1, 0, 1, [b"h"])
+    d.roll()  # one batch: the new log, the record, the roll
+    writer = asyncio.create_task(d.run())
+    await _until(lambda: d.durable == 1)
+    assert d.stats.syncs == 1
+    d.log(1, 1, 2, [b"h"])
+    await _until(lambda: d.durable == 2)
+    assert d.stats.syncs == 2
+    writer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await writer
+    assert [s for s, _ in Wal(tmp_path).segments()] == [0, 1]
+
+
+@pytest.mark.asyncio
 async def test_interval_mode_acknowledges_once_written_and_syncs_within_the_interval(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

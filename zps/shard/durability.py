@@ -314,7 +314,22 @@ class Durability:
     def _write(self, batch: list[Record | _Op]) -> int | None:
         """In the worker thread: run the batch in order; the LSN written (synced in
         fsync mode) through, or None if no log is open.  :attr:`_done` counts the
-        items done, so that a failed batch is retried from the first one not done."""
+        items done, so that a failed batch is retried from the first one not done.
+
+        Every sync of the log counts in :attr:`stats` (a replica waits for one after
+        what it applied): the batch's last, and a roll's or a new segment's on the way
+        (which leave nothing for the last one to sync)."""
+        first = self._wal
+        seen = first.syncs if first is not None else 0
+        try:
+            return self._write_batch(batch)
+        finally:
+            if first is not None:
+                self.stats.syncs += first.syncs - seen
+            if self._wal is not None and self._wal is not first:
+                self.stats.syncs += self._wal.syncs  # opened by this batch
+
+    def _write_batch(self, batch: list[Record | _Op]) -> int | None:
         records: list[Record] = []
         self._done = 0
         for i, item in enumerate(batch):
@@ -336,8 +351,6 @@ class Durability:
         if self.mode == "fsync" or (
             wal.dirty and time.monotonic() - self._last_sync >= self.interval
         ):
-            if wal.dirty:
-                self.stats.syncs += 1
             wal.sync()
             self._last_sync = time.monotonic()
         else:

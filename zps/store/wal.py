@@ -234,6 +234,8 @@ class Wal:
         self._start = 0  # start of the active segment
         self._size = 0  # bytes in the active segment
         self._dirty = False  # written since the last sync
+        #: Syncs that made appended records durable (a roll's and a new segment's too).
+        self.syncs = 0
 
     # -- reading ----------------------------------------------------------------
 
@@ -556,6 +558,7 @@ class Wal:
                 os.fdatasync(self._fd)
             except OSError as e:
                 raise self._lose(f"fdatasync failed ({e})") from e
+            self.syncs += 1
         self._dirty = False
 
     def flush(self) -> None:
