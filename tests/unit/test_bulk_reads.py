@@ -158,20 +158,3 @@ def _same(a: memoryview, b: memoryview) -> bool:
         np.frombuffer(a, np.uint8).__array_interface__["data"][0]
         == np.frombuffer(b, np.uint8).__array_interface__["data"][0]
     )
-
-
-def test_a_checkpoint_begun_with_a_sync_size_is_synced_at_that_size(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    syncs: list[int] = []
-    monkeypatch.setattr("zps.shard.checkpoint.os.fdatasync", syncs.append)
-    store = CheckpointStore(tmp_path)
-    piece = memoryview(b"x" * 4096)
-    for sync_bytes, want in ((None, 0), (2 * 4096, 3)):
-        syncs.clear()
-        pending = store.begin(0, 1, 5, sync_bytes=sync_bytes)
-        for _ in range(7):
-            pending.write(piece)
-        path = pending.commit()
-        assert len(syncs) == want  # behind the writes; the rest at the commit (an fsync)
-        assert path.read_bytes() == b"x" * 7 * 4096

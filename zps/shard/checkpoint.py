@@ -433,17 +433,13 @@ class CheckpointStore:
             raise
         return pending.commit()
 
-    def begin(
-        self, partition: int, epoch: int, lsn: int, *, sync_bytes: int | None = None
-    ) -> PendingCheckpoint:
-        """A checkpoint written piece by piece (a snapshot stream as it arrives), synced
-        every ``sync_bytes`` (:data:`SYNC_BYTES` if None) behind the writes:
+    def begin(self, partition: int, epoch: int, lsn: int) -> PendingCheckpoint:
+        """A checkpoint written piece by piece (a snapshot stream as it arrives):
         :meth:`PendingCheckpoint.commit` makes it one of the partition's checkpoints,
         :meth:`PendingCheckpoint.abort` removes it."""
         folder = self._dir(partition)
         folder.mkdir(parents=True, exist_ok=True)
-        name = f"ckpt-{epoch:08d}-{lsn:016d}.zps"
-        return PendingCheckpoint(self, folder, name, sync_bytes=sync_bytes)
+        return PendingCheckpoint(self, folder, f"ckpt-{epoch:08d}-{lsn:016d}.zps")
 
     def _prune(self, folder: Path) -> None:
         files = sorted(folder.glob("ckpt-*.zps"))
@@ -562,11 +558,8 @@ class CheckpointStore:
 class PendingCheckpoint:
     """A checkpoint file being written: a temporary file until :meth:`commit`."""
 
-    def __init__(
-        self, store: CheckpointStore, folder: Path, name: str, *, sync_bytes: int | None = None
-    ) -> None:
+    def __init__(self, store: CheckpointStore, folder: Path, name: str) -> None:
         self._store, self._folder = store, folder
-        self._sync_bytes = SYNC_BYTES if sync_bytes is None else sync_bytes
         self.final = folder / name
         self._tmp = folder / f".{name}.tmp-{os.getpid()}-{id(self):x}"
         self.file: io.RawIOBase = open(self._tmp, "wb", buffering=0)  # noqa: SIM115
@@ -577,13 +570,12 @@ class PendingCheckpoint:
         store.pending.add(self._tmp)
 
     def write(self, view: memoryview) -> None:
-        """Append ``view``; synced in pieces of its sync size (:data:`SYNC_BYTES`) behind
-        the writes (see :meth:`_sync_behind`), the rest at :meth:`commit`.  From one
-        thread at a time."""
+        """Append ``view``; synced in pieces of :data:`SYNC_BYTES` behind the writes (see
+        :meth:`_sync_behind`), the rest at :meth:`commit`.  From one thread at a time."""
         _write_all(self.file, memoryview(view).cast("B"))
         self.written += len(view)
         self._unsynced += len(view)
-        if self._unsynced >= self._sync_bytes:
+        if self._unsynced >= SYNC_BYTES:
             self._sync_behind()
             self._unsynced = 0
 

@@ -62,12 +62,6 @@ DRAIN_STEP_S = 0.02
 MAX_SNAPSHOT_BYTES = 1 << 40
 #: A snapshot transfer with no chunk for this long is abandoned and asked for again.
 CHUNK_STALL_S = 10.0
-#: The checkpoint a joining copy keeps of its snapshot is synced every this many bytes
-#: behind the writes (a periodic checkpoint: every zps.shard.checkpoint.SYNC_BYTES, 64
-#: MiB): the copy is in sync only once its last sync is done, so at most twice this much
-#: is left to sync after the last chunk, a wait that grows when another checkpoint writes
-#: to the same disk (0.7-2.5 s left at 64 MiB: docs/performance.md, "Big partitions").
-KEEP_SYNC_BYTES = 16 << 20
 #: A refused subscription is asked for again after this long, doubled at each refusal
 #: in a row up to the interval between asks (two heartbeats): a replica's SUBSCRIBE
 #: can reach a new primary before the broker's map that lists the replica does.
@@ -375,7 +369,7 @@ class Upstream:
             or route.partition != self.core.partition
         ):
             return None
-        return store.begin(route.partition, route.epoch, lsn, sync_bytes=KEEP_SYNC_BYTES)
+        return store.begin(route.partition, route.epoch, lsn)
 
     async def _load_assembled(self, assembly: StreamBuilder, sid: int) -> None:
         try:
