@@ -68,6 +68,7 @@ LAYERS: dict[str, str] = {
     "zps.store.lowfds": "core",
     "zps.store.partition": "core",
     "zps.store.snapshot": "core",
+    "zps.store.checksums": "core",
     "zps.store.stepbuf": "core",
     "zps.store.slots": "core",
     "zps.store.tables": "core",
@@ -77,6 +78,8 @@ LAYERS: dict[str, str] = {
     "zps.store.kernel": "core",
     # the write-ahead log's files (file I/O, no sockets or event loop)
     "zps.store.wal": "driver",
+    # a checkpoint read once in slices at a restart (file I/O, no sockets or event loop)
+    "zps.store.slicereader": "driver",
     # per-role pure state machines and their drivers
     "zps.transport": "driver",
     "zps.transport.channel": "driver",
