@@ -687,6 +687,31 @@ def test_records_after_a_snapshot_of_another_history_are_set_aside(tmp_path: Pat
     assert [r.lsn for r in Wal(short).records()] == [1, 2, 3]
 
 
+def test_a_cut_reads_only_the_segments_from_the_one_holding_its_lsn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A joining copy's checkpoint waits for the cut: a long old log is not read whole.
+    write(tmp_path, [rec(i, size=100) for i in range(1, 41)], segment_bytes=1000).close()
+    segments = Wal(tmp_path).segments()
+    at = next(s for s, _ in segments if s > 20)
+    holding = max(i for i, (s, _) in enumerate(segments) if s <= at + 1)
+    read: list[str] = []
+    real = Path.read_bytes
+
+    def read_bytes(self: Path) -> bytes:
+        read.append(self.name)
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    wal = Wal(tmp_path)
+    set_aside = wal.cut_after(at + 1)
+    wal.close()
+    monkeypatch.undo()
+    assert read and set(read) <= {p.name for _, p in segments[holding:]}
+    assert set_aside == 40 - (at + 1)
+    assert [r.lsn for r in Wal(tmp_path).records()] == list(range(1, at + 2))
+
+
 @pytest.mark.asyncio
 async def test_durability_sets_a_replaced_history_aside_in_the_writers_turn(
     tmp_path: Path,

@@ -209,6 +209,14 @@ def whole_records(data: Buffer, above: int = -1) -> tuple[int, int | None, int |
     return len(found), found[0].lsn, found[-1].lsn
 
 
+def _first_to_read(segments: list[tuple[int, Path]], lsn: int) -> int:
+    """The index of the last segment starting at or below ``lsn`` (0 if none): a
+    segment's records end where the next one starts, so the ones before it hold only
+    what a state at ``lsn`` holds, and are not read (a torn tail there, the unsynced
+    records of a lost log that a checkpoint covers, stops nothing)."""
+    return max((i for i, (start, _) in enumerate(segments) if start <= lsn), default=0)
+
+
 def _aside_name(path: Path, suffix: str) -> Path:
     """``path`` + ``suffix``, numbered if that name is taken (nothing set aside is
     ever replaced)."""
@@ -279,12 +287,8 @@ class Wal:
         applied, cut = 0, None
         segments = self.segments()
         stopped_in: int | None = None  # index of the segment replay stopped in
-        # A segment's records end where the next one starts: replay begins in the last
-        # segment starting at or below ``lsn``; the ones before it hold only what the
-        # state holds, unread (a torn tail there, unsynced records of a lost log that a
-        # checkpoint covers, stops nothing).
-        first = max((i for i, (start, _) in enumerate(segments) if start <= lsn), default=0)
-        covered.update(path for _, path in segments[:first])
+        first = _first_to_read(segments, lsn)
+        covered.update(path for _, path in segments[:first])  # unread (see the helper)
         for i, (start, path) in enumerate(segments):
             if i < first:
                 continue
@@ -336,9 +340,10 @@ class Wal:
         ``*.broken``), never deleted.  Returns the records set aside."""
         self.close()
         position: tuple[Path, int] | None = None
-        covered: set[Path] = set()
         segments = self.segments()
-        for start, path in segments:
+        first = _first_to_read(segments, lsn)
+        covered = {path for _, path in segments[:first]}  # unread: all at or below ``lsn``
+        for start, path in segments[first:]:
             if start == lsn and position is None:
                 position = (path, 0)
             parsed = parse_records(path.read_bytes())
