@@ -15,6 +15,13 @@ the ``os`` name that :mod:`zps.store.wal`, :mod:`zps.shard.checkpoint` and
 Renames, creations and truncations are taken as durable at once (the code under test
 fsyncs the directory after each).
 
+A file's modification time is the run's clock (:attr:`SimOS.clock`), not the wall
+clock's: the newest checkpoint and the newest partition are picked by it
+(:meth:`zps.shard.checkpoint.CheckpointStore.candidates`, ``newest_partition``), and a
+seed must pick the same files in any process at any load.  A write, a truncation or a
+sync through :class:`SimOS` stamps its file with the run's time; a sync of a folder
+stamps the files in it that still carry a wall-clock time (made by ``open`` since).
+
 The checkpoint module's hashing thread runs inline for the run (its ``concurrent`` name
 is the second seam, :class:`InlineExecutor`): the same bytes hashed in the same order, the
 same digest, and no thread to start and hand each slice to in a one-process simulation.
@@ -25,7 +32,9 @@ from __future__ import annotations
 import errno
 import os as _os
 import random
+import re
 import shutil
+import stat as _stat
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -59,7 +68,10 @@ class Disk:
                     f.truncate(keep)
                 # What the disk lost is no change of the file's: its times stay.
                 _os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-                cut.append(f"{path.name}:{st.st_size}->{keep}")
+                # A temporary file's name carries its writer's pid and object id: traced
+                # without them (the trace is the same in any process).
+                name = re.sub(r"\.tmp-[0-9a-f-]+$", ".tmp", path.name)
+                cut.append(f"{name}:{st.st_size}->{keep}")
         return cut
 
     def wipe(self) -> None:
@@ -68,12 +80,35 @@ class Disk:
         self.synced.clear()
 
 
+#: File times from this on are the wall clock's (the run's are 1.7e9 and a few seconds).
+WALL = 1.75e9
+
+
 class SimOS:
     """The ``os`` of the log and checkpoint modules for a run: every name is the real
     one except the writes and syncs, which go through the owning :class:`Disk`."""
 
     def __init__(self) -> None:
         self.disks: list[Disk] = []
+        #: The run's time as file times (seconds since the epoch); None: the files keep
+        #: the wall clock's.
+        self.clock: Callable[[], float] | None = None
+        self._last_ns = 0
+
+    def _stamp(self, fd: int) -> None:
+        """The file (or, for a folder, its files with a wall-clock time) now, in the
+        run's time: a nanosecond after the last stamp at least, so that files stamped
+        at one simulated instant keep the order they were written in."""
+        if self.clock is None:
+            return
+        ns = self._last_ns = max(self._last_ns + 1, int(self.clock() * 1e9))
+        if not _stat.S_ISDIR(_os.fstat(fd).st_mode):
+            _os.utime(fd, ns=(ns, ns))
+            return
+        with _os.scandir(fd) as entries:
+            for entry in entries:
+                if entry.is_file(follow_symlinks=False) and entry.stat().st_mtime >= WALL:
+                    _os.utime(entry.name, ns=(ns, ns), dir_fd=fd)
 
     def __getattr__(self, name: str) -> Any:
         # Looked up once: the real function is kept as this object's attribute.
@@ -102,7 +137,10 @@ class SimOS:
                 _os.write(fd, data)
             disk.faults.append(f"ENOSPC after {part} of {total} bytes")
             raise OSError(errno.ENOSPC, "No space left on device (simulated)")
-        return _os.writev(fd, buffers)
+        n = _os.writev(fd, buffers)
+        if disk is not None:
+            self._stamp(fd)
+        return n
 
     def _sync(self, fd: int, real: Any) -> None:
         disk, path = self._disk(fd)
@@ -111,6 +149,8 @@ class SimOS:
             disk.faults.append(f"EIO on fsync of {Path(path).name}")
             raise OSError(errno.EIO, "Input/output error (simulated)")
         real(fd)
+        if disk is not None:
+            self._stamp(fd)
         if disk is not None and _os.path.isfile(path):
             disk.synced[path] = _os.fstat(fd).st_size
 
@@ -124,6 +164,7 @@ class SimOS:
         _os.ftruncate(fd, length)
         disk, path = self._disk(fd)
         if disk is not None:
+            self._stamp(fd)
             disk.synced[path] = min(disk.synced.get(path, 0), length)
 
     def replace(self, src: Any, dst: Any) -> None:

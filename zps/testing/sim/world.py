@@ -115,6 +115,7 @@ class World:
         self.tmp = Path(tempfile.mkdtemp(prefix="zps-sim-", dir=base))
         self.sched.redact = f"{self.tmp}/"
         self.os = simdisk.SimOS()
+        self.os.clock = lambda: 1.7e9 + self.sched.now  # file times in the run's time
         #: The real broker (zps.testing.sim.realbroker) on the run's one event loop, and
         #: the real shards (zps.testing.sim.realshard), which need it.
         self.real_shard = real_shard
