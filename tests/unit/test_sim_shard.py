@@ -98,8 +98,8 @@ def test_known_real_shard_defects_stay_found(seed: int) -> None:
 #: stale-replica-in-tracker in zps.testing.sim.realbugs), the faults that expose them and
 #: the seeds they must be caught within with the real shards.
 SHARD_BUGS = {
-    "wal-retry-partial": ("disk,crash-all,kill,power", 4),
-    "ack-before-durable": ("crash-all,kill,partition", 20),
+    "wal-retry-partial": ("disk,crash-all,kill,power", 16),
+    "ack-before-durable": ("crash-all,kill,partition", 32),
     "stale-replica-in-tracker": ("pause,idle", 12),
     "stuck-replica-kept": ("slow", 4),
 }
