@@ -437,6 +437,21 @@ def test_a_restored_state_is_written_again_on_leaving() -> None:
     assert not t.begin_checkpoint(2.0, 9, final=True)  # not restored: nothing new
 
 
+def test_a_snapshot_kept_as_a_checkpoint_makes_the_next_one_due_from_it() -> None:
+    # A replica that joined by snapshot has just written the whole partition as its
+    # checkpoint: the interval and the update count start from it, not from the start.
+    timed = session(interval_s=30.0, checkpoints=True)
+    counted = session(every=100)
+    for s in (timed, counted):
+        s.assign(Role.REPLICA, P, E, "tcp://p:1")
+        assert s.checkpoint_due(40.0, lsn=500)  # nothing written since the process began
+        s.snapshot_loaded(True, 500)
+        s.checkpoint_kept(40.0, 500)
+        assert not s.checkpoint_due(40.1, lsn=500)
+    assert not timed.checkpoint_due(69.9, lsn=599) and timed.checkpoint_due(70.0, lsn=500)
+    assert not counted.checkpoint_due(41.0, lsn=599) and counted.checkpoint_due(41.0, lsn=600)
+
+
 def test_a_checkpoint_due_takes_the_tick_instead_of_the_upstream_ack() -> None:
     s = session(interval_s=1.0, checkpoints=True)
     s.assign(Role.REPLICA, P, E, "tcp://p:1")

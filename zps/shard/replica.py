@@ -442,6 +442,8 @@ class Upstream:
                 self._checkpoints.folder(snap.partition), snap.partition, snap.lsn
             )
         self.session.snapshot_loaded(ok, snap.lsn)
+        if ok and keeping is not None:
+            self.session.checkpoint_kept(time.monotonic(), snap.lsn)
         if not ok:
             self._drop_held()
             return

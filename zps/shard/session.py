@@ -326,6 +326,12 @@ class ShardSession(Generic[T]):
             self.checkpoint_every_updates > 0 and lsn - last >= self.checkpoint_every_updates
         )
 
+    def checkpoint_kept(self, now: float, lsn: int) -> None:
+        """A checkpoint of the state at ``lsn`` is on disk that :meth:`begin_checkpoint`
+        did not start (a replica's snapshot, kept as one): the next is due from it, not
+        at once (a second copy of the whole partition written behind the first)."""
+        self.last_checkpoint = (now, lsn)
+
     def begin_checkpoint(self, now: float, lsn: int, *, final: bool = False) -> bool:
         """Whether to write a checkpoint of the state at ``lsn`` now (and note it if so)."""
         if self.partition is None or lsn == 0:
