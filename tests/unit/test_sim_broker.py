@@ -373,7 +373,14 @@ LONG_PAIR_FAULTS = [*PAIR_FAULTS[:-1], "crash-all", "wipe"]
 #: check with the real pair, kept as expected failures until it is fixed.  Replay: python -m
 #: zps.testing.sim --seed SEED --seeds 1 --trace --real-broker --faults
 #: failover,kill,power,pause,partition,disk,broker,crash-all,wipe
-REAL_PAIR_KNOWN: dict[int, str] = {}
+REAL_PAIR_KNOWN: dict[int, str] = {
+    210405: "a lone primary broker takes over from a stale record (term 1; the backup "
+    "served term 2, whose maps kept s-1 alone in sync of p0 and acknowledged LSN 105-106 "
+    "with it) and grants s-4's claim at epoch 2, LSN 104; s-1 comes back only after the "
+    "grace, its history at the same epoch judged older, and is made a spare: a stale "
+    "record binds no in-sync set (rule 7), so the grace is the only bound on waiting for "
+    "the copy that holds the newer term's writes",
+}
 
 #: Seeds of the pair's faults (PAIR_FAULTS) on which the current code fails a check with
 #: the real pair, kept as expected failures.  Replay: python -m zps.testing.sim --seed SEED
