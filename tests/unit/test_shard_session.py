@@ -249,6 +249,22 @@ def test_demotion_refuses_the_waiting_writes_and_forgets_the_followers() -> None
     assert s.role is Role.REPLICA and s.epoch == E + 1
 
 
+def test_a_promoted_replica_writes_only_after_an_echo_of_its_new_role() -> None:
+    # Its echoes as a replica renewed a lease of that role: promoted, it may write only
+    # once the broker echoes the primary's role at the new epoch (which waits until the
+    # broker's record names that epoch); a write acknowledged before would be lost if a
+    # restarted broker elected the old primary.
+    s = session()
+    s.assign(Role.REPLICA, P, E, "tcp://p:1")
+    s.echoed(10.0, "replica", P, E)
+    s.assign(Role.PRIMARY, P, E + 1)
+    assert not s.may_write(10.01)
+    s.echoed(10.02, "primary", P, E)  # an echo of the old epoch renews nothing
+    assert not s.may_write(10.03)
+    s.echoed(10.02, "primary", P, E + 1)
+    assert s.may_write(10.03)
+
+
 def test_promotion_stops_following_and_starts_with_no_followers() -> None:
     s = session()
     s.assign(Role.REPLICA, P, E, "tcp://p:1")

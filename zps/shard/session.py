@@ -229,6 +229,11 @@ class ShardSession(Generic[T]):
         refused = self.step_down() if self.role is Role.PRIMARY else []
         if partition != self.partition:
             self.copies = 1
+        # A lease is for exactly one role, partition and epoch: a replica's echoes never
+        # let it write once promoted (the broker's echo for the new epoch waits until its
+        # record names that epoch).
+        if was != (role, partition, epoch):
+            self.lease_start = NEVER
         self.role, self.partition, self.epoch = role, partition, epoch
         follow = None
         if role is Role.REPLICA:
