@@ -23,7 +23,7 @@ from zps.testing.sim.pair import BROKERS, PEER_TIMEOUT, PairBroker, PairClient, 
 from zps.testing.sim.realbroker import RealBroker, WireClient, WireShard
 from zps.testing.sim.realpair import RealPairBroker, WirePairClient, WirePairShard
 from zps.testing.sim.realshard import RealShard
-from zps.testing.sim.sched import Scheduler
+from zps.testing.sim.sched import Scheduler, quiet_gc
 
 FAULTS = (
     "kill",
@@ -420,6 +420,10 @@ class World:
     # -- the run -----------------------------------------------------------------
 
     def run(self) -> Result:
+        with quiet_gc():
+            return self._run_quietly()
+
+    def _run_quietly(self) -> Result:
         saved = simdisk.install(self.os)
         logging.disable(logging.CRITICAL)  # the nodes' logs: the trace says what happened
         seams = self._real_broker_seams() if self.real_broker else None
