@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import zps
+from zps.broker.statefile import StateFile
 from zps.errors import ZpsError
 from zps.optim import SGD
 from zps.testing import DataDirCluster, Proc, free_port
@@ -48,6 +49,18 @@ def pull(c: DataDirCluster, timeout: float) -> np.ndarray:
         return ps.pull_dense("w")
 
 
+def recorded(data_dir: Path, copies: int, timeout: float) -> None:
+    """Wait until the broker's record on disk names ``copies`` in-sync copies of every
+    partition (the status shows the broker's state, which its record follows)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rec = StateFile(data_dir).load()
+        if rec is not None and all(len(p.in_sync) == copies for p in rec.partitions):
+            return
+        assert time.monotonic() < deadline, f"the record names {rec}"
+        time.sleep(0.05)
+
+
 def restart(c: DataDirCluster) -> tuple[Proc, float]:
     """A broker on the same port and data dir with a long grace, and when it started."""
     return c.start_broker(grace=GRACE), time.monotonic()
@@ -77,6 +90,7 @@ def test_a_restarted_broker_routes_once_every_recorded_copy_is_back(
     assert status["broker"]["holding_s"] == 0 and status["broker"]["uptime_s"] < GRACE / 2
     assert ENDED in broker.log()
     status = c.wait_healthy(30)
+    recorded(tmp_path / "broker", 2, 10)  # what the restarted broker will wait for
 
     # A replica is away when the broker comes back: the partitions' primaries are back
     # and serve nothing while the broker holds for the missing copy.

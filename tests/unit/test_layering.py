@@ -191,6 +191,8 @@ LAYERS: dict[str, str] = {
     "zps.testing.sim.realbroker": "app",
     "zps.testing.sim.realbugs": "app",
     "zps.testing.sim.realpair": "app",
+    "zps.testing.sim.realshard": "app",
+    "zps.testing.sim.shardnet": "app",
     "zps.testing.sim.simtransport": "app",
     "zps.testing.sim.bugs": "app",
     "zps.testing.sim.cli": "app",
