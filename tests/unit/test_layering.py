@@ -188,6 +188,8 @@ LAYERS: dict[str, str] = {
     "zps.testing.sim": "app",
     "zps.testing.sim.__main__": "app",
     "zps.testing.sim.aioloop": "app",
+    "zps.testing.sim.clientnet": "app",
+    "zps.testing.sim.realclient": "app",
     "zps.testing.sim.realbroker": "app",
     "zps.testing.sim.realbugs": "app",
     "zps.testing.sim.realpair": "app",

@@ -37,7 +37,11 @@ def parser() -> argparse.ArgumentParser:
         help=f"comma-separated faults to draw from (default all: {','.join(FAULTS)}; "
         f"also {','.join((*LOADS, *NAMED_ONLY))}; {','.join(PAIR)} runs a broker pair)",
     )
-    p.add_argument("--bug", choices=sorted(bugs.BUGS), help="re-introduce a known defect")
+    p.add_argument(
+        "--bug",
+        choices=sorted({*bugs.BUGS, *realbugs.CLIENT_BUGS}),
+        help="re-introduce a known defect (those of the client's driver need --real-client)",
+    )
     p.add_argument(
         "--real-broker",
         action="store_true",
@@ -50,6 +54,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the real shard (zps.shard.server.ShardServer) for every shard, on the "
         "simulated event loop, transport, clock and disk (implies --real-broker)",
+    )
+    p.add_argument(
+        "--real-client",
+        action="store_true",
+        help="run the real client (zps.connect) for every client, on the simulated event "
+        "loop, transport and clock (implies --real-shard)",
     )
     p.add_argument("--keep-going", action="store_true", help="run every seed after a failure")
     p.add_argument(
@@ -69,10 +79,20 @@ def _one(
     bug: str | None,
     real_broker: bool = False,
     real_shard: bool = False,
+    real_client: bool = False,
 ) -> Result:
-    real = real_broker or real_shard
-    with bugs.patched(bug), realbugs.patched(bug if real else None, real_shard=real_shard):
-        kw: dict[str, Any] = {"real_broker": real_broker, "real_shard": real_shard}
+    real = real_broker or real_shard or real_client
+    real_shard = real_shard or real_client
+    stand_in_bug = bug if bug in bugs.BUGS else None
+    with (
+        bugs.patched(stand_in_bug),
+        realbugs.patched(bug if real else None, real_shard=real_shard, real_client=real_client),
+    ):
+        kw: dict[str, Any] = {
+            "real_broker": real_broker,
+            "real_shard": real_shard,
+            "real_client": real_client,
+        }
         if faults is None:
             return run_seed(seed, trace=trace, **kw)
         return run_seed(seed, faults=faults, trace=trace, **kw)
@@ -88,6 +108,7 @@ def run_seeds(
     pool: Executor | None = None,
     real_broker: bool = False,
     real_shard: bool = False,
+    real_client: bool = False,
 ) -> Generator[Result]:
     """The runs of ``seeds`` (``faults``: the default ones if None), in seed order: in this
     process (``jobs`` 1, no ``pool``), else side by side in ``pool`` or in a pool of ``jobs``
@@ -95,10 +116,11 @@ def run_seeds(
     long run holds no more).  Each seed's run is the same in any process.  Closing the
     generator early cancels the seeds not yet started.  ``real_broker``: the real broker
     runs (zps.testing.sim.realbroker), not the simulator's stand-in; ``real_shard``: the
-    real shards too (zps.testing.sim.realshard)."""
+    real shards too (zps.testing.sim.realshard); ``real_client``: the real clients too
+    (zps.testing.sim.realclient)."""
     if pool is None and jobs == 1:
         for seed in seeds:
-            yield _one(seed, faults, trace, bug, real_broker, real_shard)
+            yield _one(seed, faults, trace, bug, real_broker, real_shard, real_client)
         return
     own = pool is None
     ex = ProcessPoolExecutor(jobs) if pool is None else pool
@@ -107,7 +129,9 @@ def run_seeds(
     try:
         while True:
             for seed in itertools.islice(todo, AHEAD - len(ahead)):
-                ahead.append(ex.submit(_one, seed, faults, trace, bug, real_broker, real_shard))
+                ahead.append(
+                    ex.submit(_one, seed, faults, trace, bug, real_broker, real_shard, real_client)
+                )
             if not ahead:
                 return
             yield ahead.popleft().result()
@@ -129,9 +153,12 @@ def report(
     *,
     real_broker: bool = False,
     real_shard: bool = False,
+    real_client: bool = False,
 ) -> str:
     replay = f"python -m zps.testing.sim --seed {r.seed} --seeds 1 --trace"
-    if real_shard:
+    if real_client:
+        replay += " --real-client"
+    elif real_shard:
         replay += " --real-shard"
     elif real_broker:
         replay += " --real-broker"
@@ -151,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser().error("--seeds must be >= 1")
     if args.jobs < 1:
         parser().error("--jobs must be >= 1")
+    if args.bug in realbugs.CLIENT_BUGS and not args.real_client:
+        parser().error(f"--bug {args.bug} is a defect of the real client: add --real-client")
     t0 = time.monotonic()
     failed: list[int] = []
     unavailable = 0
@@ -164,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs=args.jobs,
         real_broker=args.real_broker,
         real_shard=args.real_shard,
+        real_client=args.real_client,
     )
     for r in results:
         seed = r.seed
@@ -182,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.faults,
                     real_broker=args.real_broker,
                     real_shard=args.real_shard,
+                    real_client=args.real_client,
                 ),
                 flush=True,
             )

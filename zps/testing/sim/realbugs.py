@@ -3,11 +3,13 @@
 shard of :mod:`.realpair`; with ``--real-shard``, the real shard's replication stream.
 ``--bug NAME`` puts both in place; a defect with no entry here patches the stand-in
 only (or, as ``pair-primary-first`` in :class:`~zps.core.bstar.BinaryStar`, code both
-run)."""
+run).  The defects of the client's driver (:data:`CLIENT_BUGS`) exist only in the real
+client, so only ``--real-client`` runs them."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -76,12 +78,40 @@ SHARD_PATCHES: dict[str, Callable[[], Patch]] = {
 }
 
 
+def _client_seq_restart() -> Patch:
+    from zps.client.connection import Connection
+
+    real = Connection._hello
+
+    async def hello(self: Any) -> None:
+        if self._session.map is not None:  # introduced before: the broker restarted
+            self._session._seqs = itertools.count(1)  # a session started over, same id
+        await real(self)
+
+    return [(Connection, "_hello", hello)]
+
+
+#: The defects of the client's driver (``--real-client``), with what each does.
+CLIENT_BUGS: dict[str, str] = {
+    "client-seq-restart": "a client that introduces itself again to a restarted broker "
+    "(HELLO_AGAIN) numbers its requests from 1 again under the same client id, so a "
+    "shard answers its next pushes from the dedup record of earlier ones, unapplied",
+}
+CLIENT_PATCHES: dict[str, Callable[[], Patch]] = {
+    "client-seq-restart": _client_seq_restart,
+}
+
+
 @contextlib.contextmanager
-def patched(name: str | None, *, real_shard: bool = False) -> Iterator[None]:
+def patched(
+    name: str | None, *, real_shard: bool = False, real_client: bool = False
+) -> Iterator[None]:
     """Run with the real code paths' form of the defect ``name`` in place (None, or a
     defect without one: nothing); ``real_shard``: the real shard's too
-    (:data:`SHARD_PATCHES`)."""
-    table = {**_PATCHES, **SHARD_PATCHES} if real_shard else _PATCHES
+    (:data:`SHARD_PATCHES`); ``real_client``: the client driver's (:data:`CLIENT_PATCHES`)."""
+    table = {**_PATCHES, **SHARD_PATCHES} if real_shard else dict(_PATCHES)
+    if real_client:
+        table.update(CLIENT_PATCHES)
     if name is None or name not in table:
         yield
         return

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from zps.protocol.messages import Role
+from zps.testing.sim import clientnet, shardnet, simtransport
 from zps.testing.sim import disk as simdisk
-from zps.testing.sim import shardnet, simtransport
 from zps.testing.sim.aioloop import SimLoop
 from zps.testing.sim.net import HWM, Network
 from zps.testing.sim.nodes import HB, HOLD, LIVE, TICK, Op, SimBroker, SimClient, SimShard
 from zps.testing.sim.pair import BROKERS, PEER_TIMEOUT, PairBroker, PairClient, PairShard
 from zps.testing.sim.realbroker import RealBroker, WireClient, WireShard
+from zps.testing.sim.realclient import RealClient
 from zps.testing.sim.realpair import RealPairBroker, WirePairClient, WirePairShard
 from zps.testing.sim.realshard import RealShard
 from zps.testing.sim.sched import Scheduler, quiet_gc
@@ -89,6 +90,7 @@ class World:
         timeout: float = 3.0,
         real_broker: bool = False,
         real_shard: bool = False,
+        real_client: bool = False,
     ) -> None:
         self.seed = seed
         self.faults = set(faults)
@@ -117,11 +119,15 @@ class World:
         self.os = simdisk.SimOS()
         self.os.clock = lambda: 1.7e9 + self.sched.now  # file times in the run's time
         #: The real broker (zps.testing.sim.realbroker) on the run's one event loop, and
-        #: the real shards (zps.testing.sim.realshard), which need it.
-        self.real_shard = real_shard
+        #: the real shards (zps.testing.sim.realshard), which need it, and the real
+        #: clients (zps.testing.sim.realclient), which need both.
+        self.real_client = real_client
+        self.real_shard = real_shard = real_shard or real_client
         self.real_broker = real_broker = real_broker or real_shard
         self.loop: SimLoop | None = None
-        self.client_cls: type[SimClient] = SimClient
+        self.client_cls: type[SimClient] | type[RealClient] = SimClient
+        #: The id of each row (the real client routes ids by the map's slots).
+        self.row_ids: list[int] | None = None
         self.brokers: list[SimBroker | RealBroker]
         shard_cls: type[SimShard] | type[RealShard]
         prefix = "s"
@@ -145,12 +151,17 @@ class World:
         self.broker = self.brokers[0]
         if real_shard:
             shard_cls = RealShard
+        if real_client:
+            self.client_cls = RealClient
         self.shards: list[Any] = [shard_cls(self, f"{prefix}{i}") for i in range(n_shards)]
         self.shard_names = {s.name for s in self.shards}
-        self.clients = [self.client_cls(self, f"c{i}", timeout=timeout) for i in range(n_clients)]
+        self.clients: list[Any] = [
+            self.client_cls(self, f"c{i}", timeout=timeout) for i in range(n_clients)
+        ]
         # A data dir lost with min_in_sync 1 may hold the only copy of acknowledged writes.
         self.wipes_left = 1 if self.min_in_sync > 1 else 0
         self.quiet_until = 0.0
+        self.readers: list[Any] = []
 
     def new_disk(self, name: str) -> simdisk.Disk:
         d = simdisk.Disk(self.tmp / name, self.sched.rng)
@@ -451,12 +462,17 @@ class World:
         seams = simtransport.install(net, RealBroker.name)
         if self.real_shard:
             seams += shardnet.install()
+        if self.real_client:
+            seams += clientnet.install()
         return seams
 
     def _end_loop(self, seams: simtransport.Saved) -> None:
         loop = self.loop
         assert loop is not None
         try:
+            for c in [*self.clients, *self.readers]:
+                if isinstance(c, RealClient):
+                    c.end()
             for s in self.shards:
                 if isinstance(s, RealShard):
                     s.end()
@@ -502,6 +518,7 @@ class World:
                 s.start()
         sched.run_until(self.duration + settle)
         reader = self.client_cls(self, "reader", timeout=self.timeout)
+        self.readers.append(reader)
         reader.start()
         reads: list[Op] = []
         probes: list[Op] = []

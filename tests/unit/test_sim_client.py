@@ -1,0 +1,104 @@
+"""The real client (zps.connect, unchanged) in simulated runs (``--real-client``:
+zps/testing/sim realclient and clientnet, with the real shards and broker).
+
+Every client of a run is the real async client on the run's one event loop, transport
+and clock: the same seed gives the same trace (in any process), a budget of seeds of the
+default faults and client kills passes every check, and a known defect of the client's
+driver, patched in, is caught within its budget of seeds."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from zps.client.client import Client
+from zps.client.connection import Connection
+from zps.testing.sim import clientnet, realbugs
+from zps.testing.sim.cli import main, run_seeds
+from zps.testing.sim.realclient import RealClient
+from zps.testing.sim.realshard import RealShard
+from zps.testing.sim.world import FAULTS, World
+
+pytestmark = pytest.mark.timeout(300)
+
+#: The default faults and the client's kills.
+CLIENT_FAULTS = [*FAULTS, "client"]
+
+
+def test_a_run_drives_the_real_clients() -> None:
+    w = World(2, faults=CLIENT_FAULTS, real_client=True)
+    assert w.real_shard and w.real_broker
+    assert all(isinstance(c, RealClient) for c in w.clients)
+    assert all(isinstance(s, RealShard) for s in w.shards)
+    r = w.run()
+    assert r.ok, r.failures[:3]
+    assert r.acked > 0 and r.sim_seconds > 20
+    assert all(isinstance(c.client, Client) for c in [*w.clients, *w.readers])
+    assert all(isinstance(c.client.connection, Connection) for c in w.clients)
+    # The seams are undone at the end of the run.
+    from zps.client import connection
+
+    assert connection.transport is not clientnet
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ProcessPoolExecutor]:
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(2, mp_context=ctx) as ex:
+        yield ex
+
+
+def test_a_seed_replays_exactly_in_any_process(pool: ProcessPoolExecutor) -> None:
+    a, b = run_seeds([5, 5], CLIENT_FAULTS, pool=pool, real_client=True)
+    assert (a.digest, a.failures, a.schedule, a.events) == (
+        b.digest,
+        b.failures,
+        b.schedule,
+        b.events,
+    )
+    assert a.schedule and a.acked > 0
+
+
+#: Seeds of the default faults and client kills that must pass with the real clients.
+BUDGET = range(0, 8)
+
+
+def test_the_real_clients_pass_every_check_on_the_budget(pool: ProcessPoolExecutor) -> None:
+    results = list(run_seeds(BUDGET, CLIENT_FAULTS, pool=pool, real_client=True))
+    assert not {r.seed: r.failures[:3] + r.schedule for r in results if not r.ok}
+    assert any(any("kill c" in s for s in r.schedule) for r in results)
+
+
+#: The known defects of the client's driver (zps.testing.sim.realbugs.CLIENT_BUGS), the
+#: faults that expose them and the seeds they must be caught within.
+CLIENT_BUGS = {
+    "client-seq-restart": ("broker", 4),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(CLIENT_BUGS))
+def test_client_defects_are_caught(bug: str, pool: ProcessPoolExecutor) -> None:
+    faults, budget = CLIENT_BUGS[bug]
+    results = run_seeds(range(budget), faults.split(","), bug=bug, pool=pool, real_client=True)
+    try:
+        caught = next((r for r in results if not r.ok), None)
+    finally:
+        results.close()
+    assert caught is not None, f"--bug {bug} not caught in {budget} seeds"
+    (clean,) = run_seeds([caught.seed], faults.split(","), pool=pool, real_client=True)
+    assert clean.ok, (bug, caught.seed, clean.failures[:3])
+
+
+def test_every_client_bug_is_covered() -> None:
+    assert set(CLIENT_BUGS) == set(realbugs.CLIENT_BUGS) == set(realbugs.CLIENT_PATCHES)
+
+
+def test_the_cli_runs_the_real_client(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--seeds", "1", "--seed", "1", "--faults", "client", "--real-client"]) == 0
+    assert "1 seeds in" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--bug", "client-seq-restart"])
+    assert "add --real-client" in capsys.readouterr().err

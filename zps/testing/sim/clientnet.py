@@ -1,0 +1,246 @@
+"""The transport and clock seams of the real client in a simulated run (``--real-client``).
+
+The client's driver reaches ZeroMQ only through its modules' ``transport`` name and the
+clock through their ``time`` name (the loop's clock, for its deadlines, is the run's
+:class:`~zps.testing.sim.aioloop.SimLoop`'s); a run with the real client replaces both
+names in :data:`TRANSPORT_MODULES` and :data:`CLOCK_MODULES` (:func:`install`), and this
+module is the client's ``transport``:
+
+* :func:`dealer`: the client's DEALER to a broker at ``sim://NAME``, a socket on the
+  client process's node of the network.  What it sends reaches the broker's ROUTER as
+  the client's own identity (its ``client_id``: the tagged messages the ROUTER learns a
+  DEALER's identity from, as a shard's liveness link), and what the broker sends to that
+  identity comes back on it.  A broker whose process is down takes nothing (the send
+  finds no connection and the message is dropped: the session's re-sends and deadlines
+  are the client's answer); a pipe at its high-water mark takes nothing now
+  (``send_if_room`` False, ``send`` waits).  ``on_connected`` runs once, as the socket
+  is made while the broker is up; a broker's restart is found by the client's
+  heartbeats (answered HELLO_AGAIN), as a connection made again is;
+* :func:`send_if_room`, :func:`send`, :func:`try_send`, :func:`serve` (the one receive
+  loop, :func:`zps.testing.sim.simtransport.serve`), :func:`close`, :func:`term`,
+  :func:`new_context` and :class:`IoThreads` (no thread to schedule).
+
+Three more names of :mod:`zps.client.connection` make a seed fix the run in any worker
+process: ``client_identity`` numbers each client process's id (``c-NAME-N``), and
+``socket`` and ``os`` give the HELLO the process's name as its host and the same pid
+everywhere.  Shared memory (``shm_bytes`` 0), CURVE and routing brokers are off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import sys
+import types
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from zps.errors import ClosedError
+from zps.testing.sim import simtransport
+from zps.testing.sim.aioloop import PROC
+from zps.testing.sim.net import Network
+from zps.testing.sim.simtransport import (
+    CLOCK,
+    PEER_LINK,
+    Frames,
+    SimChannel,
+    SimNode,
+    close,
+    frame_buffer,
+    frame_bytes,
+    serve,
+    term,
+    try_send,
+)
+from zps.transport.curve import HandshakeWatch, reconnect_silence
+from zps.transport.flow import QueueFull
+
+__all__ = [
+    "Channel",
+    "ClientNode",
+    "Dealer",
+    "Frames",
+    "HandshakeWatch",
+    "IoThreads",
+    "attach",
+    "close",
+    "dealer",
+    "detach",
+    "frame_buffer",
+    "frame_bytes",
+    "install",
+    "new_context",
+    "reconnect_silence",
+    "send",
+    "send_if_room",
+    "serve",
+    "term",
+    "try_send",
+]
+
+
+class ClientNode(SimNode):
+    """A client process's node: what a broker sends to the client's identity comes to
+    the DEALER connected to that broker."""
+
+    def _deliver(self, src: str, msg: Any) -> None:
+        if type(msg) is tuple and msg and msg[0] == PEER_LINK:
+            ch = self.ports.get(f"to:{src}")
+            if ch is not None and not ch.closed:
+                ch._deliver(src, msg)
+
+
+class ClientChannel(SimChannel):
+    """The client's DEALER to one broker (see the module notes)."""
+
+    handshakes: HandshakeWatch | None = None
+
+    def send_nowait(self, frames: Sequence[Any]) -> bool:
+        if self.closed:
+            raise ClosedError("socket closed")
+        net, peer = self.net, self.target
+        node = simtransport._where.get("nodes", {}).get(peer)
+        if node is None or not node.current or "main" not in node.ports:
+            return False  # no connection: dropped
+        if not net.room(self.name, peer):
+            raise QueueFull()
+        net.send(self.name, peer, (PEER_LINK, "main", self.identity, list(frames)))
+        return True
+
+
+Channel = ClientChannel
+Dealer = ClientChannel
+
+
+def _node() -> ClientNode:
+    proc = PROC.get()
+    assert proc is not None, "a socket belongs to a simulated process"
+    node: ClientNode = simtransport._where["nodes"][proc.name]
+    return node
+
+
+def attach(net: Network, name: str) -> ClientNode:
+    """The network node of the client process ``name`` (made as the process starts)."""
+    node = ClientNode(net, name)
+    simtransport._where.setdefault("nodes", {})[name] = node
+    return node
+
+
+def detach(name: str, node: ClientNode | None) -> None:
+    """The process of ``node`` is gone: its node with it."""
+    nodes = simtransport._where.get("nodes", {})
+    if node is not None and nodes.get(name) is node:
+        del nodes[name]
+    if node is not None:
+        for ch in list(node.ports.values()):
+            ch.close()
+
+
+def new_context(client: bool = False) -> object:
+    return object()
+
+
+class IoThreads:
+    """No I/O thread to schedule."""
+
+    def __init__(self, ctx: object) -> None:
+        pass
+
+    def busy(self, flag: bool) -> None:
+        pass
+
+
+def dealer(ctx: object, endpoint: str, identity: bytes, **options: Any) -> ClientChannel:
+    """The client's DEALER to the broker at ``sim://NAME`` (see the module notes)."""
+    if options.get("curve") is not None:
+        raise NotImplementedError("CURVE is not simulated")
+    node = _node()
+    target = urlsplit(endpoint).hostname or ""
+    ch = ClientChannel(node.net, node.name, port=f"to:{target}", node=node)
+    ch.target = target
+    ch.identity = identity
+    peer = simtransport._where.get("nodes", {}).get(target)
+    if peer is not None and peer.current and "main" in peer.ports:
+        simtransport._connected(ch)
+    return ch
+
+
+def send_if_room(ch: ClientChannel, frames: Sequence[Any]) -> bool:
+    """:func:`zps.transport.send_if_room`: False (nothing sent) if the pipe is full."""
+    try:
+        ch.send_nowait(frames)
+    except QueueFull:
+        return False
+    return True
+
+
+async def send(ch: ClientChannel, frames: Sequence[Any]) -> bool:
+    """:func:`zps.transport.send`: waits while the pipe to the broker is full."""
+    while True:
+        try:
+            return ch.send_nowait(frames)
+        except QueueFull:
+            await asyncio.sleep(0.01)
+
+
+class _Ids:
+    """``zps.client.connection``'s ``client_identity``: ``c-NAME-N``, the Nth client made
+    by the process NAME in this run."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, itertools.count[int]] = {}
+
+    def __call__(self, public: bytes | None) -> bytes:
+        proc = PROC.get()
+        name = proc.name if proc is not None else "client"
+        n = next(self._counts.setdefault(name, itertools.count(1)))
+        return f"c-{name}-{n}".encode()
+
+
+class _OS:
+    """``zps.client.connection``'s ``os``: the real one, the pid the same everywhere."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    @staticmethod
+    def getpid() -> int:
+        return 1
+
+
+def _hostname() -> str:
+    proc = PROC.get()
+    return proc.name if proc is not None else "sim"
+
+
+#: The client's modules whose ``transport`` name the run replaces.
+TRANSPORT_MODULES = ("zps.client.connection",)
+#: The client's modules whose ``time`` name the run replaces.
+CLOCK_MODULES = ("zps.client.connection", "zps.client.training")
+
+
+def install() -> simtransport.Saved:
+    """Replace the client's seams (see the module notes) for a run whose broker seams
+    :func:`zps.testing.sim.simtransport.install` put in place; returns what
+    :func:`zps.testing.sim.simtransport.uninstall` puts back."""
+    import importlib
+
+    from zps.client import connection
+
+    saved: simtransport.Saved = []
+
+    def put(obj: Any, attr: str, value: Any) -> None:
+        saved.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, value)
+
+    this = sys.modules[__name__]
+    for modname in TRANSPORT_MODULES:
+        put(importlib.import_module(modname), "transport", this)
+    for modname in CLOCK_MODULES:
+        put(importlib.import_module(modname), "time", CLOCK)
+    put(connection, "client_identity", _Ids())
+    put(connection, "os", _OS())
+    put(connection, "socket", types.SimpleNamespace(gethostname=_hostname))
+    return saved
