@@ -28,11 +28,13 @@ import numpy as np
 
 from zps.client.client import Client
 from zps.client.session import ClientSession
+from zps.client.values import table_seed
 from zps.core.hashing import mix64_int
 from zps.core.routing import ClusterMap
 from zps.init import Zeros
 from zps.ops.config import ClientConfig, Heartbeat
 from zps.optim import SGD
+from zps.protocol.specs import EmbeddingSpec
 from zps.testing.sim import clientnet
 from zps.testing.sim.aioloop import Proc, SimLoop
 from zps.testing.sim.nodes import HB, LIVE, TICK, Op
@@ -40,6 +42,8 @@ from zps.testing.sim.nodes import HB, LIVE, TICK, Op
 World = Any
 
 _M64 = (1 << 64) - 1
+#: The world's table, as ``create_embedding`` makes it.
+SPEC = EmbeddingSpec("emb", 1, "float32", Zeros(), SGD(lr=1.0), table_seed("emb", None))
 #: Pushes a client has unanswered at most before it pushes again (as the stand-in's).
 IN_FLIGHT = 4
 
@@ -158,7 +162,9 @@ class RealClient:
             return  # the reader: its calls ask for the table's spec
         while True:
             try:
-                await client.create_embedding("emb", 1, init=Zeros(), optimizer=SGD(lr=1.0))
+                await client.create_embedding(
+                    SPEC.name, SPEC.dim, init=SPEC.init, optimizer=SPEC.optimizer
+                )
                 break
             except Exception as e:  # a partition without a copy: again, later
                 w.sched.log(f"{self.name} create failed: {type(e).__name__}")
@@ -227,7 +233,7 @@ class RealClient:
     def probe(self, p: int) -> Op:
         """A write of nothing (a gradient of 0) to ``p``: whether it takes writes."""
         op = self._op(p, p, 0)
-        op.deadline += 2 * self.timeout  # the reader connects and asks for the spec first
+        op.deadline += self.timeout  # the reader connects first
 
         async def call() -> None:
             await self._when_ready(op)
@@ -239,7 +245,7 @@ class RealClient:
     def read(self, p: int, rows: list[int]) -> Op:
         """The values of ``rows`` (all of partition ``p``)."""
         op = self._op(p, -1, 0, rows)
-        op.deadline += 2 * self.timeout  # the reader connects and asks for the spec first
+        op.deadline += self.timeout  # the reader connects first
 
         async def call() -> list[float]:
             await self._when_ready(op)
@@ -251,12 +257,14 @@ class RealClient:
         return op
 
     async def _when_ready(self, op: Op) -> None:
-        """Wait until the client is connected and knows the table; the call's deadline
-        starts then."""
+        """Wait until the client is connected; the call's deadline starts then.  The
+        reader knows the table's spec, as the worker that made the table does: its
+        calls ask no partition for it (``KeyValue.table_spec`` asks the one the name
+        hashes to, which may have no copy while the partition called has one)."""
         assert self.ready is not None and self.client is not None
         async with asyncio.timeout(self.timeout):
             await self.ready.wait()
-        await self.client.table_spec("emb")
+        self.client.kv._specs.setdefault("emb", SPEC)
         op.submitted, op.deadline = self.w.sched.now, self.w.sched.now + self.timeout
 
     async def _client_call(self, name: str, *args: Any) -> Any:
