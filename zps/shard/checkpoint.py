@@ -34,7 +34,9 @@ when the snapshot is dropped or :func:`release` d.  One cut at a time holds a fr
 version: :func:`thawed` waits for the one under way.  Rows are written in storage
 order (files written before held them by id: both load).  A file is read back in
 slices into the arrays its tables will own (:class:`~zps.store.snapshot.StreamBuilder`),
-the checksum taken beside it: one copy of the partition in memory at a restore.
+the arrays in memory files filled from the file's page cache in the kernel, the
+checksum taken beside it from those files: one copy of the partition in memory at a
+restore.
 
 A partition's write-ahead log (:mod:`zps.store.wal`) sits beside its checkpoints
 in ``partition-P/``.  :func:`zps.shard.restore.restore` is the start-up path: the newest
@@ -667,9 +669,9 @@ def _checkpoint_lsn(path: Path) -> int | None:
 
 def read_checkpoint(path: Path) -> Snapshot:
     """The snapshot in the checkpoint at ``path``, read in slices into the arrays its
-    tables will own (:class:`StreamBuilder`) while a second thread takes its checksum
-    (the one its magic names); CheckpointError naming the file if it does not verify or
-    decode."""
+    tables will own (:class:`StreamBuilder`; see :func:`_read_into`) while a second
+    thread takes its checksum (the one its magic names); CheckpointError naming the file
+    if it does not verify or decode."""
     try:
         return _read_checkpoint(path)
     except CheckpointError as e:
@@ -684,21 +686,12 @@ def _read_checkpoint(path: Path) -> Snapshot:
         except ProtocolError as e:
             raise CheckpointError(f"not a zps checkpoint: {e}") from None
         digest = Digest(size)
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zps-ckpt-hash") as pool:
-            try:
-                # Each slice is read (by the reader's thread) while the one before is
-                # taken into the tables' arrays here and hashed in the pool.
-                for seq, piece in enumerate(f.slices(_SLICE)):
-                    hashing = pool.submit(digest.feed, [piece])
-                    try:
-                        builder.check(0, seq, [piece])
-                        builder.take([piece])
-                    except ProtocolError as e:
-                        raise CheckpointError(f"malformed checkpoint: {e}") from None
-                    finally:
-                        hashing.result()
-            except EOFError:
-                raise CheckpointError("the file ended before its size (truncated)") from None
+        try:
+            _read_into(f, builder, digest)
+        except ProtocolError as e:
+            raise CheckpointError(f"malformed checkpoint: {e}") from None
+        except EOFError:
+            raise CheckpointError("the file ended before its size (truncated)") from None
         f.drop_cached()  # read: its tables hold it now
     if not digest.complete or digest.digest() != builder.digest():
         name = builder.checksum.name if builder.checksum is not None else "its"
@@ -707,6 +700,58 @@ def _read_checkpoint(path: Path) -> Snapshot:
         return builder.snapshot()
     except (ProtocolError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"malformed checkpoint: {e}") from None
+
+
+def _read_into(f: SliceReader, builder: StreamBuilder, digest: Digest) -> None:
+    """The file ``f`` into ``builder``'s arrays, slice by slice, hashed into ``digest``.
+
+    The bytes of tables' arrays in memory files are copied there in the kernel
+    (:func:`zps.store.mapped.fill_from`: the file's page cache to the memory file, no
+    buffer between) and hashed from a mapping of the memory file by a thread, while the
+    next ones are copied; the rest (the header, ids, small arrays) is read into a buffer,
+    taken and hashed.  A slice leaves the page cache once copied.  EOFError if the file
+    ends early."""
+    buffers = [memoryview(bytearray(min(_SLICE, max(f.size, 1)))) for _ in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zps-ckpt-hash") as pool:
+        hashing: list[list[concurrent.futures.Future[None]]] = [[], []]
+        try:
+            for seq, start in enumerate(range(0, f.size, _SLICE)):
+                end = min(f.size, start + _SLICE)
+                builder.check_size(0, seq, end - start)
+                buf, pending = buffers[seq % 2], hashing[seq % 2]
+                for job in pending:  # of the slice before the last: its buffer is reused
+                    job.result()
+                pending.clear()
+                pos = start
+                while pos < end:
+                    target = builder.direct()
+                    if target is not None:
+                        arr, offset, left = target
+                        n = min(end - pos, left)
+                        if mapped.fill_from(arr, offset, f.fd, pos, n) < n:
+                            raise EOFError
+                        builder.took(n)
+                        pending.append(pool.submit(_hash_window, digest, arr, offset, n))
+                    else:
+                        n = min(end - pos, builder.buffered())
+                        piece = buf[pos - start : pos - start + n]
+                        if f.read_into(pos, piece) < n:
+                            raise EOFError
+                        pending.append(pool.submit(digest.feed, [piece]))
+                        builder.take([piece])
+                    pos += n
+                f.drop(start, end - start)  # copied: not cached
+        except BaseException:
+            for job in (*hashing[0], *hashing[1]):
+                job.cancel()  # the pool's exit waits for the one under way
+            raise
+        for job in (*hashing[0], *hashing[1]):
+            job.result()
+
+
+def _hash_window(digest: Digest, arr: np.ndarray, offset: int, size: int) -> None:
+    with mapped.read_window(arr, offset, size) as view:
+        digest.feed([view])
 
 
 def _write_all(f: io.RawIOBase, view: memoryview) -> None:

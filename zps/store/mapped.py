@@ -50,6 +50,8 @@ __all__ = [
     "Frozen",
     "drop_pages",
     "empty",
+    "fill_from",
+    "fillable",
     "freezable",
     "freeze",
     "frozen",
@@ -57,6 +59,7 @@ __all__ = [
     "grown",
     "mapping",
     "populate",
+    "read_window",
     "write_at",
 ]
 
@@ -249,21 +252,8 @@ class Frozen:
             raise ValueError("a frozen version read after its release")
         if offset < 0 or size < 0 or offset + size > self.nbytes:
             raise ValueError(f"bytes {offset}+{size} of a frozen {self.nbytes}")
-        first = offset - offset % mmap.ALLOCATIONGRANULARITY
-        m = mmap.mmap(
-            self.fd,
-            offset + size - first,
-            flags=mmap.MAP_SHARED | _MAP_POPULATE,
-            prot=mmap.PROT_READ,
-            offset=first,
-        )
-        view = memoryview(m)[offset - first :]
-        try:
+        with _window(self.fd, offset, size) as view:
             yield view
-        finally:
-            view.release()
-            with contextlib.suppress(BufferError):  # a view still held: unmapped with it
-                m.close()
 
     def release(self) -> int:
         """Make the array shared with its file again: the pages written since the
@@ -391,6 +381,79 @@ def write_at(arr: Any, offset: int, data: memoryview) -> bool:
             raise OSError(f"could not write rows at {offset} of {len(m)}")
         view, offset = view[n:], offset + n
     return True
+
+
+@contextlib.contextmanager
+def _window(fd: int, offset: int, size: int) -> Iterator[memoryview]:
+    """Bytes ``[offset, offset + size)`` of the file ``fd`` as a read-only view of a
+    mapping made for it, its pages mapped at once and unmapped on the way out."""
+    if size == 0:
+        yield memoryview(b"")
+        return
+    first = offset - offset % mmap.ALLOCATIONGRANULARITY
+    m = mmap.mmap(
+        fd,
+        offset + size - first,
+        flags=mmap.MAP_SHARED | _MAP_POPULATE,
+        prot=mmap.PROT_READ,
+        offset=first,
+    )
+    view = memoryview(m)[offset - first :]
+    try:
+        yield view
+    finally:
+        view.release()
+        with contextlib.suppress(BufferError):  # a view still held: unmapped with it
+            m.close()
+
+
+def _writable_file(arr: Any) -> _Memory | None:
+    """The memory file ``arr`` (from :func:`empty`, not frozen) is a whole view of."""
+    m = mapping(arr)
+    if not isinstance(m, _Memory) or m.fd < 0 or m.frozen is not None:
+        return None
+    return m
+
+
+def fillable(arr: Any) -> bool:
+    """Whether :func:`fill_from` can write ``arr``."""
+    return _writable_file(arr) is not None
+
+
+def fill_from(arr: Any, offset: int, src: int, src_offset: int, size: int) -> int:
+    """Copy ``size`` bytes of the file ``src`` from ``src_offset`` to byte ``offset`` of
+    ``arr`` (:func:`fillable`) in the kernel (``sendfile``: from the file's page cache
+    into the memory file, no buffer in between, no page fault and no page-table entry,
+    as :func:`write_at`); the bytes copied, fewer only where ``src`` ended.  Moves the
+    memory file's offset: one caller at a time writes an array this way."""
+    m = _writable_file(arr)
+    if m is None:
+        raise ValueError("not an array of a memory file that can be written")
+    if offset < 0 or size < 0 or offset + size > len(m):
+        raise ValueError(f"bytes {offset}+{size} of an array of {len(m)}")
+    os.lseek(m.fd, offset, os.SEEK_SET)
+    got = 0
+    while got < size:
+        n = os.sendfile(m.fd, src, src_offset + got, size - got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
+@contextlib.contextmanager
+def read_window(arr: Any, offset: int, size: int) -> Iterator[memoryview]:
+    """Bytes ``[offset, offset + size)`` of ``arr`` (from :func:`empty`, in a memory
+    file) as a read-only view of a mapping of its file made for it (see
+    :meth:`Frozen.window`): read where they are, with no page-table entry of the
+    array's own mapping made, as a checksum of what :func:`fill_from` wrote."""
+    m = mapping(arr)
+    if not isinstance(m, _Memory) or m.fd < 0:
+        raise ValueError("not an array of a memory file")
+    if offset < 0 or size < 0 or offset + size > len(m):
+        raise ValueError(f"bytes {offset}+{size} of an array of {len(m)}")
+    with _window(m.fd, offset, size) as view:
+        yield view
 
 
 def frozen(arr: Any) -> Frozen | None:

@@ -1,13 +1,16 @@
 """A large file read once, in order, in slices: a checkpoint at a restart.
 
-:meth:`SliceReader.slices` reads the next slice in a thread of its own while the
-caller takes the current one (at a restart: writes it into the tables' memory files
-and hashes it), so the disk and the copies overlap.  The file is read through the
-page cache with the kernel's read-ahead (``POSIX_FADV_SEQUENTIAL``), and each slice is
+At a restart the reader fills the tables' memory files from the file in the kernel
+(:func:`zps.store.mapped.fill_from`, from :attr:`SliceReader.fd`) and reads the rest
+with :meth:`SliceReader.read_into`, dropping each slice from the page cache once taken
+(:meth:`SliceReader.drop`); :meth:`SliceReader.slices` reads the next slice in a thread
+of its own while the caller takes the current one.  The file is read through the page
+cache with the kernel's read-ahead (``POSIX_FADV_SEQUENTIAL``), and each slice is
 dropped from the cache once taken: a checkpoint is read once, and cached it would
 take a partition's worth of memory from what the machine caches for its other work.
 Direct reads (``O_DIRECT``, no page cache) cost less CPU here but came at about half
-the speed of the cached reads with read-ahead on this machine's disk
+the speed of the cached reads with read-ahead on this machine's disk, and asking the
+kernel to read ahead further (``POSIX_FADV_WILLNEED``) made a restart's reads slower
 (docs/performance.md, "Big partitions").
 """
 
@@ -78,6 +81,11 @@ class SliceReader:
                     pending = pool.submit(self.read_into, ahead, nxt)
                 yield piece
                 self._advise(offset, want, "POSIX_FADV_DONTNEED")  # taken: not cached
+
+    def drop(self, offset: int, length: int) -> None:
+        """Drop bytes ``[offset, offset + length)`` of the file from the page cache (taken:
+        read once)."""
+        self._advise(offset, length, "POSIX_FADV_DONTNEED")
 
     def drop_cached(self) -> None:
         """Drop what of the file the page cache holds (a file read once)."""

@@ -565,6 +565,11 @@ class StreamBuilder:
     def check(self, snapshot_id: object, seq: object, pieces: Sequence[BufferLike]) -> bool:
         """Accept chunk ``seq`` (``pieces``: its bytes), to be taken next; True if it is
         the last."""
+        return self.check_size(snapshot_id, seq, sum(len(memoryview(p).cast("B")) for p in pieces))
+
+    def check_size(self, snapshot_id: object, seq: object, size: int) -> bool:
+        """:meth:`check` of a chunk of ``size`` bytes (a reader that places them itself,
+        :meth:`direct`)."""
         if snapshot_id != self.snapshot_id:
             raise ProtocolError(
                 f"chunk of snapshot {snapshot_id} while assembling {self.snapshot_id}"
@@ -576,7 +581,6 @@ class StreamBuilder:
             )
         start = seq * self.chunk_bytes
         expected = min(self.total, start + self.chunk_bytes) - start
-        size = sum(len(memoryview(p).cast("B")) for p in pieces)
         if size != expected:
             raise ProtocolError(f"snapshot chunk {seq} has {size} bytes, expected {expected}")
         self.received += 1
@@ -588,6 +592,51 @@ class StreamBuilder:
             view = memoryview(piece).cast("B")
             while len(view):
                 view = view[self._feed(view) :]
+
+    def direct(self) -> tuple[np.ndarray, int, int] | None:
+        """Where the next bytes go when a reader may write them there itself (a table's
+        array in a memory file: :func:`mapped.fill_from`): the array, the byte offset in
+        it and how many bytes of it are still to come, which the reader then reports with
+        :meth:`took`; None when the next bytes are to be :meth:`take` n."""
+        if self._header is None or not 0 <= self._frame < len(self._frames):
+            return None
+        if not self._fills(self._frame):
+            return None
+        owner = self._dests[self._frame]
+        return owner, self._frame_pos, self._frames[self._frame].shape[0] - self._frame_pos
+
+    def _fills(self, frame: int) -> bool:
+        """Whether a reader writes frame ``frame`` itself (see :meth:`direct`): a
+        table's array (not its ids, indexed once taken) in a memory file."""
+        owner = self._dests.get(frame)
+        return owner is not None and frame not in self._id_frames and mapped.fillable(owner)
+
+    def took(self, n: int) -> None:
+        """``n`` bytes of :meth:`direct`'s array were written there by the reader."""
+        target = self.direct()
+        if target is None or not 0 < n <= target[2]:
+            raise ValueError(f"{n} bytes taken directly where {target and target[2]} were due")
+        self._frame_pos += n
+        self.taken += n
+        if self._frame_pos == self._frames[self._frame].shape[0]:
+            self._next_frame()
+
+    def buffered(self) -> int:
+        """How many of the next bytes are to be :meth:`take` n before :meth:`direct`
+        gives a place for any (all that is left if it never will; only up to the end of
+        the header before the header is read)."""
+        if self._header is None:
+            if self._head_len < 0:
+                return _PREFIX - len(self._prefix)
+            return self._head_len - len(self._head)
+        n, i, pos = 0, self._frame, self._frame_pos
+        while i < len(self._frames):
+            if self._fills(i) and (n or self._frames[i].shape[0] > pos):
+                return n
+            n += self._frames[i].shape[0] - pos
+            i, pos = i + 1, 0
+        assert self.checksum is not None  # known since the prefix
+        return n + self.checksum.size - len(self._digest)
 
     def _feed(self, view: memoryview) -> int:
         """Take what of ``view`` belongs to the current region; how many bytes."""
