@@ -7,43 +7,14 @@ a test finds does not depend on which worker ran it."""
 
 from __future__ import annotations
 
-import multiprocessing
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
-
 import pytest
 
+from tests.unit.simcases import Runs, assert_same_run, failures
 from zps.testing.sim import bugs
-from zps.testing.sim.cli import main, parser, run_seeds
-from zps.testing.sim.world import FAULTS, Result, run_seed
+from zps.testing.sim.cli import main, parser
+from zps.testing.sim.world import FAULTS, run_seed
 
 pytestmark = pytest.mark.timeout(600)
-
-#: Worker processes running a test's seeds.
-WORKERS = 2
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[ProcessPoolExecutor]:
-    # Spawned, not forked: the suite's process may hold threads of earlier tests.
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(WORKERS, mp_context=ctx) as ex:
-        yield ex
-
-
-def failures(results: Iterable[Result]) -> dict[int, list[str]]:
-    return {r.seed: r.failures[:3] + r.schedule for r in results if not r.ok}
-
-
-def first_failure(
-    pool: ProcessPoolExecutor, seeds: Sequence[int], faults: Sequence[str], bug: str
-) -> Result | None:
-    """The run of the first of ``seeds`` (in order) that fails a check with ``bug``."""
-    results = run_seeds(seeds, faults, bug=bug, pool=pool)
-    try:
-        return next((r for r in results if not r.ok), None)
-    finally:
-        results.close()  # the seeds after it are not run
 
 
 #: Seeds (of the CI budget, or of a long run of the default faults) on which the current
@@ -116,40 +87,34 @@ LONG_PAIR_REGRESSIONS = (2173, 4094)
 LONG_KNOWN_PAIR: dict[int, str] = {}
 
 #: Each defect, the faults that expose it and the seeds it must be caught within.
-CATCH: dict[str, tuple[str, int]] = {
-    "empty-shard-takes-partition": ("crash-all,broker,kill", 10),
-    "wal-retry-partial": ("disk,crash-all,kill,power", 30),
-    "ack-before-durable": ("crash-all,kill,partition", 10),
-    "older-copy-wins": ("pause-crash", 12),
-    "stale-replica-in-tracker": ("pause,idle", 14),
-    "standby-without-record": ("failover,kill,power", 8),
-    "pair-unfenced": ("failover,pause", 23),
-    "pair-primary-first": ("failover,power,crash-all,broker", 60),
-    "pair-map-before-standby": ("failover,power", 150),
-    "stuck-replica-kept": ("slow", 6),
+CATCH: dict[str, tuple[str, range]] = {
+    "empty-shard-takes-partition": ("crash-all,broker,kill", range(0, 10)),
+    "wal-retry-partial": ("disk,crash-all,kill,power", range(0, 30)),
+    "ack-before-durable": ("crash-all,kill,partition", range(0, 10)),
+    "older-copy-wins": ("pause-crash", range(0, 12)),
+    "stale-replica-in-tracker": ("pause,idle", range(0, 14)),
+    "standby-without-record": ("failover,kill,power", range(0, 8)),
+    "pair-unfenced": ("failover,pause", range(0, 23)),
+    "pair-primary-first": ("failover,power,crash-all,broker", range(0, 60)),
+    "pair-map-before-standby": ("failover,power", range(0, 150)),
+    "stuck-replica-kept": ("slow", range(0, 6)),
 }
 
 
-def test_the_same_seed_gives_the_same_run(pool: ProcessPoolExecutor) -> None:
+def test_the_same_seed_gives_the_same_run(sim: Runs) -> None:
     a = run_seed(5)
-    b, c = run_seeds([5, 6], pool=pool)  # in a worker process: the same run
-    assert (a.digest, a.failures, a.schedule, a.events) == (
-        b.digest,
-        b.failures,
-        b.schedule,
-        b.events,
-    )
+    b, c = sim.results([5, 6])  # in a worker process: the same run
+    assert_same_run(a, b)
     assert a.acked > 0 and a.schedule  # the run did something: writes, faults
     assert c.digest != a.digest
 
 
-def test_the_current_code_passes_every_check_on_the_budget(pool: ProcessPoolExecutor) -> None:
-    seeds = [seed for seed in BUDGET if seed not in KNOWN]
-    assert not failures(run_seeds(seeds, pool=pool))
+def test_the_current_code_passes_every_check_on_the_budget(sim: Runs) -> None:
+    sim.passing(seed for seed in BUDGET if seed not in KNOWN)
 
 
-def test_seeds_that_found_defects_pass(pool: ProcessPoolExecutor) -> None:
-    assert not failures(run_seeds(REGRESSIONS, pool=pool))
+def test_seeds_that_found_defects_pass(sim: Runs) -> None:
+    sim.passing(REGRESSIONS)
 
 
 @pytest.mark.parametrize("seed", sorted(KNOWN))
@@ -160,17 +125,14 @@ def test_known_defects_stay_found(seed: int) -> None:
     raise AssertionError(f"seed {seed} passes now: remove it from KNOWN ({KNOWN[seed]})")
 
 
-def test_the_broker_pair_passes_every_check_on_its_budget(pool: ProcessPoolExecutor) -> None:
-    assert not failures(run_seeds(PAIR_BUDGET, PAIR_FAULTS, pool=pool))
+def test_the_broker_pair_passes_every_check_on_its_budget(sim: Runs) -> None:
+    sim.passing(PAIR_BUDGET, PAIR_FAULTS)
 
 
-def test_pair_seeds_that_found_defects_pass(pool: ProcessPoolExecutor) -> None:
-    assert not failures(run_seeds(PAIR_REGRESSIONS, KNOWN_PAIR_FAULTS, pool=pool))
-    assert not failures(run_seeds(LONG_PAIR_REGRESSIONS, LONG_PAIR_FAULTS, pool=pool))
-
-
-def test_slow_peers_and_client_restarts_pass_their_budget(pool: ProcessPoolExecutor) -> None:
-    assert not failures(run_seeds(NAMED_ONLY_BUDGET, NAMED_ONLY_FAULTS, pool=pool))
+def test_pair_seeds_that_found_defects_pass(sim: Runs) -> None:
+    runs = [sim.submit(seed, KNOWN_PAIR_FAULTS) for seed in PAIR_REGRESSIONS]
+    runs += [sim.submit(seed, LONG_PAIR_FAULTS) for seed in LONG_PAIR_REGRESSIONS]
+    assert not failures(run.result() for run in runs)
 
 
 @pytest.mark.parametrize("seed", sorted(KNOWN_PAIR))
@@ -190,13 +152,9 @@ def test_known_long_pair_defects_stay_found(seed: int) -> None:
 
 
 @pytest.mark.parametrize("bug", sorted(CATCH))
-def test_each_known_defect_is_caught_within_the_budget(bug: str, pool: ProcessPoolExecutor) -> None:
-    faults, budget = CATCH[bug]
-    caught = first_failure(pool, range(budget), faults.split(","), bug)
-    assert caught is not None, f"--bug {bug} not caught in {budget} seeds of --faults {faults}"
-    # The defect made the difference: the same run without it passes.
-    (clean,) = run_seeds([caught.seed], faults.split(","), pool=pool)
-    assert clean.ok, (bug, caught.seed, clean.failures[:3])
+def test_each_known_defect_is_caught_within_the_budget(bug: str, sim: Runs) -> None:
+    faults, seeds = CATCH[bug]
+    sim.caught(bug, faults, seeds)
 
 
 def test_every_bug_is_covered_and_patches_are_undone() -> None:

@@ -11,15 +11,14 @@ caught with the real broker driving them."""
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import time
-from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.unit.simcases import Runs, assert_same_run
 from zps.broker.broker import Broker
 from zps.core.routing import ClusterMap
 from zps.ops.config import BrokerConfig, Heartbeat
@@ -29,12 +28,12 @@ from zps.protocol.messages import Assign, MapUpdate, RegisterAgain, Role
 from zps.shard.links import from_broker
 from zps.testing.sim import simtransport
 from zps.testing.sim.aioloop import Proc, SimLoop
-from zps.testing.sim.cli import main, run_seeds
+from zps.testing.sim.cli import main
 from zps.testing.sim.net import Network
 from zps.testing.sim.realbroker import RealBroker
 from zps.testing.sim.realpair import RealPairBroker
 from zps.testing.sim.sched import Scheduler
-from zps.testing.sim.world import World, run_seed
+from zps.testing.sim.world import Result, World, run_seed
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -218,22 +217,10 @@ def test_a_run_drives_the_real_broker() -> None:
     assert r.sim_seconds > 20
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[ProcessPoolExecutor]:
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(2, mp_context=ctx) as ex:
-        yield ex
-
-
-def test_a_seed_replays_exactly_in_any_process(pool: ProcessPoolExecutor) -> None:
+def test_a_seed_replays_exactly_in_any_process(sim: Runs) -> None:
     a = run_seed(5, real_broker=True)
-    b, c = run_seeds([5, 6], pool=pool, real_broker=True)
-    assert (a.digest, a.failures, a.schedule, a.events) == (
-        b.digest,
-        b.failures,
-        b.schedule,
-        b.events,
-    )
+    b, c = sim.results([5, 6], real_broker=True)
+    assert_same_run(a, b)
     assert a.schedule and c.digest != a.digest
 
 
@@ -241,9 +228,8 @@ def test_a_seed_replays_exactly_in_any_process(pool: ProcessPoolExecutor) -> Non
 BUDGET = range(0, 30)
 
 
-def test_the_real_broker_passes_every_check_on_the_budget(pool: ProcessPoolExecutor) -> None:
-    results = run_seeds(BUDGET, pool=pool, real_broker=True)
-    assert not {r.seed: r.failures[:3] + r.schedule for r in results if not r.ok}
+def test_the_real_broker_passes_every_check_on_the_budget(sim: Runs) -> None:
+    sim.passing(BUDGET, real_broker=True)
 
 
 #: Seeds of the default faults on which the current code fails a check with the real
@@ -259,9 +245,8 @@ REAL_KNOWN: dict[int, str] = {}
 REAL_REGRESSIONS = (166,)
 
 
-def test_real_broker_seeds_that_found_defects_pass(pool: ProcessPoolExecutor) -> None:
-    results = run_seeds(REAL_REGRESSIONS, pool=pool, real_broker=True)
-    assert not {r.seed: r.failures[:3] + r.schedule for r in results if not r.ok}
+def test_real_broker_seeds_that_found_defects_pass(sim: Runs) -> None:
+    sim.passing(REAL_REGRESSIONS, real_broker=True)
 
 
 @pytest.mark.parametrize("seed", sorted(REAL_KNOWN))
@@ -275,24 +260,15 @@ def test_known_real_broker_defects_stay_found(seed: int) -> None:
 #: The known defects of the broker's own rules (zps.core.cluster, run by the real broker
 #: here), the faults that expose them and the seeds they must be caught within.
 BROKER_BUGS = {
-    "older-copy-wins": ("pause-crash", 12),
-    "empty-shard-takes-partition": ("crash-all,broker,kill", 10),
+    "older-copy-wins": ("pause-crash", range(0, 12)),
+    "empty-shard-takes-partition": ("crash-all,broker,kill", range(0, 10)),
 }
 
 
 @pytest.mark.parametrize("bug", sorted(BROKER_BUGS))
-def test_broker_defects_are_caught_with_the_real_broker(
-    bug: str, pool: ProcessPoolExecutor
-) -> None:
-    faults, budget = BROKER_BUGS[bug]
-    results = run_seeds(range(budget), faults.split(","), bug=bug, pool=pool, real_broker=True)
-    try:
-        caught = next((r for r in results if not r.ok), None)
-    finally:
-        results.close()
-    assert caught is not None, f"--bug {bug} not caught in {budget} seeds with the real broker"
-    (clean,) = run_seeds([caught.seed], faults.split(","), pool=pool, real_broker=True)
-    assert clean.ok, (bug, caught.seed, clean.failures[:3])
+def test_broker_defects_are_caught_with_the_real_broker(bug: str, sim: Runs) -> None:
+    faults, seeds = BROKER_BUGS[bug]
+    sim.caught(bug, faults, seeds, real_broker=True)
 
 
 def test_the_cli_runs_the_real_broker(capsys: pytest.CaptureFixture[str]) -> None:
@@ -329,15 +305,10 @@ def test_a_run_drives_the_real_pair() -> None:
     assert any("start (record: True)" in line for line in r.trace)
 
 
-def test_a_pair_seed_replays_exactly_in_any_process(pool: ProcessPoolExecutor) -> None:
+def test_a_pair_seed_replays_exactly_in_any_process(sim: Runs) -> None:
     a = run_seed(3, faults=PAIR_FAULTS, real_broker=True)
-    b, c = run_seeds([3, 4], PAIR_FAULTS, pool=pool, real_broker=True)
-    assert (a.digest, a.failures, a.schedule, a.events) == (
-        b.digest,
-        b.failures,
-        b.schedule,
-        b.events,
-    )
+    b, c = sim.results([3, 4], PAIR_FAULTS, real_broker=True)
+    assert_same_run(a, b)
     assert a.schedule and c.digest != a.digest
 
 
@@ -345,9 +316,8 @@ def test_a_pair_seed_replays_exactly_in_any_process(pool: ProcessPoolExecutor) -
 PAIR_BUDGET = range(0, 20)
 
 
-def test_the_real_pair_passes_every_check_on_the_budget(pool: ProcessPoolExecutor) -> None:
-    results = run_seeds(PAIR_BUDGET, PAIR_FAULTS, pool=pool, real_broker=True)
-    assert not {r.seed: r.failures[:3] + r.schedule for r in results if not r.ok}
+def test_the_real_pair_passes_every_check_on_the_budget(sim: Runs) -> None:
+    sim.passing(PAIR_BUDGET, PAIR_FAULTS, real_broker=True)
 
 
 #: The seeds on which the simulator found the pair's defects with the stand-in pair
@@ -360,11 +330,8 @@ PAIR_SEEDS = {
 
 
 @pytest.mark.parametrize("faults", sorted(PAIR_SEEDS))
-def test_the_pair_regression_seeds_pass_with_the_real_pair(
-    faults: str, pool: ProcessPoolExecutor
-) -> None:
-    results = run_seeds(PAIR_SEEDS[faults], faults.split(","), pool=pool, real_broker=True)
-    assert not {r.seed: r.failures[:3] + r.schedule for r in results if not r.ok}
+def test_the_pair_regression_seeds_pass_with_the_real_pair(faults: str, sim: Runs) -> None:
+    sim.passing(PAIR_SEEDS[faults], faults.split(","), real_broker=True)
 
 
 LONG_PAIR_FAULTS = [*PAIR_FAULTS[:-1], "crash-all", "wipe"]
@@ -430,9 +397,20 @@ REAL_PAIR_REGRESSIONS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def pair_regressions(sim: Runs) -> dict[tuple[int, int], Future[Result]]:
+    """Every seed's run, submitted to the workers at once."""
+    return {
+        (seed, len(faults)): sim.submit(seed, faults, real_broker=True)
+        for seed, faults in REAL_PAIR_REGRESSIONS
+    }
+
+
 @pytest.mark.parametrize(("seed", "faults"), REAL_PAIR_REGRESSIONS)
-def test_real_pair_seeds_that_found_defects_pass(seed: int, faults: list[str]) -> None:
-    r = run_seed(seed, faults=faults, real_broker=True)
+def test_real_pair_seeds_that_found_defects_pass(
+    seed: int, faults: list[str], pair_regressions: dict[tuple[int, int], Future[Result]]
+) -> None:
+    r = pair_regressions[seed, len(faults)].result()
     assert r.ok, (seed, r.failures[:3], r.schedule)
 
 
@@ -464,24 +442,17 @@ def test_known_real_pair_defects_stay_found(seed: int, faults: list[str]) -> Non
 #: at seed 0 with cut links (at seed 43 with kills: a takeover holds until every
 #: recorded copy is back).
 PAIR_BUGS = {
-    "standby-without-record": ("failover,kill,power", 4),
-    "pair-unfenced": ("failover,pause,partition", 20),
-    "pair-primary-first": ("failover,power,crash-all,broker", 77),
-    "pair-map-before-standby": ("failover,kill", 15),
+    "standby-without-record": ("failover,kill,power", range(0, 4)),
+    "pair-unfenced": ("failover,pause,partition", range(0, 20)),
+    "pair-primary-first": ("failover,power,crash-all,broker", range(0, 77)),
+    "pair-map-before-standby": ("failover,kill", range(0, 15)),
 }
 
 
 @pytest.mark.parametrize("bug", sorted(PAIR_BUGS))
-def test_pair_defects_are_caught_with_the_real_pair(bug: str, pool: ProcessPoolExecutor) -> None:
-    faults, budget = PAIR_BUGS[bug]
-    results = run_seeds(range(budget), faults.split(","), bug=bug, pool=pool, real_broker=True)
-    try:
-        caught = next((r for r in results if not r.ok), None)
-    finally:
-        results.close()
-    assert caught is not None, f"--bug {bug} not caught in {budget} seeds with the real pair"
-    (clean,) = run_seeds([caught.seed], faults.split(","), pool=pool, real_broker=True)
-    assert clean.ok, (bug, caught.seed, clean.failures[:3])
+def test_pair_defects_are_caught_with_the_real_pair(bug: str, sim: Runs) -> None:
+    faults, seeds = PAIR_BUGS[bug]
+    sim.caught(bug, faults, seeds, real_broker=True)
 
 
 def test_the_cli_runs_the_real_pair(capsys: pytest.CaptureFixture[str]) -> None:

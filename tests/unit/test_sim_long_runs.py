@@ -4,9 +4,12 @@ run: fixed defects, kept as regressions (every one must pass)."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 
-from zps.testing.sim.world import FAULTS, run_seed
+from tests.unit.simcases import Runs
+from zps.testing.sim.world import FAULTS, Result
 
 #: The long run's faults: every default one and the slow and client faults.
 LONG_FAULTS = [*FAULTS, "slow", "client"]
@@ -40,8 +43,16 @@ REGRESSIONS: dict[int, tuple[list[str], bool, str]] = {
 }
 
 
+@pytest.fixture(scope="module")
+def runs(sim: Runs) -> dict[int, Future[Result]]:
+    """Every seed's run, submitted to the workers at once."""
+    return {
+        seed: sim.submit(seed, faults, real_broker=real_broker)
+        for seed, (faults, real_broker, _) in REGRESSIONS.items()
+    }
+
+
 @pytest.mark.parametrize("seed", sorted(REGRESSIONS))
-def test_seeds_the_long_runs_failed_on_pass(seed: int) -> None:
-    faults, real_broker, _ = REGRESSIONS[seed]
-    r = run_seed(seed, faults=faults, real_broker=real_broker)
+def test_seeds_the_long_runs_failed_on_pass(seed: int, runs: dict[int, Future[Result]]) -> None:
+    r = runs[seed].result()
     assert r.ok, (r.failures[:3], r.schedule)

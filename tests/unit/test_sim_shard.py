@@ -8,14 +8,13 @@ code paths, are caught within their budgets of seeds."""
 
 from __future__ import annotations
 
-import multiprocessing
-from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future
 
 import pytest
 
+from tests.unit.simcases import Runs, assert_same_run
 from zps.shard.server import ShardServer
-from zps.testing.sim.cli import main, report, run_seeds
+from zps.testing.sim.cli import main, report
 from zps.testing.sim.realbroker import RealBroker
 from zps.testing.sim.realshard import RealShard
 from zps.testing.sim.world import FAULTS, Result, World, run_seed
@@ -35,24 +34,15 @@ def test_a_run_drives_the_real_shards() -> None:
     assert any(s.gen > 1 for s in w.shards) and r.schedule
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[ProcessPoolExecutor]:
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(2, mp_context=ctx) as ex:
-        yield ex
-
-
-def test_a_seed_replays_exactly_in_any_process(pool: ProcessPoolExecutor) -> None:
+def test_a_seed_replays_exactly_in_any_process(sim: Runs) -> None:
     # Worker processes: in the suite's own process, after the other tests, a real shard's
     # run of this seed has differed from a fresh process's (cause not yet found: not the
-    # hash seed, not the collector's timing); a long run's workers start fresh.
-    a, b, c = run_seeds([5, 5, 6], pool=pool, real_shard=True)
-    assert (a.digest, a.failures, a.schedule, a.events) == (
-        b.digest,
-        b.failures,
-        b.schedule,
-        b.events,
-    )
+    # hash seed, not the collector's timing).  Two runs of the seed of their own, in
+    # whichever workers take them after whatever seeds they ran before.
+    runs = [sim.submit(5, fresh=True, real_shard=True) for _ in range(2)]
+    runs.append(sim.submit(6, real_shard=True))
+    a, b, c = (run.result() for run in runs)
+    assert_same_run(a, b)
     assert a.schedule and c.digest != a.digest
 
 
@@ -60,9 +50,8 @@ def test_a_seed_replays_exactly_in_any_process(pool: ProcessPoolExecutor) -> Non
 BUDGET = range(0, 20)
 
 
-def test_the_real_shards_pass_every_check_on_the_budget(pool: ProcessPoolExecutor) -> None:
-    results = run_seeds(BUDGET, pool=pool, real_shard=True)
-    assert not {r.seed: r.failures[:3] + r.schedule for r in results if not r.ok}
+def test_the_real_shards_pass_every_check_on_the_budget(sim: Runs) -> None:
+    sim.passing(BUDGET, real_shard=True)
 
 
 #: Seeds of the default faults on which the current code fails a check with the real
@@ -87,9 +76,15 @@ SHARD_REGRESSIONS: dict[int, str] = {
 }
 
 
+@pytest.fixture(scope="module")
+def regressions(sim: Runs) -> dict[int, Future[Result]]:
+    """Every regression seed's run, submitted to the workers at once."""
+    return {seed: sim.submit(seed, real_shard=True) for seed in SHARD_REGRESSIONS}
+
+
 @pytest.mark.parametrize("seed", sorted(SHARD_REGRESSIONS))
-def test_real_shard_regressions_pass(seed: int) -> None:
-    r = run_seed(seed, real_shard=True)
+def test_real_shard_regressions_pass(seed: int, regressions: dict[int, Future[Result]]) -> None:
+    r = regressions[seed].result()
     assert r.ok, (SHARD_REGRESSIONS[seed], r.failures[:3])
 
 
@@ -105,24 +100,17 @@ def test_known_real_shard_defects_stay_found(seed: int) -> None:
 #: stale-replica-in-tracker in zps.testing.sim.realbugs), the faults that expose them and
 #: the seeds they must be caught within with the real shards.
 SHARD_BUGS = {
-    "wal-retry-partial": ("disk,crash-all,kill,power", 16),
-    "ack-before-durable": ("crash-all,kill,partition", 32),
-    "stale-replica-in-tracker": ("pause,idle", 12),
-    "stuck-replica-kept": ("slow", 6),
+    "wal-retry-partial": ("disk,crash-all,kill,power", range(0, 16)),
+    "ack-before-durable": ("crash-all,kill,partition", range(0, 32)),
+    "stale-replica-in-tracker": ("pause,idle", range(0, 12)),
+    "stuck-replica-kept": ("slow", range(0, 6)),
 }
 
 
 @pytest.mark.parametrize("bug", sorted(SHARD_BUGS))
-def test_shard_defects_are_caught_with_the_real_shard(bug: str, pool: ProcessPoolExecutor) -> None:
-    faults, budget = SHARD_BUGS[bug]
-    results = run_seeds(range(budget), faults.split(","), bug=bug, pool=pool, real_shard=True)
-    try:
-        caught = next((r for r in results if not r.ok), None)
-    finally:
-        results.close()
-    assert caught is not None, f"--bug {bug} not caught in {budget} seeds with the real shard"
-    (clean,) = run_seeds([caught.seed], faults.split(","), pool=pool, real_shard=True)
-    assert clean.ok, (bug, caught.seed, clean.failures[:3])
+def test_shard_defects_are_caught_with_the_real_shard(bug: str, sim: Runs) -> None:
+    faults, seeds = SHARD_BUGS[bug]
+    sim.caught(bug, faults, seeds, real_shard=True)
 
 
 def test_the_cli_runs_the_real_shard(capsys: pytest.CaptureFixture[str]) -> None:
