@@ -4,7 +4,14 @@ fault mix and defect runs once a session, whichever tests ask for it), the repla
 and the checks of a budget of seeds and of a defect caught within one.
 
 A seed's run is the same in any process, so a test's result does not depend on which
-worker ran a seed, nor on which test asked for it first."""
+worker ran a seed, nor on which test asked for it first.
+
+The rule for a defect's budget: the seeds of its fault mix from the first that catches it
+to a few past it.  The seeds before that one pass with the defect in place (each run is
+fixed by its seed): running them measures how rare the defect is in that mix, a figure for
+docs/performance.md, and catches nothing the first catching seed does not; the seeds past
+it leave room for a change that moves the catch a few seeds on.  A budget starts at seed 0
+where the seeds before the catch cost little (a few runs of the stand-in)."""
 
 from __future__ import annotations
 
