@@ -167,6 +167,18 @@ def test_cold_start_never_resets_a_partition(
         assert re.search(r"ERROR .*partition \d is lost", log), log[-3000:]
 
 
+#: Pushes the load makes before each kill of the broker and after its last restart.
+PUSHES = 30
+
+
+async def pushes_after(load: ExactSumLoad, mark: int, task: asyncio.Task[None]) -> None:
+    """Until the load has made :data:`PUSHES` pushes past ``mark`` (within 20 s)."""
+    deadline = time.monotonic() + 20
+    while load.total_pushes < mark + PUSHES and not task.done():
+        assert time.monotonic() < deadline, f"only {load.total_pushes - mark} pushes in 20 s"
+        await asyncio.sleep(0.01)
+
+
 def test_broker_sigkilled_under_load_restores_its_state(
     make_cluster: Callable[..., DataDirCluster],
 ) -> None:
@@ -185,7 +197,8 @@ def test_broker_sigkilled_under_load_restores_its_state(
         task = asyncio.create_task(load.run(stop))
         versions = []
         for round_ in range(2):
-            await asyncio.sleep(1.0)
+            # Writes under way when the broker dies: PUSHES more acknowledged first.
+            await pushes_after(load, load.total_pushes, task)
             before = await asyncio.to_thread(c.status)
             versions.append(before["map_version"])
             await asyncio.to_thread(sigkill, c, c.broker())
@@ -199,7 +212,7 @@ def test_broker_sigkilled_under_load_restores_its_state(
             assert "restored the broker state" in broker.log()
             if round_ == 0:
                 c.start_shard()  # an empty shard joining the restarted broker
-        await asyncio.sleep(1.0)
+        await pushes_after(load, load.total_pushes, task)  # and after the last restart
         stop.set()
         await asyncio.wait_for(task, 60)
         assert load.total_pushes > 50
