@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import itertools
 from asyncio import events
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -49,6 +50,22 @@ class Proc:
         self.io_delay: Callable[[], float] | None = None
 
 
+class _Task(asyncio.Task):  # type: ignore[type-arg]
+    """A task of the run, hashed by the order it was created in on its loop.
+
+    Sets of tasks iterate in the order of their hashes: a TaskGroup that ends cancels
+    its tasks in its set's order, and so on.  Hashed by address (the default), that order
+    is the heap's, which a process's history decides, so a seed's run could differ
+    between a fresh process and one that ran other code first."""
+
+    def __init__(self, coro: Any, *, serial: int, **kw: Any) -> None:
+        self._serial = serial
+        super().__init__(coro, **kw)
+
+    def __hash__(self) -> int:
+        return self._serial
+
+
 class SimLoop(asyncio.BaseEventLoop):
     """The run's one event loop (see the module notes).  ``paused(node)`` says whether a
     node's process is stopped; :meth:`thaw` runs what it held once it resumes."""
@@ -58,6 +75,12 @@ class SimLoop(asyncio.BaseEventLoop):
         self.sched = sched
         self._paused = paused
         self._frozen: list[events.Handle] = []
+        serials = itertools.count()  # per loop: a run's tasks hash the same in any process
+
+        def task(loop: Any, coro: Any, **kw: Any) -> asyncio.Task[Any]:
+            return _Task(coro, loop=loop, serial=next(serials), **kw)
+
+        self.set_task_factory(task)
         self._drain_due = False
         #: Exceptions a callback raised (a bug in the code run): the run fails on them.
         self.errors: list[str] = []
