@@ -10,12 +10,14 @@ module is the client's ``transport``:
   client process's node of the network.  What it sends reaches the broker's ROUTER as
   the client's own identity (its ``client_id``: the tagged messages the ROUTER learns a
   DEALER's identity from, as a shard's liveness link), and what the broker sends to that
-  identity comes back on it.  A broker whose process is down takes nothing (the send
-  finds no connection and the message is dropped: the session's re-sends and deadlines
-  are the client's answer); a pipe at its high-water mark takes nothing now
-  (``send_if_room`` False, ``send`` waits).  ``on_connected`` runs once, as the socket
-  is made while the broker is up; a broker's restart is found by the client's
-  heartbeats (answered HELLO_AGAIN), as a connection made again is;
+  identity comes back on it.  What is sent while no broker process is up waits (as zmq
+  queues it for the connection to come, up to the high-water mark) and goes, in order,
+  with the first send once one is up again (the client's heartbeats send every
+  interval, as zmq's reconnection tries); what the pipe held when the broker's process
+  went is lost with it.  A pipe at its high-water mark takes nothing now
+  (``send_if_room`` False, ``send`` waits).  ``on_connected`` runs as the socket finds
+  a broker process up: at its making, and at that first send after a restart (a
+  connection made again);
 * :func:`send_if_room`, :func:`send`, :func:`try_send`, :func:`serve` (the one receive
   loop, :func:`zps.testing.sim.simtransport.serve`), :func:`close`, :func:`term`,
   :func:`new_context` and :class:`IoThreads` (no thread to schedule).
@@ -33,6 +35,7 @@ import itertools
 import os
 import sys
 import types
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -40,7 +43,7 @@ from urllib.parse import urlsplit
 from zps.errors import ClosedError
 from zps.testing.sim import simtransport
 from zps.testing.sim.aioloop import PROC
-from zps.testing.sim.net import Network
+from zps.testing.sim.net import HWM, Network
 from zps.testing.sim.simtransport import (
     CLOCK,
     PEER_LINK,
@@ -97,14 +100,35 @@ class ClientChannel(SimChannel):
 
     handshakes: HandshakeWatch | None = None
 
+    def __init__(self, net: Network, name: str, *, port: str, node: SimNode) -> None:
+        super().__init__(net, name, port=port, node=node)
+        #: Sent while no broker process was up: they go once one is (in order).
+        self._pending: deque[list[Any]] = deque()
+        self._peer: SimNode | None = None  # the broker process last connected to
+
+    def connected(self) -> bool:
+        """Whether the broker's process is up; a new one (a restart) is a connection
+        made again: ``on_connected`` runs."""
+        node = simtransport._where.get("nodes", {}).get(self.target)
+        if node is None or not node.current or "main" not in node.ports:
+            return False
+        if node is not self._peer:
+            self._peer = node
+            simtransport._connected(self)
+        return True
+
     def send_nowait(self, frames: Sequence[Any]) -> bool:
         if self.closed:
             raise ClosedError("socket closed")
-        net, peer = self.net, self.target
-        node = simtransport._where.get("nodes", {}).get(peer)
-        if node is None or not node.current or "main" not in node.ports:
-            return False  # no connection: dropped
-        if not net.room(self.name, peer):
+        net, peer, pending = self.net, self.target, self._pending
+        if not self.connected():
+            if len(pending) >= HWM:
+                raise QueueFull()
+            pending.append(list(frames))  # zmq queues it for the connection to come
+            return True
+        while pending and net.room(self.name, peer):
+            net.send(self.name, peer, (PEER_LINK, "main", self.identity, pending.popleft()))
+        if pending or not net.room(self.name, peer):
             raise QueueFull()
         net.send(self.name, peer, (PEER_LINK, "main", self.identity, list(frames)))
         return True
@@ -161,9 +185,7 @@ def dealer(ctx: object, endpoint: str, identity: bytes, **options: Any) -> Clien
     ch = ClientChannel(node.net, node.name, port=f"to:{target}", node=node)
     ch.target = target
     ch.identity = identity
-    peer = simtransport._where.get("nodes", {}).get(target)
-    if peer is not None and peer.current and "main" in peer.ports:
-        simtransport._connected(ch)
+    ch.connected()
     return ch
 
 

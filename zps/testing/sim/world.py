@@ -162,6 +162,11 @@ class World:
         self.wipes_left = 1 if self.min_in_sync > 1 else 0
         self.quiet_until = 0.0
         self.readers: list[Any] = []
+        #: A primary took a write while repairing (the real shard's
+        #: ``write_while_repairing``: acknowledged once the copies in sync hold it, the
+        #: primary alone included), so a data dir may hold the only copy of acknowledged
+        #: writes whatever min_in_sync says: no wipe from then on (--real-client).
+        self.written_alone = False
 
     def new_disk(self, name: str) -> simdisk.Disk:
         d = simdisk.Disk(self.tmp / name, self.sched.rng)
@@ -188,6 +193,8 @@ class World:
         copies hold it): no other shard may, at this moment, be a primary of it that
         could do the same (a role of that partition and a lease that has not run out)."""
         now = self.sched.now
+        if self.real_client and shard.session.repairing:
+            self.written_alone = True
         for other in self.shards:
             s = other.session if other.alive else None
             if (
@@ -267,7 +274,8 @@ class World:
             return
         shard = rng.choice(self.shards)
         back = rng.uniform(0.2, 3.0)
-        if kind in ("kill", "power") or (kind == "wipe" and self.wipes_left <= 0):
+        no_wipe = self.wipes_left <= 0 or self.written_alone
+        if kind in ("kill", "power") or (kind == "wipe" and no_wipe):
             if not shard.alive:
                 return
             self.note(f"{kind if kind != 'wipe' else 'kill'} {shard.name}, back in {back:.2f}s")
