@@ -13,5 +13,8 @@ from tests.unit.simcases import Runs, new_pool
 def sim() -> Iterator[Runs]:
     """The simulator's worker processes, one pool for every simulator test of the session,
     and the runs they made."""
-    with new_pool() as pool:
+    pool = new_pool()
+    try:
         yield Runs(pool)
+    finally:
+        pool.shutdown(cancel_futures=True)  # runs no test will ask for (a test failed)

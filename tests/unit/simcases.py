@@ -86,6 +86,14 @@ class Runs:
             run = self._runs[key] = self.pool.submit(run_one, seed, faults, bug, mode)
         return run
 
+    def ahead(
+        self, seeds: Iterable[int], faults: Sequence[str] | None = None, **mode: bool
+    ) -> None:
+        """Submit the runs of ``seeds`` now, for a test that asks for them later: the
+        workers run them while this process runs tests of its own."""
+        for seed in seeds:
+            self._submit(seed, faults, None, mode)
+
     def results(
         self, seeds: Iterable[int], faults: Sequence[str] | None = None, **mode: bool
     ) -> list[Result]:

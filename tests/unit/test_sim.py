@@ -107,6 +107,17 @@ CATCH: dict[str, tuple[str, range]] = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _seeds_ahead(sim: Runs) -> None:
+    """The seeds that must pass go to the workers as the module starts."""
+    sim.ahead(seed for seed in BUDGET if seed not in KNOWN)
+    sim.ahead(REGRESSIONS)
+    sim.ahead(PAIR_BUDGET, PAIR_FAULTS)
+    sim.ahead(PAIR_REGRESSIONS, KNOWN_PAIR_FAULTS)
+    sim.ahead(LONG_PAIR_REGRESSIONS, LONG_PAIR_FAULTS)
+    sim.ahead(NAMED_ONLY_BUDGET, NAMED_ONLY_FAULTS)
+
+
 def test_the_same_seed_gives_the_same_run(sim: Runs) -> None:
     a = run_seed(5)
     b, c = sim.results([5, 6])  # in a worker process: the same run

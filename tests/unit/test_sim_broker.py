@@ -41,6 +41,19 @@ pytestmark = pytest.mark.timeout(600)
 INTERVAL, LIVENESS = 0.2, 5
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _seeds_ahead(sim: Runs) -> None:
+    """The seeds that must pass go to the workers as the module starts: they run while
+    the harness's tests run here."""
+    sim.ahead(BUDGET, real_broker=True)
+    sim.ahead(REAL_REGRESSIONS, real_broker=True)
+    sim.ahead(PAIR_BUDGET, PAIR_FAULTS, real_broker=True)
+    for mix, seeds in PAIR_SEEDS.items():
+        sim.ahead(seeds, mix.split(","), real_broker=True)
+    for seed, faults in REAL_PAIR_REGRESSIONS:
+        sim.ahead([seed], faults, real_broker=True)
+
+
 class Harness:
     """The real broker alone on a simulated network, loop and clock; shards are scripts."""
 

@@ -22,6 +22,13 @@ from zps.testing.sim.world import FAULTS, Result, World, run_seed
 pytestmark = pytest.mark.timeout(600)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _seeds_ahead(sim: Runs) -> None:
+    """The seeds that must pass go to the workers as the module starts."""
+    sim.ahead(BUDGET, real_shard=True)
+    sim.ahead(SHARD_REGRESSIONS, real_shard=True)
+
+
 def test_a_run_drives_the_real_shards() -> None:
     w = World(3, real_shard=True)
     assert w.real_broker and isinstance(w.broker, RealBroker)
