@@ -162,6 +162,7 @@ LAYERS: dict[str, str] = {
     "zps.ops": "ops",
     "zps.ops.config": "ops",
     "zps.ops.datadir": "ops",
+    "zps.ops.durable": "ops",
     "zps.ops.logs": "ops",
     "zps.ops.malloc": "ops",
     "zps.ops.meter": "ops",

@@ -3,10 +3,11 @@ replaced atomically in the broker's data dir.
 
 ``DATA_DIR/broker-state.zps`` holds an 8-byte magic, the SHA-256 of the body and
 the body (the record's msgpack bytes).  A write goes to a temporary file that is
-fsynced, renamed over the old one, and the directory is fsynced: a crash leaves
-the old record or the new one, never a mix.  A file that fails its checksum or
-its record's checks is an error naming the file, never skipped: a broker that
-forgot its partitions could hand one to an empty shard.
+fsynced, renamed over the old one, and the directory is fsynced
+(:mod:`zps.ops.durable`): a crash leaves the old record or the new one, never a
+mix.  A file that fails its checksum or its record's checks is an error naming the
+file, never skipped: a broker that forgot its partitions could hand one to an empty
+shard.
 
 :class:`StateWriter` keeps the file current without holding up the event loop:
 the broker says *something changed*; one task builds the newest record and
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from zps.core.brokerstate import BrokerState, BrokerStateError
 from zps.errors import ConfigError
+from zps.ops import durable
 
 log = logging.getLogger("zps.broker")
 
@@ -64,23 +66,9 @@ class StateFile:
         return decode(raw, str(self.path))
 
     def write(self, data: bytes) -> None:
-        """Replace the file with ``data`` (a record's bytes), atomically and durably."""
-        tmp = self.path.with_name(f".{FILE_NAME}.tmp")
-        body = frame(data)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
-        try:
-            view = memoryview(body)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        dfd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        """Replace the file with ``data`` (a record's bytes), atomically and durably
+        (:func:`zps.ops.durable.write_atomic`)."""
+        durable.write_atomic(self.path, frame(data), mode=0o640)
 
 
 def frame(data: bytes) -> bytes:

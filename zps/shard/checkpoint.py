@@ -67,6 +67,7 @@ import msgpack
 import numpy as np
 
 from zps.errors import ProtocolError, ZpsError
+from zps.ops import durable
 from zps.protocol.codec import Encoder
 from zps.shard.core import ShardCore
 from zps.store import mapped
@@ -473,19 +474,7 @@ class CheckpointStore:
     def mark_final(self, partition: int, checkpoint: Path) -> None:
         """``checkpoint`` holds every write this copy acknowledged (written at a clean
         stop, after the partition was handed over): note it, durably, beside it."""
-        folder = self._dir(partition)
-        tmp = folder / f".{FINAL}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "w") as f:
-                f.write(checkpoint.name + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, folder / FINAL)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(folder)
+        durable.write_atomic(self._dir(partition) / FINAL, f"{checkpoint.name}\n".encode())
 
     def take_finals(self) -> dict[int, str]:
         """By partition, the checkpoint a clean stop noted as final (see
@@ -512,7 +501,7 @@ class CheckpointStore:
             name = ""
         try:
             note.unlink()
-            _fsync_dir(folder)
+            durable.fsync_dir(folder)
         except OSError as e:
             log.error("%s could not be removed (%s): the copy is not known to be complete", note, e)
             return None
@@ -620,14 +609,14 @@ class PendingCheckpoint:
             for path in newer:
                 path.unlink(missing_ok=True)
             if newer:
-                _fsync_dir(self._folder)
+                durable.fsync_dir(self._folder)
             os.replace(self._tmp, self.final)
         except BaseException:
             self.abort()
             raise
         finally:
             self._store.pending.discard(self._tmp)
-        _fsync_dir(self._folder)
+        durable.fsync_dir(self._folder)
         self._store._prune(self._folder)
         return self.final
 
@@ -773,11 +762,3 @@ def _write_hashed(write: Callable[[memoryview], None], parts: Sequence[Part]) ->
         digest.update(piece)
         write(piece)
     return digest.digest()
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

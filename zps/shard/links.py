@@ -41,6 +41,7 @@ import zmq.asyncio
 from zps import transport
 from zps.core.membership import liveness_identity
 from zps.errors import ProtocolError
+from zps.ops import durable
 from zps.ops.config import ShardConfig
 from zps.protocol.codec import (
     PROTOCOL_VERSION,
@@ -102,32 +103,15 @@ class BrokerTerm:
             return False
         if term > self.value and self.path is not None:
             try:
-                _write_synced(self.path, f"{term}\n".encode())
+                # Through this module's ``os``: the seam named above.
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                durable.write_atomic(self.path, f"{term}\n".encode(), fs=os)
             except OSError as e:
                 log.error("cannot keep broker term %d in %s: %s", term, self.path, e)
                 self.failed = True
                 return False
         self.value = term
         return True
-
-
-def _write_synced(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data``, durably: a temporary file synced, renamed over it,
-    and the directory synced."""
-    tmp = f"{path}.tmp"
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def from_broker(mtype: MsgType, header: dict[str, Any]) -> BrokerToShard | None:

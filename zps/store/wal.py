@@ -45,6 +45,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from zps.ops import durable
+
 log = logging.getLogger("zps.wal")
 
 Buffer = bytes | bytearray | memoryview
@@ -161,14 +163,6 @@ class Recovery:
 
 def segment_name(start: int) -> str:
     return f"wal-{start:016d}.log"
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 #: Buffers per writev call (Linux's IOV_MAX is 1024).
@@ -394,7 +388,7 @@ class Wal:
                     f.write(tail)
                     f.flush()
                     os.fsync(f.fileno())
-                _fsync_dir(self.folder)
+                durable.fsync_dir(self.folder)
             except OSError as e:
                 saved.unlink(missing_ok=True)
                 if count:  # never destroyed: the operator makes room first
@@ -487,7 +481,7 @@ class Wal:
         with open(path, "wb"):
             pass
         try:
-            _fsync_dir(self.folder)  # the new name must survive a crash as the records do
+            durable.fsync_dir(self.folder)  # the new name must survive a crash as the records do
         except OSError as e:
             raise self._lose(f"fsync of the folder failed ({e})") from e
         if self._fd is not None:
@@ -589,7 +583,7 @@ class Wal:
                 path.unlink()
                 gone.append(path)
         if gone:
-            _fsync_dir(self.folder)
+            durable.fsync_dir(self.folder)
         return gone
 
     def close(self, *, sync: bool = True) -> None:

@@ -217,6 +217,7 @@ def install(sim_os: SimOS) -> list[tuple[Any, str, Any]]:
     """Put ``sim_os`` where the log and checkpoint modules look up ``os``, and the inline
     executor where the checkpoint module looks up ``concurrent``; returns what to put back
     (:func:`uninstall`)."""
+    import zps.ops.durable as durable
     import zps.shard.checkpoint as checkpoint
     import zps.shard.links as links
     import zps.store.wal as wal
@@ -225,6 +226,7 @@ def install(sim_os: SimOS) -> list[tuple[Any, str, Any]]:
         (wal, "os", sim_os),
         (checkpoint, "os", sim_os),
         (links, "os", sim_os),  # the broker term a shard keeps (BrokerTerm)
+        (durable, "os", sim_os),  # the small files written whole, and the folders' syncs
         (checkpoint, "concurrent", _CONCURRENT),
     ]
     saved = [(module, name, module.__dict__[name]) for module, name, _ in seams]
