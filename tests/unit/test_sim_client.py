@@ -8,16 +8,13 @@ driver, patched in, is caught within its budget of seeds."""
 
 from __future__ import annotations
 
-import multiprocessing
-from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
-
 import pytest
 
+from tests.unit.simcases import Runs, assert_same_run
 from zps.client.client import Client
 from zps.client.connection import Connection
 from zps.testing.sim import clientnet, realbugs
-from zps.testing.sim.cli import main, run_seeds
+from zps.testing.sim.cli import main
 from zps.testing.sim.realclient import RealClient
 from zps.testing.sim.realshard import RealShard
 from zps.testing.sim.world import FAULTS, World
@@ -44,21 +41,20 @@ def test_a_run_drives_the_real_clients() -> None:
     assert connection.transport is not clientnet
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[ProcessPoolExecutor]:
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(2, mp_context=ctx) as ex:
-        yield ex
+@pytest.fixture(scope="module", autouse=True)
+def _seeds_ahead(sim: Runs) -> None:
+    """The seeds that must pass go to the workers as the module starts."""
+    sim.ahead(BUDGET, CLIENT_FAULTS, real_client=True)
 
 
-def test_a_seed_replays_exactly_in_any_process(pool: ProcessPoolExecutor) -> None:
-    a, b = run_seeds([5, 5], CLIENT_FAULTS, pool=pool, real_client=True)
-    assert (a.digest, a.failures, a.schedule, a.events) == (
-        b.digest,
-        b.failures,
-        b.schedule,
-        b.events,
-    )
+def test_a_seed_replays_exactly_in_any_process(sim: Runs) -> None:
+    # The budget's run of the seed and one of its own, in whichever workers take them.
+    runs = [
+        sim.submit(5, CLIENT_FAULTS, real_client=True),
+        sim.submit(5, CLIENT_FAULTS, fresh=True, real_client=True),
+    ]
+    a, b = (run.result() for run in runs)
+    assert_same_run(a, b)
     assert a.schedule and a.acked > 0
 
 
@@ -66,30 +62,22 @@ def test_a_seed_replays_exactly_in_any_process(pool: ProcessPoolExecutor) -> Non
 BUDGET = range(0, 8)
 
 
-def test_the_real_clients_pass_every_check_on_the_budget(pool: ProcessPoolExecutor) -> None:
-    results = list(run_seeds(BUDGET, CLIENT_FAULTS, pool=pool, real_client=True))
-    assert not {r.seed: r.failures[:3] + r.schedule for r in results if not r.ok}
+def test_the_real_clients_pass_every_check_on_the_budget(sim: Runs) -> None:
+    results = sim.passing(BUDGET, CLIENT_FAULTS, real_client=True)
     assert any(any("kill c" in s for s in r.schedule) for r in results)
 
 
 #: The known defects of the client's driver (zps.testing.sim.realbugs.CLIENT_BUGS), the
 #: faults that expose them and the seeds they must be caught within.
 CLIENT_BUGS = {
-    "client-seq-restart": ("broker", 4),
+    "client-seq-restart": ("broker", range(0, 4)),
 }
 
 
 @pytest.mark.parametrize("bug", sorted(CLIENT_BUGS))
-def test_client_defects_are_caught(bug: str, pool: ProcessPoolExecutor) -> None:
-    faults, budget = CLIENT_BUGS[bug]
-    results = run_seeds(range(budget), faults.split(","), bug=bug, pool=pool, real_client=True)
-    try:
-        caught = next((r for r in results if not r.ok), None)
-    finally:
-        results.close()
-    assert caught is not None, f"--bug {bug} not caught in {budget} seeds"
-    (clean,) = run_seeds([caught.seed], faults.split(","), pool=pool, real_client=True)
-    assert clean.ok, (bug, caught.seed, clean.failures[:3])
+def test_client_defects_are_caught(bug: str, sim: Runs) -> None:
+    faults, seeds = CLIENT_BUGS[bug]
+    sim.caught(bug, faults, seeds, real_client=True)
 
 
 def test_every_client_bug_is_covered() -> None:
