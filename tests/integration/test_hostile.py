@@ -908,9 +908,15 @@ async def test_hostile_messages_leave_every_process_serving_exact_results() -> N
             assert np.array_equal(await ps.pull_dense(DENSE), expect_dense - 1)
             assert np.array_equal(await ps.pull_rows(EMB, ids), expect_rows - 1)
             sums = await ps.checksums()
+
         # replicas hold what their primaries hold
-        await asyncio.sleep(0.5)
-        final = await asyncio.to_thread(c.wait_healthy, 10)
+        def caught_up(st: dict[str, Any]) -> bool:
+            at = {(s["partition"], s["role"]): s["lsn"] for s in st["shards"]}
+            return c.healthy(st) and all(
+                at.get((p, "replica")) == at.get((p, "primary")) == sums[p]["lsn"] for p in (0, 1)
+            )
+
+        final = await asyncio.to_thread(c.wait_for, caught_up, 10, "the replicas to catch up")
         lsns = {(s["partition"], s["role"]): s["lsn"] for s in final["shards"]}
         for p in (0, 1):
             assert lsns[(p, "replica")] == lsns[(p, "primary")] == sums[p]["lsn"], final
