@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from zps.store.wal import Record, Wal
+from zps.store.wal import Record, Wal, WalLost
 from zps.testing.sim import disk as simdisk
 
 
@@ -72,3 +72,27 @@ def test_what_a_restart_replays_is_durable_before_it_appends_after_it(
     wal, seen = _replay(folder)
     wal.close()
     assert seen == [1, 2, 3, 4, 5]
+
+
+def test_a_segment_made_as_a_folder_sync_fails_has_the_run_s_time(tmp_path: Path) -> None:
+    # The sim disk stamps files with the run's clock; an empty segment whose folder sync
+    # failed kept a wall-clock time, newer than every file of the run, and a restart
+    # took its partition for the newest (seed 31 of the real pair's faults).
+    sim_os = simdisk.SimOS()
+    sim_os.clock = lambda: 1.7e9 + 5.0
+    d = simdisk.Disk(tmp_path / "data", random.Random(0))
+    sim_os.disks.append(d)
+    saved = simdisk.install(sim_os)
+    try:
+        folder = d.root / "partition-1"
+        wal, _ = _replay(folder)
+        wal.append([_rec(1)])
+        wal.sync()
+        d.fsync_eio = 1
+        with pytest.raises(WalLost):
+            wal.roll()  # a new segment, then the folder's sync fails
+        stamps = sorted(p.stat().st_mtime for p in folder.iterdir())
+        assert len(stamps) == 2 and max(stamps) < simdisk.WALL
+        wal.close(sync=False)
+    finally:
+        simdisk.uninstall(saved)

@@ -147,6 +147,12 @@ class SimOS:
         if disk is not None and disk.fsync_eio > 0:
             disk.fsync_eio -= 1
             disk.faults.append(f"EIO on fsync of {Path(path).name}")
+            if _stat.S_ISDIR(_os.fstat(fd).st_mode):
+                # The files it holds were made before it failed: in the run's time
+                # (one made and never written would keep a wall-clock time, newer
+                # than every file of the run, and a restart picks the partition
+                # whose files changed last).
+                self._stamp(fd)
             raise OSError(errno.EIO, "Input/output error (simulated)")
         real(fd)
         if disk is not None:
