@@ -1297,3 +1297,26 @@ def test_without_a_record_only_a_copy_as_new_as_the_granted_one_is_in_sync() -> 
     cs.node_gone("a", now=4.0)
     out = by_node(cs.tick(10.0))
     assert out["c"] == primary("c", 0, 2) and out["b"] == replica("b", 0, 2, "c")
+
+
+def test_a_primary_that_refused_its_role_is_gone_for_that_partition() -> None:
+    # A shard granted p0 on its claim let the data go before the grant arrived (another
+    # broker's assignment in flight made it a spare); it refuses and registers again.
+    cs = full_cluster(1, 2, "a", "b")
+    cs.report("a", lsn=10, epoch=1, in_sync=["b"])
+    assert cs.primary_of(0) == "a"
+    out = cs.register_shard("a", host="h", pid=1, address="tcp://a", now=5.0, refused=(0, 1))
+    assert cs.primary_of(0) == "b" and part(cs, 0).epoch == 2  # its replica took over
+    assert spare("a") in out or replica("a", 0, 2, "b") in out
+    assert cs.shards["a"].role is not Role.PRIMARY
+
+
+def test_a_refusal_of_an_older_role_changes_nothing() -> None:
+    cs = full_cluster(1, 2, "a", "b")
+    version = cs.map_version
+    # Late: "a" is primary at epoch 1, the refusal names epoch 0 (or another partition).
+    assert cs.register_shard("a", host="h", pid=1, address="tcp://a", now=5.0, refused=(0, 0)) == [
+        primary("a", 0, 1)
+    ]
+    assert reg(cs, "a", now=5.0) == [primary("a", 0, 1)]  # sent again without it: the same
+    assert cs.primary_of(0) == "a" and cs.map_version == version

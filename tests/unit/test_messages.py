@@ -67,6 +67,7 @@ RECORDS: list[Any] = [
     CLAIM,
     ShardRegister(),
     ShardRegister("h", 12, "tcp://127.0.0.1:5000", CLAIM, 42, KEY),
+    ShardRegister("h", 12, "tcp://127.0.0.1:5000", None, 0, refused=(3, 7)),
     ShardHeartbeat(),
     ShardHeartbeat(t=12.5, lsn=3, epoch=2, stats={"requests": 1}, in_sync=("s-a", "s-b")),
     ClientHello(),
@@ -509,3 +510,11 @@ def test_accept_never_raises_on_any_frames(ident: bytes, frames: list[bytes]) ->
         | CommitReply
         | Reject,
     )
+
+
+@pytest.mark.parametrize("bad", [[1], [1, 2, 3], ["a", 1], [True, 1], 5, "0,1"])
+def test_a_register_names_a_refused_role_as_partition_and_epoch(bad: Any) -> None:
+    with pytest.raises(ProtocolError, match="REGISTER refused"):
+        ShardRegister.parse({"refused": bad})
+    assert ShardRegister.parse({"refused": [2, 5]}).refused == (2, 5)
+    assert "refused" not in ShardRegister().to_wire()  # absent, as from older shards

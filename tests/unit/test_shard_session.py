@@ -767,3 +767,36 @@ def test_a_rebuilt_copy_is_in_sync_only_once_it_holds_what_was_acknowledged_alon
     assert not ack(s, "spare", 49, E + 1, 0.3).in_sync
     done = ack(s, "spare", 51, E + 1, 0.4)
     assert done.in_sync and done.released == ["w51"] and "spare" in s.local_in_sync
+
+
+def test_a_shard_refuses_to_serve_as_primary_the_data_it_let_go() -> None:
+    # Restored p0 at epoch 1 (LSN 98); a broker's assignment in flight makes it a spare
+    # (the data goes); the broker that read its claim grants it p0 at epoch 1.
+    s = session()
+    s.restore(0, 1, 98, 0.0)
+    assert s.assign(Role.SPARE, None, 0, lsn=98).changed
+    refused = s.assign(Role.PRIMARY, 0, 1, lsn=0)
+    assert refused.register_again and not refused.changed
+    assert (s.role, s.partition) == (Role.SPARE, None)
+    assert s.assign(Role.PRIMARY, 0, 1, lsn=0).register_again  # however often it is said
+    # A primary of a newer epoch is granted knowing what it holds.
+    new = s.assign(Role.PRIMARY, 0, 2, lsn=0)
+    assert new.changed and not new.register_again and s.role is Role.PRIMARY
+
+
+def test_holding_the_partition_again_as_a_replica_ends_the_refusal() -> None:
+    s = session()
+    s.restore(0, 2, 98, 0.0)
+    s.assign(Role.SPARE, None, 0, lsn=98)
+    assert s.assign(Role.REPLICA, 0, 1, "tcp://p", lsn=0).changed
+    promoted = s.assign(Role.PRIMARY, 0, 2, lsn=60)
+    assert promoted.changed and not promoted.register_again
+
+
+def test_a_primary_of_an_empty_partition_or_another_one_is_taken() -> None:
+    s = session()
+    assert s.assign(Role.PRIMARY, 0, 1, lsn=0).changed  # a new cluster: nothing let go
+    s.assign(Role.SPARE, None, 0, lsn=0)  # held nothing: nothing to refuse later
+    assert not s.assign(Role.PRIMARY, 0, 1, lsn=0).register_again
+    s.assign(Role.SPARE, None, 0, lsn=5)
+    assert not s.assign(Role.PRIMARY, 1, 1, lsn=0).register_again

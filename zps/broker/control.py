@@ -298,6 +298,7 @@ class Control:
                         now=now,
                         claim=claim,
                         zone=message.zone,
+                        refused=message.refused,
                     )
                 )
             case ShardHeartbeat():

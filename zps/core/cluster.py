@@ -267,9 +267,26 @@ class ClusterState:
         now: float,
         claim: Claim | None = None,
         zone: str = "",
+        refused: tuple[int, int] | None = None,
     ) -> list[Assignment]:
-        """A shard (re)joins; returns the assignments to send (its own among them)."""
+        """A shard (re)joins; returns the assignments to send (its own among them).
+
+        ``refused``: the primary's role (partition, epoch) it refused, having let that
+        partition's data go since the claim it was granted on (another broker's
+        assignment in flight made it a spare): if that is still its role here, it is
+        gone for that partition (its replicas may take over), and joins as what it
+        holds now.  A REGISTER without it sent again changes nothing."""
         old = self.shards.get(node_id)
+        gone: list[Assignment] = []
+        if (
+            refused is not None
+            and old is not None
+            and old.held is None
+            and old.role is Role.PRIMARY
+            and (old.partition, old.epoch) == refused
+        ):
+            gone = self.node_gone(node_id, now)
+            old = None
         if old is not None:  # it re-sent REGISTER: tell it again what it is
             old.host, old.pid, old.address, old.zone = host, pid, address, zone
             return [] if old.held is not None else [self._assignment(node_id)]
@@ -280,7 +297,7 @@ class ClusterState:
             out += self._grant(node, claim, now)
         if node.role is Role.SPARE and node.held is None:
             out.append(Assignment(node_id, Role.SPARE, None, 0))
-        return merge(out + self._fill(now))
+        return merge(gone + out + self._fill(now))
 
     def _grant(self, node: ShardNode, claim: Claim, now: float) -> list[Assignment]:
         part = self._parts[claim.partition]

@@ -71,7 +71,9 @@ class ShardRegister:
     (40 characters), handed to its replicas, or nil: anything else there is dropped, not
     refused (without CURVE it is never used); ``claim`` what it served before.
     ``host`` and ``zone`` place copies of a partition apart (``zone``: optional rack
-    or zone label, at most 100 characters).
+    or zone label, at most 100 characters).  ``refused``: the partition and epoch of a
+    primary's role this shard refused because it let that partition's data go since it
+    last registered (``ShardSession.assign``); nil otherwise.
     """
 
     MTYPE: ClassVar[str] = "REGISTER"
@@ -86,10 +88,20 @@ class ShardRegister:
     version: str = ""
     #: Tells a restarted shard from the earlier process of the same name ("": unknown).
     incarnation: str = ""
+    refused: tuple[int, int] | None = None
 
     @classmethod
     def parse(cls, h: Header) -> ShardRegister:
         claim = h.get("claim")
+        refused = h.get("refused")
+        if refused is not None:
+            if (
+                not isinstance(refused, list | tuple)
+                or len(refused) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in refused)
+            ):
+                raise ProtocolError("REGISTER refused must be [partition, epoch] or nil")
+            refused = (refused[0], refused[1])
         key = h.get("public_key")
         if not isinstance(key, str) or len(key) != 40:
             key = None  # not a Z85 key: the broker only hands keys on, so it drops this one
@@ -103,10 +115,11 @@ class ShardRegister:
             zone=_label(h, "zone", "REGISTER zone"),
             version=_opt_str(h, "version", "REGISTER version", ""),
             incarnation=_opt_str(h, "incarnation", "REGISTER incarnation", ""),
+            refused=refused,
         )
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             "host": self.host,
             "pid": self.pid,
             "address": self.address,
@@ -117,6 +130,9 @@ class ShardRegister:
             "version": self.version,
             "incarnation": self.incarnation,
         }
+        if self.refused is not None:  # absent from shards before the field
+            wire["refused"] = list(self.refused)
+        return wire
 
 
 @dataclass(frozen=True, slots=True)

@@ -412,7 +412,7 @@ class ShardServer:
 
     # -- the broker ----------------------------------------------------------
 
-    def _register(self) -> None:
+    def _register(self, refused: tuple[int, int] | None = None) -> None:
         claim = self.session.claim(self.core.lsn)
         register = ShardRegister(
             host=self.config.host or socket.gethostname(),
@@ -424,6 +424,7 @@ class ShardServer:
             version=__version__,
             incarnation=self.incarnation,
             zone=self.config.zone,
+            refused=refused,
         )
         self.links.send(MsgType.REGISTER, register.to_wire())
 
@@ -514,7 +515,16 @@ class ShardServer:
             # while the loop is held, and has none before it (this assignment may drop
             # a restored partition of GBs).
             self._report()
-        change = self.session.assign(role, partition, epoch, address)
+        change = self.session.assign(role, partition, epoch, address, lsn=self.core.lsn)
+        if change.register_again and partition is not None:
+            log.warning(
+                "refused to be primary of partition %s at epoch %d: its data was let go "
+                "since this shard last said what it holds; registering again",
+                partition,
+                epoch,
+            )
+            self._register(refused=(partition, epoch))
+            return
         if not change.changed:
             return  # nothing changed (the broker repeats itself after a restart)
         was = change.was

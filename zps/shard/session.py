@@ -79,6 +79,9 @@ class Assignment(Generic[T]):
     refused: list[T] = field(default_factory=list)  # writes to fail: the primary stepped down
     stop_following: bool = False  # close the upstream subscription
     follow: str | None = None  # subscribe to the primary at this address
+    #: Refused, nothing changed: the broker granted data this shard has let go since it
+    #: last said what it holds; it registers again, so the broker hears what it holds now.
+    register_again: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,8 @@ class ShardSession(Generic[T]):
         #: Whether the restored copy holds every write it acknowledged (see restore).
         self.complete = True
         self.restored_at: tuple[int, int] | None = None  # (LSN, epoch) restored
+        #: The partition and epoch whose data this shard let go (see assign).
+        self.let_go: tuple[int, int] | None = None
         # broker link
         self.lease_start = NEVER
         self.last_broker = now
@@ -218,14 +223,41 @@ class ShardSession(Generic[T]):
         return claim
 
     def assign(
-        self, role: Role, partition: int | None, epoch: int, primary_address: str = ""
+        self,
+        role: Role,
+        partition: int | None,
+        epoch: int,
+        primary_address: str = "",
+        *,
+        lsn: int = 0,
     ) -> Assignment[T]:
-        """The broker assigned a role; a repeated assignment changes nothing."""
+        """The broker assigned a role; a repeated assignment changes nothing.  ``lsn``:
+        how far this shard holds its current partition.
+
+        A shard that let a partition's data go (made a spare, or given another
+        partition) refuses to be that partition's primary at the epoch it let go, or an
+        older one: the broker granted it on what the shard said it held before (a
+        broker that took over read the shard's claim, then another broker's assignment
+        in flight made it a spare), and serving it now would serve the partition empty.
+        It registers again instead.  A primary of a new epoch is a grant made knowing
+        what it holds; holding the partition again as a replica ends the rule."""
         was = (self.role, self.partition, self.epoch)
         if was == (role, partition, epoch) and (
             role is not Role.REPLICA or (self.following or ("",))[0] == primary_address
         ):
             return Assignment(changed=False, was=was)
+        if (
+            role is Role.PRIMARY
+            and self.let_go is not None
+            and partition == self.let_go[0]
+            and partition != self.partition
+            and epoch <= self.let_go[1]
+        ):
+            return Assignment(changed=False, was=was, register_again=True)
+        if self.partition is not None and partition != self.partition and lsn > 0:
+            self.let_go = (self.partition, self.epoch)
+        elif partition is not None and self.let_go is not None and partition == self.let_go[0]:
+            self.let_go = None
         refused = self.step_down() if self.role is Role.PRIMARY else []
         if partition != self.partition:
             self.copies = 1

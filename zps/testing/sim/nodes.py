@@ -183,7 +183,7 @@ class SimBroker:
                 self.state.register_client(src, host=src, pid=0, name="sim", now=now)
                 self.send(src, ("map", self.state.map))
         elif kind == "register":
-            _, claim, inc = msg
+            _, claim, inc, refused = msg
             if self.incarnations.get(src) not in (None, inc) and src in self.state.shards:
                 self._apply(self.state.node_gone(src, now))
             self.incarnations[src] = inc
@@ -193,7 +193,7 @@ class SimBroker:
                           claim["in_sync"], claim.get("complete", True))  # fmt: skip
             self.w.sched.log(f"register {src} claim={c}")
             self._apply(self.state.register_shard(src, host=src, pid=inc, address=src,
-                                                  now=now, claim=c))  # fmt: skip
+                                                  now=now, claim=c, refused=refused))  # fmt: skip
         elif kind == "hb":
             _, f = msg
             shard = self.state.shards.get(src)
@@ -298,8 +298,9 @@ class SimShard:
         if wal is not None:
             wal.close(sync=False)  # the process is gone: no sync on the way out
 
-    def _register(self) -> None:
-        self.send("broker", ("register", self.session.claim(self.core.lsn), self.gen))
+    def _register(self, refused: tuple[int | None, int] | None = None) -> None:
+        claim = self.session.claim(self.core.lsn)
+        self.send("broker", ("register", claim, self.gen, refused))
 
     def send(self, node: str, msg: Any) -> None:
         self.w.net.send(self.name, node, msg)
@@ -450,7 +451,13 @@ class SimShard:
         self._pump()
 
     def _assign(self, a: BrokerAssignment) -> None:
-        change = self.session.assign(a.role, a.partition, a.epoch, a.primary_address)
+        change = self.session.assign(
+            a.role, a.partition, a.epoch, a.primary_address, lsn=self.core.lsn
+        )
+        if change.register_again:
+            self.w.sched.log(f"{self.name} refuses primary p={a.partition} e={a.epoch}")
+            self._register(refused=(a.partition, a.epoch))
+            return
         if not change.changed:
             return
         self.w.sched.log(f"{self.name} assigned {a.role.value} p={a.partition} e={a.epoch}")

@@ -181,6 +181,7 @@ class WireShard(SimShard):
                 lsn=self.core.lsn,
                 version=__version__,
                 incarnation=f"{self.name}-{msg[2]}",
+                refused=msg[3],
             )
             frames = [b"", *encode(Route(MsgType.REGISTER), self.stamped(register.to_wire()))]
         elif kind == "bye":

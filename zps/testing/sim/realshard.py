@@ -179,8 +179,12 @@ class RealShard:
             if core.lsn != before and core.primary and core.partition is not None:
                 w.on_write_taken(self, core.partition, core.epoch)
 
-        def assigned(role: Role, partition: int | None, epoch: int, address: str = "") -> Any:
-            change = assign(role, partition, epoch, address)
+        def assigned(
+            role: Role, partition: int | None, epoch: int, address: str = "", *, lsn: int = 0
+        ) -> Any:
+            change = assign(role, partition, epoch, address, lsn=lsn)
+            if change.register_again:
+                w.sched.log(f"{self.name} refuses primary p={partition} e={epoch}")
             if change.changed:
                 w.sched.log(f"{self.name} assigned {role.value} p={partition} e={epoch}")
                 if partition != change.was[1]:
