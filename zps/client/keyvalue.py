@@ -194,19 +194,38 @@ class KeyValue:
         self._specs[spec.name] = spec
 
     async def table_spec(self, name: str) -> DenseSpec | EmbeddingSpec:
-        """The spec of table ``name`` (asked of the partition its name hashes to, then
-        remembered); ``UnknownTableError`` if there is none."""
+        """The spec of table ``name`` (asked of a partition, then remembered);
+        ``UnknownTableError`` if there is none.
+
+        Every partition holds every table's spec (a table is created on each).  The one
+        its name hashes to is asked; while that one has no primary, a partition that has
+        one is asked instead, so a call to a partition that serves does not wait for
+        another that does not.  Only the hashed partition's answer that it has no such
+        table is final (a partition added since may not hold the spec yet)."""
         spec = self._specs.get(name)
         if spec is None:
-            partition = int(self.cluster_map.slot_map[name_hash(name) % self.cluster_map.n_slots])
-            result = await self._rq.submit(partition, {"op": "tables"}, {})
-            for wire in result["tables"]:
-                s = spec_from_wire(wire)
-                self._specs.setdefault(s.name, s)
-            spec = self._specs.get(name)
+            cmap = self.cluster_map
+            home = int(cmap.slot_map[name_hash(name) % cmap.n_slots])
+            serving = [
+                p
+                for p in (home, *range(cmap.n_partitions))
+                if (info := cmap.partitions.get(p)) is not None and info.primary
+            ]
+            asked = serving[0] if serving else home
+            spec = await self._ask_specs(asked, name)
+            if spec is None and asked != home:
+                spec = await self._ask_specs(home, name)
             if spec is None:
                 raise UnknownTableError(f"unknown table {name!r}")
         return spec
+
+    async def _ask_specs(self, partition: int, name: str) -> DenseSpec | EmbeddingSpec | None:
+        """The specs ``partition`` holds, remembered; the one of ``name``, if among them."""
+        result = await self._rq.submit(partition, {"op": "tables"}, {})
+        for wire in result["tables"]:
+            s = spec_from_wire(wire)
+            self._specs.setdefault(s.name, s)
+        return self._specs.get(name)
 
     async def _dense_spec(self, name: str) -> DenseSpec:
         spec = await self.table_spec(name)
