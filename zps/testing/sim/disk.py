@@ -3,7 +3,8 @@
 The files are real (in a scratch directory, tmpfs where there is one); what is
 simulated is what a machine's disk does that a healthy run never shows.  The seam is
 the ``os`` name that :mod:`zps.store.wal`, :mod:`zps.shard.checkpoint` and
-:mod:`zps.shard.links` (the broker term a shard keeps) call
+:mod:`zps.shard.links` (the broker term a shard keeps) and :mod:`zps.ops.durable` (the
+small files written whole, and every folder's sync) call
 (:func:`install` puts a :class:`SimOS` there for the run; the product code is unchanged):
 
 * what was written but not yet ``fsync``'d / ``fdatasync``'d is lost at a crash of
