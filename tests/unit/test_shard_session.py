@@ -774,29 +774,39 @@ def test_a_shard_refuses_to_serve_as_primary_the_data_it_let_go() -> None:
     # (the data goes); the broker that read its claim grants it p0 at epoch 1.
     s = session()
     s.restore(0, 1, 98, 0.0)
-    assert s.assign(Role.SPARE, None, 0, lsn=98).changed
-    refused = s.assign(Role.PRIMARY, 0, 1, lsn=0)
+    assert s.assign(Role.SPARE, None, 0, lsn=98, term=2).changed
+    refused = s.assign(Role.PRIMARY, 0, 1, lsn=0, term=3)
     assert refused.register_again and not refused.changed
     assert (s.role, s.partition) == (Role.SPARE, None)
-    assert s.assign(Role.PRIMARY, 0, 1, lsn=0).register_again  # however often it is said
+    assert s.assign(Role.PRIMARY, 0, 1, lsn=0, term=3).register_again  # however often said
     # A primary of a newer epoch is granted knowing what it holds.
-    new = s.assign(Role.PRIMARY, 0, 2, lsn=0)
+    new = s.assign(Role.PRIMARY, 0, 2, lsn=0, term=3)
     assert new.changed and not new.register_again and s.role is Role.PRIMARY
+
+
+def test_the_broker_that_had_the_data_let_go_may_grant_the_partition_again() -> None:
+    # It knows the shard holds none: a partition removed and made again (live
+    # resharding) starts at epoch 1 again.
+    s = session()
+    s.assign(Role.PRIMARY, 1, 1, lsn=0)
+    s.assign(Role.SPARE, None, 0, lsn=40)
+    again = s.assign(Role.PRIMARY, 1, 1, lsn=0)
+    assert again.changed and not again.register_again and s.role is Role.PRIMARY
 
 
 def test_holding_the_partition_again_as_a_replica_ends_the_refusal() -> None:
     s = session()
     s.restore(0, 2, 98, 0.0)
-    s.assign(Role.SPARE, None, 0, lsn=98)
-    assert s.assign(Role.REPLICA, 0, 1, "tcp://p", lsn=0).changed
-    promoted = s.assign(Role.PRIMARY, 0, 2, lsn=60)
+    s.assign(Role.SPARE, None, 0, lsn=98, term=2)
+    assert s.assign(Role.REPLICA, 0, 1, "tcp://p", lsn=0, term=3).changed
+    promoted = s.assign(Role.PRIMARY, 0, 2, lsn=60, term=3)
     assert promoted.changed and not promoted.register_again
 
 
 def test_a_primary_of_an_empty_partition_or_another_one_is_taken() -> None:
     s = session()
     assert s.assign(Role.PRIMARY, 0, 1, lsn=0).changed  # a new cluster: nothing let go
-    s.assign(Role.SPARE, None, 0, lsn=0)  # held nothing: nothing to refuse later
-    assert not s.assign(Role.PRIMARY, 0, 1, lsn=0).register_again
-    s.assign(Role.SPARE, None, 0, lsn=5)
-    assert not s.assign(Role.PRIMARY, 1, 1, lsn=0).register_again
+    s.assign(Role.SPARE, None, 0, lsn=0, term=1)  # held nothing: nothing to refuse later
+    assert not s.assign(Role.PRIMARY, 0, 1, lsn=0, term=2).register_again
+    s.assign(Role.SPARE, None, 0, lsn=5, term=2)
+    assert not s.assign(Role.PRIMARY, 1, 1, lsn=0, term=3).register_again

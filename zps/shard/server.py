@@ -515,7 +515,9 @@ class ShardServer:
             # while the loop is held, and has none before it (this assignment may drop
             # a restored partition of GBs).
             self._report()
-        change = self.session.assign(role, partition, epoch, address, lsn=self.core.lsn)
+        change = self.session.assign(
+            role, partition, epoch, address, lsn=self.core.lsn, term=self.links.term
+        )
         if change.register_again and partition is not None:
             log.warning(
                 "refused to be primary of partition %s at epoch %d: its data was let go "

@@ -148,8 +148,9 @@ class ShardSession(Generic[T]):
         #: Whether the restored copy holds every write it acknowledged (see restore).
         self.complete = True
         self.restored_at: tuple[int, int] | None = None  # (LSN, epoch) restored
-        #: The partition and epoch whose data this shard let go (see assign).
-        self.let_go: tuple[int, int] | None = None
+        #: The partition and epoch whose data this shard let go, and the broker term
+        #: that had it let go (see assign).
+        self.let_go: tuple[int, int, int] | None = None
         # broker link
         self.lease_start = NEVER
         self.last_broker = now
@@ -230,17 +231,22 @@ class ShardSession(Generic[T]):
         primary_address: str = "",
         *,
         lsn: int = 0,
+        term: int = 0,
     ) -> Assignment[T]:
         """The broker assigned a role; a repeated assignment changes nothing.  ``lsn``:
-        how far this shard holds its current partition.
+        how far this shard holds its current partition; ``term``: the broker term of
+        the assignment (0 without a pair).
 
         A shard that let a partition's data go (made a spare, or given another
-        partition) refuses to be that partition's primary at the epoch it let go, or an
-        older one: the broker granted it on what the shard said it held before (a
-        broker that took over read the shard's claim, then another broker's assignment
-        in flight made it a spare), and serving it now would serve the partition empty.
-        It registers again instead.  A primary of a new epoch is a grant made knowing
-        what it holds; holding the partition again as a replica ends the rule."""
+        partition) at one broker term refuses to be that partition's primary, at the
+        epoch it let go or an older one, at another term: that broker granted it on
+        what the shard said it held before (a broker that took over read the shard's
+        claim, then the other broker's assignment in flight made it a spare), and
+        serving it now would serve the partition empty.  It registers again instead.
+        The broker that let the data go knows the shard holds none (a partition it
+        removed and made again starts at epoch 1); a primary of a newer epoch is a grant
+        made knowing what it holds; holding the partition again as a replica ends the
+        rule."""
         was = (self.role, self.partition, self.epoch)
         if was == (role, partition, epoch) and (
             role is not Role.REPLICA or (self.following or ("",))[0] == primary_address
@@ -252,10 +258,11 @@ class ShardSession(Generic[T]):
             and partition == self.let_go[0]
             and partition != self.partition
             and epoch <= self.let_go[1]
+            and term != self.let_go[2]
         ):
             return Assignment(changed=False, was=was, register_again=True)
         if self.partition is not None and partition != self.partition and lsn > 0:
-            self.let_go = (self.partition, self.epoch)
+            self.let_go = (self.partition, self.epoch, term)
         elif partition is not None and self.let_go is not None and partition == self.let_go[0]:
             self.let_go = None
         refused = self.step_down() if self.role is Role.PRIMARY else []

@@ -237,6 +237,11 @@ class _Upstream:
 
 
 class SimShard:
+    @property
+    def term(self) -> int:
+        """The highest broker term obeyed (a pair's shards keep one: PairShard)."""
+        return 0
+
     def __init__(self, world: World, name: str) -> None:
         self.w = world
         self.name = name
@@ -452,7 +457,7 @@ class SimShard:
 
     def _assign(self, a: BrokerAssignment) -> None:
         change = self.session.assign(
-            a.role, a.partition, a.epoch, a.primary_address, lsn=self.core.lsn
+            a.role, a.partition, a.epoch, a.primary_address, lsn=self.core.lsn, term=self.term
         )
         if change.register_again:
             self.w.sched.log(f"{self.name} refuses primary p={a.partition} e={a.epoch}")

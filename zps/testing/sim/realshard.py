@@ -180,9 +180,15 @@ class RealShard:
                 w.on_write_taken(self, core.partition, core.epoch)
 
         def assigned(
-            role: Role, partition: int | None, epoch: int, address: str = "", *, lsn: int = 0
+            role: Role,
+            partition: int | None,
+            epoch: int,
+            address: str = "",
+            *,
+            lsn: int = 0,
+            term: int = 0,
         ) -> Any:
-            change = assign(role, partition, epoch, address, lsn=lsn)
+            change = assign(role, partition, epoch, address, lsn=lsn, term=term)
             if change.register_again:
                 w.sched.log(f"{self.name} refuses primary p={partition} e={epoch}")
             if change.changed:
