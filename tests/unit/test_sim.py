@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.simcases import Runs, assert_same_run, failures
-from zps.testing.sim import bugs
+from zps.testing.sim import bugs, realbugs
 from zps.testing.sim.cli import main, parser
 from zps.testing.sim.world import FAULTS, run_seed
 
@@ -178,6 +178,10 @@ def test_every_bug_is_covered_and_patches_are_undone() -> None:
     from zps.core.cluster import ClusterState
 
     assert set(CATCH) == set(bugs.BUGS)
+    # The client driver's defects run with the real client only: their budgets are
+    # tests/unit/test_sim_client.py's CLIENT_BUGS.
+    assert set(realbugs.CLIENT_BUGS) == set(realbugs.CLIENT_PATCHES)
+    assert not set(realbugs.CLIENT_BUGS) & set(bugs.BUGS)
     before = ClusterState.__dict__["_distrust"]
     with bugs.patched("older-copy-wins"):
         assert ClusterState.__dict__["_distrust"] is not before

@@ -402,7 +402,18 @@ REAL_PAIR_KNOWN_SHORT: dict[int, str] = {}
 #: made a spare, dropping its copy; after three whole-cluster power losses the writes only
 #: that copy held were gone.  A lost partition's replicas are held now, never made spares
 #: (recovery.hold_copies; tests/unit/test_sim_long_runs.py, seed 105879).
+#:
+#: 9 (failover,kill,power,disk): the broker taking over at term 3 granted a restarted
+#: shard partition 0 on its claim while the other broker's assignment in flight (term 2)
+#: made it a spare, its data let go: it served the partition empty.  A shard refuses a
+#: grant on data it let go at another term and registers again naming it
+#: (ShardSession.assign, ClusterState.register_shard's ``refused``).
+#:
+#: 31 (PAIR_FAULTS): the simulator's own: an empty log segment made as its folder's sync
+#: failed kept a wall-clock time, and the restart took its partition for the newest.
 REAL_PAIR_REGRESSIONS = [
+    (9, ["failover", "kill", "power", "disk"]),
+    (31, PAIR_FAULTS),
     (231, LONG_PAIR_FAULTS),
     (294, PAIR_FAULTS),
     (318, PAIR_FAULTS),
