@@ -42,11 +42,11 @@ def test_a_run_drives_the_real_shards() -> None:
 
 
 def test_a_seed_replays_exactly_in_any_process(sim: Runs) -> None:
-    # Worker processes: in the suite's own process, after the other tests, a real shard's
-    # run of this seed has still differed from a worker's (same events, another digest)
-    # after the loop's tasks were made to hash by creation order (tests/unit/
-    # test_sim_loop.py), so a cause is left to find.  The budget's run of the seed and one
-    # of its own, in whichever workers take them after whatever seeds they ran before.
+    # Worker processes: a real shard writes its process's pid in its data dir's LOCK, which
+    # a power loss tears at a point drawn from the file's length, so a run here, where the
+    # pid may be of another length than a worker's, may differ (tests/unit/
+    # test_sim_process.py).  The budget's run of the seed and one of its own, in whichever
+    # workers take them after whatever seeds they ran before.
     runs = [sim.submit(5, real_shard=True), sim.submit(5, fresh=True, real_shard=True)]
     runs.append(sim.submit(6, real_shard=True))
     a, b, c = (run.result() for run in runs)
