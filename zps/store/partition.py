@@ -13,7 +13,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import fields, replace
-from typing import Any
+from typing import Any, TypeAlias
 
 from zps.errors import BadRequestError, TableConflictError, UnknownTableError
 from zps.optim import Optimizer
@@ -22,7 +22,7 @@ from zps.store.tables import Array, DenseMemory, DenseTensor, EmbeddingTable, ch
 
 __all__ = ["PartitionStore"]
 
-Table = DenseTensor | EmbeddingTable
+Table: TypeAlias = DenseTensor | EmbeddingTable
 
 
 def _make(spec: TableSpec, memory: DenseMemory | None) -> Table:
