@@ -617,6 +617,35 @@ def test_a_second_moved_under_the_same_map_asks_the_broker_for_the_map() -> None
     assert [type(a) for a in s.on_reply(reply(third.route.req_id, "MOVED"), 0.4)] == [Resubmit]
 
 
+def test_operations_moved_again_and_again_keep_the_first_deadline() -> None:
+    # A map that keeps sending operations back (rebuilt by a broker that lost its record
+    # after a resharding, say): each new request keeps the refused one's deadline, so the
+    # caller's wait ends at its timeout instead of looping on MOVED for ever.
+    s = session(halves(2))
+    part = Part({"op": "push_dense", "t": "w", "chunk": 3}, {"g": np.ones(4, np.float32)})
+    enc = Encoder()
+    body = {**part.body, "g": enc.array(part.arrays["g"])}
+    msg = only_send(s.submit(0, [body], enc, "a", 0.0, parts=[part]))
+    now, deadline = 0.0, TIMEOUT
+    for _ in range(5):
+        now += TIMEOUT / 4
+        [out] = [a for a in s.on_reply(reply(msg.route.req_id, "MOVED"), now)
+                 if isinstance(a, Resubmit)]  # fmt: skip
+        assert out.deadline == deadline
+        submit(s, "other", now)  # in flight meanwhile, its deadline later than "a"'s
+        enc = Encoder()
+        body = {**part.body, "g": enc.array(part.arrays["g"])}
+        actions = s.submit(0, [body], enc, "a", now, parts=[part], deadline=out.deadline)
+        assert s.next_wakeup() == s.earliest_deadline() == deadline
+        if now >= deadline:
+            failed = [a for a in s.tick(now) if isinstance(a, Fail)]
+            assert [f.token for f in failed] == ["a"]
+            assert isinstance(failed[0].error, ZpsTimeoutError)
+            return
+        msg = only_send(actions)
+    raise AssertionError("the operation was still waiting past its deadline")
+
+
 def test_moved_without_the_parts_fails_the_request_naming_moved() -> None:
     s = session()
     msg = only_send(submit(s, "a"))

@@ -403,16 +403,25 @@ class Connection:
         into: list[np.ndarray] | None = None,
         borrowed: bool = False,
         lazy: bool = False,
+        deadline: float | None = None,
     ) -> asyncio.Future[dict[str, Any]]:
         """Queue one operation for ``partition`` (``body`` its header entry, ``arrays`` its
         payloads, ``reply_bytes`` those of its answer; ``into``: where a pull's chunks go;
-        ``borrowed``: the arrays are the caller's memory; ``lazy``: a background push) and
-        return the future of its result; sent with the others of this loop turn."""
+        ``borrowed``: the arrays are the caller's memory; ``lazy``: a background push;
+        ``deadline``: an operation submitted again keeps its first request's) and return
+        the future of its result; sent with the others of this loop turn."""
         if self._closed:
             raise ClosedError("the client was closed")
         loop = self._loop or asyncio.get_running_loop()
         op = Op(
-            body, arrays, loop.create_future(), reply_bytes, into=into, borrowed=borrowed, lazy=lazy
+            body,
+            arrays,
+            loop.create_future(),
+            reply_bytes,
+            into=into,
+            borrowed=borrowed,
+            lazy=lazy,
+            deadline=deadline,
         )
         self._borrowing |= borrowed
         # Calls are cut to the message budget; what still cannot fit would be cut off
@@ -557,8 +566,16 @@ class Connection:
         )
         if lazy and len(ops) > 1:
             self._lazy_parts.add(partition)  # its answer may be held (see _ask_held)
+        deadlines = [op.deadline for op in ops if op.deadline is not None]
         actions = self._session.submit(
-            partition, bodies, enc, ops, self._now(), lazy=lazy, parts=ops
+            partition,
+            bodies,
+            enc,
+            ops,
+            self._now(),
+            lazy=lazy,
+            parts=ops,
+            deadline=min(deadlines) if deadlines else None,
         )
         self._shm.track(ops, actions)
         self._apply(actions)
@@ -645,11 +662,20 @@ class Connection:
         for op, plan in zip(ops, action.plans, strict=True):
             if op.future.done():
                 continue
+            op.deadline = action.deadline
             if plan is None:  # not on a slot (tables, describe...): where it was going
                 again(op, action.partition, self.submit)
                 continue
             pieces = [
-                self.submit(p, b, a, reply_bytes=r, borrowed=op.borrowed, lazy=op.lazy)
+                self.submit(
+                    p,
+                    b,
+                    a,
+                    reply_bytes=r,
+                    borrowed=op.borrowed,
+                    lazy=op.lazy,
+                    deadline=action.deadline,
+                )
                 for p, b, a, r in plan.pieces
             ]
             joined = asyncio.gather(*pieces)

@@ -38,6 +38,9 @@ class Op:
     #: A background push (``wait=False``): no caller waits for its answer, which may
     #: then ride on a later reply (see ClientSession, rule 7).
     lazy: bool = False
+    #: When its caller's wait ends, once it was submitted again (ClientSession, rule 8):
+    #: every later request of it keeps that deadline.
+    deadline: float | None = None
     #: The operation's cost: the larger of its request and its reply payload (read
     #: several times per request, so computed once).
     nbytes: int = field(init=False, default=0)
@@ -110,7 +113,12 @@ def merge(ops: list[Op], *, max_ops: int, max_bytes: int) -> list[Op]:
         fut.add_done_callback(functools.partial(split_result, members=members))
         reply = sum(ops[i].reply_bytes for i, _, _ in m.parts)
         lazy = all(ops[i].lazy for i, _, _ in m.parts)
-        out.append(Op(m.body, m.arrays, fut, reply, lazy=lazy))
+        # Submitted again (ClientSession, rule 8), an operation keeps its deadline: the
+        # merged one ends at the earliest of its members'.
+        deadlines = [d for i, _, _ in m.parts if (d := ops[i].deadline) is not None]
+        out.append(
+            Op(m.body, m.arrays, fut, reply, lazy=lazy, deadline=min(deadlines, default=None))
+        )
     return out
 
 
@@ -144,6 +152,7 @@ def again(op: Op, partition: int, submit: Callable[..., asyncio.Future[dict[str,
             into=op.into,
             borrowed=op.borrowed,
             lazy=op.lazy,
+            deadline=op.deadline,
         )
     except ClosedError as e:
         op.future.set_exception(e)

@@ -47,8 +47,11 @@ Rules:
    request's operations, and applied none of them) ends the request with a
    :class:`Resubmit`: each of its operations split again by the newest map
    (:func:`zps.core.routing.resplit`; an operation on no slot goes whole to the same
-   partition), to be submitted as new requests.  A second ``MOVED`` under the same map
-   version also asks the broker for the map (HELLO): the newer one is not here yet.
+   partition), to be submitted as new requests, which keep the refused request's
+   deadline: a map that keeps sending them back (one rebuilt by a broker that lost its
+   record, say) ends in the caller's timeout, not in an endless loop.  A second
+   ``MOVED`` under the same map version also asks the broker for the map (HELLO): the
+   newer one is not here yet.
 9. A final reply with no answer for a read (``None``: the first part that carried it
    was lost) delivers the others and names the read in :attr:`Deliver.again`: it is
    submitted again, whole, to the same partition, as a new request (a read may be; a
@@ -133,6 +136,8 @@ class Resubmit(Generic[T]):
     req_id: int
     partition: int
     plans: tuple[Resplit | None, ...]
+    #: The refused request's deadline: the new requests keep it (rule 8).
+    deadline: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +229,10 @@ class ClientSession(Generic[T]):
         # Deadlines in submission order: the timeout is one for all, so the first is the
         # earliest (an OrderedDict finds its first entry in O(1) after many deletions).
         self._deadlines: collections.OrderedDict[int, float] = collections.OrderedDict()
+        # Deadlines earlier than the last submitted (operations submitted again keep
+        # theirs, rule 8): a heap of (deadline, req_id) whose first entry is always of a
+        # request still waiting (:meth:`_forget` drops those gone from its top).
+        self._early: list[tuple[float, int]] = []
         self._due: list[tuple[float, int]] = []  # (due_at, req_id); stale entries skipped
         self._switched = False  # the next map comes from another broker of the pair
         self._moved_at = -1  # the map version of the last MOVED answer (rule 8)
@@ -254,12 +263,14 @@ class ClientSession(Generic[T]):
         *,
         lazy: bool = False,
         parts: Sequence[Part] | None = None,
+        deadline: float | None = None,
     ) -> list[Action[T]]:
         """A request of ``ops`` (their arrays already added to ``encoder``) to ``partition``.
         ``lazy``: no caller waits for its writes (background pushes): their answer may
         come with a later reply (rule 7).  ``parts``: the same operations, one each, with
         their arrays: what is submitted again after ``MOVED`` or a missed read (rules 8,
-        9; without them a ``MOVED`` fails the request)."""
+        9; without them a ``MOVED`` fails the request).  ``deadline``: the end of the
+        wait of operations submitted again (rule 8), when earlier than the session's."""
         cmap = self.map
         info = cmap.partitions.get(partition) if cmap is not None else None
         if cmap is not None and info is None:
@@ -274,10 +285,15 @@ class ClientSession(Generic[T]):
         req_id = next(self._req_ids)
         epoch = info.epoch if info is not None else 0
         frames = encoder.build(Route(MsgType.REQUEST, partition, epoch, req_id), header)
-        deadline = now + self.timeout
+        if deadline is None or deadline > now + self.timeout:
+            deadline = now + self.timeout
         req = _Request(token, partition, frames[1:], epoch, deadline, now, parts=parts)
         self._table[req_id] = req
-        if deadline != math.inf:
+        if deadline == math.inf:
+            pass
+        elif self._deadlines and deadline < next(reversed(self._deadlines.values())):
+            heapq.heappush(self._early, (deadline, req_id))
+        else:
             self._deadlines[req_id] = deadline
         stats = self.stats
         stats.requests += 1
@@ -380,7 +396,7 @@ class ClientSession(Generic[T]):
             actions.append(self.hello())
         self._moved_at = cmap.version
         plans = tuple(resplit(p.body, p.arrays, p.reply_bytes, cmap) for p in req.parts)
-        actions.append(Resubmit(req.token, req_id, req.partition, plans))
+        actions.append(Resubmit(req.token, req_id, req.partition, plans, req.deadline))
         return actions
 
     def on_map(self, new: ClusterMap, now: float) -> list[Action[T]]:
@@ -424,17 +440,9 @@ class ClientSession(Generic[T]):
             req_id, deadline = next(iter(self._deadlines.items()))
             if deadline > now:
                 break
-            expired = self._table[req_id]
-            self._forget(req_id)
-            if isinstance(expired, _Request) and expired.missing:
-                # Waited for a copy of its partition until the end (rule 5): say which.
-                err: BaseException = self._unavailable(expired, now)
-            elif isinstance(expired, _Request) and expired.short:
-                # Refused for want of in-sync replicas until the end: say so.
-                err = NotEnoughReplicasError(expired.short)
-            else:
-                err = ZpsTimeoutError(self._timeout_message(expired))
-            actions.append(Fail(expired.token, err))
+            actions.append(self._expire(req_id, now))
+        while self._early and self._early[0][0] <= now:
+            actions.append(self._expire(self._early[0][1], now))
         while self._due and self._due[0][0] <= now:
             due_at, req_id = heapq.heappop(self._due)
             entry = self._table.get(req_id)
@@ -442,14 +450,29 @@ class ClientSession(Generic[T]):
                 actions.extend(self._resend(req_id, entry, now))
         return actions
 
+    def _expire(self, req_id: int, now: float) -> Fail[T]:
+        expired = self._table[req_id]
+        self._forget(req_id)
+        if isinstance(expired, _Request) and expired.missing:
+            # Waited for a copy of its partition until the end (rule 5): say which.
+            err: BaseException = self._unavailable(expired, now)
+        elif isinstance(expired, _Request) and expired.short:
+            # Refused for want of in-sync replicas until the end: say so.
+            err = NotEnoughReplicasError(expired.short)
+        else:
+            err = ZpsTimeoutError(self._timeout_message(expired))
+        return Fail(expired.token, err)
+
     def earliest_deadline(self) -> float | None:
         """The earliest deadline of a request or timed broker call in flight (None:
         none has one).  Safe from another thread (zps-worker's watchdog): it only reads,
         and a table changed during the read (the driver is busy) gives None."""
         try:
-            return next(iter(self._deadlines.values()), None)
-        except RuntimeError:  # changed during the iteration
+            first = next(iter(self._deadlines.values()), None)
+            early = self._early[0][0] if self._early else None
+        except (RuntimeError, IndexError):  # changed during the read
             return None
+        return first if early is None or (first is not None and first < early) else early
 
     def next_wakeup(self) -> float | None:
         """When :meth:`tick` has something to do next (None: nothing is timed)."""
@@ -462,6 +485,8 @@ class ClientSession(Generic[T]):
             first = next(iter(self._deadlines.values()))
             if at is None or first < at:
                 at = first
+        if self._early and (at is None or self._early[0][0] < at):
+            at = self._early[0][0]
         return at
 
     def unsent(self, req_id: int, now: float) -> None:
@@ -498,6 +523,7 @@ class ClientSession(Generic[T]):
         actions = [Fail(e.token, error) for e in self._table.values()]
         self._table.clear()
         self._deadlines.clear()
+        self._early.clear()
         self._due.clear()
         return actions
 
@@ -506,6 +532,9 @@ class ClientSession(Generic[T]):
     def _forget(self, req_id: int) -> None:
         del self._table[req_id]
         self._deadlines.pop(req_id, None)
+        early = self._early
+        while early and early[0][1] not in self._table:
+            heapq.heappop(early)
 
     def _park(self, req_id: int, req: _Request[T], now: float) -> None:
         """Re-send after a short, growing backoff (or at once on a newer map)."""
