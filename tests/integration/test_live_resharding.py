@@ -9,6 +9,7 @@ applied on a partition that no longer owns its slot shows.
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -336,6 +337,48 @@ def test_broker_sigkilled_mid_move_cancels_it_and_resumes_the_scale(tmp_path: Pa
         assert not problems, "\n".join(problems) + c.logs()
         assert _slots(done) == [2048, 2048]
         assert done["reshard"]["moves_cancelled"] == 1, done["reshard"]
+
+
+@pytest.mark.timeout(240)
+def test_a_broker_that_lost_its_data_dir_after_a_scale_takes_the_shards_slots(
+    tmp_path: Path,
+) -> None:
+    """Scale 2 -> 3, then the broker is SIGKILLed and its data dir lost: started again
+    with the configuration's 2 partitions and no record, it learns the 3 partitions and
+    their slots from the shards' claims (zps/core/slotclaims.py), so the workers' calls
+    go on being answered and every acknowledged push stays exact."""
+    data = tmp_path / "broker"
+    with LocalCluster(partitions=2, shards=3, broker_data_dir=data) as c:
+
+        async def scenario() -> tuple[list[str], dict, dict]:  # type: ignore[type-arg]
+            load = ExactSumLoad(c.address, clients=2, rows_per_partition=64, timeout=60)
+            await load.setup()
+            stop = asyncio.Event()
+            pushing = asyncio.create_task(load.run(stop))
+            await _until(lambda: load.total_pushes >= 50 or pushing.done(), 30, "pushes")
+            answer = await asyncio.to_thread(c.scale, 3)
+            assert answer["ok"], answer
+            scaled = await asyncio.to_thread(c.wait_resharded, 3, 120)
+            await asyncio.to_thread(c.kill, c.broker().pid)
+            shutil.rmtree(data)
+            c.start_broker(grace=2.0)
+            back = await asyncio.to_thread(
+                c.wait_for,
+                lambda s: c.healthy(s) and len(s["partitions"]) == 3,
+                60,
+                "the broker serving the shards' 3 partitions",
+            )
+            mark = load.total_pushes
+            await _until(lambda: load.total_pushes >= mark + 100 or pushing.done(), 60, "more")
+            stop.set()
+            await asyncio.wait_for(pushing, 60)
+            return await load.verify(), scaled, back
+
+        problems, scaled, back = asyncio.run(scenario())
+        assert not problems, "\n".join(problems) + c.logs()
+        assert _slots(back) == _slots(scaled) and sum(_slots(back)) == 4096
+        assert back["map_version"] > scaled["map_version"]
+        assert "the slot map is the shards'" in c.broker().log()
 
 
 @pytest.mark.timeout(240)

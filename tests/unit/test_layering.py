@@ -59,6 +59,7 @@ LAYERS: dict[str, str] = {
     "zps.core.memo": "core",
     "zps.core.replication": "core",
     "zps.core.reshard": "core",
+    "zps.core.slotclaims": "core",
     "zps.core.routing": "core",
     "zps.core.rows": "core",
     # the shard's store: tables, index, snapshots, the sync-mode step buffer

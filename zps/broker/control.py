@@ -378,4 +378,13 @@ class Control:
 def _claim(claim: ShardClaim | None) -> Claim | None:
     if claim is None:
         return None
-    return Claim(claim.partition, claim.epoch, claim.role, claim.lsn, claim.in_sync, claim.complete)
+    return Claim(
+        claim.partition,
+        claim.epoch,
+        claim.role,
+        claim.lsn,
+        claim.in_sync,
+        claim.complete,
+        claim.slots,
+        claim.slot_version,
+    )

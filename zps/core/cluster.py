@@ -42,6 +42,8 @@ Rules:
    shows its final LSN.  If it took writes, both histories hold writes the other lacks: neither
    is overwritten (the newer copy is held) and an error names both copies and the operator's
    choices.  A partition with a held copy is never handed to an empty shard.
+9. A broker that restored no record takes the slot map, and the partition count, from the
+   slots the shards claim during the hold (:mod:`zps.core.slotclaims`).
 
 No I/O and no clock: the broker driver calls these methods with ``now``, sends what they return.
 """
@@ -59,6 +61,7 @@ from zps.core import cluster_map, cluster_status, placement, recovery
 from zps.core.brokerstate import PartitionRecord
 from zps.core.nodes import Assignment, Claim, ClientNode, Partition, ShardNode, merge
 from zps.core.routing import DEFAULT_SLOTS, ClusterMap, RouterInfo, default_slot_map
+from zps.core.slotclaims import SlotClaims
 from zps.protocol.messages import Role
 
 __all__ = ["Assignment", "Claim", "ClientNode", "ClusterState", "ShardNode"]
@@ -89,6 +92,8 @@ class ClusterState:
         self.stale = False  # the record restored is stale (record_stale)
         self.incarnation = uuid.uuid4().hex[:12]
         self.slot_map = default_slot_map(n_slots, n_partitions)
+        #: The slots claimed in the hold, while no record was restored (rule 9).
+        self.slot_claims: SlotClaims | None = SlotClaims(n_slots, n_partitions)
         self.shards: dict[str, ShardNode] = {}
         self.clients: dict[str, ClientNode] = {}
         #: Routing brokers (``zps-server broker --follow``), as clients; see ``routers_of``.
@@ -124,6 +129,7 @@ class ClusterState:
         hold it is lost unless a copy at least as new as its floor came back.  A
         recorded ``slot_map`` (live resharding) brings its partition count with it.
         """
+        self.slot_claims = None  # the record's map counts, not the shards' (rule 9)
         if slot_map is not None:
             if slot_map.shape != (self.n_slots,):
                 raise ValueError(f"the recorded slot map is not of {self.n_slots} slots")
@@ -292,6 +298,8 @@ class ClusterState:
             return [] if old.held is not None else [self._assignment(node_id)]
         node = ShardNode(node_id, host, pid, address, now, zone=zone)
         self.shards[node_id] = node
+        if claim is not None and claim.slots is not None and self.holding(now):
+            self._learn_slots(node_id, claim)
         out: list[Assignment] = []
         if claim is not None and 0 <= claim.partition < self.n_partitions:
             out += self._grant(node, claim, now)
@@ -347,6 +355,22 @@ class ClusterState:
         return []
 
     _distrust = staticmethod(recovery.distrust)
+
+    def _learn_slots(self, node_id: str, claim: Claim) -> None:
+        """Rule 9: the slots ``claim`` says its copy serves shape the map."""
+        if self.slot_claims is None or claim.slots is None:
+            return
+        served = [p.primary is not None or bool(p.replicas) for p in self._parts]
+        notice, learned = self.slot_claims.take(
+            node_id, claim.partition, claim.slots, claim.slot_version, self.slot_map, served
+        )
+        if notice is not None:
+            self.notices.append(notice)
+        if learned is not None:
+            self.slot_map = learned.slot_map
+            self._resize(learned.partitions)
+            self.map_version = max(self.map_version, learned.version)
+            self._publish()
 
     def _contend(self, node: ShardNode, claim: Claim) -> list[Assignment]:
         """A newer copy than the serving primary's origin came back (rule 8)."""

@@ -23,6 +23,9 @@ class Claim:
     in_sync: bool = False
     #: False: the copy may lack writes it acknowledged (see ``ShardClaim.complete``).
     complete: bool = True
+    #: The slots it serves (packed bits) and their map version (``ShardClaim.slots``).
+    slots: bytes | None = None
+    slot_version: int = 0
 
 
 @dataclass

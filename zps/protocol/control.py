@@ -26,6 +26,9 @@ from zps.protocol.fields import (
 
 # -- shard -> broker ---------------------------------------------------------------
 
+#: The bytes of a claim's slot bits at most (2**20 slots).
+MAX_SLOT_BYTES = 1 << 17
+
 
 @dataclass(frozen=True, slots=True)
 class ShardClaim:
@@ -39,10 +42,18 @@ class ShardClaim:
     #: False when the copy may lack writes it acknowledged: restored from a checkpoint
     #: with no log after it (``durability="none"``) other than one written at shutdown.
     complete: bool = True
+    #: The slots the copy serves, one bit per slot (``numpy.packbits``), and the version
+    #: of the map they match: a broker without its record learns the slot map (live
+    #: resharding changed it) from them.  Absent: an older shard.
+    slots: bytes | None = None
+    slot_version: int = 0
 
     @classmethod
     def parse(cls, h: object) -> ShardClaim:
         c = _header(h, "claim")
+        slots = c.get("slots")
+        if slots is not None and (not isinstance(slots, bytes) or len(slots) > MAX_SLOT_BYTES):
+            raise ProtocolError(f"claim slots must be bytes, at most {MAX_SLOT_BYTES}")
         return cls(
             partition=_int(_field(c, "partition", "claim"), "claim partition", hi=2**31 - 1),
             epoch=_int(_field(c, "epoch", "claim"), "claim epoch"),
@@ -50,10 +61,12 @@ class ShardClaim:
             lsn=_opt_int(c, "lsn", "claim lsn", 0),
             in_sync=_bool(c.get("in_sync", False), "claim in_sync"),
             complete=_bool(c.get("complete", True), "claim complete"),
+            slots=slots,
+            slot_version=_opt_int(c, "slot_version", "claim slot_version", 0),
         )
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire: dict[str, Any] = {
             "partition": self.partition,
             "epoch": self.epoch,
             "role": self.role.value,
@@ -61,6 +74,10 @@ class ShardClaim:
             "in_sync": self.in_sync,
             "complete": self.complete,
         }
+        if self.slots is not None:
+            wire["slots"] = self.slots
+            wire["slot_version"] = self.slot_version
+        return wire
 
 
 @dataclass(frozen=True, slots=True)

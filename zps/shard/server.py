@@ -414,6 +414,11 @@ class ShardServer:
 
     def _register(self, refused: tuple[int, int] | None = None) -> None:
         claim = self.session.claim(self.core.lsn)
+        slots = self.core.slots
+        if claim is not None and slots is not None and claim["partition"] == self.core.partition:
+            # The slots it serves: a broker without its record learns the slot map from them.
+            claim["slots"] = np.packbits(slots.owned).tobytes()
+            claim["slot_version"] = slots.version
         register = ShardRegister(
             host=self.config.host or socket.gethostname(),
             pid=os.getpid(),
