@@ -646,6 +646,28 @@ def test_operations_moved_again_and_again_keep_the_first_deadline() -> None:
     raise AssertionError("the operation was still waiting past its deadline")
 
 
+def test_a_partition_a_restarted_broker_does_not_list_yet_is_waited_for() -> None:
+    # The broker restarted without its record: its first maps have the configured 2
+    # partitions until the shards' claims bring back the third (zps/core/slotclaims.py).
+    s = session(cmap(n=3))
+    msg = only_send(submit(s, "a", p=2))
+    assert s.on_map(cmap(1, incarnation="b2", n=2), 0.1) == []  # waits: no Fail
+    [again] = sent(s.on_map(cmap(2, incarnation="b2", n=3), 0.2))
+    assert again.route.req_id == msg.route.req_id and again.route.partition == 2
+    # Still unlisted at its deadline: it fails naming what it waited for.
+    only_send(submit(s, "b", p=2))
+    assert s.on_map(cmap(3, incarnation="b3", n=2), 0.3) == []
+    failed = [a for a in s.tick(TIMEOUT + 0.1) if isinstance(a, Fail)]
+    assert {f.token for f in failed} == {"a", "b"}
+    err = failed[0].error
+    assert isinstance(err, ShardUnavailableError) and "broker that restarted" in str(err)
+    # A map of the same incarnation that dropped the partition fails it at once.
+    s = session(cmap(n=3))
+    only_send(submit(s, "c", p=2))
+    [out] = s.on_map(cmap(2, n=2), 0.1)
+    assert isinstance(out, Fail) and "not in the cluster map" in str(out.error)
+
+
 def test_moved_without_the_parts_fails_the_request_naming_moved() -> None:
     s = session()
     msg = only_send(submit(s, "a"))

@@ -29,8 +29,11 @@ Rules:
    is sent at once on a map that names one.  Its deadline (``now + timeout`` at
    submission) ends the wait: one still waiting for a copy then fails with
    ShardUnavailableError naming the partition, what was missing and how long it waited;
-   any other as rule 3 says, or with ZpsTimeoutError naming its last refusal.  Lazy
-   requests wait alike.  Calls made ``forever``, and every request of a session whose
+   any other as rule 3 says, or with ZpsTimeoutError naming its last refusal.  A
+   partition that a map from a new broker incarnation does not list, while the request
+   was submitted under another, is waited for alike: a broker that restarted without its
+   record learns the partitions from the shards during its hold (zps/core/slotclaims.py).
+   Lazy requests wait alike.  Calls made ``forever``, and every request of a session whose
    timeout is infinite, have no deadline and wait as long as it takes.  A partition the
    map does not have fails at once.
 6. With a broker pair (:class:`BrokerChoice`), a switch to the other broker re-sends
@@ -98,6 +101,7 @@ RETRY_CODES = frozenset(
 LOST = "lost"
 NO_PRIMARY = "no primary"
 NO_COPY = "no live copy"
+UNLISTED = "not listed by the restarted broker"
 #: Refusals that say no copy of the partition serves (rule 5), with what is missing.
 _MISSING_BY_CODE = {"SHARD_UNAVAILABLE": NO_COPY, "NOT_PRIMARY": NO_PRIMARY}
 #: The broker calls: answered by the broker itself, with a reply of the same type.
@@ -194,6 +198,8 @@ class _Request(Generic[T]):
     last: str = ""  # the last refusal (code: message), named by a timeout
     #: Its operations as they may be submitted again (rules 8, 9); None: never.
     parts: Sequence[Part] | None = None
+    #: The broker incarnation of the map it was submitted under (rule 5).
+    incarnation: str = ""
 
 
 @dataclass(slots=True)
@@ -288,6 +294,7 @@ class ClientSession(Generic[T]):
         if deadline is None or deadline > now + self.timeout:
             deadline = now + self.timeout
         req = _Request(token, partition, frames[1:], epoch, deadline, now, parts=parts)
+        req.incarnation = cmap.incarnation if cmap is not None else ""
         self._table[req_id] = req
         if deadline == math.inf:
             pass
@@ -369,7 +376,12 @@ class ClientSession(Generic[T]):
             # (rules 3 and 5).
             text = str(header.get("msg", ""))
             cmap = self.map
-            if status == "SHARD_UNAVAILABLE" and cmap and entry.partition not in cmap.partitions:
+            if (
+                status == "SHARD_UNAVAILABLE"
+                and cmap
+                and entry.partition not in cmap.partitions
+                and not _unlisted(entry, cmap)
+            ):
                 self._forget(req_id)
                 return [Fail(entry.token, self._no_such(entry.partition, now - entry.submitted))]
             entry.short = text if status == "NOT_ENOUGH_REPLICAS" else ""
@@ -545,11 +557,12 @@ class ClientSession(Generic[T]):
     def _resend(self, req_id: int, req: _Request[T], now: float) -> list[Action[T]]:
         cmap = self.map
         info = cmap.partitions.get(req.partition) if cmap is not None else None
-        if cmap is not None and info is None:
+        unlisted = cmap is not None and info is None and _unlisted(req, cmap)
+        if cmap is not None and info is None and not unlisted:
             self._forget(req_id)
             return [Fail(req.token, self._no_such(req.partition, now - req.submitted))]
         req.attempts += 1
-        missing = _missing(info)
+        missing = UNLISTED if unlisted else _missing(info)
         if missing:  # still no copy serves (rule 5): checked again at the backoff time
             if missing != req.missing:
                 req.missing, req.why = missing, ""
@@ -584,6 +597,8 @@ class ClientSession(Generic[T]):
         elif req.missing == NO_PRIMARY:
             why = req.why or "a promotion, the broker's start-up hold, or no copy to elect yet"
             what = f"partition {p} has no primary ({why})"
+        elif req.missing == UNLISTED:
+            what = f"partition {p} is not in the map of the broker that restarted"
         else:
             what = f"partition {p} has no live copy" + (f" ({req.why})" if req.why else "")
         return ShardUnavailableError(
@@ -624,6 +639,11 @@ def _unanswered(parts: Sequence[Part] | None, header: dict[str, Any]) -> tuple[i
         for i, (p, r) in enumerate(zip(parts, res, strict=True))
         if r is None and p.body.get("op") in READS
     )
+
+
+def _unlisted(req: _Request[Any], cmap: ClusterMap) -> bool:
+    """A map of another broker incarnation than the request's lacks its partition (rule 5)."""
+    return bool(req.incarnation) and req.incarnation != cmap.incarnation
 
 
 def _missing(info: PartitionInfo | None) -> str:
