@@ -15,7 +15,8 @@ flight is maybe applied); a restart is a new process with a new client (a new cl
 
 The world's rows are ids chosen by the run's slot map: row ``r`` is the smallest id not
 taken by a lower row whose slot the map gives partition ``r % partitions``, as the
-stand-in routes row ``r`` (the map's slots never move in a run: no live resharding).
+stand-in routes row ``r``; once the ``reshard`` fault moves slots, the client routes each
+row's id by the map it holds, as any worker's does.
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ class RealClient:
 
         async def call() -> None:
             await self._when_ready(op)
-            await self._client_call("push_rows", [self.w.row_ids[p]], [[0.0]])
+            await self._client_call("push_rows", [self._key_in(p)], [[0.0]])
 
         self._call(op, call)
         return op
@@ -255,6 +256,22 @@ class RealClient:
 
         self._call(op, call)
         return op
+
+    def _key_in(self, p: int) -> int:
+        """An id the client's map routes to partition ``p`` (row ``p``'s while the map
+        is the run's first: the world's rows are chosen so)."""
+        client, rows = self.client, self.w.row_ids
+        assert client is not None and rows is not None
+        ids: list[int] = list(rows)
+        cmap = client.cluster_map
+        if p < len(ids) and partition_of(cmap, ids[p]) == p:
+            return ids[p]
+        if p not in cmap.partitions or p not in cmap.slot_list:
+            return ids[p % len(ids)]  # no slot of it: where the map sends the row
+        key = 0
+        while partition_of(cmap, key) != p:
+            key += 1
+        return key
 
     async def _when_ready(self, op: Op) -> None:
         """Wait until the client is connected; the call's deadline starts then.  The

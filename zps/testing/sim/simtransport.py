@@ -452,7 +452,7 @@ CLOCK_MODULES = ("zps.transport.flow", "zps.ops.metrics")
 
 #: Modules whose ``uuid`` name the run replaces: their incarnations are numbered, so a
 #: seed fixes them (a pair's beats and a new state's incarnation).
-UUID_MODULES = ("zps.broker.pair", "zps.core.cluster")
+UUID_MODULES = ("zps.broker.pair", "zps.core.cluster", "zps.broker.reshard")
 
 Saved = list[tuple[Any, str, Any]]
 

@@ -48,8 +48,12 @@ PAIR = ("failover",)
 #: all for a while, its pipes filling to their high-water mark, or a shard's slow disk;
 #: ``client``, a client's process killed and started again (a new session).
 NAMED_ONLY = ("slow", "client")
+#: Live resharding, only when named and with the real client (which routes ids by the
+#: map's slots): ``reshard``, the operator scales the cluster to 1, 2 or 3 partitions
+#: (``zps-server scale``) while it runs, or cancels the scaling under way.
+RESHARD = ("reshard",)
 #: Every fault that may be named.
-NAMED = (*FAULTS, *LOADS, *PAIR, *NAMED_ONLY)
+NAMED = (*FAULTS, *LOADS, *PAIR, *NAMED_ONLY, *RESHARD)
 #: The brokers of a pair: the stand-in's, or the real ones (--real-broker).
 PAIRED = (PairBroker, RealPairBroker)
 #: Bounds on what any queue may hold (the "queues bounded" check).
@@ -98,6 +102,12 @@ class World:
         if unknown:
             known = ", ".join(NAMED)
             raise ValueError(f"unknown faults {sorted(unknown)}; known: {known}")
+        if "reshard" in self.faults:
+            if not real_client:
+                raise ValueError("the reshard fault needs --real-client (the stand-in "
+                                 "clients send each row to a fixed partition)")  # fmt: skip
+            # Spares for the third partition's copies (and the partitions' shards).
+            n_shards = max(n_shards, 2 * 3)
         self.sched = Scheduler(seed, trace=trace)
         self.net = Network(self.sched)
         self.n_partitions = n_partitions
@@ -342,6 +352,8 @@ class World:
                 self.sched.after(rng.uniform(0.1, 1.5), functools.partial(self._start, br))
         elif kind == "failover":
             self._failover()
+        elif kind == "reshard":
+            self._reshard()
         elif kind == "slow":
             self._slow()
         elif kind == "client":
@@ -360,6 +372,38 @@ class World:
             self.note(f"broker restarts {'with' if keep else 'WITHOUT'} its record in {back:.2f}s")
             self.broker.stop(keep_record=keep)
             self.sched.after(back, self._broker_back)
+
+    def _reshard(self) -> None:
+        """The operator asks the serving broker to scale to 1, 2 or 3 partitions (as
+        ``zps-server scale --partitions N`` does), or, while a scaling is under way, to
+        cancel it; the broker's process takes the command when it runs (held while it is
+        paused), and the answer goes to the trace."""
+        rng = self.sched.rng
+        b = self.serving()
+        if not isinstance(b, RealBroker) or not b.alive or b.broker is None or b.proc is None:
+            return
+        broker = b.broker
+        under_way = broker.reshard.record is not None
+        if under_way and rng.random() < 0.3:
+            self.note(f"cancel the scaling under way at {b.name}")
+            command = broker.reshard.cancel
+        else:
+            current = broker.state.n_partitions
+            target = rng.choice([n for n in (1, 2, 3) if n != current])
+            self.note(f"scale {b.name}'s cluster from {current} to {target} partitions")
+            command = functools.partial(self._scale, broker, target)
+
+        def take() -> None:
+            if b.broker is broker and b.alive:
+                answer = command()
+                self.sched.log(f"{b.name} answers the operator: {answer.get('msg')}")
+
+        assert self.loop is not None
+        self.loop.call_soon(take, context=b.proc.context.copy())
+
+    def _scale(self, broker: Any, target: int) -> dict[str, Any]:
+        answer: dict[str, Any] = broker.reshard.request(target, self.sched.now)
+        return answer
 
     def _failover(self) -> None:
         """The active broker of the pair is killed (back with its data dir), paused past
@@ -535,7 +579,11 @@ class World:
             for p in range(self.n_partitions):
                 rows = [r for r in range(self.rows) if r % self.n_partitions == p]
                 reads.append(reader.read(p, rows))
-                probes.append(reader.probe(p))
+                if "reshard" not in self.faults:
+                    probes.append(reader.probe(p))
+            if "reshard" in self.faults:
+                # The partitions are the final map's (scaled to 1, 2 or 3).
+                probes.extend(reader.probe(p) for p in sorted(self.serving().state.map.partitions))
 
         sched.after(0.2, read)
         sched.run_until(self.end)
