@@ -29,12 +29,6 @@ for pid in map(int, sys.argv[1:]):
 PIDS = (7, 4194303)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="zps.ops.datadir writes the process's pid in a shard's LOCK, a file a power loss "
-    "tears at a point drawn from its length: the shard's pid seam (zps/testing/sim/"
-    "shardnet.py, _OS) must cover that module too",
-)
 @pytest.mark.timeout(180)
 def test_a_real_shard_run_is_the_same_under_any_pid() -> None:
     # A process of its own: the pid is the whole process's, threads of earlier tests

@@ -42,15 +42,16 @@ def test_a_run_drives_the_real_shards() -> None:
 
 
 def test_a_seed_replays_exactly_in_any_process(sim: Runs) -> None:
-    # Worker processes: a real shard writes its process's pid in its data dir's LOCK, which
-    # a power loss tears at a point drawn from the file's length, so a run here, where the
-    # pid may be of another length than a worker's, may differ (tests/unit/
-    # test_sim_process.py).  The budget's run of the seed and one of its own, in whichever
-    # workers take them after whatever seeds they ran before.
+    # The budget's run of the seed in a worker, after whatever seeds it ran before, one of
+    # its own in a worker, and one here, in the suite's own process after the other tests:
+    # one run (nothing of a process, its pid included, reaches a run: tests/unit/
+    # test_sim_process.py).
     runs = [sim.submit(5, real_shard=True), sim.submit(5, fresh=True, real_shard=True)]
     runs.append(sim.submit(6, real_shard=True))
+    here = run_seed(5, real_shard=True)
     a, b, c = (run.result() for run in runs)
     assert_same_run(a, b)
+    assert_same_run(here, b)
     assert a.schedule and c.digest != a.digest
 
 

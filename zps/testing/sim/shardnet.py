@@ -26,7 +26,9 @@ writer after the process's disk latency), the thread that drops a partition's me
 (``zps.shard.server``'s ``threading``: :data:`INLINE_THREADS`).  Shared memory is off
 (``shard.shm_bytes`` 0) and so is CURVE.  The shard's ``ShardCore`` reads the run's clock
 (``zps.shard.server``'s ``ShardCore`` name), its incarnation is numbered (its ``uuid``)
-and its pid is the same in every worker process (its ``os``).
+and its pid is the same in every process (the ``os`` of :data:`PID_MODULES`): it goes in
+the shard's REGISTER and in its data dir's ``LOCK`` (``zps.ops.datadir``), a file a power
+loss may tear at a point drawn from its length.
 """
 
 from __future__ import annotations
@@ -242,18 +244,25 @@ class _Threading:
 INLINE_THREADS = _Threading()
 
 
+#: The pid of every simulated shard process: one constant, as long as a real process's
+#: commonly is (five digits), so a shard's ``LOCK`` is as long as a real shard's.
+PID = 10_000
+
+
 class _OS:
-    """``zps.shard.server``'s ``os``: the real one, the pid the same in every process
-    (it goes in the shard's REGISTER)."""
+    """The ``os`` of :data:`PID_MODULES`: the real one, the pid :data:`PID` in every process."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(os, name)
 
     @staticmethod
     def getpid() -> int:
-        return 1
+        return PID
 
 
+#: The shard's modules whose ``os`` name the run replaces (:class:`_OS`): the pid
+#: the shard sends, and the one it writes in its data dir's ``LOCK``.
+PID_MODULES = ("zps.shard.server", "zps.ops.datadir")
 #: The shard's modules whose ``transport`` name the run replaces.
 TRANSPORT_MODULES = (
     "zps.shard.server",
@@ -302,6 +311,7 @@ def install() -> simtransport.Saved:
     put(server, "ShardCore", functools.partial(core.ShardCore, clock=CLOCK.monotonic))
     ids = itertools.count(1)
     put(server, "uuid", types.SimpleNamespace(uuid4=lambda: uuid.UUID(int=next(ids) << 80)))
-    put(server, "os", _OS())
+    for modname in PID_MODULES:
+        put(importlib.import_module(modname), "os", _OS())
     put(server, "threading", INLINE_THREADS)
     return saved
