@@ -86,6 +86,20 @@ def test_verdicts() -> None:
     assert s.take_map(~owned, 9) and s.verdict(np.array([0])) == "MOVED"
 
 
+def test_a_partition_a_move_involved_takes_no_slot_from_a_map() -> None:
+    # A broker of a pair that took over with an older record publishes a newer map
+    # version giving the partition back slots it released: the records decide, not it.
+    owned = np.zeros(8, np.bool_)
+    owned[:4] = True
+    s = SlotState.of(owned, 5)
+    s.active = True
+    s.owned[3] = False  # released by a move
+    assert not s.take_map(owned, 9) and not s.owned[3] and s.version == 5
+    assert s.verdict(np.array([3])) == "MOVED"
+    # A map that agrees moves the version on (the claim a broker learns from).
+    assert s.take_map(s.owned.copy(), 10) and s.version == 10
+
+
 def test_a_move_between_two_cores_keeps_values_state_and_exactly_once() -> None:
     src, dst = Shard(0), Shard(1)
     everything = list(range(N_SLOTS))

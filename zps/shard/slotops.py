@@ -145,9 +145,19 @@ class SlotState:
         return cls(owned.copy(), np.zeros(n, np.bool_), np.zeros(n, np.bool_), version)
 
     def take_map(self, owned: npt.NDArray[np.bool_], version: int) -> bool:
-        """A newer map while no move involves this partition: its slots are the map's."""
+        """A newer map while no move involves this partition: its slots are the map's.
+        Once a move involved it (``active``), its slots change only by the moves'
+        records (an activation gives, a release takes): a map that says otherwise is
+        one a broker published from an older record (a pair's takeover), and taking it
+        would serve released rows, or drop slots another copy did not import; only a
+        map that agrees moves the version on."""
         if self.moving or version <= self.version or owned.shape != self.owned.shape:
             return False
+        if self.active:
+            if not np.array_equal(owned, self.owned):
+                return False
+            self.version = version
+            return True
         if not np.array_equal(owned, self.owned):
             self.clean = None
         self.owned = owned.copy()
