@@ -477,8 +477,10 @@ def test_scale_command_line(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_broker_pair_takeover_mid_move_keeps_exact_sums(tmp_path: Path) -> None:
     """The active broker of a pair is SIGKILLed while a move copies: the standby takes
-    over with the mirrored record (the move recorded as copying), cancels the move and
-    finishes the resharding; every acknowledged push is there exactly once."""
+    over with the mirrored record (the move recorded as copying) and cancels the move;
+    no move starts while its peer is away (a silent peer may be one cut off that takes
+    over with what it holds), and once the killed broker is back as its standby the
+    resharding finishes; every acknowledged push is there exactly once."""
     from zps.testing import PairCluster
 
     c = PairCluster(partitions=1, shards=2, broker_data_dir=tmp_path / "b")
@@ -505,6 +507,14 @@ def test_broker_pair_takeover_mid_move_keeps_exact_sums(tmp_path: Path) -> None:
             )
             active = await asyncio.to_thread(c.active_broker)
             await asyncio.to_thread(c.kill, active.pid)
+            waiting = await asyncio.to_thread(
+                c.wait_for,
+                lambda s: "standby broker" in s["reshard"]["last_error"],
+                60,
+                "the resharding waiting for the standby",
+            )
+            assert _slots(waiting) == [4096, 0]  # the cancelled move's slots stayed
+            c.restart_broker(active)
             done = await asyncio.to_thread(c.wait_resharded, 2, 150)
             mark = load.total_pushes
             await _until(lambda: load.total_pushes >= mark + 50 or pushing.done(), 60, "more")
@@ -516,6 +526,5 @@ def test_broker_pair_takeover_mid_move_keeps_exact_sums(tmp_path: Path) -> None:
         assert not problems, "\n".join(problems) + c.logs()
         assert _slots(done) == [2048, 2048]
         assert done["reshard"]["moves_cancelled"] == 1, done["reshard"]
-        # The killed peer holds no copy to wait for: no move's fence waits for it (it
-        # waited 4 x peer_timeout for each record, holding every fence for 4 s).
+        # No fence waits for the standby: a move starts once it holds the move's record.
         assert done["reshard"]["max_fenced_s"] < 2.0, done["reshard"]

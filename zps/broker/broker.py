@@ -309,8 +309,8 @@ class Broker:
     def state_changed(self) -> None:
         self.record.state_changed()
 
-    async def persisted(self) -> None:
-        await self.record.persisted()
+    async def persisted(self, *, standby: bool = False) -> bool:
+        return await self.record.persisted(standby=standby)
 
     def pair_record(self, version: int) -> BrokerState:
         return self.record.pair_record(version)

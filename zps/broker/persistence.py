@@ -174,11 +174,15 @@ class Record:
         # answer a repeated commit from their dedup record).
         self.training.restore(rec.clocks, rec.jobs)
 
-    async def persisted(self) -> None:
+    async def persisted(self, *, standby: bool = False) -> bool:
         """Wait until the state record as it is now is in the data dir (at once without
         one) and, in a pair, in the standby's copy (it takes over with it), unless the
         peer is gone: a dead peer takes nothing over (it stands by when it comes back,
-        and is sent the state then), and waiting for it would hold the caller."""
+        and is sent the state then), and waiting for it would hold the caller.
+        ``standby``: a peer that is silent is not taken for gone (a peer cut off from
+        this broker and from the clients takes over, with the record it holds): wait
+        for it to hold the record, at most 4 x ``peer_timeout``; returns whether it
+        does (always True without a pair)."""
         writer = self.writer
         if writer is not None:
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -194,10 +198,12 @@ class Record:
             deadline = time.monotonic() + 4 * self.config.peer_timeout
             while (
                 not pair.peer_holds_now()
-                and pair.peer_alive(time.monotonic())
+                and (standby or pair.peer_alive(time.monotonic()))
                 and time.monotonic() < deadline
             ):
                 await asyncio.sleep(0.01)
+            return not standby or pair.peer_holds_now()
+        return True
 
     def apply_state(self, rec: BrokerState, detector: FailureDetector) -> None:
         """Take over a recorded state (at start, before any node is known); the

@@ -88,6 +88,17 @@ class MoveFailed(RuntimeError):
     """A request of a move failed: the move is cancelled and planned again."""
 
 
+class StandbyAway(Exception):
+    """The standby broker of the pair does not hold the record of the next move: no
+    move starts (nothing fenced, nothing imported) until it does."""
+
+
+class Superseded(Exception):
+    """The broker's state was replaced (it stepped down, or took over again: see
+    :meth:`Resharder.restore`): the step under way is not this state's, and sends
+    nothing more; the record restored decides what comes next."""
+
+
 @dataclass
 class ReshardStats:
     moves_done: int = 0
@@ -141,6 +152,8 @@ class Resharder:
         self._futures: dict[int, asyncio.Future[MoveReply]] = {}
         self._wake = asyncio.Event()
         self._cancel = False
+        #: Bumped by :meth:`restore`: a step begun under an older state stops (Superseded).
+        self._gen = 0
         self._progress: dict[str, Any] = {}
         #: No move fences its slots before then (monotonic): see :meth:`_breathe`.
         self._fence_after = 0.0
@@ -151,6 +164,10 @@ class Resharder:
         """A recorded resharding (broker start or takeover): resumed once routing."""
         self.record = rec
         self.cid = b"\x00mv-" + uuid.uuid4().hex[:16].encode()
+        self._gen += 1
+        for fut in self._futures.values():
+            if not fut.done():
+                fut.cancel()
         if rec is not None:
             self._wake.set()
 
@@ -177,6 +194,10 @@ class Resharder:
                 "msg": f"scaling to {self.record.target} partitions is under way; "
                 "cancel it first (zps-server scale --cancel)",
             }
+        if self.record is not None:
+            # The same command again: the scaling under way goes on (its record, with
+            # the move in flight, stays: replacing it would leave that move's fence).
+            return {"ok": True, "msg": f"scaling to {target} partitions is under way"}
         missing = [p for p in range(state.n_partitions) if state.primary_of(p) is None]
         if missing:
             return {"ok": False, "msg": f"partitions {missing} have no primary; scale later"}
@@ -277,16 +298,28 @@ class Resharder:
                     await asyncio.sleep(0.2)
                     continue
                 try:
-                    await self._step()
-                except asyncio.CancelledError:
-                    if not self._cancel:
+                    try:
+                        await self._step()
+                    except Superseded:
                         raise
-                    await self._failed("cancelled by an operator")
-                except MoveFailed as e:
-                    await self._failed(str(e))
-                except Exception as e:  # a bug, or an answer it cannot read: never the broker's end
-                    log.exception("slot move failed")
-                    await self._failed(f"{type(e).__name__}: {e}")
+                    except StandbyAway as e:
+                        if self.stats.last_error != str(e):
+                            log.warning("live resharding waits: %s", e)
+                        self.stats.last_error = str(e)
+                        await asyncio.sleep(1.0)
+                    except asyncio.CancelledError:
+                        if not self._cancel:
+                            raise
+                        await self._failed("cancelled by an operator")
+                    except MoveFailed as e:
+                        await self._failed(str(e))
+                    except (
+                        Exception
+                    ) as e:  # a bug, or an answer it cannot read: never the broker's end
+                        log.exception("slot move failed")
+                        await self._failed(f"{type(e).__name__}: {e}")
+                except Superseded:
+                    log.info("the slot move under way was left: this broker's state was replaced")
 
     def _routing(self) -> bool:
         return self.host.routing()
@@ -429,8 +462,14 @@ class Resharder:
 
     async def _persisted(self) -> None:
         """Wait until the state as it is now survives this broker (its data dir, its
-        standby): a broker taking over must know the move."""
+        standby unless the peer is silent)."""
         await self.host.persisted()
+
+    async def _in_standby(self) -> bool:
+        """Wait until the state as it is now is in this broker's data dir and in its
+        standby's record, even a silent one: a peer cut off from this broker and from
+        the clients takes over with what it holds.  False: it does not hold it yet."""
+        return await self.host.persisted(standby=True)
 
     def _owned(self, p: int) -> list[int]:
         return [int(s) for s in np.flatnonzero(self.host.state.slot_map == p)]
@@ -457,7 +496,16 @@ class Resharder:
         def mark(what: str) -> None:
             marks.append((what, time.monotonic()))
 
-        await self._persisted()  # before the fence: a broker taking over must know it
+        # Before the fence: a broker taking over must know it (else the fence would stay).
+        if not await self._in_standby():
+            cur = self.record
+            if cur is not None:
+                self._set(replace(cur, source=-1, dest=-1, slots=(), stage=""))
+            await self._persisted()
+            raise StandbyAway(
+                "the standby broker of the pair does not hold the next move's record "
+                "(silent or behind): no move starts until it does"
+            )
         mark("recorded")
         training = self.host.training
         training.paused = True
@@ -514,7 +562,15 @@ class Resharder:
             assert rec is not None
             copied = replace(rec, stage="copied")
             self._set(copied)
-            await self._persisted()
+            # Past this the move is completed, never undone: a broker taking over must
+            # hold "copied" (with "copying" it would drop the destination's import).
+            # Until the standby holds it the move waits, fenced, neither undone nor
+            # completed: the broker that ends up active decides by its own record.
+            gen = self._gen
+            while not await self._in_standby():
+                if gen != self._gen:
+                    raise Superseded()
+                log.warning("slot move %d -> %d waits for the standby broker", source, dest)
             mark("recorded_copied")
             after = await self._finish(copied, mark)
         finally:
@@ -721,6 +777,7 @@ class Resharder:
     ) -> tuple[dict[str, Any], list[BufferLike]]:
         """One request to partition ``p``'s primary, re-sent (same sequence number)
         until it is answered; the first operation's result and the reply's arrays."""
+        gen = self._gen
         header = {"cid": self.cid, "seq": next(self._seqs), "ops": ops}
         state = self.host.state
         limit = self.request_timeout if timeout is None else timeout
@@ -729,6 +786,8 @@ class Resharder:
         what = f"{ops[0]['op']} on partition {p}"
         last = "no answer"
         while True:
+            if gen != self._gen:
+                raise Superseded()
             if time.monotonic() > deadline:
                 raise MoveFailed(f"{what}: {last} after {limit:g}s")
             primary = state.primary_of(p) if p < state.n_partitions else None
@@ -748,8 +807,11 @@ class Resharder:
                 continue
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                if self._cancel and (task is None or not task.cancelling()):
-                    raise MoveFailed("cancelled by an operator") from None
+                if task is None or not task.cancelling():
+                    if gen != self._gen:
+                        raise Superseded() from None
+                    if self._cancel:
+                        raise MoveFailed("cancelled by an operator") from None
                 raise
             finally:
                 self._futures.pop(req_id, None)

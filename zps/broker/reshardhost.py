@@ -34,8 +34,9 @@ class ReshardHost(Protocol):
     def state_changed(self) -> None:
         """The state record changed (the resharding record is part of it)."""
 
-    async def persisted(self) -> None:
-        """Return once the state record as it is now survives the broker."""
+    async def persisted(self, *, standby: bool = False) -> bool:
+        """Return once the state record as it is now survives the broker; ``standby``:
+        in a pair, only once the standby holds it (False: it did not within the bound)."""
 
     async def apply(self, assignments: list[Assignment]) -> None:
         """Send the shards these assignments."""
