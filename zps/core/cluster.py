@@ -42,8 +42,9 @@ Rules:
    shows its final LSN.  If it took writes, both histories hold writes the other lacks: neither
    is overwritten (the newer copy is held) and an error names both copies and the operator's
    choices.  A partition with a held copy is never handed to an empty shard.
-9. A broker that restored no record takes the slot map, and the partition count, from the
-   slots the shards claim during the hold (:mod:`zps.core.slotclaims`).
+9. A broker that restored no record, or a record found stale, takes the slot map, and the
+   partition count, from the slots the shards claim during the hold
+   (:mod:`zps.core.slotclaims`).
 
 No I/O and no clock: the broker driver calls these methods with ``now``, sends what they return.
 """
@@ -94,6 +95,7 @@ class ClusterState:
         self.slot_map = default_slot_map(n_slots, n_partitions)
         #: The slots claimed in the hold, while no record was restored (rule 9).
         self.slot_claims: SlotClaims | None = SlotClaims(n_slots, n_partitions)
+        self._recorded_version = 0
         self.shards: dict[str, ShardNode] = {}
         self.clients: dict[str, ClientNode] = {}
         #: Routing brokers (``zps-server broker --follow``), as clients; see ``routers_of``.
@@ -130,6 +132,7 @@ class ClusterState:
         recorded ``slot_map`` (live resharding) brings its partition count with it.
         """
         self.slot_claims = None  # the record's map counts, not the shards' (rule 9)
+        self._recorded_version = map_version
         if slot_map is not None:
             if slot_map.shape != (self.n_slots,):
                 raise ValueError(f"the recorded slot map is not of {self.n_slots} slots")
@@ -147,9 +150,17 @@ class ClusterState:
         self._publish()
 
     def record_stale(self) -> None:
-        """The record restored is older than a term some shard obeyed (recovery.unpin)."""
+        """The record restored is older than a term some shard obeyed (recovery.unpin);
+        the slots claimed in the hold newer than its map count (rule 9)."""
         self.stale = True
         recovery.unpin(self._parts)
+        if self.slot_claims is None:
+            self.slot_claims = SlotClaims(
+                self.n_slots, self.n_partitions, base=self.slot_map, floor=self._recorded_version
+            )
+            for node in self.shards.values():  # claims taken before it was found stale
+                if node.claimed is not None:
+                    self._learn_slots(node.node_id, node.claimed)
 
     # -- live resharding (zps/broker/reshard.py drives it) -----------------------
 
@@ -298,8 +309,10 @@ class ClusterState:
             return [] if old.held is not None else [self._assignment(node_id)]
         node = ShardNode(node_id, host, pid, address, now, zone=zone)
         self.shards[node_id] = node
-        if claim is not None and claim.slots is not None and self.holding(now):
-            self._learn_slots(node_id, claim)
+        if claim is not None and claim.slots is not None:
+            node.claimed = claim
+            if self.holding(now):
+                self._learn_slots(node_id, claim)
         out: list[Assignment] = []
         if claim is not None and 0 <= claim.partition < self.n_partitions:
             out += self._grant(node, claim, now)

@@ -51,6 +51,8 @@ class ShardNode:
     #: (the shard is not made a spare) until a newer copy returns or an operator
     #: accepts this one.
     held: Claim | None = None
+    #: The claim it registered with, when it named the slots it serves (cluster rule 9).
+    claimed: Claim | None = None
 
 
 @dataclass

@@ -7,15 +7,21 @@ shards, serving the slots they were last given, answer ``MOVED`` for ever.  Each
 shard's claim carries the slots it serves and the map version they match
 (``ShardClaim.slots``); during the start-up hold the broker takes them.
 
+The same holds for a broker of a pair that takes over with a record found stale
+(BinaryStar rule 7: a shard obeyed a newer term, whose active broker may have moved
+slots the record does not know of).
+
 Rules:
 
-1. Only a broker that restored no record, and only during its start-up hold (no write is
-   routed), learns slots from claims; a recorded map is never overridden.
+1. Only a broker that restored no record, or one whose record is stale, and only during
+   its start-up hold (no write is routed), learns slots from claims; a current record's
+   map is never overridden, nor a stale one's by claims of its version or older.
 2. Per partition, the claim of the newest map version counts (a copy that missed the
    latest moves claims an older one).
-3. The map is the default one of the configured partition count, then each partition's
-   claimed slots in the order of their versions: a slot claimed by two partitions goes
-   to the newer claim (a slot leaves its source only after its destination serves it).
+3. The map is the recorded one (none: the default one of the configured partition
+   count), then each partition's claimed slots in the order of their versions: a slot
+   claimed by two partitions goes to the newer claim (a slot leaves its source only
+   after its destination serves it).
 4. The partition count becomes the highest partition owning a slot, plus one (a claim
    of a partition past the configured count grows the cluster; partitions past the
    highest owner that nobody serves are dropped).
@@ -49,9 +55,19 @@ class Learned:
 class SlotClaims:
     """The slots claimed per partition during a record-less broker's hold."""
 
-    def __init__(self, n_slots: int, configured: int) -> None:
+    def __init__(
+        self,
+        n_slots: int,
+        configured: int,
+        *,
+        base: npt.NDArray[np.int32] | None = None,
+        floor: int = 0,
+    ) -> None:
         self.n_slots = n_slots
         self.configured = configured
+        #: The stale record's map and its version (rule 1): claims of it or older count not.
+        self.base = base
+        self.floor = floor
         self._claimed: dict[int, tuple[int, npt.NDArray[np.bool_]]] = {}
 
     @property
@@ -66,14 +82,17 @@ class SlotClaims:
             return f"its slots are of another slot count ({len(bits) * 8} bits for {n} slots)"
         owned = np.unpackbits(np.frombuffer(bits, dtype=np.uint8))[:n].astype(np.bool_)
         known = self._claimed.get(partition)
-        if known is not None and known[0] >= version:
+        if version <= self.floor or (known is not None and known[0] >= version):
             return None  # a copy of the same or a newer map claimed already
         self._claimed[partition] = (version, owned)
         return None
 
     def slot_map(self) -> npt.NDArray[np.int32]:
         """The map the claims so far make (rule 3)."""
-        slot_map = default_slot_map(self.n_slots, self.configured)
+        if self.base is not None:
+            slot_map = self.base.copy()
+        else:
+            slot_map = default_slot_map(self.n_slots, self.configured)
         for p, (_, owned) in sorted(self._claimed.items(), key=lambda kv: (kv[1][0], kv[0])):
             slot_map[owned] = p
         return slot_map
@@ -101,7 +120,8 @@ class SlotClaims:
             need = len(served)  # a partition past the owners is served: kept
         counts = np.bincount(slot_map, minlength=need).tolist()
         msg = (
-            f"no state record: the slot map is the shards' (p{partition} claims "
+            f"{'a stale' if self.base is not None else 'no'} state record: the slot map "
+            f"is the shards' (p{partition} claims "
             f"{counts[partition]} slots at map version {version}); {need} partitions, "
             f"slots per partition {counts}"
         )
