@@ -99,3 +99,20 @@ def test_a_claim_carries_its_slots_on_the_wire() -> None:
     assert "slots" not in plain.to_wire() and ShardClaim.parse(plain.to_wire()) == plain
     with pytest.raises(ProtocolError, match="slots must be bytes"):
         ShardClaim.parse({**c.to_wire(), "slots": "not bytes"})
+
+
+def test_a_stale_record_takes_the_newer_claimed_slots_only() -> None:
+    # A pair's standby took over with a record of map version 10; a shard obeyed a newer
+    # term, whose broker moved slots 5-10 to p1 at version 16.
+    cs = ClusterState(2, n_slots=N, hold_until=10.0)
+    recorded = np.array([0] * 11 + [1] * 5, dtype=np.int32)
+    cs.restore(10, cs.records(), slot_map=recorded)
+    moved = np.array([0] * 5 + [1] * 11, dtype=np.int32)
+    reg(cs, "old", claim=claim(0, 9, np.zeros(N, np.int32)), now=1.0)  # older: not taken
+    np.testing.assert_array_equal(cs.slot_map, recorded)
+    cs.record_stale()
+    np.testing.assert_array_equal(cs.slot_map, recorded)  # its claim is older than the record
+    reg(cs, "new", claim=claim(1, 16, moved), now=2.0)
+    np.testing.assert_array_equal(cs.slot_map, moved)
+    assert cs.map.version > 16
+    assert any("a stale state record" in m for level, m in cs.notices if level == "warning")
