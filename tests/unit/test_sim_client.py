@@ -47,6 +47,8 @@ def _seeds_ahead(sim: Runs) -> None:
     sim.ahead(BUDGET, CLIENT_FAULTS, real_client=True)
     sim.ahead(RESHARD_REGRESSIONS, RESHARD_FAULTS, real_client=True)
     sim.ahead(RESHARD_PAIR_REGRESSIONS, RESHARD_PAIR_FAULTS, real_client=True)
+    for faults, seeds in RESHARD_POWER_REGRESSIONS:
+        sim.ahead(seeds, faults, real_client=True)
 
 
 def test_a_seed_replays_exactly_in_any_process(sim: Runs) -> None:
@@ -99,6 +101,23 @@ RESHARD_PAIR_REGRESSIONS = (306, 309, 324, 331)
 def test_live_resharding_under_pair_failovers_passes_every_check(sim: Runs) -> None:
     results = sim.passing(RESHARD_PAIR_REGRESSIONS, RESHARD_PAIR_FAULTS, real_client=True)
     assert any("active broker" in line for r in results for line in r.schedule)
+
+
+#: A partition removed by a scale-down and created again: the shard that held the old
+#: one's copy started the new one's log from nothing beside the old checkpoints, and a
+#: restart after a power loss took the old checkpoint for the new history's base (a
+#: synced LSN went back; acknowledged writes lost).
+RESHARD_POWER_REGRESSIONS = (
+    (["reshard", "crash-all", "power", "disk", "kill"], (454,)),
+    ([*FAULTS, "client", "reshard"], (454,)),
+)
+
+
+@pytest.mark.parametrize("case", range(len(RESHARD_POWER_REGRESSIONS)))
+def test_a_partition_created_again_restarts_with_its_own_history(case: int, sim: Runs) -> None:
+    faults, seeds = RESHARD_POWER_REGRESSIONS[case]
+    results = sim.passing(seeds, faults, real_client=True)
+    assert any("to 2 partitions" in line for r in results for line in r.schedule)
 
 
 def test_the_reshard_fault_needs_the_real_clients() -> None:

@@ -734,3 +734,28 @@ async def test_durability_sets_a_replaced_history_aside_in_the_writers_turn(
     assert [r.lsn for r in Wal(tmp_path).records()] == [1, 2, 3, 4, 5]
     assert [r.lsn for r in Wal(other).records()] == [1, 2]
     assert await Durability("none").cut_after(tmp_path, 3) is True
+
+
+@pytest.mark.asyncio
+async def test_a_log_from_nothing_removes_an_earlier_historys_checkpoints(tmp_path: Path) -> None:
+    # A partition removed by a scale-down and created again: the shard that held the old
+    # one's copy starts the new one's log from LSN 0 in the same folder.  A restart took
+    # the old checkpoint for the new history's base (acknowledged writes lost).
+    old = tmp_path / "ckpt-00000001-0000000000000040.zps"
+    old.write_bytes(b"another history")
+    d = Durability("fsync")
+    d.start(tmp_path, 1, 0)
+    writer = asyncio.create_task(d.run())
+    d.log(1, 0, 1, [b"h"])
+    await _until(lambda: d.durable == 1)
+    assert not old.exists()
+    # A log that starts after a checkpoint's LSN keeps that checkpoint: it is its base.
+    base = tmp_path / "ckpt-00000002-0000000000000001.zps"
+    base.write_bytes(b"the base")
+    d.start(tmp_path, 1, 1)
+    d.log(2, 1, 2, [b"h"])
+    await _until(lambda: d.durable == 2)
+    assert base.exists()
+    writer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await writer

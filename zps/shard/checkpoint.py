@@ -386,6 +386,20 @@ class Found:
     path: Path
 
 
+def drop_checkpoints(folder: Path) -> int:
+    """Remove every checkpoint in a partition's ``folder``, durably; returns how many.
+    For a log that starts from nothing (LSN 0): a checkpoint left there is of another
+    history of the partition's number (a partition removed by a scale-down and created
+    again), and a restart would take it for this one's base."""
+    gone = 0
+    for path in folder.glob("ckpt-*.zps"):
+        path.unlink(missing_ok=True)
+        gone += 1
+    if gone:
+        durable.fsync_dir(folder)
+    return gone
+
+
 class CheckpointStore:
     """The checkpoints of one shard, under ``data_dir``."""
 

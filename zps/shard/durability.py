@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zps.errors import ZpsError
+from zps.shard.checkpoint import drop_checkpoints
 from zps.store.wal import Buffer, Record, Wal, WalLost
 
 log = logging.getLogger("zps.shard")
@@ -134,6 +135,13 @@ class Durability:
         def reset() -> None:
             if self._wal is not None:
                 self._wal.close()
+            if base == 0 and folder.is_dir() and drop_checkpoints(folder):
+                log.warning(
+                    "partition %d starts from nothing: the checkpoints of an earlier "
+                    "history in %s were removed",
+                    partition,
+                    folder,
+                )
             wal = Wal(folder, segment_bytes=self.segment_bytes)
             wal.reset(base)
             self._wal = wal
