@@ -382,6 +382,54 @@ def test_a_broker_that_lost_its_data_dir_after_a_scale_takes_the_shards_slots(
 
 
 @pytest.mark.timeout(240)
+def test_a_broker_that_lost_its_data_dir_mid_move_unfences_the_source(tmp_path: Path) -> None:
+    """The broker dies while a move copies, and its data dir is lost: started again
+    without a record it learns the move from the shards' claims (the source's fence, the
+    destination's import) and cancels it itself, so the source's fenced slots take
+    writes again without an operator; every acknowledged push stays exact."""
+    data = tmp_path / "broker"
+    with LocalCluster(partitions=1, shards=2, broker_data_dir=data) as c:
+
+        async def scenario() -> tuple[list[str], dict]:  # type: ignore[type-arg]
+            await _bulk(c.address, 300_000)
+            load = ExactSumLoad(c.address, clients=2, rows_per_partition=64, timeout=90)
+            await load.setup()
+            stop = asyncio.Event()
+            pushing = asyncio.create_task(load.run(stop))
+            await _until(lambda: load.total_pushes >= 50 or pushing.done(), 30, "pushes")
+            answer = await asyncio.to_thread(c.scale, 2, piece_bytes=8192)
+            assert answer["ok"], answer
+            await asyncio.to_thread(
+                c.wait_for,
+                lambda s: (
+                    (s["reshard"].get("move") or {}).get("stage") == "copying"
+                    and (s["reshard"]["move"].get("bytes") or 0) > 0
+                ),
+                60,
+                "a move copying",
+            )
+            await asyncio.to_thread(c.kill, c.broker().pid)
+            shutil.rmtree(data)
+            c.start_broker(grace=1.0)
+            done = await asyncio.to_thread(
+                c.wait_for,
+                lambda s: s["reshard"]["moves_cancelled"] == 1 and s["reshard"]["target"] is None,
+                90,
+                "the move under way cancelled by the broker without its record",
+            )
+            mark = load.total_pushes
+            await _until(lambda: load.total_pushes >= mark + 100 or pushing.done(), 60, "more")
+            stop.set()
+            await asyncio.wait_for(pushing, 60)
+            return await load.verify(), done
+
+        problems, done = asyncio.run(scenario())
+        assert not problems, "\n".join(problems) + c.logs()
+        assert _slots(done) == [4096]
+        assert "a slot move under way when the state record was lost" in c.broker().log()
+
+
+@pytest.mark.timeout(240)
 def test_checkpoints_after_the_moves_restore_exactly(tmp_path: Path) -> None:
     """Scale 1 -> 2 on shards with data dirs, SIGTERM everything (final checkpoints),
     start again: the broker's recorded slot map and the shards' checkpoints give every

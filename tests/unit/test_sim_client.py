@@ -47,7 +47,7 @@ def _seeds_ahead(sim: Runs) -> None:
     sim.ahead(BUDGET, CLIENT_FAULTS, real_client=True)
     sim.ahead(RESHARD_REGRESSIONS, RESHARD_FAULTS, real_client=True)
     sim.ahead(RESHARD_PAIR_REGRESSIONS, RESHARD_PAIR_FAULTS, real_client=True)
-    for faults, seeds in RESHARD_POWER_REGRESSIONS:
+    for faults, seeds in (*RESHARD_POWER_REGRESSIONS, *RESHARD_ORPHAN_REGRESSIONS):
         sim.ahead(seeds, faults, real_client=True)
 
 
@@ -118,6 +118,22 @@ def test_a_partition_created_again_restarts_with_its_own_history(case: int, sim:
     faults, seeds = RESHARD_POWER_REGRESSIONS[case]
     results = sim.passing(seeds, faults, real_client=True)
     assert any("to 2 partitions" in line for r in results for line in r.schedule)
+
+
+#: A broker restarted without its record during a move: the move's fence stayed at its
+#: source (writes to those slots stalled) until the claims' fences and imports were
+#: finished by the broker itself (zps/core/slotclaims.py rule 6).
+RESHARD_ORPHAN_REGRESSIONS = (
+    (["reshard", "pause", "partition", "broker", "kill"], (411,)),
+    ([*FAULTS, "client", "reshard"], (438,)),
+)
+
+
+@pytest.mark.parametrize("case", range(len(RESHARD_ORPHAN_REGRESSIONS)))
+def test_a_move_under_way_when_the_record_was_lost_is_finished(case: int, sim: Runs) -> None:
+    faults, seeds = RESHARD_ORPHAN_REGRESSIONS[case]
+    results = sim.passing(seeds, faults, real_client=True)
+    assert any("WITHOUT its record" in line for r in results for line in r.schedule)
 
 
 def test_the_reshard_fault_needs_the_real_clients() -> None:

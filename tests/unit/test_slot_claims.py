@@ -116,3 +116,50 @@ def test_a_stale_record_takes_the_newer_claimed_slots_only() -> None:
     np.testing.assert_array_equal(cs.slot_map, moved)
     assert cs.map.version > 16
     assert any("a stale state record" in m for level, m in cs.notices if level == "warning")
+
+
+def mask_bits(slots: list[int]) -> bytes:
+    m = np.zeros(N, np.bool_)
+    m[slots] = True
+    return np.packbits(m).tobytes()
+
+
+def test_the_moves_under_way_are_completed_or_cancelled_by_what_the_claims_show() -> None:
+    sc = SlotClaims(N, 2)
+    slot_map = np.array([0] * 8 + [1] * 8, dtype=np.int32)
+    slot_map[2] = 1  # slot 2: the destination serves it (activated), the source still fenced
+    sc.note_moves(0, mask_bits([1, 2, 3, 4]), None)  # the source fences 1-4
+    sc.note_moves(1, None, mask_bits([3, 4, 12]))  # the destination imports 3, 4 and 12
+    sc.note_moves(0, mask_bits([5]), None)  # another copy of p0: joined
+    assert sc.orphans(slot_map) == [
+        (0, 1, (2,), "copied"),  # completed: released at the source
+        (0, 1, (3, 4), "copying"),  # cancelled: unfenced, the import dropped
+        (0, -1, (1, 5), "copying"),  # fenced, imported nowhere: unfenced
+        (-1, 1, (12,), "copying"),  # imported, fenced nowhere: dropped
+    ]
+
+
+def test_a_record_less_broker_finishes_the_moves_after_its_hold_once_each() -> None:
+    cs = ClusterState(2, n_slots=N, hold_until=10.0)
+    fenced = Claim(0, 1, Role.PRIMARY, 5, slots=bits(SCALED, 0), slot_version=16,
+                   fenced=mask_bits([0, 1]))  # fmt: skip
+    importing = Claim(1, 1, Role.PRIMARY, 5, slots=bits(SCALED, 1), slot_version=16,
+                      importing=mask_bits([0, 1]))  # fmt: skip
+    reg(cs, "a", claim=fenced, now=1.0)
+    reg(cs, "b", claim=importing, now=2.0)
+    assert cs.take_orphaned_move(5.0) is None  # the hold: the claims still come
+    assert cs.take_orphaned_move(11.0) == (0, 1, (0, 1), "copying")
+    assert cs.take_orphaned_move(12.0) is None
+    # A broker that restored its record knows its moves: claims change nothing.
+    cs = ClusterState(2, n_slots=N, hold_until=10.0)
+    cs.restore(4, cs.records())
+    reg(cs, "a", claim=fenced, now=1.0)
+    assert cs.take_orphaned_move(11.0) is None
+
+
+def test_a_claim_carries_its_moves_on_the_wire() -> None:
+    c = ShardClaim(0, 1, Role.PRIMARY, 7, slots=bits(SCALED, 0), slot_version=16,
+                   fenced=mask_bits([1]), importing=mask_bits([2]))  # fmt: skip
+    assert ShardClaim.parse(c.to_wire()) == c
+    with pytest.raises(ProtocolError, match="claim fenced must be bytes"):
+        ShardClaim.parse({**c.to_wire(), "fenced": 3})

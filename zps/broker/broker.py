@@ -85,7 +85,7 @@ from zps.broker.reshard import Resharder
 from zps.broker.routes import RouteTable
 from zps.broker.statefile import StateFile
 from zps.broker.training import Training
-from zps.core.brokerstate import BrokerState
+from zps.core.brokerstate import BrokerState, ReshardRecord
 from zps.core.cluster import Assignment, ClusterState
 from zps.core.membership import FailureDetector, speaks_for
 from zps.errors import ProtocolError
@@ -530,6 +530,25 @@ class Broker:
         await self.apply(self.state.tick(now))
         await self.republish()  # clients re-send what the hold refused
 
+    def _finish_orphaned_move(self, now: float) -> None:
+        """A move under way when this broker's record was lost (the shards' claims show
+        its fences and imports): the resharding finishes it, as a recorded one."""
+        if self.reshard.record is not None:
+            return
+        move = self.state.take_orphaned_move(now)
+        if move is None:
+            return
+        source, dest, slots, stage = move
+        log.warning(
+            "a slot move under way when the state record was lost (%d slots, %d -> %d): %s it",
+            len(slots),
+            source,
+            dest,
+            "completing" if stage == "copied" else "cancelling",
+        )
+        self.reshard.restore(ReshardRecord(self.state.n_partitions, source, dest, slots, stage))
+        self.state_changed()
+
     async def _tick_loop(self) -> None:
         interval = self.config.heartbeat.interval
         while True:
@@ -559,6 +578,7 @@ class Broker:
                 self.state_changed()
             await self.apply(self.state.tick(now))
             await self.publish_if_changed(before)
+            self._finish_orphaned_move(now)
             if held:  # the start-up hold just ended: a sync commit may go out now
                 await self.training.on_map_change()
             await self.training.on_timer()

@@ -387,4 +387,6 @@ def _claim(claim: ShardClaim | None) -> Claim | None:
         claim.complete,
         claim.slots,
         claim.slot_version,
+        claim.fenced,
+        claim.importing,
     )

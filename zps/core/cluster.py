@@ -43,8 +43,8 @@ Rules:
    is overwritten (the newer copy is held) and an error names both copies and the operator's
    choices.  A partition with a held copy is never handed to an empty shard.
 9. A broker that restored no record, or a record found stale, takes the slot map, and the
-   partition count, from the slots the shards claim during the hold
-   (:mod:`zps.core.slotclaims`).
+   partition count, from the slots the shards claim during the hold; one without a record
+   also finishes the moves the claims show under way (:mod:`zps.core.slotclaims`).
 
 No I/O and no clock: the broker driver calls these methods with ``now``, sends what they return.
 """
@@ -62,7 +62,7 @@ from zps.core import cluster_map, cluster_status, placement, recovery
 from zps.core.brokerstate import PartitionRecord
 from zps.core.nodes import Assignment, Claim, ClientNode, Partition, ShardNode, merge
 from zps.core.routing import DEFAULT_SLOTS, ClusterMap, RouterInfo, default_slot_map
-from zps.core.slotclaims import SlotClaims
+from zps.core.slotclaims import Orphan, SlotClaims
 from zps.protocol.messages import Role
 
 __all__ = ["Assignment", "Claim", "ClientNode", "ClusterState", "ShardNode"]
@@ -96,6 +96,7 @@ class ClusterState:
         #: The slots claimed in the hold, while no record was restored (rule 9).
         self.slot_claims: SlotClaims | None = SlotClaims(n_slots, n_partitions)
         self._recorded_version = 0
+        self._orphans: list[Orphan] | None = None
         self.shards: dict[str, ShardNode] = {}
         self.clients: dict[str, ClientNode] = {}
         #: Routing brokers (``zps-server broker --follow``), as clients; see ``routers_of``.
@@ -313,6 +314,8 @@ class ClusterState:
             node.claimed = claim
             if self.holding(now):
                 self._learn_slots(node_id, claim)
+                if self.slot_claims is not None and self.slot_claims.base is None:
+                    self.slot_claims.note_moves(claim.partition, claim.fenced, claim.importing)
         out: list[Assignment] = []
         if claim is not None and 0 <= claim.partition < self.n_partitions:
             out += self._grant(node, claim, now)
@@ -368,6 +371,15 @@ class ClusterState:
         return []
 
     _distrust = staticmethod(recovery.distrust)
+
+    def take_orphaned_move(self, now: float) -> Orphan | None:
+        """Rule 9: after the hold of a broker that restored no record, the next move the
+        shards' claims show under way (:mod:`zps.core.slotclaims` rule 6), once each."""
+        if self.holding(now) or self.slot_claims is None or self.slot_claims.base is not None:
+            return None
+        if self._orphans is None:
+            self._orphans = self.slot_claims.orphans(self.slot_map)
+        return self._orphans.pop(0) if self._orphans else None
 
     def _learn_slots(self, node_id: str, claim: Claim) -> None:
         """Rule 9: the slots ``claim`` says its copy serves shape the map."""

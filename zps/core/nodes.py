@@ -26,6 +26,9 @@ class Claim:
     #: The slots it serves (packed bits) and their map version (``ShardClaim.slots``).
     slots: bytes | None = None
     slot_version: int = 0
+    #: The slots a move fences at it, and those it imports (``ShardClaim.fenced``).
+    fenced: bytes | None = None
+    importing: bytes | None = None
 
 
 @dataclass

@@ -27,9 +27,12 @@ Rules:
    highest owner that nobody serves are dropped).
 5. The broker's map versions continue past the newest claimed version, so every shard
    takes the maps that follow.
-
-A move under way when the record was lost is not resumed: its fenced slots stay fenced
-at the source until an operator scales again (docs/design.md, "Live resharding").
+6. A broker without a record finishes, once its hold is over, the moves the claims show
+   under way (their slots fenced at a source, or imported at a destination), one at a
+   time as a broker taking over does with a recorded one: slots the map gives to
+   another partition, which serves them (it activated them), are released at the
+   source (the move completed); the others are unfenced at the source and dropped from
+   the destination's import (the move cancelled).
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ import numpy as np
 import numpy.typing as npt
 
 from zps.core.routing import default_slot_map
+
+#: A move a record-less broker finishes (rule 6): source, destination (-1: none), its
+#: slots, and the stage of a recorded one it is finished as ("copied": completed,
+#: "copying": cancelled).
+Orphan = tuple[int, int, tuple[int, ...], str]
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,8 @@ class SlotClaims:
         #: The stale record's map and its version (rule 1): claims of it or older count not.
         self.base = base
         self.floor = floor
+        self._fenced: dict[int, npt.NDArray[np.bool_]] = {}
+        self._importing: dict[int, npt.NDArray[np.bool_]] = {}
         self._claimed: dict[int, tuple[int, npt.NDArray[np.bool_]]] = {}
 
     @property
@@ -126,3 +136,37 @@ class SlotClaims:
             f"slots per partition {counts}"
         )
         return ("warning", msg), Learned(slot_map, need, self.newest)
+
+    def note_moves(self, partition: int, fenced: bytes | None, importing: bytes | None) -> None:
+        """A claim's slots under a move (rule 6), joined over the partition's copies."""
+        n = self.n_slots
+        for bits, into in ((fenced, self._fenced), (importing, self._importing)):
+            if bits is None or len(bits) != -(-n // 8):
+                continue
+            mask = np.unpackbits(np.frombuffer(bits, dtype=np.uint8))[:n].astype(np.bool_)
+            if mask.any():
+                into[partition] = into[partition] | mask if partition in into else mask
+
+    def orphans(self, slot_map: npt.NDArray[np.int32]) -> list[Orphan]:
+        """The moves the claims show under way, as ``slot_map`` stands (rule 6)."""
+        out: list[Orphan] = []
+        importing = {q: m.copy() for q, m in sorted(self._importing.items())}
+        for p, fenced in sorted(self._fenced.items()):
+            for q in sorted({int(x) for x in slot_map[fenced]} - {p}):
+                done = fenced & (slot_map == q)
+                out.append((p, q, _slots(done), "copied"))
+            rest = fenced & (slot_map == p)
+            for q, imp in importing.items():
+                both = rest & imp
+                if both.any():
+                    out.append((p, q, _slots(both), "copying"))
+                    rest &= ~both
+                    imp &= ~both
+            if rest.any():
+                out.append((p, -1, _slots(rest), "copying"))
+        out += [(-1, q, _slots(imp), "copying") for q, imp in importing.items() if imp.any()]
+        return out
+
+
+def _slots(mask: npt.NDArray[np.bool_]) -> tuple[int, ...]:
+    return tuple(int(s) for s in np.flatnonzero(mask))

@@ -47,13 +47,21 @@ class ShardClaim:
     #: resharding changed it) from them.  Absent: an older shard.
     slots: bytes | None = None
     slot_version: int = 0
+    #: The slots a move fences at this copy, and those it imports (same encoding; absent:
+    #: none): a broker without its record cancels the move they belong to.
+    fenced: bytes | None = None
+    importing: bytes | None = None
 
     @classmethod
     def parse(cls, h: object) -> ShardClaim:
         c = _header(h, "claim")
-        slots = c.get("slots")
-        if slots is not None and (not isinstance(slots, bytes) or len(slots) > MAX_SLOT_BYTES):
-            raise ProtocolError(f"claim slots must be bytes, at most {MAX_SLOT_BYTES}")
+        bits = {}
+        for key in ("slots", "fenced", "importing"):
+            v = c.get(key)
+            if v is not None and (not isinstance(v, bytes) or len(v) > MAX_SLOT_BYTES):
+                raise ProtocolError(f"claim {key} must be bytes, at most {MAX_SLOT_BYTES}")
+            bits[key] = v
+        slots = bits["slots"]
         return cls(
             partition=_int(_field(c, "partition", "claim"), "claim partition", hi=2**31 - 1),
             epoch=_int(_field(c, "epoch", "claim"), "claim epoch"),
@@ -63,6 +71,8 @@ class ShardClaim:
             complete=_bool(c.get("complete", True), "claim complete"),
             slots=slots,
             slot_version=_opt_int(c, "slot_version", "claim slot_version", 0),
+            fenced=bits["fenced"],
+            importing=bits["importing"],
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -77,6 +87,9 @@ class ShardClaim:
         if self.slots is not None:
             wire["slots"] = self.slots
             wire["slot_version"] = self.slot_version
+        for key, bits in (("fenced", self.fenced), ("importing", self.importing)):
+            if bits is not None:
+                wire[key] = bits
         return wire
 
 

@@ -419,6 +419,9 @@ class ShardServer:
             # The slots it serves: a broker without its record learns the slot map from them.
             claim["slots"] = np.packbits(slots.owned).tobytes()
             claim["slot_version"] = slots.version
+            for key, mask in (("fenced", slots.fenced), ("importing", slots.importing)):
+                if mask.any():  # a move under way: a broker without its record cancels it
+                    claim[key] = np.packbits(mask).tobytes()
         register = ShardRegister(
             host=self.config.host or socket.gethostname(),
             pid=os.getpid(),
