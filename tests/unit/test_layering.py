@@ -113,6 +113,7 @@ LAYERS: dict[str, str] = {
     "zps.broker.training": "driver",
     "zps.broker.reshard": "driver",
     "zps.broker.reshardhost": "driver",
+    "zps.broker.reshardstats": "core",
     "zps.broker.router": "driver",
     "zps.shard": "driver",
     "zps.shard.core": "core",

@@ -54,15 +54,16 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from zps.broker.acceptance import MOVE_TARGET, MoveReply
 from zps.broker.reshardhost import ReshardHost
+from zps.broker.reshardstats import MoveFailed, ReshardStats, StandbyAway, Superseded
 from zps.core.brokerstate import ReshardRecord
-from zps.core.reshard import DEFAULT_MAX_SLOTS_PER_MOVE, plan_moves
+from zps.core.reshard import DEFAULT_MAX_SLOTS_PER_MOVE, plan_moves, plan_pieces
 from zps.protocol.codec import BufferLike, MsgType, Route, encode
 
 log = logging.getLogger("zps.broker.reshard")
@@ -82,39 +83,6 @@ _RETRY = frozenset({"NOT_PRIMARY", "STALE_EPOCH", "OVERLOADED", "NOT_ENOUGH_REPL
 
 def _nop(what: str) -> None:
     pass
-
-
-class MoveFailed(RuntimeError):
-    """A request of a move failed: the move is cancelled and planned again."""
-
-
-class StandbyAway(Exception):
-    """The standby broker of the pair does not hold the record of the next move: no
-    move starts (nothing fenced, nothing imported) until it does."""
-
-
-class Superseded(Exception):
-    """The broker's state was replaced (it stepped down, or took over again: see
-    :meth:`Resharder.restore`): the step under way is not this state's, and sends
-    nothing more; the record restored decides what comes next."""
-
-
-@dataclass
-class ReshardStats:
-    moves_done: int = 0
-    moves_cancelled: int = 0
-    slots_moved: int = 0
-    bytes_moved: int = 0
-    #: The longest time slots were fenced (from the fence to the destination serving).
-    max_fenced_s: float = 0.0
-    #: Embedding rows the last move copied while its slots were fenced (with catch-up:
-    #: those written during the copy before the fence).
-    fenced_rows: int = 0
-    #: Steps of the drops of released rows (``slots_compact``, ``compact_rows`` each).
-    compact_steps: int = 0
-    last_move_s: float = 0.0
-    last_error: str = ""
-    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Resharder:
@@ -653,33 +621,7 @@ class Resharder:
         mark("cut_fenced" if cut.get("delta") else "cut_unfenced")
         if manifest.get("rebuilt"):
             return None
-        budget = self.piece_bytes
-        reads: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (read op, import op)
-        for table in manifest.get("tables", []):
-            spec = table["spec"]
-            name = spec["name"]
-            base = {"op": "slots_import", **common, "spec": spec}
-            if "n" in table:
-                n, row = int(table["n"]), max(1, int(table["row_bytes"]))
-                per = max(1, budget // row)
-                for start in range(0, max(n, 1), per):  # one piece even when empty
-                    count = min(per, n - start)
-                    read = {"op": "slots_cut_read", "t": name, "start": start, "count": count}
-                    reads.append((read, base))
-            else:
-                groups: list[list[int]] = []
-                group: list[int] = []
-                size = 0
-                for c, sz in zip(table["chunks"], table["sizes"], strict=True):
-                    if group and size + sz > budget:
-                        groups.append(group)
-                        group, size = [], 0
-                    group.append(c)
-                    size += sz
-                groups.append(group)  # an empty one still creates the tensor there
-                for group in groups:
-                    read = {"op": "slots_cut_read", "t": name, "chunks": group}
-                    reads.append((read, {**base, "chunks": group}))
+        reads = plan_pieces(manifest, common, self.piece_bytes)
         moved = landed = 0
         window = asyncio.Semaphore(PIPELINE)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -443,3 +444,41 @@ class SlotOwnership:
 
     def drop_import(self, slots: Iterable[int]) -> None:
         self.importing -= set(slots)
+
+
+def plan_pieces(
+    manifest: dict[str, Any], common: dict[str, Any], budget: int
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """A move's copy in pieces of about ``budget`` bytes: for each table of the source's
+    cut (``manifest``, a ``slots_cut`` answer), the ``slots_cut_read`` of each piece and
+    the ``slots_import`` it goes into at the destination (``common``: the import's
+    fields).  An embedding table's rows go by ranges of rows, at least one piece even
+    when empty; a dense tensor's chunks by groups, an empty group still creating the
+    tensor there."""
+    reads: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    for table in manifest.get("tables", []):
+        spec = table["spec"]
+        name = spec["name"]
+        base = {"op": "slots_import", **common, "spec": spec}
+        if "n" in table:
+            n, row = int(table["n"]), max(1, int(table["row_bytes"]))
+            per = max(1, budget // row)
+            for start in range(0, max(n, 1), per):
+                count = min(per, n - start)
+                read = {"op": "slots_cut_read", "t": name, "start": start, "count": count}
+                reads.append((read, base))
+        else:
+            groups: list[list[int]] = []
+            group: list[int] = []
+            size = 0
+            for c, sz in zip(table["chunks"], table["sizes"], strict=True):
+                if group and size + sz > budget:
+                    groups.append(group)
+                    group, size = [], 0
+                group.append(c)
+                size += sz
+            groups.append(group)
+            for group in groups:
+                read = {"op": "slots_cut_read", "t": name, "chunks": group}
+                reads.append((read, {**base, "chunks": group}))
+    return reads
