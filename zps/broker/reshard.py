@@ -281,9 +281,8 @@ class Resharder:
                         await self._failed("cancelled by an operator")
                     except MoveFailed as e:
                         await self._failed(str(e))
-                    except (
-                        Exception
-                    ) as e:  # a bug, or an answer it cannot read: never the broker's end
+                    except Exception as e:
+                        # A bug, or an answer it cannot read: never the broker's end.
                         log.exception("slot move failed")
                         await self._failed(f"{type(e).__name__}: {e}")
                 except Superseded:
