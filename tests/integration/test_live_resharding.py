@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,18 @@ async def _until(cond, timeout: float, what: str) -> None:  # type: ignore[no-un
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+def _move_copying(c: LocalCluster) -> None:
+    """Until a move of the resharding under way has copied some bytes."""
+    c.wait_for(
+        lambda s: (
+            (s["reshard"].get("move") or {}).get("stage") == "copying"
+            and (s["reshard"]["move"].get("bytes") or 0) > 0
+        ),
+        60,
+        "a move copying",
+    )
 
 
 def _slots(status: dict) -> list[int]:  # type: ignore[type-arg]
@@ -144,15 +157,7 @@ def test_cancel_mid_move_unfences_the_source_and_drops_the_import(tmp_path: Path
             await _until(lambda: load.total_pushes >= 50 or pushing.done(), 30, "pushes")
             answer = await asyncio.to_thread(c.scale, 2, piece_bytes=8192)
             assert answer["ok"], answer
-            await asyncio.to_thread(
-                c.wait_for,
-                lambda s: (
-                    (s["reshard"].get("move") or {}).get("stage") == "copying"
-                    and (s["reshard"]["move"].get("bytes") or 0) > 0
-                ),
-                60,
-                "a move copying",
-            )
+            await asyncio.to_thread(_move_copying, c)
             answer = await asyncio.to_thread(c.scale, cancel=True)
             assert answer["ok"], answer
             cancelled = await asyncio.to_thread(
@@ -299,41 +304,46 @@ def test_sync_mode_commits_each_step_once_across_a_scale(tmp_path: Path) -> None
         np.testing.assert_array_equal(dense, np.full(4, -(committed + 1.0)))
 
 
+async def _broker_killed_mid_move(
+    c: LocalCluster,
+    wait: Callable[[], dict],  # type: ignore[type-arg]
+    *,
+    more: int,
+    lose: Path | None = None,
+) -> tuple[list[str], dict]:  # type: ignore[type-arg]
+    """Push exact sums while scaling 1 -> 2; SIGKILL the broker while a move copies (its
+    data dir ``lose`` removed, if given), start it again, ``wait`` for its status, push
+    ``more`` and verify: the problems found and that status."""
+    await _bulk(c.address, 300_000)
+    load = ExactSumLoad(c.address, clients=2, rows_per_partition=64, timeout=90)
+    await load.setup()
+    stop = asyncio.Event()
+    pushing = asyncio.create_task(load.run(stop))
+    await _until(lambda: load.total_pushes >= 50 or pushing.done(), 30, "pushes")
+    answer = await asyncio.to_thread(c.scale, 2, piece_bytes=8192)
+    assert answer["ok"], answer
+    await asyncio.to_thread(_move_copying, c)
+    await asyncio.to_thread(c.kill, c.broker().pid)
+    if lose is not None:
+        shutil.rmtree(lose)
+    c.start_broker(grace=1.0)
+    done = await asyncio.to_thread(wait)
+    mark = load.total_pushes
+    await _until(lambda: load.total_pushes >= mark + more or pushing.done(), 60, "more")
+    stop.set()
+    await asyncio.wait_for(pushing, 60)
+    return await load.verify(), done
+
+
 @pytest.mark.timeout(240)
 def test_broker_sigkilled_mid_move_cancels_it_and_resumes_the_scale(tmp_path: Path) -> None:
     """The broker dies while a move copies; restarted on its data dir, it finds the move
     recorded as copying, cancels it (the source unfences, the destination drops), and
     finishes the resharding with every acknowledged push exact."""
     with LocalCluster(partitions=1, shards=2, broker_data_dir=tmp_path / "broker") as c:
-
-        async def scenario() -> tuple[list[str], dict]:  # type: ignore[type-arg]
-            await _bulk(c.address, 300_000)
-            load = ExactSumLoad(c.address, clients=2, rows_per_partition=64, timeout=90)
-            await load.setup()
-            stop = asyncio.Event()
-            pushing = asyncio.create_task(load.run(stop))
-            await _until(lambda: load.total_pushes >= 50 or pushing.done(), 30, "pushes")
-            answer = await asyncio.to_thread(c.scale, 2, piece_bytes=8192)
-            assert answer["ok"], answer
-            await asyncio.to_thread(
-                c.wait_for,
-                lambda s: (
-                    (s["reshard"].get("move") or {}).get("stage") == "copying"
-                    and (s["reshard"]["move"].get("bytes") or 0) > 0
-                ),
-                60,
-                "a move copying",
-            )
-            await asyncio.to_thread(c.kill, c.broker().pid)
-            c.start_broker(grace=1.0)
-            done = await asyncio.to_thread(c.wait_resharded, 2, 150)
-            mark = load.total_pushes
-            await _until(lambda: load.total_pushes >= mark + 50 or pushing.done(), 60, "more")
-            stop.set()
-            await asyncio.wait_for(pushing, 60)
-            return await load.verify(), done
-
-        problems, done = asyncio.run(scenario())
+        problems, done = asyncio.run(
+            _broker_killed_mid_move(c, lambda: c.wait_resharded(2, 150), more=50)
+        )
         assert not problems, "\n".join(problems) + c.logs()
         assert _slots(done) == [2048, 2048]
         assert done["reshard"]["moves_cancelled"] == 1, done["reshard"]
@@ -390,40 +400,14 @@ def test_a_broker_that_lost_its_data_dir_mid_move_unfences_the_source(tmp_path: 
     data = tmp_path / "broker"
     with LocalCluster(partitions=1, shards=2, broker_data_dir=data) as c:
 
-        async def scenario() -> tuple[list[str], dict]:  # type: ignore[type-arg]
-            await _bulk(c.address, 300_000)
-            load = ExactSumLoad(c.address, clients=2, rows_per_partition=64, timeout=90)
-            await load.setup()
-            stop = asyncio.Event()
-            pushing = asyncio.create_task(load.run(stop))
-            await _until(lambda: load.total_pushes >= 50 or pushing.done(), 30, "pushes")
-            answer = await asyncio.to_thread(c.scale, 2, piece_bytes=8192)
-            assert answer["ok"], answer
-            await asyncio.to_thread(
-                c.wait_for,
-                lambda s: (
-                    (s["reshard"].get("move") or {}).get("stage") == "copying"
-                    and (s["reshard"]["move"].get("bytes") or 0) > 0
-                ),
-                60,
-                "a move copying",
-            )
-            await asyncio.to_thread(c.kill, c.broker().pid)
-            shutil.rmtree(data)
-            c.start_broker(grace=1.0)
-            done = await asyncio.to_thread(
-                c.wait_for,
+        def cancelled() -> dict:  # type: ignore[type-arg]
+            return c.wait_for(
                 lambda s: s["reshard"]["moves_cancelled"] == 1 and s["reshard"]["target"] is None,
                 90,
                 "the move under way cancelled by the broker without its record",
             )
-            mark = load.total_pushes
-            await _until(lambda: load.total_pushes >= mark + 100 or pushing.done(), 60, "more")
-            stop.set()
-            await asyncio.wait_for(pushing, 60)
-            return await load.verify(), done
 
-        problems, done = asyncio.run(scenario())
+        problems, done = asyncio.run(_broker_killed_mid_move(c, cancelled, more=100, lose=data))
         assert not problems, "\n".join(problems) + c.logs()
         assert _slots(done) == [4096]
         assert "a slot move under way when the state record was lost" in c.broker().log()
@@ -544,15 +528,7 @@ def test_broker_pair_takeover_mid_move_keeps_exact_sums(tmp_path: Path) -> None:
             await _until(lambda: load.total_pushes >= 50 or pushing.done(), 30, "pushes")
             answer = await asyncio.to_thread(c.scale, 2, piece_bytes=8192)
             assert answer["ok"], answer
-            await asyncio.to_thread(
-                c.wait_for,
-                lambda s: (
-                    (s["reshard"].get("move") or {}).get("stage") == "copying"
-                    and (s["reshard"]["move"].get("bytes") or 0) > 0
-                ),
-                60,
-                "a move copying",
-            )
+            await asyncio.to_thread(_move_copying, c)
             active = await asyncio.to_thread(c.active_broker)
             await asyncio.to_thread(c.kill, active.pid)
             waiting = await asyncio.to_thread(

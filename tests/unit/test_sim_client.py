@@ -113,13 +113,6 @@ RESHARD_POWER_REGRESSIONS = (
 )
 
 
-@pytest.mark.parametrize("case", range(len(RESHARD_POWER_REGRESSIONS)))
-def test_a_partition_created_again_restarts_with_its_own_history(case: int, sim: Runs) -> None:
-    faults, seeds = RESHARD_POWER_REGRESSIONS[case]
-    results = sim.passing(seeds, faults, real_client=True)
-    assert any("to 2 partitions" in line for r in results for line in r.schedule)
-
-
 #: A broker restarted without its record during a move: the move's fence stayed at its
 #: source (writes to those slots stalled) until the claims' fences and imports were
 #: finished by the broker itself (zps/core/slotclaims.py rule 6).
@@ -129,11 +122,18 @@ RESHARD_ORPHAN_REGRESSIONS = (
 )
 
 
-@pytest.mark.parametrize("case", range(len(RESHARD_ORPHAN_REGRESSIONS)))
-def test_a_move_under_way_when_the_record_was_lost_is_finished(case: int, sim: Runs) -> None:
-    faults, seeds = RESHARD_ORPHAN_REGRESSIONS[case]
+#: Each group of seeds, and a fault its runs must show (they reach the path).
+RESHARD_CASES = [
+    *((faults, seeds, "to 2 partitions") for faults, seeds in RESHARD_POWER_REGRESSIONS),
+    *((faults, seeds, "WITHOUT its record") for faults, seeds in RESHARD_ORPHAN_REGRESSIONS),
+]
+
+
+@pytest.mark.parametrize("case", range(len(RESHARD_CASES)))
+def test_reshard_regression_seeds_pass_every_check(case: int, sim: Runs) -> None:
+    faults, seeds, shown = RESHARD_CASES[case]
     results = sim.passing(seeds, faults, real_client=True)
-    assert any("WITHOUT its record" in line for r in results for line in r.schedule)
+    assert any(shown in line for r in results for line in r.schedule)
 
 
 def test_the_reshard_fault_needs_the_real_clients() -> None:
