@@ -194,11 +194,11 @@ def test_the_cli_names_bad_input_and_prints_the_replay(capsys: pytest.CaptureFix
     assert "unknown fault meteor" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--bug", "nonsense"])
-    args = ["--seeds", "1", "--seed", "25", "--faults", "disk,crash-all,kill,power"]
+    args = ["--seeds", "1", "--seed", "25", "--faults", "disk,crash-all,kill,power", "--stand-in"]
     assert main([*args, "--bug", "wal-retry-partial"]) == 1
     out = capsys.readouterr().out
     assert "seed 25: FAILED" in out and "fault schedule" in out
-    assert "--seed 25 --seeds 1 --trace --bug wal-retry-partial --faults disk" in out
+    assert "--seed 25 --seeds 1 --trace --stand-in --bug wal-retry-partial --faults disk" in out
     # Side by side in worker processes: the same runs, reported in seed order.
     assert main(["--seeds", "2", "--seed", "24", "--jobs", "2", *args[4:], "--bug",
                  "wal-retry-partial", "--keep-going"]) == 1  # fmt: skip

@@ -14,7 +14,7 @@ from tests.unit.simcases import Runs, assert_same_run
 from zps.client.client import Client
 from zps.client.connection import Connection
 from zps.testing.sim import clientnet, realbugs
-from zps.testing.sim.cli import main
+from zps.testing.sim.cli import MODES, main, parser
 from zps.testing.sim.realclient import RealClient
 from zps.testing.sim.realshard import RealShard
 from zps.testing.sim.world import FAULTS, World
@@ -158,9 +158,13 @@ def test_every_client_bug_is_covered() -> None:
     assert set(CLIENT_BUGS) == set(realbugs.CLIENT_BUGS) == set(realbugs.CLIENT_PATCHES)
 
 
-def test_the_cli_runs_the_real_client(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--seeds", "1", "--seed", "1", "--faults", "client", "--real-client"]) == 0
+def test_the_cli_runs_the_real_code_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert MODES[parser().parse_args([]).mode] == MODES["real-client"]
+    assert all(MODES["real-client"].values()) and not any(MODES["stand-in"].values())
+    assert main(["--seeds", "1", "--seed", "1", "--faults", "client"]) == 0
     assert "1 seeds in" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["--bug", "client-seq-restart"])
-    assert "add --real-client" in capsys.readouterr().err
+        main(["--stand-in", "--real-shard"])
+    with pytest.raises(SystemExit):
+        main(["--stand-in", "--bug", "client-seq-restart"])
+    assert "defect of the real client: drop --stand-in" in capsys.readouterr().err

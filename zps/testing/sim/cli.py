@@ -1,4 +1,8 @@
-"""``python -m zps.testing.sim``: run seeds, report failures with what replays them."""
+"""``python -m zps.testing.sim``: run seeds, report failures with what replays them.
+
+By default every part runs the real code (the real client, shards and brokers on the
+simulated loop, transport, clock and disk); ``--stand-in``, ``--real-broker`` and
+``--real-shard`` put the simulator's stand-ins in place of the parts they name."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from typing import Any
 
 from zps.testing.sim import bugs, realbugs
-from zps.testing.sim.world import FAULTS, LOADS, NAMED, NAMED_ONLY, PAIR, Result, run_seed
+from zps.testing.sim.world import FAULTS, NAMED, PAIR, Result, run_seed
 
 
 def _faults(text: str) -> list[str]:
@@ -35,32 +39,50 @@ def parser() -> argparse.ArgumentParser:
         type=_faults,
         default=list(FAULTS),
         help=f"comma-separated faults to draw from (default all: {','.join(FAULTS)}; "
-        f"also {','.join((*LOADS, *NAMED_ONLY))}; {','.join(PAIR)} runs a broker pair)",
+        f"also {','.join(f for f in NAMED if f not in FAULTS and f not in PAIR)}; "
+        f"{','.join(PAIR)} runs a broker pair)",
     )
     p.add_argument(
         "--bug",
         choices=sorted({*bugs.BUGS, *realbugs.CLIENT_BUGS}),
-        help="re-introduce a known defect (those of the client's driver need --real-client)",
+        help="re-introduce a known defect (those of the client's driver need the real client, "
+        "the default)",
     )
-    p.add_argument(
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--stand-in",
+        dest="mode",
+        action="store_const",
+        const="stand-in",
+        help="run the simulator's stand-ins for the broker, shards and clients (the pure cores "
+        "under small drivers of the simulator's own: about three to five times the seeds a "
+        "minute of the real code, for long runs)",
+    )
+    mode.add_argument(
         "--real-broker",
-        action="store_true",
-        help="run the real broker (zps.broker.broker.Broker) on the simulated event loop, "
-        "transport and clock, instead of the simulator's stand-in (with failover: the real "
-        "broker pair, zps.broker.pair.Pair)",
+        dest="mode",
+        action="store_const",
+        const="real-broker",
+        help="run the real broker (zps.broker.broker.Broker; with failover the real pair, "
+        "zps.broker.pair.Pair) with the stand-in shards and clients",
     )
-    p.add_argument(
+    mode.add_argument(
         "--real-shard",
-        action="store_true",
-        help="run the real shard (zps.shard.server.ShardServer) for every shard, on the "
-        "simulated event loop, transport, clock and disk (implies --real-broker)",
+        dest="mode",
+        action="store_const",
+        const="real-shard",
+        help="run the real broker and the real shard (zps.shard.server.ShardServer) for every "
+        "shard, with the stand-in clients",
     )
-    p.add_argument(
+    mode.add_argument(
         "--real-client",
-        action="store_true",
-        help="run the real client (zps.connect) for every client, on the simulated event "
-        "loop, transport and clock (implies --real-shard)",
+        dest="mode",
+        action="store_const",
+        const="real-client",
+        help="run the real code everywhere: the real client (zps.connect) for every client, "
+        "the real shards and brokers (the default)",
     )
+    p.set_defaults(mode="real-client")
     p.add_argument("--keep-going", action="store_true", help="run every seed after a failure")
     p.add_argument(
         "--jobs",
@@ -142,6 +164,14 @@ def run_seeds(
             ex.shutdown(cancel_futures=True)
 
 
+#: What each mode of the command line runs of the real code (``run_seeds``' flags).
+MODES: dict[str, dict[str, bool]] = {
+    "stand-in": {"real_broker": False, "real_shard": False, "real_client": False},
+    "real-broker": {"real_broker": True, "real_shard": False, "real_client": False},
+    "real-shard": {"real_broker": True, "real_shard": True, "real_client": False},
+    "real-client": {"real_broker": True, "real_shard": True, "real_client": True},
+}
+
 #: Seeds submitted to the workers ahead of the one being reported.
 AHEAD = 16
 
@@ -157,11 +187,13 @@ def report(
 ) -> str:
     replay = f"python -m zps.testing.sim --seed {r.seed} --seeds 1 --trace"
     if real_client:
-        replay += " --real-client"
+        pass  # the default
     elif real_shard:
         replay += " --real-shard"
     elif real_broker:
         replay += " --real-broker"
+    else:
+        replay += " --stand-in"
     if bug:
         replay += f" --bug {bug}"
     if list(faults) != list(FAULTS):
@@ -178,8 +210,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser().error("--seeds must be >= 1")
     if args.jobs < 1:
         parser().error("--jobs must be >= 1")
-    if args.bug in realbugs.CLIENT_BUGS and not args.real_client:
-        parser().error(f"--bug {args.bug} is a defect of the real client: add --real-client")
+    mode = MODES[args.mode]
+    if args.bug in realbugs.CLIENT_BUGS and not mode["real_client"]:
+        parser().error(
+            f"--bug {args.bug} is a defect of the real client: drop --{args.mode}, "
+            "the default runs it"
+        )
     t0 = time.monotonic()
     failed: list[int] = []
     unavailable = 0
@@ -191,9 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace=args.trace,
         bug=args.bug,
         jobs=args.jobs,
-        real_broker=args.real_broker,
-        real_shard=args.real_shard,
-        real_client=args.real_client,
+        real_broker=mode["real_broker"],
+        real_shard=mode["real_shard"],
+        real_client=mode["real_client"],
     )
     for r in results:
         seed = r.seed
@@ -210,9 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     r,
                     args.bug,
                     args.faults,
-                    real_broker=args.real_broker,
-                    real_shard=args.real_shard,
-                    real_client=args.real_client,
+                    **mode,
                 ),
                 flush=True,
             )
