@@ -48,6 +48,7 @@ LAYERS: dict[str, str] = {
     "zps.core.brokerstate": "core",
     "zps.core.bstar": "core",
     "zps.core.cluster": "core",
+    "zps.core.clusterbase": "core",
     "zps.core.cluster_map": "core",
     "zps.core.cluster_status": "core",
     "zps.core.nodes": "core",

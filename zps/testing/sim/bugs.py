@@ -42,13 +42,13 @@ def _older_copy_wins() -> list[tuple[Any, str, Any]]:
 
 @_bug(
     "empty-shard-takes-partition",
-    "ClusterState._held says no copy is held, and _fill hands a partition that held data "
+    "ClusterBase._held says no copy is held, and _fill hands a partition that held data "
     "and has no copy serving to a spare",
 )
 def _empty_shard() -> list[tuple[Any, str, Any]]:
-    from zps.core.cluster import ClusterState
+    from zps.core.clusterbase import ClusterBase
 
-    real_fill = ClusterState._fill
+    real_fill = ClusterBase._fill
 
     def fill(self: Any, now: float) -> Any:
         parts = self._parts
@@ -62,7 +62,7 @@ def _empty_shard() -> list[tuple[Any, str, Any]]:
             for p, (epoch, _lost) in zip(parts, saved, strict=True):
                 p.epoch = max(p.epoch, epoch)
 
-    return [(ClusterState, "_held", lambda self, p: False), (ClusterState, "_fill", fill)]
+    return [(ClusterBase, "_held", lambda self, p: False), (ClusterBase, "_fill", fill)]
 
 
 @_bug("ack-before-durable", "a replica acknowledges LSNs its log does not hold yet")
