@@ -25,7 +25,10 @@ module is the client's ``transport``:
 Three more names of :mod:`zps.client.connection` make a seed fix the run in any worker
 process: ``client_identity`` numbers each client process's id (``c-NAME-N``), and
 ``socket`` and ``os`` give the HELLO the process's name as its host and the same pid
-everywhere.  Shared memory (``shm_bytes`` 0), CURVE and routing brokers are off.
+everywhere.  The client's links to the routing brokers of the map
+(:mod:`zps.client.routerlinks`, the ``routers`` fault) are DEALERs made by :func:`dealer`
+too, to ``sim://NAME`` of a router (:mod:`.routernet`).  Shared memory (``shm_bytes`` 0)
+and CURVE are off.
 """
 
 from __future__ import annotations
@@ -238,7 +241,7 @@ def _hostname() -> str:
 
 
 #: The client's modules whose ``transport`` name the run replaces.
-TRANSPORT_MODULES = ("zps.client.connection",)
+TRANSPORT_MODULES = ("zps.client.connection", "zps.client.routerlinks")
 #: The client's modules whose ``time`` name the run replaces.
 CLOCK_MODULES = ("zps.client.connection", "zps.client.training")
 

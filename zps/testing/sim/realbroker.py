@@ -59,6 +59,7 @@ class _Broker(Broker):
             cmap = self.state.map
             desc = " ".join(
                 f"p{p}:{i.primary}@{i.epoch}/{','.join(i.in_sync)}{'/lost' if i.lost else ''}"
+                + (f" via {i.router.removeprefix('sim://')}" if i.router else "")
                 for p, i in sorted(cmap.partitions.items())
             )
             self.trace(f"map v{cmap.version} {desc}")

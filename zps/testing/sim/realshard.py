@@ -80,7 +80,7 @@ class RealShard:
             data_dir=str(self.disk.root),
             replication_bind=f"tcp://{self.name}:{REPLICATION_PORT}",
             advertise_host=self.name,
-            host=self.name,
+            host=w.hosts.get(self.name, self.name),  # its own unless two run on a host
             durability="fsync",
             shm_bytes=0,
             heartbeat=Heartbeat(interval=HB, liveness=LIVE),

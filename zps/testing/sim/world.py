@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from zps.protocol.messages import Role
-from zps.testing.sim import clientnet, shardnet, simtransport
+from zps.testing.sim import clientnet, routernet, shardnet, simtransport
 from zps.testing.sim import disk as simdisk
 from zps.testing.sim.aioloop import SimLoop
 from zps.testing.sim.net import HWM, Network
@@ -23,6 +23,7 @@ from zps.testing.sim.pair import BROKERS, PEER_TIMEOUT, PairBroker, PairClient, 
 from zps.testing.sim.realbroker import RealBroker, WireClient, WireShard
 from zps.testing.sim.realclient import RealClient
 from zps.testing.sim.realpair import RealPairBroker, WirePairClient, WirePairShard
+from zps.testing.sim.realrouter import RealRouter, hosts
 from zps.testing.sim.realshard import RealShard
 from zps.testing.sim.sched import Scheduler, quiet_gc
 
@@ -52,8 +53,13 @@ NAMED_ONLY = ("slow", "client")
 #: map's slots): ``reshard``, the operator scales the cluster to 1, 2 or 3 partitions
 #: (``zps-server scale``) while it runs, or cancels the scaling under way.
 RESHARD = ("reshard",)
+#: Routing brokers, only when named and with the real client (whose links to the routers
+#: of the map are the product's): ``routers``, the shards run two a host, a routing broker
+#: (``zps-server broker --follow``) on each host, and a router is killed and restarted,
+#: paused past the liveness timeout, or cut off from a client, a shard or a broker.
+ROUTERS = ("routers",)
 #: Every fault that may be named.
-NAMED = (*FAULTS, *LOADS, *PAIR, *NAMED_ONLY, *RESHARD)
+NAMED = (*FAULTS, *LOADS, *PAIR, *NAMED_ONLY, *RESHARD, *ROUTERS)
 #: The brokers of a pair: the stand-in's, or the real ones (--real-broker).
 PAIRED = (PairBroker, RealPairBroker)
 #: Bounds on what any queue may hold (the "queues bounded" check).
@@ -108,6 +114,9 @@ class World:
                                  "clients send each row to a fixed partition)")  # fmt: skip
             # Spares for the third partition's copies (and the partitions' shards).
             n_shards = max(n_shards, 2 * 3)
+        if "routers" in self.faults and not real_client:
+            raise ValueError("the routers fault needs --real-client (the stand-in clients "
+                             "and shards have no links to routing brokers)")  # fmt: skip
         self.sched = Scheduler(seed, trace=trace)
         self.net = Network(self.sched)
         self.n_partitions = n_partitions
@@ -165,6 +174,16 @@ class World:
             self.client_cls = RealClient
         self.shards: list[Any] = [shard_cls(self, f"{prefix}{i}") for i in range(n_shards)]
         self.shard_names = {s.name for s in self.shards}
+        #: With ``routers``: each shard's host (two a host) and a routing broker on each
+        #: host (zps.testing.sim.realrouter); else each shard is its own host, no router.
+        self.hosts: dict[str, str] = {}
+        self.routers: list[RealRouter] = []
+        if "routers" in self.faults:
+            self.hosts = hosts([s.name for s in self.shards])
+            self.routers = [
+                RealRouter(self, f"r{i}", host)
+                for i, host in enumerate(sorted(set(self.hosts.values())))
+            ]
         self.clients: list[Any] = [
             self.client_cls(self, f"c{i}", timeout=timeout) for i in range(n_clients)
         ]
@@ -350,12 +369,18 @@ class World:
                 self.stop_shard(s, restart_after=rng.uniform(0.1, 3.0), power=True)
             for br in self.brokers:
                 self.sched.after(rng.uniform(0.1, 1.5), functools.partial(self._start, br))
+            for r in self.routers:  # on the shards' hosts
+                r.stop()
+                back = rng.uniform(0.1, 3.0)
+                self.sched.after(back, functools.partial(self._router_back, r, r.starts))
         elif kind == "failover":
             self._failover()
         elif kind == "reshard":
             self._reshard()
         elif kind == "slow":
             self._slow()
+        elif kind == "routers":
+            self._router_fault()
         elif kind == "client":
             client = rng.choice(self.clients)
             if not client.alive:
@@ -372,6 +397,44 @@ class World:
             self.note(f"broker restarts {'with' if keep else 'WITHOUT'} its record in {back:.2f}s")
             self.broker.stop(keep_record=keep)
             self.sched.after(back, self._broker_back)
+
+    def _router_fault(self) -> None:
+        """A routing broker is killed (back in 0.2-3 s), paused past the liveness
+        timeout, or cut off (one way or both) from a client, a shard or a broker."""
+        rng = self.sched.rng
+        r = rng.choice(self.routers)
+        how = rng.choice(("kill", "pause", "partition"))
+        if how == "kill":
+            if not r.alive:
+                return
+            back = rng.uniform(0.2, 3.0)
+            self.note(f"kill the router {r.name}, back in {back:.2f}s")
+            r.stop()
+            self.sched.after(back, functools.partial(self._router_back, r, r.starts))
+        elif how == "pause":
+            if r.name not in self.net.up or r.name in self.net.paused:
+                return
+            length = rng.uniform(HB * LIVE + 0.1, 2.0)
+            self.note(f"pause the router {r.name} for {length:.2f}s")
+            self.net.pause(r.name)
+            self.sched.after(length, functools.partial(self.net.resume, r.name))
+        else:
+            others = [c.name for c in self.clients] + [s.name for s in self.shards]
+            other = rng.choice(others + [b.name for b in self.brokers])
+            way = rng.choice(("->", "<-", "<->"))
+            pairs = {(r.name, other)} if way == "->" else {(other, r.name)}
+            if way == "<->":
+                pairs.add((r.name, other))
+            pairs -= self.net.cut
+            length = rng.uniform(0.2, 3.0)
+            self.note(f"cut the router {r.name} {way} {other} for {length:.2f}s")
+            self.net.cut |= pairs
+            self.sched.after(length, lambda: self._heal(pairs))
+
+    def _router_back(self, router: RealRouter, starts: int) -> None:
+        """A router killed (after start number ``starts``) starts again, unless it did."""
+        if router.starts == starts and not router.alive:
+            router.start()
 
     def _reshard(self) -> None:
         """The operator asks the serving broker to scale to 1, 2 or 3 partitions (as
@@ -516,6 +579,8 @@ class World:
             seams += shardnet.install()
         if self.real_client:
             seams += clientnet.install()
+        if self.routers:
+            seams += routernet.install()
         return seams
 
     def _end_loop(self, seams: simtransport.Saved) -> None:
@@ -525,6 +590,8 @@ class World:
             for c in [*self.clients, *self.readers]:
                 if isinstance(c, RealClient):
                     c.end()
+            for r in self.routers:
+                r.end()
             for s in self.shards:
                 if isinstance(s, RealShard):
                     s.end()
@@ -543,6 +610,8 @@ class World:
         self.end = self.duration + settle + self.timeout + 2.0
         for b in self.brokers:
             b.start()
+        for r in self.routers:
+            r.start()
         for s in self.shards:
             sched.after(sched.rng.uniform(0, 0.3), functools.partial(self._restart, s, s.gen))
         for c in self.clients:
@@ -565,6 +634,8 @@ class World:
             c.pushing = False
             self._client_back(c)
         self._broker_back()
+        for r in self.routers:
+            self._router_back(r, r.starts)
         for s in self.shards:
             if not s.alive:
                 s.start()
@@ -587,6 +658,11 @@ class World:
 
         sched.after(0.2, read)
         sched.run_until(self.end)
+        for r in self.routers:
+            counted = r.counted()
+            sched.log(f"{r.name} routed {counted['routed']} requests, {counted['replies']} "
+                      f"replies, refused {counted['not_routed']} not routed and "
+                      f"{counted['undeliverable']} undeliverable")  # fmt: skip
         return self._verdict(reads, probes)
 
     def _verdict(self, reads: list[Op], probes: list[Op]) -> Result:
