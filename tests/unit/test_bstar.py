@@ -331,3 +331,21 @@ def test_a_pause_of_the_standby_counts_from_any_event() -> None:
     c.on_peer(State.ACTIVE, 1, 0.0)
     assert c.on_term(1, 5.0) is None  # not newer, but the gap still counts
     assert c.on_client(5.5) == (False, None)
+
+
+def test_a_peer_heard_again_after_a_silence_is_counted_once_and_own_pauses_are_not() -> None:
+    """``peer_silences`` counts the peer heard again after a whole timeout unheard, not
+    this broker's own pause (rule 6) nor beats within the timeout."""
+    a, b = primary(), backup()
+    exchange(a, b, 0.0)
+    run(b, 0.0, 0.5)
+    b.on_peer(*a.beat(), 0.5)
+    assert b.peer_silences == 0
+    run(b, 0.5, 2.0)  # running, the peer unheard for more than a timeout
+    assert not b.peer_alive(2.0)
+    b.on_peer(*a.beat(), 2.0)
+    b.on_peer(*a.beat(), 2.1)
+    assert b.peer_silences == 1 and b.peer_alive(2.1)
+    # Paused from 2.1 to 5.0: the beat read on resuming is no silence of the peer's.
+    b.on_peer(*a.beat(), 5.0)
+    assert b.peer_silences == 1

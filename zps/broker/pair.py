@@ -216,6 +216,7 @@ class Pair:
                 "state": peer_state.value if peer_state is not None else "unknown",
                 "term": self.star.peer_term,
                 "alive": self.star.peer_alive(now) and peer_state is not None,
+                "silences": self.star.peer_silences,
                 **self._peer_info,
             },
             "record_version": self.record.version if self.record else None,

@@ -131,6 +131,9 @@ class BinaryStar:
         self._peer_expiry = now + timeout
         self._last_run = now  # rule 6
         self.failovers = 0
+        #: Times the peer was heard again after a silence of a whole timeout (this
+        #: broker's own pauses not counted, rule 6).
+        self.peer_silences = 0
 
     # -- queries -----------------------------------------------------------------
 
@@ -163,6 +166,8 @@ class BinaryStar:
         if term < 0:
             raise ValueError(f"term must be >= 0, got {term!r}")
         self.tick(now)
+        if self.peer_state is not None and not self.peer_alive(now):
+            self.peer_silences += 1
         peer_record = None if record is None else _record(record)
         self.peer_state, self.peer_term = state, term
         self._peer_expiry = now + self.timeout
