@@ -8,7 +8,11 @@ The garbage collector is a source of order too: a finalizer (a frozen cut releas
 its snapshot goes, a socket closed) runs when a collection finds its object, and the
 interpreter collects after a count of allocations that depends on all the process ran
 before.  While a scheduler runs, automatic collection is off (:func:`quiet_gc`) and it
-collects every :data:`COLLECT_EVERY` events instead, at the same points in any process.
+collects every :data:`COLLECT_EVERY` events instead, at the same points in any process:
+the young generations each time, the whole heap every :data:`FULL_EVERY` times (a full
+collection walks every object the process holds, the modules' included; what is in
+which generation follows from the run's own events, the heap being collected whole
+before it starts).
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import itertools
 import random
 from collections.abc import Callable, Iterator
 
-#: Events between two collections of the garbage collector while a run is under way.
+#: Events between two collections of the garbage collector's young generations while a
+#: run is under way, and collections between two of the whole heap.
 COLLECT_EVERY = 2000
+FULL_EVERY = 10
 
 #: An event on the heap: (time, sequence number, what to run).  Plain tuples: the
 #: heap compares them natively, and (time, seq) is unique, so ``fn`` is never compared.
@@ -72,7 +78,8 @@ class Scheduler:
             n += 1
             fn()
             if n == due:
-                gc.collect()
+                k = (self.events + n) // COLLECT_EVERY
+                gc.collect(2 if k % FULL_EVERY == 0 else 1)
                 due += COLLECT_EVERY
         self.events += n
         self.now = max(self.now, end)
