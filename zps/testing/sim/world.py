@@ -116,7 +116,7 @@ class World:
             n_shards = max(n_shards, 2 * 3)
         if "routers" in self.faults and not real_client:
             raise ValueError("the routers fault needs --real-client (the stand-in clients "
-                             "and shards have no links to routing brokers)")  # fmt: skip
+                             "have no links to routing brokers)")  # fmt: skip
         self.sched = Scheduler(seed, trace=trace)
         self.net = Network(self.sched)
         self.n_partitions = n_partitions
