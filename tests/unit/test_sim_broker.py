@@ -238,7 +238,7 @@ def test_a_seed_replays_exactly_in_any_process(sim: Runs) -> None:
 
 
 #: Seeds of the default faults that must pass with the real broker.
-BUDGET = range(0, 30)
+BUDGET = range(0, 15)
 
 
 def test_the_real_broker_passes_every_check_on_the_budget(sim: Runs) -> None:
@@ -327,7 +327,7 @@ def test_a_pair_seed_replays_exactly_in_any_process(sim: Runs) -> None:
 
 
 #: Seeds of the pair's faults that must pass with the real pair.
-PAIR_BUDGET = range(0, 20)
+PAIR_BUDGET = range(0, 10)
 
 
 def test_the_real_pair_passes_every_check_on_the_budget(sim: Runs) -> None:

@@ -55,8 +55,9 @@ def test_a_seed_replays_exactly_in_any_process(sim: Runs) -> None:
     assert a.schedule and c.digest != a.digest
 
 
-#: Seeds of the default faults that must pass with the real shards (about 20 s here).
-BUDGET = range(0, 20)
+#: Seeds of the default faults that must pass with the real shards (the default mode,
+#: tests/unit/test_sim_client.py, runs the larger budget of the real code).
+BUDGET = range(0, 10)
 
 
 def test_the_real_shards_pass_every_check_on_the_budget(sim: Runs) -> None:

@@ -1,10 +1,11 @@
 """The known defects (:mod:`.bugs`) as they apply to the real code paths a
 ``--real-broker`` run takes: the real :class:`~zps.broker.pair.Pair` and the wire
-shard of :mod:`.realpair`; with ``--real-shard``, the real shard's replication stream.
+shard of :mod:`.realpair`; with the real shards (``--real-shard`` and the default), their
+replication stream and their links to a broker pair.
 ``--bug NAME`` puts both in place; a defect with no entry here patches the stand-in
 only (or, as ``pair-primary-first`` in :class:`~zps.core.bstar.BinaryStar`, code both
 run).  The defects of the client's driver (:data:`CLIENT_BUGS`) exist only in the real
-client, so only ``--real-client`` runs them."""
+client, so only the default mode (``--real-client``) runs them."""
 
 from __future__ import annotations
 
@@ -70,11 +71,30 @@ def _stale_replica_stream() -> Patch:
     return [(ReplicationStream, "_on_ack", on_ack)]
 
 
-#: The shard's defects in the real shard's own driver (``--real-shard``); those of the
+def _pair_unfenced_links() -> Patch:
+    from zps.shard.links import BrokerLinks
+
+    # BrokerLinks.fenced and with_term as with one broker: the shard obeys whichever
+    # broker of the pair spoke last and stamps no term.
+    def fenced(self: Any, link: int, header: dict[str, Any]) -> bool:
+        if len(self.links) > 1 and link != self.current:  # whichever broker spoke last
+            self.current = link
+            self.sock, self.out = self.links[link]
+        return False  # and no term learnt
+
+    def with_term(self: Any, header: dict[str, Any]) -> dict[str, Any]:
+        return header  # none stamped
+
+    return [(BrokerLinks, "fenced", fenced), (BrokerLinks, "with_term", with_term)]
+
+
+#: The shard's defects in the real shard's own driver (``--real-shard`` and the default
+#: mode); those of the
 #: pure cores (``ShardSession``, ``Durability.acked_lsn``, ``Wal._write``) are patched in
 #: by :mod:`.bugs` for every run.
 SHARD_PATCHES: dict[str, Callable[[], Patch]] = {
     "stale-replica-in-tracker": _stale_replica_stream,
+    "pair-unfenced": _pair_unfenced_links,
 }
 
 
