@@ -1,0 +1,193 @@
+"""What this machine gives a partition's bulk paths without zps: the floor of each path.
+
+    .venv/bin/python bench/bulk_floor.py --gb 3
+
+Each stage moves ``--gb`` GB in 16 MiB chunks with the same system calls a zps path makes,
+and nothing else (no checksum, no tables, no ids):
+
+- ``socket``: one process sends the bytes to another over pyzmq on loopback TCP (PUSH to
+  PULL, a few chunks in flight, zero-copy sends of slices of its memory), the receiver
+  drops each chunk: the transfer alone.
+- ``socket, into a memory file``: the receiver writes each chunk into a memory file
+  (``memfd``, ``pwrite``), as a joining copy fills its tables' arrays.
+- ``socket, into a memory file and a synced file``: and writes it to a file in
+  ``--dir``, synced at the end, as a joining copy keeps the snapshot as its checkpoint: a
+  replica's catch-up without zps.
+- ``file written and synced``: one process writes the bytes to a file and syncs it: a
+  checkpoint without zps.
+- ``cold file read into a memory file``: that file, dropped from the page cache, read into
+  a memory file: a restart without zps.
+
+The table gives each stage's wall time, GB/s and CPU seconds (both processes where there are
+two).  ``bench/big_partition.py`` measures zps's own paths on a partition of the same
+size; docs/performance.md sets the two side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import zmq
+
+CHUNK = 16 << 20
+#: Chunks a sender has queued ahead of the receiver (the snapshot sender's window is 4).
+WINDOW = 4
+
+
+def _cpu() -> float:
+    return time.process_time()
+
+
+def _receiver(endpoint: str, total: int, into: str, path: str | None, out: mp.Queue) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PULL)
+    s.setsockopt(zmq.RCVHWM, WINDOW)
+    s.setsockopt(zmq.RCVBUF, 8 << 20)
+    s.bind(endpoint)
+    out.put("ready")
+    mem = None
+    if into == "memfd":
+        mem = os.memfd_create("floor")
+        os.ftruncate(mem, total)
+    f = open(path, "wb", buffering=0) if path else None  # noqa: SIM115
+    c0 = _cpu()
+    got = 0
+    t_first = None
+    while got < total:
+        frame = s.recv(copy=False)
+        if t_first is None:
+            t_first = time.perf_counter()
+        buf = frame.buffer
+        n = len(buf)
+        if mem is not None:
+            os.pwrite(mem, buf, got)
+        if f is not None:
+            f.write(buf)
+        got += n
+    if f is not None:
+        os.fsync(f.fileno())
+        f.close()
+    if mem is not None:
+        os.close(mem)
+    out.put((time.perf_counter(), _cpu() - c0))
+    s.close(linger=0)
+    ctx.term()
+
+
+def transfer(total: int, into: str, path: str | None) -> tuple[float, float]:
+    """Seconds from the first send to the receiver's last write, and CPU-s of both."""
+    with socket_port() as port:
+        endpoint = f"tcp://127.0.0.1:{port}"
+    q: mp.Queue = mp.get_context("spawn").Queue()
+    p = mp.get_context("spawn").Process(target=_receiver, args=(endpoint, total, into, path, q))
+    p.start()
+    assert q.get(timeout=60) == "ready"
+    data = bytearray(total)
+    view = memoryview(data)
+    for i in range(0, total, 1 << 12):  # pages touched, not the shared zero page
+        data[i] = 1
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.SNDHWM, WINDOW)
+    s.setsockopt(zmq.SNDBUF, 8 << 20)
+    s.connect(endpoint)
+    c0 = _cpu()
+    t0 = time.perf_counter()
+    for off in range(0, total, CHUNK):
+        s.send(view[off : off + CHUNK], copy=False)
+    t_end, rcpu = q.get(timeout=600)
+    cpu = _cpu() - c0 + rcpu
+    p.join(timeout=60)
+    s.close(linger=0)
+    ctx.term()
+    return t_end - t0, cpu
+
+
+class socket_port:
+    """A free TCP port on loopback."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self.s = socket.socket()
+        self.s.bind(("127.0.0.1", 0))
+        return int(self.s.getsockname()[1])
+
+    def __exit__(self, *exc: object) -> None:
+        self.s.close()
+
+
+def write_file(total: int, path: str) -> tuple[float, float]:
+    data = bytearray(total)
+    for i in range(0, total, 1 << 12):
+        data[i] = 1
+    view = memoryview(data)
+    c0, t0 = _cpu(), time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for off in range(0, total, CHUNK):
+            f.write(view[off : off + CHUNK])
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0, _cpu() - c0
+
+
+def read_cold(total: int, path: str) -> tuple[float, float]:
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    mfd = os.memfd_create("floor")
+    os.ftruncate(mfd, total)
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    c0, t0 = _cpu(), time.perf_counter()
+    off = 0
+    while off < total:
+        n = os.readv(fd, [view])
+        if n <= 0:
+            break
+        os.pwrite(mfd, view[:n], off)
+        off += n
+    took, cpu = time.perf_counter() - t0, _cpu() - c0
+    os.close(mfd)
+    os.close(fd)
+    return took, cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gb", type=float, default=1.0, help="GB moved by each stage (default 1)")
+    ap.add_argument("--dir", help="where the files go (default: a temporary directory)")
+    ap.add_argument("--runs", type=int, default=1, help="runs of each stage (default 1)")
+    args = ap.parse_args(argv)
+    total = int(args.gb * 1e9) // CHUNK * CHUNK
+    gb = total / 1e9
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        path = str(Path(d) / "floor.bin")
+        stages = [
+            ("socket", lambda: transfer(total, "drop", None)),
+            ("socket, into a memory file", lambda: transfer(total, "memfd", None)),
+            (
+                "socket, into a memory file and a synced file",
+                lambda: transfer(total, "memfd", path),
+            ),
+            ("file written and synced", lambda: write_file(total, path)),
+            ("cold file read into a memory file", lambda: read_cold(total, path)),
+        ]
+        print(f"{gb:.2f} GB in {CHUNK >> 20} MiB chunks; load {os.getloadavg()[0]:.1f}")
+        print(f"{'stage':<46} {'wall s':>8} {'GB/s':>7} {'CPU s':>7}")
+        for name, run in stages:
+            for _ in range(args.runs):
+                took, cpu = run()
+                print(f"{name:<46} {took:8.2f} {gb / took:7.2f} {cpu:7.2f}", flush=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS of this process: {peak:.0f} MB; load {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
