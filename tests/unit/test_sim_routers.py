@@ -55,7 +55,8 @@ def test_the_shards_run_two_a_host() -> None:
     }
 
 
-def test_a_run_drives_the_real_routers() -> None:
+def test_a_run_drives_the_real_routers(sim: Runs) -> None:
+    worker = sim.submit(1, ["routers"], real_client=True)
     w = World(1, faults=["routers"], real_client=True, trace=True)
     assert [(r.name, r.host) for r in w.routers] == [("r0", "h0"), ("r1", "h1"), ("r2", "h2")]
     assert all(isinstance(r, RealRouter) for r in w.routers)
@@ -71,6 +72,8 @@ def test_a_run_drives_the_real_routers() -> None:
     from zps.broker import router
 
     assert vars(router)["transport"] is not routernet
+    # The same run in a worker process as in this one.
+    assert_same_run(r, worker.result())
 
 
 def test_a_seed_replays_exactly_in_any_process(sim: Runs) -> None:
