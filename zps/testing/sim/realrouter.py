@@ -99,8 +99,9 @@ class RealRouter:
 
     def stop(self) -> None:
         """The process is gone (killed, or its machine lost power)."""
+        if self.alive:
+            self.w.sched.log(f"{self.name} stop")
         self.end()
-        self.w.sched.log(f"{self.name} stop")
 
     def end(self) -> None:
         """The process ends as a kill ends it (also at the end of a run, untraced): its
