@@ -185,3 +185,22 @@ def test_a_promoted_copy_that_took_no_write_is_its_own_floor_after_a_power_loss(
     # Another copy at the same LSN and epoch 1 is not the floor's: it is refused.
     cs2 = restarted(cs, now=20.0, hold=1.0)
     assert reg(cs2, "p", claim=claim_primary(0, 1, 45), now=20.1) == []
+
+
+def test_a_running_broker_keeps_a_lost_partition_for_its_last_in_sync_copy() -> None:
+    """Rule 4 without a restart (simulator seed 264): the replica died and left the
+    in-sync set, the primary acknowledged pushes alone whose heartbeats never reached the
+    broker (the floor stayed at 10) and was declared dead.  The replica comes back with a
+    primary's claim at the floor: it is not a member, so it is held, not elected; the
+    primary's copy, which holds those pushes, takes the partition when it returns."""
+    cs = two_copies()
+    cs.node_gone("r")
+    assert cs.members_of(0) == ("p",) and cs.floor_of(0) == (1, 10)
+    cs.node_gone("p", now=5.0)
+    assert cs.is_lost(0)
+    assert reg(cs, "r", claim=claim_primary(0, 1, 10), now=6.0) == []
+    assert cs.primary_of(0) is None and cs.shards["r"].held == claim_primary(0, 1, 10)
+    errors = [m for level, m in cs.notices if level == "error"]
+    assert any("shard r" in m and "last in-sync set (p)" in m for m in errors)
+    out = by_node(reg(cs, "p", claim=claim_primary(0, 1, 25), now=7.0))
+    assert out["p"] == primary("p", 0, 1) and cs.primary_of(0) == "p"

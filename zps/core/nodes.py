@@ -97,7 +97,8 @@ class Partition:
     #: An operator accepted the loss of what the missing copies held.
     released: bool = False
     #: Its last in-sync set, primary first, as its confirmed primary reported it (rule
-    #: 4); binding on claims once restored from a broker's record (``pinned``).
+    #: 4); binding on claims while no primary serves it, and on every claim once
+    #: restored from a broker's record (``pinned``).
     members: tuple[str, ...] = ()
     pinned: bool = False
     #: The in-sync set the broker's record held when this broker started: during the

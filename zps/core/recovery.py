@@ -24,8 +24,10 @@ def claim_epoch(part: Partition, claim: Claim) -> int:
 def distrust(
     part: Partition, claim: Claim, node_id: str, holding: bool = False, stale: bool = False
 ) -> str | None:
-    """Why a primary claim may not have its partition (rule 4), or None.  During the
-    start-up hold (``holding``) a member of the recorded in-sync set is one still.  With
+    """Why a primary claim may not have its partition (rule 4), or None.  A copy outside
+    the partition's last in-sync set may not have it while no primary serves it (nor,
+    once restored from a record, at all).  During the start-up hold (``holding``) a
+    member of the recorded in-sync set is one still.  With
     a ``stale`` record (:func:`unpin`) its floor is a bound still, but a claim below the
     partition's epoch is not trusted: a newer broker may have confirmed that epoch."""
     if part.released:
@@ -39,7 +41,10 @@ def distrust(
         return (
             f"older than the epoch {part.floor_epoch}, LSN {part.floor_lsn} its primary confirmed"
         )
-    if part.pinned and not member:
+    # The last in-sync set binds once restored from a record (pinned), and whenever no
+    # primary serves: the floor trails what a primary acknowledged alone since its last
+    # confirmed heartbeat, and only its members hold those writes.
+    if (part.pinned or (part.primary is None and part.members)) and not member:
         return f"it is not in the partition's last in-sync set ({', '.join(part.members)})"
     # At or past the floor.  Below the current epoch only when a floor is known
     # (the newer epoch was never confirmed, so it took no writes).

@@ -31,11 +31,8 @@ def _older_copy_wins() -> list[tuple[Any, str, Any]]:
     real = ClusterState._distrust
 
     def distrust(part: Any, claim: Any, node_id: str, *args: Any, **kw: Any) -> str | None:
-        pinned, part.pinned = part.pinned, False
-        try:
-            return real(part, claim, node_id, *args, **kw)
-        finally:
-            part.pinned = pinned
+        why = real(part, claim, node_id, *args, **kw)
+        return None if why is not None and "last in-sync set" in why else why
 
     return [(ClusterState, "_distrust", staticmethod(distrust))]
 
