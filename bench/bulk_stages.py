@@ -41,6 +41,7 @@ from zps.shard import checkpoint as ck
 from zps.shard.core import ShardCore
 from zps.shard.snapshots import _fill
 from zps.store import snapshot as sn
+from zps.store import snapstream as ss
 
 T = TypeVar("T")
 DIM = 32
@@ -85,10 +86,10 @@ def main() -> int:
     print(f"{rows:,} rows x {DIM} float32 + Adagrad ({args.gb:g} GB)")
     print(f"{'stage':<44} {'wall s':>8} {'cpu s':>8}")
 
-    chunk = sn.DEFAULT_CHUNK_BYTES
+    chunk = ss.DEFAULT_CHUNK_BYTES
     snap = stage("snapshot: cut (frozen; the event loop's part)", ck.cut, core)
     parts = stage("snapshot: encode the header", ck.encode_parts, snap)
-    plan = sn.plan_chunks([*(len(p) for p in parts), ck.DIGEST_BYTES], chunk)
+    plan = ss.plan_chunks([*(len(p) for p in parts), ck.DIGEST_BYTES], chunk)
     last = len(parts)
 
     def read_chunks(parts: list[sn.Part]) -> list[memoryview]:
@@ -106,9 +107,9 @@ def main() -> int:
     chunks[-1] = memoryview(bytes(chunks[-1]) + digest.digest())
     stage("snapshot: release the frozen version", ck.release, snap)
     del snap, parts
-    builder = sn.StreamBuilder(1, plan.total, chunk, plan.count, 1 << 40)
+    builder = ss.StreamBuilder(1, plan.total, chunk, plan.count, 1 << 40)
 
-    def take(builder: sn.StreamBuilder, chunks: list[memoryview]) -> None:
+    def take(builder: ss.StreamBuilder, chunks: list[memoryview]) -> None:
         for seq, data in enumerate(chunks):
             builder.check(1, seq, [data])
             builder.take([data])

@@ -30,8 +30,10 @@ from zps.shard.checkpoint import (
 )
 from zps.shard.core import ShardCore
 from zps.shard.snapshots import SnapshotSender, prepare
+from zps.store.checksums import READABLE
 from zps.store.partition import PartitionStore
-from zps.store.snapshot import READABLE, Snapshot, StreamBuilder, build_store, ordered, slices
+from zps.store.snapshot import Snapshot, build_store, ordered, slices
+from zps.store.snapstream import StreamBuilder
 from zps.store.tables import EmbeddingTable
 
 

@@ -23,7 +23,9 @@ from zps.shard.checkpoint import (
     read_checkpoint,
 )
 from zps.shard.core import ShardCore
+from zps.store import checksums
 from zps.store import snapshot as sn
+from zps.store import snapstream as ss
 from zps.store.slicereader import SliceReader
 
 
@@ -63,15 +65,15 @@ def _core(rows: int, ids: np.ndarray | None = None) -> ShardCore:
     return core
 
 
-def _stream(core: ShardCore) -> tuple[sn.StreamBuilder, list[bytes]]:
+def _stream(core: ShardCore) -> tuple[ss.StreamBuilder, list[bytes]]:
     parts = encode_parts(cut(core))
     data = b"".join(bytes(p) if not isinstance(p, sn.FrozenPart) else _frozen(p) for p in parts)
-    hashed = sn.CHECKSUMS[sn.STREAM_MAGIC].new()
+    hashed = checksums.CHECKSUMS[checksums.STREAM_MAGIC].new()
     hashed.update(data)
     data += hashed.digest()
     size = 1 << 13  # the ids of the tests below span chunks
     chunks = [data[a : a + size] for a in range(0, len(data), size)]
-    return sn.StreamBuilder(1, len(data), size, len(chunks), 1 << 40), chunks
+    return ss.StreamBuilder(1, len(data), size, len(chunks), 1 << 40), chunks
 
 
 def _frozen(part: sn.FrozenPart) -> bytes:
@@ -83,7 +85,7 @@ def _frozen(part: sn.FrozenPart) -> bytes:
 def test_ids_are_indexed_while_the_rows_arrive_and_the_table_takes_that_index(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(sn, "INDEX_AHEAD_IDS", 100)
+    monkeypatch.setattr(ss, "INDEX_AHEAD_IDS", 100)
     core = _core(5000)
     builder, chunks = _stream(core)
     for seq, chunk in enumerate(chunks):
@@ -104,7 +106,7 @@ def test_ids_are_indexed_while_the_rows_arrive_and_the_table_takes_that_index(
 def test_duplicate_ids_indexed_ahead_are_refused_when_the_tables_are_built(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(sn, "INDEX_AHEAD_IDS", 100)
+    monkeypatch.setattr(ss, "INDEX_AHEAD_IDS", 100)
     core = _core(500)
     table = core.store.embedding("e")
     table._index._ids[7] = table._index._ids[3]  # a stream that names an id twice

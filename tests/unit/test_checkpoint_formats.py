@@ -28,7 +28,8 @@ from zps.shard.checkpoint import (
 )
 from zps.shard.core import ShardCore
 from zps.store import mapped
-from zps.store.snapshot import StreamBuilder, build_store, plan_chunks
+from zps.store.snapshot import build_store
+from zps.store.snapstream import StreamBuilder, plan_chunks
 
 ROWS, DIM = 3000, 8
 

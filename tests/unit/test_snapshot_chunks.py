@@ -20,16 +20,14 @@ from zps.store.partition import PartitionStore
 from zps.store.snapshot import (
     FrozenArray,
     Snapshot,
-    StreamBuilder,
     build_store,
-    chunk_count,
     cut_export,
     cut_space,
     freeze_export,
     ordered,
-    plan_chunks,
     read_part,
 )
+from zps.store.snapstream import StreamBuilder, chunk_count, plan_chunks
 
 
 def _stream(sizes: list[int]) -> list[bytes]:

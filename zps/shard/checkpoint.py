@@ -33,7 +33,7 @@ frozen version in slices, in a worker thread; the version is released (on the lo
 when the snapshot is dropped or :func:`release` d.  One cut at a time holds a frozen
 version: :func:`thawed` waits for the one under way.  Rows are written in storage
 order (files written before held them by id: both load).  A file is read back in
-slices into the arrays its tables will own (:class:`~zps.store.snapshot.StreamBuilder`),
+slices into the arrays its tables will own (:class:`~zps.store.snapstream.StreamBuilder`),
 the arrays in memory files filled from the file's page cache in the kernel, the
 checksum taken beside it from those files: one copy of the partition in memory at a
 restore.
@@ -78,13 +78,12 @@ from zps.store.snapshot import (
     FrozenPart,
     Part,
     Snapshot,
-    StreamBuilder,
-    chunk_count,
     decode_snapshot,
     encode_snapshot,
     freeze_export,
     slices,
 )
+from zps.store.snapstream import StreamBuilder, chunk_count
 
 log = logging.getLogger("zps.checkpoint")
 

@@ -48,7 +48,8 @@ from zps.shard.held import HeldStream, HeldStreamFull
 from zps.shard.session import ShardSession
 from zps.store import PartitionStore
 from zps.store.checksums import READABLE
-from zps.store.snapshot import Snapshot, StreamBuilder, build_store
+from zps.store.snapshot import Snapshot, build_store
+from zps.store.snapstream import StreamBuilder
 
 #: Stream messages kept in memory while a snapshot arrives and loads; past this they
 #: are spooled to disk (zps.shard.held), up to HELD_SPOOL_BYTES.

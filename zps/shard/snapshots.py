@@ -2,7 +2,7 @@
 
 A replica that subscribes gets the partition as the checkpoint byte stream
 (:func:`zps.shard.checkpoint.encode_checkpoint`: header, arrays, XXH3-128) cut
-into chunks of at most ``chunk_bytes`` (:func:`zps.store.snapshot.plan_chunks`),
+into chunks of at most ``chunk_bytes`` (:func:`zps.store.snapstream.plan_chunks`),
 each a ``SNAPSHOT_CHUNK`` message.  At most ``window`` chunks are unacknowledged
 at once: the replica answers each with ``SNAPSHOT_ACK``, so a slow replica slows
 only its own transfer and the primary holds one copy of the partition plus the
@@ -44,18 +44,15 @@ from zps.shard.core import ShardCore
 from zps.shard.session import ShardSession
 from zps.store.checksums import CHECKSUMS, magic_for
 from zps.store.snapshot import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_CHUNK_WINDOW,
     CutSpace,
     FrozenPart,
     Part,
-    Piece,
     Snapshot,
     cut_space,
     drop_pages,
-    plan_chunks,
     read_part,
 )
+from zps.store.snapstream import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_WINDOW, Piece, plan_chunks
 
 log = logging.getLogger("zps.shard")
 
