@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from zps.testing.sim.aioloop import Proc, SimLoop
 from zps.testing.sim.sched import Scheduler
 
@@ -77,3 +79,24 @@ def test_tasks_hash_by_the_order_they_were_created_on_their_loop() -> None:
         hashes.append([hash(t) for t in tasks])
         loop.close()
     assert hashes[0] == hashes[1] == sorted(hashes[0])
+
+
+def test_the_scheduler_collects_garbage_at_fixed_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The collections of a run come at fixed counts of its events, whichever way its
+    time is cut into ``run_until`` calls: the youngest generation every COLLECT_EVERY
+    events, the whole heap every FULL_EVERY collections."""
+    from zps.testing.sim import sched as sched_mod
+
+    calls: list[tuple[int, int]] = []
+    sched = Scheduler(0)
+    monkeypatch.setattr(
+        sched_mod.gc, "collect", lambda generation=2: calls.append((sched.events, generation))
+    )
+    n = 5 * sched_mod.COLLECT_EVERY * sched_mod.FULL_EVERY // 2
+    for i in range(n):
+        sched.at(i * 0.001, lambda: None)
+    for end in (1.0, 3.3, 7.77, n * 0.001):
+        sched.run_until(end)
+    assert sched.events == n
+    every, full = sched_mod.COLLECT_EVERY, sched_mod.FULL_EVERY
+    assert [g for _, g in calls] == [2 if k % full == 0 else 0 for k in range(1, n // every + 1)]

@@ -9,10 +9,13 @@ its snapshot goes, a socket closed) runs when a collection finds its object, and
 interpreter collects after a count of allocations that depends on all the process ran
 before.  While a scheduler runs, automatic collection is off (:func:`quiet_gc`) and it
 collects every :data:`COLLECT_EVERY` events instead, at the same points in any process:
-the young generations each time, the whole heap every :data:`FULL_EVERY` times (a full
-collection walks every object the process holds, the modules' included; what is in
-which generation follows from the run's own events, the heap being collected whole
-before it starts).
+the youngest generation each time (``gc.collect(0)``: young only in every CPython), the
+whole heap every :data:`FULL_EVERY` times (a full collection walks every object the
+process holds, the modules' included).  What is in which generation follows from the
+run's own events, the heap being collected whole before it starts; garbage that survived
+into an older generation (a snapshot whose finalizer releases a frozen cut, say) is found
+at the next full collection, up to ``COLLECT_EVERY * FULL_EVERY`` events later, at the
+same point in every process.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ import itertools
 import random
 from collections.abc import Callable, Iterator
 
-#: Events between two collections of the garbage collector's young generations while a
-#: run is under way, and collections between two of the whole heap.
+#: Events between two collections of the garbage collector's youngest generation while a
+#: run is under way.
 COLLECT_EVERY = 2000
-FULL_EVERY = 10
+#: Collections between two of the whole heap (one every 10,000 events).
+FULL_EVERY = 5
 
 #: An event on the heap: (time, sequence number, what to run).  Plain tuples: the
 #: heap compares them natively, and (time, seq) is unique, so ``fn`` is never compared.
@@ -79,7 +83,7 @@ class Scheduler:
             fn()
             if n == due:
                 k = (self.events + n) // COLLECT_EVERY
-                gc.collect(2 if k % FULL_EVERY == 0 else 1)
+                gc.collect(2 if k % FULL_EVERY == 0 else 0)
                 due += COLLECT_EVERY
         self.events += n
         self.now = max(self.now, end)
