@@ -32,7 +32,9 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -45,25 +47,35 @@ def _cpu() -> float:
     return time.process_time()
 
 
-def _receiver(endpoint: str, total: int, into: str, path: str | None, out: mp.Queue) -> None:
+def payload(total: int) -> bytearray:
+    """``total`` bytes of random data (one random chunk repeated): every page touched,
+    nothing a compressing file system could shrink."""
+    chunk = os.urandom(CHUNK)
+    data = bytearray(total)
+    for off in range(0, total, CHUNK):
+        n = min(CHUNK, total - off)
+        data[off : off + n] = chunk[:n]
+    return data
+
+
+def _receiver(endpoint: str, total: int, into: str, path: str | None, out: mp.Queue[Any]) -> None:
     ctx = zmq.Context()
     s = ctx.socket(zmq.PULL)
     s.setsockopt(zmq.RCVHWM, WINDOW)
     s.setsockopt(zmq.RCVBUF, 8 << 20)
     s.bind(endpoint)
-    out.put("ready")
     mem = None
     if into == "memfd":
         mem = os.memfd_create("floor")
         os.ftruncate(mem, total)
+    if path:
+        Path(path).unlink(missing_ok=True)  # not truncated while the sender's clock runs
     f = open(path, "wb", buffering=0) if path else None  # noqa: SIM115
+    out.put("ready")
     c0 = _cpu()
     got = 0
-    t_first = None
     while got < total:
         frame = s.recv(copy=False)
-        if t_first is None:
-            t_first = time.perf_counter()
         buf = frame.buffer
         n = len(buf)
         if mem is not None:
@@ -73,26 +85,27 @@ def _receiver(endpoint: str, total: int, into: str, path: str | None, out: mp.Qu
         got += n
     if f is not None:
         os.fsync(f.fileno())
+    done = (time.perf_counter(), _cpu() - c0)  # before the files are closed and freed
+    if f is not None:
         f.close()
     if mem is not None:
         os.close(mem)
-    out.put((time.perf_counter(), _cpu() - c0))
+    out.put(done)
     s.close(linger=0)
     ctx.term()
 
 
 def transfer(total: int, into: str, path: str | None) -> tuple[float, float]:
-    """Seconds from the first send to the receiver's last write, and CPU-s of both."""
+    """Seconds from the first send to the receiver's last write (and sync), and CPU-s of
+    both processes."""
     with socket_port() as port:
         endpoint = f"tcp://127.0.0.1:{port}"
-    q: mp.Queue = mp.get_context("spawn").Queue()
+    q: mp.Queue[Any] = mp.get_context("spawn").Queue()
     p = mp.get_context("spawn").Process(target=_receiver, args=(endpoint, total, into, path, q))
     p.start()
     assert q.get(timeout=60) == "ready"
-    data = bytearray(total)
+    data = payload(total)
     view = memoryview(data)
-    for i in range(0, total, 1 << 12):  # pages touched, not the shared zero page
-        data[i] = 1
     ctx = zmq.Context()
     s = ctx.socket(zmq.PUSH)
     s.setsockopt(zmq.SNDHWM, WINDOW)
@@ -125,16 +138,16 @@ class socket_port:
 
 
 def write_file(total: int, path: str) -> tuple[float, float]:
-    data = bytearray(total)
-    for i in range(0, total, 1 << 12):
-        data[i] = 1
+    data = payload(total)
     view = memoryview(data)
-    c0, t0 = _cpu(), time.perf_counter()
+    Path(path).unlink(missing_ok=True)
     with open(path, "wb", buffering=0) as f:
+        c0, t0 = _cpu(), time.perf_counter()
         for off in range(0, total, CHUNK):
             f.write(view[off : off + CHUNK])
         os.fsync(f.fileno())
-    return time.perf_counter() - t0, _cpu() - c0
+        took = time.perf_counter() - t0, _cpu() - c0
+    return took
 
 
 def read_cold(total: int, path: str) -> tuple[float, float]:
@@ -152,7 +165,7 @@ def read_cold(total: int, path: str) -> tuple[float, float]:
             break
         os.pwrite(mfd, view[:n], off)
         off += n
-    took, cpu = time.perf_counter() - t0, _cpu() - c0
+    took, cpu = time.perf_counter() - t0, _cpu() - c0  # before the memory file is freed
     os.close(mfd)
     os.close(fd)
     return took, cpu
@@ -161,14 +174,21 @@ def read_cold(total: int, path: str) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=1.0, help="GB moved by each stage (default 1)")
-    ap.add_argument("--dir", help="where the files go (default: a temporary directory)")
+    ap.add_argument(
+        "--dir",
+        default=".",
+        help="where the files go, on the disk a shard's data dir would use (default: the "
+        "current directory; a tmpfs would measure memory, not the disk)",
+    )
     ap.add_argument("--runs", type=int, default=1, help="runs of each stage (default 1)")
     args = ap.parse_args(argv)
     total = int(args.gb * 1e9) // CHUNK * CHUNK
+    if total == 0:
+        ap.error(f"--gb must be at least {CHUNK / 1e9:.3f} (one chunk)")
     gb = total / 1e9
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         path = str(Path(d) / "floor.bin")
-        stages = [
+        stages: list[tuple[str, Callable[[], tuple[float, float]]]] = [
             ("socket", lambda: transfer(total, "drop", None)),
             ("socket, into a memory file", lambda: transfer(total, "memfd", None)),
             (
