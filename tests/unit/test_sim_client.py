@@ -206,3 +206,6 @@ def test_the_cli_runs_the_real_code_by_default(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         main(["--stand-in", "--bug", "client-seq-restart"])
     assert "defect of the real client: drop --stand-in" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--real-shard", "--faults", "reshard,kill"])
+    assert "--faults reshard needs the real clients: drop --real-shard" in capsys.readouterr().err

@@ -261,7 +261,7 @@ def _pair_lines(pair: dict[str, Any] | None) -> list[str]:
         f"  pair: this broker ({pair.get('role')}) is {pair.get('state', '?').upper()} at "
         f"term {pair.get('term')}; failovers {pair.get('failovers')}",
         f"  pair: peer {peer.get('endpoint')} is {peer.get('state')} ({alive}), "
-        f"term {peer.get('term')}",
+        f"term {peer.get('term')}; heard again after a silence {peer.get('silences', 0)} times",
     ]
 
 

@@ -145,7 +145,8 @@ def _stale_replica() -> list[tuple[Any, str, Any]]:
 @_bug(
     "pair-unfenced",
     "a shard of a broker-pair cluster obeys whichever broker spoke last and stamps no term "
-    "(ShardServer._fenced and _with_term as with one broker): a replaced broker that still "
+    "(the stand-in's PairShard._fenced; the real shard's BrokerLinks.fenced and with_term, "
+    "zps.testing.sim.realbugs, as with one broker): a replaced broker that still "
     "thinks itself active is neither ignored nor told",
 )
 def _pair_unfenced() -> list[tuple[Any, str, Any]]:

@@ -16,7 +16,7 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from typing import Any
 
 from zps.testing.sim import bugs, realbugs
-from zps.testing.sim.world import FAULTS, NAMED, PAIR, Result, run_seed
+from zps.testing.sim.world import FAULTS, NAMED, PAIR, RESHARD, ROUTERS, Result, run_seed
 
 
 def _faults(text: str) -> list[str]:
@@ -135,9 +135,11 @@ def run_seeds(
     """The runs of ``seeds`` (``faults``: the default ones if None), in seed order: in this
     process (``jobs`` 1, no ``pool``), else side by side in ``pool`` or in a pool of ``jobs``
     worker processes, at most :data:`AHEAD` seeds submitted ahead of the one reported (a
-    long run holds no more).  Each seed's run is the same in any process.  Closing the
-    generator early cancels the seeds not yet started.  ``real_broker``: the real broker
-    runs (zps.testing.sim.realbroker), not the simulator's stand-in; ``real_shard``: the
+    long run holds no more).  Unlike the command line, whose default is the real code,
+    this runs the stand-ins unless told otherwise (``real_*``).  Each seed's run is the
+    same in any process.  Closing the generator early cancels the seeds not yet started.
+    ``real_broker``: the real broker runs (zps.testing.sim.realbroker), not the
+    simulator's stand-in; ``real_shard``: the
     real shards too (zps.testing.sim.realshard); ``real_client``: the real clients too
     (zps.testing.sim.realclient)."""
     if pool is None and jobs == 1:
@@ -211,6 +213,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.jobs < 1:
         parser().error("--jobs must be >= 1")
     mode = MODES[args.mode]
+    needs_client = [f for f in args.faults if f in (*RESHARD, *ROUTERS)]
+    if needs_client and not mode["real_client"]:
+        parser().error(
+            f"--faults {','.join(needs_client)} needs the real clients: drop --{args.mode}, "
+            "the default runs them"
+        )
     if args.bug in realbugs.CLIENT_BUGS and not mode["real_client"]:
         parser().error(
             f"--bug {args.bug} is a defect of the real client: drop --{args.mode}, "
