@@ -159,7 +159,7 @@ def test_reshard_regression_seeds_pass_every_check(case: int, sim: Runs) -> None
 
 
 def test_the_reshard_fault_needs_the_real_clients() -> None:
-    with pytest.raises(ValueError, match="needs --real-client"):
+    with pytest.raises(ValueError, match="needs the real clients"):
         World(1, faults=["reshard"], real_shard=True)
 
 

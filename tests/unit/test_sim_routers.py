@@ -41,7 +41,7 @@ def test_the_routers_are_named_only() -> None:
 
 
 def test_the_routers_fault_needs_the_real_clients() -> None:
-    with pytest.raises(ValueError, match="needs --real-client"):
+    with pytest.raises(ValueError, match="needs the real clients"):
         World(1, faults=["routers"], real_shard=True)
 
 

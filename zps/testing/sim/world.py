@@ -110,13 +110,13 @@ class World:
             raise ValueError(f"unknown faults {sorted(unknown)}; known: {known}")
         if "reshard" in self.faults:
             if not real_client:
-                raise ValueError("the reshard fault needs --real-client (the stand-in "
-                                 "clients send each row to a fixed partition)")  # fmt: skip
+                raise ValueError("the reshard fault needs the real clients (real_client; "
+                                 "the stand-ins send each row to a fixed partition)")  # fmt: skip
             # Spares for the third partition's copies (and the partitions' shards).
             n_shards = max(n_shards, 2 * 3)
         if "routers" in self.faults and not real_client:
-            raise ValueError("the routers fault needs --real-client (the stand-in clients "
-                             "have no links to routing brokers)")  # fmt: skip
+            raise ValueError("the routers fault needs the real clients (real_client; "
+                             "the stand-ins have no links to routing brokers)")  # fmt: skip
         self.sched = Scheduler(seed, trace=trace)
         self.net = Network(self.sched)
         self.n_partitions = n_partitions
