@@ -150,19 +150,12 @@ def _node() -> ClientNode:
 
 def attach(net: Network, name: str) -> ClientNode:
     """The network node of the client process ``name`` (made as the process starts)."""
-    node = ClientNode(net, name)
-    simtransport._where.setdefault("nodes", {})[name] = node
-    return node
+    return simtransport.add_node(name, ClientNode(net, name))
 
 
 def detach(name: str, node: ClientNode | None) -> None:
-    """The process of ``node`` is gone: its node with it."""
-    nodes = simtransport._where.get("nodes", {})
-    if node is not None and nodes.get(name) is node:
-        del nodes[name]
-    if node is not None:
-        for ch in list(node.ports.values()):
-            ch.close()
+    """The process of ``node`` is gone: its node and its sockets with it."""
+    simtransport.drop_node(name, node, close_ports=True)
 
 
 def new_context(client: bool = False) -> object:

@@ -131,19 +131,12 @@ class RouterChannel(SimChannel):
 
 def attach(net: Network, name: str) -> RouterNode:
     """The network node of the router process ``name`` (made as the process starts)."""
-    node = RouterNode(net, name)
-    simtransport._where.setdefault("nodes", {})[name] = node
-    return node
+    return simtransport.add_node(name, RouterNode(net, name))
 
 
 def detach(name: str, node: RouterNode | None) -> None:
-    """The process of ``node`` is gone: its node with it."""
-    nodes = simtransport._where.get("nodes", {})
-    if node is not None and nodes.get(name) is node:
-        del nodes[name]
-    if node is not None:
-        for ch in list(node.ports.values()):
-            ch.close()
+    """The process of ``node`` is gone: its node and its sockets with it."""
+    simtransport.drop_node(name, node, close_ports=True)
 
 
 def router(

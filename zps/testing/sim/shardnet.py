@@ -109,16 +109,12 @@ def _node() -> SimNode:
 
 def attach(name: str) -> SimNode:
     """The network node of the shard process ``name`` (made as the process starts)."""
-    node = SimNode(simtransport._where["net"], name)
-    simtransport._where.setdefault("nodes", {})[name] = node
-    return node
+    return simtransport.add_node(name, SimNode(simtransport._where["net"], name))
 
 
 def detach(name: str, node: SimNode | None) -> None:
     """The process of ``node`` is gone: its node with it."""
-    nodes = simtransport._where.get("nodes", {})
-    if node is not None and nodes.get(name) is node:
-        del nodes[name]
+    simtransport.drop_node(name, node)
 
 
 def router(

@@ -42,7 +42,7 @@ import types
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from zps.errors import ClosedError, ProtocolError
 from zps.testing.sim.aioloop import PROC
@@ -110,6 +110,27 @@ INLINE.to_thread = _inline
 
 #: The network the next :func:`router` binds on (set by the run), and its node's name.
 _where: dict[str, Any] = {}
+
+
+_N = TypeVar("_N", bound="SimNode")
+
+
+def add_node(name: str, node: _N) -> _N:
+    """``node`` is the network node of the process ``name`` from now on (made as the
+    process starts)."""
+    _where.setdefault("nodes", {})[name] = node
+    return node
+
+
+def drop_node(name: str, node: SimNode | None, *, close_ports: bool = False) -> None:
+    """The process of ``node`` is gone: its node with it (``close_ports``: and the sockets
+    it made, closed)."""
+    nodes = _where.get("nodes", {})
+    if node is not None and nodes.get(name) is node:
+        del nodes[name]
+    if node is not None and close_ports:
+        for ch in list(node.ports.values()):
+            ch.close()
 
 
 #: The first element of what the peer link of a broker pair carries on the network:
