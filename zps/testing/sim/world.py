@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import math
 import shutil
@@ -599,6 +600,9 @@ class World:
                 if isinstance(b, RealBroker):
                     b.end()
             loop.settle()
+            # What the run left unreachable (a killed process's coroutines) is finalized
+            # now, through the seams, not by the next run's first collection without them.
+            gc.collect()
         finally:
             simtransport.uninstall(seams)
             asyncio.events._set_running_loop(None)
