@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import sys
 import types
 from collections import deque
@@ -217,17 +216,6 @@ class _Ids:
         return f"c-{name}-{n}".encode()
 
 
-class _OS:
-    """``zps.client.connection``'s ``os``: the real one, the pid the same everywhere."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
-
-    @staticmethod
-    def getpid() -> int:
-        return 1
-
-
 def _hostname() -> str:
     proc = PROC.get()
     return proc.name if proc is not None else "sim"
@@ -259,6 +247,6 @@ def install() -> simtransport.Saved:
     for modname in CLOCK_MODULES:
         put(importlib.import_module(modname), "time", CLOCK)
     put(connection, "client_identity", _Ids())
-    put(connection, "os", _OS())
+    put(connection, "os", simtransport.FixedPid(1))
     put(connection, "socket", types.SimpleNamespace(gethostname=_hostname))
     return saved

@@ -26,7 +26,6 @@ fixes the run in any process.  No CURVE, no metrics server.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -150,17 +149,6 @@ def router(
     return RouterChannel(node.net, name, node=node), bind
 
 
-class _OS:
-    """``zps.broker.router``'s ``os``: the real one, the pid the same everywhere."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
-
-    @staticmethod
-    def getpid() -> int:
-        return 20_000
-
-
 def install() -> simtransport.Saved:
     """Replace the routing broker's seams (see the module notes) for a run whose broker
     seams :func:`zps.testing.sim.simtransport.install` put in place; returns what
@@ -175,5 +163,5 @@ def install() -> simtransport.Saved:
 
     put(module, "transport", sys.modules[__name__])
     put(module, "time", CLOCK)
-    put(module, "os", _OS())
+    put(module, "os", simtransport.FixedPid(20_000))
     return saved

@@ -37,7 +37,6 @@ import asyncio
 import contextvars
 import functools
 import itertools
-import os
 import types
 import uuid
 from collections.abc import Callable, Sequence
@@ -245,19 +244,8 @@ INLINE_THREADS = _Threading()
 PID = 10_000
 
 
-class _OS:
-    """The ``os`` of :data:`PID_MODULES`: the real one, the pid :data:`PID` in every process."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
-
-    @staticmethod
-    def getpid() -> int:
-        return PID
-
-
-#: The shard's modules whose ``os`` name the run replaces (:class:`_OS`): the pid
-#: the shard sends, and the one it writes in its data dir's ``LOCK``.
+#: The shard's modules whose ``os`` name the run replaces (``simtransport.FixedPid``): the
+#: pid the shard sends, and the one it writes in its data dir's ``LOCK``.
 PID_MODULES = ("zps.shard.server", "zps.ops.datadir")
 #: The shard's modules whose ``transport`` name the run replaces.
 TRANSPORT_MODULES = (
@@ -308,6 +296,6 @@ def install() -> simtransport.Saved:
     ids = itertools.count(1)
     put(server, "uuid", types.SimpleNamespace(uuid4=lambda: uuid.UUID(int=next(ids) << 80)))
     for modname in PID_MODULES:
-        put(importlib.import_module(modname), "os", _OS())
+        put(importlib.import_module(modname), "os", simtransport.FixedPid(PID))
     put(server, "threading", INLINE_THREADS)
     return saved

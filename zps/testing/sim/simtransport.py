@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import itertools
+import os
 import types
 import uuid
 from collections import deque
@@ -110,6 +111,20 @@ INLINE.to_thread = _inline
 
 #: The network the next :func:`router` binds on (set by the run), and its node's name.
 _where: dict[str, Any] = {}
+
+
+class FixedPid:
+    """An ``os`` for a module whose process id must be the same in every process that
+    runs a seed: the real module but for ``getpid``."""
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def getpid(self) -> int:
+        return self._pid
 
 
 _N = TypeVar("_N", bound="SimNode")
