@@ -237,10 +237,16 @@ def test_a_copy_without_a_log_waits_for_the_operator(
     broker = c.start_broker(grace=0.3)
     empty = c.start_shard()  # an empty shard must not take it either
     back = c.start_shard(data, flags)
+    # Held, and still held once the start-up hold is over (the operator's command is
+    # refused during the hold: ask again when it has ended).
     status = c.wait_for(
-        lambda s: bool(s["partitions"][0].get("held_copies")) and len(s["shards"]) == 2,
+        lambda s: (
+            bool(s["partitions"][0].get("held_copies"))
+            and len(s["shards"]) == 2
+            and s["broker"]["holding_s"] == 0
+        ),
         20,
-        "the copy to be held",
+        "the copy to be held after the start-up hold",
     )
     assert status["partitions"][0]["primary"] is None, status
     assert status["partitions"][0]["held_copies"][0]["node"] == node_of(c, back, status)
