@@ -101,6 +101,19 @@ def carried(proxy: HalfOpenProxy) -> list[tuple[list[bytes], list[bytes]]]:
     ]
 
 
+def wait_linked(proxy: HalfOpenProxy, what: str) -> None:
+    """Until a connection through ``proxy`` finished its handshake (the server's READY
+    went down it).  A peer may be heard over the other link alone before this one is
+    made (it connects again every 0.1-0.35 s until the far end listens)."""
+    deadline = time.monotonic() + RECOVERY_S
+    while not any(z["down"].first(b"READY") is not None for z in proxy.zmtp):
+        assert time.monotonic() < deadline, (
+            f"{what} never finished a handshake through the relay; what each connection "
+            f"it relayed carried (ZMTP commands up, down): {carried(proxy)}"
+        )
+        time.sleep(0.02)
+
+
 def wait_accepted(proxy: HalfOpenProxy, count: int, what: str) -> None:
     deadline = time.monotonic() + RECOVERY_S
     while proxy.accepted < count:
@@ -166,6 +179,10 @@ def test_a_pair_hears_its_peer_again_after_the_peer_links_died_unseen(
         before = pair(wait_status(c, keys, holding, "a pair with its standby's record"))
         held = before["peer"]["has_record"]
         silences = before["peer"]["silences"]
+        # Both links must carry beats when they freeze: one made after the freeze would
+        # carry the peer's beats on, and no silence would follow.
+        for relay in c.relays:
+            wait_linked(relay, "a peer link")
         accepted = [r.accepted for r in c.relays]
         for relay in c.relays:
             relay.freeze()
