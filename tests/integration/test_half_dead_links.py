@@ -211,15 +211,20 @@ def test_a_pair_hears_its_peer_again_after_the_peer_links_died_unseen(
             relay.close()
 
 
-def router_routed(endpoint: str, cfg: ClientConfig) -> int:
-    """Requests the routing broker at ``endpoint`` routed (from its own report)."""
+def router_report(endpoint: str, cfg: ClientConfig) -> dict[str, Any]:
+    """The routing broker at ``endpoint``'s own report."""
 
-    async def ask() -> int:
+    async def ask() -> dict[str, Any]:
         async with zps.connect(endpoint, cfg) as ps:
             reply = await ps.status()
-        return int(reply["router"]["routed"])
+        return dict(reply["router"])
 
     return asyncio.run(asyncio.wait_for(ask(), 20))
+
+
+def router_routed(endpoint: str, cfg: ClientConfig) -> int:
+    """Requests the routing broker at ``endpoint`` routed (from its own report)."""
+    return int(router_report(endpoint, cfg)["routed"])
 
 
 def test_a_shards_router_link_that_died_unseen_is_made_again(
@@ -259,6 +264,12 @@ def test_a_shards_router_link_that_died_unseen_is_made_again(
         relay.freeze()  # the shard's link, and the clients' made so far
         # No client runs now: the next connection relayed is the shard's.
         wait_accepted(relay, relay.accepted + 1, "the shard's router link")
+        # The router hears the shard there (a heartbeat at once on a new connection);
+        # until then it sends partition 0's requests to the broker.
+        deadline = time.monotonic() + RECOVERY_S
+        while (report := router_report(advertised, cfg))["unheard"]:
+            assert time.monotonic() < deadline, f"the shard not heard again: {report}"
+            time.sleep(0.05)
         with zps.connect_sync(c.address, cfg) as ps:
             ps.push_dense("via", np.ones(2))
             np.testing.assert_array_equal(ps.pull_dense("via"), [-1.0, -1.0])

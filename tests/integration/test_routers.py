@@ -25,16 +25,21 @@ class Routers(LocalCluster):
 
     routers: dict[str, tuple[Proc, str]]
 
-    def start_router(self, host: str, port: int | None = None) -> tuple[Proc, str]:
+    def start_router(
+        self, host: str, port: int | None = None, advertise: str | None = None
+    ) -> tuple[Proc, str]:
+        """A router on ``host``; ``advertise``: the endpoint clients and shards reach it
+        at, when not the one it binds (the endpoint returned)."""
         endpoint = f"tcp://127.0.0.1:{port or free_port()}"
         n = sum(p.name.startswith("router") for p in self.procs)
+        extra = ["--advertise", advertise] if advertise else []
         proc = self.spawn(
             f"router{n}-{host}",
             [self.python, "-m", "zps", "broker", "--follow", self.address, "--bind", endpoint,
-             "--host", host, *self.common_args()],
+             "--host", host, *extra, *self.common_args()],
         )  # fmt: skip
-        self.routers[host] = (proc, endpoint)
-        return proc, endpoint
+        self.routers[host] = (proc, advertise or endpoint)
+        return proc, advertise or endpoint
 
     def routed(self, status: dict[str, Any]) -> bool:
         """Healthy, with every router listed and each partition given its host's router."""

@@ -90,10 +90,10 @@ def test_the_client_sends_to_the_router_and_fails_over_from_a_silent_one() -> No
     new, gone = table.on_map(state.map, 0.0)
     assert new == ["tcp://a:1", "tcp://b:1"] and gone == []
     routes = {p: i.router for p, i in state.map.partitions.items()}
-    assert table.pick(request(0, 1), 1) == routes[0]
-    assert table.pick(request(1, 2), 2) == routes[1]
-    assert table.pick(request(1, 3), 3) == routes[1]
-    assert table.pick([Route(MsgType.STATUS, req_id=4).pack(), b"h"], 4) == ""
+    assert table.pick(request(0, 1), 1, 0.0) == routes[0]
+    assert table.pick(request(1, 2), 2, 0.0) == routes[1]
+    assert table.pick(request(1, 3), 3, 0.0) == routes[1]
+    assert table.pick([Route(MsgType.STATUS, req_id=4).pack(), b"h"], 4, 0.0) == ""
     table.answered(3)
     table.heard(routes[1], 0.4)
     assert table.tick(0.2) == ([], [])
@@ -102,9 +102,36 @@ def test_the_client_sends_to_the_router_and_fails_over_from_a_silent_one() -> No
     assert table.tick(1.7) == ([], []) and table.tick(1.9) == ([], [])
     down, resend = table.tick(2.1)
     assert down == [routes[0]] and resend == [1]
-    assert table.pick(request(0, 5), 5) == ""  # to the broker while it is down
-    assert table.heard(routes[0], 2.2) and table.pick(request(0, 6), 6) == routes[0]
+    assert table.pick(request(0, 5), 5, 0.0) == ""  # to the broker while it is down
+    assert table.heard(routes[0], 2.2) and table.pick(request(0, 6), 6, 2.2) == routes[0]
     np.testing.assert_equal(sorted(table.inflight), [1, 2, 5, 6])
+
+
+def test_a_partition_the_router_cannot_route_goes_to_the_broker_for_a_while() -> None:
+    """A refusal marked ``bypass`` (the primary is not connected to that router) sends
+    the partition's requests to the broker for ``failover_timeout``; then one goes to
+    the router again, and a reply it routes ends the bypass."""
+    state = cluster(["a", "b"])
+    state.register_router("r-a", endpoint="tcp://a:1", host="a", now=1.0)
+    state.register_router("r-b", endpoint="tcp://b:1", host="b", now=1.0)
+    table = RouterTable(failover_timeout=0.5)
+    table.on_map(state.map, 0.0)
+    routes = {p: i.router for p, i in state.map.partitions.items()}
+    for req_id, partition in ((1, 0), (2, 0), (3, 1)):
+        assert table.pick(request(partition, req_id), req_id, 0.9) == routes[partition]
+    # It refuses request 1: request 2, in flight through it for partition 0, is sent
+    # again (its link may have lost it); request 3, of another partition, is not.
+    assert table.refused(routes[0], 0, 1, 1.0, bypass=True) == (True, [2])
+    assert table.refused(routes[0], 0, 2, 1.1, bypass=True) == (False, [])  # until 1.6
+    assert table.pick(request(0, 2), 2, 1.1) == "" and table.pick(request(0, 1), 1, 1.5) == ""
+    assert table.pick(request(1, 4), 4, 1.5) == routes[1]  # another partition: unaffected
+    assert table.refused(routes[1], 1, 4, 1.5, bypass=False) == (False, [])
+    assert table.pick(request(0, 5), 5, 1.6) == routes[0]  # tried again
+    assert table.refused(routes[0], 0, 5, 1.7, bypass=False) == (True, [])  # routed: ended
+    assert table.pick(request(0, 6), 6, 1.7) == routes[0] and not table.bypassed
+    # A bypass of another router (the map moved the partition since) does not bind.
+    table.refused("tcp://elsewhere:1", 0, 7, 2.0, bypass=True)
+    assert table.pick(request(0, 8), 8, 2.1) == routes[0]
 
 
 def test_follow_in_flags_and_toml() -> None:

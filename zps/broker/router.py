@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from zps import transport
+from zps.broker.primaries import PrimaryLinks
 from zps.core.membership import SHARD_PREFIX, is_liveness
 from zps.core.routing import ClusterMap
 from zps.errors import ProtocolError
@@ -246,6 +247,9 @@ class Router:
         self._listed = False  # the map lists this router
         hb = config.heartbeat
         self._quiet = hb.interval * max(2.0, hb.liveness / 2)  # see _route
+        #: Which primaries' links this router hears (a primary silent as long as the
+        #: followed broker may be: its partition's requests go to the broker).
+        self._primaries = PrimaryLinks(self._quiet)
         self._started = time.monotonic()
         self._warned: set[bytes] = set()
         self._roles: KeyRoles | None = None  # CURVE: which keys may act as what
@@ -424,6 +428,7 @@ class Router:
             self.stats.stale_maps += 1
             return
         self.map, self._stamp = cmap, stamp
+        self._primaries.on_map(cmap, time.monotonic())
         self.stats.maps += 1
         listed = any(r.name == self.node_id.decode() for r in cmap.routers)
         if listed != self._listed:
@@ -538,7 +543,15 @@ class Router:
                 if info is not None and not info.router
                 else f"partition {p} has no primary at the moment"
             )
-            self._reply_error(ident, route, Status.NOT_PRIMARY, f"routing broker: {why}")
+            # The broker can route it (it holds what it must hold): the client may go
+            # there, save while no primary serves (the broker would only hold it too).
+            self._reply_error(
+                ident,
+                route,
+                Status.NOT_PRIMARY,
+                f"routing broker: {why}",
+                bypass=cmap is None or (info is not None and not info.router),
+            )
             return
         if info is None or info.lost:
             self.stats.unavailable += 1
@@ -548,6 +561,18 @@ class Router:
             )
             return
         assert info.primary is not None
+        if not self._primaries.live(info.primary, time.monotonic()):
+            # Its link may be dead (nothing tells a ROUTER): not posted into it.
+            self.stats.undeliverable += 1
+            self._reply_error(
+                ident,
+                route,
+                Status.NOT_PRIMARY,
+                f"the primary of partition {p} was not heard on its link to this routing "
+                f"broker for {self._quiet:g}s",
+                bypass=True,
+            )
+            return
         posted = self._out.post(
             [info.primary.encode(), ident, *frames[1:]], self.config.shard_queue_bytes
         )
@@ -569,12 +594,14 @@ class Router:
                 route,
                 Status.NOT_PRIMARY,
                 f"the primary of partition {p} is not connected to this routing broker",
+                bypass=True,
             )
             return
         self.stats.routed += 1
 
     def _from_shard(self, ident: bytes, frames: transport.Frames) -> None:
         assert self._out is not None
+        self._primaries.heard(ident.decode("utf-8", "replace"), time.monotonic())
         target = transport.frame_bytes(frames[1])
         if not target:
             if _is_heartbeat(frames):
@@ -603,7 +630,9 @@ class Router:
     def _from_client(self, ident: bytes, route: Route, frames: transport.Frames) -> None:
         match route.mtype:
             case MsgType.HEARTBEAT:
-                self._control(ident, MsgType.HEARTBEAT, {})  # the client hears it is alive
+                # The client hears it is alive, and which partitions to send the broker.
+                silent = self._primaries.silent(self.map, self.advertised, time.monotonic())
+                self._control(ident, MsgType.HEARTBEAT, {"unroutable": silent} if silent else {})
             case MsgType.HELLO if self.map is not None:
                 self._control(ident, MsgType.MAP, MapUpdate(self.map.to_wire()).to_wire())
             case MsgType.CLOCK | MsgType.TASK | MsgType.STATUS:
@@ -626,9 +655,17 @@ class Router:
     ) -> None:
         self._post([ident, *encode(Route(mtype, req_id=req_id), header)])
 
-    def _reply_error(self, ident: bytes, route: Route, code: Status, message: str) -> None:
+    def _reply_error(
+        self, ident: bytes, route: Route, code: Status, message: str, *, bypass: bool = False
+    ) -> None:
+        """Refuse a request.  ``bypass``: this router cannot route it now and the broker
+        can, so the client sends the partition's requests to the broker for a while
+        (:meth:`zps.client.routers.RouterTable.bypass`)."""
         reply = Route(MsgType.REPLY, route.partition, route.epoch, route.req_id)
-        self._post([ident, *encode(reply, StatusReply(code, message).to_wire())])
+        header = StatusReply(code, message).to_wire()
+        if bypass:
+            header["bypass"] = True
+        self._post([ident, *encode(reply, header)])
 
     def _post(self, frames: list[Any]) -> None:
         assert self._out is not None
@@ -670,6 +707,8 @@ class Router:
                 for p, i in (cmap.partitions.items() if cmap else ())
                 if i.router == self.advertised
             ),
+            # Its partitions whose primary it does not hear: they go to the broker.
+            "unheard": self._primaries.silent(cmap, self.advertised, now),
             "uptime_s": round(now - self._started, 1),
             **vars(self.stats),
             "held_bytes": out.held_bytes if out else 0,

@@ -1,7 +1,8 @@
 """A client's links to the routing brokers its map lists: a DEALER to each (the broker's
 own socket when one is also given as a broker), heartbeats, requests sent through the
-partition's router, and failover to the broker from a router that is silent.  What to
-do is decided by :class:`~zps.client.routers.RouterTable`; this module carries it out.
+partition's router, and failover to the broker from a router that is silent, or that
+refuses a partition as one the broker can route.  What to do is decided by
+:class:`~zps.client.routers.RouterTable`; this module carries it out.
 
 It needs the client's identity and settings, its clock, the session's ``unsent`` (a
 request to send again), the timer's ``schedule``, and where a router's reply goes:
@@ -107,7 +108,7 @@ class RouterLinks:
         routing broker, never waiting; False: it goes to the broker."""
         if not self.table.routes:
             return False
-        endpoint = self.table.pick(routed, req_id)
+        endpoint = self.table.pick(routed, req_id, self._now())
         if not endpoint:
             return False
         if not transport.try_send(self.socks[endpoint][0], frames):
@@ -130,10 +131,7 @@ class RouterLinks:
                 endpoint,
                 len(resend),
             )
-        for req_id in resend:
-            self._unsent(req_id, now)
-        if resend:
-            self._reschedule()
+        self._send_again(resend, now)
 
     def heard_broker(self, endpoint: str) -> None:
         """A message from a broker: if it is a router too, it is alive."""
@@ -158,9 +156,52 @@ class RouterLinks:
             log.info("the routing broker at %s answers again", endpoint)
         bufs = [transport.frame_buffer(f) for f in frames]
         msg = decode(bufs)
+        if msg.route.mtype is MsgType.HEARTBEAT:  # its echo: which primaries it hears
+            if "unroutable" in msg.header:
+                now = self._now()
+                started, lost = self.table.unroutable(endpoint, msg.header["unroutable"], now)
+                for p in started:
+                    log.warning(
+                        "the routing broker at %s does not hear the primary of partition "
+                        "%d; its requests go to the broker",
+                        endpoint,
+                        p,
+                    )
+                self._send_again(lost, now)
+            return
         if msg.route.mtype is not MsgType.REPLY:
-            return  # its heartbeat echoes
+            return
+        self._bypass(endpoint, msg)
         await on_reply(bufs, msg)
+
+    def _send_again(self, req_ids: list[int], now: float) -> None:
+        for req_id in req_ids:
+            self._unsent(req_id, now)
+        if req_ids:
+            self._reschedule()
+
+    def _bypass(self, endpoint: str, msg: Message) -> None:
+        """A reply from the router at ``endpoint``: a refusal marked ``bypass`` sends its
+        partition's requests to the broker for a while (:meth:`RouterTable.refused`)."""
+        bypass = msg.header.get("bypass") is True
+        if not bypass and not self.table.bypassed:
+            return
+        p, now = msg.route.partition, self._now()
+        changed, lost = self.table.refused(endpoint, p, msg.route.req_id, now, bypass=bypass)
+        if not changed:
+            return
+        if bypass:
+            log.warning(
+                "the routing broker at %s cannot route partition %d now (%s); its requests "
+                "go to the broker (%d to send again)",
+                endpoint,
+                p,
+                msg.header.get("msg", ""),
+                len(lost),
+            )
+            self._send_again(lost, now)
+        else:
+            log.info("the routing broker at %s routes partition %d again", endpoint, p)
 
     def close(self) -> None:
         for sock, task in self.socks.values():

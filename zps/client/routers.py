@@ -9,6 +9,12 @@ flight through it, or for a partition it routes, is re-sent (the shards' dedup
 record keeps each exactly once; a reply for a request the broker carried may come
 back through the router the client used last for that shard).
 
+A router that answers but cannot route a partition now (the primary's link to it is
+closed or silent, or it has no map it trusts) says so in its refusal (``bypass``), and
+names the partitions whose primary it does not hear in its heartbeat echoes: that
+partition's requests go to the broker for ``failover_timeout``, then one goes to the
+router again; the refused ones are re-sent by the session's rules, as for any refusal.
+
 Pure bookkeeping (time is an argument); the connection owns the sockets.
 """
 
@@ -52,6 +58,9 @@ class RouterTable:
         self.failovers = 0
         self._last_tick: float | None = None
         self._absent: dict[str, float] = {}  # endpoint -> since when the map omits it
+        #: partition -> (the router that refused it as one the broker can route, until
+        #: when its requests go to the broker)
+        self.bypassed: dict[int, tuple[str, float]] = {}
 
     def on_map(self, cmap: ClusterMap, now: float) -> tuple[list[str], list[str]]:
         """Take the map's routers: returns the endpoints to connect and to close (those
@@ -71,7 +80,7 @@ class RouterTable:
             del self.links[e], self._absent[e]
         return new, gone
 
-    def pick(self, frames: Sequence[Any], req_id: int) -> str:
+    def pick(self, frames: Sequence[Any], req_id: int, now: float) -> str:
         """The router endpoint to send a message to ("": the broker)."""
         if not self.routes or not req_id:
             return ""
@@ -85,10 +94,59 @@ class RouterTable:
         link = self.links.get(endpoint) if endpoint else None
         if link is None or link.down:
             endpoint = ""
+        elif self.bypassed:
+            by = self.bypassed.get(route.partition)
+            if by is not None and by[0] == endpoint and now < by[1]:
+                endpoint = ""
         if len(self.inflight) >= MAX_TRACKED:
             self.inflight.clear()
         self.inflight[req_id] = (endpoint, route.partition)
         return endpoint
+
+    def refused(
+        self, endpoint: str, partition: int, req_id: int, now: float, *, bypass: bool
+    ) -> tuple[bool, list[int]]:
+        """The router at ``endpoint`` answered request ``req_id`` for ``partition``;
+        ``bypass``: it refused it as one the broker can route.  Whether that starts a
+        bypass of it for the partition, or ends one (it routed the partition's request
+        again); and, as one starts, the other requests in flight through it for the
+        partition, to send again: the link that carried them is gone, and them with it,
+        as far as anyone knows (the shard's dedup record keeps each exactly once)."""
+        if bypass:
+            started = partition not in self.bypassed
+            self.bypassed[partition] = (endpoint, now + self.failover_timeout)
+            if not started:
+                return False, []
+            lost = [
+                r
+                for r, (e, p) in self.inflight.items()
+                if e == endpoint and p == partition and r != req_id
+            ]
+            return True, lost
+        by = self.bypassed.get(partition)
+        if by is not None and by[0] == endpoint:
+            del self.bypassed[partition]
+            return True, []
+        return False, []
+
+    def unroutable(
+        self, endpoint: str, partitions: object, now: float
+    ) -> tuple[list[int], list[int]]:
+        """The router at ``endpoint`` named ``partitions`` in its heartbeat echo as ones
+        whose primary it does not hear: those it routes by this client's map are bypassed
+        as after a refusal (:meth:`refused`).  The partitions whose bypass that starts,
+        and the requests to send again."""
+        if not isinstance(partitions, list):
+            return [], []
+        started: list[int] = []
+        lost: list[int] = []
+        for p in partitions:
+            if type(p) is int and self.routes.get(p) == endpoint:
+                new, again = self.refused(endpoint, p, 0, now, bypass=True)
+                if new:
+                    started.append(p)
+                    lost += again
+        return started, lost
 
     def answered(self, req_id: int) -> None:
         if self.inflight:

@@ -450,8 +450,7 @@ class ShardServer:
         )
         frames = [b"", *encode(Route(MsgType.HEARTBEAT), self.links.with_term(beat.to_wire()))]
         self.links.beat(frames)
-        if self._keys is not None:
-            self.routers.beat(frames)
+        self.routers.beat(frames)  # each router judges its link to this shard by them
 
     async def _heartbeat_loop(self) -> None:
         while True:
