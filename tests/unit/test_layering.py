@@ -109,6 +109,7 @@ LAYERS: dict[str, str] = {
     "zps.broker.datapath": "driver",
     "zps.broker.control": "driver",
     "zps.broker.routes": "core",
+    "zps.broker.primaries": "core",
     "zps.broker.forward": "driver",
     "zps.broker.statefile": "driver",
     "zps.broker.pair": "driver",
