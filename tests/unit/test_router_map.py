@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from zps.broker.primaries import PrimaryLinks
 from zps.broker.router import Leader, newer
 from zps.client.routers import RouterTable
 from zps.core.cluster import ClusterState
@@ -132,6 +133,30 @@ def test_a_partition_the_router_cannot_route_goes_to_the_broker_for_a_while() ->
     # A bypass of another router (the map moved the partition since) does not bind.
     table.refused("tcp://elsewhere:1", 0, 7, 2.0, bypass=True)
     assert table.pick(request(0, 8), 8, 2.1) == routes[0]
+
+
+def test_a_router_finds_the_primaries_it_does_not_hear() -> None:
+    """A primary the map names is given a silence from then; one not heard for a silence
+    has its partition listed (only the partitions this router routes); a shard the map
+    no longer names primary is forgotten."""
+    state = cluster(["a", "b"])
+    state.register_router("r-a", endpoint="tcp://a:1", host="a", now=1.0)
+    state.register_router("r-b", endpoint="tcp://b:1", host="b", now=1.0)
+    cmap = state.map
+    routes = {p: i.router for p, i in cmap.partitions.items()}
+    primary = {p: str(i.primary) for p, i in cmap.partitions.items()}
+    links = PrimaryLinks(0.5)
+    links.on_map(cmap, 10.0)
+    assert links.silent(cmap, routes[0], 10.4) == [] and links.live(primary[0], 10.4)
+    links.heard(primary[1], 10.3)
+    links.heard("s-unknown", 10.3)  # not a primary of the map: not kept
+    assert links.silent(cmap, routes[0], 10.5) == [0]  # a whole silence since the map
+    assert links.silent(cmap, routes[1], 10.5) == []  # heard at 10.3
+    assert links.silent(cmap, routes[1], 10.8) == [1] and not links.live("s-unknown", 10.3)
+    links.heard(primary[0], 10.9)
+    assert links.silent(cmap, routes[0], 11.0) == [] and links.silent(None, routes[0], 11.0) == []
+    links.on_map(cmap, 20.0)  # the same primaries: their times stand
+    assert not links.live(primary[0], 20.0)
 
 
 def test_follow_in_flags_and_toml() -> None:
