@@ -191,6 +191,7 @@ LAYERS: dict[str, str] = {
     "zps.cli.worker": "app",
     "zps.torch": "app",
     "zps.testing": "app",
+    "zps.testing.gate": "app",
     "zps.testing.sim": "app",
     "zps.testing.sim.__main__": "app",
     "zps.testing.sim.aioloop": "app",
