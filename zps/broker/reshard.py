@@ -438,6 +438,16 @@ class Resharder:
         the clients takes over with what it holds.  False: it does not hold it yet."""
         return await self.host.persisted(standby=True)
 
+    def _lost(self, p: int) -> bool:
+        """Partition ``p`` is lost while the move under way can still be cancelled."""
+        state, rec = self.host.state, self.record
+        return (
+            p < state.n_partitions
+            and state.is_lost(p)
+            and rec is not None
+            and rec.stage == "copying"
+        )
+
     def _owned(self, p: int) -> list[int]:
         return [int(s) for s in np.flatnonzero(self.host.state.slot_map == p)]
 
@@ -693,6 +703,11 @@ class Resharder:
             await self._call(
                 rec.source, [{"op": "slots_unfence", **self._common(rec.source, slots)}]
             )
+            # The source serves the slots again: what is left (the destination's drop,
+            # which waits if it is lost) is retried without it.
+            cur = self.record
+            if cur is not None and cur.stage == "copying":
+                self._set(replace(cur, source=-1))
         if slots and 0 <= rec.dest < state.n_partitions:
             await self._call(
                 rec.dest, [{"op": "slots_drop_import", **self._common(rec.dest, slots)}]
@@ -732,6 +747,11 @@ class Resharder:
             if time.monotonic() > deadline:
                 raise MoveFailed(f"{what}: {last} after {limit:g}s")
             primary = state.primary_of(p) if p < state.n_partitions else None
+            if primary is None and self._lost(p):
+                # No copy holding its data is live (it may stay so until an operator
+                # resets it): a move not yet copied is cancelled at once, so the
+                # source does not hold its fence for the request timeout.
+                raise MoveFailed(f"{what}: partition {p} is lost")
             if primary is None or not self._routing():
                 await asyncio.sleep(0.1)
                 continue
