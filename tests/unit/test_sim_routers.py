@@ -11,11 +11,15 @@ cut off passes every check, and a seed replays exactly in any process."""
 from __future__ import annotations
 
 import shutil
+from typing import Any
 
 import pytest
 
 from tests.unit.simcases import Runs, assert_same_run
+from zps.core.cluster import ClusterState
+from zps.core.nodes import Partition
 from zps.testing.sim import routernet
+from zps.testing.sim.cli import run_seeds
 from zps.testing.sim.realrouter import RealRouter, hosts
 from zps.testing.sim.world import FAULTS, NAMED, World
 
@@ -107,12 +111,29 @@ ROUTER_PAIR_FAULTS = [
 ]
 
 
-def test_a_lost_partition_waits_for_its_last_in_sync_copy(sim: Runs) -> None:
-    # Seed 264: p0's primary s-4 is cut off towards the broker (its heartbeats held),
-    # its replica s-1 is killed and dropped from the in-sync set, s-4 acknowledges writes
-    # alone on its lease, then is declared dead (p0 lost, floor below those writes); s-1
-    # came back at the floor and was granted p0 (acknowledged writes lost).  A running
-    # broker now holds a lost partition for a member of its last in-sync set too
-    # (zps.core.recovery.distrust), as one restored from its record did.
-    (r,) = sim.passing([264], ROUTER_PAIR_FAULTS, real_client=True)
+def test_a_lost_partition_waits_for_its_last_in_sync_copy(
+    sim: Runs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Seed 1388: p0's replica s-1 is killed and dropped from the in-sync set, its primary
+    # s-4 acknowledges a write alone, then loses power before a heartbeat raises the floor
+    # (p0 lost, the members s-4 alone); s-1 comes back at LSN 140, past the floor and
+    # short of s-4's 141, and claims p0.  A running broker holds it for a member of the
+    # last in-sync set (zps.core.recovery.distrust): s-4 comes back and takes p0.
+    (r,) = sim.passing([1388], ROUTER_PAIR_FAULTS, real_client=True)
     assert any("kill s-1" in line for line in r.schedule)
+    assert any("power s-4" in line for line in r.schedule)
+    # With the rule before 3569db1 (the set bound a claim only once restored from a
+    # record, ``pinned``) s-1 was granted p0: acknowledged writes lost.  The rule's other
+    # arm, no primary serving, is kept from applying by a stand-in primary for the call.
+    real = ClusterState._distrust
+
+    def pinned_only(part: Partition, *args: Any, **kw: Any) -> str | None:
+        primary, part.primary = part.primary, part.primary or "(as if one served)"
+        try:
+            return real(part, *args, **kw)
+        finally:
+            part.primary = primary
+
+    monkeypatch.setattr(ClusterState, "_distrust", staticmethod(pinned_only))
+    (old,) = run_seeds([1388], ROUTER_PAIR_FAULTS, real_client=True)
+    assert any("acknowledged writes lost" in f for f in old.failures), old.failures[:3]
