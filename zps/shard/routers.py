@@ -81,7 +81,8 @@ class RouterLinks:
             transport.close(sock)
             for client in [c for c, o in self.via.items() if o is out]:
                 del self.via[client]  # in place: the broker links read this dict
-        for endpoint in endpoints - self._links.keys():
+        # In a fixed order (a set's varies with the hash seed): a run replays exactly.
+        for endpoint in sorted(endpoints - self._links.keys()):
             sock, out = self._connect(endpoint, f"router link {endpoint}")
             greet(sock, lambda: self._beat)
             on_frames = functools.partial(self._on_frames, out=out)
