@@ -393,12 +393,35 @@ class World:
         elif kind == "broker":
             if not self.broker.alive:
                 return
-            keep = rng.random() < 0.7 or not all(s.alive for s in self.shards)
+            keep = rng.random() < 0.7 or not self._shards_settled()
             if not keep:
                 self.quiet_until = self.sched.now + back + HOLD + 2.0
             self.note(f"broker restarts {'with' if keep else 'WITHOUT'} its record in {back:.2f}s")
             self.broker.stop(keep_record=keep)
             self.sched.after(back, self._broker_back)
+
+    def _shards_settled(self) -> bool:
+        """Whether every shard is up and nothing that keeps its claim from the broker is
+        under way: none paused, reading slowly or not at all, cut off from a broker, nor
+        with a disk fault still to strike or a slow disk.  A broker restarts without its
+        record only then: it has only the shards' claims (docs/design.md, "Broker
+        restart"), so a copy it does not hear from during its hold (a shard that reads
+        nothing for longer), or one that fails meanwhile, lets an older copy take the
+        partition first, and the newer one that comes back is held as a conflict for the
+        operator.  Cuts between shards, or towards clients and routers, carry no claim."""
+        names = {s.name for s in self.shards}
+        others = names | {c.name for c in [*self.clients, *self.readers]}
+        others |= {r.name for r in self.routers}
+        net = self.net
+        return (
+            all(s.alive for s in self.shards)
+            and not names & (net.paused | set(net.slow))
+            and not any(
+                (a in names and b not in others) or (b in names and a not in others)
+                for a, b in net.cut
+            )
+            and not any(s.disk.enospc or s.disk.fsync_eio or s.disk.slow for s in self.shards)
+        )
 
     def _router_fault(self) -> None:
         """A routing broker is killed (back in 0.2-3 s), paused past the liveness
