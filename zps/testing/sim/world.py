@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zps.core.routing import ClusterMap, PartitionInfo
 from zps.protocol.messages import Role
 from zps.testing.sim import clientnet, routernet, shardnet, simtransport
 from zps.testing.sim import disk as simdisk
@@ -84,6 +85,18 @@ class Result:
     @property
     def ok(self) -> bool:
         return not self.failures
+
+
+def writable(cmap: ClusterMap, p: int) -> PartitionInfo | None:
+    """What the map says of partition ``p`` if, every node running and every link
+    working, a write to it must be acknowledged: a primary serves it and it owns a
+    slot (None otherwise).  One with no slot (a new partition no move reached yet, as
+    when the move into it waits for a lost source; an emptied one) is sent no id: a
+    probe of it goes where the map sends its row, whose own probe judges that."""
+    info = cmap.partitions.get(p)
+    if info is None or info.primary is None or p not in cmap.slot_list:
+        return None
+    return info
 
 
 class World:
@@ -706,8 +719,8 @@ class World:
             self.fail(f"a callback of the event loop raised: {error}")
         cmap = self.serving().state.map
         for op in probes:
-            info = cmap.partitions.get(op.partition)
-            if op.outcome != "acked" and info is not None and info.primary is not None:
+            info = writable(cmap, op.partition)
+            if op.outcome != "acked" and info is not None:
                 # Every node runs, every link works: a partition a primary serves takes writes.
                 self.fail(f"p{op.partition} is served by {info.primary} (epoch {info.epoch}) "
                           f"but a write to it ended {op.outcome!r}: writes stall")  # fmt: skip
