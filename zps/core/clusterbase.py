@@ -197,7 +197,9 @@ class ClusterBase:
             part.seen.add((claim.epoch, node.node_id))
         if not keep_origin:
             part.origin = (claim.epoch, claim.lsn) if claim else (0, 0)
-            part.granted_lsn = node.lsn
+            # Without a claim the copy starts from nothing: the LSN the broker last heard
+            # from the shard is of a role it left (a spare's old partition), not of this one.
+            part.granted_lsn = node.lsn if claim is not None else 0
         if node.node_id in part.replicas:
             part.replicas.remove(node.node_id)
         part.in_sync.discard(node.node_id)
