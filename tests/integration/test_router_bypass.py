@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+
+import pytest
 
 from tests.integration.test_routers import (
     HOSTS,
@@ -18,69 +21,69 @@ from zps.testing import ExactSumLoad, free_port
 from zps.testing.gate import ShardGate
 
 
-def test_a_partition_the_router_cannot_reach_goes_to_the_broker_meanwhile() -> None:
+class Gated:
+    """A cluster of two hosts, each with a shard and a router; host-a's router reached
+    (by clients and shards alike) through ``gate`` at ``endpoint``."""
+
+    def __init__(self, c: RouterCluster, gate: ShardGate, endpoint: str) -> None:
+        self.c, self.gate, self.endpoint = c, gate, endpoint
+
+
+@pytest.fixture
+def g() -> Iterator[Gated]:
+    c = RouterCluster(partitions=2, shards=2, shard_hosts=HOSTS)
+    c.routers = {}
+    port = free_port()
+    gate = ShardGate(("127.0.0.1", port))
+    try:
+        with c:
+            endpoint = f"tcp://127.0.0.1:{gate.port}"
+            c.start_router(HOSTS[0], port=port, advertise=endpoint)
+            c.start_router(HOSTS[1])
+            c.wait_routed()
+            yield Gated(c, gate, endpoint)
+    finally:
+        gate.close()
+
+
+def test_a_partition_the_router_cannot_reach_goes_to_the_broker_meanwhile(g: Gated) -> None:
     """The router of host-a loses its links to the shards (they cannot connect again)
     while its clients and the broker still reach it: it refuses the requests of host-a's
     partition as ``not connected`` and marks the refusal ``bypass``, and every writer has
     pushes acknowledged within a few seconds (through the broker), where without the
     bypass the router's refusals went on until each call's 30 s deadline."""
     stall = 5.0
-    c = RouterCluster(partitions=2, shards=2, shard_hosts=HOSTS)
-    c.routers = {}
-    port = free_port()
-    gate = ShardGate(("127.0.0.1", port))
-    try:
-        with c:
-            gated = f"tcp://127.0.0.1:{gate.port}"
-            c.start_router(HOSTS[0], port=port, advertise=gated)
-            c.start_router(HOSTS[1])
-            c.wait_routed()
-            before = c.status()["broker"]["routed"]
+    before = g.c.status()["broker"]["routed"]
 
-            async def shut(load: ExactSumLoad) -> None:
-                gate.shut()
-                t0 = time.monotonic()
-                await acked_after(load, t0, stall)
-                await acked_after(load, time.monotonic(), stall)
+    async def shut(load: ExactSumLoad) -> None:
+        g.gate.shut()
+        await acked_after(load, time.monotonic(), stall)
+        await acked_after(load, time.monotonic(), stall)
 
-            run_load(c, shut)
-            report = router_report(gated)
-            assert gate.refused > 0, "no shard's link to the router was closed"
-            assert report["undeliverable"] > 0, report  # it refused: not connected
-            assert c.status()["broker"]["routed"] > before  # the broker carried them
-    finally:
-        gate.close()
+    run_load(g.c, shut)
+    report = router_report(g.endpoint)
+    assert g.gate.refused > 0, "no shard's link to the router was closed"
+    assert report["undeliverable"] > 0, report  # it refused: not connected
+    assert g.c.status()["broker"]["routed"] > before  # the broker carried them
 
 
-def test_the_bypass_ends_when_the_router_routes_again() -> None:
+def test_the_bypass_ends_when_the_router_routes_again(g: Gated) -> None:
     """A bypass lasts ``client.failover_timeout``: once the shards' links are back, the
     partition's requests go through its router again, not the broker."""
-    c = RouterCluster(partitions=2, shards=2, shard_hosts=HOSTS)
-    c.routers = {}
-    port = free_port()
-    gate = ShardGate(("127.0.0.1", port))
-    try:
-        with c:
-            gated = f"tcp://127.0.0.1:{gate.port}"
-            c.start_router(HOSTS[0], port=port, advertise=gated)
-            c.start_router(HOSTS[1])
-            c.wait_routed()
 
-            async def shut_and_open(load: ExactSumLoad) -> None:
-                gate.shut()
-                await acked_after(load, time.monotonic(), 5.0)
-                report = await asyncio.to_thread(router_report, gated)
-                assert report["undeliverable"] > 0, report
-                gate.open()  # the shards connect again
-                routed = report["routed"]
-                deadline = time.monotonic() + 10.0
-                while True:
-                    report = await asyncio.to_thread(router_report, gated)
-                    if report["routed"] > routed + 10:
-                        break
-                    assert time.monotonic() < deadline, f"not routing again: {report}"
-                    await asyncio.sleep(0.1)
+    async def shut_and_open(load: ExactSumLoad) -> None:
+        g.gate.shut()
+        await acked_after(load, time.monotonic(), 5.0)
+        report = await asyncio.to_thread(router_report, g.endpoint)
+        assert report["undeliverable"] > 0, report
+        g.gate.open()  # the shards connect again
+        routed = report["routed"]
+        deadline = time.monotonic() + 10.0
+        while True:
+            report = await asyncio.to_thread(router_report, g.endpoint)
+            if report["routed"] > routed + 10:
+                break
+            assert time.monotonic() < deadline, f"not routing again: {report}"
+            await asyncio.sleep(0.1)
 
-            run_load(c, shut_and_open)
-    finally:
-        gate.close()
+    run_load(g.c, shut_and_open)

@@ -660,7 +660,7 @@ class Router:
     ) -> None:
         """Refuse a request.  ``bypass``: this router cannot route it now and the broker
         can, so the client sends the partition's requests to the broker for a while
-        (:meth:`zps.client.routers.RouterTable.bypass`)."""
+        (:meth:`zps.client.routers.RouterTable.refused`)."""
         reply = Route(MsgType.REPLY, route.partition, route.epoch, route.req_id)
         header = StatusReply(code, message).to_wire()
         if bypass:

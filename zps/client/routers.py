@@ -13,7 +13,9 @@ A router that answers but cannot route a partition now (the primary's link to it
 closed or silent, or it has no map it trusts) says so in its refusal (``bypass``), and
 names the partitions whose primary it does not hear in its heartbeat echoes: that
 partition's requests go to the broker for ``failover_timeout``, then one goes to the
-router again; the refused ones are re-sent by the session's rules, as for any refusal.
+router again.  The refused ones are re-sent by the session's rules, as for any refusal;
+those still in flight through it for the partition at once, to the broker, as for a
+silent router (the link that lost the primary may have lost them).
 
 Pure bookkeeping (time is an argument); the connection owns the sockets.
 """
