@@ -172,6 +172,7 @@ def test_the_reshard_fault_needs_the_real_clients() -> None:
 #: ``python -m zps.testing.sim --bug NAME --faults F --seeds 200``.
 CATCH = {
     "client-seq-restart": ("broker", range(0, 4)),
+    "shm-token-unchecked": ("slow,shm", range(20, 30)),
     "standby-without-record": ("failover,kill,power", range(3, 13)),
     "empty-shard-takes-partition": ("crash-all,broker,kill", range(2, 12)),
     "ack-before-durable": ("crash-all,power", range(3, 13)),

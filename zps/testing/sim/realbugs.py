@@ -111,14 +111,37 @@ def _client_seq_restart() -> Patch:
     return [(Connection, "_hello", hello)]
 
 
-#: The defects of the client's driver (``--real-client``), with what each does.
+def _shm_token_unchecked() -> Patch:
+    import numpy as np
+
+    from zps.shm.mapper import Mapper
+    from zps.shm.region import HEAD_BYTES
+
+    def read_finite(self: Any, desc: Any, into: Any, itemsize: int) -> tuple[Any, bool]:
+        pid, fd, inode, offset, length, _token = desc[:6]
+        skip = desc[6] if len(desc) > 6 else 0
+        mm = self._open(pid, fd, inode)
+        out = into if into is not None and into.nbytes == length else np.empty(length, np.uint8)
+        out[:] = np.frombuffer(mm, np.uint8, length, offset + HEAD_BYTES + skip)
+        self.reads += 1
+        return out, False  # whatever the region holds now, its token unchecked
+
+    return [(Mapper, "read_finite", read_finite)]
+
+
+#: The defects of the client's driver and of the shared-memory path (``--real-client``),
+#: with what each does.
 CLIENT_BUGS: dict[str, str] = {
     "client-seq-restart": "a client that introduces itself again to a restarted broker "
     "(HELLO_AGAIN) numbers its requests from 1 again under the same client id, so a "
     "shard answers its next pushes from the dedup record of earlier ones, unapplied",
+    "shm-token-unchecked": "a reader copies a region of another process's shared memory "
+    "without checking its token (Mapper.read_finite without its checks), so a region "
+    "reused before it was read is taken for the message's bytes",
 }
 CLIENT_PATCHES: dict[str, Callable[[], Patch]] = {
     "client-seq-restart": _client_seq_restart,
+    "shm-token-unchecked": _shm_token_unchecked,
 }
 
 

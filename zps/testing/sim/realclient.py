@@ -101,7 +101,7 @@ class RealClient:
             timeout=self.timeout,
             connect_timeout=self.timeout,
             name="sim",
-            shm_bytes=0,
+            shm_bytes=self.w.shm.budget if self.w.shm is not None else 0,
             tune_malloc=False,
             heartbeat=Heartbeat(interval=HB, liveness=LIVE),
         )

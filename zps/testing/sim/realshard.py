@@ -82,7 +82,7 @@ class RealShard:
             advertise_host=self.name,
             host=w.hosts.get(self.name, self.name),  # its own unless two run on a host
             durability="fsync",
-            shm_bytes=0,
+            shm_bytes=self.w.shm.budget if self.w.shm is not None else 0,
             heartbeat=Heartbeat(interval=HB, liveness=LIVE),
             checkpoint=Checkpoint(every_updates=40, keep=2),
             replication=Replication(min_in_sync=w.min_in_sync),

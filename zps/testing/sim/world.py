@@ -17,7 +17,7 @@ from typing import Any
 
 from zps.core.routing import ClusterMap, PartitionInfo
 from zps.protocol.messages import Role
-from zps.testing.sim import clientnet, routernet, shardnet, simtransport
+from zps.testing.sim import clientnet, routernet, shardnet, shmnet, simtransport
 from zps.testing.sim import disk as simdisk
 from zps.testing.sim.aioloop import SimLoop
 from zps.testing.sim.net import HWM, Network
@@ -61,8 +61,13 @@ RESHARD = ("reshard",)
 #: (``zps-server broker --follow``) on each host, and a router is killed and restarted,
 #: paused past the liveness timeout, or cut off from a client, a shard or a broker.
 ROUTERS = ("routers",)
+#: Same-host shared memory, only when named and with the real shards: ``shm``, the
+#: shards and clients send their payload frames through memory (:mod:`.shmnet`: budgets
+#: and reclaim times drawn per seed), and a process's regions are reused at once, as if
+#: each reader had been slower than the owner's reclaim time.
+SHM = ("shm",)
 #: Every fault that may be named.
-NAMED = (*FAULTS, *LOADS, *PAIR, *NAMED_ONLY, *RESHARD, *ROUTERS)
+NAMED = (*FAULTS, *LOADS, *PAIR, *NAMED_ONLY, *RESHARD, *ROUTERS, *SHM)
 #: The brokers of a pair: the stand-in's, or the real ones (--real-broker).
 PAIRED = (PairBroker, RealPairBroker)
 #: Bounds on what any queue may hold (the "queues bounded" check).
@@ -132,6 +137,9 @@ class World:
         if "routers" in self.faults and not real_client:
             raise ValueError("the routers fault needs the real clients (real_client; "
                              "the stand-ins have no links to routing brokers)")  # fmt: skip
+        if "shm" in self.faults and not (real_shard or real_client):
+            raise ValueError("the shm fault needs the real shards (real_shard; the "
+                             "stand-ins have no shared memory)")  # fmt: skip
         self.sched = Scheduler(seed, trace=trace)
         self.net = Network(self.sched)
         self.n_partitions = n_partitions
@@ -211,6 +219,14 @@ class World:
         #: primary alone included), so a data dir may hold the only copy of acknowledged
         #: writes whatever min_in_sync says: no wipe from then on (--real-client).
         self.written_alone = False
+        #: With ``shm``: what the shared-memory path does in this run (drawn last, so
+        #: the draws before it are those of a run without it).
+        self.shm = shmnet.ShmDraw.draw(self.sched.rng) if "shm" in self.faults else None
+        self.shm_os: shmnet.ShmOS | None = None
+
+    def shm_host(self, name: str) -> str:
+        """The host key of process ``name`` (:mod:`.shmnet`)."""
+        return self.hosts.get(name, shmnet.ONE_HOST)
 
     def new_disk(self, name: str) -> simdisk.Disk:
         d = simdisk.Disk(self.tmp / name, self.sched.rng)
@@ -396,6 +412,8 @@ class World:
             self._slow()
         elif kind == "routers":
             self._router_fault()
+        elif kind == "shm":
+            self._shm_fault()
         elif kind == "client":
             client = rng.choice(self.clients)
             if not client.alive:
@@ -412,6 +430,18 @@ class World:
             self.note(f"broker restarts {'with' if keep else 'WITHOUT'} its record in {back:.2f}s")
             self.broker.stop(keep_record=keep)
             self.sched.after(back, self._broker_back)
+
+    def _shm_fault(self) -> None:
+        """Every region of one process's arena (a shard's or a client's) not yet said
+        read is reused now: its readers find it so, as a reader slower than the owner's
+        reclaim time does, and the message is sent again."""
+        rng = self.sched.rng
+        procs = [p for p in [*self.shards, *self.clients] if p.alive and shmnet.memory_of(p)]
+        if not procs:
+            return
+        target = rng.choice(procs)
+        n = shmnet.reuse_all(shmnet.memory_of(target))
+        self.note(f"{target.name}: {n} regions of its shared memory reused at once")
 
     def _shards_settled(self) -> bool:
         """Whether every shard is up and nothing that keeps its claim from the broker is
@@ -619,6 +649,9 @@ class World:
             seams += clientnet.install()
         if self.routers:
             seams += routernet.install()
+        if self.shm is not None:
+            saved, self.shm_os = shmnet.install(self.seed, self.shm, self.shm_host)
+            seams += saved
         return seams
 
     def _end_loop(self, seams: simtransport.Saved) -> None:
@@ -648,6 +681,8 @@ class World:
                 with contextlib.suppress(RuntimeError):
                     coro.close()
         finally:
+            if self.shm_os is not None:
+                self.shm_os.end()
             simtransport.uninstall(seams)
             asyncio.events._set_running_loop(None)
             loop.close()
