@@ -40,9 +40,18 @@ import zmq.asyncio
 
 from zps import shm, transport
 from zps.client.background import Background
-from zps.client.futures import gather, ignore, join_moved
+from zps.client.futures import gather, ignore
 from zps.client.inbound import REPLIES, from_broker, lost_changes
-from zps.client.ops import Op, Token, again, copy_arrays, copy_shared, deliver, merge
+from zps.client.ops import (
+    Op,
+    Token,
+    copy_everywhere,
+    copy_shared,
+    deliver,
+    fail,
+    merge,
+    resubmit,
+)
 from zps.client.pair import PairFollower
 from zps.client.routerlinks import RouterLinks
 from zps.client.session import (
@@ -448,26 +457,15 @@ class Connection:
     def detach(self, arr: np.ndarray) -> None:
         """A call that sent ``arr`` (the caller's memory) as it is ended before all its
         requests were answered (an error, a cancellation): from now on the caller may
-        write ``arr``, so whatever may still be sent copies the bytes it holds now.
-        Requests in flight (the frames they are re-sent with, and their operations, which
-        a ``MOVED`` answer splits and sends anew), sends held back and operations not yet
-        sent get copies of whatever shares its memory.  (Frames zmq holds are copies
-        already: see :meth:`_transmit`.)  A :meth:`buffer` region named for them gets a
-        new token: every request naming it lets its regions go (those still waited for
-        name it again when re-sent), so a copy already on its way is refused rather
-        than read as what the caller writes next."""
-        copied = []  # requests whose frames shared its memory
-        for req_id, token, body in self._session.in_flight():
-            if copy_shared(body, arr, start=1):
-                copied.append(req_id)
-            for op in token if isinstance(token, list) else ():
-                copy_arrays(op, arr)
+        write ``arr``, so whatever may still be sent copies the bytes it holds now
+        (:func:`~zps.client.ops.copy_everywhere`; frames zmq holds are copies already:
+        see :meth:`_transmit`).  A :meth:`buffer` region named for them gets a new token:
+        every request naming it lets its regions go (those still waited for name it
+        again when re-sent), so a copy already on its way is refused rather than read as
+        what the caller writes next."""
+        in_flight = self._session.in_flight()
+        copied = copy_everywhere(arr, in_flight, self._blocked, self._queue.values())
         self._shm.detach(copied)
-        for _, frames in self._blocked:
-            copy_shared(frames, arr, start=2)
-        for ops in self._queue.values():
-            for op in ops:
-                copy_arrays(op, arr)
 
     def own(self, arr: np.ndarray) -> np.ndarray:
         """A copy of ``arr`` (1-D) that only this client holds, for a call that returns
@@ -643,43 +641,13 @@ class Connection:
         token = action.token
         if isinstance(action, Resubmit):
             assert isinstance(token, list)
-            self._resubmit(token, action)
+            resubmit(token, action, self.submit)
         elif isinstance(action, Fail):
-            if isinstance(token, list):
-                for op in token:
-                    if not op.future.done():
-                        op.future.set_exception(action.error)
-            elif not token.done():
-                token.set_exception(action.error)
+            fail(token, action.error)
         elif isinstance(token, list):
             deliver(token, action, submit=self.submit, max_bytes=self.config.max_message_bytes)
         elif not token.done():
             token.set_result(action.msg.header)
-
-    def _resubmit(self, ops: list[Op], action: Resubmit[Token]) -> None:
-        """Submit anew, as the session planned (ClientSession, rule 8), each operation of a
-        request refused ``MOVED`` whose caller still waits."""
-        for op, plan in zip(ops, action.plans, strict=True):
-            if op.future.done():
-                continue
-            op.deadline = action.deadline
-            if plan is None:  # not on a slot (tables, describe...): where it was going
-                again(op, action.partition, self.submit)
-                continue
-            pieces = [
-                self.submit(
-                    p,
-                    b,
-                    a,
-                    reply_bytes=r,
-                    borrowed=op.borrowed,
-                    lazy=op.lazy,
-                    deadline=action.deadline,
-                )
-                for p, b, a, r in plan.pieces
-            ]
-            joined = asyncio.gather(*pieces)
-            joined.add_done_callback(functools.partial(join_moved, target=op.future, plan=plan))
 
     async def _hello(self) -> None:
         assert self._sock is not None

@@ -1,25 +1,26 @@
 """One operation of a client's call as the request pipeline carries it (:class:`Op`):
-merged with others of its kind, copied when the caller takes its memory back, and its
-result read from a reply."""
+merged with others of its kind, copied when the caller takes its memory back, its
+result read from a reply, submitted again (whole, or split by a new map after
+``MOVED``) and failed."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zps.client.futures import pass_on, split_result
+from zps.client.futures import join_moved, pass_on, split_result
 from zps.core.batching import merge_row_ops
 from zps.errors import ClosedError, ProtocolError, RemoteError, remote_error
 from zps.protocol.codec import array_from
 from zps.protocol.ops import MERGEABLE
 
 if TYPE_CHECKING:
-    from zps.client.session import Deliver
+    from zps.client.session import Deliver, Resubmit
 
 
 @dataclass(slots=True)
@@ -77,6 +78,31 @@ def copy_arrays(op: Op, arr: np.ndarray) -> None:
 
 #: What the session hands back for a request: its operations, or a broker call's future.
 Token = list[Op] | asyncio.Future[dict[str, Any]]
+
+
+def copy_everywhere(
+    arr: np.ndarray,
+    in_flight: Iterable[tuple[int, Any, list[Any]]],
+    held_back: Iterable[tuple[Any, list[Any]]],
+    queued: Iterable[list[Op]],
+) -> list[int]:
+    """Whatever may still be sent of ``arr`` (the caller's memory, which the caller may
+    write from now on) becomes a copy of the bytes it holds now: the frames requests in
+    flight are re-sent with and their operations (which a ``MOVED`` answer splits and
+    sends anew), sends held back (their frames from the third on) and operations not
+    yet sent.  The requests in flight whose frames shared its memory."""
+    copied = []
+    for req_id, token, body in in_flight:
+        if copy_shared(body, arr, start=1):
+            copied.append(req_id)
+        for op in token if isinstance(token, list) else ():
+            copy_arrays(op, arr)
+    for _, frames in held_back:
+        copy_shared(frames, arr, start=2)
+    for ops in queued:
+        for op in ops:
+            copy_arrays(op, arr)
+    return copied
 
 
 def merge(ops: list[Op], *, max_ops: int, max_bytes: int) -> list[Op]:
@@ -190,3 +216,35 @@ def deliver(
             op.future.set_result(result(res, msg.payloads, max_bytes))
         except (ProtocolError, RemoteError) as e:
             op.future.set_exception(e)
+
+
+def resubmit(
+    ops: list[Op], action: Resubmit[Any], submit: Callable[..., asyncio.Future[dict[str, Any]]]
+) -> None:
+    """Submit anew, as the session planned (ClientSession, rule 8), each operation of a
+    request refused ``MOVED`` whose caller still waits: whole where it was going (not on
+    a slot: tables, describe...), else in the pieces of the new map, joined into the
+    operation's future."""
+    for op, plan in zip(ops, action.plans, strict=True):
+        if op.future.done():
+            continue
+        op.deadline = action.deadline
+        if plan is None:
+            again(op, action.partition, submit)
+            continue
+        pieces = [
+            submit(
+                p, b, a, reply_bytes=r, borrowed=op.borrowed, lazy=op.lazy, deadline=action.deadline
+            )
+            for p, b, a, r in plan.pieces
+        ]
+        joined = asyncio.gather(*pieces)
+        joined.add_done_callback(functools.partial(join_moved, target=op.future, plan=plan))
+
+
+def fail(token: list[Op] | asyncio.Future[dict[str, Any]], error: BaseException) -> None:
+    """Every caller still waiting on ``token`` (a request's operations, or a broker
+    call's future) gets ``error``."""
+    for fut in [op.future for op in token] if isinstance(token, list) else [token]:
+        if not fut.done():
+            fut.set_exception(error)
