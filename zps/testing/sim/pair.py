@@ -31,7 +31,8 @@ from zps.client.session import BrokerChoice
 from zps.core.bstar import BinaryStar, PairRole, State, Transition
 from zps.protocol.codec import MsgType, Route, decode, encode, unpack_route
 from zps.shard.links import BrokerTerm
-from zps.testing.sim.nodes import HOLD, SimBroker, SimClient, SimShard
+from zps.testing.sim.nodes import HOLD, SimBroker, SimShard
+from zps.testing.sim.simclient import SimClient
 
 World = Any
 

@@ -10,7 +10,7 @@ its data dir as last written (nothing is flushed on the way out); a restart with
 its record removes the data dir.
 
 :class:`WireShard` and :class:`WireClient` are the simulator's shard and client drivers
-(:class:`~zps.testing.sim.nodes.SimShard`, :class:`~zps.testing.sim.nodes.SimClient`)
+(:class:`~zps.testing.sim.nodes.SimShard`, :class:`~zps.testing.sim.simclient.SimClient`)
 speaking the real frames to the broker: REGISTER, HEARTBEAT (the lease echo back),
 BYE, HELLO, requests and replies, encoded by :mod:`zps.protocol` and read with the real
 drivers' decoders (:func:`zps.shard.links.from_broker`,
@@ -39,7 +39,8 @@ from zps.protocol.messages import (
 from zps.protocol.messages import Heartbeat as Probe
 from zps.shard.links import from_broker as shard_from_broker
 from zps.testing.sim.aioloop import Proc, SimLoop
-from zps.testing.sim.nodes import HB, HOLD, LIVE, SimClient, SimShard
+from zps.testing.sim.nodes import HB, HOLD, LIVE, SimShard
+from zps.testing.sim.simclient import SimClient
 from zps.version import __version__
 
 #: The broker's address in a run (a name on the simulated network).
@@ -216,7 +217,7 @@ class WireShard(SimShard):
 
 
 class WireClient(SimClient):
-    """:class:`~zps.testing.sim.nodes.SimClient` speaking the real frames to the broker."""
+    """:class:`~zps.testing.sim.simclient.SimClient` speaking the real frames to the broker."""
 
     def send(self, msg: Any) -> None:
         self.w.net.send(self.name, "broker", self.frames(msg))

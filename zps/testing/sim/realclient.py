@@ -6,7 +6,7 @@ run's one event loop: its connection (:mod:`zps.client.connection`: the DEALER, 
 receive, flush and heartbeat loops, the session's timer, HELLO again, maps, retries,
 re-sends and deadlines) and its key-value calls (:mod:`zps.client.keyvalue`: the table
 created, ids split by slot, rows pushed and pulled), through the seams of
-:mod:`.clientnet`.  Its work is the stand-in's (:class:`~zps.testing.sim.nodes.SimClient`):
+:mod:`.clientnet`.  Its work is the stand-in's (:class:`~zps.testing.sim.simclient.SimClient`):
 every 25 ms, while fewer than four of its pushes are unanswered, it pushes (with
 probability 0.6) an integer gradient to a random row of the ``emb`` table, one
 ``push_rows`` call a push; each call's outcome goes to ``World.on_outcome`` (acknowledged,
@@ -38,7 +38,8 @@ from zps.optim import SGD
 from zps.protocol.specs import EmbeddingSpec
 from zps.testing.sim import clientnet
 from zps.testing.sim.aioloop import Proc, SimLoop
-from zps.testing.sim.nodes import HB, LIVE, TICK, Op
+from zps.testing.sim.nodes import HB, LIVE, TICK
+from zps.testing.sim.simclient import Op
 
 World = Any
 

@@ -21,7 +21,7 @@ from zps.testing.sim import clientnet, routernet, shardnet, shmnet, simtransport
 from zps.testing.sim import disk as simdisk
 from zps.testing.sim.aioloop import SimLoop
 from zps.testing.sim.net import HWM, Network
-from zps.testing.sim.nodes import HB, HOLD, LIVE, TICK, Op, SimBroker, SimClient, SimShard
+from zps.testing.sim.nodes import HB, HOLD, LIVE, TICK, SimBroker, SimShard
 from zps.testing.sim.pair import BROKERS, PEER_TIMEOUT, PairBroker, PairClient, PairShard
 from zps.testing.sim.realbroker import RealBroker, WireClient, WireShard
 from zps.testing.sim.realclient import RealClient
@@ -29,6 +29,7 @@ from zps.testing.sim.realpair import RealPairBroker, WirePairClient, WirePairSha
 from zps.testing.sim.realrouter import RealRouter, hosts
 from zps.testing.sim.realshard import RealShard
 from zps.testing.sim.sched import Scheduler, quiet_gc
+from zps.testing.sim.simclient import Op, SimClient
 
 FAULTS = (
     "kill",
