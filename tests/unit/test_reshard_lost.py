@@ -1,8 +1,14 @@
-"""A live move not yet copied whose destination partition is lost: the move is cancelled
-at once and the source serves its slots again (zps/broker/reshard.py, Resharder._call and
-_undo), rather than holding their fence for the whole request timeout (30 s).  Found by
-the simulator: seed 302451 of the long run's mix at 3eb0496, where a quarter of a served
-partition's slots refused every request for 25 s after every node was back."""
+"""Lost partitions in live resharding (zps/broker/reshard.py).
+
+A live move not yet copied whose destination partition is lost: the move is cancelled
+at once and the source serves its slots again (Resharder._call and _undo), rather than
+holding their fence for the whole request timeout (30 s).  Found by the simulator: seed
+302451 of the long run's mix at 3eb0496, where a quarter of a served partition's slots
+refused every request for 25 s after every node was back.
+
+A partition past the target that holds no slot and is lost goes all the same
+(zps.core.reshard.needed): found by tests/integration/test_regrown_partition.py, whose
+broker, SIGKILLed just after a scale-down, restarted from the record before it."""
 
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ from zps.broker.acceptance import MoveReply
 from zps.broker.reshard import Resharder
 from zps.broker.reshardstats import MoveFailed
 from zps.core.brokerstate import ReshardRecord
+from zps.core.cluster import ClusterState
+from zps.core.reshard import needed
 from zps.protocol.codec import decode
 
 
@@ -88,3 +96,59 @@ def test_a_lost_destination_cancels_the_move_and_the_source_unfences_at_once() -
     assert host.sent == [(1, "slots_unfence")]
     # The unfence is done: what is left to retry is the destination's drop.
     assert r.record is not None and (r.record.source, r.record.dest) == (-1, 0)
+
+
+class _ClusterHost:
+    """A real ClusterState behind the Resharder; every request answered OK (done)."""
+
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
+        self.sent: list[tuple[int, str]] = []
+        self.r: Resharder | None = None
+
+    def routing(self) -> bool:
+        return True
+
+    def state_changed(self) -> None:
+        pass
+
+    async def persisted(self, *, standby: bool = False) -> bool:
+        return True
+
+    async def apply(self, assignments: list[Any]) -> None:
+        pass
+
+    async def publish_if_changed(self, before: int) -> None:
+        pass
+
+    def post(self, frames: list[Any]) -> None:
+        msg = decode(frames[2:4])
+        self.sent.append((msg.route.partition, msg.header["ops"][0]["op"]))
+        ok = {"st": "OK", "res": [{"st": "OK", "done": True}]}
+        primary = self.state.primary_of(msg.route.partition) or ""
+        reply = MoveReply(msg.route, ok, [], primary)
+        assert self.r is not None
+        asyncio.get_running_loop().call_soon(self.r.on_reply, reply)
+
+
+def test_a_lost_partition_past_the_target_with_no_slot_goes() -> None:
+    """Scaling 2 -> 1: every slot is on p0, and p1 lost its copies (as when a broker
+    restarts from a record written before p1 went, p1's copies spares by then).  p1 holds
+    no row: the step removes it, instead of waiting for its primary for good."""
+    cs = ClusterState(2, n_slots=16, replication=1)
+    for name in ("a", "b"):
+        cs.register_shard(name, host="h", pid=1, address=f"tcp://{name}", now=0.0)
+    cs.move_slots(list(range(16)), 0)
+    gone = cs.primary_of(1)
+    assert gone is not None
+    cs.node_gone(gone, 1.0)
+    assert cs.is_lost(1) and cs.primary_of(0) is not None
+    host = _ClusterHost(cs)
+    r = host.r = Resharder(host, durable=True, heartbeat_interval=0.01, liveness=1)  # type: ignore[arg-type]
+    r.record = ReshardRecord(1)
+    asyncio.run(asyncio.wait_for(r._step(), 5.0))
+    assert cs.n_partitions == 1
+    assert r.record is None
+    assert host.sent == [(0, "slots_compact"), (0, "slots_compact")]
+    assert needed(cs.slot_map, 2, 1) == [0]
+    assert needed(cs.slot_map, 2, 2) == [0, 1]

@@ -63,7 +63,7 @@ from zps.broker.acceptance import MOVE_TARGET, MoveReply
 from zps.broker.reshardhost import ReshardHost
 from zps.broker.reshardstats import MoveFailed, ReshardStats, StandbyAway, Superseded
 from zps.core.brokerstate import ReshardRecord
-from zps.core.reshard import DEFAULT_MAX_SLOTS_PER_MOVE, plan_moves, plan_pieces
+from zps.core.reshard import DEFAULT_MAX_SLOTS_PER_MOVE, needed, plan_moves, plan_pieces
 from zps.protocol.codec import BufferLike, MsgType, Route, encode
 
 log = logging.getLogger("zps.broker.reshard")
@@ -356,7 +356,10 @@ class Resharder:
             await self.host.apply(state.grow(rec.target, time.monotonic()))
             self.host.state_changed()
             await self.host.publish_if_changed(before)
-        if any(state.primary_of(p) is None for p in range(state.n_partitions)):
+        if any(
+            state.primary_of(p) is None
+            for p in needed(state.slot_map, state.n_partitions, rec.target)
+        ):
             await asyncio.sleep(0.2)
             return
         plan = plan_moves(

@@ -90,6 +90,16 @@ def quotas(counts: Sequence[int], n_slots: int, new_partitions: int) -> list[int
     return out
 
 
+def needed(slot_map: npt.NDArray[np.int32], n_partitions: int, target: int) -> list[int]:
+    """The partitions a resharding step to ``target`` partitions needs served: those
+    that stay, and those past the target still holding a slot (to move).  One past it
+    with no slot holds no row to keep, so it goes even with no copy left (as after a
+    broker restarted from a record written before the partition went, whose copies are
+    spares by then)."""
+    held = set(np.unique(slot_map).tolist())
+    return [p for p in range(n_partitions) if p < target or p in held]
+
+
 def plan_moves(
     slot_map: npt.ArrayLike,
     new_partitions: int,
