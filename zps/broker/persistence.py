@@ -130,7 +130,7 @@ class Record:
 
     def reshard_record(self) -> dict[str, Any]:
         """The slot map (when not round-robin over the configured partitions) and the
-        resharding under way, for the state record."""
+        resharding under way and the epochs of partitions removed, for the state record."""
         state = self.state
         default = state.n_partitions == self.config.partitions and bool(
             (state.slot_map == default_slot_map(state.n_slots, state.n_partitions)).all()
@@ -138,16 +138,17 @@ class Record:
         return {
             "slot_map": b"" if default else state.slot_map.astype("<i4").tobytes(),
             "reshard": self.reshard.record,
+            "retired": tuple(sorted(state.retired_epochs.items())),
         }
 
     def restore_slots(self, rec: BrokerState) -> None:
         """A recorded slot map (it brings its partition count) and resharding."""
         if rec.slot_map:
             slot_map = np.frombuffer(rec.slot_map, dtype="<i4").astype(np.int32)
-            self.state.restore(rec.map_version, rec.partitions, slot_map)
+            self.state.restore(rec.map_version, rec.partitions, slot_map, rec.retired)
             self._resized(time.monotonic())
         else:
-            self.state.restore(rec.map_version, rec.partitions)
+            self.state.restore(rec.map_version, rec.partitions, retired=rec.retired)
         self.reshard.restore(rec.reshard)
 
     def pair_record(self, version: int) -> BrokerState:

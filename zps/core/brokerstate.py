@@ -143,6 +143,10 @@ class BrokerState:
     #: or written before it was kept); of two pair records the one with the higher
     #: ``(term, map_version)`` is newer.
     term: int = 0
+    #: (partition, epoch): the highest epoch each partition removed by scaling down
+    #: had reached, sorted (a partition made again starts past it); absent from
+    #: records written before it was kept (read as none).
+    retired: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.partitions) != self.n_partitions:
@@ -215,6 +219,7 @@ class BrokerState:
             },
             "shard_keys": [list(b) for b in self.shard_keys],
             "term": self.term,
+            "retired": [list(r) for r in self.retired],
         }
 
     def to_bytes(self) -> bytes:
@@ -298,6 +303,12 @@ class BrokerState:
             if len(b) != 2:
                 raise BrokerStateError(f"shard_keys[{i}]: [node, key] expected")
             shard_keys.append((_str(b[0], "shard_keys.node"), _str(b[1], "shard_keys.key")))
+        retired = []
+        for i, raw in enumerate(_list(d.get("retired", []), "retired")):
+            r = _list(raw, f"retired[{i}]")
+            if len(r) != 2:
+                raise BrokerStateError(f"retired[{i}]: [partition, epoch] expected")
+            retired.append((_int(r[0], "retired.partition"), _int(r[1], "retired.epoch")))
         return cls(
             version=_int(d.get("version"), "version"),
             n_partitions=n_partitions,
@@ -311,6 +322,7 @@ class BrokerState:
             reshard=reshard,
             shard_keys=tuple(shard_keys),
             term=_int(d.get("term", 0), "term"),
+            retired=tuple(retired),
         )
 
 

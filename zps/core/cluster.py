@@ -41,7 +41,10 @@ Rules:
    no primary, its lease is no longer renewed) until a heartbeat it sent after its lease ran out
    shows its final LSN.  If it took writes, both histories hold writes the other lacks: neither
    is overwritten (the newer copy is held) and an error names both copies and the operator's
-   choices.  A partition with a held copy is never handed to an empty shard.
+   choices.  A partition with a held copy is never handed to an empty shard.  A partition
+   removed by scaling down and made again is granted the epoch after the highest its removed
+   incarnation reached (kept in the record), so a copy of the removed one claims an older
+   history, never a newer one.
 9. A broker that restored no record, or a record found stale, takes the slot map, and the
    partition count, from the slots the shards claim during the hold; one without a record
    also finishes the moves the claims show under way (:mod:`zps.core.slotclaims`).
@@ -103,13 +106,17 @@ class ClusterState(ClusterBase):
         map_version: int,
         partitions: tuple[PartitionRecord, ...],
         slot_map: npt.NDArray[np.int32] | None = None,
+        retired: Sequence[tuple[int, int]] = (),
     ) -> None:
         """Take over what a previous broker recorded (before any shard registers).
 
         A partition that held data keeps its epoch and floor: after the start-up
         hold it is lost unless a copy at least as new as its floor came back.  A
-        recorded ``slot_map`` (live resharding) brings its partition count with it.
+        recorded ``slot_map`` (live resharding) brings its partition count with it,
+        and ``retired`` the epochs partitions removed meanwhile had reached.
         """
+        for p, epoch in retired:
+            self.retired_epochs[p] = max(self.retired_epochs.get(p, 0), epoch)
         self.slot_claims = None  # the record's map counts, not the shards' (rule 9)
         self._recorded_version = map_version
         if slot_map is not None:
@@ -165,6 +172,7 @@ class ClusterState(ClusterBase):
         out: list[Assignment] = []
         for p in range(n, self.n_partitions):
             part = self._parts[p]
+            self.retired_epochs[p] = max(self.retired_epochs.get(p, 0), part.epoch)
             for node in [part.primary, *part.replicas]:
                 if node is not None and node in self.shards:
                     out += self._demote(node, p)

@@ -47,6 +47,10 @@ class ClusterBase:
         #: Routing brokers (``zps-server broker --follow``), as clients; see ``routers_of``.
         self.routers: dict[str, RouterInfo] = {}
         self._parts = [Partition() for _ in range(n_partitions)]
+        #: The highest epoch each partition number reached before it was removed
+        #: (scaling down), kept for good: made again, a partition's first epoch is past
+        #: it (see ``_fill``).
+        self.retired_epochs: dict[int, int] = {}
         self.map_version = 0
         self.failovers = 0
         #: (level, message) for the driver to log: "error" for what an operator must see.
@@ -250,8 +254,22 @@ class ClusterBase:
                     self._lose(p)
                     self._publish()
                 elif spares := self._spares():
-                    out += self._make_primary(spares[0], p, 1)
+                    out += self._fresh(spares[0], p)
         out += self._place_replicas(self._spares())
+        return out
+
+    def _fresh(self, node: ShardNode, p: int) -> list[Assignment]:
+        """``node`` (a spare) serves partition ``p``, which never held data, from
+        nothing.  A partition removed (scaling down) and made again starts past every
+        epoch its earlier incarnation reached, its line's origin with it: a copy of
+        that incarnation (its rows all moved away before it went) then claims an older
+        history, never a newer one (rule 8), and becomes a spare instead of contending
+        for the new one."""
+        retired = self.retired_epochs.get(p)
+        if retired is None:
+            return self._make_primary(node, p, 1)
+        out = self._make_primary(node, p, retired + 1)
+        self._parts[p].origin = (retired + 1, 0)
         return out
 
     def _place_replicas(self, spares: list[ShardNode]) -> list[Assignment]:
