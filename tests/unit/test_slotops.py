@@ -578,3 +578,51 @@ def test_a_first_copy_onto_slots_holding_rows_there_merges_them() -> None:
         array_from(got["res"]["a"], got["payloads"], max_bytes=1 << 30),
         array_from(want["res"]["a"], want["payloads"], max_bytes=1 << 30),
     )
+
+
+def test_imported_new_rows_go_through_the_memory_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A piece of new rows lands as a slice written in the kernel (mapped.write_at: no
+    page faults) where the table's arrays are memory files, by numpy where one is frozen
+    (a checkpoint's cut); the rows and state read back the same either way."""
+    from zps.store import mapped
+    from zps.store.partition import PartitionStore
+    from zps.store.slots import load_rows
+
+    if not mapped.FREEZABLE:
+        pytest.skip("no memory files here")
+    taken: list[bool] = []
+    real = mapped.write_at
+
+    def write_at(arr: np.ndarray, offset: int, data: memoryview) -> bool:
+        taken.append(real(arr, offset, data))
+        return taken[-1]
+
+    monkeypatch.setattr(mapped, "write_at", write_at)
+    spec = EmbeddingSpec("big", 32, "float32", Zeros(), Adagrad(lr=0.1), 3)
+    store = PartitionStore()
+    rng = np.random.default_rng(5)
+
+    def piece(first: int, n: int) -> dict[str, np.ndarray]:
+        ids = np.arange(first, first + n, dtype=np.int64)
+        return {
+            "ids": ids,
+            "rows": rng.random((n, 32), dtype=np.float32),
+            "accumulator": rng.random((n, 32), dtype=np.float32),
+        }
+
+    a = piece(1, 20_000)
+    assert load_rows(store, spec.to_wire(), a, absent=True) == 20_000
+    assert taken == [True, True]
+    table = store.table("big")
+    frozen = mapped.freeze(table._rows)
+    assert frozen is not None
+    try:
+        b = piece(20_001, 5_000)
+        load_rows(store, spec.to_wire(), b, absent=True)
+    finally:
+        frozen.release()
+    assert taken[2] is False  # the rows' array frozen: numpy wrote them
+    for p in (a, b):
+        pos = table._index.lookup(p["ids"])
+        assert np.array_equal(table._rows[pos], p["rows"])
+        assert np.array_equal(table._state["accumulator"][pos], p["accumulator"])
