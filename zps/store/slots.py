@@ -218,7 +218,7 @@ def _write_slice(arr: npt.NDArray[Any], start: int, src: npt.NDArray[Any]) -> No
     fault, about twice as fast into pages not yet touched), else by numpy."""
     src = np.ascontiguousarray(src, dtype=arr.dtype)
     if src.ndim != arr.ndim or not mapped.write_at(
-        arr, start * arr.strides[0], memoryview(src).cast("B")
+        arr, start * arr.strides[0], src.data.cast("B")
     ):
         arr[start : start + len(src)] = src
 
