@@ -617,6 +617,27 @@ def test_a_second_moved_under_the_same_map_asks_the_broker_for_the_map() -> None
     assert [type(a) for a in s.on_reply(reply(third.route.req_id, "MOVED"), 0.4)] == [Resubmit]
 
 
+def test_moved_again_under_the_same_map_is_held_back_until_a_newer_one() -> None:
+    """The first MOVED under a map version goes again at once; a second one under the
+    same version is held back (``after``) 10 ms plus as long as that version has been
+    answered MOVED, at most ``max_backoff``; a newer map starts again from nothing."""
+    s = session(halves(2))
+    part = Part({"op": "push_dense", "t": "w", "chunk": 3}, {"g": np.ones(4, np.float32)})
+
+    def moved(token: str, now: float) -> Resubmit[str]:
+        msg = submit_parts(s, token, [part])
+        [out] = [a for a in s.on_reply(reply(msg.route.req_id, "MOVED"), now)
+                 if isinstance(a, Resubmit)]  # fmt: skip
+        return out
+
+    assert moved("a", 1.0).after == 0.0
+    assert moved("b", 1.0).after == pytest.approx(0.01)  # at the same instant: 10 ms
+    assert moved("c", 1.05).after == pytest.approx(0.06)
+    assert moved("d", 9.0).after == s.max_backoff  # a map that stays stale
+    s.on_map(halves(3), 9.1)
+    assert moved("e", 9.2).after == 0.0
+
+
 def test_operations_moved_again_and_again_keep_the_first_deadline() -> None:
     # A map that keeps sending operations back (rebuilt by a broker that lost its record
     # after a resharding, say): each new request keeps the refused one's deadline, so the

@@ -44,13 +44,13 @@ from zps.client.futures import gather, ignore
 from zps.client.inbound import REPLIES, from_broker, lost_changes
 from zps.client.ops import (
     Op,
+    Resubmits,
     Token,
     copy_everywhere,
     copy_shared,
     deliver,
     fail,
     merge,
-    resubmit,
 )
 from zps.client.pair import PairFollower
 from zps.client.routerlinks import RouterLinks
@@ -162,6 +162,7 @@ class Connection:
             now=self._now,
             primary_of=self._primary_of,
         )
+        self._resubmits = Resubmits(self.submit, lambda t, f: self._get_loop().call_later(t, f))
         self._borrowing = False  # an operation of the caller's memory was ever sent
         #: Requests, their outcomes and latency, broker calls, steps (zps-worker's metrics).
         self.meter = ClientMeter(time.monotonic())
@@ -268,6 +269,7 @@ class Connection:
             await self._stack.aclose()
         self._timer.cancel()
         err = ClosedError("the client was closed")
+        self._resubmits.fail(err)
         for action in self._session.close(err):
             self._resolve(action)
         for ops in self._queue.values():
@@ -641,7 +643,7 @@ class Connection:
         token = action.token
         if isinstance(action, Resubmit):
             assert isinstance(token, list)
-            resubmit(token, action, self.submit)
+            self._resubmits.resubmit(token, action)
         elif isinstance(action, Fail):
             fail(token, action.error)
         elif isinstance(token, list):
@@ -771,6 +773,7 @@ class Connection:
                 self._apply(self._session.on_map(new, self._now()))
                 if old is not None and self._session.map is new:
                     self._log_lost(old, new)
+                    self._resubmits.new_map()
                 if self._session.map is not None:
                     self._map_event.set()
                     self._follow_routers(self._session.map)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -248,3 +249,48 @@ def fail(token: list[Op] | asyncio.Future[dict[str, Any]], error: BaseException)
     for fut in [op.future for op in token] if isinstance(token, list) else [token]:
         if not fut.done():
             fut.set_exception(error)
+
+
+class Resubmits:
+    """What a ``MOVED`` answer sends again (ClientSession, rule 8): at once, or, refused
+    again under the same map (``Resubmit.after``), held back until a newer map comes
+    (:meth:`new_map`) or its time is up, then submitted as planned (:func:`resubmit`).
+    :meth:`fail` ends what is held (the client closed)."""
+
+    def __init__(
+        self,
+        submit: Callable[..., asyncio.Future[dict[str, Any]]],
+        call_later: Callable[[float, Callable[[], None]], object],
+    ) -> None:
+        self._submit = submit
+        self._call_later = call_later
+        self._held: dict[int, tuple[list[Op], Resubmit[Any]]] = {}
+        self._keys = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def resubmit(self, ops: list[Op], action: Resubmit[Any]) -> None:
+        if action.after <= 0:
+            resubmit(ops, action, self._submit)
+            return
+        key = next(self._keys)
+        self._held[key] = (ops, action)
+        self._call_later(action.after, functools.partial(self._due, key))
+
+    def _due(self, key: int) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            resubmit(*held, self._submit)
+
+    def new_map(self) -> None:
+        """A newer map came: what is held goes now (split by the map it was refused
+        under; refused again, it is split by the new one)."""
+        held, self._held = self._held, {}
+        for ops, action in held.values():
+            resubmit(ops, action, self._submit)
+
+    def fail(self, error: BaseException) -> None:
+        held, self._held = self._held, {}
+        for ops, _ in held.values():
+            fail(ops, error)

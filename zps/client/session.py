@@ -54,7 +54,9 @@ Rules:
    deadline: a map that keeps sending them back (one rebuilt by a broker that lost its
    record, say) ends in the caller's timeout, not in an endless loop.  A second
    ``MOVED`` under the same map version also asks the broker for the map (HELLO): the
-   newer one is not here yet.
+   newer one is not here yet; and its new requests are held back (``after``) until it
+   comes, for 10 ms plus as long as that map version has been answered ``MOVED``, at
+   most ``max_backoff``: a map that stays stale is not spun on at the round trip's rate.
 9. A final reply with no answer for a read (``None``: the first part that carried it
    was lost) delivers the others and names the read in :attr:`Deliver.again`: it is
    submitted again, whole, to the same partition, as a new request (a read may be; a
@@ -142,6 +144,8 @@ class Resubmit(Generic[T]):
     plans: tuple[Resplit | None, ...]
     #: The refused request's deadline: the new requests keep it (rule 8).
     deadline: float = math.inf
+    #: Seconds to hold the new requests back unless a newer map comes first (rule 8).
+    after: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +246,7 @@ class ClientSession(Generic[T]):
         self._due: list[tuple[float, int]] = []  # (due_at, req_id); stale entries skipped
         self._switched = False  # the next map comes from another broker of the pair
         self._moved_at = -1  # the map version of the last MOVED answer (rule 8)
+        self._moved_since = 0.0  # when that version was first answered MOVED
 
     def __len__(self) -> int:
         """Requests and broker calls in flight."""
@@ -397,18 +402,23 @@ class ClientSession(Generic[T]):
         if status == "OK":
             return [Deliver(entry.token, msg, again=_unanswered(entry.parts, header))]
         if status == "MOVED" and entry.parts is not None and self.map is not None:
-            return self._moved(req_id, entry, self.map)
+            return self._moved(req_id, entry, self.map, now)
         return [Fail(entry.token, remote_error(str(status), str(header.get("msg", ""))))]
 
-    def _moved(self, req_id: int, req: _Request[T], cmap: ClusterMap) -> list[Action[T]]:
+    def _moved(
+        self, req_id: int, req: _Request[T], cmap: ClusterMap, now: float
+    ) -> list[Action[T]]:
         """Each operation of a request refused ``MOVED``, split again by ``cmap`` (rule 8)."""
         assert req.parts is not None
         actions: list[Action[T]] = []
+        after = 0.0
         if self._moved_at == cmap.version:  # the newer map is not here yet: ask for it
             actions.append(self.hello())
-        self._moved_at = cmap.version
+            after = min(0.01 + (now - self._moved_since), self.max_backoff)
+        else:
+            self._moved_at, self._moved_since = cmap.version, now
         plans = tuple(resplit(p.body, p.arrays, p.reply_bytes, cmap) for p in req.parts)
-        actions.append(Resubmit(req.token, req_id, req.partition, plans, req.deadline))
+        actions.append(Resubmit(req.token, req_id, req.partition, plans, req.deadline, after))
         return actions
 
     def on_map(self, new: ClusterMap, now: float) -> list[Action[T]]:
