@@ -88,6 +88,43 @@ def test_a_copy_of_the_removed_partition_is_not_a_conflict_with_one_that_took_wr
     assert "f" not in cs.map.partitions[1].in_sync
 
 
+def grown_without_spares() -> ClusterState:
+    """Shrunk, its spares gone, then grown: the new p1 has no primary yet."""
+    cs, _, _ = shrunk()
+    for node in [n for n, s in cs.shards.items() if s.role is Role.SPARE]:
+        cs.node_gone(node, 1.5)
+    cs.grow(2, now=2.0)
+    assert cs.primary_of(1) is None and not cs.is_lost(1)
+    return cs
+
+
+def test_a_copy_of_the_removed_partition_never_takes_a_new_one_without_a_primary() -> None:
+    cs = grown_without_spares()
+    # The removed p1's primary comes back first: a spare, then the new p1's primary from
+    # nothing, past the removed one's epochs, never from its claim.
+    reg(cs, "e", claim=claim_primary(1, 3, 111), now=3.0)
+    assert cs.shards["e"].held is None
+    assert cs.primary_of(1) == "e" and cs.map.partitions[1].epoch == 4
+    assert cs._parts[1].origin == (4, 0) and cs._parts[1].granted_lsn == 0
+    assert not [n for n in cs.notices if n[0] == "error"], cs.notices
+
+
+def test_a_replica_of_the_removed_partition_does_not_leave_a_new_one_lost() -> None:
+    cs = grown_without_spares()
+    reg(cs, "f", claim=claim_replica(1, 3, 111, in_sync=True), now=3.0)
+    assert not cs.is_lost(1)
+    assert cs.map.partitions[1].epoch == 4 and cs.primary_of(1) == "f"
+    assert not [n for n in cs.notices if n[0] == "error"], cs.notices
+
+
+def test_a_partition_removed_before_it_served_leaves_no_epoch() -> None:
+    cs = ClusterState(1, n_slots=16, replication=1)
+    reg(cs, "a")
+    cs.grow(2, now=1.0)  # no spare: p1 never served
+    cs.shrink(1)
+    assert cs.retired_epochs == {}
+
+
 def test_the_epochs_of_removed_partitions_survive_a_broker_restart() -> None:
     cs, _, _ = shrunk()
     rec = BrokerState(

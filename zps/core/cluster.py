@@ -172,7 +172,6 @@ class ClusterState(ClusterBase):
         out: list[Assignment] = []
         for p in range(n, self.n_partitions):
             part = self._parts[p]
-            self.retired_epochs[p] = max(self.retired_epochs.get(p, 0), part.epoch)
             for node in [part.primary, *part.replicas]:
                 if node is not None and node in self.shards:
                     out += self._demote(node, p)
@@ -233,7 +232,13 @@ class ClusterState(ClusterBase):
                 if self.slot_claims is not None and self.slot_claims.base is None:
                     self.slot_claims.note_moves(claim.partition, claim.fenced, claim.importing)
         out: list[Assignment] = []
-        if claim is not None and 0 <= claim.partition < self.n_partitions:
+        if (
+            claim is not None
+            and 0 <= claim.partition < self.n_partitions
+            and claim.epoch > self.retired(claim.partition)
+        ):
+            # (A claim at or below a removed partition's epochs is a copy of that one,
+            # whose rows all moved away before it went: a spare.)
             out += self._grant(node, claim, now)
         if node.role is Role.SPARE and node.held is None:
             out.append(Assignment(node_id, Role.SPARE, None, 0))

@@ -64,6 +64,9 @@ class ClusterBase:
         self.map = self._build_map()
 
     def _resize(self, n: int) -> None:
+        for p in range(n, len(self._parts)):  # removed: made again, it starts past this
+            if self._parts[p].epoch > 0:
+                self.retired_epochs[p] = max(self.retired_epochs.get(p, 0), self._parts[p].epoch)
         while len(self._parts) < n:
             self._parts.append(Partition())
         del self._parts[n:]
@@ -258,6 +261,11 @@ class ClusterBase:
         out += self._place_replicas(self._spares())
         return out
 
+    def retired(self, p: int) -> int:
+        """The highest epoch an earlier, removed partition ``p`` reached (0: none): a
+        claim of ``p`` at that epoch or below is a copy of the removed one."""
+        return self.retired_epochs.get(p, 0)
+
     def _fresh(self, node: ShardNode, p: int) -> list[Assignment]:
         """``node`` (a spare) serves partition ``p``, which never held data, from
         nothing.  A partition removed (scaling down) and made again starts past every
@@ -336,7 +344,7 @@ class ClusterBase:
             epoch = max(part.epoch + 1, node.held.epoch)
             return self._make_primary(node, p, epoch, node.held)
         if spares := self._spares():
-            return self._make_primary(spares[0], p, part.epoch + 1)
+            return self._make_primary(spares[0], p, max(part.epoch, self.retired(p)) + 1)
         return []  # the first spare to register takes it
 
     def _publish(self) -> None:
