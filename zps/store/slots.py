@@ -217,8 +217,10 @@ def _write_slice(arr: npt.NDArray[Any], start: int, src: npt.NDArray[Any]) -> No
     a memory file not frozen (:func:`zps.store.mapped.write_at`: one copy, no page
     fault, about twice as fast into pages not yet touched), else by numpy."""
     src = np.ascontiguousarray(src, dtype=arr.dtype)
-    if src.ndim != arr.ndim or not mapped.write_at(
-        arr, start * arr.strides[0], src.data.cast("B")
+    if (
+        src.ndim != arr.ndim
+        or not arr.flags.c_contiguous
+        or not mapped.write_at(arr, start * arr.strides[0], src.data.cast("B"))
     ):
         arr[start : start + len(src)] = src
 

@@ -169,28 +169,47 @@ class _Secrets:
         return self._rng.getrandbits(k)
 
 
+def _memory(process: Any) -> Any:
+    server = getattr(process, "server", None)
+    client = getattr(process, "client", None)
+    if server is not None:
+        return server.shared
+    if client is not None:
+        return client.connection._shm.memory
+    return None
+
+
 def memory_of(process: Any) -> Any:
     """The shared memory of a run's real shard or client (:class:`zps.shm.SharedMemory`),
     if its path is on and its arena made; else None."""
-    server = getattr(process, "server", None)
-    client = getattr(process, "client", None)
-    memory = None
-    if server is not None:
-        memory = server.shared
-    elif client is not None:
-        memory = client.connection._shm.memory
+    memory = _memory(process)
     return memory if memory is not None and memory.arena_made else None
 
 
 def reuse_all(memory: Any) -> int:
     """Release every region of ``memory``'s arena that is not pinned (a shard's dense
-    values, a client's reserved arrays), whatever its age, as its reclaim does with
-    those older than its reclaim time; how many."""
+    values, a client's reserved arrays), whatever its age; how many (counted as
+    reclaimed).  A shard's own reclaim does that to regions older than its reclaim time
+    when its arena is full; a client's regions are never reclaimed, so for a client this
+    is a stronger fault than the product makes, within what its readers must survive (a
+    region found reused is refused, and the request sent again with new ones, as after a
+    call given up retokens its buffer)."""
     arena = memory.arena
     regions = [r for r in arena._by_token.values() if not r.pinned]
     for r in regions:
         arena._release(r)
+    arena.reclaimed += len(regions)
     return len(regions)
+
+
+def close_all(processes: Any) -> None:
+    """The run is over: the shared memory of each process it can still reach (its last
+    start) is closed through the seams, so no arena keeps a descriptor number that
+    :meth:`ShmOS.end` closes (a later close would hit whatever then had that number)."""
+    for process in processes:
+        memory = _memory(process)
+        if memory is not None:
+            memory.close()
 
 
 def install(seed: int, draw: ShmDraw, host_of: Any) -> tuple[Saved, ShmOS]:

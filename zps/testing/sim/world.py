@@ -683,6 +683,7 @@ class World:
                     coro.close()
         finally:
             if self.shm_os is not None:
+                shmnet.close_all([*self.shards, *self.clients, *self.readers])
                 self.shm_os.end()
             simtransport.uninstall(seams)
             asyncio.events._set_running_loop(None)
