@@ -7,7 +7,7 @@ holding their fence for the whole request timeout (30 s).  Found by the simulato
 refused every request for 25 s after every node was back.
 
 A partition past the target that holds no slot and is lost goes all the same
-(zps.core.reshard.needed): found by tests/integration/test_regrown_partition.py, whose
+(zps.core.reshard.needed): found by tests/integration/test_partition_made_again.py, whose
 broker, SIGKILLed just after a scale-down, restarted from the record before it."""
 
 from __future__ import annotations
