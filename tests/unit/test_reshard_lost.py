@@ -98,22 +98,12 @@ def test_a_lost_destination_cancels_the_move_and_the_source_unfences_at_once() -
     assert r.record is not None and (r.record.source, r.record.dest) == (-1, 0)
 
 
-class _ClusterHost:
+class _ClusterHost(_Host):
     """A real ClusterState behind the Resharder; every request answered OK (done)."""
 
     def __init__(self, state: ClusterState) -> None:
-        self.state = state
-        self.sent: list[tuple[int, str]] = []
-        self.r: Resharder | None = None
-
-    def routing(self) -> bool:
-        return True
-
-    def state_changed(self) -> None:
-        pass
-
-    async def persisted(self, *, standby: bool = False) -> bool:
-        return True
+        super().__init__()
+        self.state = state  # type: ignore[assignment]
 
     async def apply(self, assignments: list[Any]) -> None:
         pass
