@@ -204,6 +204,8 @@ LAYERS: dict[str, str] = {
     "zps.testing.sim.routernet": "app",
     "zps.testing.sim.realshard": "app",
     "zps.testing.sim.shardnet": "app",
+    "zps.testing.sim.shmnet": "app",
+    "zps.testing.sim.simclient": "app",
     "zps.testing.sim.simtransport": "app",
     "zps.testing.sim.bugs": "app",
     "zps.testing.sim.cli": "app",
