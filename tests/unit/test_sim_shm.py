@@ -24,6 +24,7 @@ from zps.shm import mapper
 from zps.shm.region import ShmUnavailableError
 from zps.testing.sim import shmnet
 from zps.testing.sim.aioloop import PROC, Proc
+from zps.testing.sim.cli import main
 from zps.testing.sim.world import FAULTS, NAMED, World
 
 pytestmark = [
@@ -51,6 +52,12 @@ def test_shared_memory_is_named_only_and_needs_the_real_shards() -> None:
     assert w.shm is None
     with pytest.raises(ValueError, match="needs the real shards"):
         World(1, faults=["shm"])
+
+
+def test_the_command_line_names_what_the_fault_needs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--stand-in", "--faults", "shm,kill"])
+    assert "--faults shm needs the real shards: drop --stand-in" in capsys.readouterr().err
 
 
 def test_a_run_sends_its_frames_through_shared_memory(

@@ -219,6 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--faults {','.join(needs_client)} needs the real clients: drop --{args.mode}, "
             "the default runs them"
         )
+    if "shm" in args.faults and not mode["real_shard"]:
+        parser().error(
+            f"--faults shm needs the real shards: drop --{args.mode}, the default runs them"
+        )
     if args.bug in realbugs.CLIENT_BUGS and not mode["real_client"]:
         parser().error(
             f"--bug {args.bug} is a defect of the real client: drop --{args.mode}, "
