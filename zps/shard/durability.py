@@ -45,7 +45,7 @@ from pathlib import Path
 
 from zps.errors import ZpsError
 from zps.shard.checkpoint import drop_checkpoints
-from zps.store.wal import Buffer, Record, Wal, WalLost
+from zps.store.wal import Buffer, Record, Wal, WalError, WalLost
 
 log = logging.getLogger("zps.shard")
 
@@ -281,6 +281,12 @@ class Durability:
                     lsn = await loop.run_in_executor(self._executor, self._write, batch)
                 except WalLost as e:
                     self._lose(self._wal.lost if self._wal and self._wal.lost else str(e))
+                    return
+                except WalError as e:
+                    # The log cannot be kept as it must be (records that could not be set
+                    # aside, a disk failing under a cut): lost, as after a failed sync, so
+                    # the shard leaves its role and exits, and starts again from its files.
+                    self._lose(str(e))
                     return
                 except OSError as e:
                     self.stats.errors += 1
