@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from pathlib import Path
 from typing import Any
 
 from zps.ops.config import Checkpoint, Heartbeat, Replication, ShardConfig
@@ -66,6 +67,8 @@ class RealShard:
         self.node: SimNode | None = None
         self.task: asyncio.Task[None] | None = None
         self._waiting: tuple[int, float] | None = None  # (LSN, since) of the oldest write held
+        #: (partition, LSN) of a cut asked for and the log not started again since.
+        self._cut: tuple[int | None, int] | None = None
 
     @property
     def loop(self) -> SimLoop:
@@ -106,6 +109,7 @@ class RealShard:
         self._watch(server)
         self.alive = True
         self._waiting = None
+        self._cut = None
         task = self.task = self.loop.spawn(proc, server.run())
         task.add_done_callback(functools.partial(self._ended, self.gen))
         gen = self.gen
@@ -202,9 +206,30 @@ class RealShard:
             # the shard holds (a spare, or a copy of another partition, keeps the old
             # one open until it starts a new one: a restart may restore either).
             if not force and dur.waits and dur.partition == session.partition:
-                self.was_durable = (dur.partition, dur.durable)
+                cut_to = self._cut[1] if self._cut and self._cut[0] == dur.partition else None
+                durable = dur.durable if cut_to is None else min(dur.durable, cut_to)
+                self.was_durable = (dur.partition, durable)
             release(force=force)
 
+        cut_after, start = dur.cut_after, dur.start
+
+        def cut(folder: Path, lsn: int) -> Any:
+            # The records past ``lsn`` of a history a snapshot replaces are set aside
+            # (Durability.cut_after: never acknowledged past the copies in sync): a
+            # restart need not find them, until the log starts again at the snapshot
+            # (its counters say the old history's LSN meanwhile).  Lowered as the cut
+            # is asked for: a restart before it is done finds more, never less.
+            if self.was_durable is not None and folder.name == f"partition-{self.was_durable[0]}":
+                self.was_durable = (self.was_durable[0], min(self.was_durable[1], lsn))
+                self._cut = self.was_durable
+            return cut_after(folder, lsn)
+
+        def started(folder: Path, partition: int, base: int) -> None:
+            self._cut = None
+            start(folder, partition, base)
+
+        dur.cut_after = cut  # type: ignore[method-assign]
+        dur.start = started  # type: ignore[method-assign]
         server.checkpoints.restore = restored  # type: ignore[method-assign]
         server.requests.request = requested  # type: ignore[method-assign]
         session.assign = assigned  # type: ignore[method-assign,assignment]
