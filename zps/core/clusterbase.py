@@ -49,7 +49,7 @@ class ClusterBase:
         self._parts = [Partition() for _ in range(n_partitions)]
         #: The highest epoch each partition number reached before it was removed
         #: (scaling down), kept for good: made again, a partition's first epoch is past
-        #: it (see ``_fill``).
+        #: it (see ``_fresh``).
         self.retired_epochs: dict[int, int] = {}
         self.map_version = 0
         self.failovers = 0
