@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from zps.broker.following import Leader, newer
 from zps.broker.primaries import PrimaryLinks
-from zps.broker.router import Leader, newer
 from zps.client.routers import RouterTable
 from zps.core.cluster import ClusterState
 from zps.core.routing import ClusterMap
