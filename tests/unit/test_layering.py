@@ -110,6 +110,7 @@ LAYERS: dict[str, str] = {
     "zps.broker.control": "driver",
     "zps.broker.routes": "core",
     "zps.broker.primaries": "core",
+    "zps.broker.forwarded": "core",
     "zps.broker.following": "core",
     "zps.broker.forward": "driver",
     "zps.broker.statefile": "driver",

@@ -21,6 +21,10 @@ A router decides nothing: the shard that gets a request applies its own checks
 (the client retries on ``NOT_PRIMARY``), never apply it in the wrong place.  While
 the map assigns a partition no router (the broker is collecting claims after a
 start), the router refuses its requests ``NOT_PRIMARY``, and the broker holds them.
+A request posted to a shard's link that is then lost (a post finds it closed, the
+shard goes silent, or it greets the router on a connection made again) before the reply
+came back is refused ``NOT_PRIMARY`` (``bypass``), for its client to send it again: the
+link may have taken it, or its reply, with it (:mod:`zps.broker.forwarded`).
 
 Flow control as the broker's (:class:`~zps.transport.Outbound`, the same allowances
 from :class:`~zps.ops.config.BrokerConfig`): a request for a shard whose allowance is
@@ -48,6 +52,7 @@ from urllib.parse import urlsplit
 
 from zps import transport
 from zps.broker.following import Leader, newer
+from zps.broker.forwarded import Forwarded
 from zps.broker.primaries import PrimaryLinks
 from zps.core.membership import SHARD_PREFIX, is_liveness
 from zps.core.routing import ClusterMap
@@ -111,15 +116,30 @@ class RouterStats:
     #: Maps taken, and maps dropped as older than the one held.
     maps: int = 0
     stale_maps: int = 0
+    #: Requests refused after they were posted: the shard's link was lost or made
+    #: again before a reply came back (zps.broker.forwarded).
+    link_lost: int = 0
 
 
 def _is_heartbeat(frames: transport.Frames) -> bool:
     """A shard's heartbeat (``[shard, b"", route, header]``): shards send them to the
-    routers they are linked to, which take them as the link's word and nothing more."""
+    routers they are linked to, which take them as the link's word, and as word of a
+    connection made again when marked ``new_link`` (:func:`_new_link`)."""
     try:
         return len(frames) > 2 and unpack_route(frames[2]).mtype is MsgType.HEARTBEAT
     except ProtocolError:
         return False
+
+
+def _new_link(frames: transport.Frames) -> bool:
+    """Whether a shard's heartbeat is its greeting on a connection just made."""
+    if len(frames) < 4:
+        return False
+    try:
+        header = decode([transport.frame_buffer(f) for f in frames[2:]]).header
+    except ProtocolError:
+        return False
+    return header.get("new_link") is True
 
 
 def advertised(bound: str, config: BrokerConfig) -> str:
@@ -197,6 +217,8 @@ class Router:
         #: Which primaries' links this router hears (a primary silent as long as the
         #: followed broker may be: its partition's requests go to the broker).
         self._primaries = PrimaryLinks(self._quiet)
+        #: What each shard was sent and has not answered yet.
+        self._forwarded = Forwarded()
         self._started = time.monotonic()
         self._warned: set[bytes] = set()
         self._roles: KeyRoles | None = None  # CURVE: which keys may act as what
@@ -508,8 +530,11 @@ class Router:
             )
             return
         assert info.primary is not None
+        shard = info.primary.encode()
         if not self._primaries.live(info.primary, time.monotonic()):
-            # Its link may be dead (nothing tells a ROUTER): not posted into it.
+            # Its link may be dead (nothing tells a ROUTER): not posted into it, nor
+            # left waiting what was.
+            self._link_lost(shard, "went silent")
             self.stats.undeliverable += 1
             self._reply_error(
                 ident,
@@ -520,9 +545,7 @@ class Router:
                 bypass=True,
             )
             return
-        posted = self._out.post(
-            [info.primary.encode(), ident, *frames[1:]], self.config.shard_queue_bytes
-        )
+        posted = self._out.post([shard, ident, *frames[1:]], self.config.shard_queue_bytes)
         if posted is transport.Posted.DROPPED:
             self.stats.overloaded += 1
             self._reply_error(
@@ -535,6 +558,7 @@ class Router:
         if posted is transport.Posted.UNROUTABLE:
             # Not (or no longer) connected to this router: the client retries, by then
             # over a newer map or a connection the shard has made.
+            self._link_lost(shard, "closed")
             self.stats.undeliverable += 1
             self._reply_error(
                 ident,
@@ -544,7 +568,31 @@ class Router:
                 bypass=True,
             )
             return
+        self._forwarded.posted(shard, ident, route)
         self.stats.routed += 1
+
+    def _link_lost(self, shard: bytes, how: str) -> None:
+        """``shard``'s link closed, went silent or was made again: what was posted to it
+        and not answered may be lost with it, and is refused for its clients to send
+        again (:mod:`zps.broker.forwarded`)."""
+        lost = self._forwarded.lost(shard)
+        if not lost:
+            return
+        self.stats.link_lost += len(lost)
+        name = shard.decode("utf-8", "replace")
+        log.info(
+            "the link of shard %s %s: %d request(s) posted to it refused", name, how, len(lost)
+        )
+        for client, route in lost:
+            self._reply_error(
+                client,
+                route,
+                Status.NOT_PRIMARY,
+                f"the link of shard {name} (partition {route.partition}'s primary) to this "
+                f"routing broker {how} after the request was posted to it: it may not have "
+                "arrived",
+                bypass=True,
+            )
 
     def _from_shard(self, ident: bytes, frames: transport.Frames) -> None:
         assert self._out is not None
@@ -552,7 +600,10 @@ class Router:
         target = transport.frame_bytes(frames[1])
         if not target:
             if _is_heartbeat(frames):
-                return  # the shard's word that this connection is its (Channel.accepted)
+                # The shard's word that this connection is its (Channel.accepted).
+                if self._forwarded and _new_link(frames):
+                    self._link_lost(ident, "was made again")
+                return
             if ident not in self._warned and len(self._warned) < 1024:
                 self._warned.add(ident)
                 log.warning(
@@ -566,6 +617,8 @@ class Router:
             raise ProtocolError("a reply addressed to a shard, or without a route")
         # Any shard's reply is forwarded: the shard checked the request (its role, epoch
         # and lease) before answering, and the request came through this router.
+        if self._forwarded:
+            self._forwarded.answered(ident, target, unpack_route(frames[2]).req_id)
         posted = self._out.post([target, *frames[2:]], self.config.client_queue_bytes)
         if posted is transport.Posted.DROPPED:
             self.stats.dropped += 1

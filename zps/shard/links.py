@@ -133,20 +133,26 @@ def from_broker(mtype: MsgType, header: dict[str, Any]) -> BrokerToShard | None:
             return None
 
 
-def greeting(beat: list[Any] | None, now: float) -> list[Any] | None:
+def greeting(beat: list[Any] | None, now: float, *, new_link: bool = False) -> list[Any] | None:
     """What a link says as its connection is made: the shard's latest heartbeat sent
     again at ``now`` without what only the loop may report
-    (:func:`zps.shard.liveness.retimed`); None before the first heartbeat (the shard's
-    REGISTER, queued at start, is its first word)."""
-    return None if beat is None else retimed(beat, now)
+    (:func:`zps.shard.liveness.retimed`), marked ``new_link`` if asked; None before the
+    first heartbeat (the shard's REGISTER, queued at start, is its first word)."""
+    if beat is None:
+        return None
+    return retimed(beat, now, new_link=True) if new_link else retimed(beat, now)
 
 
-def greet(sock: transport.Channel, beat: Callable[[], list[Any] | None]) -> None:
-    """Have ``sock`` (a CURVE :class:`transport.Dealer`) send :func:`greeting` of the
-    latest heartbeat ``beat()`` as each of its connections is made."""
+def greet(
+    sock: transport.Channel, beat: Callable[[], list[Any] | None], *, new_link: bool = False
+) -> None:
+    """Have ``sock`` (a :class:`transport.Dealer` whose handshakes are watched: CURVE, or
+    ``watch``) send :func:`greeting` of the latest heartbeat ``beat()`` as each of its
+    connections is made; ``new_link``: marked so (a routing broker then answers what it
+    posted by the connection before, which may be lost with it)."""
 
     def on_connected() -> None:
-        frames = greeting(beat(), time.monotonic())
+        frames = greeting(beat(), time.monotonic(), new_link=new_link)
         if frames is not None:
             transport.try_send(sock, frames)
 
@@ -163,11 +169,13 @@ def dealer_link(
     name: str = "broker link",
     *,
     silence: float | None = None,
+    watch: bool = False,
 ) -> Link:
     """A DEALER to ``endpoint`` (a broker, or a routing broker) with its own reply
     allowance (``shard.reply_queue_bytes``).  Its ZMTP heartbeats, with or without CURVE,
     make again a connection whose server answers no ping (a routing broker sends a
-    shard's link nothing else to judge silence by)."""
+    shard's link nothing else to judge silence by); ``watch``: its connections are
+    watched without CURVE too (:func:`greet`)."""
     hb = config.heartbeat
     sock = transport.dealer(
         ctx,
@@ -178,6 +186,7 @@ def dealer_link(
         server_public=keys.server_public if keys else None,
         silence=silence,
         heartbeats=True,
+        watch=watch,
     )
     out = transport.Outbound(
         sock,

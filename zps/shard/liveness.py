@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 from zps.protocol.codec import decode, encode
 
@@ -95,10 +96,12 @@ class Liveness:
 STALE = ("in_sync", "durable")
 
 
-def retimed(frames: list[bytes], now: float) -> list[bytes]:
+def retimed(frames: list[bytes], now: float, **extra: Any) -> list[bytes]:
     """The heartbeat ``[b"", route, header]`` with its send time ``t`` set to ``now``, and
-    without what the broker must hear only from the loop itself (:data:`STALE`)."""
+    without what the broker must hear only from the loop itself (:data:`STALE`); the
+    header's other ``extra`` fields added."""
     msg = decode(frames[1:])
     header = {k: v for k, v in msg.header.items() if k not in STALE}
     header["t"] = now
+    header.update(extra)
     return [frames[0], *(bytes(f) for f in encode(msg.route, header))]

@@ -84,7 +84,7 @@ class RouterLinks:
         # In a fixed order (a set's varies with the hash seed): a run replays exactly.
         for endpoint in sorted(endpoints - self._links.keys()):
             sock, out = self._connect(endpoint, f"router link {endpoint}")
-            greet(sock, lambda: self._beat)
+            greet(sock, lambda: self._beat, new_link=True)
             on_frames = functools.partial(self._on_frames, out=out)
             task = self._start(transport.serve(sock, on_frames, self._malformed))
             self._links[endpoint] = (sock, out, task)
@@ -97,9 +97,11 @@ class RouterLinks:
 
     def beat(self, frames: list[Any]) -> None:
         """Routing brokers send nothing to a link whose connection closed until the
-        shard speaks on its new one (under CURVE): it does as the connection is made
-        (the latest heartbeat again: :func:`zps.shard.links.greet`), and every
-        heartbeat goes to each router too."""
+        shard speaks on its new one (under CURVE), and must learn that a connection was
+        made again (what they posted by the one before may be lost with it): the shard
+        speaks as each connection is made (the latest heartbeat again, marked
+        ``new_link``: :func:`zps.shard.links.greet`), and every heartbeat goes to each
+        router too."""
         self._beat = frames
         for sock, _, _ in self._links.values():
             transport.try_send(sock, frames)

@@ -604,7 +604,9 @@ class ShardServer:
         self, endpoint: str, name: str
     ) -> tuple[transport.Channel, transport.Outbound]:
         assert self._ctx is not None
-        return dealer_link(self._ctx, self.config, self.node_id, self._keys, endpoint, name)
+        return dealer_link(
+            self._ctx, self.config, self.node_id, self._keys, endpoint, name, watch=True
+        )
 
     def _dense_memory(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray | None:
         """A dense chunk's place in the arena, for one large enough to be lent (None:

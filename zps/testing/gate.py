@@ -17,7 +17,12 @@ class ShardGate:
     connection a shard made through it and each one a shard makes later, once the READY
     command of its handshake names a shard's identity (``s-``), before the router sees
     that READY; clients' connections are relayed throughout.  The router then has no
-    link to the shards, while its clients and the broker hear it as before."""
+    link to the shards, while its clients and the broker hear it as before.
+
+    Black-holed (:meth:`blackhole`), the shards' connections open at that moment carry
+    nothing more from the router (what it sends them is dropped, without an error), as a
+    connection that died one way would: each shard notices by its ZMTP heartbeats and
+    connects again, and a new connection is relayed."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
@@ -25,6 +30,9 @@ class ShardGate:
         self.port = self.listener.getsockname()[1]
         self.shut_to_shards = False
         self.refused = 0  # shards' connections closed
+        self.opened = 0  # connections accepted
+        self.holed_below = 0  # connections numbered below it are black-holed to shards
+        self.swallowed = 0  # bytes from the router dropped on black-holed connections
         self.stopped = False
         self.socks: list[socket.socket] = []
         self.lock = threading.Lock()
@@ -33,6 +41,10 @@ class ShardGate:
     def shut(self) -> None:
         """Close the shards' connections, and each one they make, until :meth:`open`."""
         self.shut_to_shards = True
+
+    def blackhole(self) -> None:
+        """Drop from now on what the router sends by the shards' connections open now."""
+        self.holed_below = self.opened
 
     def open(self) -> None:
         """Relay the shards' connections again (they connect every 0.1-0.35 s)."""
@@ -51,9 +63,11 @@ class ShardGate:
                 continue
             with self.lock:
                 self.socks += [down, up]
-            threading.Thread(target=self._pump, args=(down, up), daemon=True).start()
+                number = self.opened
+                self.opened += 1
+            threading.Thread(target=self._pump, args=(down, up, number), daemon=True).start()
 
-    def _pump(self, down: socket.socket, up: socket.socket) -> None:
+    def _pump(self, down: socket.socket, up: socket.socket, number: int) -> None:
         held = bytearray()  # what the peer sent past its greeting, until its READY is whole
         sent = 0  # bytes of the peer's greeting passed on
         shard: bool | None = None  # None: its READY is not whole yet
@@ -68,6 +82,9 @@ class ShardGate:
                     if not data:
                         return
                     if r is up:
+                        if shard and number < self.holed_below:
+                            self.swallowed += len(data)
+                            continue
                         down.sendall(data)
                         continue
                     if shard is not None:

@@ -121,7 +121,7 @@ def router(
 
 
 class Dealer(Channel):
-    """A connected DEALER's channel.  Under CURVE its handshakes are watched
+    """A connected DEALER's channel.  Under CURVE (or asked to) its handshakes are watched
     (:attr:`handshakes`): ``on_connected`` (settable any time) is called on the loop
     each time a connection is made or made again, for the socket to speak there at
     once (see :func:`dealer`)."""
@@ -155,6 +155,7 @@ def dealer(
     silence: float | None = None,
     on_connected: Callable[[], object] | None = None,
     heartbeats: bool = False,
+    watch: bool = False,
 ) -> Dealer:
     """A DEALER connected to ``connect`` as zps id ``identity``.  With CURVE the
     socket's routing id is a secret and ``identity`` goes as connection metadata
@@ -170,7 +171,9 @@ def dealer(
     server must reach it unasked (requests forwarded to a shard, a broker's probes and
     maps) speaks as each connection is made: ``on_connected`` (also settable later as
     :attr:`Dealer.on_connected`) sends a message the server accepts, such as its
-    heartbeat.  Without CURVE a connection is reachable at once."""
+    heartbeat.  Without CURVE a connection is reachable at once; ``watch`` calls
+    ``on_connected`` as each connection is made all the same (a server that must learn
+    that a connection was made again: what it sent by the one before may be lost)."""
     sock = _dealer_socket(
         ctx,
         connect,
@@ -183,7 +186,7 @@ def dealer(
         heartbeats=heartbeats,
     )
     ch = Dealer(sock)
-    if curve is not None:  # watched before it connects: the first handshake counts too
+    if curve is not None or watch:  # watched before it connects: the first one counts too
         ch.handshakes = HandshakeWatch(sock, on_connected)
     try:
         _connect(sock, connect)
