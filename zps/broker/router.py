@@ -364,6 +364,18 @@ class Router:
                 transport.try_send(self._links[self._leader.current], beat)
             else:
                 await self._hello()  # until the map lists this router (cold start)
+            self._probe_links(beat)
+
+    def _probe_links(self, beat: list[Any]) -> None:
+        """Each tick, every shard with requests posted and unanswered is sent ``beat`` on
+        its link (shards ignore what a router sends them but requests): one no longer
+        connected loses them (:meth:`_link_lost`), though no new request came to find out."""
+        if self._out is None:
+            return
+        for shard in self._forwarded.shards():
+            posted = self._out.post([shard, b"", *beat], self.config.shard_queue_bytes)
+            if posted is transport.Posted.UNROUTABLE:
+                self._link_lost(shard, "closed")
 
     async def _from_leader(self, index: int, frames: transport.Frames) -> None:
         msg = decode([transport.frame_buffer(f) for f in frames])

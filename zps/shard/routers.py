@@ -122,7 +122,7 @@ class RouterLinks:
             raise ProtocolError(f"{len(frames)} frames from a routing broker")
         source = transport.frame_bytes(frames[0])
         if not source:
-            return  # routers send no control messages
+            return  # a router's probe of the link (a heartbeat): nothing to answer
         try:
             route = unpack_route(transport.frame_buffer(frames[1]))
         except (KeyError, ValueError, TypeError, OverflowError) as e:
