@@ -708,7 +708,7 @@ class World:
         # Heal: every fault ends, every node runs again; the clients stop pushing.
         sched.log("HEAL")
         self.net.heal(set(self.net.cut))
-        for node in list(self.net.paused):
+        for node in sorted(self.net.paused):  # a set: in a fixed order, not the hash seed's
             self.net.resume(node)
         for node in sorted(self.net.slow):
             self.net.speed_up(node)
