@@ -16,6 +16,7 @@ from tests.integration.test_routers import (
     acked_after,
     router_report,
     run_load,
+    sent_and_acked_after,
 )
 from zps.testing import ExactSumLoad, free_port
 from zps.testing.gate import ShardGate
@@ -93,16 +94,6 @@ def test_the_bypass_ends_when_the_router_routes_again(g: Gated) -> None:
             await asyncio.sleep(0.1)
 
     run_load(g.c, shut_and_open)
-
-
-async def sent_and_acked_after(load: ExactSumLoad, t0: float, timeout: float) -> None:
-    """Until every writer had a push sent after ``t0`` acknowledged."""
-    deadline = time.monotonic() + timeout
-    while not all(any(sent > t0 for sent, _ in w.acks) for row in load.writers for w in row):
-        errors = [e for row in load.writers for w in row for e in w.errors]
-        assert not errors, errors
-        assert time.monotonic() < deadline, "writers still stalled after the fault"
-        await asyncio.sleep(0.01)
 
 
 def test_requests_lost_with_a_shards_link_are_sent_again(g: Gated) -> None:

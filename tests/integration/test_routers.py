@@ -129,6 +129,16 @@ async def acked_after(load: ExactSumLoad, t0: float, timeout: float = 30.0) -> N
         await asyncio.sleep(0.01)
 
 
+async def sent_and_acked_after(load: ExactSumLoad, t0: float, timeout: float) -> None:
+    """Until every writer had a push sent after ``t0`` acknowledged."""
+    deadline = time.monotonic() + timeout
+    while not all(any(sent > t0 for sent, _ in w.acks) for row in load.writers for w in row):
+        errors = [e for row in load.writers for w in row for e in w.errors]
+        assert not errors, errors
+        assert time.monotonic() < deadline, "writers still stalled after the fault"
+        await asyncio.sleep(0.01)
+
+
 def test_pushes_and_pulls_go_through_the_routers(cluster: RouterCluster) -> None:
     before = cluster.status()["broker"]["routed"]
     run_load(cluster)

@@ -819,3 +819,19 @@ def test_broker_endpoints_one_a_pair_or_a_list() -> None:
             broker_endpoints(bad)
     with pytest.raises(ConfigError, match=r"shard\.brokers"):
         ShardConfig(brokers=("nope",))
+
+
+def test_a_relinked_partition_re_sends_what_is_in_flight_to_it_at_once() -> None:
+    """Rule 10: the broker says partition 0's primary made its data link again: the
+    requests in flight to it go again, unchanged (same id, same seq); those to another
+    partition and a parked one stay as they are."""
+    s = session()
+    first = only_send(submit(s, "a", p=0))
+    only_send(submit(s, "b", p=1))
+    parked = only_send(submit(s, "c", p=0))
+    assert s.on_reply(reply(parked.route.req_id, "OVERLOADED", msg="busy"), 0.1) == []
+    again = sent(s.relinked([0], 0.2))
+    assert [m.route.req_id for m in again] == [first.route.req_id]
+    assert again[0].header == first.header  # same seq: the shard applies it once
+    assert s.relinked([1, 5], 0.3) != []  # partition 1's request; 5 has none
+    assert s.relinked([], 0.3) == []

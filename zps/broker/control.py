@@ -328,6 +328,13 @@ class Control:
                 echo = LeaseEcho(message.t, role, partition, epoch)
                 unrecorded = p is not None and role is Role.PRIMARY and self._epoch_unrecorded(p)
                 await self.control(ident, MsgType.HEARTBEAT, echo.to_wire(), durable=unrecorded)
+                if message.new_link and p is not None and shard.role is Role.PRIMARY:
+                    # Its data link's connection was made again: what was forwarded by the
+                    # one before may be lost with it, so the clients send again what they
+                    # have in flight to its partition (the dedup record keeps each once).
+                    relinked = Heartbeat(relinked=(p,)).to_wire()
+                    for client in self.state.clients:
+                        await self.control(client.encode(), MsgType.HEARTBEAT, relinked)
             case Bye():
                 log.info("shard %s left", node)
                 self.detector.forget(node)

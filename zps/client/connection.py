@@ -779,8 +779,8 @@ class Connection:
                     self._follow_routers(self._session.map)
             case HelloAgain():  # the broker restarted and does not know us
                 await self._hello()
-            case Heartbeat():
-                pass
+            case Heartbeat(relinked=partitions):
+                self._apply(self._session.relinked(partitions, self._now()))
             case None:
                 raise ProtocolError(f"a client does not expect {msg.route.mtype.name}")
             case unknown:

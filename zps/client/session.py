@@ -61,6 +61,9 @@ Rules:
    was lost) delivers the others and names the read in :attr:`Deliver.again`: it is
    submitted again, whole, to the same partition, as a new request (a read may be; a
    write never is under a new sequence number).
+10. The broker's word that a partition's primary made its data link again
+    (``relinked``) re-sends at once every request in flight to that partition and not
+    parked: the connection before may have taken it, or its reply, with it.
 """
 
 from __future__ import annotations
@@ -510,6 +513,14 @@ class ClientSession(Generic[T]):
         if self._early and (at is None or self._early[0][0] < at):
             at = self._early[0][0]
         return at
+
+    def relinked(self, partitions: Sequence[int], now: float) -> list[Action[T]]:
+        """Rule 10: re-send what is in flight to ``partitions``."""
+        actions: list[Action[T]] = []
+        for req_id, entry in list(self._table.items()):
+            if isinstance(entry, _Request) and not entry.parked and entry.partition in partitions:
+                actions.extend(self._resend(req_id, entry, now))
+        return actions
 
     def unsent(self, req_id: int, now: float) -> None:
         """The driver could not hand ``req_id`` to a broker of the pair at once (its queue

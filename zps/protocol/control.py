@@ -173,7 +173,9 @@ class ShardHeartbeat:
     :class:`LeaseEcho` that renews its lease; it is not a table name.  ``in_sync`` is
     sent by primaries only (the replicas that caught up).  ``durable`` is the LSN its
     write-ahead log holds (nil without a log): what a restart from its data dir
-    gets back, which the broker records as the partition's floor.
+    gets back, which the broker records as the partition's floor.  ``new_link``: the
+    heartbeat is the shard's greeting on a data link's connection just made (what a
+    broker or router posted by the one before may be lost with it).
     """
 
     t: float | None = None
@@ -182,6 +184,7 @@ class ShardHeartbeat:
     stats: dict[str, Any] | None = None
     in_sync: tuple[str, ...] | None = None
     durable: int | None = None
+    new_link: bool = False
 
     @classmethod
     def parse(cls, h: Header) -> ShardHeartbeat:
@@ -199,6 +202,7 @@ class ShardHeartbeat:
             stats=stats,
             in_sync=None if in_sync is None else tuple(in_sync),
             durable=None if h.get("durable") is None else _int(h["durable"], "HEARTBEAT durable"),
+            new_link=h.get("new_link") is True,
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -207,6 +211,8 @@ class ShardHeartbeat:
             h["in_sync"] = list(self.in_sync)
         if self.durable is not None:
             h["durable"] = self.durable
+        if self.new_link:
+            h["new_link"] = True
         return h
 
 
@@ -299,17 +305,25 @@ class TrainReport:
 class Heartbeat:
     """HEARTBEAT: client -> broker, and the broker's probes (empty).  A training
     client's carries ``train`` (a :class:`TrainReport`) when ``ps.report`` was called
-    since its previous one."""
+    since its previous one.  ``relinked``, broker -> client: the partitions whose
+    primary's data link to the broker was made again; what is in flight to them may
+    have been lost with the connection before, and is sent again."""
 
     train: TrainReport | None = None
+    relinked: tuple[int, ...] = ()
 
     @classmethod
     def parse(cls, h: Header) -> Heartbeat:
-        train = h.get("train")
-        return cls(None if train is None else TrainReport.parse(train))
+        train, relinked = h.get("train"), h.get("relinked", [])
+        if not isinstance(relinked, list) or not all(type(p) is int for p in relinked):
+            raise ProtocolError("HEARTBEAT relinked must be a list of partitions")
+        return cls(None if train is None else TrainReport.parse(train), tuple(relinked))
 
     def to_wire(self) -> dict[str, Any]:
-        return {} if self.train is None else {"train": self.train.to_wire()}
+        h: dict[str, Any] = {} if self.train is None else {"train": self.train.to_wire()}
+        if self.relinked:
+            h["relinked"] = list(self.relinked)
+        return h
 
 
 @dataclass(frozen=True, slots=True)

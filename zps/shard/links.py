@@ -254,11 +254,16 @@ class BrokerLinks:
         self.keys = keys
         brokers = cfg.endpoints
         silence = transport.reconnect_silence(hb.interval, hb.liveness)
-        first = dealer_link(ctx, cfg, self.node_id, keys, brokers[0], silence=silence)
-        self.links = [first, *(dealer_link(ctx, cfg, self.node_id, keys, b) for b in brokers[1:])]
+        first = dealer_link(ctx, cfg, self.node_id, keys, brokers[0], silence=silence, watch=True)
+        self.links = [
+            first,
+            *(dealer_link(ctx, cfg, self.node_id, keys, b, watch=True) for b in brokers[1:]),
+        ]
         self.sock, self.out = first
         for sock, _ in self.links:
-            greet(sock, lambda: self.last_beat)
+            # Marked: the broker has its clients send again what is in flight to this
+            # shard's partition (what it forwarded by the connection before may be lost).
+            greet(sock, lambda: self.last_beat, new_link=True)
         loop = asyncio.get_running_loop()
         self._dead = loop.create_future()
         self.beat_policy = Liveness(hb.interval, hb.liveness, hb.max_loop_stall, time.monotonic())
