@@ -23,8 +23,9 @@ the map assigns a partition no router (the broker is collecting claims after a
 start), the router refuses its requests ``NOT_PRIMARY``, and the broker holds them.
 A request posted to a shard's link that is then lost (a post finds it closed, the
 shard goes silent, or it greets the router on a connection made again) before the reply
-came back is refused ``NOT_PRIMARY`` (``bypass``), for its client to send it again: the
-link may have taken it, or its reply, with it (:mod:`zps.broker.forwarded`).
+came back is refused ``NOT_PRIMARY`` (``bypass`` unless the link was made again), for its
+client to send it again: the link may have taken it, or its reply, with it
+(:mod:`zps.broker.forwarded`).
 
 Flow control as the broker's (:class:`~zps.transport.Outbound`, the same allowances
 from :class:`~zps.ops.config.BrokerConfig`): a request for a shard whose allowance is
@@ -583,10 +584,11 @@ class Router:
         self._forwarded.posted(shard, ident, route)
         self.stats.routed += 1
 
-    def _link_lost(self, shard: bytes, how: str) -> None:
+    def _link_lost(self, shard: bytes, how: str, *, bypass: bool = True) -> None:
         """``shard``'s link closed, went silent or was made again: what was posted to it
         and not answered may be lost with it, and is refused for its clients to send
-        again (:mod:`zps.broker.forwarded`)."""
+        again (:mod:`zps.broker.forwarded`); ``bypass``: to the broker for a while (not
+        for a link made again: the new one serves)."""
         lost = self._forwarded.lost(shard)
         if not lost:
             return
@@ -603,7 +605,7 @@ class Router:
                 f"the link of shard {name} (partition {route.partition}'s primary) to this "
                 f"routing broker {how} after the request was posted to it: it may not have "
                 "arrived",
-                bypass=True,
+                bypass=bypass,
             )
 
     def _from_shard(self, ident: bytes, frames: transport.Frames) -> None:
@@ -614,7 +616,7 @@ class Router:
             if _is_heartbeat(frames):
                 # The shard's word that this connection is its (Channel.accepted).
                 if self._forwarded and _new_link(frames):
-                    self._link_lost(ident, "was made again")
+                    self._link_lost(ident, "was made again", bypass=False)
                 return
             if ident not in self._warned and len(self._warned) < 1024:
                 self._warned.add(ident)
