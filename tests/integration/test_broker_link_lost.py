@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.test_routers import run_load, sent_and_acked_after
-from zps.testing import ExactSumLoad, LocalCluster
+from tests.integration.test_routers import run_load
+from zps.testing import ExactSumLoad, LocalCluster, acked_after
 from zps.testing.gate import ShardGate
 
 
@@ -44,8 +44,8 @@ def test_requests_lost_with_a_shards_data_link_are_sent_again(
 
     async def hole(load: ExactSumLoad) -> None:
         gate.blackhole()
-        await sent_and_acked_after(load, time.monotonic(), 15.0)
-        await sent_and_acked_after(load, time.monotonic(), 5.0)  # and they keep going
+        await acked_after(load, time.monotonic(), 15.0, sent=True)
+        await acked_after(load, time.monotonic(), 5.0, sent=True)  # and they keep going
 
     run_load(c, hole)  # type: ignore[arg-type]
     assert gate.swallowed > 0, "nothing the broker sent the shards was dropped"

@@ -19,7 +19,7 @@ import zps
 from zps.broker.statefile import StateFile
 from zps.errors import ZpsTimeoutError
 from zps.optim import SGD
-from zps.testing import ExactSumLoad, PairCluster, Proc
+from zps.testing import ExactSumLoad, PairCluster, Proc, acked_after
 
 HERE = Path(__file__).resolve().parent
 
@@ -45,16 +45,6 @@ def whole(c: PairCluster, status: dict[str, Any]) -> bool:
 
 def wait_whole(c: PairCluster) -> dict[str, Any]:
     return c.wait_for(lambda s: whole(c, s), 30, "the pair to be whole")
-
-
-async def acked_after(load: ExactSumLoad, t0: float, timeout: float = 30.0) -> None:
-    """Until every writer had a push acknowledged after ``t0``."""
-    deadline = time.monotonic() + timeout
-    while not all(any(ack > t0 for _, ack in w.acks) for row in load.writers for w in row):
-        errors = [e for row in load.writers for w in row for e in w.errors]
-        assert not errors, errors
-        assert time.monotonic() < deadline, "writers still stalled after the fault"
-        await asyncio.sleep(0.01)
 
 
 def test_status_shows_both_brokers_and_the_active_one(pair: PairCluster) -> None:

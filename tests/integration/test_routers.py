@@ -15,7 +15,7 @@ import pytest
 
 import zps
 from zps.optim import SGD
-from zps.testing import ExactSumLoad, LocalCluster, PairCluster, Proc, free_port
+from zps.testing import ExactSumLoad, LocalCluster, PairCluster, Proc, acked_after, free_port
 
 HOSTS = ["host-a", "host-b"]
 
@@ -117,26 +117,6 @@ def run_load(
     assert load.total_pushes > 0
     assert asyncio.run(load.verify()) == []
     return load
-
-
-async def acked_after(load: ExactSumLoad, t0: float, timeout: float = 30.0) -> None:
-    """Until every writer had a push acknowledged after ``t0``."""
-    deadline = time.monotonic() + timeout
-    while not all(any(ack > t0 for _, ack in w.acks) for row in load.writers for w in row):
-        errors = [e for row in load.writers for w in row for e in w.errors]
-        assert not errors, errors
-        assert time.monotonic() < deadline, "writers still stalled after the fault"
-        await asyncio.sleep(0.01)
-
-
-async def sent_and_acked_after(load: ExactSumLoad, t0: float, timeout: float) -> None:
-    """Until every writer had a push sent after ``t0`` acknowledged."""
-    deadline = time.monotonic() + timeout
-    while not all(any(sent > t0 for sent, _ in w.acks) for row in load.writers for w in row):
-        errors = [e for row in load.writers for w in row for e in w.errors]
-        assert not errors, errors
-        assert time.monotonic() < deadline, "writers still stalled after the fault"
-        await asyncio.sleep(0.01)
 
 
 def test_pushes_and_pulls_go_through_the_routers(cluster: RouterCluster) -> None:

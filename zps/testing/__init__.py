@@ -651,3 +651,18 @@ class ExactSumLoad:
     @property
     def total_pushes(self) -> int:
         return sum(w.pushes for row in self.writers for w in row)
+
+
+async def acked_after(
+    load: ExactSumLoad, t0: float, timeout: float = 30.0, *, sent: bool = False
+) -> None:
+    """Until every writer of ``load`` had a push acknowledged after ``t0`` (``sent``: one
+    sent after it, so not one the fault found in flight); a writer's error, or
+    ``timeout`` seconds, fails the wait."""
+    at = 0 if sent else 1  # in each (sent, acknowledged) pair
+    deadline = time.monotonic() + timeout
+    while not all(any(pair[at] > t0 for pair in w.acks) for row in load.writers for w in row):
+        errors = [e for row in load.writers for w in row for e in w.errors]
+        assert not errors, errors
+        assert time.monotonic() < deadline, "writers still stalled after the fault"
+        await asyncio.sleep(0.01)
