@@ -835,3 +835,18 @@ def test_a_relinked_partition_re_sends_what_is_in_flight_to_it_at_once() -> None
     assert again[0].header == first.header  # same seq: the shard applies it once
     assert s.relinked([1, 5], 0.3) != []  # partition 1's request; 5 has none
     assert s.relinked([], 0.3) == []
+
+
+def test_a_connection_made_again_re_sends_everything_in_flight_and_the_calls() -> None:
+    """Rule 10, this client's own connection: every request in flight and not parked,
+    whatever its partition, and every broker call go again."""
+    s = session()
+    a = only_send(submit(s, "a", p=0))
+    b = only_send(submit(s, "b", p=1))
+    parked = only_send(submit(s, "c", p=0))
+    assert s.on_reply(reply(parked.route.req_id, "OVERLOADED", msg="busy"), 0.1) == []
+    call_id, _ = s.call(MsgType.STATUS, {}, "st", 0.1)
+    again = sent(s.relinked(None, 0.2))
+    assert sorted(m.route.req_id for m in again) == sorted(
+        [a.route.req_id, b.route.req_id, call_id]
+    )

@@ -196,11 +196,13 @@ class Connection:
                 curve=keys,
                 server_public=keys.server_public if keys else None,
                 silence=transport.reconnect_silence(hb.interval, hb.liveness),
+                watch=True,
             )
             for address in self.addresses
         ]
         self._sock = self._socks[0]
-        self._handshakes = [ch.handshakes for ch in self._socks if ch.handshakes is not None]
+        if keys is not None:  # a refused CURVE handshake is named if the introduction fails
+            self._handshakes = [ch.handshakes for ch in self._socks if ch.handshakes]
         for ch in self._socks:
             # Under CURVE the broker sends to this client (maps, probes) over a new
             # connection only once the client spoke there: it does at once.
@@ -663,11 +665,14 @@ class Connection:
         else:
             await transport.send(self._sock, frames)
 
-    def _greet(self, ch: transport.Channel) -> None:
+    def _greet(self, ch: transport.Dealer) -> None:
         """A connection to a broker was made (again): a heartbeat there at once, if it
-        is the broker followed (a standby must not hear from clients)."""
+        is the broker followed (a standby must not hear from clients); made again, what
+        is in flight is sent again (ClientSession, rule 10)."""
         if ch is self._sock and not self._closed:
             transport.try_send(ch, encode(Route(MsgType.HEARTBEAT), Heartbeat().to_wire()))
+            if ch.handshakes is not None and ch.handshakes.connected > 1:
+                self._apply(self._session.relinked(None, self._now()))
 
     async def _heartbeat_loop(self) -> None:
         assert self._sock is not None

@@ -96,7 +96,9 @@ class RouterLinks:
                 max_message_bytes=self.config.max_message_bytes,
                 curve=keys,
                 server_public=keys.server_public if keys else None,
+                watch=True,
             )
+            sock.on_connected = functools.partial(self._connected, endpoint, sock)
             on_frames = functools.partial(self._on_message, endpoint, on_reply)
             task = tg.create_task(transport.serve(sock, on_frames, on_malformed))
             self.socks[endpoint] = (sock, task)
@@ -132,6 +134,13 @@ class RouterLinks:
                 len(resend),
             )
         self._send_again(resend, now)
+
+    def _connected(self, endpoint: str, sock: transport.Dealer) -> None:
+        """A connection to the router at ``endpoint`` was made: made again, what is in
+        flight through it is sent again (the one before may have taken it, or its reply,
+        with it; the shards' dedup record keeps each once)."""
+        if sock.handshakes is not None and sock.handshakes.connected > 1:
+            self._send_again(self.table.through(endpoint), self._now())
 
     def heard_broker(self, endpoint: str) -> None:
         """A message from a broker: if it is a router too, it is alive."""

@@ -150,6 +150,10 @@ class RouterTable:
                     lost += again
         return started, lost
 
+    def through(self, endpoint: str) -> list[int]:
+        """The requests in flight through the router at ``endpoint``."""
+        return [r for r, (e, _) in self.inflight.items() if e == endpoint]
+
     def answered(self, req_id: int) -> None:
         if self.inflight:
             self.inflight.pop(req_id, None)

@@ -63,7 +63,9 @@ Rules:
    write never is under a new sequence number).
 10. The broker's word that a partition's primary made its data link again
     (``relinked``) re-sends at once every request in flight to that partition and not
-    parked: the connection before may have taken it, or its reply, with it.
+    parked: the connection before may have taken it, or its reply, with it.  This
+    client's own connection to the broker made again re-sends every request in flight
+    and not parked, and every broker call (as rule 4).
 """
 
 from __future__ import annotations
@@ -514,11 +516,16 @@ class ClientSession(Generic[T]):
             at = self._early[0][0]
         return at
 
-    def relinked(self, partitions: Sequence[int], now: float) -> list[Action[T]]:
-        """Rule 10: re-send what is in flight to ``partitions``."""
+    def relinked(self, partitions: Sequence[int] | None, now: float) -> list[Action[T]]:
+        """Rule 10: re-send what is in flight to ``partitions`` (None: everything, broker
+        calls too: this client's connection to the broker was made again)."""
         actions: list[Action[T]] = []
         for req_id, entry in list(self._table.items()):
-            if isinstance(entry, _Request) and not entry.parked and entry.partition in partitions:
+            if isinstance(entry, _Call):
+                if partitions is None:
+                    frames = encode(Route(entry.mtype, req_id=req_id), entry.header)
+                    actions.append(Send(frames, req_id))
+            elif not entry.parked and (partitions is None or entry.partition in partitions):
                 actions.extend(self._resend(req_id, entry, now))
         return actions
 

@@ -1,9 +1,11 @@
-"""A TCP relay that keeps shards from linking to a routing broker (tests and benchmarks of
-the routers' bypass: ``tests/integration/test_router_bypass.py``,
+"""A TCP relay that keeps shards from linking to a routing broker, black-holes their links,
+or resets every connection through it (tests and benchmarks of lost links:
+``tests/integration/test_router_bypass.py``, ``tests/integration/test_broker_link_lost.py``,
 ``bench/router_bypass.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import threading
@@ -33,6 +35,7 @@ class ShardGate:
         self.opened = 0  # connections accepted
         self.holed_below = 0  # connections numbered below it are black-holed to shards
         self.swallowed = 0  # bytes from the router dropped on black-holed connections
+        self.resets = 0
         self.stopped = False
         self.socks: list[socket.socket] = []
         self.lock = threading.Lock()
@@ -45,6 +48,16 @@ class ShardGate:
     def blackhole(self) -> None:
         """Drop from now on what the router sends by the shards' connections open now."""
         self.holed_below = self.opened
+
+    def reset(self) -> None:
+        """Close every connection open now, both ways, as a connection reset does: what
+        was in flight on it is lost; the peers connect again, and are relayed."""
+        with self.lock:
+            socks, self.socks = self.socks, []
+            self.resets += 1
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
 
     def open(self) -> None:
         """Relay the shards' connections again (they connect every 0.1-0.35 s)."""
