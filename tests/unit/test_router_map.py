@@ -135,6 +135,26 @@ def test_a_partition_the_router_cannot_route_goes_to_the_broker_for_a_while() ->
     assert table.pick(request(0, 8), 8, 2.1) == routes[0]
 
 
+def test_a_connection_made_again_to_a_router_re_sends_what_went_through_it() -> None:
+    """``through``: the requests in flight through one router (sent again when the
+    client's connection to it is made again), not those through another or the broker,
+    nor those answered."""
+    state = cluster(["a", "b"])
+    state.register_router("r-a", endpoint="tcp://a:1", host="a", now=1.0)
+    state.register_router("r-b", endpoint="tcp://b:1", host="b", now=1.0)
+    table = RouterTable(failover_timeout=0.5)
+    table.on_map(state.map, 0.0)
+    routes = {p: i.router for p, i in state.map.partitions.items()}
+    assert routes[0] != routes[1]
+    for req_id, partition in ((1, 0), (2, 1), (3, 0), (4, 0)):
+        table.pick(request(partition, req_id), req_id, 0.1)
+    table.pick([Route(MsgType.STATUS, req_id=5).pack(), b"h"], 5, 0.1)  # the broker's
+    table.answered(3)
+    assert table.through(routes[0]) == [1, 4]
+    assert table.through(routes[1]) == [2]
+    assert table.through("tcp://elsewhere:1") == []
+
+
 def test_a_router_finds_the_primaries_it_does_not_hear() -> None:
     """A primary the map names is given a silence from then; one not heard for a silence
     has its partition listed (only the partitions this router routes); a shard the map
