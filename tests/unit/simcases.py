@@ -20,8 +20,8 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
+from zps.testing.sim.checks import Result
 from zps.testing.sim.cli import run_seeds
-from zps.testing.sim.world import Result
 
 #: Worker processes running the simulator's seeds.
 WORKERS = 2

@@ -28,12 +28,13 @@ from zps.protocol.messages import Assign, MapUpdate, RegisterAgain, Role
 from zps.shard.links import from_broker
 from zps.testing.sim import simtransport
 from zps.testing.sim.aioloop import Proc, SimLoop
+from zps.testing.sim.checks import Result
 from zps.testing.sim.cli import main
 from zps.testing.sim.net import Network
 from zps.testing.sim.realbroker import RealBroker
 from zps.testing.sim.realpair import RealPairBroker
 from zps.testing.sim.sched import Scheduler
-from zps.testing.sim.world import Result, World, run_seed
+from zps.testing.sim.world import World, run_seed
 
 pytestmark = pytest.mark.timeout(600)
 

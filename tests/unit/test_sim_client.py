@@ -188,6 +188,9 @@ CATCH = {
     "pair-unfenced": ("failover,pause,partition", range(23, 35)),
     "pair-primary-first": ("failover,crash-all,broker", range(14, 24)),
     "pair-map-before-standby": ("failover,kill", range(115, 125)),
+    "client-not-relinked": ("reset", range(1, 11)),
+    "client-ignores-relinked": ("reset", range(1, 11)),
+    "router-link-loss-unanswered": ("reset,routers", range(5, 15)),
 }
 
 

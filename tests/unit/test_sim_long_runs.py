@@ -9,7 +9,8 @@ from concurrent.futures import Future
 import pytest
 
 from tests.unit.simcases import Runs
-from zps.testing.sim.world import FAULTS, Result
+from zps.testing.sim.checks import Result
+from zps.testing.sim.world import FAULTS
 
 #: The long run's faults: every default one and the slow and client faults.
 LONG_FAULTS = [*FAULTS, "slow", "client"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from zps.core.routing import ClusterMap, PartitionInfo
-from zps.testing.sim.world import writable
+from zps.testing.sim.checks import writable
 
 
 def _map(slot_map: list[int], parts: dict[int, PartitionInfo]) -> ClusterMap:

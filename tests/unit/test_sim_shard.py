@@ -14,10 +14,11 @@ import pytest
 
 from tests.unit.simcases import Runs, assert_same_run
 from zps.shard.server import ShardServer
+from zps.testing.sim.checks import Result
 from zps.testing.sim.cli import main, report
 from zps.testing.sim.realbroker import RealBroker
 from zps.testing.sim.realshard import RealShard
-from zps.testing.sim.world import FAULTS, Result, World, run_seed
+from zps.testing.sim.world import FAULTS, World, run_seed
 
 pytestmark = pytest.mark.timeout(600)
 

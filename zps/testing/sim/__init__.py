@@ -8,6 +8,7 @@ a run is replayed exactly from its seed: ``python -m zps.testing.sim --seed S --
 See docs/design.md, "Simulation".
 """
 
-from zps.testing.sim.world import FAULTS, Result, World, run_seed
+from zps.testing.sim.checks import Result
+from zps.testing.sim.world import FAULTS, World, run_seed
 
 __all__ = ["FAULTS", "Result", "World", "run_seed"]

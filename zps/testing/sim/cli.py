@@ -16,7 +16,8 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from typing import Any
 
 from zps.testing.sim import bugs, realbugs
-from zps.testing.sim.world import FAULTS, NAMED, PAIR, RESHARD, ROUTERS, Result, run_seed
+from zps.testing.sim.checks import Result
+from zps.testing.sim.world import FAULTS, NAMED, PAIR, RESET, RESHARD, ROUTERS, run_seed
 
 
 def _faults(text: str) -> list[str]:
@@ -213,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.jobs < 1:
         parser().error("--jobs must be >= 1")
     mode = MODES[args.mode]
-    needs_client = [f for f in args.faults if f in (*RESHARD, *ROUTERS)]
+    needs_client = [f for f in args.faults if f in (*RESHARD, *ROUTERS, *RESET)]
     if needs_client and not mode["real_client"]:
         parser().error(
             f"--faults {','.join(needs_client)} needs the real clients: drop --{args.mode}, "

@@ -100,13 +100,13 @@ class ClientNode(SimNode):
 class ClientChannel(SimChannel):
     """The client's DEALER to one broker (see the module notes)."""
 
-    handshakes: HandshakeWatch | None = None
-
     def __init__(self, net: Network, name: str, *, port: str, node: SimNode) -> None:
         super().__init__(net, name, port=port, node=node)
         #: Sent while no broker process was up: they go once one is (in order).
         self._pending: deque[list[Any]] = deque()
         self._peer: SimNode | None = None  # the broker process last connected to
+        if simtransport.watching():
+            self.handshakes = simtransport.SimHandshakes()
 
     def connected(self) -> bool:
         """Whether the broker's process is up; a new one (a restart) is a connection

@@ -7,6 +7,9 @@ mark, is dropped, as a ROUTER drops what it cannot route and a full pipe drops w
 sender posts without waiting (zps never blocks on a peer).  A cut link holds what is sent
 across it (as a TCP connection that stops moving does) and delivers it, in order, when
 it heals; a cut may be one-way (``a`` cannot reach ``b``, ``b`` still reaches ``a``).
+A *reset* connection (:meth:`Network.reset`) loses what was on its way both ways, as a
+TCP connection that closes takes the bytes it held with it (what the receiving socket
+had already taken stays readable); ZeroMQ makes the connection again at once.
 
 What a node has not read yet counts towards its pipes' high-water marks, as ZeroMQ's
 queues do: a paused node reads nothing until it resumes (then all it was sent, in the
@@ -46,6 +49,8 @@ class Network:
         self.slow: dict[str, float] = {}  # node -> seconds it takes to read one message
         self._reading: set[str] = set()  # slow nodes with a read scheduled
         self._blocked: dict[tuple[str, str], list[Any]] = {}  # cut pipe -> held messages
+        #: Pipe -> its connection's number: what was sent by one that was reset is lost.
+        self._conn: dict[tuple[str, str], int] = {}
         self.dropped = 0
         self.max_inflight = 0
         #: Told of each node that resumes (the run's event loop runs what it held).
@@ -88,12 +93,12 @@ class Network:
         if last > t:
             t = last
         self._last[pipe] = t
-        sched.at(t, functools.partial(self._arrive, pipe, msg))
+        sched.at(t, functools.partial(self._arrive, pipe, self._conn.get(pipe, 0), msg))
 
-    def _arrive(self, pipe: tuple[str, str], msg: Any) -> None:
+    def _arrive(self, pipe: tuple[str, str], conn: int, msg: Any) -> None:
         src, dst = pipe
-        if pipe not in self._inflight:
-            return  # a pipe of a process that is gone
+        if pipe not in self._inflight or conn != self._conn.get(pipe, 0):
+            return  # a pipe of a process that is gone, or of a connection reset
         if pipe in self.cut:  # held until the link heals
             self._blocked.setdefault(pipe, []).append(msg)
             return
@@ -154,8 +159,30 @@ class Network:
         """The links in ``pairs`` move again: what they held arrives, in order."""
         self.cut -= pairs
         for pipe in sorted(pairs):
+            conn = self._conn.get(pipe, 0)
             for msg in self._blocked.pop(pipe, []):
-                self.sched.at(self.sched.now, functools.partial(self._arrive, pipe, msg))
+                self.sched.at(self.sched.now, functools.partial(self._arrive, pipe, conn, msg))
+
+    def on_the_way(self, src: str, dst: str) -> int:
+        """Messages sent ``src`` -> ``dst`` that ``dst`` has not taken yet (what a reset
+        of the connection loses)."""
+        unread = len(self._inbox.get(dst, {}).get((src, dst), ()))
+        return self._inflight.get((src, dst), 0) - unread
+
+    def reset(self, a: str, b: str) -> int:
+        """The connection between ``a`` and ``b`` closes and is made again: what either
+        had sent that the other had not taken yet (on its way, or held by a cut) is lost.
+        Returns how many messages were."""
+        lost = 0
+        for pipe in ((a, b), (b, a)):
+            self._conn[pipe] = self._conn.get(pipe, 0) + 1
+            n = self.on_the_way(*pipe)
+            if n > 0:
+                lost += n
+                self._inflight[pipe] -= n
+            self._blocked.pop(pipe, None)
+        self.dropped += lost
+        return lost
 
     def pause(self, node: str) -> None:
         self.paused.add(node)

@@ -131,10 +131,50 @@ def _shm_token_unchecked() -> Patch:
 
 #: The defects of the client's driver and of the shared-memory path (``--real-client``),
 #: with what each does.
+def _client_not_relinked() -> Patch:
+    from zps.client.session import ClientSession
+
+    def relinked(self: Any, partitions: Any, now: float) -> list[Any]:
+        return []  # what a connection made again may have lost waits out its deadline
+
+    return [(ClientSession, "relinked", relinked)]
+
+
+def _client_ignores_relinked() -> Patch:
+    from zps.client.session import ClientSession
+
+    real = ClientSession.relinked
+
+    def relinked(self: Any, partitions: Any, now: float) -> list[Any]:
+        # The broker's word that a primary's data link was made again goes unheeded.
+        return real(self, partitions, now) if partitions is None else []
+
+    return [(ClientSession, "relinked", relinked)]
+
+
+def _router_link_loss_unanswered() -> Patch:
+    from zps.broker.router import Router
+
+    def link_lost(self: Any, shard: bytes, how: str, *, bypass: bool = True) -> None:
+        self._forwarded.lost(shard)  # forgotten, and nobody told
+
+    return [(Router, "_link_lost", link_lost)]
+
+
 CLIENT_BUGS: dict[str, str] = {
     "client-seq-restart": "a client that introduces itself again to a restarted broker "
     "(HELLO_AGAIN) numbers its requests from 1 again under the same client id, so a "
     "shard answers its next pushes from the dedup record of earlier ones, unapplied",
+    "client-not-relinked": "a client does not send again what was in flight on a "
+    "connection made again (ClientSession.relinked, rule 10, doing nothing), so a request "
+    "the closed connection took with it waits out its deadline",
+    "client-ignores-relinked": "a client does not send again what was in flight to a "
+    "partition whose primary's data link to the broker was made again (the broker's "
+    "HEARTBEAT relinked=(p,), unheeded), so a request the closed link took with it waits "
+    "out its deadline",
+    "router-link-loss-unanswered": "a routing broker forgets, without a word, what it "
+    "posted to a shard whose link closed, went silent or was made again (Router._link_lost "
+    "refusing nothing), so a request lost with the link waits out its deadline",
     "shm-token-unchecked": "a reader copies a region of another process's shared memory "
     "without checking its token (Mapper.read_finite without its checks), so a region "
     "reused before it was read is taken for the message's bytes",
@@ -142,6 +182,9 @@ CLIENT_BUGS: dict[str, str] = {
 CLIENT_PATCHES: dict[str, Callable[[], Patch]] = {
     "client-seq-restart": _client_seq_restart,
     "shm-token-unchecked": _shm_token_unchecked,
+    "client-not-relinked": _client_not_relinked,
+    "router-link-loss-unanswered": _router_link_loss_unanswered,
+    "client-ignores-relinked": _client_ignores_relinked,
 }
 
 

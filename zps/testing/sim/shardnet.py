@@ -95,8 +95,26 @@ __all__ = [
 ]
 
 
-class Dealer:
-    """No socket is one (no CURVE: nothing watches a connection's handshakes)."""
+class Dealer(SimChannel):
+    """A data link whose handshakes are watched (``watch``, in a run with the ``reset``
+    fault): each connection made, to a broker or router process up (the first, one to a
+    process started again, one made again after a reset), counts and runs its
+    ``on_connected``; without the fault no socket is one."""
+
+    _peer: SimNode | None = None  # the process last connected to
+
+    def connected(self) -> bool:
+        node = simtransport._where.get("nodes", {}).get(self.target)
+        if node is None or not node.current or "main" not in node.ports:
+            return False
+        if node is not self._peer:
+            self._peer = node
+            simtransport._connected(self)
+        return True
+
+    def send_nowait(self, frames: Sequence[Any]) -> bool:
+        self.connected()
+        return super().send_nowait(frames)
 
 
 def _node() -> SimNode:
@@ -137,9 +155,14 @@ def dealer(ctx: object, endpoint: str, identity: bytes, **options: Any) -> SimCh
     target = where.hostname or ""
     if where.scheme == "sim":
         node = _node()
-        ch = SimChannel(node.net, node.name, port=f"link:{target}", node=node)
+        watched = options.get("watch") and simtransport.watching()
+        cls = Dealer if watched else SimChannel
+        ch = cls(node.net, node.name, port=f"link:{target}", node=node)
         ch.target = target
         ch.identity = identity
+        if isinstance(ch, Dealer):
+            ch.handshakes = simtransport.SimHandshakes()
+            ch.connected()
         return ch
     return simtransport.dealer(ctx, f"sim://{target}/peer", identity)
 

@@ -31,6 +31,13 @@ connection made; a ``sim://NAME`` endpoint is node NAME's main socket, ``sim://N
 its peer ROUTER.
 
 A shard's liveness link is not simulated: its heartbeats come on its one connection.
+
+With the ``reset`` fault (:func:`install` ``watch``), the connecting sockets watch their
+handshakes as the product's do (:class:`SimHandshakes`: counted as each connection is
+made, none refused without CURVE), and :func:`reset` closes every connection between
+two processes and makes each again: what the pipes held is lost
+(:meth:`~zps.testing.sim.net.Network.reset`), and each connecting socket's
+``on_connected`` runs, as a new handshake.
 """
 
 from __future__ import annotations
@@ -153,6 +160,28 @@ def drop_node(name: str, node: SimNode | None, *, close_ports: bool = False) -> 
 PEER_LINK = "peer-link"
 
 
+class SimHandshakes:
+    """:class:`zps.transport.curve.HandshakeWatch` in a run: the connections made, counted
+    (:func:`connected`); without CURVE none is refused."""
+
+    __slots__ = ("connected", "on_connected")
+
+    def __init__(self) -> None:
+        self.connected = 0
+        self.on_connected: Callable[[], object] | None = None
+
+    def failure(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def watching() -> bool:
+    """Whether the run's connecting sockets watch their handshakes (the ``reset`` fault)."""
+    return bool(_where.get("watch"))
+
+
 class SimNode:
     """A broker process's sockets on its network node: the main ROUTER takes what
     shards and clients send, the peer link's sockets what is tagged for them."""
@@ -194,6 +223,7 @@ class SimChannel:
         self.closed = False
         self.handle = 0
         self.peers = None
+        self.handshakes: SimHandshakes | None = None
         self.received = 0
         self._inbox: deque[Frames] = deque()
         self._waiter: asyncio.Future[bool] | None = None
@@ -391,6 +421,8 @@ def dealer(
     ch = SimChannel(_where["net"], proc.name, port="dealer", node=node)
     ch.target = endpoint.removeprefix("sim://").partition("/")[0]
     ch.identity = identity
+    if watching():
+        ch.handshakes = SimHandshakes()
     dealers: list[SimChannel] = _where.setdefault("dealers", [])
     dealers[:] = [d for d in dealers if not d.closed]
     dealers.append(ch)
@@ -401,14 +433,53 @@ def dealer(
 
 
 def _connected(ch: SimChannel) -> None:
-    """A DEALER's connection is made (again): its ``on_connected`` runs soon, as its
-    process's (it is set after the socket is made)."""
+    """A DEALER's connection is made (again): counted, if its handshakes are watched, and
+    its ``on_connected`` runs soon, as its process's (it is set after the socket is made)."""
+    if ch.handshakes is not None:
+        ch.handshakes.connected += 1
 
     def run() -> None:
         if not ch.closed and ch.on_connected is not None:
             ch.on_connected()
 
     asyncio.get_event_loop().call_soon(run, context=ch._context)
+
+
+def reset(net: Network, a: str, b: str) -> tuple[int, list[SimChannel]]:
+    """Every connection between the processes ``a`` and ``b`` closes and is made again at
+    once: what was on its way either way is lost, and each connecting socket's
+    ``on_connected`` runs (a new handshake).  Returns the messages lost and the sockets
+    whose connection was made again."""
+    lost = net.reset(a, b)
+    nodes = _where.get("nodes", {})
+    again = []
+    for here, there in ((a, b), (b, a)):
+        node = nodes.get(here)
+        if node is None or not node.current:
+            continue
+        for port in sorted(node.ports):
+            ch = node.ports[port]
+            if isinstance(ch, SimChannel) and ch.target == there and not ch.closed:
+                again.append(ch)
+                _connected(ch)
+    return lost, again
+
+
+def connections(net: Network) -> list[tuple[str, str]]:
+    """The pairs of processes up with a connection between them (the connecting side
+    first), in a fixed order."""
+    nodes = _where.get("nodes", {})
+    pairs = set()
+    for name in sorted(nodes):
+        node = nodes[name]
+        if not node.current:
+            continue
+        for ch in node.ports.values():
+            there = getattr(ch, "target", "")
+            peer = nodes.get(there) if there else None
+            if not ch.closed and peer is not None and peer.current:
+                pairs.add((name, there))
+    return sorted(pairs)
 
 
 def try_send(ch: SimChannel, frames: Sequence[Any]) -> bool:
@@ -493,16 +564,17 @@ UUID_MODULES = ("zps.broker.pair", "zps.core.cluster", "zps.broker.reshard")
 Saved = list[tuple[Any, str, Any]]
 
 
-def install(net: Network, name: str) -> Saved:
+def install(net: Network, name: str, *, watch: bool = False) -> Saved:
     """Replace the seams (see the module notes) for a run on ``net``, the broker's node
-    being ``name``; returns what :func:`uninstall` puts back."""
+    being ``name`` (``watch``: the connecting sockets watch their handshakes); returns
+    what :func:`uninstall` puts back."""
     import importlib
     import sys
 
     from zps.broker import forward
 
     CLOCK.sched = net.sched
-    _where.update(net=net, name=name)
+    _where.update(net=net, name=name, watch=watch)
     saved: Saved = []
 
     def put(obj: Any, attr: str, value: Any) -> None:

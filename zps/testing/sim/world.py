@@ -11,15 +11,14 @@ import math
 import shutil
 import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zps.core.routing import ClusterMap, PartitionInfo
 from zps.protocol.messages import Role
-from zps.testing.sim import clientnet, routernet, shardnet, shmnet, simtransport
+from zps.testing.sim import checks, clientnet, routernet, shardnet, shmnet, simtransport
 from zps.testing.sim import disk as simdisk
 from zps.testing.sim.aioloop import SimLoop
+from zps.testing.sim.checks import Result
 from zps.testing.sim.net import HWM, Network
 from zps.testing.sim.nodes import HB, HOLD, LIVE, TICK, SimBroker, SimShard
 from zps.testing.sim.pair import BROKERS, PEER_TIMEOUT, PairBroker, PairClient, PairShard
@@ -67,42 +66,19 @@ ROUTERS = ("routers",)
 #: and reclaim times drawn per seed), and a process's regions are reused at once, as if
 #: each reader had been slower than the owner's reclaim time.
 SHM = ("shm",)
+#: Connection resets, only when named and with the real clients: ``reset``, every
+#: connection between two processes closes and is made again at once, what it held lost
+#: both ways (a TCP reset; :func:`zps.testing.sim.simtransport.reset`); the connecting
+#: sockets watch their handshakes, as the product's do, so each runs its
+#: ``on_connected`` (a client sends again what was in flight there, a shard greets its
+#: broker or router as a new link).
+RESET = ("reset",)
 #: Every fault that may be named.
-NAMED = (*FAULTS, *LOADS, *PAIR, *NAMED_ONLY, *RESHARD, *ROUTERS, *SHM)
+NAMED = (*FAULTS, *LOADS, *PAIR, *NAMED_ONLY, *RESHARD, *ROUTERS, *SHM, *RESET)
 #: The brokers of a pair: the stand-in's, or the real ones (--real-broker).
 PAIRED = (PairBroker, RealPairBroker)
 #: Bounds on what any queue may hold (the "queues bounded" check).
 QUEUE_BOUND = 2000
-
-
-@dataclass
-class Result:
-    seed: int
-    failures: list[str]
-    schedule: list[str]
-    digest: str
-    events: int
-    acked: int
-    maybe: int
-    unavailable: list[int]
-    sim_seconds: float
-    trace: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-
-def writable(cmap: ClusterMap, p: int) -> PartitionInfo | None:
-    """What the map says of partition ``p`` if, every node running and every link
-    working, a write to it must be acknowledged: a primary serves it and it owns a
-    slot (None otherwise).  One with no slot (a new partition no move reached yet, as
-    when the move into it waits for a lost source; an emptied one) is sent no id: a
-    probe of it goes where the map sends its row, whose own probe judges that."""
-    info = cmap.partitions.get(p)
-    if info is None or info.primary is None or p not in cmap.slot_list:
-        return None
-    return info
 
 
 class World:
@@ -138,6 +114,9 @@ class World:
         if "routers" in self.faults and not real_client:
             raise ValueError("the routers fault needs the real clients (real_client; "
                              "the stand-ins have no links to routing brokers)")  # fmt: skip
+        if "reset" in self.faults and not real_client:
+            raise ValueError("the reset fault needs the real clients (real_client; the "
+                             "stand-ins do not send again what a connection lost)")  # fmt: skip
         if "shm" in self.faults and not (real_shard or real_client):
             raise ValueError("the shm fault needs the real shards (real_shard; the "
                              "stand-ins have no shared memory)")  # fmt: skip
@@ -214,6 +193,10 @@ class World:
         # A data dir lost with min_in_sync 1 may hold the only copy of acknowledged writes.
         self.wipes_left = 1 if self.min_in_sync > 1 else 0
         self.quiet_until = 0.0
+        #: When the first fault other than a connection reset struck: until then a
+        #: write must succeed (the product makes a reset connection again at once and
+        #: sends again what it lost).
+        self.only_resets_until = math.inf
         self.readers: list[Any] = []
         #: A primary took a write while repairing (the real shard's
         #: ``write_while_repairing``: acknowledged once the copies in sync hold it, the
@@ -333,6 +316,8 @@ class World:
             # A broker without its record rebuilds the map from the shards' claims
             # (docs/design.md, "Broker restart"): nothing else fails meanwhile.
             return
+        if kind not in RESET:
+            self.only_resets_until = min(self.only_resets_until, self.sched.now)
         shard = rng.choice(self.shards)
         back = rng.uniform(0.2, 3.0)
         no_wipe = self.wipes_left <= 0 or self.written_alone
@@ -415,6 +400,8 @@ class World:
             self._router_fault()
         elif kind == "shm":
             self._shm_fault()
+        elif kind == "reset":
+            self._reset()
         elif kind == "client":
             client = rng.choice(self.clients)
             if not client.alive:
@@ -443,6 +430,19 @@ class World:
         target = rng.choice(procs)
         n = shmnet.reuse_all(shmnet.memory_of(target))
         self.note(f"{target.name}: {n} regions of its shared memory reused at once")
+
+    def _reset(self) -> None:
+        """Every connection between two processes closes and is made again at once: two
+        with messages on their way, if any are."""
+        net = self.net
+        pairs = simtransport.connections(net)
+        busy = [(a, b) for a, b in pairs if net.on_the_way(a, b) or net.on_the_way(b, a)]
+        if not pairs:
+            return
+        a, b = self.sched.rng.choice(busy or pairs)
+        lost, again = simtransport.reset(self.net, a, b)
+        self.note(f"reset the connections {a} <-> {b}: {lost} messages lost, "
+                  f"{len(again)} made again")  # fmt: skip
 
     def _shards_settled(self) -> bool:
         """Whether every shard is up and nothing that keeps its claim from the broker is
@@ -643,7 +643,7 @@ class World:
         loop = self.loop = SimLoop(self.sched, net.paused.__contains__)
         net.on_resume = loop.thaw
         asyncio.events._set_running_loop(loop)
-        seams = simtransport.install(net, RealBroker.name)
+        seams = simtransport.install(net, RealBroker.name, watch="reset" in self.faults)
         if self.real_shard:
             seams += shardnet.install()
         if self.real_client:
@@ -754,41 +754,25 @@ class World:
         now = self.sched.now
         for error in self.loop.errors if self.loop is not None else []:
             self.fail(f"a callback of the event loop raised: {error}")
-        cmap = self.serving().state.map
-        for op in probes:
-            info = writable(cmap, op.partition)
-            if op.outcome != "acked" and info is not None:
-                # Every node runs, every link works: a partition a primary serves takes writes.
-                self.fail(f"p{op.partition} is served by {info.primary} (epoch {info.epoch}) "
-                          f"but a write to it ended {op.outcome!r}: writes stall")  # fmt: skip
-        for op in self.ops:
-            if op.outcome == "" and op.deadline + 0.05 < now:
-                self.fail(f"{op.client} request to p{op.partition} (row {op.row}) never "
-                          f"answered; its deadline was {op.deadline:.3f}")  # fmt: skip
-        acked = {r: 0 for r in range(self.rows)}
-        maybe = {r: 0 for r in range(self.rows)}
-        for op in self.ops:
-            if op.outcome == "acked":
-                acked[op.row] += op.grad
-            else:
-                maybe[op.row] += op.grad
+        ops = self.ops
+        for what in checks.stalled(self.serving().state.map, probes):
+            self.fail(what)
+        for what in checks.failed_with_only_resets(ops, self.only_resets_until):
+            self.fail(what)
+        for what in checks.unanswered(ops, now):
+            self.fail(what)
         unavailable = []
         for op in reads:
             if op.outcome != "acked":
                 unavailable.append(op.partition)
                 self.sched.log(f"final read of p{op.partition}: {op.outcome}")
                 continue
-            for row, value in zip(op.rows, op.values, strict=True):
-                lo, hi = acked[row], acked[row] + maybe[row]
-                if not lo <= value <= hi:
-                    kind = "lost" if value < lo else "doubled"
-                    self.fail(f"row {row} (p{op.partition}) reads {value:g}; acknowledged "
-                              f"pushes sum to {lo}, at most {hi} with the maybe-applied: "
-                              f"acknowledged writes {kind}")  # fmt: skip
+            for what in checks.misread(ops, op, self.rows):
+                self.fail(what)
         return Result(
             self.seed, self.failures, self.schedule, self.sched.digest, self.sched.events,
-            sum(1 for o in self.ops if o.outcome == "acked"),
-            sum(1 for o in self.ops if o.outcome != "acked"), unavailable, now,
+            sum(1 for o in ops if o.outcome == "acked"),
+            sum(1 for o in ops if o.outcome != "acked"), unavailable, now,
             self.sched.lines,
         )  # fmt: skip
 
