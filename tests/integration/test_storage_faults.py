@@ -18,12 +18,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import zps
 from zps.optim import SGD
+from zps.store.wal import parse_records
 from zps.testing import DataDirCluster, Proc
 
 HB = 0.1
@@ -134,6 +136,69 @@ def test_a_flipped_bit_in_the_newest_checkpoint_restores_from_the_previous_and_t
     with zps.connect_sync(c.address, timeout=20) as ps:
         assert np.array_equal(ps.pull_dense("v"), np.full(4, -float(sum(range(1, 41)))))
         assert ps.checksums()[0]["lsn"] == lsn
+
+
+def test_a_copy_whose_last_logged_push_rotted_waits_for_the_copy_that_holds_it(
+    make_cluster: Callable[..., DataDirCluster], tmp_path: Path
+) -> None:
+    """1 partition x 2 copies (acks="all", min_in_sync 2): the whole cluster is
+    SIGKILLed, and a bit of the primary's last log record (a synced, acknowledged push)
+    flips at rest.  The damaged copy comes back first: it cuts its log there, says it
+    may lack acknowledged writes, and is not given the partition; the copy that holds
+    the push is, when it comes back, and every acknowledged push is there."""
+    c = make_cluster(partitions=1, replication=2, broker_data_dir=tmp_path / "broker")
+    flags = ["--durability", "fsync", "--checkpoint-interval", "0"]
+    c.start_broker()
+    a = c.start_shard(tmp_path / "a", flags)
+    c.wait_for(lambda s: s["partitions"][0]["primary"] is not None, 20, "a primary")
+    b = c.start_shard(tmp_path / "b", flags)
+    status = c.wait_healthy(30)
+    primary_node = status["partitions"][0]["primary"]
+    pid = next(s["pid"] for s in status["shards"] if s["node"] == primary_node)
+    primary, other = (a, b) if a.pid == pid else (b, a)
+    with zps.connect_sync(c.address, timeout=20) as ps:
+        ps.create_dense("v", shape=(4,), dtype="float64", optimizer=SGD(lr=1.0))
+        for k in range(1, 11):
+            ps.push_dense("v", np.full(4, float(k)))
+        lsn = ps.checksums()[0]["lsn"]
+    kill(primary, other, c.broker())
+    data = tmp_path / ("a" if primary is a else "b")
+    (segment,) = sorted((data / "partition-0").glob("wal-*.log"))[-1:]
+    raw = bytearray(segment.read_bytes())
+    records = parse_records(bytes(raw)).records
+    assert records[-1][0].lsn == lsn and records[-1][1] == len(raw)
+    start = records[-2][1]  # where the last record begins
+    raw[start + (len(raw) - start) // 2] ^= 0x08  # one bit of its body
+    segment.write_bytes(bytes(raw))
+
+    damaged = c.start_shard(data, flags)
+    broker = c.start_broker(grace=0.5)
+    wait_log(damaged, rf"partition 0 at LSN {lsn - 1} may lack writes this copy acknowledged")
+    c.wait_for(
+        lambda s: s["partitions"][0]["primary"] is None and s["broker"]["holding_s"] == 0,
+        20,
+        "the hold to end without a primary",
+    )
+    assert re.search(r"CRC mismatch", damaged.log()), damaged.log()[-3000:]
+    assert list((data / "partition-0").glob("wal-*.log.cut-*")), "the damaged record was kept"
+    healthy = c.start_shard(tmp_path / ("b" if primary is a else "a"), flags)
+    status = c.wait_for(
+        lambda s: (
+            s["partitions"][0]["state"] == "ok"
+            and s["partitions"][0]["primary"] == node_of(s, healthy)
+        ),
+        30,
+        "the copy holding every push to serve, the damaged one in sync behind it",
+    )
+    assert status["partitions"][0]["replicas"][0]["node"] == node_of(status, damaged)
+    with zps.connect_sync(c.address, timeout=20) as ps:
+        assert np.array_equal(ps.pull_dense("v"), np.full(4, -float(sum(range(1, 11)))))
+        assert ps.checksums()[0]["lsn"] == lsn
+    assert broker.alive()
+
+
+def node_of(status: dict[str, Any], proc: Proc) -> str:
+    return str(next((s["node"] for s in status["shards"] if s["pid"] == proc.pid), ""))
 
 
 #: Runs a shard with ``os.fdatasync`` failing (EIO) once the file FAIL_SYNC exists in its

@@ -12,7 +12,8 @@ import pytest
 from tests.unit.simcases import Runs, assert_same_run, failures
 from zps.testing.sim import bugs, realbugs
 from zps.testing.sim.cli import main, parser
-from zps.testing.sim.world import FAULTS, run_seed
+from zps.testing.sim.faults import FAULTS
+from zps.testing.sim.world import run_seed
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-from zps.testing.sim.world import FAULTS, World, run_seed
+from zps.testing.sim.faults import FAULTS
+from zps.testing.sim.world import World, run_seed
 
 
 def _world(n: int = 3) -> SimpleNamespace:
-    disk = lambda: SimpleNamespace(enospc=0, fsync_eio=0, slow=0.0)  # noqa: E731
+    disk = lambda: SimpleNamespace(enospc=0, efbig=0, fsync_eio=0, slow=0.0)  # noqa: E731
     shards = [SimpleNamespace(name=f"s-{i}", alive=True, disk=disk()) for i in range(n)]
     net = SimpleNamespace(paused=set(), slow={}, cut=set())
     clients = [SimpleNamespace(name=f"c{i}") for i in range(2)]
@@ -31,6 +32,7 @@ def test_shards_settled_only_with_nothing_under_way() -> None:
         lambda w: w.net.cut.add(("broker", "s-0")),
         lambda w: w.net.cut.add(("s-0", "broker")),  # one way, its claim held
         lambda w: setattr(w.shards[0].disk, "enospc", 2),
+        lambda w: setattr(w.shards[0].disk, "efbig", 1),
         lambda w: setattr(w.shards[0].disk, "fsync_eio", 1),  # fires in the hold (302515)
         lambda w: setattr(w.shards[0].disk, "slow", 0.2),
     ):

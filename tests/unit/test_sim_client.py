@@ -17,9 +17,10 @@ from zps.client.client import Client
 from zps.client.connection import Connection
 from zps.testing.sim import bugs, clientnet, realbugs
 from zps.testing.sim.cli import MODES, main, parser
+from zps.testing.sim.faults import FAULTS
 from zps.testing.sim.realclient import RealClient
 from zps.testing.sim.realshard import RealShard
-from zps.testing.sim.world import FAULTS, World
+from zps.testing.sim.world import World
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -191,6 +192,8 @@ CATCH = {
     "client-not-relinked": ("reset", range(1, 11)),
     "client-ignores-relinked": ("reset", range(1, 11)),
     "router-link-loss-unanswered": ("reset,routers", range(5, 15)),
+    "wal-crc-unchecked": ("rot", range(63, 73)),
+    "wal-damage-as-torn": ("rot", range(16, 26)),
 }
 
 

@@ -18,10 +18,11 @@ import pytest
 
 from tests.unit.simcases import Runs, assert_same_run
 from zps.testing.sim import checks, simtransport
+from zps.testing.sim.faults import FAULTS, NAMED
 from zps.testing.sim.net import Network
 from zps.testing.sim.sched import Scheduler
 from zps.testing.sim.simclient import Op
-from zps.testing.sim.world import FAULTS, NAMED, World
+from zps.testing.sim.world import World
 
 pytestmark = pytest.mark.timeout(300)
 

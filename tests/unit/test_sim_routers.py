@@ -20,8 +20,9 @@ from zps.core.cluster import ClusterState
 from zps.core.nodes import Partition
 from zps.testing.sim import routernet
 from zps.testing.sim.cli import run_seeds
+from zps.testing.sim.faults import FAULTS, NAMED
 from zps.testing.sim.realrouter import RealRouter, hosts
-from zps.testing.sim.world import FAULTS, NAMED, World
+from zps.testing.sim.world import World
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,9 +16,10 @@ from tests.unit.simcases import Runs, assert_same_run
 from zps.shard.server import ShardServer
 from zps.testing.sim.checks import Result
 from zps.testing.sim.cli import main, report
+from zps.testing.sim.faults import FAULTS
 from zps.testing.sim.realbroker import RealBroker
 from zps.testing.sim.realshard import RealShard
-from zps.testing.sim.world import FAULTS, World, run_seed
+from zps.testing.sim.world import World, run_seed
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -25,7 +25,8 @@ from zps.shm.region import ShmUnavailableError
 from zps.testing.sim import shmnet
 from zps.testing.sim.aioloop import PROC, Proc
 from zps.testing.sim.cli import main
-from zps.testing.sim.world import FAULTS, NAMED, World
+from zps.testing.sim.faults import FAULTS, NAMED
+from zps.testing.sim.world import World
 
 pytestmark = [
     pytest.mark.timeout(300),

@@ -533,6 +533,25 @@ def test_a_cut_tail_is_kept_aside_with_what_it_holds(
     assert len(list(tmp_path.glob("wal-*.log.cut-*"))) == 2
 
 
+@pytest.mark.parametrize("where", ["body", "crc"])
+def test_a_last_record_damaged_at_rest_leaves_the_copy_incomplete(
+    tmp_path: Path, where: str
+) -> None:
+    """A whole last record that fails its CRC was written whole (a torn append leaves a
+    short file): it may have been synced and acknowledged, so the copy says it may lack
+    it, unlike a torn last record."""
+    write(tmp_path, [rec(i, size=40) for i in range(1, 6)]).close()
+    (seg,) = tmp_path.glob("wal-*.log")
+    data = bytearray(seg.read_bytes())
+    last = len(b"".join(bytes(p) for p in encode_record(rec(5, size=40))))
+    data[len(data) - (last // 2 if where == "body" else last - 5)] ^= 0x10
+    seg.write_bytes(bytes(data))
+    result = Wal(tmp_path).recover(0, 0, Applier())
+    assert result.lsn == 4 and result.cut is not None and "CRC" in result.cut
+    assert result.set_aside == 1 and result.reached == 5 and not result.complete
+    assert len(list(tmp_path.glob("wal-*.log.cut-*"))) == 1  # kept for the operator
+
+
 def test_a_log_that_ends_below_the_state_goes_on_in_a_new_segment(tmp_path: Path) -> None:
     # A checkpoint at LSN 8 is newer than the log (which a lost log leaves behind).
     write(tmp_path, [rec(i) for i in range(1, 6)]).close()

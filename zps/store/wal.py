@@ -188,19 +188,24 @@ def _write_all(fd: int, parts: Sequence[Buffer]) -> None:
 def whole_records(data: Buffer, above: int = -1) -> tuple[int, int | None, int | None]:
     """(count, first LSN, last LSN) of the whole records after LSN ``above`` in
     ``data``, a cut tail or a set-aside segment: read from its start, and past one
-    bad record whose length field still frames it (a flipped bit in its body)."""
+    bad record whose length field still frames it (a flipped bit in its body).  That
+    record counts too, as one after ``above`` (its own LSN is not to be trusted): its
+    header and every byte its length names are in the file, which a torn append never
+    leaves (the file grows only with the bytes written), so it was written whole and
+    damaged since, and may have been synced and acknowledged."""
     view = memoryview(data).cast("B")
     parsed = parse_records(view)
-    found = [r for r, _ in parsed.records]
+    found = [r.lsn for r, _ in parsed.records]
     if parsed.error is not None and len(view) - parsed.end >= _FRAME.size:
         length, _ = _FRAME.unpack_from(view, parsed.end)
         after = parsed.end + _FRAME.size + length
-        if length >= _BODY.size and after < len(view):
-            found += [r for r, _ in parse_records(view[after:]).records]
-    found = [r for r in found if r.lsn > above]
+        if length >= _BODY.size and after <= len(view):
+            found.append(max([above, *found]) + 1)  # the damaged record, at least
+            found += [r.lsn for r, _ in parse_records(view[after:]).records]
+    found = [lsn for lsn in found if lsn > above]
     if not found:
         return 0, None, None
-    return len(found), found[0].lsn, found[-1].lsn
+    return len(found), min(found), max(found)
 
 
 def _first_to_read(segments: list[tuple[int, Path]], lsn: int) -> int:

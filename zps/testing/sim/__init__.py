@@ -9,6 +9,7 @@ See docs/design.md, "Simulation".
 """
 
 from zps.testing.sim.checks import Result
-from zps.testing.sim.world import FAULTS, World, run_seed
+from zps.testing.sim.faults import FAULTS
+from zps.testing.sim.world import World, run_seed
 
 __all__ = ["FAULTS", "Result", "World", "run_seed"]

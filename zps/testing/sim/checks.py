@@ -3,11 +3,16 @@ each returning the checks that failed (the run reports them in this order)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from zps.core.routing import ClusterMap, PartitionInfo
 from zps.testing.sim.simclient import Op
+
+
+class Tables(Protocol):
+    def checksum(self) -> str: ...
 
 
 @dataclass
@@ -86,3 +91,29 @@ def misread(ops: Iterable[Op], read: Op, rows: int) -> Iterator[str]:
             yield (f"row {row} (p{read.partition}) reads {value:g}; acknowledged pushes "
                    f"sum to {lo}, at most {hi} with the maybe-applied: acknowledged writes "
                    f"{kind}")  # fmt: skip
+
+
+def copies_differ(
+    cmap: ClusterMap, copies: Mapping[str, tuple[int | None, int, Tables]]
+) -> list[str]:
+    """Each replica the map has in sync with its partition's primary holds, at the
+    primary's LSN, the same tables (a copy damaged at rest and replayed, or a stream
+    applied otherwise, differs).  ``copies``: each shard running, by name, with the
+    partition it holds, its LSN and its tables; replicas at another LSN are not
+    compared (still catching up)."""
+    out = []
+    for p, info in sorted(cmap.partitions.items()):
+        primary = copies.get(info.primary) if info.primary else None
+        if primary is None or primary[0] != p:
+            continue
+        want: str | None = None
+        for name in info.in_sync:
+            copy = copies.get(name)
+            if name == info.primary or copy is None or copy[:2] != primary[:2]:
+                continue
+            if want is None:
+                want = primary[2].checksum()
+            if copy[2].checksum() != want:
+                out.append(f"p{p}: replica {name}, in sync at LSN {primary[1]}, holds other "
+                           f"tables than its primary {info.primary} at that LSN")  # fmt: skip
+    return out

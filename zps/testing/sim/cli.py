@@ -17,7 +17,8 @@ from typing import Any
 
 from zps.testing.sim import bugs, realbugs
 from zps.testing.sim.checks import Result
-from zps.testing.sim.world import FAULTS, NAMED, PAIR, RESET, RESHARD, ROUTERS, run_seed
+from zps.testing.sim.faults import FAULTS, NAMED, PAIR, RESET, RESHARD, ROUTERS, STORAGE
+from zps.testing.sim.world import run_seed
 
 
 def _faults(text: str) -> list[str]:
@@ -220,9 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--faults {','.join(needs_client)} needs the real clients: drop --{args.mode}, "
             "the default runs them"
         )
-    if "shm" in args.faults and not mode["real_shard"]:
+    needs_shard = [f for f in args.faults if f in ("shm", *STORAGE)]
+    if needs_shard and not mode["real_shard"]:
         parser().error(
-            f"--faults shm needs the real shards: drop --{args.mode}, the default runs them"
+            f"--faults {','.join(needs_shard)} needs the real shards: drop --{args.mode}, "
+            "the default runs them"
         )
     if args.bug in realbugs.CLIENT_BUGS and not mode["real_client"]:
         parser().error(

@@ -9,9 +9,11 @@ small files written whole, and every folder's sync) call
 
 * what was written but not yet ``fsync``'d / ``fdatasync``'d is lost at a crash of
   the node (:meth:`Disk.crash`), or survives in part (a torn write);
-* a write may stop part-way with ENOSPC (the bytes before it are in the file, as a
-  short ``writev`` followed by a failing one leaves them);
-* an fsync may fail with EIO (the kernel may have dropped the pages).
+* a write may stop part-way with ENOSPC, or EFBIG (the file-size limit), the bytes
+  before it in the file, as a short ``writev`` followed by a failing one leaves them;
+* an fsync may fail with EIO (the kernel may have dropped the pages);
+* a bit of a file may flip at rest (:meth:`Disk.rot`: the disk returns the byte so,
+  without an error).
 
 Renames, creations and truncations are taken as durable at once (the code under test
 fsyncs the directory after each).
@@ -50,6 +52,7 @@ class Disk:
         self.rng = rng
         self.synced: dict[str, int] = {}  # path -> length known durable
         self.enospc = 0  # the next N writes fail part-way with ENOSPC
+        self.efbig = 0  # the next N writes fail part-way with EFBIG
         self.fsync_eio = 0  # the next N fsyncs fail with EIO
         self.slow = 0.0  # seconds a log write takes beyond the usual (a slow disk)
         self.faults: list[str] = []
@@ -74,6 +77,34 @@ class Disk:
                 name = re.sub(r"\.tmp-[0-9a-f-]+$", ".tmp", path.name)
                 cut.append(f"{name}:{st.st_size}->{keep}")
         return cut
+
+    def files(self) -> int:
+        """How many files the data dir holds."""
+        return sum(1 for p in self.root.rglob("*") if p.is_file())
+
+    def rot(self) -> str | None:
+        """A bit of one of the files flips (drawn: a byte of all the files' bytes, the
+        bit); the file's times stay.  Returns what flipped, for the trace (None: no file
+        holds a byte)."""
+        files = [p for p in sorted(self.root.rglob("*")) if p.is_file()]
+        sizes = [p.stat().st_size for p in files]
+        if not any(sizes):
+            return None
+        offset, bit = self.rng.randrange(sum(sizes)), self.rng.randrange(8)
+        i = 0
+        while offset >= sizes[i]:
+            offset -= sizes[i]
+            i += 1
+        path = files[i]
+        st = path.stat()
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)[0] ^ (1 << bit)
+            f.seek(offset)
+            f.write(bytes([byte]))
+        _os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        name = re.sub(r"\.tmp-[0-9a-f-]+$", ".tmp", str(path.relative_to(self.root)))
+        return f"bit {bit} of byte {offset} of {name} ({st.st_size} bytes)"
 
     def wipe(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -129,15 +160,20 @@ class SimOS:
 
     def writev(self, fd: int, buffers: Sequence[Any]) -> int:
         disk, _ = self._disk(fd)
-        if disk is not None and disk.enospc > 0:
-            disk.enospc -= 1
+        if disk is not None and (disk.enospc > 0 or disk.efbig > 0):
+            if disk.enospc > 0:
+                disk.enospc -= 1
+                code, name = errno.ENOSPC, "ENOSPC"
+            else:
+                disk.efbig -= 1
+                code, name = errno.EFBIG, "EFBIG"
             total = sum(memoryview(b).nbytes for b in buffers)
             part = disk.rng.randrange(total) if total else 0
             data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)[:part]
             if data:
                 _os.write(fd, data)
-            disk.faults.append(f"ENOSPC after {part} of {total} bytes")
-            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+            disk.faults.append(f"{name} after {part} of {total} bytes")
+            raise OSError(code, f"{_os.strerror(code)} (simulated)")
         n = _os.writev(fd, buffers)
         if disk is not None:
             self._stamp(fd)
@@ -191,6 +227,9 @@ class _Done:
             self._value = fn(*args)
         except BaseException as e:  # re-raised by result, as a Future does
             self._error = e
+
+    def cancel(self) -> bool:
+        return False  # done already, as a Future whose call ran
 
     def result(self) -> Any:
         if self._error is not None:

@@ -161,6 +161,32 @@ def _router_link_loss_unanswered() -> Patch:
     return [(Router, "_link_lost", link_lost)]
 
 
+def _wal_crc_unchecked() -> Patch:
+    import types
+
+    import zps.store.wal as wal
+
+    # Every record's CRC is 0 as written and as read: a record damaged at rest is replayed.
+    return [(wal, "zlib", types.SimpleNamespace(crc32=lambda *args: 0))]
+
+
+def _wal_damage_as_torn() -> Patch:
+    import zps.store.wal as wal
+
+    real = wal.whole_records
+
+    def whole_records(data: Any, above: int = -1) -> tuple[int, int | None, int | None]:
+        view = memoryview(data).cast("B")
+        parsed = wal.parse_records(view)
+        if parsed.error is not None and not parsed.records and len(view) > parsed.end:
+            length, _ = wal._FRAME.unpack_from(view, parsed.end)
+            if parsed.end + wal._FRAME.size + length == len(view):
+                return 0, None, None  # the damaged last record taken for a torn one
+        return real(data, above)
+
+    return [(wal, "whole_records", whole_records)]
+
+
 CLIENT_BUGS: dict[str, str] = {
     "client-seq-restart": "a client that introduces itself again to a restarted broker "
     "(HELLO_AGAIN) numbers its requests from 1 again under the same client id, so a "
@@ -172,6 +198,13 @@ CLIENT_BUGS: dict[str, str] = {
     "partition whose primary's data link to the broker was made again (the broker's "
     "HEARTBEAT relinked=(p,), unheeded), so a request the closed link took with it waits "
     "out its deadline",
+    "wal-crc-unchecked": "the log checks no record's CRC (every CRC 0, as written and as "
+    "read), so a record a bit of which flipped at rest is replayed as it reads: a "
+    "gradient, a row id or a count other than the one acknowledged",
+    "wal-damage-as-torn": "a log whose last record is whole but damaged (a bit flipped "
+    "at rest) is cut there as if the record were torn, and the copy claims to be complete: "
+    "a synced, acknowledged record is lost with it, and the copy may be granted its "
+    "partition before a copy that holds the record",
     "router-link-loss-unanswered": "a routing broker forgets, without a word, what it "
     "posted to a shard whose link closed, went silent or was made again (Router._link_lost "
     "refusing nothing), so a request lost with the link waits out its deadline",
@@ -185,6 +218,8 @@ CLIENT_PATCHES: dict[str, Callable[[], Patch]] = {
     "client-not-relinked": _client_not_relinked,
     "router-link-loss-unanswered": _router_link_loss_unanswered,
     "client-ignores-relinked": _client_ignores_relinked,
+    "wal-crc-unchecked": _wal_crc_unchecked,
+    "wal-damage-as-torn": _wal_damage_as_torn,
 }
 
 

@@ -19,6 +19,7 @@ from zps.testing.sim import checks, clientnet, routernet, shardnet, shmnet, simt
 from zps.testing.sim import disk as simdisk
 from zps.testing.sim.aioloop import SimLoop
 from zps.testing.sim.checks import Result
+from zps.testing.sim.faults import FAULTS, NAMED, RESET, STORAGE
 from zps.testing.sim.net import HWM, Network
 from zps.testing.sim.nodes import HB, HOLD, LIVE, TICK, SimBroker, SimShard
 from zps.testing.sim.pair import BROKERS, PEER_TIMEOUT, PairBroker, PairClient, PairShard
@@ -30,51 +31,6 @@ from zps.testing.sim.realshard import RealShard
 from zps.testing.sim.sched import Scheduler, quiet_gc
 from zps.testing.sim.simclient import Op, SimClient
 
-FAULTS = (
-    "kill",
-    "power",
-    "wipe",
-    "pause",
-    "partition",
-    "disk",
-    "crash-all",
-    "broker",
-    "pause-crash",
-)
-#: Changes of load drawn like faults, only when named in ``faults``: ``idle``, the clients
-#: stop pushing for a while (a primary with nothing waiting drops no silent replica).
-LOADS = ("idle",)
-#: The broker pair, only when named: ``failover`` runs two brokers (:mod:`.pair`) and
-#: draws kills, pauses and isolations of the active one.
-PAIR = ("failover",)
-#: Faults drawn only when named (the default draws, and so the seeds kept, stay as they
-#: were): ``slow``, a shard or client that reads one message every 10-300 ms or none at
-#: all for a while, its pipes filling to their high-water mark, or a shard's slow disk;
-#: ``client``, a client's process killed and started again (a new session).
-NAMED_ONLY = ("slow", "client")
-#: Live resharding, only when named and with the real client (which routes ids by the
-#: map's slots): ``reshard``, the operator scales the cluster to 1, 2 or 3 partitions
-#: (``zps-server scale``) while it runs, or cancels the scaling under way.
-RESHARD = ("reshard",)
-#: Routing brokers, only when named and with the real client (whose links to the routers
-#: of the map are the product's): ``routers``, the shards run two a host, a routing broker
-#: (``zps-server broker --follow``) on each host, and a router is killed and restarted,
-#: paused past the liveness timeout, or cut off from a client, a shard or a broker.
-ROUTERS = ("routers",)
-#: Same-host shared memory, only when named and with the real shards: ``shm``, the
-#: shards and clients send their payload frames through memory (:mod:`.shmnet`: budgets
-#: and reclaim times drawn per seed), and a process's regions are reused at once, as if
-#: each reader had been slower than the owner's reclaim time.
-SHM = ("shm",)
-#: Connection resets, only when named and with the real clients: ``reset``, every
-#: connection between two processes closes and is made again at once, what it held lost
-#: both ways (a TCP reset; :func:`zps.testing.sim.simtransport.reset`); the connecting
-#: sockets watch their handshakes, as the product's do, so each runs its
-#: ``on_connected`` (a client sends again what was in flight there, a shard greets its
-#: broker or router as a new link).
-RESET = ("reset",)
-#: Every fault that may be named.
-NAMED = (*FAULTS, *LOADS, *PAIR, *NAMED_ONLY, *RESHARD, *ROUTERS, *SHM, *RESET)
 #: The brokers of a pair: the stand-in's, or the real ones (--real-broker).
 PAIRED = (PairBroker, RealPairBroker)
 #: Bounds on what any queue may hold (the "queues bounded" check).
@@ -114,6 +70,9 @@ class World:
         if "routers" in self.faults and not real_client:
             raise ValueError("the routers fault needs the real clients (real_client; "
                              "the stand-ins have no links to routing brokers)")  # fmt: skip
+        if self.faults & set(STORAGE) and not (real_shard or real_client):
+            raise ValueError("the efbig and rot faults need the real shards (real_shard; "
+                             "the stand-ins keep no files)")  # fmt: skip
         if "reset" in self.faults and not real_client:
             raise ValueError("the reset fault needs the real clients (real_client; the "
                              "stand-ins do not send again what a connection lost)")  # fmt: skip
@@ -332,6 +291,27 @@ class World:
             self.wipes_left -= 1
             self.note(f"kill {shard.name} and wipe its data dir, back in {back:.2f}s")
             self.stop_shard(shard, restart_after=back, wipe=True)
+        elif kind == "rot":
+            # On a copy with more than its LOCK file: a log, a checkpoint, its state.
+            held = [s for s in self.shards if s.alive and s.disk.files() > 1]
+            if not held or no_wipe:
+                return
+            shard = rng.choice(held)
+            self.wipes_left -= 1
+            if rng.random() < 0.5:
+                self.stop_shard(shard, restart_after=back)
+                how = f"kill {shard.name}, back in {back:.2f}s,"
+            else:  # found as every copy starts again, competing for its partition
+                self.inject("crash-all")
+                how = f"while every process is down, on {shard.name}"
+            flipped = shard.disk.rot()
+            shard.was_durable = None  # its log may end before the flipped bit now
+            self.note(f"{how} flip {flipped}")
+        elif kind == "efbig":
+            for target in rng.sample(self.shards, rng.randint(1, 3)):
+                n = rng.randint(1, 3)
+                target.disk.efbig += n
+                self.note(f"{target.name}: next {n} log writes fail part-way with EFBIG")
         elif kind == "pause":
             node = rng.choice([s.name for s in self.shards] + [b.name for b in self.brokers])
             if node not in self.net.up or node in self.net.paused:
@@ -464,7 +444,10 @@ class World:
                 (a in names and b not in others) or (b in names and a not in others)
                 for a, b in net.cut
             )
-            and not any(s.disk.enospc or s.disk.fsync_eio or s.disk.slow for s in self.shards)
+            and not any(
+                s.disk.enospc or s.disk.efbig or s.disk.fsync_eio or s.disk.slow
+                for s in self.shards
+            )
         )
 
     def _router_fault(self) -> None:
@@ -713,7 +696,7 @@ class World:
         for node in sorted(self.net.slow):
             self.net.speed_up(node)
         for s in self.shards:
-            s.disk.enospc = s.disk.fsync_eio = 0
+            s.disk.enospc = s.disk.efbig = s.disk.fsync_eio = 0
             s.disk.slow = 0.0
         for c in self.clients:
             c.pushing = False
@@ -750,6 +733,19 @@ class World:
                       f"{counted['undeliverable']} undeliverable")  # fmt: skip
         return self._verdict(reads, probes)
 
+    def _copies_differ(self) -> list[str]:
+        """The real shards' copies at the end: each replica the final map has in sync
+        with its partition's primary, at the primary's LSN, holds the same tables (specs,
+        values, optimizer state)."""
+        real = {s.name: s for s in self.shards if isinstance(s, RealShard) and s.alive}
+        copies = {
+            name: (s.server.core.partition, s.server.core.lsn, s.server.core.store)
+            for name, s in real.items()
+            if s.server is not None
+        }
+        cmap = self.serving().state.map
+        return checks.copies_differ(cmap, copies)
+
     def _verdict(self, reads: list[Op], probes: list[Op]) -> Result:
         now = self.sched.now
         for error in self.loop.errors if self.loop is not None else []:
@@ -760,6 +756,8 @@ class World:
         for what in checks.failed_with_only_resets(ops, self.only_resets_until):
             self.fail(what)
         for what in checks.unanswered(ops, now):
+            self.fail(what)
+        for what in self._copies_differ():
             self.fail(what)
         unavailable = []
         for op in reads:
