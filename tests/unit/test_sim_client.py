@@ -194,6 +194,7 @@ CATCH = {
     "router-link-loss-unanswered": ("reset,routers", range(5, 15)),
     "wal-crc-unchecked": ("rot", range(63, 73)),
     "wal-damage-as-torn": ("rot", range(16, 26)),
+    "wal-reached-forgotten": ("rot,crash-all,kill,power,pause,broker,efbig", range(640095, 640105)),
 }
 
 

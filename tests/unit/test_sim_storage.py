@@ -32,12 +32,17 @@ BUDGET = range(0, 6)
 #: Seeds of ``rot`` that lost acknowledged writes before a damaged last record made a
 #: copy incomplete (the copy granted its partition at LSN 19; its peer held LSN 20).
 ROT_REGRESSIONS = (16, 182)
+#: A seed of a longer mix: a copy that set its damaged last record aside lost power again
+#: before it caught up, and at that restart claimed to be complete (REACHED since).
+LONG_ROT_FAULTS = ["rot", "crash-all", "kill", "power", "pause", "broker", "efbig"]
+LONG_ROT_REGRESSIONS = (640095,)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _seeds_ahead(sim: Runs) -> None:
     sim.ahead(BUDGET, STORAGE_FAULTS, real_client=True)
     sim.ahead(ROT_REGRESSIONS, ["rot"], real_client=True)
+    sim.ahead(LONG_ROT_REGRESSIONS, LONG_ROT_FAULTS, real_client=True)
 
 
 def test_a_bit_flips_at_rest_and_the_files_times_stay(tmp_path: Path) -> None:
@@ -95,3 +100,9 @@ def test_a_damaged_last_record_never_wins_its_partition(sim: Runs) -> None:
     assert all(any("flip bit" in line for line in r.schedule) for r in results)
     again = sim.submit(ROT_REGRESSIONS[0], ["rot"], fresh=True, real_client=True).result()
     assert_same_run(results[0], again)
+
+
+def test_a_copy_short_of_its_damaged_record_stays_so_across_restarts(sim: Runs) -> None:
+    (result,) = sim.passing(LONG_ROT_REGRESSIONS, LONG_ROT_FAULTS, real_client=True)
+    power_losses = [line for line in result.schedule if "whole cluster loses power" in line]
+    assert len(power_losses) >= 2 and any("flip bit" in line for line in result.schedule)

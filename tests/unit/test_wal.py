@@ -525,12 +525,38 @@ def test_a_cut_tail_is_kept_aside_with_what_it_holds(
     offset = int(kept.name.rsplit("-", 1)[1])
     assert seg.read_bytes() == whole[:offset] and kept.read_bytes() == whole[offset:]
     assert "3 whole records (LSN 4..6)" in caplog.text
-    # A torn last record alone: nothing whole is set aside.
+    # A torn last record alone: nothing whole is set aside, but what the first
+    # recovery set aside is remembered (REACHED): the copy is still short of LSN 6.
     with open(seg, "ab") as f:
         f.write(b"".join(bytes(p) for p in encode_record(rec(4)))[:-2])
     torn = Wal(tmp_path).recover(0, 0, Applier())
-    assert torn.set_aside == 0 and torn.complete
+    assert torn.set_aside == 0 and torn.reached == 6 and not torn.complete
     assert len(list(tmp_path.glob("wal-*.log.cut-*"))) == 2
+
+
+def test_a_copy_short_of_what_it_set_aside_stays_incomplete_until_it_passes_it(
+    tmp_path: Path,
+) -> None:
+    """Restarted again before it caught up, a copy whose recovery set records aside is
+    still incomplete (the segment no longer shows them); once its state passes them (its
+    partition's data from a complete copy), it is complete and the record goes."""
+    write(tmp_path, [rec(i) for i in range(1, 7)]).close()
+    first = Wal(tmp_path).recover(0, 0, Applier(fail_at=4))
+    assert (first.lsn, first.reached, first.complete) == (3, 6, False)
+    assert (tmp_path / "REACHED").read_text() == "6\n"
+    again = Wal(tmp_path).recover(0, 0, Applier())
+    assert (again.lsn, again.reached, again.cut, again.complete) == (3, 6, None, False)
+    wal = Wal(tmp_path)
+    wal.recover(0, 0, Applier())
+    wal.append([rec(i) for i in range(4, 8)])  # caught up past LSN 6
+    wal.close()
+    caught_up = Wal(tmp_path).recover(0, 0, Applier())
+    assert caught_up.lsn == 7 and caught_up.complete
+    assert not (tmp_path / "REACHED").exists()
+    assert Wal(tmp_path).recover(0, 0, Applier()).complete
+    (tmp_path / "REACHED").write_text("garbage")  # damaged itself: one past, at least
+    damaged = Wal(tmp_path).recover(0, 0, Applier())
+    assert (damaged.lsn, damaged.reached, damaged.complete) == (7, 8, False)
 
 
 @pytest.mark.parametrize("where", ["body", "crc"])

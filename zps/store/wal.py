@@ -161,6 +161,11 @@ class Recovery:
         return self.reached <= self.lsn
 
 
+#: The file in a log's folder that records, while the state is short of it, the highest
+#: LSN the log is known to have reached (:meth:`Wal._remember_reached`).
+REACHED = "REACHED"
+
+
 def segment_name(start: int) -> str:
     return f"wal-{start:016d}.log"
 
@@ -328,7 +333,29 @@ class Wal:
                 stopped_in = i
                 break
         set_aside, reached = self._cut(segments, position, covered, stopped_in, lsn)
+        reached = self._remember_reached(lsn, reached)
         return Recovery(lsn, epoch, applied, cut, set_aside, max(lsn, reached))
+
+    def _remember_reached(self, lsn: int, reached: int) -> int:
+        """How far the log is known to have reached past the state at ``lsn``, across
+        restarts: what this recovery set aside (``reached``), or what an earlier one did,
+        as recorded in ``REACHED`` (a copy that set aside records it may have
+        acknowledged stays incomplete, through any number of restarts, until its state
+        passes them: it was given its partition's data by a complete copy since).
+        Written durably while the state is short of it; removed once it is not."""
+        marker = self.folder / REACHED
+        try:
+            reached = max(reached, int(marker.read_text().strip()))
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError):  # there, but unreadable: past the state, at least
+            reached = max(reached, lsn + 1)
+        if reached > lsn:
+            durable.write_atomic(marker, f"{reached}\n".encode())
+        elif marker.exists():
+            marker.unlink()
+            durable.fsync_dir(self.folder)
+        return reached
 
     def cut_after(self, lsn: int) -> int:
         """Set aside every record after LSN ``lsn`` and open the log for appending after

@@ -187,6 +187,15 @@ def _wal_damage_as_torn() -> Patch:
     return [(wal, "whole_records", whole_records)]
 
 
+def _wal_reached_forgotten() -> Patch:
+    from zps.store.wal import Wal
+
+    def remember_reached(self: Any, lsn: int, reached: int) -> int:
+        return reached  # what an earlier recovery set aside is forgotten at the next
+
+    return [(Wal, "_remember_reached", remember_reached)]
+
+
 CLIENT_BUGS: dict[str, str] = {
     "client-seq-restart": "a client that introduces itself again to a restarted broker "
     "(HELLO_AGAIN) numbers its requests from 1 again under the same client id, so a "
@@ -205,6 +214,10 @@ CLIENT_BUGS: dict[str, str] = {
     "at rest) is cut there as if the record were torn, and the copy claims to be complete: "
     "a synced, acknowledged record is lost with it, and the copy may be granted its "
     "partition before a copy that holds the record",
+    "wal-reached-forgotten": "a copy that set aside records it may have acknowledged "
+    "claims to be complete at its next restart (the segment no longer shows them: "
+    "Wal._remember_reached keeping no REACHED), so a second crash before it caught up "
+    "lets it take its partition short of them",
     "router-link-loss-unanswered": "a routing broker forgets, without a word, what it "
     "posted to a shard whose link closed, went silent or was made again (Router._link_lost "
     "refusing nothing), so a request lost with the link waits out its deadline",
@@ -220,6 +233,7 @@ CLIENT_PATCHES: dict[str, Callable[[], Patch]] = {
     "client-ignores-relinked": _client_ignores_relinked,
     "wal-crc-unchecked": _wal_crc_unchecked,
     "wal-damage-as-torn": _wal_damage_as_torn,
+    "wal-reached-forgotten": _wal_reached_forgotten,
 }
 
 
