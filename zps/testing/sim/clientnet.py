@@ -104,20 +104,8 @@ class ClientChannel(SimChannel):
         super().__init__(net, name, port=port, node=node)
         #: Sent while no broker process was up: they go once one is (in order).
         self._pending: deque[list[Any]] = deque()
-        self._peer: SimNode | None = None  # the broker process last connected to
         if simtransport.watching():
             self.handshakes = simtransport.SimHandshakes()
-
-    def connected(self) -> bool:
-        """Whether the broker's process is up; a new one (a restart) is a connection
-        made again: ``on_connected`` runs."""
-        node = simtransport._where.get("nodes", {}).get(self.target)
-        if node is None or not node.current or "main" not in node.ports:
-            return False
-        if node is not self._peer:
-            self._peer = node
-            simtransport._connected(self)
-        return True
 
     def send_nowait(self, frames: Sequence[Any]) -> bool:
         if self.closed:

@@ -101,17 +101,6 @@ class Dealer(SimChannel):
     process started again, one made again after a reset), counts and runs its
     ``on_connected``; without the fault no socket is one."""
 
-    _peer: SimNode | None = None  # the process last connected to
-
-    def connected(self) -> bool:
-        node = simtransport._where.get("nodes", {}).get(self.target)
-        if node is None or not node.current or "main" not in node.ports:
-            return False
-        if node is not self._peer:
-            self._peer = node
-            simtransport._connected(self)
-        return True
-
     def send_nowait(self, frames: Sequence[Any]) -> bool:
         self.connected()
         return super().send_nowait(frames)

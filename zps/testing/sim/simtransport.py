@@ -224,6 +224,7 @@ class SimChannel:
         self.handle = 0
         self.peers = None
         self.handshakes: SimHandshakes | None = None
+        self._peer: SimNode | None = None  # the process a DEALER last connected to
         self.received = 0
         self._inbox: deque[Frames] = deque()
         self._waiter: asyncio.Future[bool] | None = None
@@ -277,6 +278,18 @@ class SimChannel:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(True)
+
+    def connected(self) -> bool:
+        """A DEALER's: whether the process it connects to (``target``) is up with its main
+        socket; a new one (a start, a restart) is a connection made (again):
+        ``on_connected`` runs (:func:`_connected`)."""
+        node = _where.get("nodes", {}).get(self.target)
+        if node is None or not node.current or "main" not in node.ports:
+            return False
+        if node is not self._peer:
+            self._peer = node
+            _connected(self)
+        return True
 
     def send_nowait(self, frames: Sequence[Any]) -> bool:
         """Queue a message for its peer: False if the peer has no connection (its
