@@ -73,10 +73,9 @@ def unanswered(ops: Iterable[Op], now: float) -> Iterator[str]:
                    f"answered; its deadline was {op.deadline:.3f}")  # fmt: skip
 
 
-def misread(ops: Iterable[Op], read: Op, rows: int) -> Iterator[str]:
-    """No acknowledged write lost or doubled: each row of the final ``read`` lies between
-    the sum of its acknowledged pushes and that sum plus every push that failed or was
-    never answered (maybe applied)."""
+def sums(ops: Iterable[Op], rows: int) -> tuple[dict[int, int], dict[int, int]]:
+    """Per row, the sum of the acknowledged pushes and that of the pushes that failed or
+    were never answered (maybe applied)."""
     acked = dict.fromkeys(range(rows), 0)
     maybe = dict.fromkeys(range(rows), 0)
     for op in ops:
@@ -84,6 +83,12 @@ def misread(ops: Iterable[Op], read: Op, rows: int) -> Iterator[str]:
             acked[op.row] += op.grad
         else:
             maybe[op.row] += op.grad
+    return acked, maybe
+
+
+def misread(read: Op, acked: Mapping[int, int], maybe: Mapping[int, int]) -> Iterator[str]:
+    """No acknowledged write lost or doubled: each row of the final ``read`` lies between
+    the sum of its acknowledged pushes and that sum plus the maybe-applied (:func:`sums`)."""
     for row, value in zip(read.rows, read.values, strict=True):
         lo, hi = acked[row], acked[row] + maybe[row]
         if not lo <= value <= hi:

@@ -49,10 +49,10 @@ SHM = ("shm",)
 RESET = ("reset",)
 #: Storage faults, only when named and with the real shards: ``efbig``, the next log
 #: writes of one to three shards fail part-way with EFBIG (the file-size limit), as the
-#: ``disk`` fault's ENOSPC; ``rot``, a shard's process is killed and a bit of one of its
-#: files (a log segment, a checkpoint, a small state file) flips before it restarts: the
-#: copy may lose what it held, so only when another copy holds every acknowledged write
-#: (as ``wipe``, and instead of it: once a run).
+#: ``disk`` fault's ENOSPC; ``rot``, a shard holding data is killed (or the whole cluster
+#: loses power) and a bit of one of its files (a log segment, a checkpoint, a small state
+#: file) flips before it restarts: the copy may lose what it held, so only when another
+#: copy holds every acknowledged write (as ``wipe``, and instead of it: once a run).
 STORAGE = ("efbig", "rot")
 #: Every fault that may be named.
 NAMED = (*FAULTS, *LOADS, *PAIR, *NAMED_ONLY, *RESHARD, *ROUTERS, *SHM, *RESET, *STORAGE)

@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 
 from zps.testing.sim import simtransport
 from zps.testing.sim.aioloop import PROC
+from zps.testing.sim.net import Network
 from zps.testing.sim.simtransport import (
     CLOCK,
     FLUSH_S,
@@ -101,6 +102,10 @@ class Dealer(SimChannel):
     process started again, one made again after a reset), counts and runs its
     ``on_connected``; without the fault no socket is one."""
 
+    def __init__(self, net: Network, name: str, *, port: str, node: SimNode) -> None:
+        super().__init__(net, name, port=port, node=node)
+        self.handshakes = simtransport.SimHandshakes()
+
     def send_nowait(self, frames: Sequence[Any]) -> bool:
         self.connected()
         return super().send_nowait(frames)
@@ -150,7 +155,6 @@ def dealer(ctx: object, endpoint: str, identity: bytes, **options: Any) -> SimCh
         ch.target = target
         ch.identity = identity
         if isinstance(ch, Dealer):
-            ch.handshakes = simtransport.SimHandshakes()
             ch.connected()
         return ch
     return simtransport.dealer(ctx, f"sim://{target}/peer", identity)

@@ -416,11 +416,11 @@ class World:
         with messages on their way, if any are."""
         net = self.net
         pairs = simtransport.connections(net)
-        busy = [(a, b) for a, b in pairs if net.on_the_way(a, b) or net.on_the_way(b, a)]
         if not pairs:
             return
+        busy = [(a, b) for a, b in pairs if net.on_the_way(a, b) or net.on_the_way(b, a)]
         a, b = self.sched.rng.choice(busy or pairs)
-        lost, again = simtransport.reset(self.net, a, b)
+        lost, again = simtransport.reset(net, a, b)
         self.note(f"reset the connections {a} <-> {b}: {lost} messages lost, "
                   f"{len(again)} made again")  # fmt: skip
 
@@ -759,13 +759,14 @@ class World:
             self.fail(what)
         for what in self._copies_differ():
             self.fail(what)
+        acked, maybe = checks.sums(ops, self.rows)
         unavailable = []
         for op in reads:
             if op.outcome != "acked":
                 unavailable.append(op.partition)
                 self.sched.log(f"final read of p{op.partition}: {op.outcome}")
                 continue
-            for what in checks.misread(ops, op, self.rows):
+            for what in checks.misread(op, acked, maybe):
                 self.fail(what)
         return Result(
             self.seed, self.failures, self.schedule, self.sched.digest, self.sched.events,
