@@ -91,13 +91,16 @@ class Lab:
     ) -> subprocess.Popen[bytes]:
         """``ip netns exec`` a command (it execs: the pid is the command's own)."""
         log = self.workdir / f"{name}.log"
+        # Simulated hosts share this machine's memory, real ones would not: no same-host
+        # shared-memory payloads (zps.shm), every byte crosses the links.
+        env = {**LocalCluster().env(), "ZPS_NO_SHM": "1"}
         with open(log, "wb") as out:
             popen = subprocess.Popen(
                 ["ip", "netns", "exec", self.ns(node), *args],
                 stdout=subprocess.PIPE if pipes else out,
                 stderr=out,
                 stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
-                env=LocalCluster().env(),
+                env=env,
                 cwd=self.workdir,
             )
         self.procs.append((name, popen, log))
