@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from zps import transport
@@ -97,9 +98,10 @@ class Admission:
             self._bind(node, key)
         if reason is None and not shard:
             refused = self._command_refusal(ident, frames, "operator" in self.roles.roles(key))
-            if refused is not None:
+            if refused is not None:  # counted and logged before it is answered
                 self.stats.unauthorized += 1
                 self.refusals.refused(node, key, refused[0], time.monotonic(), refused[1])
+                refused[2]()
                 return False
         if reason is None:
             return True
@@ -125,8 +127,9 @@ class Admission:
 
     def _command_refusal(
         self, ident: bytes, frames: transport.Frames, operator: bool
-    ) -> tuple[str, str] | None:
-        """Why a client's message is refused (``(reason, what)``), answered at once, or
+    ) -> tuple[str, str, Callable[[], object]] | None:
+        """Why a client's message is refused (``(reason, what, answer)``: ``answer()``
+        sends the refusal, once it is counted and logged), or
         None: a REQUEST whose dedup id is not its sender's or, from a key that is not an
         operator's, with drop or checkpoint operations (zps.ops.security.request_refusal);
         from such a key, a STATUS request's commands and a TASK request that changes a job
@@ -139,9 +142,10 @@ class Admission:
             return None
         if route.mtype is MsgType.REQUEST:
             refused = request_refusal(transport.frame_buffer(frames[2]), ident, operator)
-            if refused is not None:
-                self._refuse(ident, route, Status.BAD_REQUEST, refused[1])
-            return refused
+            if refused is None:
+                return None
+            reason, what = refused
+            return reason, what, partial(self._refuse, ident, route, Status.BAD_REQUEST, what)
         if route.mtype not in (MsgType.STATUS, MsgType.TASK) or operator:
             return None
         try:
@@ -154,8 +158,7 @@ class Admission:
                 return None
             what = f"{'a restart' if task.op == 'create' else task.op} of job {task.job!r}"
             msg = refused_by_role(what)
-            self._refuse_call(ident, route, msg)
-            return "wrong_role", msg
+            return "wrong_role", msg, partial(self._refuse_call, ident, route, msg)
         asked = [f for f in ADMIN_FIELDS if header.get(f) is not None and header[f] is not False]
         if not asked:
             return None
@@ -163,8 +166,8 @@ class Admission:
         report: dict[str, Any] = {"st": Status.BAD_REQUEST.value, "msg": msg, "refused": "role"}
         for command in ("reset", "drain", "scale"):
             report[command] = {"ok": False, "msg": msg}
-        self._post([ident, *encode(Route(MsgType.STATUS, req_id=route.req_id), report)])
-        return "wrong_role", msg
+        answer = [ident, *encode(Route(MsgType.STATUS, req_id=route.req_id), report)]
+        return "wrong_role", msg, partial(self._post, answer)
 
     def handshake_refused(self, peer: str, key: bytes | None, reason: str) -> None:
         """A handshake the ZAP handler or the socket refused: counted, logged."""

@@ -482,10 +482,10 @@ class Router:
                 if route.mtype is MsgType.REQUEST
                 else None
             )
-            if refused is not None:
-                self._reply_error(ident, route, Status.BAD_REQUEST, refused[1])
+            if refused is not None:  # counted and logged before it is answered
                 self.stats.unauthorized += 1
                 self.refusals.refused(peer, key, refused[0], now, refused[1])
+                self._reply_error(ident, route, Status.BAD_REQUEST, refused[1])
                 return False
         if reason is None:
             return True
