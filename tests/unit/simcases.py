@@ -16,7 +16,8 @@ where the seeds before the catch cost little (a few runs of the stand-in)."""
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
@@ -34,7 +35,16 @@ Key = tuple[int, tuple[str, ...] | None, str | None, tuple[tuple[str, bool], ...
 
 def new_pool() -> ProcessPoolExecutor:
     # Spawned, not forked: the suite's process may hold threads of earlier tests.
-    return ProcessPoolExecutor(WORKERS, mp_context=multiprocessing.get_context("spawn"))
+    return ProcessPoolExecutor(
+        WORKERS, mp_context=multiprocessing.get_context("spawn"), initializer=_yield_cpu
+    )
+
+
+def _yield_cpu() -> None:
+    """A worker runs at the lowest priority: the session starts the pool with its first
+    test, and the integration tests' processes, whose heartbeats keep time, come first
+    (a worker takes what CPU they leave)."""
+    os.nice(19)
 
 
 def run_one(
@@ -93,6 +103,17 @@ class Runs:
         workers run them while this process runs tests of its own."""
         for seed in seeds:
             self._submit(seed, faults, None, mode)
+
+    def ahead_catches(self, catches: Mapping[str, tuple[str, Sequence[int]]], **mode: bool) -> None:
+        """Submit the first runs :meth:`caught` will ask for, for each defect of
+        ``catches`` (name -> fault mix, seeds): its first seeds with the defect, and the
+        first without it."""
+        for bug, (faults, seeds) in sorted(catches.items()):
+            mix, first = faults.split(","), list(seeds)[:2]
+            for seed in first:
+                self._submit(seed, mix, bug, mode)
+            if first:
+                self._submit(first[0], mix, None, mode)
 
     def results(
         self, seeds: Iterable[int], faults: Sequence[str] | None = None, **mode: bool

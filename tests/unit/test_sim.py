@@ -108,8 +108,7 @@ CATCH: dict[str, tuple[str, range]] = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _seeds_ahead(sim: Runs) -> None:
+def seeds_ahead(sim: Runs) -> None:
     """The seeds that must pass go to the workers as the module starts."""
     sim.ahead(seed for seed in BUDGET if seed not in KNOWN)
     sim.ahead(REGRESSIONS)
@@ -117,6 +116,7 @@ def _seeds_ahead(sim: Runs) -> None:
     sim.ahead(PAIR_REGRESSIONS, KNOWN_PAIR_FAULTS)
     sim.ahead(LONG_PAIR_REGRESSIONS, LONG_PAIR_FAULTS)
     sim.ahead(NAMED_ONLY_BUDGET, NAMED_ONLY_FAULTS)
+    sim.ahead_catches(CATCH)
 
 
 def test_the_same_seed_gives_the_same_run(sim: Runs) -> None:

@@ -42,8 +42,7 @@ pytestmark = pytest.mark.timeout(600)
 INTERVAL, LIVENESS = 0.2, 5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _seeds_ahead(sim: Runs) -> None:
+def seeds_ahead(sim: Runs) -> None:
     """The seeds that must pass go to the workers as the module starts: they run while
     the harness's tests run here."""
     sim.ahead(BUDGET, real_broker=True)
@@ -53,6 +52,8 @@ def _seeds_ahead(sim: Runs) -> None:
         sim.ahead(seeds, mix.split(","), real_broker=True)
     for seed, faults in REAL_PAIR_REGRESSIONS:
         sim.ahead([seed], faults, real_broker=True)
+    sim.ahead_catches(BROKER_BUGS, real_broker=True)
+    sim.ahead_catches(PAIR_BUGS, real_broker=True)
 
 
 class Harness:

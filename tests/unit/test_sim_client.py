@@ -44,8 +44,7 @@ def test_a_run_drives_the_real_clients() -> None:
     assert connection.transport is not clientnet
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _seeds_ahead(sim: Runs) -> None:
+def seeds_ahead(sim: Runs) -> None:
     """The seeds that must pass go to the workers as the module starts."""
     sim.ahead(BUDGET, CLIENT_FAULTS, real_client=True)
     sim.ahead(PAIR_BUDGET, PAIR_FAULTS, real_client=True)
@@ -54,6 +53,7 @@ def _seeds_ahead(sim: Runs) -> None:
     sim.ahead(RESHARD_PAIR_REGRESSIONS, RESHARD_PAIR_FAULTS, real_client=True)
     for faults, seeds in (*RESHARD_POWER_REGRESSIONS, *RESHARD_ORPHAN_REGRESSIONS):
         sim.ahead(seeds, faults, real_client=True)
+    sim.ahead_catches(CATCH, real_client=True)
 
 
 def test_a_seed_replays_exactly_in_any_process(sim: Runs) -> None:

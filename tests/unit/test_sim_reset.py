@@ -32,8 +32,7 @@ RESET_FAULTS = ["reset", "routers", "kill", "partition", "client"]
 BUDGET = range(0, 6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _seeds_ahead(sim: Runs) -> None:
+def seeds_ahead(sim: Runs) -> None:
     """The seeds that must pass go to the workers as the module starts."""
     sim.ahead(BUDGET, RESET_FAULTS, real_client=True)
     sim.ahead(range(0, 3), ["reset"], real_client=True)

@@ -32,8 +32,7 @@ ROUTER_FAULTS = ["routers", "kill", "pause", "partition"]
 BUDGET = range(0, 8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _seeds_ahead(sim: Runs) -> None:
+def seeds_ahead(sim: Runs) -> None:
     """The seeds that must pass go to the workers as the module starts."""
     sim.ahead(BUDGET, ROUTER_FAULTS, real_client=True)
 

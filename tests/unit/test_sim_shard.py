@@ -24,11 +24,11 @@ from zps.testing.sim.world import World, run_seed
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _seeds_ahead(sim: Runs) -> None:
+def seeds_ahead(sim: Runs) -> None:
     """The seeds that must pass go to the workers as the module starts."""
     sim.ahead(BUDGET, real_shard=True)
     sim.ahead(SHARD_REGRESSIONS, real_shard=True)
+    sim.ahead_catches(SHARD_BUGS, real_shard=True)
 
 
 def test_a_run_drives_the_real_shards() -> None:

@@ -40,8 +40,7 @@ SHM_FAULTS = ["shm", "kill", "pause", "partition", "slow"]
 BUDGET = range(0, 8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _seeds_ahead(sim: Runs) -> None:
+def seeds_ahead(sim: Runs) -> None:
     """The seeds that must pass go to the workers as the module starts."""
     sim.ahead(BUDGET, SHM_FAULTS, real_client=True)
 

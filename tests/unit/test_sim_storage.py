@@ -38,8 +38,7 @@ LONG_ROT_FAULTS = ["rot", "crash-all", "kill", "power", "pause", "broker", "efbi
 LONG_ROT_REGRESSIONS = (640095,)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _seeds_ahead(sim: Runs) -> None:
+def seeds_ahead(sim: Runs) -> None:
     sim.ahead(BUDGET, STORAGE_FAULTS, real_client=True)
     sim.ahead(ROT_REGRESSIONS, ["rot"], real_client=True)
     sim.ahead(LONG_ROT_REGRESSIONS, LONG_ROT_FAULTS, real_client=True)
