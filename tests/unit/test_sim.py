@@ -109,7 +109,8 @@ CATCH: dict[str, tuple[str, range]] = {
 
 
 def seeds_ahead(sim: Runs) -> None:
-    """The seeds that must pass go to the workers as the module starts."""
+    """The runs this module's tests ask for, handed to the pool with the session's first
+    test (tests/conftest.py)."""
     sim.ahead(seed for seed in BUDGET if seed not in KNOWN)
     sim.ahead(REGRESSIONS)
     sim.ahead(PAIR_BUDGET, PAIR_FAULTS)

@@ -43,8 +43,8 @@ INTERVAL, LIVENESS = 0.2, 5
 
 
 def seeds_ahead(sim: Runs) -> None:
-    """The seeds that must pass go to the workers as the module starts: they run while
-    the harness's tests run here."""
+    """The runs this module's tests ask for, handed to the pool with the session's first
+    test (tests/conftest.py)."""
     sim.ahead(BUDGET, real_broker=True)
     sim.ahead(REAL_REGRESSIONS, real_broker=True)
     sim.ahead(PAIR_BUDGET, PAIR_FAULTS, real_broker=True)

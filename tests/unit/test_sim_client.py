@@ -45,7 +45,8 @@ def test_a_run_drives_the_real_clients() -> None:
 
 
 def seeds_ahead(sim: Runs) -> None:
-    """The seeds that must pass go to the workers as the module starts."""
+    """The runs this module's tests ask for, handed to the pool with the session's first
+    test (tests/conftest.py)."""
     sim.ahead(BUDGET, CLIENT_FAULTS, real_client=True)
     sim.ahead(PAIR_BUDGET, PAIR_FAULTS, real_client=True)
     sim.ahead(SLOW_BUDGET, SLOW_FAULTS, real_client=True)

@@ -33,7 +33,8 @@ BUDGET = range(0, 8)
 
 
 def seeds_ahead(sim: Runs) -> None:
-    """The seeds that must pass go to the workers as the module starts."""
+    """The runs this module's tests ask for, handed to the pool with the session's first
+    test (tests/conftest.py)."""
     sim.ahead(BUDGET, ROUTER_FAULTS, real_client=True)
 
 

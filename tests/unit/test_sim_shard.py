@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def seeds_ahead(sim: Runs) -> None:
-    """The seeds that must pass go to the workers as the module starts."""
+    """The runs this module's tests ask for, handed to the pool with the session's first
+    test (tests/conftest.py)."""
     sim.ahead(BUDGET, real_shard=True)
     sim.ahead(SHARD_REGRESSIONS, real_shard=True)
     sim.ahead_catches(SHARD_BUGS, real_shard=True)

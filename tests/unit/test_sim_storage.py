@@ -39,6 +39,8 @@ LONG_ROT_REGRESSIONS = (640095,)
 
 
 def seeds_ahead(sim: Runs) -> None:
+    """The runs this module's tests ask for, handed to the pool with the session's first
+    test (tests/conftest.py)."""
     sim.ahead(BUDGET, STORAGE_FAULTS, real_client=True)
     sim.ahead(ROT_REGRESSIONS, ["rot"], real_client=True)
     sim.ahead(LONG_ROT_REGRESSIONS, LONG_ROT_FAULTS, real_client=True)
