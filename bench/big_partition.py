@@ -22,7 +22,10 @@ lost or doubled.  It measures, in this order:
 - **checkpoint**: ``checkpoint()`` of the partition (the client call), against the
   file's size;
 - **restart**: SIGTERM the replica, start it again on its data dir; until its log says
-  it restored the partition (process start included), against the checkpoint's size;
+  it restored the partition (process start included), against the checkpoint's size,
+  and the checkpoint's read alone (the shard's log line).  The processes cache their
+  bytecode (:func:`zps.testing.bytecode.cache_bytecode`), as an installed zps has it:
+  a start measures the imports, not compiling them;
 - **reshard**: ``zps-server scale --partitions 2`` (the spare becomes the new
   partition's primary); until the last move is published, against the bytes moved.
 
@@ -45,6 +48,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -61,10 +65,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from zps.client.client import connect
 from zps.optim import Adagrad
 from zps.testing import DataDirCluster, ExactSumLoad, Proc, exit_on_sigterm, free_port
+from zps.testing.bytecode import cache_bytecode
 
 TABLE = "big"
 PUSH_IDS = 512
 FILL_BATCH = 131_072
+#: A restarted shard's log line for its checkpoint's read (zps.shard.restore).
+READ_LINE = re.compile(r"read ckpt-\S+: \d+ MB in ([0-9.]+)s")
 
 
 def rss_mb(pid: int, key: str = "VmRSS") -> float:
@@ -309,13 +316,17 @@ class Bench:
         restored = time.monotonic() - t1
         await self.wait(lambda s: any(x["pid"] == new.pid for x in s["shards"]), 600, "registered")
         registered = time.monotonic() - t1
+        read = READ_LINE.search(new.log())
         self.row(
             "restart from the data dir (start to restored)",
             nbytes,
             restored,
             stop_s=round(stopped, 3),
             registered_s=round(registered, 3),
+            read_s=float(read.group(1)) if read else None,
         )
+        if read:
+            print(f"    of which the checkpoint's read (the shard's log): {read.group(1)}s")
 
     async def reshard(self) -> None:
         await self.wait(self.whole, 600, "2 copies in sync and a spare")
@@ -439,6 +450,10 @@ def available_bytes() -> int | None:
 
 
 def main() -> int:
+    # An installed zps starts from the bytecode pip wrote; without this, where the
+    # environment sets PYTHONDONTWRITEBYTECODE, a restarted shard's start would include
+    # compiling every module of zps.
+    cache_bytecode(os.environ)
     exit_on_sigterm()  # a killed run stops its cluster too (see stop() below)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gb", type=float, default=1.0, help="rows + Adagrad state, GB")

@@ -62,7 +62,7 @@ def test_unknown_top_level_name_is_an_attribute_error() -> None:
 def test_test_processes_cache_their_bytecode_outside_the_tree(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.conftest import cache_bytecode
+    from zps.testing.bytecode import cache_bytecode
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     env = {"PYTHONDONTWRITEBYTECODE": "1"}

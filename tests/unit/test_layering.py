@@ -193,6 +193,7 @@ LAYERS: dict[str, str] = {
     "zps.cli.worker": "app",
     "zps.torch": "app",
     "zps.testing": "app",
+    "zps.testing.bytecode": "app",
     "zps.testing.gate": "app",
     "zps.testing.sim": "app",
     "zps.testing.sim.__main__": "app",
