@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     total = int(args.gb * 1e9) // CHUNK * CHUNK
     if total == 0:
         ap.error(f"--gb must be at least {CHUNK / 1e9:.3f} (one chunk)")
+    if not Path(args.dir).is_dir():
+        ap.error(f"--dir {args.dir}: no such directory")
     gb = total / 1e9
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         path = str(Path(d) / "floor.bin")
