@@ -81,7 +81,6 @@ LAYERS: dict[str, str] = {
     "zps.store.kernel": "core",
     # the write-ahead log's files (file I/O, no sockets or event loop)
     "zps.store.wal": "driver",
-    "zps.store.pages": "driver",
     # a checkpoint read once in slices at a restart (file I/O, no sockets or event loop)
     "zps.store.slicereader": "driver",
     # per-role pure state machines and their drivers

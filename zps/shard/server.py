@@ -76,8 +76,6 @@ from zps.shard.replica import Upstream
 from zps.shard.routers import RouterLinks
 from zps.shard.session import MapResult, ShardSession
 from zps.shard.slotops import SlotState
-from zps.store import mapped
-from zps.store.pages import memory_file_pages
 from zps.transport import CurveKeys
 from zps.version import __version__
 
@@ -353,8 +351,6 @@ class ShardServer:
         brokers = cfg.endpoints
         self.address = f"tcp://{cfg.advertise_host or transport.local_address(brokers[0])}:{port}"
         self.links.open(self._ctx, keys)
-        if mapped.FREEZABLE:
-            log.info("%s", memory_file_pages().describe())
         log.info(
             "shard %s (pid %d) connecting to %s; replication at %s",
             self.node_id,
