@@ -17,6 +17,14 @@ and nothing else (no checksum, no tables, no ids):
   checkpoint without zps.
 - ``cold file read into a memory file``: that file, dropped from the page cache, read into
   a memory file: a restart without zps.
+- ``memory file filled from memory``: one process writes a 16 MiB buffer again and again
+  into a memory file: what the kernel's first write of each page costs alone.
+
+With ``--idle S`` every run of a stage starts after S seconds with nothing running, for
+memory a previous run freed to be handed back where the machine does that (a virtual
+machine whose balloon reports free pages to its host; docs/performance.md, "Huge pages
+for the memory files"); the default, 0, starts each at once.  The kernel's setting for
+huge pages of shared memory (which memory files get) is printed with the load.
 
 The table gives each stage's wall time, GB/s and CPU seconds (both processes where there are
 two).  ``bench/big_partition.py`` measures zps's own paths on a partition of the same
@@ -171,6 +179,27 @@ def read_cold(total: int, path: str) -> tuple[float, float]:
     return took, cpu
 
 
+def fill_memfd(total: int) -> tuple[float, float]:
+    data = payload(CHUNK)
+    mfd = os.memfd_create("floor")
+    os.ftruncate(mfd, total)
+    c0, t0 = _cpu(), time.perf_counter()
+    for off in range(0, total, CHUNK):
+        os.pwrite(mfd, data, off)
+    took = time.perf_counter() - t0, _cpu() - c0  # before the memory file is freed
+    os.close(mfd)
+    return took
+
+
+def shmem_setting() -> str:
+    """The kernel's setting for huge pages of shared memory, memory files among it."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    except OSError:
+        return "unknown"
+    return next((w.strip("[]") for w in text.split() if w.startswith("[")), "unknown")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=1.0, help="GB moved by each stage (default 1)")
@@ -181,6 +210,16 @@ def main(argv: list[str] | None = None) -> int:
         "current directory; a tmpfs would measure memory, not the disk)",
     )
     ap.add_argument("--runs", type=int, default=1, help="runs of each stage (default 1)")
+    ap.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="seconds with nothing running before each run (default 0)",
+    )
+    ap.add_argument(
+        "--only", help="comma-separated stages by their first word: socket,file,cold,memory"
+    )
     args = ap.parse_args(argv)
     total = int(args.gb * 1e9) // CHUNK * CHUNK
     if total == 0:
@@ -199,11 +238,22 @@ def main(argv: list[str] | None = None) -> int:
             ),
             ("file written and synced", lambda: write_file(total, path)),
             ("cold file read into a memory file", lambda: read_cold(total, path)),
+            ("memory file filled from memory", lambda: fill_memfd(total)),
         ]
-        print(f"{gb:.2f} GB in {CHUNK >> 20} MiB chunks; load {os.getloadavg()[0]:.1f}")
+        if args.only:
+            chosen = set(args.only.split(","))
+            # the cold read reads the file the stage before it wrote
+            if "cold" in chosen:
+                chosen.add("file")
+            stages = [st for st in stages if st[0].split(",")[0].split()[0] in chosen]
+        print(
+            f"{gb:.2f} GB in {CHUNK >> 20} MiB chunks; load {os.getloadavg()[0]:.1f}; "
+            f"huge pages of shared memory: {shmem_setting()}; idle before each run: {args.idle:g} s"
+        )
         print(f"{'stage':<46} {'wall s':>8} {'GB/s':>7} {'CPU s':>7}")
         for name, run in stages:
             for _ in range(args.runs):
+                time.sleep(args.idle)
                 took, cpu = run()
                 print(f"{name:<46} {took:8.2f} {gb / took:7.2f} {cpu:7.2f}", flush=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
