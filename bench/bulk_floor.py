@@ -179,6 +179,10 @@ def read_cold(total: int, path: str) -> tuple[float, float]:
     return took, cpu
 
 
+#: The first words of the stages' names, which ``--only`` picks them by.
+STAGE_WORDS = ("socket", "file", "cold", "memory")
+
+
 def fill_memfd(total: int) -> tuple[float, float]:
     data = payload(CHUNK)
     mfd = os.memfd_create("floor")
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds with nothing running before each run (default 0)",
     )
     ap.add_argument(
-        "--only", help="comma-separated stages by their first word: socket,file,cold,memory"
+        "--only", help=f"comma-separated stages by their first word: {','.join(STAGE_WORDS)}"
     )
     args = ap.parse_args(argv)
     total = int(args.gb * 1e9) // CHUNK * CHUNK
@@ -226,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--gb must be at least {CHUNK / 1e9:.3f} (one chunk)")
     if not Path(args.dir).is_dir():
         ap.error(f"--dir {args.dir}: no such directory")
+    if args.idle < 0:
+        ap.error("--idle must be at least 0")
+    chosen = set(args.only.split(",")) if args.only else set(STAGE_WORDS)
+    if unknown := chosen - set(STAGE_WORDS):
+        ap.error(
+            f"--only: no stage {', '.join(sorted(unknown))} (stages: {', '.join(STAGE_WORDS)})"
+        )
     gb = total / 1e9
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         path = str(Path(d) / "floor.bin")
@@ -240,12 +251,9 @@ def main(argv: list[str] | None = None) -> int:
             ("cold file read into a memory file", lambda: read_cold(total, path)),
             ("memory file filled from memory", lambda: fill_memfd(total)),
         ]
-        if args.only:
-            chosen = set(args.only.split(","))
-            # the cold read reads the file the stage before it wrote
-            if "cold" in chosen:
-                chosen.add("file")
-            stages = [st for st in stages if st[0].split(",")[0].split()[0] in chosen]
+        if "cold" in chosen:
+            chosen.add("file")  # the cold read reads the file that stage wrote
+        stages = [st for st in stages if st[0].split()[0].rstrip(",") in chosen]
         print(
             f"{gb:.2f} GB in {CHUNK >> 20} MiB chunks; load {os.getloadavg()[0]:.1f}; "
             f"huge pages of shared memory: {shmem_setting()}; idle before each run: {args.idle:g} s"
