@@ -148,16 +148,23 @@ def greet(
 ) -> None:
     """Have ``sock`` (a :class:`transport.Dealer` whose handshakes are watched: CURVE, or
     ``watch``) send :func:`greeting` of the latest heartbeat ``beat()`` as each of its
-    connections is made; ``new_link``: marked so (a routing broker then answers what it
-    posted by the connection before, which may be lost with it)."""
+    connections is made; ``new_link``: marked so from its second connection on (a broker
+    then has its clients send again what it forwarded by the connection before, and a
+    routing broker answers what it posted there, which may be lost with it).  A first
+    connection is never marked: nothing went by one before it, and a mark would have the
+    clients send again, for nothing, what they have in flight to the partition."""
+    if not isinstance(sock, transport.Dealer):
+        return
+    dealer = sock
 
     def on_connected() -> None:
-        frames = greeting(beat(), time.monotonic(), new_link=new_link)
+        watch = dealer.handshakes
+        again = new_link and watch is not None and watch.connected > 1
+        frames = greeting(beat(), time.monotonic(), new_link=again)
         if frames is not None:
-            transport.try_send(sock, frames)
+            transport.try_send(dealer, frames)
 
-    if isinstance(sock, transport.Dealer):
-        sock.on_connected = on_connected
+    dealer.on_connected = on_connected
 
 
 def dealer_link(
