@@ -94,6 +94,8 @@ def main() -> int:
     ap.add_argument("--probe-ids", type=int, default=64)
     ap.add_argument("--workdir", help="keep the processes' logs here")
     args = ap.parse_args()
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
 
     with tempfile.TemporaryDirectory(prefix="zps-bench-reshard-") as tmp:
         c = LocalCluster(
