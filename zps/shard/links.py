@@ -144,22 +144,28 @@ def greeting(beat: list[Any] | None, now: float, *, new_link: bool = False) -> l
 
 
 def greet(
-    sock: transport.Channel, beat: Callable[[], list[Any] | None], *, new_link: bool = False
+    sock: transport.Channel,
+    beat: Callable[[], list[Any] | None],
+    *,
+    new_link: bool = False,
+    linked_before: bool = False,
 ) -> None:
     """Have ``sock`` (a :class:`transport.Dealer` whose handshakes are watched: CURVE, or
     ``watch``) send :func:`greeting` of the latest heartbeat ``beat()`` as each of its
-    connections is made; ``new_link``: marked so from its second connection on (a broker
-    then has its clients send again what it forwarded by the connection before, and a
-    routing broker answers what it posted there, which may be lost with it).  A first
-    connection is never marked: nothing went by one before it, and a mark would have the
-    clients send again, for nothing, what they have in flight to the partition."""
+    connections is made; ``new_link``: marked so when a connection to the same endpoint
+    came before it (a broker then has its clients send again what it forwarded by the
+    connection before, and a routing broker answers what it posted there, which may be
+    lost with it): from the socket's second connection on, or from its first when an
+    earlier socket of this process reached that endpoint (``linked_before``).  A first
+    connection is not marked otherwise: nothing went by one before it, and a mark would
+    have the clients send again, for nothing, what they have in flight to the partition."""
     if not isinstance(sock, transport.Dealer):
         return
     dealer = sock
 
     def on_connected() -> None:
         watch = dealer.handshakes
-        again = new_link and watch is not None and watch.connected > 1
+        again = new_link and (linked_before or (watch is not None and watch.connected > 1))
         frames = greeting(beat(), time.monotonic(), new_link=again)
         if frames is not None:
             transport.try_send(dealer, frames)

@@ -64,6 +64,9 @@ class RouterLinks:
         #: there; absent: through the broker), changed in place only.
         self.via = via
         self._absent: dict[str, float] = {}  # endpoint -> since when unlisted
+        #: Every endpoint a link was made to: one made again after its link was closed
+        #: greets the router marked ``new_link`` from its first connection.
+        self._linked: set[str] = set()
         self._beat: list[Any] | None = None  # the latest heartbeat (see beat)
 
     def follow(self, endpoints: set[str], now: float) -> None:
@@ -84,7 +87,8 @@ class RouterLinks:
         # In a fixed order (a set's varies with the hash seed): a run replays exactly.
         for endpoint in sorted(endpoints - self._links.keys()):
             sock, out = self._connect(endpoint, f"router link {endpoint}")
-            greet(sock, lambda: self._beat, new_link=True)
+            greet(sock, lambda: self._beat, new_link=True, linked_before=endpoint in self._linked)
+            self._linked.add(endpoint)
             on_frames = functools.partial(self._on_frames, out=out)
             task = self._start(transport.serve(sock, on_frames, self._malformed))
             self._links[endpoint] = (sock, out, task)
