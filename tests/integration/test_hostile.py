@@ -661,25 +661,27 @@ class Flood:
         """
         t0 = time.monotonic()
         self.markers.clear()
-        expected = 0
+        names: set[str] = set()  # the markers expected back
         for i, s in enumerate(self.socks["client"]):
             for p, epoch in epochs.items():
                 route = Route(MsgType.REQUEST, p, epoch, MARKER + i)
                 s.send_multipart(encode(route, {"ops": [{"op": "checksum"}]}))
-                expected += 1
+                names.add(f"req-{i}-{p}")
         for i, s in enumerate(self.socks["fake"]):
             s.send_multipart([b"", *encode(Route(MsgType.REGISTER), {"host": "barrier"})])
             s.send_multipart([b"", *encode(Route(MsgType.HEARTBEAT), {"t": BARRIER_T - i})])
-            expected += 1
+            names.add(f"marker-{i}")
         for name, socks in self.socks.items():
             if name.startswith("repl"):
                 head = {"partition": -1, "epoch": f"marker-{name}"}
                 socks[0].send_multipart(encode(Route(MsgType.SUBSCRIBE), head))
-                expected += 1
+                names.add(f"marker-{name}")
+        expected = len(names)
         deadline = t0 + timeout
         while self.markers_seen() < expected:
             assert time.monotonic() < deadline, (
-                f"only {self.markers_seen()} of {expected} barrier answers in {timeout}s"
+                f"only {self.markers_seen()} of {expected} barrier answers in {timeout}s; "
+                f"missing {sorted(names - self.markers.keys())}"
             )
             if self.poller.poll(100):
                 self.drain()
