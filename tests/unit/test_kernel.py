@@ -388,7 +388,7 @@ def test_kernel_refuses_wrong_buffers_and_positions() -> None:
     before = t.export()
     with pytest.raises(IndexError):
         push(np.array([0, 1, rows.shape[0]], np.int64), 1)
-    for src in (rows[:-1], rows.astype(np.float64)):  # the values before: shaped as rows
+    for src in (rows[:-1], np.zeros(rows.shape, np.float64)):  # wrong shape, wrong dtype
         with pytest.raises(ValueError, match="src"):
             k.push(t._kopt, slots, None, keys, False, None, 0, np.ones((3, 4), np.float32),
                    rows, (t._state["accumulator"],), None, None, True, src)  # fmt: skip
