@@ -21,6 +21,7 @@ from ops_jobs import Worker
 from prometheus_client.parser import text_string_to_metric_families
 
 import zps
+from zps.ops.config import Heartbeat
 from zps.optim import SGD
 from zps.protocol.codec import PROTOCOL_VERSION
 from zps.testing import LocalCluster, free_port
@@ -171,6 +172,27 @@ def test_broker_and_shard_export_metrics() -> None:
         shard = scrape(shard_port)
         assert sample(shard, "zps_shard_role", role="replica", partition="0") == 1
         assert sample(shard, "zps_shard_lsn", partition="0") >= 6
+
+
+def test_a_closed_client_sends_its_last_reports() -> None:
+    """The reports since a client's last heartbeat reach the broker when it closes: a
+    job's rows and steps count every report (with a heartbeat interval of a minute, none
+    of them goes on a heartbeat)."""
+    port = free_port()
+    with LocalCluster(
+        partitions=1, shards=1, replication=1, broker_args=["--metrics-port", str(port)]
+    ) as c:
+        with zps.connect_sync(c.address, heartbeat=Heartbeat(interval=60.0)) as ps:
+            ps.create_job("last", n_records=100, per_task=10)
+            while (task := ps.next_task("last")) is not None:
+                ps.report(rows=task.stop - task.start, loss=0.5)
+                ps.task_done(task)
+        deadline = time.monotonic() + 10
+        while 'zps_job_steps_total{job_name="last"}' not in (text := scrape(port)):
+            assert time.monotonic() < deadline, "the closed client's reports never arrived"
+            time.sleep(0.05)
+        assert sample(text, "zps_job_rows_total", job_name="last") == 100
+        assert sample(text, "zps_job_steps_total", job_name="last") == 10
 
 
 def test_every_process_exposes_valid_conventional_series(tmp_path: Path) -> None:

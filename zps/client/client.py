@@ -23,6 +23,7 @@ This module joins them: each method of the client is one of a part's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any, Self
@@ -80,7 +81,12 @@ class Client:
         await self.training.start()
 
     async def close(self) -> None:
-        """Close the connection; what is still in flight fails (:meth:`flush` first)."""
+        """Close the connection; what is still in flight fails (:meth:`flush` first).
+        The progress ``report()`` recorded since the last heartbeat is sent first."""
+        if self.connection.event_loop is not None and not self.connection.closed:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await self.training.send_reports()
         await self.connection.close()
 
     @property

@@ -42,16 +42,7 @@ from zps import shm, transport
 from zps.client.background import Background
 from zps.client.futures import gather, ignore
 from zps.client.inbound import REPLIES, from_broker, lost_changes
-from zps.client.ops import (
-    Op,
-    Resubmits,
-    Token,
-    copy_everywhere,
-    copy_shared,
-    deliver,
-    fail,
-    merge,
-)
+from zps.client.ops import Op, Resubmits, Token, copy_everywhere, copy_shared, deliver, fail, merge
 from zps.client.pair import PairFollower
 from zps.client.routerlinks import RouterLinks
 from zps.client.session import (
@@ -314,6 +305,10 @@ class Connection:
     def event_loop(self) -> asyncio.AbstractEventLoop | None:
         """The event loop the client runs on (None before :meth:`start`)."""
         return self._loop
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def io_threads(self) -> transport.IoThreads | None:

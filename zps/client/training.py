@@ -129,11 +129,14 @@ class TrainingCalls:
         interval = self.config.heartbeat.interval
         while True:
             await asyncio.sleep(interval)
-            train = self._reports.take(self._report_job, time.monotonic())
-            if train is not None:
-                await self._link.control(
-                    encode(Route(MsgType.HEARTBEAT), Heartbeat(train).to_wire())
-                )
+            await self.send_reports()
+
+    async def send_reports(self) -> None:
+        """What ``report()`` recorded since the last heartbeat, sent now (the client's
+        close sends the last of them, so a job's rows and steps count every report)."""
+        train = self._reports.take(self._report_job, time.monotonic())
+        if train is not None:
+            await self._link.control(encode(Route(MsgType.HEARTBEAT), Heartbeat(train).to_wire()))
 
     def tagged(self, body: dict[str, Any]) -> dict[str, Any]:
         """A push's ``body``, in sync mode with the step its gradient is for."""
