@@ -216,3 +216,55 @@ def test_a_set_with_state_is_logged_and_replayed(
     assert dense_src is not None and dense_off is not None
     for k, column in dense_src.items():
         np.testing.assert_array_equal(column, dense_off[k])
+
+
+@pytest.mark.timeout(240)
+def test_an_offline_export_after_a_scale_down_holds_each_row_once(tmp_path: Path) -> None:
+    """Scaled from 2 partitions to 1, the cluster stopped: the removed partition's copy
+    stays in its data dir, and the offline export of both data dirs (no --partitions)
+    equals the online export taken after the scale, state and all."""
+    work = tmp_path / "c"
+    work.mkdir()
+    c = DataDirCluster(partitions=2, shards=2, workdir=work, broker_data_dir=tmp_path / "broker")
+    c.port = free_port()
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    try:
+        c.start_broker()
+        for d in dirs:
+            c.start_shard(d, ["--checkpoint-interval", "0"])
+        c.wait_healthy()
+        with zps.connect_sync(c.address) as ps:
+            ps.create_embedding("emb", DIM, optimizer=Adagrad(lr=0.1), seed=6)
+            ps.create_dense("w", DENSE, optimizer=Adam(lr=0.01), seed=7)
+            rng = np.random.default_rng(12)
+            for _ in range(3):
+                ps.push_rows("emb", IDS, rng.normal(size=(IDS.size, DIM)))
+                ps.push_dense("w", rng.normal(size=DENSE).astype(np.float32))
+            ps.flush()
+            answer = c.scale(1)
+            assert answer["ok"], answer
+            c.wait_resharded(1, 120)
+            ps.export_model(tmp_path / "online")
+    finally:
+        c.stop()
+    out = subprocess.run(
+        [sys.executable, "-m", "zps", "export", "--data-dir", *map(str, dirs),
+         "--out", str(tmp_path / "offline")],
+        env=c.env(), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    online, offline = Export(tmp_path / "online"), Export(tmp_path / "offline")
+    assert list(offline.manifest["partitions"]) == ["0"]  # partition 1 was removed
+    on_ids, off_ids = np.asarray(online.ids("emb")), np.asarray(offline.ids("emb"))
+    assert sorted(on_ids.tolist()) == sorted(off_ids.tolist()) == sorted(IDS.tolist())
+    a, b = np.argsort(on_ids), np.argsort(off_ids)
+    np.testing.assert_array_equal(np.asarray(online.values("emb"))[a], offline.values("emb")[b])
+    on_state, off_state = online.state("emb"), offline.state("emb")
+    assert on_state is not None and off_state is not None
+    for k, column in on_state.items():
+        np.testing.assert_array_equal(np.asarray(column)[a], np.asarray(off_state[k])[b])
+    np.testing.assert_array_equal(online.values("w"), offline.values("w"))
+    w_on, w_off = online.state("w"), offline.state("w")
+    assert w_on is not None and w_off is not None
+    for k, column in w_on.items():
+        np.testing.assert_array_equal(column, w_off[k])

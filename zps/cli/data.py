@@ -15,8 +15,9 @@ def add_export_parser(sub: Any) -> None:
     """Register ``export`` on the subcommands ``sub`` of zps-server."""
     ex = sub.add_parser(
         "export",
-        help="write a model's values as .npy files and a JSON manifest: from a running "
-        "cluster (--broker; training may go on) or offline from data dirs (--data-dir)",
+        help="write a model's values and optimizer state as .npy files and a JSON manifest: "
+        "from a running cluster (--broker; training may go on) or offline from data dirs "
+        "(--data-dir)",
     )
     add_broker(ex)
     ex.add_argument(
@@ -54,7 +55,7 @@ def add_import_parser(sub: Any) -> None:
     """Register ``import`` on the subcommands ``sub`` of zps-server."""
     im = sub.add_parser(
         "import",
-        help="create an export's tables in a cluster and set their values (warm start)",
+        help="create an export's tables in a cluster and set their values and state (warm start)",
     )
     add_broker(im)
     im.add_argument("--in", dest="in_dir", required=True, metavar="DIR", help="the export")

@@ -8,6 +8,11 @@ shard's start-up, nothing is cut, renamed or written).  Of several copies of one
 broker applies: the later epoch, then the higher LSN.  Every partition from 0 to the
 highest found (or to ``partitions - 1``) must have a copy.
 
+A copy that a live resharding involved holds the slots it served (its slot state, in its
+checkpoint and log): only its rows and chunks on those slots are exported.  Rows of slots
+given away and not dropped yet are left out, and a partition that gave away every slot (a
+scale-down removed it; its copies stay in the data dirs) is skipped.
+
 Memory: one partition is held at a time (each is restored twice: once to find the
 newest copy and count rows, once to write), and tables go straight to their files.
 """
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from zps.errors import BadRequestError
 from zps.init import generate
@@ -31,6 +37,7 @@ from zps.protocol.specs import DenseSpec, EmbeddingSpec, TableSpec
 from zps.shard.checkpoint import CheckpointStore
 from zps.shard.core import ShardCore
 from zps.shard.restore import apply_record
+from zps.store.slots import chunk_slot, slots_of_ids
 from zps.store.wal import Wal
 
 log = logging.getLogger("zps.export")
@@ -51,6 +58,22 @@ class Copy:
     stopped: str | None = None
     rows: dict[str, int] = field(default_factory=dict)
     specs: dict[str, TableSpec] = field(default_factory=dict)
+    #: The slots the copy served, once a move involved it (None: every row is its own).
+    owned: npt.NDArray[np.bool_] | None = None
+
+    @property
+    def removed(self) -> bool:
+        """The partition gave away every slot: a scale-down removed it."""
+        return self.owned is not None and not bool(self.owned.any())
+
+
+def owned_rows(owned: npt.NDArray[np.bool_] | None, ids: npt.NDArray[np.int64]) -> Any:
+    """Which of ``ids`` are on the ``owned`` slots (a slice of all of them: None)."""
+    return slice(None) if owned is None else owned[slots_of_ids(ids, owned.shape[0])]
+
+
+def owned_chunk(owned: npt.NDArray[np.bool_] | None, name: str, chunk: int) -> bool:
+    return owned is None or bool(owned[chunk_slot(name, chunk, owned.shape[0])])
 
 
 def restore_copy(data_dir: Path, partition: int) -> tuple[Copy, ShardCore]:
@@ -85,10 +108,13 @@ def restore_copy(data_dir: Path, partition: int) -> tuple[Copy, ShardCore]:
         copy.replayed += 1
     core.epoch = epoch
     copy.epoch, copy.lsn = epoch, core.lsn
+    slots = core.slots
+    copy.owned = slots.owned.copy() if slots is not None and slots.active else None
     for spec in core.store.specs():
         copy.specs[spec.name] = spec
         if isinstance(spec, EmbeddingSpec):
-            copy.rows[spec.name] = core.store.embedding(spec.name).n_admitted()
+            ids = core.store.embedding(spec.name).admitted_ids()
+            copy.rows[spec.name] = len(ids[owned_rows(copy.owned, ids)])
     return copy, core
 
 
@@ -131,6 +157,11 @@ def export_data_dirs(
     if missing:
         raise BadRequestError(f"no copy of partitions {missing} in the data dirs given")
     chosen = {p: newest(found[p]) for p in range(n)}
+    for p in [p for p, c in chosen.items() if c.removed]:
+        log.info("partition %d: removed by a scale-down (%s serves no slot)", p, chosen[p].data_dir)
+        del chosen[p]
+    if not chosen:
+        raise BadRequestError("every partition in the data dirs given was removed by a scale-down")
     for p, c in chosen.items():
         log.info(
             "partition %d: %s at epoch %d, LSN %d (%s + %d logged messages)%s",
@@ -167,8 +198,7 @@ def export_data_dirs(
             dense[name] = _initial(writer, spec)
             if state:
                 dense_state[name] = _initial_state(writer, spec)
-    for p in range(n):
-        c = chosen[p]
+    for p, c in chosen.items():
         _, core = restore_copy(c.data_dir, p)
         if (core.epoch, core.lsn) != (c.epoch, c.lsn):
             raise BadRequestError(f"partition {p} in {c.data_dir} changed during the export")
@@ -178,19 +208,24 @@ def export_data_dirs(
             if name in sinks:
                 table = core.store.embedding(name)
                 ids, rows = table.copy_values()
-                sinks[name].write(ids, rows, table.copy_state() if state else None)
+                keep = owned_rows(c.owned, ids)
+                st = {k: a[keep] for k, a in table.copy_state().items()} if state else None
+                sinks[name].write(ids[keep], rows[keep], st)
             else:
                 spec = specs[name]
                 assert isinstance(spec, DenseSpec)
                 flat = dense[name].reshape(-1)
                 tensor = core.store.dense(name)
                 for chunk, values in tensor.copy_values().items():
-                    start, stop = spec.chunk_range(chunk)
-                    flat[start:stop] = values
+                    if owned_chunk(c.owned, name, chunk):
+                        start, stop = spec.chunk_range(chunk)
+                        flat[start:stop] = values
                 if state:
                     columns = dense_state[name]
                     offsets = state_offsets(spec, list(columns))
                     for chunk, chunk_state in tensor.copy_state().items():
+                        if not owned_chunk(c.owned, name, chunk):
+                            continue
                         for k, a in chunk_state.items():
                             columns[k][offsets[k][chunk] : offsets[k][chunk + 1]] = a
         del core

@@ -462,6 +462,11 @@ class EmbeddingTable:
         for k, a in state.items():
             self._state[k][:n] = a
 
+    def admitted_ids(self) -> npt.NDArray[np.int64]:
+        """The ids of the admitted rows, in storage order (as :meth:`copy_values`)."""
+        admitted = self._admitted()
+        return self._index.ids() if admitted is None else self._index.ids()[admitted]
+
     def n_admitted(self) -> int:
         """Rows admitted (all rows, without admission): what an export holds."""
         admitted = self._admitted()
