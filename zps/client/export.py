@@ -8,7 +8,9 @@ the client reads the copies in pieces within the message budget while training g
 writing them into the open format of :mod:`zps.model.format`.  Each partition is cut at one
 LSN (reported in the manifest); training may continue during and after the cut.  If a
 primary changes while its cut is read (a failover), the copy is gone with it and the
-export starts again (at most ``attempts`` times).
+export starts again (at most ``attempts`` times); so it does when live resharding moved
+slots while the partitions were cut (a partition added or removed, or the slot map
+changed between the first cut and the last): each row is then in exactly one cut.
 
 Import (:func:`import_model`): creates each table with the exported spec (idempotent for
 an identical one; ``TableConflictError`` naming the fields if a table of that name differs),
@@ -34,11 +36,12 @@ import numpy as np
 import numpy.typing as npt
 
 from zps.client.futures import gather
+from zps.client.session import NO_SUCH_PARTITION
 from zps.client.values import runs
 from zps.core.batching import groups_by_bytes
 from zps.core.routing import ClusterMap, chunk_partition
 from zps.core.rows import Split, take_rows
-from zps.errors import BadRequestError, UnknownTableError
+from zps.errors import BadRequestError, ShardUnavailableError, UnknownTableError
 from zps.model.format import Export, ExportWriter, state_offsets
 from zps.ops.config import ClientConfig
 from zps.protocol.specs import DenseSpec, EmbeddingSpec, TableSpec, spec_from_wire
@@ -94,8 +97,13 @@ async def export_model(
     for attempt in range(1, attempts + 1):
         try:
             return await _export_once(client, Path(out), tables, source, base, state)
-        except BadRequestError as e:
-            if "take a new cut" not in str(e) or attempt == attempts:
+        except (BadRequestError, ShardUnavailableError) as e:
+            again = (
+                e.missing == NO_SUCH_PARTITION
+                if isinstance(e, ShardUnavailableError)
+                else "take a new cut" in str(e)
+            )
+            if not again or attempt == attempts:
                 raise
             log.warning("export: %s; starting again (attempt %d)", e, attempt + 1)
             shutil.rmtree(Path(out) / "tables", ignore_errors=True)
@@ -115,6 +123,11 @@ async def _export_once(
     cut_op: dict[str, Any] = {"op": "cut", "state": True} if state else {"op": "cut"}
     cuts = await gather(client.submit(p, dict(cut_op), {}) for p in range(n))
     try:
+        now = client.cluster_map
+        if now.n_partitions != n or not np.array_equal(now.slot_map, cmap.slot_map):
+            raise BadRequestError(
+                "live resharding moved slots while the partitions were cut: take a new cut"
+            )
         per_table: dict[str, list[dict[str, Any]]] = {}
         for cut in cuts:
             for t in cut["tables"]:

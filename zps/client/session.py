@@ -109,6 +109,7 @@ LOST = "lost"
 NO_PRIMARY = "no primary"
 NO_COPY = "no live copy"
 UNLISTED = "not listed by the restarted broker"
+NO_SUCH_PARTITION = "no such partition"
 #: Refusals that say no copy of the partition serves (rule 5), with what is missing.
 _MISSING_BY_CODE = {"SHARD_UNAVAILABLE": NO_COPY, "NOT_PRIMARY": NO_PRIMARY}
 #: The broker calls: answered by the broker itself, with a reply of the same type.
@@ -641,7 +642,7 @@ class ClientSession(Generic[T]):
         return ShardUnavailableError(
             f"partition {partition} is not in the cluster map (it has {n} partitions)",
             partition=partition,
-            missing="no such partition",
+            missing=NO_SUCH_PARTITION,
             waited=waited,
         )
 
