@@ -25,6 +25,21 @@ from zps.ops.config import (
 LEVELS = ["debug", "info", "warning", "error"]
 
 
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at least ``low`` (else a usage error, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {value}")
+        return value
+
+    return parse
+
+
 def setup_logging(level: str, environ: Mapping[str, str] = os.environ) -> None:
     # Under journald: <N> priority prefixes and no time stamp (see zps.ops.logs).
     logs.setup_logging(level, environ, sys.stderr)

@@ -24,6 +24,7 @@ from zps.cli.common import (
     add_common,
     add_version,
     admin_target,
+    at_least,
     setup_logging,
 )
 from zps.errors import ConfigError, ZpsError
@@ -47,11 +48,11 @@ def server_parser() -> argparse.ArgumentParser:
     keys.add_parsers(sub)
 
     d = sub.add_parser("demo", help="train a model on a whole local cluster (no arguments needed)")
-    d.add_argument("--epochs", type=int, default=None, help="training epochs (default 3)")
-    d.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    d.add_argument("--partitions", type=int, default=2, help="partitions (default 2)")
+    d.add_argument("--epochs", type=at_least(1), default=3, help="training epochs (default 3)")
+    d.add_argument("--workers", type=at_least(1), default=2, help="worker processes (default 2)")
+    d.add_argument("--partitions", type=at_least(1), default=2, help="partitions (default 2)")
     d.add_argument(
-        "--replication", type=int, default=2, help="copies of each partition (default 2)"
+        "--replication", type=at_least(1), default=2, help="copies of each partition (default 2)"
     )
     d.add_argument(
         "--mode",
@@ -59,7 +60,9 @@ def server_parser() -> argparse.ArgumentParser:
         default="async",
         help="training mode (default async)",
     )
-    d.add_argument("--staleness", type=int, default=2, help="ssp: staleness bound (default 2)")
+    d.add_argument(
+        "--staleness", type=at_least(0), default=2, help="ssp: staleness bound (default 2)"
+    )
     d.add_argument("--log-level", default=None, choices=LEVELS)
     return parser
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
 from zps.testing import LocalCluster
@@ -107,7 +110,7 @@ class _Progress:
 
 def run_demo(
     *,
-    epochs: int | None = None,
+    epochs: int = 3,
     n_workers: int = 2,
     n_partitions: int = 2,
     replication: int = 2,
@@ -118,7 +121,6 @@ def run_demo(
     from zps.client.sync import connect_sync
     from zps.examples import adult
 
-    epochs = epochs or 3
     t_start = time.monotonic()
     print(
         "zps demo: UCI Adult census income (48,842 rows; Becker & Kohavi 1996, CC BY 4.0)", file=out
@@ -130,14 +132,18 @@ def run_demo(
         + (f" (staleness {staleness})" if mode == "ssp" else ""),
         file=out,
     )
+    # The processes' logs: removed after a run that succeeds, kept (and named) otherwise.
+    workdir = Path(tempfile.mkdtemp(prefix="zps-demo-"))
     cluster = LocalCluster(
         partitions=n_partitions,
         shards=n_partitions * replication,
         replication=replication,
         heartbeat_interval=0.2,
         log_level="warning",
+        workdir=workdir,
     )
     workers: list[subprocess.Popen[str]] = []
+    code = 1
     try:
         cluster.start()
         print(
@@ -220,7 +226,8 @@ def run_demo(
             f"demo wall time {total_s:.1f}s",
             file=out,
         )
-        return 0 if metrics["auc"] >= 0.90 else 1
+        code = 0 if metrics["auc"] >= 0.90 else 1
+        return code
     except KeyboardInterrupt:
         print("\nzps demo: interrupted", file=out)
         return 130
@@ -235,3 +242,7 @@ def run_demo(
                 p.kill()
                 p.wait()
         cluster.stop()
+        if code == 0:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"zps demo: the processes' logs are kept in {workdir}", file=out)

@@ -1,0 +1,53 @@
+"""``zps-server demo``: its flags checked before anything starts, and its processes'
+logs kept (and named) when a run fails."""
+
+from __future__ import annotations
+
+import io
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from zps.cli.main import server_main
+from zps.examples import demo
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--epochs", "0", "must be at least 1, not 0"),
+        ("--workers", "0", "must be at least 1, not 0"),
+        ("--partitions", "0", "must be at least 1, not 0"),
+        ("--replication", "-1", "must be at least 1, not -1"),
+        ("--staleness", "-1", "must be at least 0, not -1"),
+        ("--epochs", "two", "'two' is not an integer"),
+    ],
+)
+def test_a_bad_flag_is_a_usage_error_naming_it(
+    flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit:
+        server_main(["demo", flag, value])
+    assert exit.value.code == 2
+    assert f"argument {flag}: {says}" in capsys.readouterr().err
+
+
+def test_a_failed_run_keeps_its_logs(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: demo.LocalCluster, timeout: float = 30.0) -> demo.LocalCluster:
+        assert self.workdir is not None
+        (self.workdir / "broker.log").write_text("the broker's last words\n")
+        raise RuntimeError("the broker exited early")
+
+    monkeypatch.setattr(demo.LocalCluster, "start", refuse)
+    out = io.StringIO()
+    with pytest.raises(RuntimeError, match="exited early"):
+        demo.run_demo(out=out)
+    m = re.search(r"logs are kept in (\S+)", out.getvalue())
+    assert m is not None, out.getvalue()
+    kept = Path(m.group(1))
+    try:
+        assert (kept / "broker.log").read_text() == "the broker's last words\n"
+    finally:
+        shutil.rmtree(kept)
