@@ -25,6 +25,20 @@ from zps.ops.config import (
 LEVELS = ["debug", "info", "warning", "error"]
 
 
+#: The exit status of a command whose output's reader went away (``| head``): a shell's
+#: status for a process ended by SIGPIPE.
+BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
+def output_closed() -> int:
+    """After a BrokenPipeError: standard output goes to /dev/null (so the interpreter's
+    last flush raises nothing more); the status to exit with."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return BROKEN_PIPE
+
+
 def at_least(low: int) -> Callable[[str], int]:
     """An argparse ``type``: an integer of at least ``low`` (else a usage error, exit 2)."""
 

@@ -25,6 +25,7 @@ from zps.cli.common import (
     add_version,
     admin_target,
     at_least,
+    output_closed,
     setup_logging,
 )
 from zps.errors import ConfigError, ZpsError
@@ -104,6 +105,8 @@ def server_main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader of the output went away (``| head``)
+        return output_closed()
     return 2
 
 

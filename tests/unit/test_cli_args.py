@@ -1,11 +1,15 @@
-"""``zps-server demo``: its flags checked before anything starts, and its processes'
-logs kept (and named) when a run fails."""
+"""Command lines: ``zps-server demo``'s flags checked before anything starts, its
+processes' logs kept (and named) when a run fails; output into a pipe whose reader went
+away ends quietly."""
 
 from __future__ import annotations
 
 import io
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,3 +55,20 @@ def test_a_failed_run_keeps_its_logs(monkeypatch: pytest.MonkeyPatch) -> None:
         assert (kept / "broker.log").read_text() == "the broker's last words\n"
     finally:
         shutil.rmtree(kept)
+
+
+def test_output_to_a_closed_pipe_ends_quietly_with_the_sigpipe_status() -> None:
+    config = Path(__file__).resolve().parents[2] / "deploy" / "zps.toml"
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command prints
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "zps", "check-config", str(config)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, b"")
