@@ -81,8 +81,11 @@ def test_create_of_an_existing_job() -> None:
     job = Job("j", 4, 2, 1)
     assert job.create(job.spec(), restart=False) == "exists"
     assert job.create(job.spec(), restart=True) == "exists"  # not finished: no reset
-    with pytest.raises(ValueError, match="other settings"):
+    with pytest.raises(ValueError) as refused:
         job.create((8, 2, 1, 3, 0), restart=False)
+    assert str(refused.value) == "job 'j' exists with other settings: n_records 4 (asked 8)"
+    with pytest.raises(ValueError, match=r"per_task 2 \(asked 3\), seed 0 \(asked 7\)$"):
+        job.create((4, 3, 1, 3, 7), restart=False)
     _drain(job)
     assert job.create(job.spec(), restart=False) == "finished"
     assert job.state() == "complete"

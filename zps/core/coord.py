@@ -186,6 +186,10 @@ class JobFailed(Exception):
     """A task came back more often than the job allows."""
 
 
+#: The settings of a job, in the order of :meth:`Job.spec`.
+SPEC_FIELDS = ("n_records", "per_task", "epochs", "max_retries", "seed")
+
+
 @dataclass
 class Job:
     name: str
@@ -264,6 +268,7 @@ class Job:
         return job
 
     def spec(self) -> tuple[int, int, int, int, int]:
+        """The job's settings, named by :data:`SPEC_FIELDS`."""
         return (self.n_records, self.per_task, self.epochs, self.max_retries, self.seed)
 
     @property
@@ -371,7 +376,12 @@ class Job:
             return "restarted"
         if spec != self.spec():
             hint = " (restart=True runs it again with these)" if self.finished else ""
-            raise ValueError(f"job {self.name!r} exists with other settings {self.spec()}{hint}")
+            differ = ", ".join(
+                f"{name} {have} (asked {asked})"
+                for name, have, asked in zip(SPEC_FIELDS, self.spec(), spec, strict=True)
+                if have != asked
+            )
+            raise ValueError(f"job {self.name!r} exists with other settings: {differ}{hint}")
         return "finished" if self.finished else "exists"
 
     def progress(self) -> dict[str, Any]:
