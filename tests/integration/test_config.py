@@ -122,7 +122,17 @@ INVALID: dict[str, tuple[str, str, list[str]]] = {
         '[security]\ncurve_secret_key_file = "/nonexistent/zps.key_secret"\n'
         'curve_public_key_file = "/nonexistent/zps.key"\n',
         "broker",
-        ["security.curve_public_key_file: cannot load /nonexistent/zps.key"],
+        ["security.curve_public_key_file: cannot load /nonexistent/zps.key: the file does not"],
+    ),
+    "a worker's broker that is not an endpoint": (
+        '[worker]\nbroker = "localhost:5555"\n',
+        "status",
+        ["worker.broker must be ZeroMQ endpoints like tcp://HOST:PORT, got 'localhost:5555'"],
+    ),
+    "a shard's broker pair with one bad endpoint": (
+        '[shard]\nbrokers = ["tcp://a:5555", "b:5555"]\n',
+        "shard",
+        ["shard.brokers must be ZeroMQ endpoints like tcp://HOST:PORT, got 'b:5555'"],
     ),
 }
 #: errors of the loader itself name the file; range checks name only the key

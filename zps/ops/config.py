@@ -59,6 +59,12 @@ def _endpoint(owner: str, key: str, value: object) -> None:
         )
 
 
+def given_brokers(role: str, brokers: tuple[str, ...], broker: str) -> tuple[object, str]:
+    """What a role's settings give as its brokers, and the key that gives it (``brokers``
+    when set, else ``broker``), for :func:`broker_endpoints` to check and to name."""
+    return (list(brokers), f"{role}.brokers") if brokers else (broker, f"{role}.broker")
+
+
 def broker_endpoints(value: object, owner: str = "broker") -> tuple[str, ...]:
     """The broker endpoints a process is given: one endpoint, a comma-separated pair
     (``tcp://a:5555,tcp://b:5555``), or a list of them (a Binary Star pair)."""
@@ -401,7 +407,7 @@ class ShardConfig:
     replication: Replication = field(default_factory=Replication)
 
     def __post_init__(self) -> None:
-        broker_endpoints(list(self.brokers) or self.broker, "shard.brokers")
+        broker_endpoints(*given_brokers("shard", self.brokers, self.broker))
         _endpoint("shard", "replication_bind", self.replication_bind)
         _integer("shard", 1, max_message_bytes=self.max_message_bytes)
         _integer("shard", 1, reply_queue_bytes=self.reply_queue_bytes)
@@ -439,7 +445,7 @@ class ShardConfig:
     @property
     def endpoints(self) -> tuple[str, ...]:
         """Every broker endpoint (two for a broker pair)."""
-        return broker_endpoints(list(self.brokers) or self.broker, "shard.brokers")
+        return broker_endpoints(*given_brokers("shard", self.brokers, self.broker))
 
 
 @dataclass(frozen=True)
@@ -537,7 +543,7 @@ class WorkerConfig:
     metrics: Metrics = field(default_factory=Metrics)
 
     def __post_init__(self) -> None:
-        broker_endpoints(list(self.brokers) or self.broker, "worker.brokers")
+        broker_endpoints(*given_brokers("worker", self.brokers, self.broker))
         _positive("worker", stop_grace=self.stop_grace, stall_margin=self.stall_margin)
         _integer("worker", 0, metrics_port=self.metrics_port)
         if self.metrics_port > 65535:
@@ -548,7 +554,7 @@ class WorkerConfig:
     @property
     def endpoints(self) -> tuple[str, ...]:
         """Every broker endpoint (two for a broker pair)."""
-        return broker_endpoints(list(self.brokers) or self.broker, "worker.brokers")
+        return broker_endpoints(*given_brokers("worker", self.brokers, self.broker))
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,9 @@ def write_keypair(
 
 
 def _load(path: str, what: str, secret: bool) -> bytes:
+    if not Path(path).is_file():
+        state = "is not a file" if Path(path).exists() else "does not exist"
+        raise ConfigError(f"security.{what}: cannot load {path}: the file {state}")
     try:
         pub, sec = transport.load_keys(path)
     except (OSError, ValueError) as e:
