@@ -72,3 +72,14 @@ def test_output_to_a_closed_pipe_ends_quietly_with_the_sigpipe_status() -> None:
     finally:
         os.close(write)
     assert (done.returncode, done.stderr) == (141, b"")
+
+
+def test_an_unknown_flag_is_told_with_its_commands_usage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit:
+        server_main(["status", "--brokr", "tcp://127.0.0.1:5555"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: zps-server status ")
+    assert "zps-server status: error: unrecognized arguments: --brokr" in err

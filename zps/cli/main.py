@@ -65,11 +65,15 @@ def server_parser() -> argparse.ArgumentParser:
         "--staleness", type=at_least(0), default=2, help="ssp: staleness bound (default 2)"
     )
     d.add_argument("--log-level", default=None, choices=LEVELS)
+    for command in sub.choices.values():  # an unknown flag is told with its command's usage
+        command.set_defaults(command_parser=command)
     return parser
 
 
 def server_main(argv: Sequence[str] | None = None) -> int:
-    args = server_parser().parse_args(argv)
+    args, unknown = server_parser().parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     malloc.tune()
     try:
         match args.command:
