@@ -347,6 +347,9 @@ def test_broker_sigkilled_mid_move_cancels_it_and_resumes_the_scale(tmp_path: Pa
         assert not problems, "\n".join(problems) + c.logs()
         assert _slots(done) == [2048, 2048]
         assert done["reshard"]["moves_cancelled"] == 1, done["reshard"]
+        # started again with --partitions 1, it says it serves its record's 2
+        assert "listening on" in (said := c.broker().log()), said
+        assert "2 partitions x 1 copies (the partitions of its record: the setting's 1" in said
 
 
 @pytest.mark.timeout(240)

@@ -398,13 +398,18 @@ class Broker:
             stall_timeout=self.config.stall_timeout,
             name="broker",
         )
+        n = self.state.n_partitions
         log.info(
-            "broker (pid %d) listening on %s: %d partitions x %d copies; only claims "
+            "broker (pid %d) listening on %s: %d partitions x %d copies%s; only claims "
             "are granted for the first %.1fs",
             os.getpid(),
             self.endpoint,
-            self.config.partitions,
+            n,
             self.config.replication,
+            f" (the partitions of its record: the setting's {self.config.partitions} is for "
+            "a new cluster)"
+            if n != self.config.partitions
+            else "",
             self.config.grace,
         )
         self.bound.set()
