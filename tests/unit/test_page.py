@@ -5,8 +5,10 @@ the event loop."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -175,6 +177,38 @@ def test_a_stalled_loop_gets_a_503_not_a_hang(
     finally:
         release.set()
     assert time.monotonic() - began < 5
+
+
+def test_a_loop_that_stops_before_building_leaves_nothing_unawaited(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A viewer's request that the loop never ran (the process stopping) leaves no
+    coroutine behind to be collected un-awaited."""
+    monkeypatch.setattr(metrics, "STATUS_TIMEOUT_S", 0.2)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = metrics.MetricsServer(Metrics(port=0), lambda: [], status=lambda: {})
+    asyncio.run_coroutine_threadsafe(_adopt(server), loop).result(5)
+    release = threading.Event()
+
+    def block_then_stop() -> None:
+        release.wait(10)
+        loop.stop()  # the build queued meanwhile never runs
+
+    loop.call_soon_threadsafe(block_then_stop)
+    try:
+        with pytest.raises(metrics.StatusUnavailable, match="did not answer"):
+            server.status_json()
+    finally:
+        release.set()
+        thread.join(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop.close()
+        del server
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)], caught
 
 
 async def _adopt(server: metrics.MetricsServer) -> None:

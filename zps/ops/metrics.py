@@ -360,9 +360,16 @@ class MetricsServer:
         """Whether ``/`` and ``/status.json`` are served (a status callback was given)."""
         return self._status is not None
 
-    async def _status_report(self) -> bytes:
-        assert self._status is not None
-        return json.dumps(self._status(), default=str).encode()
+    def _build_status(self, pending: concurrent.futures.Future[bytes]) -> None:
+        """Run by the event loop: the report into ``pending`` (a plain callback, not a
+        coroutine, so a loop that closes before running it leaves nothing un-awaited)."""
+        if not pending.set_running_or_notify_cancel():
+            return
+        try:
+            assert self._status is not None
+            pending.set_result(json.dumps(self._status(), default=str).encode())
+        except Exception as e:  # said by the viewer's request (status_json)
+            pending.set_exception(e)
 
     def status_json(self, now: float | None = None) -> bytes:
         """The status report as JSON, from any thread but the event loop's: built there
@@ -380,8 +387,9 @@ class MetricsServer:
             pending = self._status_pending
             if pending is None or pending.done():
                 # One build at a time: viewers arriving meanwhile wait for the same one.
+                pending = concurrent.futures.Future()
                 try:
-                    pending = asyncio.run_coroutine_threadsafe(self._status_report(), loop)
+                    loop.call_soon_threadsafe(self._build_status, pending)
                 except RuntimeError:  # the loop is closed
                     raise StatusUnavailable("the process is stopping") from None
                 self._status_pending = pending
