@@ -306,3 +306,37 @@ async def test_an_export_whose_cut_is_gone_starts_again(
     assert sorted(got) == ids.tolist()
     for i in ids[::97].tolist():
         np.testing.assert_array_equal(got[i], np.full(8, float(i)))
+
+
+@pytest.mark.timeout(240)
+def test_exports_during_a_live_scale_hold_every_row_once(tmp_path: Path) -> None:
+    """Exports taken back to back while the cluster scales from 2 to 4 partitions and
+    back: each holds every row once and every chunk, with their values, whichever moves
+    its cuts met (a partition added and not serving yet, a cut in a move's cut-over)."""
+    ids = np.arange(30_000, dtype=np.int64) * 13
+    rows = np.tile(ids[:, None].astype(np.float32), (1, 4))
+    dense = np.arange(300_000, dtype=np.float32)  # five chunks
+    exports = 0
+    with (
+        LocalCluster(partitions=2, shards=4, broker_data_dir=tmp_path / "broker") as c,
+        zps.connect_sync(c.address, timeout=30) as ps,
+    ):
+        ps.create_embedding("moving", dim=4)
+        ps.set_rows("moving", ids, rows)
+        ps.create_dense("moving_w", dense.size)
+        ps.set_dense("moving_w", dense)
+        for target in (4, 2):
+            answer = c.scale(target)
+            assert answer["ok"], answer
+            resharding = True
+            while resharding:
+                resharding = (c.status().get("reshard") or {}).get("target") is not None
+                out = tmp_path / f"e{exports}"
+                ps.export_model(out)
+                got = read_export(out)
+                assert sorted(got["moving"]) == ids.tolist()
+                for i in ids[::499].tolist():
+                    np.testing.assert_array_equal(got["moving"][i], np.full(4, float(i)))
+                np.testing.assert_array_equal(got["moving_w"], dense)
+                exports += 1
+            assert c.wait_resharded(target, 120)["n_partitions"] == target

@@ -8,12 +8,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from zps.client.export import export_model
 from zps.client.session import NO_SUCH_PARTITION
 from zps.core.routing import ClusterMap, PartitionInfo, default_slot_map
-from zps.errors import ShardUnavailableError
+from zps.errors import BadRequestError, ProtocolError, ShardUnavailableError
 from zps.model.format import Export
 from zps.ops.config import ClientConfig
 
@@ -32,6 +33,8 @@ class Cluster:
         self.cluster_map = cmap(1, n)
         self.sent: list[tuple[int, str]] = []
         self.on_cut: Any = None
+        #: The slots each partition's cut names (a partition a move involved).
+        self.owned: dict[int, bytes] = {}
 
     def submit(
         self, partition: int, body: dict[str, Any], arrays: Any, *, reply_bytes: int = 0
@@ -43,7 +46,10 @@ class Cluster:
             if fut.done():
                 return fut
         n = len(self.sent)
-        fut.set_result({"st": "OK", "cut": [1, n], "tables": [], "lsn": n, "epoch": 1})
+        reply = {"st": "OK", "cut": [1, n], "tables": [], "lsn": n, "epoch": 1}
+        if body["op"] == "cut" and partition in self.owned:
+            reply["owned"] = self.owned[partition]
+        fut.set_result(reply)
         return fut
 
 
@@ -92,3 +98,78 @@ async def test_an_unavailable_partition_is_not_taken_for_a_move(tmp_path: Path) 
     with pytest.raises(ShardUnavailableError, match="lost"):
         await export_model(c, tmp_path / "out")  # type: ignore[arg-type]
     assert [p for p, op in c.sent if op == "cut"] == [0, 1]  # not taken again
+
+
+def slots(mask: np.ndarray) -> bytes:
+    return np.packbits(mask).tobytes()
+
+
+async def test_a_cut_in_the_middle_of_a_move_is_taken_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Partition 1 was cut after the map gave it slots 0-7 and before it served them
+    (its cut names only 8-15): the rows of 0-7 would be in no cut; once it serves
+    them, the cuts are whole."""
+    c = Cluster(2)
+    c.cluster_map = ClusterMap(
+        2,
+        16,
+        np.repeat(np.int32([0, 1]), [0, 16]).astype(np.int32),
+        {p: PartitionInfo(primary=f"s{p}") for p in range(2)},
+    )
+    c.owned = {0: slots(np.zeros(16, bool)), 1: slots(np.arange(16) >= 8)}
+
+    def activated(partition: int, fut: asyncio.Future[dict[str, Any]]) -> None:
+        if partition == 1 and sum(op == "cut" for _, op in c.sent) > 2:
+            c.owned[1] = slots(np.ones(16, bool))
+
+    c.on_cut = activated
+    with caplog.at_level(logging.WARNING, logger="zps.export"):
+        manifest = await export_model(c, tmp_path / "out")  # type: ignore[arg-type]
+    assert "partition 1 was cut in the middle of a slot move" in caplog.text
+    assert [p for p, op in c.sent if op == "cut"] == [0, 1, 0, 1]
+    assert sorted(manifest["partitions"]) == ["0", "1"]
+
+
+async def test_a_source_cut_still_holding_slots_given_away_is_taken_again(
+    tmp_path: Path,
+) -> None:
+    c = Cluster(2)  # the default map: slots 0-7 on partition 0, 8-15 on 1
+    given = c.cluster_map.slot_map == 1
+    c.owned = {0: slots(np.ones(16, bool)), 1: slots(given)}  # 0 not yet released
+    released: list[int] = []
+
+    def release(partition: int, fut: asyncio.Future[dict[str, Any]]) -> None:
+        if partition == 0 and released:
+            c.owned[0] = slots(~given)
+        released.append(partition)
+
+    c.on_cut = release
+    await export_model(c, tmp_path / "out")  # type: ignore[arg-type]
+    assert [p for p, op in c.sent if op == "cut"] == [0, 1, 0, 1]
+
+
+async def test_a_cut_naming_malformed_slots_is_a_protocol_error(tmp_path: Path) -> None:
+    c = Cluster(2)
+    c.owned = {1: b"\x00"}  # 16 slots need two bytes
+    with pytest.raises(ProtocolError, match="partition 1's cut names its slots malformed"):
+        await export_model(c, tmp_path / "out")  # type: ignore[arg-type]
+
+
+async def test_cuts_wait_for_a_moment_between_moves_within_the_timeout(tmp_path: Path) -> None:
+    """Moves that never stop: the export starts again more often than ``attempts`` (a
+    move is not a failure), and gives up at the client's timeout, saying why."""
+    c = Cluster(2)
+    c.config = ClientConfig(timeout=0.5)
+    version = [0]
+
+    def always_moving(partition: int, fut: asyncio.Future[dict[str, Any]]) -> None:
+        if partition == 1:
+            version[0] += 1
+            n = 2 + version[0] % 2  # 2, 3, 2, ...: a partition added, removed, ...
+            c.cluster_map = cmap(version[0], n)
+
+    c.on_cut = always_moving
+    with pytest.raises(BadRequestError, match=r"kept moving slots for 0\.5s"):
+        await export_model(c, tmp_path / "out")  # type: ignore[arg-type]
+    assert sum(op == "cut" and p == 0 for p, op in c.sent) > 3

@@ -8,9 +8,11 @@ the client reads the copies in pieces within the message budget while training g
 writing them into the open format of :mod:`zps.model.format`.  Each partition is cut at one
 LSN (reported in the manifest); training may continue during and after the cut.  If a
 primary changes while its cut is read (a failover), the copy is gone with it and the
-export starts again (at most ``attempts`` times); so it does when live resharding moved
-slots while the partitions were cut (a partition added or removed, or the slot map
-changed between the first cut and the last): each row is then in exactly one cut.
+export starts again (at most ``attempts`` times).  It starts again too when live
+resharding moved slots while the partitions were cut (a partition added or removed, the
+slot map changed between the first cut and the last, or a partition cut in the middle of
+a move's cut-over, its slots not the map's), after a pause that doubles, for as long as
+the client's timeout: the cuts it keeps hold each row exactly once.
 
 Import (:func:`import_model`): creates each table with the exported spec (idempotent for
 an identical one; ``TableConflictError`` naming the fields if a table of that name differs),
@@ -41,7 +43,7 @@ from zps.client.values import runs
 from zps.core.batching import groups_by_bytes
 from zps.core.routing import ClusterMap, chunk_partition
 from zps.core.rows import Split, take_rows
-from zps.errors import BadRequestError, ShardUnavailableError, UnknownTableError
+from zps.errors import BadRequestError, ProtocolError, ShardUnavailableError, UnknownTableError
 from zps.model.format import Export, ExportWriter, state_offsets
 from zps.ops.config import ClientConfig
 from zps.protocol.specs import DenseSpec, EmbeddingSpec, TableSpec, spec_from_wire
@@ -73,6 +75,10 @@ class Tables(Protocol):
 
 log = logging.getLogger("zps.export")
 
+#: Seconds before an export starts again, doubling up to the most: a slot move's
+#: cut-over (its map, activation and release) takes a few round trips, a failover more.
+RETRY_PAUSE_S, RETRY_PAUSE_MAX_S = 0.05, 1.0
+
 #: Rows set per ``set_rows`` call of an import (the client cuts each into messages).
 IMPORT_ROWS = 1 << 20
 
@@ -94,20 +100,35 @@ async def export_model(
     that are gone (see :func:`zps.model.format.apply_delta`)."""
     base = Export(since) if since is not None else None
     state = not values_only and base is None
-    for attempt in range(1, attempts + 1):
+    loop = asyncio.get_running_loop()
+    attempt, pause, deadline = 1, RETRY_PAUSE_S, None
+    while True:
         try:
             return await _export_once(client, Path(out), tables, source, base, state)
         except (BadRequestError, ShardUnavailableError) as e:
-            again = (
-                e.missing == NO_SUCH_PARTITION
-                if isinstance(e, ShardUnavailableError)
-                else "take a new cut" in str(e)
+            moved = isinstance(e, _Resharded) or (
+                isinstance(e, ShardUnavailableError) and e.missing == NO_SUCH_PARTITION
             )
-            if not again or attempt == attempts:
+            if moved:  # cuts wait for a moment between two moves, within the timeout
+                deadline = deadline or loop.time() + client.config.timeout
+                if loop.time() >= deadline:
+                    raise BadRequestError(
+                        f"the cluster kept moving slots for {client.config.timeout:g}s (the "
+                        "client's timeout): no export cut fell between two moves; export "
+                        "again when the resharding is done (zps-server status)"
+                    ) from e
+            elif "take a new cut" in str(e) and attempt < attempts:
+                attempt += 1
+            else:
                 raise
-            log.warning("export: %s; starting again (attempt %d)", e, attempt + 1)
+            log.warning("export: %s; starting again", e)
             shutil.rmtree(Path(out) / "tables", ignore_errors=True)
-    raise AssertionError("unreachable")
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, RETRY_PAUSE_MAX_S)
+
+
+class _Resharded(BadRequestError):
+    """The cuts did not partition the slots as one map: take new ones."""
 
 
 async def _export_once(
@@ -125,21 +146,28 @@ async def _export_once(
     try:
         now = client.cluster_map
         if now.n_partitions != n or not np.array_equal(now.slot_map, cmap.slot_map):
-            raise BadRequestError(
-                "live resharding moved slots while the partitions were cut: take a new cut"
-            )
+            raise _Resharded("live resharding moved slots while the partitions were cut")
+        for p, cut in enumerate(cuts):
+            if not _serves_its_slots(cut, p, now):
+                raise _Resharded(f"partition {p} was cut in the middle of a slot move")
         per_table: dict[str, list[dict[str, Any]]] = {}
-        for cut in cuts:
+        on: dict[str, set[int]] = {}
+        for p, cut in enumerate(cuts):
             for t in cut["tables"]:
                 per_table.setdefault(t["spec"]["name"], []).append(t)
+                on.setdefault(t["spec"]["name"], set()).add(p)
+        # A partition a scale added learns the specs with its first move's rows: until
+        # then it serves no slot, and it may hold no table.
+        serving = set(np.unique(now.slot_map).tolist())
         wanted = sorted(per_table) if names is None else list(names)
         for name in wanted:
             if name not in per_table:
                 raise UnknownTableError(f"unknown table {name!r}: nothing to export")
-            if len(per_table[name]) != n:
+            if not serving <= on[name]:
                 raise BadRequestError(
-                    f"table {name!r} is on {len(per_table[name])} of {n} partitions "
-                    "(created or dropped during the export); export again"
+                    f"table {name!r} is on {len(on[name] & serving)} of the {len(serving)} "
+                    "partitions that serve slots (created or dropped during the export); "
+                    "export again"
                 )
         writer = ExportWriter(out, source or {"kind": "cluster"}, base=base)
         for name in wanted:
@@ -155,13 +183,13 @@ async def _export_once(
             elif base is None:
                 values = writer.dense(spec)
                 columns = writer.dense_state(spec) if state else {}
-                await _export_dense(client, values.reshape(-1), spec, cuts, columns)
+                await _export_dense(client, values.reshape(-1), spec, cuts, now, columns)
                 values.flush()
                 for a in columns.values():
                     a.flush()
             else:
                 flat = np.empty(spec.size, dtype=spec.dtype)
-                await _export_dense(client, flat, spec, cuts, {})
+                await _export_dense(client, flat, spec, cuts, now, {})
                 if old is None or not np.array_equal(base.values(name).reshape(-1), flat):
                     values = writer.dense(spec)
                     values.reshape(-1)[:] = flat
@@ -171,14 +199,34 @@ async def _export_once(
         writer.finish(partitions, dropped=dropped)
         return Export(out).manifest
     finally:
+        # Freeing the cuts is not part of the export: a partition that a scale removed
+        # meanwhile, or whose primary changed, holds no cut to free (a shard keeps two).
         drops = [
             client.submit(p, {"op": "cut_drop", "cut": c["cut"]}, {}) for p, c in enumerate(cuts)
         ]
-        await gather(drops)
+        for freed in await asyncio.gather(*drops, return_exceptions=True):
+            if isinstance(freed, Exception):
+                log.debug("export: a cut was not freed: %s", freed)
+
+
+def _serves_its_slots(cut: dict[str, Any], partition: int, cmap: ClusterMap) -> bool:
+    """Whether the slots a cut was taken on (``owned``: those of a partition a move
+    involved; absent: the partition's slots never changed) are the map's for it, so that
+    the cuts of all partitions hold every row once: a cut between a move's map and its
+    activation at the destination lacks the slots the map gives it, one between the
+    activation and the release at the source still has the slots given away."""
+    owned = cut.get("owned")
+    if owned is None:
+        return True
+    if not isinstance(owned, bytes) or len(owned) != (cmap.n_slots + 7) // 8:
+        raise ProtocolError(f"partition {partition}'s cut names its slots malformed")
+    mask = np.unpackbits(np.frombuffer(owned, dtype=np.uint8), count=cmap.n_slots)
+    return bool(np.array_equal(mask.astype(bool), cmap.slot_map == partition))
 
 
 def _rows_of(cut: dict[str, Any], name: str) -> int:
-    return next(int(t["n"]) for t in cut["tables"] if t["spec"]["name"] == name)
+    """The rows of table ``name`` in ``cut`` (0: a partition without it, serving no slot)."""
+    return next((int(t["n"]) for t in cut["tables"] if t["spec"]["name"] == name), 0)
 
 
 async def _export_rows(
@@ -270,11 +318,13 @@ async def _export_dense(
     flat: np.ndarray,
     spec: DenseSpec,
     cuts: list[dict[str, Any]],
+    cmap: ClusterMap,
     columns: Mapping[str, np.ndarray],
 ) -> None:
     """The tensor's values into ``flat`` and, if ``columns`` are given, its optimizer
-    state into them (see :meth:`zps.model.format.ExportWriter.dense_state`)."""
-    cmap = client.cluster_map
+    state into them (see :meth:`zps.model.format.ExportWriter.dense_state`); each chunk
+    from the cut of its partition in ``cmap``, the map the cuts were taken by (a
+    partition's cut answers a chunk it does not hold with its initial values)."""
     itemsize = np.dtype(spec.dtype).itemsize
     keys = list(columns)
     offsets = state_offsets(spec, keys)

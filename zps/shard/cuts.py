@@ -72,10 +72,13 @@ class Cuts:
             else:
                 states = table.copy_state()
                 tables[spec.name] = {c: (v, states[c]) for c, v in table.copy_values().items()}
+        owned: dict[str, bytes] = {}
         if slots is not None and slots.active:
             # Live resharding: only the slots this partition owns (not rows it released
-            # and still holds, nor an import not yet served), so no id is cut twice.
+            # and still holds, nor an import not yet served), so no id is cut twice; the
+            # answer names them, so the reader sees a cut taken in the middle of a move.
             owned_only(slots, tables)
+            owned["owned"] = np.packbits(slots.owned).tobytes()
         self._counter += 1
         key = (epoch, self._counter)
         specs = {s.name: s for s in store.specs()}
@@ -88,6 +91,7 @@ class Cuts:
             "lsn": lsn,
             "epoch": epoch,
             "state": with_state,
+            **owned,
             "tables": [
                 {
                     "spec": spec.to_wire(),
