@@ -26,7 +26,7 @@ from zps.errors import ProtocolError
 from zps.optim import SGD
 from zps.protocol import codec
 from zps.protocol.codec import MAGIC, PROTOCOL_VERSION, ROUTE, MsgType
-from zps.testing import LocalCluster, PairCluster, Proc, free_port
+from zps.testing import DataDirCluster, LocalCluster, PairCluster, Proc, free_port
 
 
 def get(port: int, path: str) -> tuple[int, str]:
@@ -490,6 +490,40 @@ def test_drain_hands_a_primary_over_and_undrain_brings_it_back() -> None:
             status = c.status()
             assert not next(s for s in status["shards"] if s["node"] == old)["drained"]
         assert wait_log(c.broker(), rf"WARNING zps\.broker: shard {old} drained by an operator")
+
+
+def test_a_drained_replica_restarted_on_its_data_dir_stays_drained(tmp_path: Path) -> None:
+    """Its copy is of the serving epoch and no spare waits, yet the shard restarted on
+    its data dir gets no role back until `undrain`."""
+    c = DataDirCluster(partitions=1, shards=2, replication=2, workdir=tmp_path)
+    c.port = free_port()
+    try:
+        c.start_broker()
+        a = c.start_shard(tmp_path / "a", ["--name", "a"])
+        b = c.start_shard(tmp_path / "b", ["--name", "b"])
+        c.wait_healthy()
+        with zps.connect_sync(c.address) as ps:
+            ps.create_dense("kept", shape=(4,), dtype="float64", optimizer=SGD(lr=1.0))
+            for _ in range(10):
+                ps.push_dense("kept", np.ones(4))
+        replica = next(p for p in (a, b) if p.pid != c.shard_pid(0))
+        name = "s-a" if replica is a else "s-b"
+        out = run(["drain", name, "--broker", c.address])
+        assert out.returncode == 0, out
+        c.wait_for(lambda s: s["partitions"][0]["replicas"] == [], 20, "the replica to leave")
+        replica.popen.terminate()
+        replica.popen.wait(20)
+        again = c.start_shard(tmp_path / name[-1], ["--name", name[-1]])
+        c.wait_for(lambda s: sum(x["node"] == name for x in s["shards"]) == 1, 20, "it to register")
+        assert wait_log(again, r"restored partition 0"), again.log()
+        status = c.status()
+        mine = next(x for x in status["shards"] if x["node"] == name)
+        assert (mine["role"], mine["drained"]) == ("spare", True), mine
+        assert status["partitions"][0]["replicas"] == []
+        assert run(["undrain", name, "--broker", c.address]).returncode == 0
+        c.wait_for(c.healthy, 30, "the undrained shard back as a replica")
+    finally:
+        c.stop()
 
 
 def test_a_worker_ignoring_the_stop_request_exits_after_the_grace_period(tmp_path: Path) -> None:

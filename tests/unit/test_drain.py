@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zps.core.cluster import ClusterState
+from zps.core.nodes import Claim
 from zps.protocol.messages import Role, StatusRequest
 
 
@@ -88,3 +89,32 @@ def test_drain_requests_round_trip() -> None:
     for request in (StatusRequest(drain="s-a"), StatusRequest(undrain="s-b"), StatusRequest()):
         assert StatusRequest.parse(request.to_wire()) == request
     assert StatusRequest().to_wire() == {}
+
+
+def test_a_drained_shard_that_restarts_with_its_copy_stays_drained() -> None:
+    """Its claim (a replica of the serving epoch, with no spare to take its place) is not
+    granted: it stays a spare until undrained, then is placed again."""
+    state = cluster(2)
+    in_sync(state)
+    epoch = state.shards["s-1"].epoch
+    state.drain("s-1", now=1.0)
+    assert roles(state) == {"s-0": "primary", "s-1": "spare"}
+    state.node_gone("s-1", now=2.0)
+    claim = Claim(0, epoch, Role.REPLICA, 5, complete=True)
+    out = state.register_shard("s-1", host="h1", pid=99, address="tcp://h1:2", now=3.0, claim=claim)
+    assert roles(state) == {"s-0": "primary", "s-1": "spare"}
+    assert [(a.node_id, a.role) for a in out] == [("s-1", Role.SPARE)]
+    assert state.partition_state(0, 3.0) == "degraded"
+    state.undrain("s-1", now=4.0)
+    assert roles(state)["s-1"] == "replica"
+
+
+def test_a_drained_shards_copy_of_a_lost_partition_is_held() -> None:
+    state = cluster(2, replication=1)
+    state.drain("s-1", now=1.0)
+    state.node_gone("s-0", now=2.0)  # the only copy: partition 0 is lost
+    assert state.partition_state(0, 2.0) == "lost"
+    state.node_gone("s-1", now=2.0)
+    claim = Claim(0, 1, Role.REPLICA, 5, complete=True)
+    state.register_shard("s-1", host="h1", pid=99, address="tcp://h1:2", now=3.0, claim=claim)
+    assert state.shards["s-1"].held == claim and state.shards["s-1"].role is Role.SPARE

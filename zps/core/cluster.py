@@ -7,7 +7,8 @@ Rules:
    edited in place.
 2. A registering shard first gets back what it claims (after a broker restart the shards rebuild
    the map), else fills a partition without a primary, else a partition short of replicas, else
-   waits as a spare.
+   waits as a spare.  A shard an operator drained gets nothing, claim or not, until undrained
+   (its copy of a lost partition is held, as a claim not taken is).
 3. After a broker (re)start, for ``hold`` seconds only claims are granted: every surviving shard
    gets the chance to reclaim its role before anything is promoted or handed to an empty shard.
    The driver ends it early once every copy the record names is back (:meth:`claims_in`).
@@ -239,7 +240,10 @@ class ClusterState(ClusterBase):
         ):
             # (A claim at or below a removed partition's epochs is a copy of that one,
             # whose rows all moved away before it went: a spare.)
-            out += self._grant(node, claim, now)
+            if node_id not in self.drained:
+                out += self._grant(node, claim, now)
+            elif self._parts[claim.partition].lost:
+                node.held = claim  # a drained copy gets no role, but is never dropped
         if node.role is Role.SPARE and node.held is None:
             out.append(Assignment(node_id, Role.SPARE, None, 0))
         return merge(gone + out + self._fill(now))
