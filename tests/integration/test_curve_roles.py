@@ -264,3 +264,29 @@ def test_dedup_is_keyed_by_the_authenticated_sender(roles: RolesCluster) -> None
         np.testing.assert_array_equal(ps.pull_dense("dd"), [0.0, 0.0])  # nothing applied
         ps.push_dense("dd", np.ones(2))
         np.testing.assert_array_equal(ps.pull_dense("dd"), [-1.0, -1.0])
+
+
+def test_a_routing_broker_with_a_key_other_than_the_brokers_refuses_to_start(
+    roles: RolesCluster,
+) -> None:
+    """A router serves clients that check the broker's key: started with a shard host's
+    key pair (its clients would fail the handshake and fall back to the broker), it exits 2
+    naming the keys, before it binds."""
+    assert roles.workdir is not None
+    path = roles.workdir / "router.toml"
+    path.write_text(
+        f'[broker]\nfollow = "{roles.address}"\nbind = "tcp://127.0.0.1:{free_port()}"\n'
+        + roles.security("shard0")
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "zps", "broker", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=roles.env(),
+    )
+    assert out.returncode == 2, out
+    assert "zps-server broker: invalid configuration: a routing broker serves with the " in (
+        out.stderr
+    )
+    assert "security.curve_public_key_file names another key" in out.stderr

@@ -57,7 +57,7 @@ from zps.broker.forwarded import Forwarded
 from zps.broker.primaries import PrimaryLinks
 from zps.core.membership import SHARD_PREFIX, is_liveness
 from zps.core.routing import ClusterMap
-from zps.errors import ProtocolError
+from zps.errors import ConfigError, ProtocolError
 from zps.ops.config import BrokerConfig
 from zps.ops.metrics import MetricsServer, gauge, labelled
 from zps.ops.security import (
@@ -250,6 +250,18 @@ class Router:
         cfg = self.config
         ctx = transport.new_context()
         keys = load_curve_keys(cfg.security)
+        if keys is not None and keys.public != keys.server_public:
+            raise ConfigError(
+                "a routing broker serves with the broker's key pair: its clients check the "
+                "key of security.broker_public_key_file, "
+                + (
+                    "which is not set"
+                    if keys.server_public is None
+                    else "and security.curve_public_key_file names another key"
+                )
+                + " (give the router a settings file naming the broker's key pair: "
+                "docs/deploy.md, section 8)"
+            )
         self._roles = roles = load_roles(cfg.security)
         auth = (
             transport.start_authenticator(
