@@ -172,7 +172,7 @@ class Admission:
     def handshake_refused(self, peer: str, key: bytes | None, reason: str) -> None:
         """A handshake the ZAP handler or the socket refused: counted, logged."""
         self.stats.unauthorized += 1
-        self.refusals.refused(f"a peer at {peer}", key, reason, time.monotonic())
+        self.refusals.refused(f"a peer {peer}", key, reason, time.monotonic())
 
     def wrong_version(self, ident: bytes, node: str, error: VersionMismatchError) -> None:
         """Answer VERSION_MISMATCH (in this protocol version); warn once per peer."""

@@ -513,7 +513,7 @@ class Router:
     def _handshake_refused(self, peer: str, key: bytes | None, reason: str) -> None:
         """A handshake the ZAP handler or the socket refused: counted, logged."""
         self.stats.unauthorized += 1
-        self.refusals.refused(f"a peer at {peer}", key, reason, time.monotonic())
+        self.refusals.refused(f"a peer {peer}", key, reason, time.monotonic())
 
     def _route(self, ident: bytes, route: Route, frames: transport.Frames) -> None:
         assert self._out is not None

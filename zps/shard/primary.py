@@ -186,7 +186,7 @@ class ReplicationStream:
         return True
 
     def _handshake_refused(self, peer: str, key: bytes | None, reason: str) -> None:
-        self.refusals.refused(f"a peer at {peer}", key, reason, time.monotonic())
+        self.refusals.refused(f"a peer {peer}", key, reason, time.monotonic())
 
     def _connection_closed(self, fd: int) -> None:
         """CURVE: a follower's connection closed: it is dropped, and nothing goes to its

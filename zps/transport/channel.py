@@ -65,7 +65,8 @@ DRAIN_BATCH = 256
 BACKOFF_S = 0.001
 
 Frames = list[Any]
-#: Told of each peer refused: (peer address, Z85 key or None, reason).
+#: Told of each peer refused: (where it is, "at ADDRESS" or "connecting to ENDPOINT" when
+#: its address is unknown; its Z85 key or None; the reason).
 OnRefused = Callable[[str, "bytes | None", str], None]
 #: The connection metadata property that carries a peer's zps id under CURVE.
 ZPS_ID_PROPERTY = "X-Zps-Id"
@@ -350,7 +351,8 @@ class Channel:
             user = _property(meta, "User-Id")
             key = user.encode() if isinstance(user, str) and user else None
             address = _property(meta, "Peer-Address")
-            self.on_refused(address if isinstance(address, str) else "?", key, reason)
+            where = f"at {address}" if isinstance(address, str) else "at an unknown address"
+            self.on_refused(where, key, reason)
 
     def accepted(self, frames: Frames) -> None:
         """The message ``frames`` (as received) was accepted: its sender's key owns its

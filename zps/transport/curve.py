@@ -56,6 +56,15 @@ def load_keys(path: str) -> tuple[bytes | None, bytes | None]:
     return public, secret
 
 
+def public_key_of(secret: bytes) -> bytes:
+    """The Z85 public key of the Z85 secret key ``secret``; ValueError if ``secret`` is
+    not one."""
+    try:
+        return zmq.curve_public(secret)
+    except zmq.ZMQError as e:
+        raise ValueError(f"not a Z85 CURVE secret key: {e}") from None
+
+
 def load_public_keys(directory: str) -> frozenset[bytes]:
     """The Z85 public keys of every ``*.key`` file in ``directory``."""
     import zmq.auth
@@ -99,13 +108,13 @@ class _KeySet:
     def __init__(self, keys: frozenset[bytes] | None, on_refused: OnRefused | None) -> None:
         self.keys = keys
         self.on_refused = on_refused
-        self.peer = "?"  # the address of the handshake being decided
+        self.peer = "an unknown address"  # the address of the handshake being decided
 
     def callback(self, domain: str, key: bytes) -> bool:
         if self.keys is None or key in self.keys:
             return True
         if self.on_refused is not None:
-            self.on_refused(self.peer, key, "key_not_allowed")
+            self.on_refused(f"at {self.peer}", key, "key_not_allowed")
         return False
 
 
@@ -167,7 +176,8 @@ def start_authenticator(
             # pyzmq's handler decides and replies (_send_zap_reply) before its first
             # suspension (the key check is synchronous): the peer and the envelope
             # set here are this request's.
-            provider.peer = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
+            address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else ""
+            provider.peer = address or "an unknown address"
             self.envelope = envelope
             await super().handle_zap_message(msg)
 
@@ -245,10 +255,11 @@ def watch_handshakes(
                 if on_closed is not None:
                     on_closed(int(event["value"]))
                 continue
+            # The event names the endpoint the peer connected to, not the peer.
             where = event.get("endpoint", b"?")
-            peer = where.decode("utf-8", "replace") if isinstance(where, bytes) else str(where)
+            endpoint = where.decode("utf-8", "replace") if isinstance(where, bytes) else str(where)
             on_refused(
-                peer,
+                f"connecting to {endpoint}",
                 None,
                 "key_not_allowed" if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "no_key",
             )
