@@ -232,9 +232,15 @@ class Connection:
                 raise ZpsTimeoutError(
                     f"handshake refused: the broker at {' or '.join(self.addresses)} {refused}"
                 ) from None
+            hint = (
+                "is `zps-server broker` running there?"
+                if self.config.security.enabled
+                else "is `zps-server broker` running there, without CURVE? A broker with "
+                "CURVE does not answer a client without a key ([security])"
+            )
             raise ZpsTimeoutError(
                 f"no answer from the broker at {' or '.join(self.addresses)} within "
-                f"{self.config.connect_timeout:g}s (is `zps-server broker` running there?)"
+                f"{self.config.connect_timeout:g}s ({hint})"
             ) from None
 
     async def _introduce(self) -> None:
