@@ -271,3 +271,23 @@ def test_a_status_query_never_makes_the_standby_take_over(pair: PairCluster) -> 
         assert "-> active" in standby_proc.log()
     finally:
         active.popen.send_signal(signal.SIGCONT)
+
+
+def test_a_client_given_only_the_standby_is_told_so(pair: PairCluster) -> None:
+    """The standby answers a client PASSIVE while the active broker serves: a client (or
+    `zps-server status`) given only its address is told to give both, not that nothing
+    answered."""
+    status = wait_whole(pair)
+    active = pair.proc_by_pid(status["broker"]["pid"])
+    standby = pair.endpoint(1 if "primary" in active.name else 0)
+    with pytest.raises(ZpsTimeoutError, match="it is the standby of a broker pair: give both"):
+        zps.connect_sync(standby, connect_timeout=1.0, timeout=1.0)
+    out = subprocess.run(
+        [sys.executable, "-m", "zps", "status", "--broker", standby, "--timeout", "1"],
+        env=pair.env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert "it is the standby of a broker pair: give both" in out.stderr, out
+    assert whole(pair, pair.status())  # it did not take over

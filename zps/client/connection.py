@@ -43,7 +43,7 @@ from zps.client.background import Background
 from zps.client.futures import gather, ignore
 from zps.client.inbound import REPLIES, from_broker, lost_changes
 from zps.client.ops import Op, Resubmits, Token, copy_everywhere, copy_shared, deliver, fail, merge
-from zps.client.pair import PairFollower
+from zps.client.pair import PairFollower, no_answer
 from zps.client.routerlinks import RouterLinks
 from zps.client.session import (
     Action,
@@ -135,6 +135,7 @@ class Connection:
         self._background = Background(self.config.max_background)
         self._lazy_parts: set[int] = set()  # sent lazy requests since the last flush
         self._mismatch: VersionMismatchError | None = None  # a broker of another version
+        self._passive = False  # the one broker given answered as a pair's standby
         # Routing brokers of the map (zps.client.routers): requests for a partition go to
         # its router while that one answers.
         self._links = RouterLinks(
@@ -232,15 +233,13 @@ class Connection:
                 raise ZpsTimeoutError(
                     f"handshake refused: the broker at {' or '.join(self.addresses)} {refused}"
                 ) from None
-            hint = (
-                "is `zps-server broker` running there?"
-                if self.config.security.enabled
-                else "is `zps-server broker` running there, without CURVE? A broker with "
-                "CURVE does not answer a client without a key ([security])"
-            )
             raise ZpsTimeoutError(
-                f"no answer from the broker at {' or '.join(self.addresses)} within "
-                f"{self.config.connect_timeout:g}s ({hint})"
+                no_answer(
+                    self.addresses,
+                    self.config.connect_timeout,
+                    passive=self._passive,
+                    keyed=self.config.security.enabled,
+                )
             ) from None
 
     async def _introduce(self) -> None:
@@ -750,6 +749,7 @@ class Connection:
             self._links.heard_broker(self.addresses[index])  # a router as broker
         if self._pair is not None and not self._pair.heard(index, msg):
             return
+        self._passive = msg.header.get("passive") is True  # a standby of a pair, alone
         await self.dispatch(msg)
 
     def _on_malformed(self, frames: transport.Frames, err: ProtocolError) -> None:

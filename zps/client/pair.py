@@ -77,3 +77,19 @@ class PairFollower:
         if verdict:
             self.switch_to(index, "it is the active broker now")
         return True
+
+
+def no_answer(addresses: Sequence[str], waited: float, *, passive: bool, keyed: bool) -> str:
+    """Why an introduction got no map within ``waited`` seconds, as the client can tell:
+    the one broker given is a pair's standby (``passive``: it answered so), or nothing
+    answered (with no key of its own, the client may have reached a CURVE broker)."""
+    if passive:
+        hint = "it is the standby of a broker pair: give both brokers' addresses"
+    elif keyed:
+        hint = "is `zps-server broker` running there?"
+    else:
+        hint = (
+            "is `zps-server broker` running there, without CURVE? A broker with CURVE does "
+            "not answer a client without a key ([security])"
+        )
+    return f"no answer from the broker at {' or '.join(addresses)} within {waited:g}s ({hint})"
