@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from zps import transport
 from zps.ops.config import load_settings
 from zps.testing import LocalCluster, free_port
 
@@ -45,6 +47,10 @@ def worker_cmd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[s
         stdin=subprocess.DEVNULL,
     )
 
+
+#: In INVALID's texts: a directory holding the key pairs a.key/a.key_secret and
+#: b.key/b.key_secret, written for the case.
+KEYS = "{keys}"
 
 # (file text, role, what stderr must say)
 INVALID: dict[str, tuple[str, str, list[str]]] = {
@@ -124,6 +130,15 @@ INVALID: dict[str, tuple[str, str, list[str]]] = {
         "broker",
         ["security.curve_public_key_file: cannot load /nonexistent/zps.key: the file does not"],
     ),
+    "a public key of another key pair": (
+        f'[security]\ncurve_secret_key_file = "{KEYS}/a.key_secret"\n'
+        f'curve_public_key_file = "{KEYS}/b.key"\n',
+        "broker",
+        [
+            f"security.curve_public_key_file {KEYS}/b.key is not the public key of "
+            f"security.curve_secret_key_file {KEYS}/a.key_secret"
+        ],
+    ),
     "a worker's broker that is not an endpoint": (
         '[worker]\nbroker = "localhost:5555"\n',
         "status",
@@ -147,9 +162,19 @@ NAMES_FILE = {
 }
 
 
+def key_pairs(directory: Path) -> str:
+    """Write the key pairs ``a`` and ``b`` in ``directory``; its path."""
+    for name in ("a", "b"):
+        transport.write_keypair(str(directory), name)
+    return str(directory)
+
+
 @pytest.mark.parametrize("case", list(INVALID))
 def test_invalid_config_exits_2_naming_the_key(case: str, tmp_path: Path) -> None:
     text, role, expected = INVALID[case]
+    if KEYS in text:
+        keys = key_pairs(tmp_path / "keys")
+        text, expected = text.replace(KEYS, keys), [e.replace(KEYS, keys) for e in expected]
     path = tmp_path / "zps.toml"
     path.write_text(text)
     extra = ["--bind", f"tcp://127.0.0.1:{free_port()}"] if role == "broker" else []
@@ -161,6 +186,26 @@ def test_invalid_config_exits_2_naming_the_key(case: str, tmp_path: Path) -> Non
     assert "Traceback" not in out.stderr
     if case in NAMES_FILE:
         assert str(path) in out.stderr
+
+
+def test_check_config_takes_a_key_pair_and_refuses_two_halves(tmp_path: Path) -> None:
+    keys = key_pairs(tmp_path / "keys")
+    path = tmp_path / "zps.toml"
+    for public, ok in (("a.key", True), ("b.key", False)):
+        path.write_text(
+            f'[security]\ncurve_secret_key_file = "{keys}/a.key_secret"\n'
+            f'curve_public_key_file = "{keys}/{public}"\n'
+        )
+        out = zps_cmd("check-config", str(path))
+        if ok:
+            assert (out.returncode, out.stdout.strip()) == (0, f"{path}: ok"), out.stderr
+        else:
+            assert out.returncode == 1, (out.stdout, out.stderr)
+            assert out.stderr.strip() == (
+                f"{path}: invalid: security.curve_public_key_file {keys}/b.key is not the "
+                f"public key of security.curve_secret_key_file {keys}/a.key_secret: give the "
+                "NAME.key and NAME.key_secret that `zps-server keygen` wrote together"
+            ), out.stderr
 
 
 @pytest.mark.parametrize("role", ["broker", "shard", "status"])
@@ -332,3 +377,39 @@ def test_deploy_example_is_accepted_by_the_command_line(tmp_path: Path) -> None:
     # ps-broker does not resolve here: the configuration was accepted, the connection not
     assert out.returncode == 1, out.stderr
     assert "invalid configuration" not in out.stderr
+
+
+def test_a_shard_logs_the_broker_pair_it_connects_to(tmp_path: Path) -> None:
+    """With ``[shard] brokers``, the start-up line names both brokers of the pair, not
+    ``shard.broker``'s default."""
+    a, b = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    config = tmp_path / "zps.toml"
+    config.write_text(
+        f'[shard]\nbrokers = ["{a}", "{b}"]\nreplication_bind = "tcp://127.0.0.1:0"\n'
+    )
+    shard = subprocess.Popen(
+        [sys.executable, "-m", "zps", "shard", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env(),
+    )
+    assert shard.stdout is not None
+    # No broker answers: the shard keeps trying until it is stopped.  The timer ends the
+    # read (EOF) should the line never come.
+    timer = threading.Timer(30, shard.kill)
+    timer.start()
+    try:
+        lines: list[str] = []
+        for line in shard.stdout:
+            lines.append(line)
+            if ") connecting to " in line:
+                break
+    finally:
+        timer.cancel()
+        shard.kill()
+        shard.wait(10)
+        shard.stdout.close()
+    assert lines and ") connecting to " in lines[-1], "".join(lines)
+    assert f") connecting to {a}, {b}; replication at tcp://" in lines[-1], lines[-1]

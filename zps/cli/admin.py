@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Any
 
-from zps.cli.common import add_broker, add_common, admin_target, run_async
+from zps.cli.common import add_broker, add_common, admin_target, at_least, run_async
 from zps.cli.status import reshard_line
 from zps.ops.config import ClientConfig
 
@@ -24,7 +24,7 @@ def add_parsers(sub: Any) -> None:
         "accepting the loss of what its missing copies held",
     )
     add_broker(r)
-    r.add_argument("--partition", type=int, required=True, help="the lost partition")
+    r.add_argument("--partition", type=at_least(0), required=True, help="the lost partition")
     r.add_argument(
         "--accept-data-loss",
         action="store_true",
@@ -50,7 +50,7 @@ def add_parsers(sub: Any) -> None:
     )
     add_broker(sc)
     sc_what = sc.add_mutually_exclusive_group(required=True)
-    sc_what.add_argument("--partitions", type=int, help="the partition count to reach")
+    sc_what.add_argument("--partitions", type=at_least(1), help="the partition count to reach")
     sc_what.add_argument(
         "--cancel",
         action="store_true",
@@ -65,14 +65,14 @@ def add_parsers(sub: Any) -> None:
     )
     sc.add_argument(
         "--max-slots-per-move",
-        type=int,
+        type=at_least(0),
         default=0,
         help="slots fenced and copied at once (default 256 of 4096: the longest stall of "
         "a caller of those slots grows with it)",
     )
     sc.add_argument(
         "--piece-bytes",
-        type=int,
+        type=at_least(0),
         default=0,
         help="bytes per copied piece (default 8 MiB)",
     )

@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_config(path: str) -> int:
     """Validate a settings file offline: every section and key, and the CURVE key files
-    it names (readable, of the right kind).  0: valid; 1: the first error, naming it."""
+    it names (readable, of the right kind, the public key the one of the secret key).
+    0: valid; 1: the first error, naming it."""
     from zps.ops.security import load_curve_keys, load_key_roles
 
     try:

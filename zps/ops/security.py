@@ -118,12 +118,32 @@ def load_curve_keys(sec: Security) -> CurveKeys | None:
         raise ConfigError(
             f"security.allowed_clients_dir: {sec.allowed_clients_dir} is not a directory"
         )
+    public = _load(sec.curve_public_key_file, "curve_public_key_file", False)
+    secret = _load(sec.curve_secret_key_file, "curve_secret_key_file", True)
+    _check_pair(public, secret, sec.curve_public_key_file, sec.curve_secret_key_file)
     return CurveKeys(
-        public=_load(sec.curve_public_key_file, "curve_public_key_file", False),
-        secret=_load(sec.curve_secret_key_file, "curve_secret_key_file", True),
+        public=public,
+        secret=secret,
         server_public=server,
         allowed_dir=sec.allowed_clients_dir,
     )
+
+
+def _check_pair(public: bytes, secret: bytes, public_file: str, secret_file: str) -> None:
+    """Refuse a public key that is not the one of the secret key: peers would know this
+    process by a key it cannot prove, and every handshake would fail."""
+    try:
+        derived = transport.public_key_of(secret)
+    except ValueError as e:
+        raise ConfigError(
+            f"security.curve_secret_key_file: {secret_file} holds no valid secret key: {e}"
+        ) from None
+    if derived != public:
+        raise ConfigError(
+            f"security.curve_public_key_file {public_file} is not the public key of "
+            f"security.curve_secret_key_file {secret_file}: give the NAME.key and "
+            "NAME.key_secret that `zps-server keygen` wrote together"
+        )
 
 
 @dataclass(frozen=True)

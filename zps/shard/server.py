@@ -355,7 +355,7 @@ class ShardServer:
             "shard %s (pid %d) connecting to %s; replication at %s",
             self.node_id,
             os.getpid(),
-            cfg.broker,
+            ", ".join(brokers),
             self.address,
         )
         try:
