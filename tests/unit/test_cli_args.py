@@ -83,3 +83,17 @@ def test_an_unknown_flag_is_told_with_its_commands_usage(
     err = capsys.readouterr().err
     assert err.startswith("usage: zps-server status ")
     assert "zps-server status: error: unrecognized arguments: --brokr" in err
+
+
+def test_a_shards_broker_flag_overrides_the_files_pair(tmp_path: Path) -> None:
+    from zps.cli.main import server_parser
+    from zps.cli.server import shard_config
+    from zps.ops.config import load_settings
+
+    path = tmp_path / "zps.toml"
+    path.write_text('[shard]\nbrokers = ["tcp://a:5555", "tcp://b:5555"]\n')
+    settings = load_settings(str(path), required=True)
+    flagged = server_parser().parse_args(["shard", "--broker", "tcp://c:5555"])
+    assert shard_config(flagged, settings).endpoints == ("tcp://c:5555",)
+    plain = server_parser().parse_args(["shard"])
+    assert shard_config(plain, settings).endpoints == ("tcp://a:5555", "tcp://b:5555")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from typing import Any
 
 from zps.cli.common import (
@@ -188,6 +189,8 @@ def broker_config(args: argparse.Namespace, settings: Settings) -> BrokerConfig:
 
 def shard_config(args: argparse.Namespace, settings: Settings) -> ShardConfig:
     base = settings.shard
+    if args.broker is not None:  # the flag overrides the file's broker or brokers
+        base = replace(base, brokers=())
     return override(
         base,
         broker=args.broker,

@@ -245,7 +245,7 @@ class ShardServer:
 
     @property
     def broker(self) -> str:
-        return self.config.broker
+        return ", ".join(self.config.endpoints)
 
     @property
     def stream(self) -> ReplicationStream | None:
@@ -360,7 +360,7 @@ class ShardServer:
         )
         try:
             self._register()
-            self.notifier.status(f"registering with {cfg.broker}")
+            self.notifier.status(f"registering with {', '.join(brokers)}")
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 self.checkpoints.spawn_with(tg.create_task)
@@ -517,7 +517,7 @@ class ShardServer:
         if not self.registered:
             # systemd hears READY only now: the broker has admitted this shard.
             self.registered = True
-            self.notifier.ready(f"registered with {self.config.broker}: {role.value}")
+            self.notifier.ready(f"registered with {self.broker}: {role.value}")
             # Its first heartbeat at once: the liveness thread repeats the latest one
             # while the loop is held, and has none before it (this assignment may drop
             # a restored partition of GBs).
