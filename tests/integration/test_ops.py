@@ -649,3 +649,19 @@ def test_the_broker_logs_a_spare_without_a_partition_and_a_status_query_at_debug
         # the broker answered each query after it logged the join: none at info
         after = wait_log(c.broker(), r"INFO zps\.broker: client c-\S+ joined", timeout=0)
         assert len(after) == joined, after
+
+
+def test_an_admin_command_out_of_the_brokers_range_is_answered_at_once() -> None:
+    """A STATUS command the broker cannot parse (a value past its range) is answered
+    BAD_REQUEST naming the field, not dropped for the command to wait out its timeout."""
+    with LocalCluster(partitions=1, shards=1) as c:
+        for args, field in (
+            (["scale", "--partitions", str(2**21)], "STATUS scale"),
+            (["reset-partition", "--partition", str(2**40), "--accept-data-loss"], "reset"),
+        ):
+            began = time.monotonic()
+            out = run([*args, "--broker", c.address])
+            assert out.returncode == 1, out
+            assert field in out.stderr and "Traceback" not in out.stderr, out
+            assert time.monotonic() - began < 5, "answered, not waited out"
+        assert c.status()["n_partitions"] == 1  # and the broker serves on

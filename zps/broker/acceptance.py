@@ -234,7 +234,10 @@ def _from_client(frames: Sequence[BufferLike]) -> Verdict:
         case MsgType.HEARTBEAT:
             message = Heartbeat.parse(h)
         case MsgType.STATUS:
-            message = StatusRequest.parse(h)
+            try:
+                message = StatusRequest.parse(h)
+            except ProtocolError as e:
+                return BadClientRequest(route, str(e))
         case MsgType.BYE:
             message = Bye.parse(h)
         case MsgType.CLOCK | MsgType.TASK:

@@ -39,7 +39,7 @@ from zps.protocol.codec import (
     encode,
     unpack_route,
 )
-from zps.protocol.messages import Status, StatusReply, TaskRequest
+from zps.protocol.messages import Status, StatusReply, StatusRequest, TaskRequest
 from zps.version import __version__
 
 log = logging.getLogger("zps.broker")
@@ -163,9 +163,7 @@ class Admission:
         if not asked:
             return None
         msg = refused_by_role(", ".join(asked))
-        report: dict[str, Any] = {"st": Status.BAD_REQUEST.value, "msg": msg, "refused": "role"}
-        for command in ("reset", "drain", "scale"):
-            report[command] = {"ok": False, "msg": msg}
+        report = StatusRequest.refusal(msg, refused="role")
         answer = [ident, *encode(Route(MsgType.STATUS, req_id=route.req_id), report)]
         return "wrong_role", msg, partial(self._post, answer)
 

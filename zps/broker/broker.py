@@ -100,7 +100,8 @@ from zps.ops.security import (
     warn_if_exposed,
 )
 from zps.ops.systemd import Notifier, watchdog_due
-from zps.protocol.codec import MsgType
+from zps.protocol.codec import MsgType, Route, encode
+from zps.protocol.messages import StatusRequest
 
 __all__ = ["Broker", "BrokerStats"]
 
@@ -509,6 +510,9 @@ class Broker:
                     datapath.data(ident, node, verdict, frames, now)
                 case FromClient(route, message):
                     await self.control_plane.from_client(ident, node, route, message, now)
+                case BadClientRequest(route, error) if route.mtype is MsgType.STATUS:
+                    report = StatusRequest.refusal(error)
+                    self.post([ident, *encode(Route(MsgType.STATUS, req_id=route.req_id), report)])
                 case BadClientRequest(route, error):
                     await self.training.bad_request(ident, route, error)
                 case FromShard(_, message):

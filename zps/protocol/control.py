@@ -350,6 +350,15 @@ class StatusRequest:
     scale_max_slots: int = 0
     scale_piece_bytes: int = 0
 
+    @staticmethod
+    def refusal(msg: str, **extra: Any) -> dict[str, Any]:
+        """The report answering a STATUS request refused whole (a key whose role may not
+        give its commands, a malformed request): each command it may carry says why."""
+        report: dict[str, Any] = {"st": Status.BAD_REQUEST.value, "msg": msg, **extra}
+        for command in ("reset", "drain", "scale"):
+            report[command] = {"ok": False, "msg": msg}
+        return report
+
     @classmethod
     def parse(cls, h: Header) -> StatusRequest:
         reset, drain, undrain = h.get("reset_partition"), h.get("drain"), h.get("undrain")
