@@ -290,3 +290,28 @@ def test_a_routing_broker_with_a_key_other_than_the_brokers_refuses_to_start(
         out.stderr
     )
     assert "security.curve_public_key_file names another key" in out.stderr
+
+
+def test_a_shard_started_with_a_client_key_says_why_it_is_not_admitted(
+    roles: RolesCluster,
+) -> None:
+    """The broker drops a shard whose key has no shard role (and logs it there); the
+    shard, never admitted, says what to check rather than only waiting."""
+    hb = f"[heartbeat]\ninterval = {roles.heartbeat_interval}\nliveness = 2\n"
+    roles.start_role(
+        "clientkeyed",
+        "shard",
+        f'[shard]\nbroker = "{roles.address}"\nreplication_bind = "tcp://127.0.0.1:0"\n'
+        f'advertise_host = "127.0.0.1"\n{hb}{roles.security("client")}',
+    )
+    proc = next(p for p in roles.procs if p.name == "clientkeyed")
+    try:
+        deadline = time.monotonic() + 20
+        while "never admitted: under CURVE" not in proc.log():
+            assert proc.alive() and time.monotonic() < deadline, proc.log()
+            time.sleep(0.1)
+        assert "allowed_shards_dir" in proc.log()
+    finally:
+        roles.kill(proc.pid)
+        proc.popen.wait(10)
+        roles.procs.remove(proc)

@@ -467,11 +467,15 @@ class ShardServer:
                 self._shm.housekeeping()
             if tick.broker_lost_for is not None:
                 log.warning(
-                    "no word from the broker for %.1fs; %s",
+                    "no word from the broker for %.1fs; %s%s",
                     tick.broker_lost_for,
                     "refusing writes until it answers"
                     if self.role is Role.PRIMARY
                     else "waiting for it",
+                    ""
+                    if self.registered or not self.config.security.enabled
+                    else " (never admitted: under CURVE the broker drops a shard whose key "
+                    "is not in its allowed_shards_dir, and logs why)",
                 )
             if tick.lagging and self._stream is not None:
                 for node in tick.lagging:
