@@ -315,3 +315,17 @@ def test_a_shard_started_with_a_client_key_says_why_it_is_not_admitted(
         roles.kill(proc.pid)
         proc.popen.wait(10)
         roles.procs.remove(proc)
+
+
+def test_the_brokers_own_key_refused_is_named_so(roles: RolesCluster) -> None:
+    """A peer presenting the broker's own key (its pair peer, a routing broker) that the
+    allow-list lacks: the refusal says whose key it is and where it belongs."""
+    ctx = zmq.Context()
+    try:
+        sock = curve_dealer(ctx, roles, "broker", b"c-peer", roles.address)
+        sock.send_multipart(control(MsgType.HELLO, {"host": "p", "pid": 1}))
+        assert wait_log(
+            roles, r"its key is in no allow-list \(the broker's own key: its pair peer's"
+        )
+    finally:
+        ctx.destroy(0)

@@ -48,12 +48,19 @@ log = logging.getLogger("zps.broker")
 _MAX_BOUND_NAMES = 65536
 
 
+#: Said of a refused handshake that presented this broker's own key.
+OWN_KEY_REFUSED = (
+    "the broker's own key: its pair peer's or a routing broker's; put it in "
+    "allowed_clients_dir (docs/deploy.md, section 8)"
+)
+
+
 class Admission:
     """CURVE roles, version mismatches, malformed messages (see the module notes).
 
     ``state`` is the broker's current one (a broker of a pair gets a new one when it
     resets); ``bound_keys`` (shard name -> CURVE key) is shared with the record;
-    ``roles``, ``sock`` and ``out`` are set once the socket is bound."""
+    ``roles``, ``own_key``, ``sock`` and ``out`` are set once the socket is bound."""
 
     def __init__(
         self,
@@ -76,6 +83,7 @@ class Admission:
         self._refuse_call = refuse_call
         self._state_changed = state_changed
         self.roles: KeyRoles | None = None
+        self.own_key: bytes | None = None  # this broker's public key (CURVE)
         self.sock: transport.Channel | None = None
         self.out: transport.Outbound | None = None
         self._mismatched: set[str] = set()  # peers warned about another protocol version
@@ -168,9 +176,12 @@ class Admission:
         return "wrong_role", msg, partial(self._post, answer)
 
     def handshake_refused(self, peer: str, key: bytes | None, reason: str) -> None:
-        """A handshake the ZAP handler or the socket refused: counted, logged."""
+        """A handshake the ZAP handler or the socket refused: counted, logged (the
+        broker's own key refused: its pair peer's or a routing broker's, not allowed)."""
         self.stats.unauthorized += 1
-        self.refusals.refused(f"a peer {peer}", key, reason, time.monotonic())
+        own = key is not None and key == self.own_key
+        detail = OWN_KEY_REFUSED if own and reason == "key_not_allowed" else ""
+        self.refusals.refused(f"a peer {peer}", key, reason, time.monotonic(), detail)
 
     def wrong_version(self, ident: bytes, node: str, error: VersionMismatchError) -> None:
         """Answer VERSION_MISMATCH (in this protocol version); warn once per peer."""

@@ -369,6 +369,7 @@ class Broker:
         keys = load_curve_keys(self.config.security)
         self._roles = roles = load_roles(self.config.security)
         self.admission.roles = self.datapath.roles = roles
+        self.admission.own_key = keys.public if keys else None
         auth = (
             transport.start_authenticator(
                 ctx,
