@@ -43,6 +43,17 @@ def whole(c: PairCluster, status: dict[str, Any]) -> bool:
     )
 
 
+def status_cli(c: PairCluster, address: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """`zps-server status` asking ``address`` alone."""
+    return subprocess.run(
+        [sys.executable, "-m", "zps", "status", "--broker", address, "--timeout", str(timeout)],
+        env=c.env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
 def wait_whole(c: PairCluster) -> dict[str, Any]:
     return c.wait_for(lambda s: whole(c, s), 30, "the pair to be whole")
 
@@ -253,13 +264,7 @@ def test_a_status_query_never_makes_the_standby_take_over(pair: PairCluster) -> 
     try:
         deadline = time.monotonic() + 2.0  # four peer timeouts of asking
         while time.monotonic() < deadline:
-            out = subprocess.run(
-                [sys.executable, "-m", "zps", "status", "--broker", standby, "--timeout", "0.5"],
-                env=pair.env(),
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
+            out = status_cli(pair, standby, 0.5)
             assert "ACTIVE" not in out.stdout, out.stdout
         standby_proc = next(
             p for p in pair.procs if p.name.startswith("broker") and p is not active
@@ -282,12 +287,6 @@ def test_a_client_given_only_the_standby_is_told_so(pair: PairCluster) -> None:
     standby = pair.endpoint(1 if "primary" in active.name else 0)
     with pytest.raises(ZpsTimeoutError, match="it is the standby of a broker pair: give both"):
         zps.connect_sync(standby, connect_timeout=1.0, timeout=1.0)
-    out = subprocess.run(
-        [sys.executable, "-m", "zps", "status", "--broker", standby, "--timeout", "1"],
-        env=pair.env(),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    out = status_cli(pair, standby, 1.0)
     assert "it is the standby of a broker pair: give both" in out.stderr, out
     assert whole(pair, pair.status())  # it did not take over
