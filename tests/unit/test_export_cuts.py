@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from zps.client import export
 from zps.client.export import export_model
 from zps.client.session import NO_SUCH_PARTITION
 from zps.core.routing import ClusterMap, PartitionInfo, default_slot_map
@@ -173,3 +174,44 @@ async def test_cuts_wait_for_a_moment_between_moves_within_the_timeout(tmp_path:
     with pytest.raises(BadRequestError, match=r"kept moving slots for 0\.5s"):
         await export_model(c, tmp_path / "out")  # type: ignore[arg-type]
     assert sum(op == "cut" and p == 0 for p, op in c.sent) > 3
+
+
+async def test_the_cuts_taken_are_freed_when_another_fails(tmp_path: Path) -> None:
+    c = Cluster(3)
+
+    def scale_down(partition: int, fut: asyncio.Future[dict[str, Any]]) -> None:
+        if partition == 1:
+            c.cluster_map, c.on_cut = cmap(2, 2), None
+            fut.set_exception(
+                ShardUnavailableError("gone", partition=1, missing=NO_SUCH_PARTITION, waited=0)
+            )
+
+    c.on_cut = scale_down
+    await export_model(c, tmp_path / "out")  # type: ignore[arg-type]
+    first = c.sent[: c.sent.index((0, "cut"), 1)]  # the first attempt, up to its next cut
+    assert sorted(p for p, op in first if op == "cut_drop") == [0, 2]
+
+
+async def test_a_whole_cut_starts_the_wait_for_moves_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait for a moment between moves counts from the last attempt whose cuts were
+    whole: a partition removed while a long read goes on is not 'kept moving'."""
+    c = Cluster(2)
+    c.config = ClientConfig(timeout=0.3)
+    calls = [0]
+    real = export._export_once
+
+    async def once(*args: Any) -> dict[str, Any]:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise export._Resharded("moved")
+        if calls[0] == 2:
+            args[-1]()  # its cuts were whole
+            await asyncio.sleep(0.5)  # a long read, past the timeout
+            raise ShardUnavailableError("gone", partition=1, missing=NO_SUCH_PARTITION, waited=0)
+        return await real(*args)
+
+    monkeypatch.setattr(export, "_export_once", once)
+    manifest = await export_model(c, tmp_path / "out")  # type: ignore[arg-type]
+    assert calls[0] == 3 and sorted(manifest["partitions"]) == ["0", "1"]

@@ -70,6 +70,21 @@ def common(slots: list[int], owned: list[int]) -> dict[str, Any]:
     return {"slots": slots, "n_slots": N_SLOTS, "owned": owned, "version": 1}
 
 
+def cut_slots_named(shard: Shard) -> list[int] | None:
+    """The slots an export cut of ``shard`` says it was taken on (None: not named)."""
+    res = shard.ok([({"op": "cut"}, {})])["res"]
+    if "owned" not in res:
+        return None
+    mask = np.unpackbits(np.frombuffer(res["owned"], np.uint8), count=N_SLOTS)
+    return np.flatnonzero(mask).tolist()
+
+
+def test_a_cut_of_a_partition_no_move_involved_names_no_slots() -> None:
+    shard = Shard(0)
+    shard.ok([({"op": "create", "spec": EMB.to_wire()}, {})])
+    assert cut_slots_named(shard) is None
+
+
 def test_verdicts() -> None:
     owned = np.zeros(8, np.bool_)
     owned[:4] = True
@@ -152,7 +167,10 @@ def test_a_move_between_two_cores_keeps_values_state_and_exactly_once() -> None:
         assert reply.header["res"][0]["st"] == "OK", reply.header
     header, _ = dst.call([pull(ids[on])])
     assert header["st"] == "NOT_PRIMARY"  # importing: not served before the map says so
+    # An export cut names the slots it was taken on: the destination's none yet.
+    assert cut_slots_named(dst) == []
     activated = dst.ok([({"op": "slots_activate", **common(moving, [])}, {})])["res"]
+    assert cut_slots_named(dst) == moving and cut_slots_named(src) == everything  # cut-over
     released = src.ok([({"op": "slots_release", **common(moving, everything), "drop": False}, {})])[
         "res"
     ]
@@ -165,6 +183,7 @@ def test_a_move_between_two_cores_keeps_values_state_and_exactly_once() -> None:
     # An export cut holds the owned slots only, released rows still held or not.
     cut = src.ok([({"op": "cut"}, {})])["res"]
     assert [t["n"] for t in cut["tables"] if t["spec"]["name"] == "emb"] == [int((~on).sum())]
+    assert cut_slots_named(src) == sorted(set(everything) - set(moving))
     assert src.ok([({"op": "slots_compact"}, {})])["res"]["dropped"] > 0
 
     # Values and Adagrad state moved: the same push gives the same rows on either side.

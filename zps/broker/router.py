@@ -250,17 +250,13 @@ class Router:
         cfg = self.config
         ctx = transport.new_context()
         keys = load_curve_keys(cfg.security)
-        if keys is not None and keys.public != keys.server_public:
+        # Without broker_public_key_file the router takes its own key for the broker's.
+        if keys is not None and keys.server_public not in (None, keys.public):
             raise ConfigError(
                 "a routing broker serves with the broker's key pair: its clients check the "
-                "key of security.broker_public_key_file, "
-                + (
-                    "which is not set"
-                    if keys.server_public is None
-                    else "and security.curve_public_key_file names another key"
-                )
-                + " (give the router a settings file naming the broker's key pair: "
-                "docs/deploy.md, section 8)"
+                "key of security.broker_public_key_file, and security.curve_public_key_file "
+                "names another key (give the router a settings file naming the broker's "
+                "key pair: docs/deploy.md, section 8)"
             )
         self._roles = roles = load_roles(cfg.security)
         auth = (

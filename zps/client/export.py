@@ -30,9 +30,9 @@ import asyncio
 import logging
 import os
 import shutil
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -102,9 +102,14 @@ async def export_model(
     state = not values_only and base is None
     loop = asyncio.get_running_loop()
     attempt, pause, deadline = 1, RETRY_PAUSE_S, None
+
+    def cut_whole() -> None:  # an attempt's cuts passed the checks: moves waited out
+        nonlocal pause, deadline
+        pause, deadline = RETRY_PAUSE_S, None
+
     while True:
         try:
-            return await _export_once(client, Path(out), tables, source, base, state)
+            return await _export_once(client, Path(out), tables, source, base, state, cut_whole)
         except (BadRequestError, ShardUnavailableError) as e:
             moved = isinstance(e, _Resharded) or (
                 isinstance(e, ShardUnavailableError) and e.missing == NO_SUCH_PARTITION
@@ -138,11 +143,19 @@ async def _export_once(
     source: dict[str, Any] | None,
     base: Export | None,
     state: bool,
+    cut_whole: Callable[[], None],
 ) -> dict[str, Any]:
     cmap = client.cluster_map
     n = cmap.n_partitions
     cut_op: dict[str, Any] = {"op": "cut", "state": True} if state else {"op": "cut"}
-    cuts = await gather(client.submit(p, dict(cut_op), {}) for p in range(n))
+    taken = await asyncio.gather(
+        *(client.submit(p, dict(cut_op), {}) for p in range(n)), return_exceptions=True
+    )
+    failed = next((c for c in taken if isinstance(c, BaseException)), None)
+    if failed is not None:  # free the cuts taken before starting again
+        await _free(client, [(p, c) for p, c in enumerate(taken) if isinstance(c, dict)])
+        raise failed
+    cuts = cast(list[dict[str, Any]], taken)
     try:
         now = client.cluster_map
         if now.n_partitions != n or not np.array_equal(now.slot_map, cmap.slot_map):
@@ -150,6 +163,7 @@ async def _export_once(
         for p, cut in enumerate(cuts):
             if not _serves_its_slots(cut, p, now):
                 raise _Resharded(f"partition {p} was cut in the middle of a slot move")
+        cut_whole()
         per_table: dict[str, list[dict[str, Any]]] = {}
         on: dict[str, set[int]] = {}
         for p, cut in enumerate(cuts):
@@ -199,14 +213,22 @@ async def _export_once(
         writer.finish(partitions, dropped=dropped)
         return Export(out).manifest
     finally:
-        # Freeing the cuts is not part of the export: a partition that a scale removed
-        # meanwhile, or whose primary changed, holds no cut to free (a shard keeps two).
-        drops = [
-            client.submit(p, {"op": "cut_drop", "cut": c["cut"]}, {}) for p, c in enumerate(cuts)
-        ]
-        for freed in await asyncio.gather(*drops, return_exceptions=True):
-            if isinstance(freed, Exception):
-                log.debug("export: a cut was not freed: %s", freed)
+        await _free(client, list(enumerate(cuts)))
+
+
+async def _free(client: Tables, cuts: list[tuple[int, dict[str, Any]]]) -> None:
+    """Free ``cuts`` (partition, cut).  Not part of the export: a partition that a scale
+    removed meanwhile, or whose primary changed, holds no cut to free (a shard keeps two),
+    and a closed client frees nothing."""
+    drops = []
+    for p, c in cuts:
+        try:
+            drops.append(client.submit(p, {"op": "cut_drop", "cut": c["cut"]}, {}))
+        except Exception as e:
+            log.debug("export: a cut was not freed: %s", e)
+    for freed in await asyncio.gather(*drops, return_exceptions=True):
+        if isinstance(freed, Exception):
+            log.debug("export: a cut was not freed: %s", freed)
 
 
 def _serves_its_slots(cut: dict[str, Any], partition: int, cmap: ClusterMap) -> bool:

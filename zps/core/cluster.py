@@ -7,8 +7,9 @@ Rules:
    edited in place.
 2. A registering shard first gets back what it claims (after a broker restart the shards rebuild
    the map), else fills a partition without a primary, else a partition short of replicas, else
-   waits as a spare.  A shard an operator drained gets nothing, claim or not, until undrained
-   (its copy of a lost partition is held, as a claim not taken is).
+   waits as a spare.  A shard an operator drained gets nothing, claim or not, until undrained;
+   its copy of a lost partition is held, as a claim not taken is, so an operator's
+   `reset-partition` may still give it that partition rather than lose its data.
 3. After a broker (re)start, for ``hold`` seconds only claims are granted: every surviving shard
    gets the chance to reclaim its role before anything is promoted or handed to an empty shard.
    The driver ends it early once every copy the record names is back (:meth:`claims_in`).

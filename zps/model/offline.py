@@ -10,8 +10,10 @@ highest found (or to ``partitions - 1``) must have a copy.
 
 A copy that a live resharding involved holds the slots it served (its slot state, in its
 checkpoint and log): only its rows and chunks on those slots are exported.  Rows of slots
-given away and not dropped yet are left out, and a partition that gave away every slot (a
-scale-down removed it; its copies stay in the data dirs) is skipped.
+given away and not dropped yet are left out, and a partition that serves no slot (a
+scale-down removed it; its copies stay in the data dirs) is skipped.  The copies chosen
+must serve each slot once (and, when each says which it serves, every slot): copies from
+different points of a move are refused, naming how many slots they disagree on.
 
 Memory: one partition is held at a time (each is restored twice: once to find the
 newest copy and count rows, once to write), and tables go straight to their files.
@@ -158,10 +160,16 @@ def export_data_dirs(
         raise BadRequestError(f"no copy of partitions {missing} in the data dirs given")
     chosen = {p: newest(found[p]) for p in range(n)}
     for p in [p for p, c in chosen.items() if c.removed]:
-        log.info("partition %d: removed by a scale-down (%s serves no slot)", p, chosen[p].data_dir)
+        log.info(
+            "partition %d: %s serves no slot (a scale-down removed the partition, or a move "
+            "never reached it): skipped",
+            p,
+            chosen[p].data_dir,
+        )
         del chosen[p]
     if not chosen:
-        raise BadRequestError("every partition in the data dirs given was removed by a scale-down")
+        raise BadRequestError("no partition in the data dirs given serves a slot")
+    _check_slots(chosen)
     for p, c in chosen.items():
         log.info(
             "partition %d: %s at epoch %d, LSN %d (%s + %d logged messages)%s",
@@ -235,6 +243,30 @@ def export_data_dirs(
         arr.flush()  # type: ignore[attr-defined]
     writer.finish({p: {"lsn": c.lsn, "epoch": c.epoch} for p, c in chosen.items()})
     return Export(out).manifest
+
+
+def _check_slots(chosen: dict[int, Copy]) -> None:
+    """The copies a move involved must serve each slot once, and, when every copy says
+    which slots it serves, all of them together every slot: copies taken at different
+    points of a move (the cluster stopped in its cut-over, or a copy behind the others)
+    would put rows twice or nowhere."""
+    known = [c.owned for c in chosen.values() if c.owned is not None]
+    if not known:
+        return
+    serving = np.sum(known, axis=0)
+    twice = int((serving > 1).sum())
+    if twice:
+        raise BadRequestError(
+            f"{twice} slots are served by two partitions' copies (the cluster stopped in a "
+            "move's cut-over): start the cluster to finish the move, then export"
+        )
+    nowhere = int((serving == 0).sum())
+    if nowhere and len(known) == len(chosen):
+        raise BadRequestError(
+            f"{nowhere} slots are served by no copy in the data dirs given (a move's "
+            "destination missing or behind): give every shard's data dir, or start the "
+            "cluster to finish the move, then export"
+        )
 
 
 def _initial(writer: ExportWriter, spec: DenseSpec) -> np.ndarray:
