@@ -207,10 +207,41 @@ def whole_records(data: Buffer, above: int = -1) -> tuple[int, int | None, int |
         if length >= _BODY.size and after <= len(view):
             found.append(max([above, *found]) + 1)  # the damaged record, at least
             found += [r.lsn for r, _ in parse_records(view[after:]).records]
+        else:
+            later = _records_past_a_bad_length(view, parsed.end)
+            if later:
+                found.append(max([above, *found]) + 1)  # the damaged record, at least
+                found += later
     found = [lsn for lsn in found if lsn > above]
     if not found:
         return 0, None, None
     return len(found), min(found), max(found)
+
+
+def _records_past_a_bad_length(view: memoryview, at: int) -> list[int]:
+    """The LSNs of whole records after the record at ``at`` whose length field runs past
+    the end, when its body's header still reads (a flipped bit in its length): the
+    record after it names that record's LSN as its ``prev``, and is found by it.  A torn
+    append has nothing after it (the file grows only with the bytes written), so any
+    whole record found there shows the bad record was written whole and damaged since."""
+    head = at + _FRAME.size
+    if len(view) - head < _BODY.size:
+        return []
+    _, prev, lsn, _ = _BODY.unpack_from(view, head)
+    if not prev < lsn:
+        return []
+    data = view.tobytes()
+    key = struct.pack("<Q", lsn)
+    # The next record: frame (8 bytes), epoch (8), then prev == lsn.
+    q = data.find(key, head + _BODY.size)
+    while q != -1:
+        start = q - 8 - _FRAME.size
+        if start >= head + _BODY.size:
+            records = parse_records(view[start:]).records
+            if records and records[0][0].prev == lsn:
+                return [r.lsn for r, _ in records]
+        q = data.find(key, q + 1)
+    return []
 
 
 def _first_to_read(segments: list[tuple[int, Path]], lsn: int) -> int:
