@@ -1030,7 +1030,14 @@ async def test_pushes_that_do_not_wait_survive_the_primarys_sigkill_exactly_once
             )
             got = await ps.pull_dense("a")
             assert c.shard_pid(0) != primary
-            assert got.tobytes() == want.tobytes()
+            # Bit for bit; a failure names what differs (a diff of the bytes would take
+            # pytest minutes).
+            bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+            assert bad.size == 0, (
+                f"{bad.size} of {got.size} elements differ, e.g. {bad[:4].tolist()}: got "
+                f"{got[bad[:4]].tolist()}, want {want[bad[:4]].tolist()}, the pushes' "
+                f"steps there {[float(LR * g[bad[0]]) for g in grads]}"
+            )
             assert ps.shm_path.memory.staged_regions == 0 and ps.shm_path.memory.arena.live == 0, (
                 ps.shm_path.memory.stats()
             )
